@@ -1,0 +1,196 @@
+"""Configuration: the user's `PredictConfig` (YAML) and the target architecture read from config.json."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from .errors import BlockspecError
+
+SUPPORTED_MODEL_TYPES = {"qwen3_5", "qwen3_5_text"}
+SUPPORTED_ARCHITECTURES = {"Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration"}
+
+
+class PredictConfig(BaseModel):
+    """Everything a run needs besides the prompt. Unknown keys are refused (typos must not pass silently)."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    model: str | None = None
+    mode: Literal["none", "mtp", "dflash2"] | None = None  # None: dflash2 when dflash2_model is set, else none
+    batch_size: int = Field(1, ge=1)
+    beam_size: int = Field(1, ge=1)
+    top_k: int = Field(1, ge=0)
+    temperature: float = Field(0.0, ge=0.0)
+    compute_dtype: Literal["float32", "bfloat16", "float16", "fp32", "bf16", "fp16"] = "bfloat16"
+    device: Literal["cpu", "cuda", "auto"] = "auto"
+    gpu_ranks: list[int] = Field(default_factory=lambda: [0])
+    context_length: int = Field(4096, ge=2)
+    prefill_chunk_size: int = Field(2048, ge=1)
+    max_tokens: int = Field(256, ge=1)
+    self_speculative_num_tokens: int = Field(3, ge=1, le=16)
+    dflash2_model: str | None = None
+    dflash2_quantization: Literal["none", "int8"] = "none"
+    target_quantization: Literal["none", "int4"] = "none"
+    vocabulary_quantization: Literal["none", "int8", "int4"] = "none"
+    fuse_kvq: bool = False
+    fuse_gate: bool = False
+    compile_mode: Literal[-1, 0] = -1  # -1 eager (debugging, CPU); 0 = full CUDA graphs
+
+    @field_validator("gpu_ranks")
+    @classmethod
+    def _one_gpu(cls, ranks: list[int]) -> list[int]:
+        if len(ranks) != 1 or ranks[0] < 0:
+            raise ValueError("blockspec runs on exactly one GPU: give one non-negative rank, e.g. [0]")
+        return ranks
+
+    @property
+    def torch_dtype(self):
+        import torch
+
+        return {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+                "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}[self.compute_dtype]
+
+    @property
+    def decode_mode(self) -> str:
+        if self.mode is not None:
+            return self.mode
+        return "dflash2" if self.dflash2_model else "none"
+
+    @classmethod
+    def from_yaml(cls, path: str | Path, **overrides) -> "PredictConfig":
+        path = Path(path)
+        try:
+            data = yaml.safe_load(path.read_text()) or {}
+        except OSError as exc:
+            raise BlockspecError(f"config file {path}: {exc.strerror}") from None
+        except yaml.YAMLError as exc:
+            raise BlockspecError(f"config file {path}: not valid YAML ({str(exc).splitlines()[0]})") from None
+        if not isinstance(data, dict):
+            raise BlockspecError(f"config file {path}: expected a mapping of keys to values")
+        data.update({k: v for k, v in overrides.items() if v is not None})
+        return cls.build(data, source=str(path))
+
+    @classmethod
+    def build(cls, data: dict, source: str = "config") -> "PredictConfig":
+        try:
+            return cls(**data)
+        except ValidationError as exc:
+            raise BlockspecError(f"{source}: {describe_validation_error(exc)}") from None
+
+
+def describe_validation_error(exc: ValidationError) -> str:
+    """One line naming the first offending key and why it was refused."""
+    err = exc.errors()[0]
+    key = ".".join(str(p) for p in err["loc"]) or "value"
+    if err["type"] == "extra_forbidden":
+        return f"unknown config key '{key}'"
+    return f"invalid value for '{key}': {err['msg']} (got {err.get('input')!r})"
+
+
+@dataclass(frozen=True)
+class TargetConfig:
+    """The target architecture, read from a Hugging Face config.json (text part only)."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    layer_types: tuple[str, ...]
+    linear_num_key_heads: int
+    linear_num_value_heads: int
+    linear_key_head_dim: int
+    linear_value_head_dim: int
+    linear_conv_kernel_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10_000_000.0
+    partial_rotary_factor: float = 0.25
+    tie_word_embeddings: bool = False
+    mtp_num_hidden_layers: int = 0
+    eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    max_position_embeddings: int = 262144
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @classmethod
+    def from_file(cls, path: Path) -> "TargetConfig":
+        try:
+            raw = json.loads(path.read_text())
+        except FileNotFoundError:
+            raise BlockspecError(f"{path}: file not found (is this a Hugging Face checkpoint directory?)") from None
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise BlockspecError(f"{path}: not valid JSON ({exc})") from None
+        return cls.from_dict(raw, source=str(path))
+
+    @classmethod
+    def from_dict(cls, raw: dict, source: str = "config.json") -> "TargetConfig":
+        archs = set(raw.get("architectures") or [])
+        model_type = raw.get("model_type")
+        if model_type not in SUPPORTED_MODEL_TYPES or (archs and not archs & SUPPORTED_ARCHITECTURES):
+            got = ", ".join(sorted(archs)) or model_type
+            raise BlockspecError(
+                f"{source}: unsupported architecture {got!r} (model_type {model_type!r}); blockspec supports "
+                "Qwen3_5ForCausalLM / Qwen3_5ForConditionalGeneration (model_type qwen3_5, qwen3_5_text)")
+        text = raw.get("text_config", raw) if model_type == "qwen3_5" else raw
+        eos = text.get("eos_token_id", raw.get("eos_token_id"))
+        eos = () if eos is None else tuple(eos) if isinstance(eos, list) else (eos,)
+        rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
+        if rope.get("rope_type", "default") not in ("default", None):
+            raise BlockspecError(f"{source}: rope_parameters.rope_type {rope['rope_type']!r} is not supported "
+                                 "(only 'default')")
+
+        def need(key, default=None):
+            if key in text and text[key] is not None:
+                return text[key]
+            if default is not None:
+                return default
+            raise BlockspecError(f"{source}: missing config key '{key}'")
+
+        layers = int(need("num_hidden_layers"))
+        interval = int(text.get("full_attention_interval", 4))
+        layer_types = text.get("layer_types") or [
+            "full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(layers)]
+        bad = [t for t in layer_types if t not in ("full_attention", "linear_attention")]
+        if len(layer_types) != layers or bad:
+            raise BlockspecError(f"{source}: layer_types must list {layers} entries of 'full_attention' / "
+                                 f"'linear_attention' (got {len(layer_types)} entries, unknown: {bad[:3]})")
+        heads = int(need("num_attention_heads"))
+        hidden = int(need("hidden_size"))
+        cfg = cls(
+            vocab_size=int(need("vocab_size")),
+            hidden_size=hidden,
+            intermediate_size=int(need("intermediate_size")),
+            num_hidden_layers=layers,
+            num_attention_heads=heads,
+            num_key_value_heads=int(need("num_key_value_heads")),
+            head_dim=int(text.get("head_dim") or hidden // heads),
+            layer_types=tuple(layer_types),
+            linear_num_key_heads=int(need("linear_num_key_heads", 16)),
+            linear_num_value_heads=int(need("linear_num_value_heads", 32)),
+            linear_key_head_dim=int(need("linear_key_head_dim", 128)),
+            linear_value_head_dim=int(need("linear_value_head_dim", 128)),
+            linear_conv_kernel_dim=int(need("linear_conv_kernel_dim", 4)),
+            rms_norm_eps=float(text.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(rope.get("rope_theta", text.get("rope_theta", 10_000_000.0))),
+            partial_rotary_factor=float(rope.get("partial_rotary_factor", text.get("partial_rotary_factor", 0.25))),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", text.get("tie_word_embeddings", False))),
+            mtp_num_hidden_layers=int(text.get("mtp_num_hidden_layers", 0) or 0),
+            eos_token_ids=eos,
+            max_position_embeddings=int(text.get("max_position_embeddings", 262144)),
+        )
+        if cfg.num_attention_heads % cfg.num_key_value_heads:
+            raise BlockspecError(f"{source}: num_attention_heads {heads} is not a multiple of num_key_value_heads "
+                                 f"{cfg.num_key_value_heads}")
+        if cfg.linear_num_value_heads % cfg.linear_num_key_heads:
+            raise BlockspecError(f"{source}: linear_num_value_heads must be a multiple of linear_num_key_heads")
+        return cfg

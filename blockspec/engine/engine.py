@@ -1,0 +1,148 @@
+"""Engine: a loaded target (plus optional drafter), its decode state, and the request checks."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..checkpoint import load_target
+from ..config import PredictConfig
+from ..errors import BlockspecError, UnsupportedRequest
+from ..tokenizer import Tokenizer
+from .decode import DecodeStats, Proposer, decode
+from .state import DecodeState
+
+MAX_VERIFY_TOKENS = 16  # longest speculative pass (anchor + proposals) whose partial commit is supported
+
+
+@dataclass
+class GenerationResult:
+    tokens: list[int]
+    text: str
+    stats: dict
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise BlockspecError("device 'cuda' requested but no CUDA GPU is available (use --device cpu)")
+    return torch.device(name)
+
+
+class Engine:
+    def __init__(self, config: PredictConfig):
+        if not config.model:
+            raise BlockspecError("no model given: set 'model' in the config or pass --model DIR")
+        self.config = config
+        self.mode = config.decode_mode
+        self.check_config()
+        self.device = resolve_device(config.device)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(config.gpu_ranks[0])
+        self.dtype = config.torch_dtype
+        self.model_name = Path(config.model).name
+        self.model, mtp_tensors = load_target(config.model, self.device, self.dtype)
+        self.tokenizer = Tokenizer(config.model, self.model.config.eos_token_ids)
+        self.context_length = config.context_length
+        self.proposer = self.build_proposer(mtp_tensors)
+        self.state = DecodeState(self.model, config.context_length, MAX_VERIFY_TOKENS, self.device, self.dtype)
+        self.last_stats: dict = {}
+
+    @classmethod
+    def load(cls, config: PredictConfig | str | Path, **overrides) -> "Engine":
+        if isinstance(config, (str, Path)):
+            config = PredictConfig.build({"model": str(config), **overrides})
+        elif overrides:
+            config = PredictConfig.build({**config.model_dump(), **overrides})
+        return cls(config)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.config.vocab_size
+
+    def check_config(self):
+        """Refuse, before any model work, settings the chosen mode cannot serve exactly."""
+        c = self.config
+        if c.temperature > 0:
+            raise UnsupportedRequest(f"temperature {c.temperature}: blockspec decodes greedily only "
+                                     "(set temperature: 0)" + self._unset_drafter_hint())
+        if self.mode == "dflash2":
+            if not c.dflash2_model:
+                raise BlockspecError("mode dflash2 needs a drafter: set dflash2_model or pass --drafter DIR")
+            reasons = [(c.top_k != 1, f"top_k {c.top_k} (sampling)"), (c.batch_size > 1, f"batch_size {c.batch_size}"),
+                       (c.beam_size > 1, f"beam_size {c.beam_size}")]
+            for bad, what in reasons:
+                if bad:
+                    raise UnsupportedRequest(f"DFlash2 decoding cannot serve {what}: it supports batch-one greedy "
+                                             "decoding only; unset dflash2_model to use it")
+        elif c.dflash2_model:
+            raise BlockspecError(f"dflash2_model is set but mode is {self.mode!r}: unset dflash2_model or use "
+                                 "mode dflash2 (the drafter is never loaded silently unused)")
+        if c.batch_size > 1 or c.beam_size > 1:
+            raise UnsupportedRequest("blockspec decodes one sequence at a time: batch_size and beam_size must be 1")
+
+    def _unset_drafter_hint(self) -> str:
+        return "; unset dflash2_model to leave DFlash2 decoding" if self.mode == "dflash2" else ""
+
+    def build_proposer(self, mtp_tensors) -> Proposer:
+        if self.mode == "none":
+            return Proposer()
+        if self.mode == "mtp":
+            from .mtp import MTPProposer
+            return MTPProposer.build(self, mtp_tensors)
+        from .dflash2 import DFlash2Proposer
+        return DFlash2Proposer.build(self)
+
+    def check_request(self, prompt_ids, max_tokens: int, *, temperature: float = 0.0, top_k: int = 1, n: int = 1,
+                      beam_size: int = 1, logprobs: bool = False, images: bool = False, stop=None,
+                      attention_output: bool = False, prefix: bool = False, constraints: bool = False):
+        """Raise BlockspecError / UnsupportedRequest naming the field a request gets wrong; do nothing else."""
+        who = "DFlash2 decoding" if self.mode == "dflash2" else "blockspec"
+        hint = self._unset_drafter_hint()
+        refusals = [
+            (temperature and temperature > 0, f"temperature={temperature}: {who} decodes greedily only{hint}"),
+            (self.mode == "dflash2" and top_k not in (1, None), f"top_k={top_k}: {who} decodes greedily only{hint}"),
+            (n != 1, f"n={n}: {who} generates one sequence per request{hint}"),
+            (beam_size != 1, f"beam_size={beam_size}: beam search is not supported by {who}{hint}"),
+            (logprobs, f"logprobs: not supported by {who}{hint}"),
+            (images, f"image inputs: {who} serves text only{hint}"),
+            (stop, f"stop sequences: not supported by {who} (EOS ends generation){hint}"),
+            (attention_output, f"attention output: not supported by {who}{hint}"),
+            (prefix, f"target prefixes: not supported by {who}{hint}"),
+            (constraints, f"decode constraints: not supported by {who}{hint}"),
+        ]
+        for bad, why in refusals:
+            if bad:
+                raise UnsupportedRequest(why)
+        if len(prompt_ids) == 0:
+            raise BlockspecError("the prompt is empty: give at least one token")
+        bad_ids = [t for t in prompt_ids if not 0 <= int(t) < self.vocab_size]
+        if bad_ids:
+            raise BlockspecError(f"token id {bad_ids[0]} is outside the vocabulary (0..{self.vocab_size - 1})")
+        if max_tokens < 1:
+            raise BlockspecError(f"max_tokens must be at least 1 (got {max_tokens})")
+        if len(prompt_ids) + max_tokens > self.context_length:
+            raise BlockspecError(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({max_tokens}) exceeds "
+                                 f"context_length {self.context_length}")
+
+    def stream(self, prompt_ids: list[int], max_tokens: int, stop_at_eos: bool = True):
+        """Yield greedy tokens one by one; closing the generator stops the work. Stats land in last_stats."""
+        self.check_request(prompt_ids, max_tokens)
+        stats = DecodeStats()
+        eos = self.tokenizer.eos_token_ids if stop_at_eos else set()
+        try:
+            # parameters never require grad, so no autograd graph is built (no global mode held across yields)
+            yield from decode(self.model, self.state, self.proposer, [int(t) for t in prompt_ids], max_tokens,
+                              eos, self.config.prefill_chunk_size, stats)
+        finally:
+            if self.state.pending:
+                self.state.discard()
+            self.last_stats = stats.as_dict(self.mode != "none")
+            self.last_stats["mode"] = self.mode
+
+    def generate(self, prompt_ids: list[int], max_tokens: int, stop_at_eos: bool = True) -> GenerationResult:
+        tokens = list(self.stream(prompt_ids, max_tokens, stop_at_eos))
+        return GenerationResult(tokens, self.tokenizer.decode(tokens), dict(self.last_stats))

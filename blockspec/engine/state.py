@@ -1,0 +1,54 @@
+"""The decode state transaction shared by every decoding mode.
+
+A forward pass of k tokens runs on top of the committed state and is left pending. Then exactly one of:
+  commit(n)  keep the first n tokens (1 <= n <= k): attention caches move their length, DeltaNet layers end
+             exactly at the boundary after token n;
+  discard()  forget the pass; the committed state is untouched.
+Buffers are allocated once per engine; reset() starts a new request without reallocating.
+"""
+
+from __future__ import annotations
+
+from ..errors import BlockspecError
+from ..layers.attention import KVCache
+
+
+class DecodeState:
+    def __init__(self, model, capacity: int, max_partial: int, device, dtype):
+        c = model.config
+        self.capacity = capacity
+        self.layers = [
+            KVCache(capacity, c.num_key_value_heads, c.head_dim, device, dtype) if layer.is_attention
+            else layer.linear_attn.new_state(max_partial, device, dtype)
+            for layer in model.layers
+        ]
+        self.gdn = [s for s in self.layers if not isinstance(s, KVCache)]
+        self.length = 0    # committed tokens
+        self.pending = 0   # tokens of the pass awaiting commit/discard
+
+    def reset(self):
+        for s in self.gdn:
+            s.reset()
+        self.length = self.pending = 0
+
+    def begin(self, k: int) -> int:
+        """Open a k-token pass; returns its first position."""
+        if self.pending:
+            raise RuntimeError("previous pass was neither committed nor discarded")
+        if self.length + k > self.capacity:
+            raise BlockspecError(f"context_length {self.capacity} exceeded ({self.length} + {k} tokens)")
+        self.pending = k
+        return self.length
+
+    def commit(self, n: int):
+        if not 1 <= n <= self.pending:
+            raise ValueError(f"commit({n}) of a {self.pending}-token pass")
+        for s in self.gdn:
+            s.commit(n)
+        self.length += n
+        self.pending = 0
+
+    def discard(self):
+        for s in self.gdn:
+            s.discard()
+        self.pending = 0

@@ -1,0 +1,24 @@
+"""RMSNorm in the two conventions Qwen3.5 checkpoints use."""
+
+import torch
+import torch.nn.functional as F
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Qwen3.5 decoder norms store weight - 1 (zero-centred): y = x / rms(x) * (1 + w), computed in float32."""
+    xf = x.float()
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (y * (1.0 + weight.float())).to(x.dtype)
+
+
+def rms_norm_plain(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The usual convention (weight stored as is), used by the DeltaNet output norm and Qwen3-style drafters."""
+    xf = x.float()
+    y = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    return weight.to(x.dtype) * y
+
+
+def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """DeltaNet output norm: plain RMSNorm over each value head, then times silu(gate) in float32."""
+    y = rms_norm_plain(x, weight, eps)
+    return (y * F.silu(gate.float())).to(x.dtype)

@@ -1,0 +1,26 @@
+"""Rotary position embedding (rotate-half layout), optionally on the leading part of each head only."""
+
+import torch
+
+
+def rope_tables(positions: torch.Tensor, rotary_dim: int, theta: float, dtype: torch.dtype):
+    """cos/sin of shape [T, rotary_dim] for integer positions, computed in float32 then cast like the activations."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32, device=positions.device)
+                                / rotary_dim))
+    freqs = positions.float()[:, None] * inv_freq[None, :]
+    angles = torch.cat([freqs, freqs], dim=-1)
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    first, second = x.chunk(2, dim=-1)
+    return torch.cat([-second, first], dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [T, heads, head_dim]; rotates the first cos.shape[-1] channels of each head, passes the rest through."""
+    rotary_dim = cos.shape[-1]
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    rot, rest = x[..., :rotary_dim], x[..., rotary_dim:]
+    rot = rot * cos + rotate_half(rot) * sin
+    return torch.cat([rot, rest], dim=-1) if rest.shape[-1] else rot

@@ -1,0 +1,45 @@
+"""Gated full attention (Qwen3.5) and its fixed-capacity KV cache."""
+
+import torch
+from torch import nn
+
+from ..kernels.attention import cached_attention
+from ..kernels.rope import apply_rope
+from .norm import RMSNorm
+
+
+class KVCache:
+    """Static K/V buffers for one attention layer. Entries past the committed length are scratch:
+    a pass writes there, commit(n) only moves the length (kept by DecodeState), discard leaves them unused."""
+
+    def __init__(self, capacity: int, kv_heads: int, head_dim: int, device, dtype):
+        self.k = torch.zeros(capacity, kv_heads, head_dim, device=device, dtype=dtype)
+        self.v = torch.zeros_like(self.k)
+
+    def write(self, start: int, k: torch.Tensor, v: torch.Tensor):
+        self.k[start:start + k.shape[0]] = k
+        self.v[start:start + v.shape[0]] = v
+
+
+class GatedAttention(nn.Module):
+    """q_proj yields query and an output gate per head; q/k RMSNorm; partial RoPE; grouped KV heads."""
+
+    def __init__(self, hidden_size: int, heads: int, kv_heads: int, head_dim: int, eps: float):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
+        self.q_proj = nn.Linear(hidden_size, heads * head_dim * 2, bias=False)
+        self.k_proj = nn.Linear(hidden_size, kv_heads * head_dim, bias=False)
+        self.v_proj = nn.Linear(hidden_size, kv_heads * head_dim, bias=False)
+        self.o_proj = nn.Linear(heads * head_dim, hidden_size, bias=False)
+        self.q_norm = RMSNorm(head_dim, eps)
+        self.k_norm = RMSNorm(head_dim, eps)
+
+    def forward(self, x: torch.Tensor, cache: KVCache, start: int, rope: tuple[torch.Tensor, torch.Tensor]):
+        t = x.shape[0]
+        query, gate = self.q_proj(x).view(t, self.heads, 2 * self.head_dim).chunk(2, dim=-1)
+        query = apply_rope(self.q_norm(query), *rope)
+        key = apply_rope(self.k_norm(self.k_proj(x).view(t, self.kv_heads, self.head_dim)), *rope)
+        cache.write(start, key, self.v_proj(x).view(t, self.kv_heads, self.head_dim))
+        end = start + t
+        out = cached_attention(query, cache.k[:end], cache.v[:end], start, self.head_dim ** -0.5)
+        return self.o_proj(out.reshape(t, -1) * torch.sigmoid(gate.reshape(t, -1)))

@@ -1,0 +1,113 @@
+"""Gated DeltaNet linear attention (Qwen3.5) and its transactional state.
+
+The state of a DeltaNet layer is a short convolution history plus one recurrent matrix per value head. A pass over
+k tokens leaves the committed state untouched and records what commit(n) needs: the final state (n == k), or the
+per-token inputs of the recurrence so that the state after n tokens is recomputed by rerunning only the cheap
+recurrence over n tokens, never a second target pass.
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..kernels.gdn import causal_conv1d, gated_delta_rule, l2_normalize
+from ..kernels.norm import gated_rms_norm
+
+
+class GDNState:
+    """Committed conv history and recurrent state, plus the pending pass (allocated once, reused per request)."""
+
+    def __init__(self, conv_dim: int, kernel: int, heads: int, key_dim: int, value_dim: int, max_partial: int,
+                 device, dtype):
+        self.history = torch.zeros(kernel - 1, conv_dim, device=device, dtype=dtype)
+        self.recurrent = torch.zeros(heads, key_dim, value_dim, device=device, dtype=torch.float32)
+        self.max_partial = max_partial
+        # pending pass
+        self.pending_len = 0
+        self.pending_window = torch.zeros(kernel - 1 + max_partial, conv_dim, device=device, dtype=dtype)
+        self.pending_history = torch.zeros_like(self.history)
+        self.pending_recurrent = torch.zeros_like(self.recurrent)
+        self.pending_inputs = None  # (q, k, v, g, beta) of a short pass, for partial commits
+
+    def reset(self):
+        self.history.zero_()
+        self.recurrent.zero_()
+        self.pending_len = 0
+        self.pending_inputs = None
+
+    def record(self, window, final_recurrent, inputs):
+        t = window.shape[0] - self.history.shape[0]
+        self.pending_len = t
+        self.pending_history.copy_(window[t:])
+        self.pending_recurrent.copy_(final_recurrent)
+        if t <= self.max_partial:
+            self.pending_window[:window.shape[0]].copy_(window)
+            self.pending_inputs = inputs
+        else:
+            self.pending_inputs = None
+
+    def commit(self, n: int):
+        if n == self.pending_len:
+            self.history.copy_(self.pending_history)
+            self.recurrent.copy_(self.pending_recurrent)
+        else:
+            if self.pending_inputs is None:
+                raise RuntimeError(f"partial commit of a {self.pending_len}-token pass (max {self.max_partial})")
+            q, k, v, g, beta = (x[:n] for x in self.pending_inputs)
+            _, state = gated_delta_rule(q, k, v, g, beta, self.recurrent)
+            self.history.copy_(self.pending_window[n:n + self.history.shape[0]])
+            self.recurrent.copy_(state)
+        self.discard()
+
+    def discard(self):
+        self.pending_len = 0
+        self.pending_inputs = None
+
+
+class GatedDeltaNet(nn.Module):
+    def __init__(self, hidden_size: int, key_heads: int, value_heads: int, key_dim: int, value_dim: int,
+                 conv_kernel: int, eps: float):
+        super().__init__()
+        self.key_heads, self.value_heads = key_heads, value_heads
+        self.key_dim, self.value_dim = key_dim, value_dim
+        self.eps = eps
+        qk_size, v_size = key_heads * key_dim, value_heads * value_dim
+        self.conv_dim = 2 * qk_size + v_size
+        self.in_proj_qkv = nn.Linear(hidden_size, self.conv_dim, bias=False)
+        self.in_proj_z = nn.Linear(hidden_size, v_size, bias=False)
+        self.in_proj_b = nn.Linear(hidden_size, value_heads, bias=False)
+        self.in_proj_a = nn.Linear(hidden_size, value_heads, bias=False)
+        self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, conv_kernel, groups=self.conv_dim, bias=False)
+        self.A_log = nn.Parameter(torch.zeros(value_heads))
+        self.dt_bias = nn.Parameter(torch.ones(value_heads))
+        self.norm = nn.Module()
+        self.norm.weight = nn.Parameter(torch.ones(value_dim))
+        self.out_proj = nn.Linear(v_size, hidden_size, bias=False)
+
+    def new_state(self, max_partial: int, device, dtype) -> GDNState:
+        return GDNState(self.conv_dim, self.conv1d.kernel_size[0], self.value_heads, self.key_dim, self.value_dim,
+                        max_partial, device, dtype)
+
+    def recurrence_inputs(self, x: torch.Tensor, mixed: torch.Tensor):
+        """Split the convolved projection into the recurrence's q, k, v, log-decay g and write strength beta."""
+        t = x.shape[0]
+        qk_size = self.key_heads * self.key_dim
+        q, k, v = mixed.split([qk_size, qk_size, self.value_heads * self.value_dim], dim=-1)
+        repeat = self.value_heads // self.key_heads
+        q = l2_normalize(q.reshape(t, self.key_heads, self.key_dim).float()).repeat_interleave(repeat, dim=1)
+        k = l2_normalize(k.reshape(t, self.key_heads, self.key_dim).float()).repeat_interleave(repeat, dim=1)
+        q = q * self.key_dim ** -0.5
+        v = v.reshape(t, self.value_heads, self.value_dim).float()
+        beta = torch.sigmoid(self.in_proj_b(x)).float()
+        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias.float())
+        return q, k, v, g, beta
+
+    def forward(self, x: torch.Tensor, state: GDNState) -> torch.Tensor:
+        t = x.shape[0]
+        mixed, window = causal_conv1d(self.in_proj_qkv(x), state.history, self.conv1d.weight)
+        inputs = self.recurrence_inputs(x, mixed)
+        out, final = gated_delta_rule(*inputs, state.recurrent)
+        state.record(window, final, inputs)
+        z = self.in_proj_z(x).view(t, self.value_heads, self.value_dim)
+        out = gated_rms_norm(out.to(x.dtype), z, self.norm.weight, self.eps)
+        return self.out_proj(out.reshape(t, -1))

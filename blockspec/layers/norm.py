@@ -1,0 +1,25 @@
+"""RMSNorm modules holding their weight; the math lives in blockspec.kernels.norm."""
+
+import torch
+from torch import nn
+
+from ..kernels.norm import rms_norm, rms_norm_plain
+
+
+class RMSNorm(nn.Module):
+    """Zero-centred weight (y * (1 + w)), the convention of Qwen3.5 decoder, q/k and MTP norms."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.zeros(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps)
+
+
+class PlainRMSNorm(RMSNorm):
+    """Weight stored as is (y * w)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm_plain(x, self.weight, self.eps)

@@ -1,0 +1,91 @@
+"""Qwen3.5 hybrid text model (Qwen3.5 / 3.6 / 3.8-27B): Gated DeltaNet and gated attention layers, SwiGLU MLPs.
+
+Parameter names mirror the Hugging Face checkpoint (minus its `model.` / `model.language_model.` prefix) so that
+loading is a plain name-to-tensor mapping.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ..config import TargetConfig
+from ..kernels.rope import rope_tables
+from ..layers.attention import GatedAttention
+from ..layers.gdn import GatedDeltaNet
+from ..layers.mlp import SwiGLU
+from ..layers.norm import RMSNorm
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: TargetConfig, layer_type: str):
+        super().__init__()
+        c = config
+        self.is_attention = layer_type == "full_attention"
+        if self.is_attention:
+            self.self_attn = GatedAttention(c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim,
+                                            c.rms_norm_eps)
+        else:
+            self.linear_attn = GatedDeltaNet(c.hidden_size, c.linear_num_key_heads, c.linear_num_value_heads,
+                                             c.linear_key_head_dim, c.linear_value_head_dim,
+                                             c.linear_conv_kernel_dim, c.rms_norm_eps)
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.mlp = SwiGLU(c.hidden_size, c.intermediate_size)
+
+    def forward(self, x, layer_state, start: int, rope):
+        h = self.input_layernorm(x)
+        if self.is_attention:
+            h = self.self_attn(h, layer_state, start, rope)
+        else:
+            h = self.linear_attn(h, layer_state)
+        x = x + h
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+@dataclass
+class TargetOutput:
+    logits: torch.Tensor            # [T, vocab]
+    hidden: torch.Tensor            # [T, hidden]: last layer output, before the final norm (what MTP reads)
+    features: torch.Tensor | None   # [T, len(capture) * hidden]: outputs of the captured layers (what DFlash2 reads)
+
+
+class TargetModel(nn.Module):
+    def __init__(self, config: TargetConfig):
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, t) for t in config.layer_types)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size,
+                                                                           bias=False)
+        self.mtp = None  # set by blockspec.models.mtp when the checkpoint has an MTP head
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(ids)
+
+    def logits(self, normed: torch.Tensor) -> torch.Tensor:
+        if self.lm_head is None:
+            return normed @ self.embed_tokens.weight.t()
+        return self.lm_head(normed)
+
+    def rope(self, start: int, length: int, dtype: torch.dtype, device):
+        positions = torch.arange(start, start + length, device=device)
+        return rope_tables(positions, self.config.rotary_dim, self.config.rope_theta, dtype)
+
+    def forward(self, ids: torch.Tensor, state, capture: list[int] | tuple[int, ...] | None = None,
+                all_logits: bool = True) -> TargetOutput:
+        """Run ids [T] on top of state's committed tokens; the pass is left pending (see DecodeState)."""
+        start = state.begin(ids.shape[0])
+        x = self.embed(ids)
+        rope = self.rope(start, ids.shape[0], x.dtype, x.device)
+        captured = {}
+        for i, layer in enumerate(self.layers):
+            x = layer(x, state.layers[i], start, rope)
+            if capture and i in capture:
+                captured[i] = x
+        features = torch.cat([captured[i] for i in capture], dim=-1) if capture else None
+        last = x if all_logits else x[-1:]
+        return TargetOutput(self.logits(self.norm(last)), x, features)

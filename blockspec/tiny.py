@@ -1,0 +1,90 @@
+"""A tiny Qwen3.5 checkpoint made deterministically on the spot, for `blockspec demo` and the tests.
+
+Its weights are random (seeded), so its text is meaningless: it shows the engine working end to end (loading a
+real checkpoint layout, chat template, tokenizer, prefill, decoding, stats) without a 54 GB download.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+CHAT_TEMPLATE = (
+    "{%- for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{%- endfor %}{%- if add_generation_prompt %}<|im_start|>assistant\n"
+    "{%- if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{%- endif %}"
+    "{%- endif %}")
+
+TINY_CONFIG = dict(
+    vocab_size=259, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+    linear_value_head_dim=16, linear_conv_kernel_dim=4, rms_norm_eps=1e-6, tie_word_embeddings=False,
+    layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"],
+    mtp_num_hidden_layers=1, max_position_embeddings=4096,
+    rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25,
+                     "mrope_section": [2, 1, 1], "mrope_interleaved": True},
+)
+
+
+def byte_tokenizer() -> Tokenizer:
+    """Byte-level tokenizer: one token per byte (ids 0..255) plus the chat special tokens (256..258)."""
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {ch: i for i, ch in enumerate(sorted(alphabet))}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(SPECIAL_TOKENS)
+    return tok
+
+
+def random_target_tensors(config: dict, seed: int) -> dict[str, torch.Tensor]:
+    """Random weights with the checkpoint's names and shapes (text-only layout), including one MTP layer."""
+    from .config import TargetConfig
+    from .models.qwen3_5 import TargetModel
+    from .models.mtp import MTPHead
+
+    target_config = TargetConfig.from_dict({"model_type": "qwen3_5_text", **config})
+    gen = torch.Generator().manual_seed(seed)
+    with torch.device("meta"):
+        model = TargetModel(target_config)
+        mtp = MTPHead(target_config) if target_config.mtp_num_hidden_layers else None
+    named = [("model." + k if not k.startswith("lm_head") else k, p) for k, p in model.named_parameters()]
+    if mtp is not None:
+        named += [("mtp." + k, p) for k, p in mtp.named_parameters()]
+    tensors = {}
+    for name, p in named:
+        if name.endswith("A_log"):
+            t = torch.empty(p.shape).uniform_(0.5, 4.0, generator=gen).log()
+        elif name.endswith("dt_bias"):
+            t = torch.empty(p.shape).uniform_(-1.0, 1.0, generator=gen)
+        elif name.endswith("linear_attn.norm.weight"):
+            t = 1.0 + 0.1 * torch.randn(p.shape, generator=gen)
+        elif "norm" in name.rsplit(".", 2)[-2]:
+            t = 0.1 * torch.randn(p.shape, generator=gen)
+        else:
+            fan_in = p.shape[-1] if p.dim() > 1 else 1
+            t = torch.randn(p.shape, generator=gen) * (1.0 if "embed" in name else fan_in ** -0.5)
+        tensors[name] = t.contiguous()
+    return tensors
+
+
+def build_tiny_checkpoint(directory: str | Path, seed: int = 0, **overrides) -> Path:
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    config = {**TINY_CONFIG, **overrides}
+    tok = byte_tokenizer()
+    eos = tok.token_to_id("<|im_end|>")
+    full = {"architectures": ["Qwen3_5ForCausalLM"], "model_type": "qwen3_5_text", "eos_token_id": eos,
+            "torch_dtype": "float32", **config}
+    (directory / "config.json").write_text(json.dumps(full, indent=2))
+    save_file(random_target_tensors(config, seed), str(directory / "model.safetensors"))
+    tok.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(json.dumps(
+        {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "chat_template": CHAT_TEMPLATE}, indent=2))
+    return directory

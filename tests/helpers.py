@@ -1,0 +1,61 @@
+"""Test helpers: tiny random Qwen3.5 checkpoints written by transformers itself (the reference)."""
+
+from __future__ import annotations
+
+import torch
+
+TINY = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
+            head_dim=24, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+            linear_value_head_dim=12, linear_conv_kernel_dim=4, rms_norm_eps=1e-6, max_position_embeddings=4096)
+
+LAYER_MIXES = {
+    "mixed": ["linear_attention", "linear_attention", "linear_attention", "full_attention"],
+    "attention": ["full_attention", "full_attention"],
+    "gdn": ["linear_attention", "linear_attention", "linear_attention"],
+    "alternating": ["full_attention", "linear_attention", "full_attention", "linear_attention", "linear_attention"],
+}
+
+
+def hf_config(layer_types, tie=False, **overrides):
+    from transformers import Qwen3_5TextConfig
+
+    kw = {**TINY, **overrides}
+    return Qwen3_5TextConfig(num_hidden_layers=len(layer_types), layer_types=list(layer_types),
+                             tie_word_embeddings=tie,
+                             rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                              "partial_rotary_factor": 0.25, "mrope_section": [1, 1, 1]},
+                             **kw)
+
+
+def randomize(model, seed):
+    """Non-trivial random weights (norm weights away from their init, realistic decays)."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("A_log"):
+                p.copy_(torch.empty(p.shape).uniform_(0.5, 4.0, generator=gen).log())
+            elif name.endswith("dt_bias"):
+                p.copy_(torch.empty(p.shape).uniform_(-1, 1, generator=gen))
+            elif "norm" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.1 + (1.0 if "linear_attn.norm" in name else 0.0))
+            else:
+                fan_in = p.shape[-1] if p.dim() > 1 else 1
+                scale = 1.0 if "embed" in name else fan_in ** -0.5
+                p.copy_(torch.randn(p.shape, generator=gen) * scale)
+    return model
+
+
+def save_hf_target(directory, layer_types, seed=0, tie=False, **overrides):
+    """Build transformers' Qwen3_5ForCausalLM with random weights, save it, return the (float32, eval) model."""
+    from transformers import Qwen3_5ForCausalLM
+
+    from blockspec.tiny import CHAT_TEMPLATE, byte_tokenizer
+
+    torch.manual_seed(seed)
+    model = randomize(Qwen3_5ForCausalLM(hf_config(layer_types, tie, **overrides)), seed).eval()
+    model.save_pretrained(directory)
+    tok = byte_tokenizer()
+    tok.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(
+        '{"eos_token": "<|im_end|>", "chat_template": %s}' % __import__("json").dumps(CHAT_TEMPLATE))
+    return model
