@@ -40,7 +40,7 @@ def randomize(model, seed):
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.1 + (1.0 if "linear_attn.norm" in name else 0.0))
             else:
                 fan_in = p.shape[-1] if p.dim() > 1 else 1
-                scale = 1.0 if "embed" in name else fan_in ** -0.5
+                scale = 0.5 if "embed" in name else fan_in ** -0.5
                 p.copy_(torch.randn(p.shape, generator=gen) * scale)
     return model
 

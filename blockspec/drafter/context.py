@@ -1,0 +1,60 @@
+"""Bounded drafter context: per-layer K/V of committed target positions in fixed ring buffers.
+
+A drafter query at absolute position t only sees context positions p with t - p < sliding_window,
+and the earliest query of a block sits right after the last committed position. So the last
+`sliding_window` committed positions are all any proposal can use; older rows are overwritten in place.
+K is stored with rotary embedding already applied at its absolute position, so rows never move.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# Position recorded for a never-written slot: so far back that no window reaches it.
+EMPTY_SLOT = -(2**62)
+
+
+class DrafterContext:
+    def __init__(
+        self,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        capacity: int,
+        *,
+        device: torch.device | str,
+        dtype: torch.dtype,
+    ):
+        self.capacity = capacity
+        shape = (num_layers, num_kv_heads, capacity, head_dim)  # slot axis where attention wants it
+        self.keys = torch.zeros(shape, device=device, dtype=dtype)
+        self.values = torch.zeros(shape, device=device, dtype=dtype)
+        self.positions = torch.full((capacity,), EMPTY_SLOT, device=device, dtype=torch.long)
+        self.length = 0  # committed positions so far; the next append starts here
+
+    def reset(self) -> None:
+        """Forget everything for a new request, keeping the same buffers."""
+        self.keys.zero_()
+        self.values.zero_()
+        self.positions.fill_(EMPTY_SLOT)
+        self.length = 0
+
+    def write(self, keys: torch.Tensor, values: torch.Tensor, start_position: int) -> None:
+        """Store rows for positions start_position .. start_position + n - 1.
+
+        keys, values: [num_layers, num_kv_heads, n, head_dim] with n <= capacity. Positions between the
+        current length and start_position may be skipped only when they would be overwritten anyway.
+        """
+        rows = keys.shape[2]
+        if rows > self.capacity:
+            raise ValueError(f"{rows} context rows do not fit {self.capacity} slots; keep only the last ones")
+        if start_position < self.length:
+            raise ValueError(f"context position {start_position} was already written (length {self.length})")
+        if rows == 0:
+            return
+        positions = torch.arange(start_position, start_position + rows, device=self.positions.device)
+        slots = positions % self.capacity  # one index_copy_ also handles wraparound
+        self.keys.index_copy_(2, slots, keys.to(self.keys.dtype))
+        self.values.index_copy_(2, slots, values.to(self.values.dtype))
+        self.positions.index_copy_(0, slots, positions)
+        self.length = start_position + rows

@@ -1,0 +1,316 @@
+"""DFlash2 drafter: proposes block_size - 1 tokens from committed target features in one pass.
+
+One drafter pass works on a block of block_size rows at absolute positions anchor .. anchor + block_size - 1:
+the anchor token (last committed token, whose target features are not known yet) followed by mask tokens,
+embedded with the target's table. Every layer attends to [bounded context K/V, the block's own K/V]; the
+context K/V come from the committed target features (fc -> hidden_norm -> per-layer k/v projections).
+The final-normed rows 1.. give logits through the target's head, and the candidate selector turns them
+into proposals.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from blockspec.drafter.config import DrafterConfig
+from blockspec.drafter.context import DrafterContext
+from blockspec.drafter.conv import DynamicCausalConv
+from blockspec.drafter.selector import CandidateSelector
+from blockspec.errors import BlockspecError
+
+WEIGHTS_FILE = "model.safetensors"
+# Some checkpoints store the codebooks as bare tensors rather than Embedding weights.
+_BARE_TENSOR_NAMES = {
+    "candidate_selector.predecessor_codebook": "candidate_selector.predecessor_codebook.weight",
+    "candidate_selector.successor_codebook": "candidate_selector.successor_codebook.weight",
+}
+
+
+class RMSNorm(nn.Module):
+    """weight * x / rms(x); the statistics in float32, the product in the input dtype."""
+
+    def __init__(self, size: int, eps: float, *, dtype: torch.dtype | None = None):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(size, dtype=dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * normed.to(x.dtype)
+
+
+def rope_inverse_frequencies(head_dim: int, theta: float) -> torch.Tensor:
+    return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+
+
+def rope_cos_sin(positions: torch.Tensor, inverse_frequencies: torch.Tensor, dtype: torch.dtype):
+    """cos, sin [T, head_dim] for absolute positions [T]; angles in float32, the first half repeated."""
+    angles = positions[:, None].float() * inverse_frequencies[None, :]
+    angles = torch.cat([angles, angles], dim=-1)
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Split-half rotation: x [..., T, head_dim]; dimension j pairs with j + head_dim/2."""
+    first, second = x.chunk(2, dim=-1)
+    return x * cos + torch.cat([-second, first], dim=-1) * sin
+
+
+class DrafterAttention(nn.Module):
+    def __init__(self, config: DrafterConfig, dtype: torch.dtype):
+        super().__init__()
+        c = config
+        self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
+        self.q_proj = nn.Linear(c.hidden_size, c.num_heads * c.head_dim, bias=c.attention_bias, dtype=dtype)
+        self.k_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=c.attention_bias, dtype=dtype)
+        self.v_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=c.attention_bias, dtype=dtype)
+        self.o_proj = nn.Linear(c.num_heads * c.head_dim, c.hidden_size, bias=c.attention_bias, dtype=dtype)
+        self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps, dtype=dtype)
+        self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps, dtype=dtype)
+
+    def keys_values(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """K (normed, rotated) and V [kv_heads, T, head_dim] of rows x [T, hidden]."""
+        rows = x.shape[0]
+        k = self.k_norm(self.k_proj(x).view(rows, self.num_kv_heads, self.head_dim)).transpose(0, 1)
+        v = self.v_proj(x).view(rows, self.num_kv_heads, self.head_dim).transpose(0, 1)
+        return apply_rope(k, cos, sin), v
+
+    def forward(self, x, cos, sin, context_keys, context_values, visible):
+        rows = x.shape[0]
+        q = self.q_norm(self.q_proj(x).view(rows, self.num_heads, self.head_dim)).transpose(0, 1)
+        q = apply_rope(q, cos, sin)
+        k, v = self.keys_values(x, cos, sin)
+        keys = torch.cat([context_keys, k], dim=1)
+        values = torch.cat([context_values, v], dim=1)
+        out = F.scaled_dot_product_attention(
+            q[None], keys[None], values[None], attn_mask=visible, scale=self.head_dim**-0.5,
+            enable_gqa=self.num_heads != self.num_kv_heads,
+        )
+        return self.o_proj(out[0].transpose(0, 1).reshape(rows, self.num_heads * self.head_dim))
+
+
+class DrafterMLP(nn.Module):
+    def __init__(self, config: DrafterConfig, dtype: torch.dtype):
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False, dtype=dtype)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False, dtype=dtype)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DrafterLayer(nn.Module):
+    """Pre-norm attention and MLP sublayers, each wrapped in a dynamic causal conv pair."""
+
+    def __init__(self, config: DrafterConfig, dtype: torch.dtype):
+        super().__init__()
+        c = config
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype=dtype)
+        self.attention_conv = DynamicCausalConv(c.hidden_size, c.conv_kernel_size, c.conv_group_size, dtype=dtype)
+        self.self_attn = DrafterAttention(c, dtype)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype=dtype)
+        self.mlp_conv = DynamicCausalConv(c.hidden_size, c.conv_kernel_size, c.conv_group_size, dtype=dtype)
+        self.mlp = DrafterMLP(c, dtype)
+
+    def forward(self, x, cos, sin, context_keys, context_values, visible):
+        h, after = self.attention_conv.prepare(self.input_layernorm(x))
+        h = self.self_attn(h, cos, sin, context_keys, context_values, visible)
+        x = x + self.attention_conv.finish(h, after)
+        h, after = self.mlp_conv.prepare(self.post_attention_layernorm(x))
+        return x + self.mlp_conv.finish(self.mlp(h), after)
+
+
+class DFlash2Drafter(nn.Module):
+    """Weights are uninitialised after construction; `from_pretrained` (or `load_weights`) fills them.
+
+    The device and dtype are fixed at construction (the context buffers are not module buffers).
+    """
+
+    def __init__(
+        self,
+        config: DrafterConfig,
+        *,
+        embed: Callable[[torch.Tensor], torch.Tensor],
+        lm_head: Callable[[torch.Tensor], torch.Tensor],
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.float32,
+    ):
+        super().__init__()
+        c = self.config = config
+        self.block_size = c.block_size
+        self.mask_token_id = c.mask_token_id
+        self.target_layer_ids = list(c.target_layer_ids)
+        self.device = torch.device(device)
+        self.dtype = dtype
+        with torch.device("meta"):  # no time spent initialising weights that are loaded next
+            self.fc = nn.Linear(len(c.target_layer_ids) * c.hidden_size, c.hidden_size, bias=False, dtype=dtype)
+            self.hidden_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype=dtype)
+            self.layers = nn.ModuleList(DrafterLayer(c, dtype) for _ in range(c.num_layers))
+            self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype=dtype)
+            self.candidate_selector = CandidateSelector(
+                c.vocab_size, c.hidden_size, c.selector_rank, c.selector_top_k, dtype=dtype
+            )
+        self.to_empty(device=self.device)
+        self.requires_grad_(False)
+        # The target's functions are not submodules: their weights belong to the target.
+        self.__dict__["_embed"] = embed
+        self.__dict__["_lm_head"] = lm_head
+        self.inverse_frequencies = rope_inverse_frequencies(c.head_dim, c.rope_theta).to(self.device)
+        self.context = DrafterContext(
+            c.num_layers, c.num_kv_heads, c.head_dim, c.sliding_window, device=self.device, dtype=dtype
+        )
+        self._block_offsets = torch.arange(c.block_size, device=self.device)
+        self._masks = torch.full((c.block_size - 1,), c.mask_token_id, device=self.device, dtype=torch.long)
+
+    # ---------------------------------------------------------------- loading
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        directory: str | Path,
+        *,
+        target_hidden_size: int,
+        target_vocab_size: int,
+        target_num_layers: int,
+        embed: Callable[[torch.Tensor], torch.Tensor],
+        lm_head: Callable[[torch.Tensor], torch.Tensor],
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.float32,
+    ) -> DFlash2Drafter:
+        directory = Path(directory)
+        config = DrafterConfig.from_file(directory / "config.json")
+        _check_fits_target(config, directory, target_hidden_size, target_vocab_size, target_num_layers)
+        drafter = cls(config, embed=embed, lm_head=lm_head, device=device, dtype=dtype)
+        drafter.load_weights(directory / WEIGHTS_FILE)
+        return drafter
+
+    @torch.no_grad()
+    def load_weights(self, path: str | Path) -> None:
+        from safetensors import safe_open
+
+        path = Path(path)
+        if not path.is_file():
+            raise BlockspecError(f"drafter weights {path} do not exist")
+        try:
+            with safe_open(str(path), framework="pt", device="cpu") as stored:
+                names = {_BARE_TENSOR_NAMES.get(name, name): name for name in stored.keys()}
+                parameters = dict(self.named_parameters())
+                for name, parameter in parameters.items():  # check everything before copying anything
+                    expected = tuple(parameter.shape)
+                    if name not in names:
+                        raise BlockspecError(f"drafter weights {path}: missing tensor '{name}' (expected shape {expected})")
+                    shape = tuple(stored.get_slice(names[name]).get_shape())
+                    if shape != expected:
+                        raise BlockspecError(
+                            f"drafter weights {path}: tensor '{names[name]}' has shape {shape}, the config implies {expected}"
+                        )
+                for name, parameter in parameters.items():
+                    parameter.copy_(stored.get_tensor(names[name]))
+        except BlockspecError:
+            raise
+        except Exception as exc:  # safetensors reports corrupt files with its own exception types
+            raise BlockspecError(f"drafter weights {path} cannot be read: {exc}") from None
+
+    # ---------------------------------------------------------------- context
+
+    def reset(self) -> None:
+        """Start a new request; the context buffers are reused."""
+        self.context.reset()
+
+    @torch.no_grad()
+    def append_context(self, features: torch.Tensor, start_position: int) -> None:
+        """Commit target features [n, len(target_layer_ids) * hidden] for positions start .. start + n - 1."""
+        width = len(self.target_layer_ids) * self.config.hidden_size
+        if features.dim() != 2 or features.shape[1] != width:
+            raise ValueError(f"context features must be [n, {width}], got {list(features.shape)}")
+        if start_position != self.context.length:
+            raise ValueError(f"context append at {start_position}, but {self.context.length} positions are committed")
+        rows = features.shape[0]
+        kept = min(rows, self.context.capacity)  # older rows would be overwritten at once
+        if kept == 0:
+            return
+        first = start_position + rows - kept
+        hidden = self.hidden_norm(self.fc(features[rows - kept:].to(device=self.device, dtype=self.dtype)))
+        positions = torch.arange(first, first + kept, device=self.device)
+        cos, sin = rope_cos_sin(positions, self.inverse_frequencies, self.dtype)
+        pairs = [layer.self_attn.keys_values(hidden, cos, sin) for layer in self.layers]
+        self.context.write(torch.stack([k for k, _ in pairs]), torch.stack([v for _, v in pairs]), first)
+
+    # ---------------------------------------------------------------- drafting
+
+    def visible_keys(self, positions: torch.Tensor) -> torch.Tensor:
+        """Bool [block, capacity + block]: which keys (context slots, then block rows) each block row sees.
+
+        Same rule as the reference mask, in absolute positions: query t sees key p when t - p < window
+        and, when causal, p <= t (otherwise also p - t < window). Context slots must precede the block.
+        """
+        window = self.config.sliding_window
+        key_positions = torch.cat([self.context.positions, positions])
+        distance = positions[:, None] - key_positions[None, :]
+        visible = distance < window
+        visible &= (distance >= 0) if self.config.causal else (distance > -window)
+        capacity = self.context.capacity
+        visible[:, :capacity] &= (self.context.positions < positions[0])[None, :]
+        return visible
+
+    @torch.no_grad()
+    def forward_block(self, anchor_token: torch.Tensor | int, anchor_position: torch.Tensor | int) -> torch.Tensor:
+        """Final-normed hidden states [block_size, hidden] of the block starting at anchor_position."""
+        anchor = self._anchor(anchor_token)
+        tokens = torch.cat([anchor, self._masks])
+        x = (self._embed(tokens) * self.config.input_embedding_scale).to(self.dtype)
+        positions = self._block_offsets + anchor_position
+        cos, sin = rope_cos_sin(positions, self.inverse_frequencies, self.dtype)
+        visible = self.visible_keys(positions)
+        for index, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, self.context.keys[index], self.context.values[index], visible)
+        return self.norm(x)
+
+    @torch.no_grad()
+    def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self._lm_head(hidden) * self.config.output_multiplier
+        if self.config.logit_softcap is not None:
+            logits = torch.tanh(logits / self.config.logit_softcap) * self.config.logit_softcap
+        return logits
+
+    @torch.no_grad()
+    def propose(self, anchor_token: torch.Tensor | int, anchor_position: torch.Tensor | int) -> torch.Tensor:
+        """Proposals [block_size - 1] for positions anchor_position + 1 ...; the context must end at anchor_position."""
+        if isinstance(anchor_position, int) and anchor_position != self.context.length:
+            raise ValueError(f"proposal at {anchor_position}, but the context holds {self.context.length} positions")
+        anchor = self._anchor(anchor_token)
+        hidden = self.forward_block(anchor, anchor_position)[1:]
+        return self.candidate_selector.walk(hidden, self.draft_logits(hidden), anchor)
+
+    def _anchor(self, token: torch.Tensor | int) -> torch.Tensor:
+        if isinstance(token, int):
+            return torch.tensor([token], device=self.device, dtype=torch.long)
+        return token.reshape(1).to(device=self.device, dtype=torch.long)
+
+
+def _check_fits_target(
+    config: DrafterConfig, directory: Path, hidden_size: int, vocab_size: int, num_layers: int
+) -> None:
+    where = f"drafter {directory}"
+    if config.vocab_size != vocab_size:
+        raise BlockspecError(f"{where}: vocab_size {config.vocab_size} does not match the target's {vocab_size}")
+    if config.hidden_size != hidden_size:
+        raise BlockspecError(
+            f"{where}: hidden_size {config.hidden_size} does not match the target's {hidden_size} "
+            "(the drafter shares the target's embeddings and head)"
+        )
+    if not 0 <= config.mask_token_id < vocab_size:
+        raise BlockspecError(f"{where}: mask_token_id {config.mask_token_id} is outside the target's vocabulary of {vocab_size}")
+    for layer_id in config.target_layer_ids:
+        if not 0 <= layer_id < num_layers:
+            raise BlockspecError(
+                f"{where}: target_layer_ids {list(config.target_layer_ids)} include {layer_id}, "
+                f"but the target has {num_layers} layers (0..{num_layers - 1})"
+            )
