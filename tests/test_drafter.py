@@ -35,12 +35,12 @@ TOLERANCE = 1e-5
 class FakeTarget:
     """Just what the drafter borrows from a target: the embedding table and the vocabulary head."""
 
-    def __init__(self, seed: int, vocab: int = VOCAB, hidden: int = HIDDEN):
+    def __init__(self, seed: int, vocab: int = VOCAB, hidden: int = HIDDEN, dtype: torch.dtype = torch.float32):
         g = torch.Generator().manual_seed(seed)
-        self.table = torch.randn(vocab, hidden, generator=g)
-        self.head = nn.Linear(hidden, vocab, bias=False)
+        self.table = torch.randn(vocab, hidden, generator=g).to(dtype)
+        self.head = nn.Linear(hidden, vocab, bias=False, dtype=dtype)
         with torch.no_grad():
-            self.head.weight.copy_(torch.randn(vocab, hidden, generator=g) * 4 / hidden**0.5)
+            self.head.weight.copy_(torch.randn(vocab, hidden, generator=g) * 2 / hidden**0.5)
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(ids, self.table)
@@ -83,7 +83,7 @@ def randomize(model: nn.Module, seed: int) -> None:
         elif name.endswith("bias"):
             p.copy_(0.1 * torch.randn(p.shape, generator=g))
         else:
-            scale = 0.5 if "kernel_projection" in name else 1.0
+            scale = 0.5 if any(k in name for k in ("kernel_projection", "o_proj", "down_proj")) else 1.0
             p.copy_(scale * torch.randn(p.shape, generator=g) / p.shape[-1] ** 0.5)
 
 
@@ -110,11 +110,11 @@ def load(directory, target, **overrides):
 
 
 @torch.no_grad()
-def compare_with_reference(ref, drafter, target, *, prompt_length, cycles, seed):
+def compare_with_reference(ref, drafter, target, *, prompt_length, cycles, seed, dtype=torch.float32):
     """Drive both drafters over the same committed trajectory; return the worst differences seen."""
     g = torch.Generator().manual_seed(seed)
     total = prompt_length + cycles * BLOCK + 1
-    features = torch.randn(total, len(TARGET_LAYER_IDS) * HIDDEN, generator=g)
+    features = torch.randn(total, len(TARGET_LAYER_IDS) * HIDDEN, generator=g).to(dtype)
     scale = float(reference._draft_value(ref.config, "input_embedding_scale", 1.0))
     cache = reference._make_cache(ref.config)
     drafter.reset()
@@ -175,6 +175,23 @@ def test_matches_reference_across_cycles_and_eviction(tmp_path, case):
     assert all(same_tokens)
 
 
+@pytest.mark.parametrize("case", ["causal-long-prompt", "noncausal-extras"])
+def test_matches_reference_in_float64(tmp_path, case):
+    """In float64 the remaining float32 differences (attention kernel reduction order over a different
+    number of masked keys) vanish: the computations are the same."""
+    options = dict(CASES[case])
+    prompt_length = options.pop("prompt_length")
+    ref = save_reference(tmp_path, seed=1, **options).double()
+    target = FakeTarget(seed=2, dtype=torch.float64)
+    drafter = load(tmp_path, target, dtype=torch.float64)
+    worst, same_tokens, _ = compare_with_reference(
+        ref, drafter, target, prompt_length=prompt_length, cycles=24, seed=3, dtype=torch.float64
+    )
+    print(f"\n{case} float64: max |hidden diff| {worst['hidden']:.2e}, max |logit diff| {worst['logits']:.2e}")
+    assert worst["hidden"] <= 1e-12 and worst["logits"] <= 1e-12
+    assert all(same_tokens)
+
+
 def test_comparison_can_fail(tmp_path):
     """Perturbing one drafter weight must show up as hidden-state and proposal differences."""
     ref = save_reference(tmp_path, seed=1, is_causal=False)
@@ -200,10 +217,12 @@ def test_rope_is_split_half_rotation():
     half = HEAD_DIM // 2
     for t, p in enumerate(positions.tolist()):
         for j in range(half):
-            angle = p * theta ** (-2 * j / HEAD_DIM)
+            # the angle is rounded to float32 first, as in the reference; the rest is exact here
+            angle = (torch.tensor(float(p)) * inverse[j]).item()
+            assert math.isclose(angle, p * theta ** (-2 * j / HEAD_DIM), rel_tol=1e-6)
             a, b = x[:, t, j].double(), x[:, t, j + half].double()
-            assert torch.allclose(out[:, t, j].double(), a * math.cos(angle) - b * math.sin(angle), atol=1e-4)
-            assert torch.allclose(out[:, t, j + half].double(), b * math.cos(angle) + a * math.sin(angle), atol=1e-4)
+            assert torch.allclose(out[:, t, j].double(), a * math.cos(angle) - b * math.sin(angle), atol=1e-5)
+            assert torch.allclose(out[:, t, j + half].double(), b * math.cos(angle) + a * math.sin(angle), atol=1e-5)
     # same frequencies as the reference's rotary embedding
     ref_rope = transformers.models.qwen3.modeling_qwen3.Qwen3RotaryEmbedding(reference_config())
     assert torch.equal(ref_rope.inv_freq, inverse)
@@ -361,8 +380,10 @@ def test_partial_appends_equal_one_append(tmp_path, first, total):
     parts.append_context(features[:first], 0)
     parts.append_context(features[first:], first)
     assert torch.equal(whole.context.positions, parts.context.positions)
-    assert torch.allclose(whole.context.keys, parts.context.keys, atol=1e-6, rtol=0)
-    assert torch.allclose(whole.context.values, parts.context.values, atol=1e-6, rtol=0)
+    # equal up to matrix-multiply rounding, which depends on the number of rows
+    print(f"\n{first}+{total - first}: max |K diff| {(whole.context.keys - parts.context.keys).abs().max():.1e}")
+    assert torch.allclose(whole.context.keys, parts.context.keys, atol=1e-5, rtol=0)
+    assert torch.allclose(whole.context.values, parts.context.values, atol=1e-5, rtol=0)
     assert torch.equal(whole.propose(11, total), parts.propose(11, total))
 
 

@@ -1,0 +1,79 @@
+"""Native MTP self-speculation: the checkpoint's own MTP head drafts k tokens by chaining itself.
+
+MTP row p pairs the target's hidden state at position p with the token at p+1 and predicts the token at p+2; it
+uses RoPE position p and writes its KV cache entry p. After each verification the committed rows are (re)written
+from the target's verified hidden states, so draft rows written while chaining are scratch and roll back for free:
+the MTP cache, like the target's attention caches, commits by length.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..errors import BlockspecError
+from ..layers.attention import KVCache
+from ..models.mtp import MTPHead
+from .decode import Proposer
+
+
+def load_mtp_head(model, tensors: dict, dtype, device) -> MTPHead:
+    config = model.config
+    if not tensors:
+        raise BlockspecError("mode mtp needs the checkpoint's native MTP head, but it has no mtp.* tensors "
+                             "(use --mode none, or a DFlash2 drafter with --mode dflash2)")
+    with torch.device("meta"):
+        head = MTPHead(config)
+    expected = {"mtp." + k: p for k, p in head.named_parameters()}
+    loaded = {}
+    for name, param in expected.items():
+        if name not in tensors:
+            raise BlockspecError(f"MTP head: missing tensor {name} (shape {tuple(param.shape)})")
+        t = tensors[name]
+        if tuple(t.shape) != tuple(param.shape):
+            raise BlockspecError(f"MTP head: tensor {name} has shape {tuple(t.shape)}, expected {tuple(param.shape)}")
+        keep_fp32 = name.endswith("norm.weight")
+        loaded[name[4:]] = torch.nn.Parameter(t.to(device=device, dtype=torch.float32 if keep_fp32 else dtype),
+                                              requires_grad=False)
+    head.load_state_dict(loaded, assign=True, strict=True)
+    return head.requires_grad_(False).eval()
+
+
+class MTPProposer(Proposer):
+    name = "mtp"
+
+    def __init__(self, model, head: MTPHead, num_drafts: int, capacity: int, device, dtype):
+        c = model.config
+        self.model, self.head = model, head
+        self.max_proposals = num_drafts
+        self.caches = [KVCache(capacity, c.num_key_value_heads, c.head_dim, device, dtype) for _ in head.layers]
+        self.reset()
+
+    @classmethod
+    def build(cls, engine, mtp_tensors) -> "MTPProposer":
+        head = load_mtp_head(engine.model, mtp_tensors, engine.dtype, engine.device)
+        return cls(engine.model, head, engine.config.self_speculative_num_tokens, engine.context_length,
+                   engine.device, engine.dtype)
+
+    def reset(self):
+        self.first_draft = None   # the head's guess for the token after the anchor
+        self.chain_hidden = None  # its hidden state, the input of the next chained step
+
+    def step(self, hidden: torch.Tensor, next_tokens: torch.Tensor, position: int):
+        """Run MTP rows position.. ; returns (hidden [T, h], greedy draft of the last row)."""
+        embedded = self.model.embed(next_tokens)
+        rope = self.model.rope(position, next_tokens.shape[0], embedded.dtype, embedded.device)
+        x = self.head(embedded, hidden, self.caches, position, rope)
+        draft = int(self.model.logits(self.head.norm(x[-1:])).argmax(-1))
+        return x, draft
+
+    def observe(self, out, first, tokens, next_tokens):
+        next_ids = torch.tensor(next_tokens, device=out.hidden.device)
+        x, self.first_draft = self.step(out.hidden[:len(tokens)], next_ids, first)
+        self.chain_hidden = x[-1:]
+
+    def propose(self, anchor, position, k):
+        drafts, hidden = [self.first_draft], self.chain_hidden
+        for i in range(1, k):
+            hidden, draft = self.step(hidden, torch.tensor([drafts[-1]], device=hidden.device), position + i - 1)
+            drafts.append(draft)
+        return drafts
