@@ -74,7 +74,65 @@ def random_target_tensors(config: dict, seed: int) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def build_tiny_checkpoint(directory: str | Path, seed: int = 0, **overrides) -> Path:
+CYCLE = "abcdefghijklmnopqrstuvwxyz "
+
+
+def cycle_ids(tok: Tokenizer) -> list[int]:
+    return [tok.token_to_id(_BYTE_LEVEL_CHARS[ord(c)]) for c in CYCLE]
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAD)) + list(range(0xAE, 0x100))
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[b] = chr(b)
+        else:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    return chars
+
+
+_BYTE_LEVEL_CHARS = _bytes_to_unicode()
+
+
+def plant(tensors: dict[str, torch.Tensor], config: dict, tok: Tokenizer, seed: int, target_noise: float,
+          mtp_noise: float) -> None:
+    """Overwrite random weights so that greedy decoding mostly walks the cycle 'abc...z ' (and the MTP head mostly
+    predicts it), while the layers' perturbation (target_noise) makes the trajectory depend on context.
+
+    Embedding rows are random except channel 0, a shared constant (the DFlash2 demo drafter keys on it); the head
+    row of each cycle character is the embedding of its predecessor, so argmax(logits) = successor when the
+    layers' contribution is small. Every other token behaves like some cycle character.
+    """
+    gen = torch.Generator().manual_seed(seed + 1)
+    hidden, vocab = config["hidden_size"], config["vocab_size"]
+    ids = cycle_ids(tok)
+    embed = torch.randn(vocab, hidden, generator=gen)
+    for t in range(vocab):
+        if t not in ids:  # behaves like cycle character number t % len(ids)
+            embed[t] = embed[ids[t % len(ids)]] + 0.3 * torch.randn(hidden, generator=gen)
+    embed[:, 0] = 20.0
+    head = torch.zeros(vocab, hidden)
+    for i, t in enumerate(ids):
+        head[t] = embed[ids[i - 1]]
+    tensors["model.embed_tokens.weight"] = embed
+    tensors["lm_head.weight"] = head
+    for name, t in tensors.items():
+        if name.endswith(("o_proj.weight", "out_proj.weight", "down_proj.weight")):
+            t.mul_(mtp_noise if name.startswith("mtp.") else target_noise)
+    if "mtp.fc.weight" in tensors:
+        fc = mtp_noise * torch.randn(hidden, 2 * hidden, generator=gen) * (2 * hidden) ** -0.5
+        fc[:, :hidden] += torch.eye(hidden)  # [embedding, hidden] -> mostly the next token's embedding
+        tensors["mtp.fc.weight"] = fc
+        for name in ("mtp.pre_fc_norm_embedding.weight", "mtp.pre_fc_norm_hidden.weight", "mtp.norm.weight"):
+            tensors[name].zero_()
+
+
+def build_tiny_checkpoint(directory: str | Path, seed: int = 0, planted: bool = False, target_noise: float = 1.5,
+                          mtp_noise: float = 0.5, **overrides) -> Path:
+    """planted=True: weights planted so that the text mostly walks 'abc...z ' and the MTP head often guesses right
+    (speculative decoding then has something to accept); otherwise purely random weights."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     config = {**TINY_CONFIG, **overrides}
@@ -83,7 +141,10 @@ def build_tiny_checkpoint(directory: str | Path, seed: int = 0, **overrides) -> 
     full = {"architectures": ["Qwen3_5ForCausalLM"], "model_type": "qwen3_5_text", "eos_token_id": eos,
             "torch_dtype": "float32", **config}
     (directory / "config.json").write_text(json.dumps(full, indent=2))
-    save_file(random_target_tensors(config, seed), str(directory / "model.safetensors"))
+    tensors = random_target_tensors(config, seed)
+    if planted:
+        plant(tensors, config, tok, seed, target_noise, mtp_noise)
+    save_file(tensors, str(directory / "model.safetensors"))
     tok.save(str(directory / "tokenizer.json"))
     (directory / "tokenizer_config.json").write_text(json.dumps(
         {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "chat_template": CHAT_TEMPLATE}, indent=2))

@@ -27,7 +27,8 @@ class CandidateSelector(nn.Module):
 
     def walk(self, hidden: torch.Tensor, logits: torch.Tensor, anchor: torch.Tensor) -> torch.Tensor:
         """hidden [n, H], logits [n, V], anchor [1] -> chosen tokens [n]. No host synchronisation."""
-        unary, candidates = torch.topk(logits, self.top_k, dim=-1)
+        # Unsorted, like the reference: candidate order decides exact score ties (common in bf16).
+        unary, candidates = torch.topk(logits, self.top_k, dim=-1, sorted=False)
         projected = self.hidden_projection(hidden)
         previous = anchor.reshape(1)
         chosen = []

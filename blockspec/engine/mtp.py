@@ -59,16 +59,17 @@ class MTPProposer(Proposer):
         self.chain_hidden = None  # its hidden state, the input of the next chained step
 
     def step(self, hidden: torch.Tensor, next_tokens: torch.Tensor, position: int):
-        """Run MTP rows position.. ; returns (hidden [T, h], greedy draft of the last row)."""
+        """Run MTP rows position.. on final-normed hidden states; returns (the rows' final-normed outputs [T, h],
+        greedy draft of the last row). Outputs feed the lm_head and, when chaining, the next step."""
         embedded = self.model.embed(next_tokens)
         rope = self.model.rope(position, next_tokens.shape[0], embedded.dtype, embedded.device)
-        x = self.head(embedded, hidden, self.caches, position, rope)
-        draft = int(self.model.logits(self.head.norm(x[-1:])).argmax(-1))
-        return x, draft
+        normed = self.head.norm(self.head(embedded, hidden, self.caches, position, rope))
+        return normed, int(self.model.logits(normed[-1:]).argmax(-1))
 
     def observe(self, out, first, tokens, next_tokens):
         next_ids = torch.tensor(next_tokens, device=out.hidden.device)
-        x, self.first_draft = self.step(out.hidden[:len(tokens)], next_ids, first)
+        # the head reads the target's final-normed hidden state (as vLLM / SGLang feed it)
+        x, self.first_draft = self.step(self.model.norm(out.hidden[:len(tokens)]), next_ids, first)
         self.chain_hidden = x[-1:]
 
     def propose(self, anchor, position, k):

@@ -9,10 +9,10 @@ def causal_conv1d(x: torch.Tensor, history: torch.Tensor, weight: torch.Tensor) 
 
     Returns (output [T, C], window [K-1+T, C]); the new history after n tokens is window[n : n+K-1].
     """
-    kernel = weight.shape[-1]
     window = torch.cat([history.to(x.dtype), x], dim=0)
-    out = F.conv1d(window.t()[None], weight.view(weight.shape[0], 1, kernel).to(x.dtype), groups=x.shape[1])
-    return F.silu(out[0].t()), window
+    taps = window.unfold(0, weight.shape[-1], 1)  # [T, C, K]: the K inputs each output sees, oldest first
+    out = (taps * weight.view(weight.shape[0], -1).to(x.dtype)).sum(-1)
+    return F.silu(out), window
 
 
 def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:

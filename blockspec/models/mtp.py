@@ -1,7 +1,7 @@
 """Qwen3.5 native multi-token-prediction (MTP) head, stored under `mtp.*` in the checkpoint.
 
-Predicting the token after next: normalise the embedding of the next token and the target's hidden state at the
-current position (each with its own RMSNorm), project their concatenation [embedding, hidden] with `fc`, run a
+Predicting the token after next: normalise the embedding of the next token and the target's final-normed hidden
+state at the current position (each with its own RMSNorm), project their concatenation [embedding, hidden] with `fc`, run a
 full-attention decoder layer (own KV cache, same RoPE positions as the target), final norm, shared lm_head.
 """
 
@@ -28,8 +28,8 @@ class MTPHead(nn.Module):
         self.norm = RMSNorm(h, config.rms_norm_eps)
 
     def forward(self, embedded: torch.Tensor, hidden: torch.Tensor, caches, start: int, rope) -> torch.Tensor:
-        """embedded: embeddings of tokens at positions start+1.. ; hidden: target (or previous MTP) hidden states at
-        positions start.. . Returns the layer output before the final norm [T, hidden]."""
+        """embedded: embeddings of tokens at positions start+1.. ; hidden: final-normed target (or previous MTP step)
+        hidden states at positions start.. . Returns the layer output before the head's final norm [T, hidden]."""
         x = self.fc(torch.cat([self.pre_fc_norm_embedding(embedded), self.pre_fc_norm_hidden(hidden)], dim=-1))
         for layer, cache in zip(self.layers, caches):
             x = layer(x, cache, start, rope)
