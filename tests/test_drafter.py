@@ -49,7 +49,7 @@ class FakeTarget:
         self.table = torch.randn(vocab, hidden, generator=g).to(dtype)
         self.head = nn.Linear(hidden, vocab, bias=False, dtype=dtype)
         with torch.no_grad():
-            self.head.weight.copy_(torch.randn(vocab, hidden, generator=g) * 2 / hidden**0.5)
+            self.head.weight.copy_(torch.randn(vocab, hidden, generator=g) / hidden**0.5)
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(ids, self.table)
@@ -84,7 +84,7 @@ def randomize(model: nn.Module, seed: int) -> None:
         if name.endswith("norm.weight"):
             p.copy_(1 + 0.2 * torch.randn(p.shape, generator=g))
         elif name.endswith("base_kernel"):
-            kernel = 0.3 * torch.randn(p.shape, generator=g)
+            kernel = 0.1 * torch.randn(p.shape, generator=g)
             kernel[:, 0] += 1.0
             p.copy_(kernel)
         elif "codebook" in name:
@@ -92,7 +92,7 @@ def randomize(model: nn.Module, seed: int) -> None:
         elif name.endswith("bias"):
             p.copy_(0.1 * torch.randn(p.shape, generator=g))
         else:
-            scale = 0.5 if any(k in name for k in ("kernel_projection", "o_proj", "down_proj")) else 1.0
+            scale = {"kernel_projection": 0.2, "o_proj": 0.5, "down_proj": 0.5}.get(name.split(".")[-2], 1.0)
             p.copy_(scale * torch.randn(p.shape, generator=g) / p.shape[-1] ** 0.5)
 
 
@@ -119,11 +119,11 @@ def load(directory, target, **overrides):
 
 
 @torch.no_grad()
-def compare_with_reference(ref, drafter, target, *, prompt_length, cycles, seed, dtype=torch.float32):
+def compare_with_reference(ref, drafter, target, *, prompt_length, cycles, seed, dtype=torch.float32, device="cpu"):
     """Drive both drafters over the same committed trajectory; return the worst differences seen."""
     g = torch.Generator().manual_seed(seed)
     total = prompt_length + cycles * BLOCK + 1
-    features = torch.randn(total, len(TARGET_LAYER_IDS) * HIDDEN, generator=g).to(dtype)
+    features = torch.randn(total, len(TARGET_LAYER_IDS) * HIDDEN, generator=g).to(device, dtype)
     scale = float(reference._draft_value(ref.config, "input_embedding_scale", 1.0))
     cache = reference._make_cache(ref.config)
     drafter.reset()
@@ -133,11 +133,12 @@ def compare_with_reference(ref, drafter, target, *, prompt_length, cycles, seed,
     anchor = int(torch.randint(VOCAB - 1, (1,), generator=g))
     for _ in range(cycles):
         # reference, as in dflash_generate
-        block_ids = torch.tensor([[anchor] + [MASK_ID] * (BLOCK - 1)])
+        block_ids = torch.tensor([[anchor] + [MASK_ID] * (BLOCK - 1)], device=device)
         noise = F.embedding(block_ids, target.table) * scale
         ref_hidden = ref(
             target_hidden=features[None, committed_from:start], noise_embedding=noise,
-            position_ids=torch.arange(committed_from, start + BLOCK)[None], past_key_values=cache, use_cache=True,
+            position_ids=torch.arange(committed_from, start + BLOCK, device=device)[None], past_key_values=cache,
+            use_cache=True,
         )[0]
         reference._crop_to(cache, start)
         ref_logits = ref.compute_logits(ref_hidden[1:], target.head)

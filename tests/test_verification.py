@@ -8,6 +8,7 @@ from helpers import LAYER_MIXES, save_hf_target
 from blockspec.checkpoint import load_target
 from blockspec.engine.decode import DecodeStats, Proposer, decode
 from blockspec.engine.state import DecodeState
+from blockspec.engine.target import EagerTarget
 from blockspec.layers.attention import KVCache
 
 
@@ -73,7 +74,8 @@ def run_forced(model, prompt, plain, k, wrong_from, inner=None, extra_check=None
 
     proposer = ForcedProposer(model, trajectory, k, wrong_from, inner, check)
     stats = DecodeStats()
-    tokens = list(decode(model, state, proposer, prompt, len(plain), set(), 64, stats))
+    tokens = list(decode(EagerTarget(model, state, proposer.capture_layers), proposer, prompt, len(plain), set(), 64,
+                         stats))
     assert tokens == plain
     assert len(checked) >= 3
     return stats
@@ -82,7 +84,7 @@ def run_forced(model, prompt, plain, k, wrong_from, inner=None, extra_check=None
 def plain_greedy(model, prompt, n):
     stats = DecodeStats()
     state = DecodeState(model, 256, 16, "cpu", torch.float32)
-    return list(decode(model, state, Proposer(), prompt, n, set(), 64, stats))
+    return list(decode(EagerTarget(model, state), Proposer(), prompt, n, set(), 64, stats))
 
 
 @pytest.fixture(scope="module", params=["mixed", "gdn", "attention"])

@@ -73,9 +73,10 @@ def prefill(model, state, prompt: torch.Tensor, chunk: int, proposer: Proposer) 
     return first_token
 
 
-def decode(model, state, proposer: Proposer, prompt: list[int], max_tokens: int, eos: set[int], chunk: int,
+def decode(target, proposer: Proposer, prompt: list[int], max_tokens: int, eos: set[int], chunk: int,
            stats: DecodeStats):
-    """Generator of greedy tokens; `stats` is filled as it goes."""
+    """Generator of greedy tokens; `target` is an EagerTarget or GraphedTarget; `stats` is filled as it goes."""
+    model, state = target.model, target.state
     device = model.embed_tokens.weight.device
     state.reset()
     proposer.reset()
@@ -92,13 +93,11 @@ def decode(model, state, proposer: Proposer, prompt: list[int], max_tokens: int,
             room = min(max_tokens - stats.generated, state.capacity - position) - 1
             k = min(proposer.max_proposals, room)
             proposals = proposer.propose(anchor, position, k) if k > 0 else []
-            block = torch.tensor([anchor] + proposals, device=device)
-            out = model(block, state, proposer.capture_layers)
-            predicted = out.logits.argmax(-1).tolist()
+            out, predicted = target.verify([anchor] + proposals)
             accepted = 0
             while accepted < len(proposals) and proposals[accepted] == predicted[accepted]:
                 accepted += 1
-            state.commit(accepted + 1)
+            target.commit(accepted + 1)
             emitted = predicted[:accepted + 1]
             proposer.observe(out, position, [anchor] + proposals[:accepted], emitted)
             if proposer.max_proposals:

@@ -13,6 +13,7 @@ from ..errors import BlockspecError, UnsupportedRequest
 from ..tokenizer import Tokenizer
 from .decode import DecodeStats, Proposer, decode
 from .state import DecodeState
+from .target import EagerTarget, GraphedTarget
 
 MAX_VERIFY_TOKENS = 16  # longest speculative pass (anchor + proposals) whose partial commit is supported
 
@@ -49,6 +50,7 @@ class Engine:
         self.context_length = config.context_length
         self.proposer = self.build_proposer(mtp_tensors)
         self.state = DecodeState(self.model, config.context_length, MAX_VERIFY_TOKENS, self.device, self.dtype)
+        self.target = self.build_target()
         self.last_stats: dict = {}
 
     @classmethod
@@ -86,6 +88,14 @@ class Engine:
 
     def _unset_drafter_hint(self) -> str:
         return "; unset dflash2_model to leave DFlash2 decoding" if self.mode == "dflash2" else ""
+
+    def build_target(self):
+        capture = self.proposer.capture_layers
+        if self.config.compile_mode == 0:
+            if self.device.type != "cuda":
+                raise BlockspecError("compile_mode 0 (CUDA graphs) needs --device cuda; use compile_mode -1 on the CPU")
+            return GraphedTarget(self.model, self.state, capture, lengths=(1, 1 + self.proposer.max_proposals))
+        return EagerTarget(self.model, self.state, capture)
 
     def build_proposer(self, mtp_tensors) -> Proposer:
         if self.mode == "none":
@@ -135,7 +145,7 @@ class Engine:
         eos = self.tokenizer.eos_token_ids if stop_at_eos else set()
         try:
             # parameters never require grad, so no autograd graph is built (no global mode held across yields)
-            yield from decode(self.model, self.state, self.proposer, [int(t) for t in prompt_ids], max_tokens,
+            yield from decode(self.target, self.proposer, [int(t) for t in prompt_ids], max_tokens,
                               eos, self.config.prefill_chunk_size, stats)
         finally:
             if self.state.pending:

@@ -62,8 +62,10 @@ class MTPProposer(Proposer):
         """Run MTP rows position.. on final-normed hidden states; returns (the rows' final-normed outputs [T, h],
         greedy draft of the last row). Outputs feed the lm_head and, when chaining, the next step."""
         embedded = self.model.embed(next_tokens)
-        rope = self.model.rope(position, next_tokens.shape[0], embedded.dtype, embedded.device)
-        normed = self.head.norm(self.head(embedded, hidden, self.caches, position, rope))
+        positions = torch.arange(position, position + next_tokens.shape[0], device=embedded.device)
+        rope = self.model.rope(positions, embedded.dtype)
+        x = self.head(embedded, hidden, self.caches, positions, rope, position + next_tokens.shape[0])
+        normed = self.head.norm(x)
         return normed, int(self.model.logits(normed[-1:]).argmax(-1))
 
     def observe(self, out, first, tokens, next_tokens):

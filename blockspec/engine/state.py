@@ -38,6 +38,8 @@ class DecodeState:
         if self.length + k > self.capacity:
             raise BlockspecError(f"context_length {self.capacity} exceeded ({self.length} + {k} tokens)")
         self.pending = k
+        for s in self.gdn:
+            s.pending_len = k
         return self.length
 
     def commit(self, n: int):

@@ -1,5 +1,7 @@
 """Gated DeltaNet ops: depthwise causal conv1d with carried state, and the gated delta rule recurrence."""
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -20,6 +22,33 @@ def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 
 
 def gated_delta_rule(q, k, v, g, beta, state):
+    """The gated delta rule over T tokens: fla-core's Triton kernels on CUDA when installed, else the reference."""
+    if q.is_cuda and fla_available():
+        return gated_delta_rule_fla(q, k, v, g, beta, state)
+    return gated_delta_rule_reference(q, k, v, g, beta, state)
+
+
+@functools.cache
+def fla_available() -> bool:
+    try:
+        import fla.ops.gated_delta_rule  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def gated_delta_rule_fla(q, k, v, g, beta, state):
+    """fla-core: fused recurrent kernel for short passes (decode, verification), chunked kernel for prefill.
+    Same contract as the reference; q is pre-scaled, so the kernel's scale is 1."""
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
+
+    kernel = fused_recurrent_gated_delta_rule if q.shape[0] <= 64 else chunk_gated_delta_rule
+    out, final = kernel(q=q[None], k=k[None], v=v[None], g=g[None], beta=beta[None], scale=1.0,
+                        initial_state=state[None], output_final_state=True)
+    return out[0].float(), final[0]
+
+
+def gated_delta_rule_reference(q, k, v, g, beta, state):
     """Token-by-token gated delta rule in float32 (reference).
 
     q, k: [T, H, Dk] (already L2-normalised, q already scaled); v: [T, H, Dv]; g (log decay), beta: [T, H];

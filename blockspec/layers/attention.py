@@ -16,9 +16,9 @@ class KVCache:
         self.k = torch.zeros(capacity, kv_heads, head_dim, device=device, dtype=dtype)
         self.v = torch.zeros_like(self.k)
 
-    def write(self, start: int, k: torch.Tensor, v: torch.Tensor):
-        self.k[start:start + k.shape[0]] = k
-        self.v[start:start + v.shape[0]] = v
+    def write(self, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+        self.k.index_copy_(0, positions, k)
+        self.v.index_copy_(0, positions, v)
 
 
 class GatedAttention(nn.Module):
@@ -34,12 +34,14 @@ class GatedAttention(nn.Module):
         self.q_norm = RMSNorm(head_dim, eps)
         self.k_norm = RMSNorm(head_dim, eps)
 
-    def forward(self, x: torch.Tensor, cache: KVCache, start: int, rope: tuple[torch.Tensor, torch.Tensor]):
+    def forward(self, x: torch.Tensor, cache: KVCache, positions: torch.Tensor, rope, visible: int | None):
+        """visible: cache entries to attend over (eager: exactly the filled prefix); None under CUDA-graph capture,
+        where the position is data and the whole cache is read under the causal mask."""
         t = x.shape[0]
         query, gate = self.q_proj(x).view(t, self.heads, 2 * self.head_dim).chunk(2, dim=-1)
         query = apply_rope(self.q_norm(query), *rope)
         key = apply_rope(self.k_norm(self.k_proj(x).view(t, self.kv_heads, self.head_dim)), *rope)
-        cache.write(start, key, self.v_proj(x).view(t, self.kv_heads, self.head_dim))
-        end = start + t
-        out = cached_attention(query, cache.k[:end], cache.v[:end], start, self.head_dim ** -0.5)
+        cache.write(positions, key, self.v_proj(x).view(t, self.kv_heads, self.head_dim))
+        k, v = (cache.k, cache.v) if visible is None else (cache.k[:visible], cache.v[:visible])
+        out = cached_attention(query, k, v, positions, self.head_dim ** -0.5)
         return self.o_proj(out.reshape(t, -1) * torch.sigmoid(gate.reshape(t, -1)))

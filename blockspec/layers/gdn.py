@@ -15,25 +15,30 @@ from ..kernels.norm import gated_rms_norm
 
 
 class GDNState:
-    """Committed conv history and recurrent state, plus the pending pass (allocated once, reused per request)."""
+    """Committed conv history and recurrent state, plus static buffers for the pending pass (allocated once per
+    engine and reused per request, so a CUDA graph of a pass and of each commit(n) can be captured over them)."""
 
     def __init__(self, conv_dim: int, kernel: int, heads: int, key_dim: int, value_dim: int, max_partial: int,
                  device, dtype):
+        f32 = dict(device=device, dtype=torch.float32)
         self.history = torch.zeros(kernel - 1, conv_dim, device=device, dtype=dtype)
-        self.recurrent = torch.zeros(heads, key_dim, value_dim, device=device, dtype=torch.float32)
+        self.recurrent = torch.zeros(heads, key_dim, value_dim, **f32)
         self.max_partial = max_partial
-        # pending pass
         self.pending_len = 0
-        self.pending_window = torch.zeros(kernel - 1 + max_partial, conv_dim, device=device, dtype=dtype)
         self.pending_history = torch.zeros_like(self.history)
         self.pending_recurrent = torch.zeros_like(self.recurrent)
-        self.pending_inputs = None  # (q, k, v, g, beta) of a short pass, for partial commits
+        # inputs of a short pass (<= max_partial tokens), enough to recompute the state after any n of them
+        self.pending_window = torch.zeros(kernel - 1 + max_partial, conv_dim, device=device, dtype=dtype)
+        self.pending_q = torch.zeros(max_partial, heads, key_dim, **f32)
+        self.pending_k = torch.zeros_like(self.pending_q)
+        self.pending_v = torch.zeros(max_partial, heads, value_dim, **f32)
+        self.pending_g = torch.zeros(max_partial, heads, **f32)
+        self.pending_beta = torch.zeros_like(self.pending_g)
 
     def reset(self):
         self.history.zero_()
         self.recurrent.zero_()
         self.pending_len = 0
-        self.pending_inputs = None
 
     def record(self, window, final_recurrent, inputs):
         t = window.shape[0] - self.history.shape[0]
@@ -42,26 +47,26 @@ class GDNState:
         self.pending_recurrent.copy_(final_recurrent)
         if t <= self.max_partial:
             self.pending_window[:window.shape[0]].copy_(window)
-            self.pending_inputs = inputs
-        else:
-            self.pending_inputs = None
+            for buffer, value in zip(self.pending_inputs(t), inputs):
+                buffer.copy_(value)
+
+    def pending_inputs(self, n: int):
+        return (self.pending_q[:n], self.pending_k[:n], self.pending_v[:n], self.pending_g[:n], self.pending_beta[:n])
 
     def commit(self, n: int):
         if n == self.pending_len:
             self.history.copy_(self.pending_history)
             self.recurrent.copy_(self.pending_recurrent)
         else:
-            if self.pending_inputs is None:
+            if self.pending_len > self.max_partial:
                 raise RuntimeError(f"partial commit of a {self.pending_len}-token pass (max {self.max_partial})")
-            q, k, v, g, beta = (x[:n] for x in self.pending_inputs)
-            _, state = gated_delta_rule(q, k, v, g, beta, self.recurrent)
+            _, state = gated_delta_rule(*self.pending_inputs(n), self.recurrent)
             self.history.copy_(self.pending_window[n:n + self.history.shape[0]])
             self.recurrent.copy_(state)
-        self.discard()
+        self.pending_len = 0
 
     def discard(self):
         self.pending_len = 0
-        self.pending_inputs = None
 
 
 class GatedDeltaNet(nn.Module):

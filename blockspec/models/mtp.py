@@ -27,10 +27,10 @@ class MTPHead(nn.Module):
                                     for _ in range(max(config.mtp_num_hidden_layers, 1)))
         self.norm = RMSNorm(h, config.rms_norm_eps)
 
-    def forward(self, embedded: torch.Tensor, hidden: torch.Tensor, caches, start: int, rope) -> torch.Tensor:
+    def forward(self, embedded: torch.Tensor, hidden: torch.Tensor, caches, positions, rope, visible) -> torch.Tensor:
         """embedded: embeddings of tokens at positions start+1.. ; hidden: final-normed target (or previous MTP step)
         hidden states at positions start.. . Returns the layer output before the head's final norm [T, hidden]."""
         x = self.fc(torch.cat([self.pre_fc_norm_embedding(embedded), self.pre_fc_norm_hidden(hidden)], dim=-1))
         for layer, cache in zip(self.layers, caches):
-            x = layer(x, cache, start, rope)
+            x = layer(x, cache, positions, rope, visible)
         return x

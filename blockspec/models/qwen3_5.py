@@ -35,10 +35,10 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.mlp = SwiGLU(c.hidden_size, c.intermediate_size)
 
-    def forward(self, x, layer_state, start: int, rope):
+    def forward(self, x, layer_state, positions, rope, visible):
         h = self.input_layernorm(x)
         if self.is_attention:
-            h = self.self_attn(h, layer_state, start, rope)
+            h = self.self_attn(h, layer_state, positions, rope, visible)
         else:
             h = self.linear_attn(h, layer_state)
         x = x + h
@@ -71,19 +71,23 @@ class TargetModel(nn.Module):
             return normed @ self.embed_tokens.weight.t()
         return self.lm_head(normed)
 
-    def rope(self, start: int, length: int, dtype: torch.dtype, device):
-        positions = torch.arange(start, start + length, device=device)
+    def rope(self, positions: torch.Tensor, dtype: torch.dtype):
         return rope_tables(positions, self.config.rotary_dim, self.config.rope_theta, dtype)
 
     def forward(self, ids: torch.Tensor, state, capture: list[int] | tuple[int, ...] | None = None,
-                all_logits: bool = True) -> TargetOutput:
-        """Run ids [T] on top of state's committed tokens; the pass is left pending (see DecodeState)."""
+                all_logits: bool = True, positions: torch.Tensor | None = None) -> TargetOutput:
+        """Run ids [T] on top of state's committed tokens; the pass is left pending (see DecodeState).
+        `positions` is given only under CUDA-graph capture (a static buffer the caller fills before replay)."""
         start = state.begin(ids.shape[0])
+        visible = None
+        if positions is None:
+            positions = torch.arange(start, start + ids.shape[0], device=ids.device)
+            visible = start + ids.shape[0]
         x = self.embed(ids)
-        rope = self.rope(start, ids.shape[0], x.dtype, x.device)
+        rope = self.rope(positions, x.dtype)
         captured = {}
         for i, layer in enumerate(self.layers):
-            x = layer(x, state.layers[i], start, rope)
+            x = layer(x, state.layers[i], positions, rope, visible)
             if capture and i in capture:
                 captured[i] = x
         features = torch.cat([captured[i] for i in capture], dim=-1) if capture else None
