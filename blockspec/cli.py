@@ -129,6 +129,22 @@ def cmd_demo(args):
             raise SystemExit(1)
 
 
+def cmd_chat(args):
+    from .chat import run_chat
+    from .engine.engine import Engine
+
+    config = engine_config(args)
+    run_chat(Engine(config), config.max_tokens, system=args.system)
+
+
+def cmd_serve(args):
+    from .server import serve  # fails with a one-line hint when the 'serve' extras are missing
+    from .engine.engine import Engine
+
+    config = engine_config(args)
+    serve(Engine(config), host=args.host, port=args.port, queue_size=args.queue_size)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineParser(prog="blockspec", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
@@ -141,9 +157,24 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--json", action="store_true", help="print one JSON object: tokens, text, stats")
     gen.set_defaults(func=cmd_generate)
 
+    from .bench import add_bench_parser
+    add_bench_parser(sub)
+
     demo = sub.add_parser("demo", help="run end to end on a tiny built-in random model (CPU)")
     demo.add_argument("--max-tokens", type=int, default=48)
     demo.set_defaults(func=cmd_demo)
+
+    chat = sub.add_parser("chat", help="interactive chat in the terminal (chat template, streamed replies)")
+    add_engine_args(chat)
+    chat.add_argument("--system", help="system prompt")
+    chat.set_defaults(func=cmd_chat)
+
+    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/chat/completions, /v1/completions)")
+    add_engine_args(serve)
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--queue-size", type=int, default=8, help="requests that may wait for the engine (more: 429)")
+    serve.set_defaults(func=cmd_serve)
     return parser
 
 

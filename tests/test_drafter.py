@@ -177,7 +177,9 @@ def test_matches_reference_across_cycles_and_eviction(tmp_path, case):
     ref = save_reference(tmp_path, seed=1, **options)
     target = FakeTarget(seed=2)
     drafter = load(tmp_path, target)
-    worst, same_tokens, end = compare_with_reference(ref, drafter, target, prompt_length=prompt_length, cycles=24, seed=3)
+    worst, same_tokens, end = compare_with_reference(
+        ref, drafter, target, prompt_length=prompt_length, cycles=24, seed=3
+    )
     print(f"\n{case}: max |hidden diff| {worst['hidden']:.2e}, max |logit diff| {worst['logits']:.2e}, "
           f"{len(same_tokens)} cycles, last position {end}")
     assert end > 3 * WINDOW  # the ring wrapped several times
@@ -333,7 +335,8 @@ def test_selector_walk_by_hand():
     h = torch.randn(4, hidden, generator=g)
     logits = torch.randn(4, vocab, generator=g)
     anchor = torch.tensor([5])
-    P, S, W = selector.predecessor_codebook.weight, selector.successor_codebook.weight, selector.hidden_projection.weight
+    P, S = selector.predecessor_codebook.weight, selector.successor_codebook.weight
+    W = selector.hidden_projection.weight
     previous, expected = 5, []
     for row in range(4):
         candidates = sorted(range(vocab), key=lambda v: -logits[row, v].item())[:3]
@@ -503,7 +506,8 @@ def test_refuses_missing_tensor(tmp_path):
 def test_refuses_wrong_shape(tmp_path):
     save_reference(tmp_path, seed=1)
     _rewrite_weights(tmp_path, lambda t: t.update({"layers.0.self_attn.k_proj.weight": torch.zeros(64, 64)}))
-    with pytest.raises(BlockspecError, match=r"'layers\.0\.self_attn\.k_proj\.weight' has shape \(64, 64\).*\(32, 64\)"):
+    expected = r"'layers\.0\.self_attn\.k_proj\.weight' has shape \(64, 64\).*\(32, 64\)"
+    with pytest.raises(BlockspecError, match=expected):
         load(tmp_path, FakeTarget(seed=2))
 
 

@@ -100,7 +100,9 @@ class DrafterConfig:
             or not layer_ids
             or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in layer_ids)
         ):
-            read.fail("dflash_config.target_layer_ids", f"must be a non-empty list of layer indices (found {layer_ids!r})")
+            read.fail(
+                "dflash_config.target_layer_ids", f"must be a non-empty list of layer indices (found {layer_ids!r})"
+            )
         group_size = read.draft_integer("conv_group_size", minimum=1)
         if hidden_size % group_size:
             read.fail("dflash_config.conv_group_size", f"{group_size} does not divide hidden_size {hidden_size}")

@@ -205,11 +205,14 @@ class DFlash2Drafter(nn.Module):
                 for name, parameter in parameters.items():  # check everything before copying anything
                     expected = tuple(parameter.shape)
                     if name not in names:
-                        raise BlockspecError(f"drafter weights {path}: missing tensor '{name}' (expected shape {expected})")
+                        raise BlockspecError(
+                            f"drafter weights {path}: missing tensor '{name}' (expected shape {expected})"
+                        )
                     shape = tuple(stored.get_slice(names[name]).get_shape())
                     if shape != expected:
                         raise BlockspecError(
-                            f"drafter weights {path}: tensor '{names[name]}' has shape {shape}, the config implies {expected}"
+                            f"drafter weights {path}: tensor '{names[name]}' has shape {shape}, "
+                            f"the config implies {expected}"
                         )
                 for name, parameter in parameters.items():
                     parameter.copy_(stored.get_tensor(names[name]))
@@ -307,7 +310,9 @@ def _check_fits_target(
             "(the drafter shares the target's embeddings and head)"
         )
     if not 0 <= config.mask_token_id < vocab_size:
-        raise BlockspecError(f"{where}: mask_token_id {config.mask_token_id} is outside the target's vocabulary of {vocab_size}")
+        raise BlockspecError(
+            f"{where}: mask_token_id {config.mask_token_id} is outside the target's vocabulary of {vocab_size}"
+        )
     for layer_id in config.target_layer_ids:
         if not 0 <= layer_id < num_layers:
             raise BlockspecError(

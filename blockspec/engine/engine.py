@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,8 +35,13 @@ def resolve_device(name: str) -> torch.device:
 
 
 class Engine:
-    def __init__(self, config: PredictConfig):
-        if not config.model:
+    def __init__(self, config: PredictConfig, *, model=None, mtp_tensors=None, tokenizer=None,
+                 synthetic_drafter: int | None = None):
+        """Loads config.model, unless `model` (a TargetModel already on the device, e.g. synthetic weights),
+        its `mtp_tensors` and a `tokenizer` are given. `synthetic_drafter` (a seed) makes mode dflash2 use a
+        random drafter of the published shapes instead of loading dflash2_model (benchmarks only)."""
+        self.synthetic_drafter = synthetic_drafter
+        if not config.model and model is None:
             raise BlockspecError("no model given: set 'model' in the config or pass --model DIR")
         self.config = config
         self.mode = config.decode_mode
@@ -44,12 +50,15 @@ class Engine:
         if self.device.type == "cuda":
             torch.cuda.set_device(config.gpu_ranks[0])
         self.dtype = config.torch_dtype
-        self.model_name = Path(config.model).name
-        self.model, mtp_tensors = load_target(config.model, self.device, self.dtype)
-        self.tokenizer = Tokenizer(config.model, self.model.config.eos_token_ids)
+        self.model_name = Path(config.model).name if config.model else "synthetic"
+        if model is None:
+            model, mtp_tensors = load_target(config.model, self.device, self.dtype)
+        self.model = model
+        self.tokenizer = tokenizer or Tokenizer(config.model, self.model.config.eos_token_ids)
         self.context_length = config.context_length
         self.proposer = self.build_proposer(mtp_tensors)
         self.state = DecodeState(self.model, config.context_length, MAX_VERIFY_TOKENS, self.device, self.dtype)
+        self.load_times: dict = {}
         self.target = self.build_target()
         self.last_stats: dict = {}
 
@@ -72,7 +81,7 @@ class Engine:
             raise UnsupportedRequest(f"temperature {c.temperature}: blockspec decodes greedily only "
                                      "(set temperature: 0)" + self._unset_drafter_hint())
         if self.mode == "dflash2":
-            if not c.dflash2_model:
+            if not c.dflash2_model and self.synthetic_drafter is None:
                 raise BlockspecError("mode dflash2 needs a drafter: set dflash2_model or pass --drafter DIR")
             reasons = [(c.top_k != 1, f"top_k {c.top_k} (sampling)"), (c.batch_size > 1, f"batch_size {c.batch_size}"),
                        (c.beam_size > 1, f"beam_size {c.beam_size}")]
@@ -94,7 +103,14 @@ class Engine:
         if self.config.compile_mode == 0:
             if self.device.type != "cuda":
                 raise BlockspecError("compile_mode 0 (CUDA graphs) needs --device cuda; use compile_mode -1 on the CPU")
-            return GraphedTarget(self.model, self.state, capture, lengths=(1, 1 + self.proposer.max_proposals))
+            if hasattr(self.proposer, "capture_graph"):
+                start = time.perf_counter()
+                self.proposer.capture_graph()
+                self.load_times["proposer_graph_s"] = round(time.perf_counter() - start, 3)
+            start = time.perf_counter()
+            target = GraphedTarget(self.model, self.state, capture, lengths=(1, 1 + self.proposer.max_proposals))
+            self.load_times["target_graphs_s"] = round(time.perf_counter() - start, 3)
+            return target
         return EagerTarget(self.model, self.state, capture)
 
     def build_proposer(self, mtp_tensors) -> Proposer:

@@ -1,0 +1,258 @@
+"""`blockspec bench`: the benchmark recipe. Per fixture: a 128-token warm-up, then R measured repetitions; the
+median decode tokens/s (first token, prefill and warm-up excluded) beside the weight-bandwidth roofline.
+
+With synthetic weights, `--forced-acceptance R` teacher-forces proposals from the plain-greedy trajectory so that a
+fraction R of proposals is accepted while the proposer still runs at full cost: it measures the real cycle cost at a
+chosen acceptance. Synthetic and forced results are labelled as such everywhere they are printed.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from .config import PredictConfig
+from .engine.decode import Proposer
+from .errors import BlockspecError
+
+WARMUP_TOKENS = 128
+DEFAULT_FIXTURES = Path(__file__).parent / "data" / "fixtures.json"  # code, English mystery, zh->en translation
+
+
+def load_fixtures(path: str | None, prompt: str | None) -> list[dict]:
+    if prompt is not None:
+        return [{"name": "prompt", "prompt": prompt}]
+    try:
+        text = Path(path or DEFAULT_FIXTURES).read_text()
+        fixtures = json.loads(text)
+    except OSError as exc:
+        raise BlockspecError(f"fixtures file {path}: {exc.strerror}") from None
+    except json.JSONDecodeError as exc:
+        raise BlockspecError(f"fixtures file {path}: not valid JSON ({exc})") from None
+    if not isinstance(fixtures, list) or not all(isinstance(f, dict) and {"name", "prompt"} <= set(f)
+                                                 for f in fixtures):
+        raise BlockspecError(f"fixtures file {path}: expected a list of {{\"name\", \"prompt\"}} objects")
+    return fixtures
+
+
+class ForcedAcceptance(Proposer):
+    """Runs the real proposer, then replaces its proposals: the first m are the plain-greedy continuation, the rest
+    wrong, with m chosen so that accepted / proposed tracks `rate` (a deterministic running target)."""
+
+    def __init__(self, inner: Proposer, rate: float, vocab_size: int):
+        self.inner, self.rate, self.vocab = inner, rate, vocab_size
+        self.capture_layers, self.max_proposals = inner.capture_layers, inner.max_proposals
+        self.trajectory: list[int] = []
+        self.proposed = self.accepted = 0
+
+    def reset(self):
+        self.inner.reset()
+        self.proposed = self.accepted = 0
+
+    def observe(self, out, first, tokens, next_tokens):
+        self.inner.observe(out, first, tokens, next_tokens)
+
+    def propose(self, anchor, position, k):
+        real = self.inner.propose(anchor, position, k)
+        truth = self.trajectory[position + 1:position + 1 + k]
+        if len(truth) < k:  # past the known trajectory: keep the real proposals
+            return real
+        m = max(0, min(k, round(self.rate * (self.proposed + k) - self.accepted)))
+        self.proposed += k
+        self.accepted += m
+        return truth[:m] + [(t + 1) % self.vocab for t in truth[m:]]
+
+
+def measure_read_bandwidth(device) -> float | None:
+    """Device read bandwidth in GB/s (sum over a 4 GiB buffer), measured in the same run as the benchmark."""
+    if device.type != "cuda":
+        return None
+    x = torch.empty(2 ** 31, dtype=torch.bfloat16, device=device).normal_()
+    for _ in range(3):
+        x.sum()
+    torch.cuda.synchronize()
+    start, reps = time.perf_counter(), 20
+    for _ in range(reps):
+        x.sum()
+    torch.cuda.synchronize()
+    seconds = (time.perf_counter() - start) / reps
+    del x
+    return x_bytes(2 ** 31, 2) / seconds / 1e9
+
+
+def x_bytes(n, itemsize):
+    return n * itemsize
+
+
+def bytes_per_plain_step(engine) -> int:
+    """Bytes one 1-token target pass must read: every weight except the embedding table (one row), plus DeltaNet
+    recurrent states read and written."""
+    total = 0
+    for name, p in engine.model.named_parameters():
+        if name == "embed_tokens.weight":
+            total += p.shape[1] * p.element_size()
+        else:
+            total += p.numel() * p.element_size()
+    if engine.model.lm_head is None:
+        total += engine.model.embed_tokens.weight.numel() * engine.model.embed_tokens.weight.element_size()
+    total += sum(2 * s.recurrent.numel() * 4 for s in engine.state.gdn)
+    return total
+
+
+def build_engine(args, mode: str):
+    from .engine.engine import Engine
+
+    overrides = {"mode": mode, "device": args.device, "compute_dtype": args.dtype,
+                 "context_length": args.context_length, "compile_mode": args.compile_mode,
+                 "dflash2_model": args.drafter if mode == "dflash2" else None}
+    overrides = {k: v for k, v in overrides.items() if v is not None}
+    if not args.synthetic:
+        return Engine(PredictConfig.build({"model": args.model, **overrides}, source="bench"))
+    from .engine.engine import resolve_device
+    from .synthetic import synthetic_target
+    from .tiny import build_tiny_checkpoint
+    from .tokenizer import Tokenizer
+
+    config = PredictConfig.build(overrides, source="bench")
+    device = resolve_device(config.device)
+    model, head = synthetic_target(args.synthetic, device, config.torch_dtype, seed=args.seed)
+    mtp = {"mtp." + k: v for k, v in head.state_dict().items()} if head is not None else {}
+    tok_dir = tempfile.mkdtemp(prefix="blockspec-synthetic-tok-")
+    build_tiny_checkpoint(tok_dir)  # only its byte-level tokenizer and chat template are used
+    return Engine(config, model=model, mtp_tensors=mtp, tokenizer=Tokenizer(tok_dir), synthetic_drafter=args.seed)
+
+
+def run_fixture(engine, ids, args, trajectory):
+    if args.forced_acceptance is not None and engine.mode != "none":
+        forced = engine.proposer if isinstance(engine.proposer, ForcedAcceptance) else None
+        if forced is None:
+            forced = engine.proposer = ForcedAcceptance(engine.proposer, args.forced_acceptance, engine.vocab_size)
+        forced.trajectory = trajectory
+    engine.generate(ids, min(WARMUP_TOKENS, args.max_tokens), stop_at_eos=False)  # warm-up
+    runs = [engine.generate(ids, args.max_tokens, stop_at_eos=not args.synthetic) for _ in range(args.repeats)]
+    return runs
+
+
+def bench(args) -> dict:
+    modes = args.mode.split(",")
+    fixtures = load_fixtures(args.fixtures, args.prompt)
+    bad = [m for m in modes if m not in ("none", "mtp", "dflash2")]
+    if bad:
+        raise BlockspecError(f"--mode {bad[0]!r}: choose none, mtp or dflash2 (comma-separated for several)")
+    if args.forced_acceptance is not None and not args.synthetic:
+        raise BlockspecError("--forced-acceptance needs --synthetic weights (it replaces real proposals)")
+    label = ("SYNTHETIC weights " + args.synthetic if args.synthetic else "model " + str(args.model)) + (
+        f", FORCED acceptance {args.forced_acceptance:.1%}" if args.forced_acceptance is not None else "")
+    results = {"label": label, "rows": [], "max_tokens": args.max_tokens, "repeats": args.repeats,
+               "context_length": args.context_length, "torch": torch.__version__}
+    trajectories = {}
+    for mode in ["none"] + [m for m in modes if m != "none"]:
+        if mode not in modes and args.forced_acceptance is None:
+            continue
+        engine = build_engine(args, mode)
+        if "device" not in results:
+            results["device"] = torch.cuda.get_device_name() if engine.device.type == "cuda" else "cpu"
+            results["read_bandwidth_gb_s"] = args.bandwidth or measure_read_bandwidth(engine.device)
+            results["bytes_per_plain_step"] = bytes_per_plain_step(engine)
+        for fixture in fixtures:
+            ids = engine.tokenizer.encode(engine.tokenizer.chat_prompt([{"role": "user", "content": fixture["prompt"]}]))
+            runs = run_fixture(engine, ids, args, trajectories.get(fixture["name"]))
+            if mode == "none":
+                trajectories[fixture["name"]] = ids + runs[0].tokens
+            if mode not in modes:
+                continue
+            row = summarize(mode, fixture["name"], runs, results)
+            results["rows"].append(row)
+            print(format_row(row), flush=True)
+        del engine
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    return results
+
+
+def summarize(mode, fixture, runs, results) -> dict:
+    speeds = [r.stats["decode_tokens_per_s"] for r in runs]
+    tps = statistics.median(speeds)
+    row = {"mode": mode, "fixture": fixture, "decode_tokens_per_s": tps, "runs_tokens_per_s": speeds,
+           "generated": runs[0].stats["generated"], "prefill_s": statistics.median(r.stats["prefill_s"] for r in runs),
+           "acceptance_rate": runs[0].stats.get("acceptance_rate"),
+           "mean_accepted_length": runs[0].stats.get("mean_accepted_length")}
+    bandwidth = results.get("read_bandwidth_gb_s")
+    gb_s = tps * results["bytes_per_plain_step"] / 1e9
+    row["weight_gb_s"] = round(gb_s, 1)  # plain-step bytes x tokens/s (for speculative modes: effective)
+    row["roofline_pct"] = round(100 * gb_s / bandwidth, 1) if bandwidth else None
+    return row
+
+
+def format_row(row) -> str:
+    acc = "" if row["acceptance_rate"] is None else f"  acceptance {100 * row['acceptance_rate']:5.1f}%"
+    roof = "" if row["roofline_pct"] is None else f" ({row['roofline_pct']:.1f}% of measured read bandwidth)"
+    return (f"{row['mode']:8s} {row['fixture']:12s} {row['decode_tokens_per_s']:8.2f} tok/s  "
+            f"{row['weight_gb_s']:8.1f} GB/s{roof}{acc}  generated {row['generated']}  prefill {row['prefill_s']:.3f} s")
+
+
+def draw_chart(results, path):
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fixtures = list(dict.fromkeys(r["fixture"] for r in results["rows"]))
+    modes = list(dict.fromkeys(r["mode"] for r in results["rows"]))
+    fig, ax = plt.subplots(figsize=(7, 4))
+    width = 0.8 / max(len(modes), 1)
+    for i, mode in enumerate(modes):
+        values = [next((r["decode_tokens_per_s"] for r in results["rows"]
+                        if r["mode"] == mode and r["fixture"] == f), 0) for f in fixtures]
+        ax.bar([j + i * width for j in range(len(fixtures))], values, width, label=mode)
+    ax.set_xticks([j + width * (len(modes) - 1) / 2 for j in range(len(fixtures))], fixtures)
+    ax.set_ylabel("decode tokens/s (median)")
+    ax.set_title(results["label"], fontsize=9)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    return True
+
+
+def cmd_bench(args):
+    if not args.synthetic and not args.model:
+        raise BlockspecError("give --model DIR or --synthetic PRESET")
+    if args.repeats < 1 or args.max_tokens < 1:
+        raise BlockspecError("--repeats and --max-tokens must be at least 1")
+    if args.forced_acceptance is not None and not 0 <= args.forced_acceptance <= 1:
+        raise BlockspecError(f"--forced-acceptance must be in [0, 1] (got {args.forced_acceptance})")
+    results = bench(args)
+    print(results["label"])
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps(results, indent=2))
+    if args.png_out and not draw_chart(results, args.png_out):
+        print("(matplotlib is not installed: no chart drawn)")
+    return results
+
+
+def add_bench_parser(sub):
+    p = sub.add_parser("bench", help="benchmark decoding modes on fixtures (tokens/s vs the roofline)")
+    p.add_argument("--model")
+    p.add_argument("--drafter")
+    p.add_argument("--synthetic", help="random weights with real shapes: qwen3.5-27b or tiny")
+    p.add_argument("--mode", default="none", help="none, mtp, dflash2, or several comma-separated")
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--context-length", type=int, default=4096)
+    p.add_argument("--prompt")
+    p.add_argument("--fixtures")
+    p.add_argument("--forced-acceptance", type=float)
+    p.add_argument("--device", choices=["cpu", "cuda", "auto"], default="auto")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="bfloat16")
+    p.add_argument("--compile-mode", type=int, choices=[-1, 0], default=None)
+    p.add_argument("--bandwidth", type=float, help="card read bandwidth in GB/s (default: measured now)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json-out")
+    p.add_argument("--png-out")
+    p.set_defaults(func=cmd_bench)

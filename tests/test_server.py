@@ -1,0 +1,415 @@
+"""`blockspec serve`: a real server subprocess on a loopback port, driven by the openai client and raw HTTP.
+
+Checks the answers against Engine.generate, the usage counts, streaming, concurrency, the bounded queue (429),
+a client leaving mid-stream, and every refusal (400 naming the field). One in-process test covers what the
+planted tiny model never does (EOS -> finish_reason 'stop', multi-byte characters split across tokens).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+import torch
+
+openai = pytest.importorskip("openai")
+pytest.importorskip("fastapi")
+
+from blockspec.engine.engine import Engine  # noqa: E402
+from blockspec.tiny import build_tiny_checkpoint  # noqa: E402
+
+CONTEXT = 1024
+DEFAULT_MAX = 12          # the main server's --max-tokens: the default reply length
+LONG = 900                # a generation long enough to still be running when we act on it
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, model, log_path, *args):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}  # two servers + the tests share two cores
+        self.log = open(log_path, "w")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "blockspec.cli", "serve", "--model", str(model), "--device", "cpu", "--dtype",
+             "float32", "--context-length", str(CONTEXT), "--port", str(self.port), *map(str, args)],
+            stdout=self.log, stderr=subprocess.STDOUT, env=env)
+
+    def wait_ready(self, timeout=120):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{open(self.log_path).read()}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise RuntimeError(f"server not ready after {timeout} s:\n{open(self.log_path).read()}")
+
+    def health(self) -> dict:
+        return httpx.get(self.url + "/health", timeout=10).json()
+
+    def client(self):
+        return openai.OpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+    def stop(self):
+        self.proc.terminate()
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+        self.log.close()
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return build_tiny_checkpoint(tmp_path_factory.mktemp("tinysrv"), seed=0, planted=True)
+
+
+@pytest.fixture(scope="module")
+def servers(tiny, tmp_path_factory):
+    logs = tmp_path_factory.mktemp("logs")
+    main = Server(tiny, logs / "main.log", "--mode", "mtp", "--max-tokens", DEFAULT_MAX, "--queue-size", 8)
+    small = Server(tiny, logs / "small.log", "--mode", "none", "--queue-size", 1)
+    try:
+        yield main.wait_ready(), small.wait_ready()
+    finally:
+        main.stop()
+        small.stop()
+
+
+@pytest.fixture(scope="module")
+def server(servers):
+    return servers[0]
+
+
+@pytest.fixture(scope="module")
+def reference(tiny):
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    engine = Engine.load(tiny, device="cpu", compute_dtype="float32", mode="none", context_length=CONTEXT)
+    cache = {}
+
+    def generate(ids, max_tokens):
+        key = (tuple(ids), max_tokens)
+        if key not in cache:
+            with torch.no_grad():
+                cache[key] = engine.generate(list(ids), max_tokens)
+        return cache[key]
+
+    generate.engine = engine
+    yield generate
+    torch.set_num_threads(threads)
+
+
+def chat_ids(reference, messages):
+    tok = reference.engine.tokenizer
+    return tok.encode(tok.chat_prompt(messages))
+
+
+def model_name(tiny):
+    return tiny.name
+
+
+def user(text):
+    return [{"role": "user", "content": text}]
+
+
+# ------------------------------------------------------------------------------------------------ basics
+
+
+def test_health_and_models(server, tiny):
+    health = server.health()
+    assert health["status"] == "ok" and health["mode"] == "mtp" and health["model"] == model_name(tiny)
+    assert health["running"] == 0 and health["waiting"] == 0
+    models = server.client().models.list()
+    assert [m.id for m in models.data] == [model_name(tiny)]
+    assert httpx.get(server.url + f"/v1/models/{model_name(tiny)}").status_code == 200
+    missing = httpx.get(server.url + "/v1/models/gpt-4o")
+    assert missing.status_code == 404 and "not served" in missing.json()["error"]["message"]
+
+
+def test_chat_non_streamed(server, tiny, reference):
+    messages = user("Tell me about lighthouses.")
+    reply = server.client().chat.completions.create(model=model_name(tiny), messages=messages, max_tokens=10)
+    ids = chat_ids(reference, messages)
+    expected = reference(ids, 10)
+    assert reply.object == "chat.completion"
+    assert reply.choices[0].message.role == "assistant"
+    assert reply.choices[0].message.content == expected.text
+    assert reply.choices[0].finish_reason == "length"
+    assert (reply.usage.prompt_tokens, reply.usage.completion_tokens, reply.usage.total_tokens) == \
+        (len(ids), len(expected.tokens), len(ids) + len(expected.tokens))
+    stats = reply.model_extra["blockspec"]
+    assert stats["mode"] == "mtp" and stats["generated"] == 10
+    assert 0.0 <= stats["acceptance_rate"] <= 1.0 and stats["mean_accepted_length"] >= 1.0
+
+
+def test_chat_streamed_with_usage(server, tiny, reference):
+    messages = [{"role": "system", "content": "Be brief."}, *user("Count for me.")]
+    chunks = list(server.client().chat.completions.create(
+        model=model_name(tiny), messages=messages, max_completion_tokens=14, stream=True,
+        stream_options={"include_usage": True}))
+    expected = reference(chat_ids(reference, messages), 14)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == expected.text
+    assert chunks[0].choices[0].delta.role == "assistant"
+    finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finish == ["length"]
+    assert chunks[-1].choices == [] and chunks[-1].usage.prompt_tokens == len(chat_ids(reference, messages))
+    assert chunks[-1].usage.completion_tokens == 14
+    assert all(c.usage is None for c in chunks[:-1])
+    assert any("blockspec" in (c.model_extra or {}) for c in chunks)
+
+
+def test_chat_streamed_raw_sse(server, tiny, reference):
+    body = {"model": model_name(tiny), "messages": user("hi"), "max_tokens": 5, "stream": True}
+    with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        lines = [line for line in r.iter_lines() if line]
+    assert all(line.startswith("data: ") for line in lines) and lines[-1] == "data: [DONE]"
+    chunks = [json.loads(line[6:]) for line in lines[:-1]]
+    assert {c["object"] for c in chunks} == {"chat.completion.chunk"} and len({c["id"] for c in chunks}) == 1
+    assert "usage" not in chunks[-1]  # no include_usage: no usage chunk
+    assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks) == \
+        reference(chat_ids(reference, user("hi")), 5).text
+
+
+def test_completions(server, tiny, reference):
+    client = server.client()
+    prompt = "Once upon a time"
+    ids = reference.engine.tokenizer.encode(prompt)
+    reply = client.completions.create(model=model_name(tiny), prompt=prompt, max_tokens=9)
+    assert reply.object == "text_completion" and reply.choices[0].text == reference(ids, 9).text
+    assert (reply.usage.prompt_tokens, reply.usage.completion_tokens) == (len(ids), 9)
+    by_ids = client.completions.create(model=model_name(tiny), prompt=[5, 6, 7, 8], max_tokens=7)
+    assert by_ids.choices[0].text == reference([5, 6, 7, 8], 7).text and by_ids.usage.prompt_tokens == 4
+    # no max_tokens: the server's --max-tokens (the context has room)
+    default = client.completions.create(model=model_name(tiny), prompt=prompt)
+    assert default.usage.completion_tokens == DEFAULT_MAX and default.choices[0].finish_reason == "length"
+    assert default.choices[0].text == reference(ids, DEFAULT_MAX).text
+    chunks = list(client.completions.create(model=model_name(tiny), prompt=prompt, max_tokens=9, stream=True,
+                                            stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == reference(ids, 9).text
+    assert chunks[-1].usage.completion_tokens == 9 and chunks[-1].usage.prompt_tokens == len(ids)
+
+
+def test_concurrent_clients(server, tiny, reference):
+    jobs = [(f"question number {i}", 6 + i, i % 2 == 0) for i in range(5)]
+    results, errors = {}, []
+
+    def ask(i, question, max_tokens, stream):
+        try:
+            client = server.client()
+            if stream:
+                chunks = client.chat.completions.create(model=model_name(tiny), messages=user(question),
+                                                        max_tokens=max_tokens, stream=True)
+                results[i] = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+            else:
+                results[i] = client.chat.completions.create(model=model_name(tiny), messages=user(question),
+                                                            max_tokens=max_tokens).choices[0].message.content
+        except Exception as exc:  # reported below
+            errors.append(repr(exc))
+
+    threads = [threading.Thread(target=ask, args=(i, *job)) for i, job in enumerate(jobs)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors
+    for i, (question, max_tokens, _) in enumerate(jobs):
+        assert results[i] == reference(chat_ids(reference, user(question)), max_tokens).text
+
+
+# --------------------------------------------------------------------------------- leaving, queue limit
+
+
+def wait_idle(server, timeout=10.0) -> float:
+    start = time.monotonic()
+    while time.monotonic() - start < timeout:
+        load = server.health()
+        if load["running"] == 0 and load["waiting"] == 0:
+            return time.monotonic() - start
+        time.sleep(0.05)
+    raise AssertionError(f"engine still busy {timeout} s after the client left: {server.health()}")
+
+
+def first_content(response, count=1):
+    """Read SSE lines until `count` chunks carrying text arrived (the generation is running)."""
+    seen = 0
+    for line in response.iter_lines():
+        if line.startswith("data: {") and (json.loads(line[6:])["choices"] or [{}])[0].get("text"):
+            seen += 1
+        if seen >= count:
+            return
+
+
+def test_client_leaving_mid_stream_frees_engine(server, tiny, reference):
+    body = {"model": model_name(tiny), "prompt": "a long story", "max_tokens": LONG, "stream": True}
+    with httpx.Client(timeout=60) as http:
+        with http.stream("POST", server.url + "/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            first_content(r, 3)
+    # the connection is closed: the generation must stop at its next token, not run on to LONG tokens
+    assert wait_idle(server) < 5
+    start = time.monotonic()
+    reply = server.client().completions.create(model=model_name(tiny), prompt="next", max_tokens=8)
+    assert time.monotonic() - start < 10
+    assert reply.choices[0].text == reference(reference.engine.tokenizer.encode("next"), 8).text
+
+
+def test_queue_limit_answers_429(servers, tiny, reference):
+    small = servers[1]
+    body = {"model": model_name(tiny), "prompt": "go", "max_tokens": LONG, "stream": True}
+    with httpx.Client(timeout=60) as a, httpx.Client(timeout=60) as b:
+        with a.stream("POST", small.url + "/v1/completions", json=body) as running:
+            first_content(running)                      # A holds the engine
+            with b.stream("POST", small.url + "/v1/completions", json=body) as waiting:
+                assert waiting.status_code == 200       # B is admitted and waits (queue-size 1)
+                assert small.health()["waiting"] == 1, small.health()
+                start = time.monotonic()
+                refused = httpx.post(small.url + "/v1/completions", json={**body, "stream": False}, timeout=30)
+                assert refused.status_code == 429 and time.monotonic() - start < 5
+                error = refused.json()["error"]
+                assert "busy" in error["message"] and "queue-size 1" in error["message"]
+                with pytest.raises(openai.RateLimitError):
+                    small.client().chat.completions.create(model=model_name(tiny), messages=user("x"), max_tokens=2)
+                running.close()                         # A leaves: B gets the engine
+                first_content(waiting)
+        # both left
+    wait_idle(small)
+    ids = reference.engine.tokenizer.encode("after")
+    reply = small.client().completions.create(model=model_name(tiny), prompt="after", max_tokens=6)
+    assert reply.choices[0].text == reference(ids, 6).text and reply.usage.completion_tokens == 6
+
+
+# ------------------------------------------------------------------------------------------------ refusals
+
+LONG_TEXT = "x" * (CONTEXT + 10)
+CHAT = {"messages": [{"role": "user", "content": "hi"}]}
+COMPLETION = {"prompt": "hi"}
+
+REFUSALS = [
+    ("chat", {**CHAT, "temperature": 0.7}, "temperature", "greedily"),
+    ("chat", {**CHAT, "top_p": 0.9}, "top_p", "top_p"),
+    ("chat", {**CHAT, "n": 2}, "n", "n=2"),
+    ("chat", {**CHAT, "logprobs": True}, "logprobs", "logprobs"),
+    ("chat", {**CHAT, "top_logprobs": 3}, "top_logprobs", "logprobs"),
+    ("chat", {**CHAT, "stop": ["\n"]}, "stop", "stop"),
+    ("completion", {**COMPLETION, "stop": "x"}, "stop", "stop"),
+    ("completion", {**COMPLETION, "logprobs": 2}, "logprobs", "logprobs"),
+    ("completion", {**COMPLETION, "best_of": 3}, "best_of", "best_of"),
+    ("chat", {**CHAT, "presence_penalty": 0.5}, "presence_penalty", "penalt"),
+    ("chat", {**CHAT, "response_format": {"type": "json_object"}}, "response_format", "constraints"),
+    ("chat", {**CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "function calling"),
+    ("chat", {"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "what is this?"},
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]}, "messages", "image"),
+    ("chat", {**CHAT, "max_tokens": 0}, "max_tokens", "at least 1"),
+    ("chat", {**CHAT, "max_tokens": CONTEXT}, "max_tokens", "context_length"),
+    ("chat", {**CHAT, "max_completion_tokens": CONTEXT}, "max_completion_tokens", "context_length"),
+    ("chat", {**CHAT, "max_tokens": "ten"}, "max_tokens", "integer"),
+    ("chat", {"messages": [{"role": "user", "content": LONG_TEXT}]}, "messages", "context_length"),
+    ("completion", {"prompt": LONG_TEXT}, "prompt", "context_length"),
+    ("completion", {"prompt": [1, 2, 100000]}, "prompt", "vocabulary"),
+    ("completion", {"prompt": ["one", "two"]}, "prompt", "one prompt"),
+    ("completion", {"prompt": ""}, "prompt", "empty"),
+    ("chat", {}, "messages", "required"),
+    ("chat", {"messages": []}, "messages", "non-empty"),
+    ("chat", {"messages": [{"role": "wizard", "content": "hi"}]}, "messages", "role"),
+    ("completion", {}, "prompt", "required"),
+    ("completion", {**COMPLETION, "stream": "yes"}, "stream", "boolean"),
+    ("chat", {**CHAT, "model": "gpt-4o"}, "model", "not served"),
+]
+
+
+def test_refusals_answer_400_naming_the_field(server, tiny, reference):
+    with httpx.Client(base_url=server.url, timeout=30) as http:
+        for kind, body, param, words in REFUSALS:
+            path = "/v1/chat/completions" if kind == "chat" else "/v1/completions"
+            r = http.post(path, json=body)
+            expected_status = 404 if param == "model" else 400
+            assert r.status_code == expected_status, (body, r.text)
+            error = r.json()["error"]
+            assert error["param"] == param and words in error["message"], (body, error)
+            assert error["type"] == "invalid_request_error"
+        for raw in (b"{not json", b"", b"[1, 2]"):
+            r = http.post("/v1/chat/completions", content=raw, headers={"content-type": "application/json"})
+            assert r.status_code == 400 and "JSON" in r.json()["error"]["message"], r.text
+        # explicit greedy settings are fine, and the refusals left the engine undisturbed
+        r = http.post("/v1/completions", json={**COMPLETION, "temperature": 0, "top_p": 1, "n": 1, "stop": [],
+                                                "max_tokens": 6})
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"] == reference(reference.engine.tokenizer.encode("hi"), 6).text
+    assert server.health()["running"] == 0
+
+
+# ------------------------------------------------------------------------------- in process: EOS, UTF-8
+
+
+class FakeEngine:
+    """Engine stand-in whose reply is fixed text + EOS: covers finish_reason 'stop' and multi-byte text."""
+
+    check_request = Engine.check_request
+    _unset_drafter_hint = Engine._unset_drafter_hint
+    mode, model_name, context_length, vocab_size = "none", "fake", 256, 259
+
+    def __init__(self, tokenizer, reply):
+        from types import SimpleNamespace
+
+        self.tokenizer, self.reply, self.last_stats = tokenizer, reply, {}
+        self.config = SimpleNamespace(model="fake", max_tokens=64)
+
+    def stream(self, prompt_ids, max_tokens, stop_at_eos=True):
+        tokens = self.tokenizer.encode(self.reply) + [min(self.tokenizer.eos_token_ids)]
+        try:
+            for token in tokens[:max_tokens]:
+                yield token
+        finally:
+            self.last_stats = {"mode": "none", "generated": min(len(tokens), max_tokens), "prefill_s": 0.0,
+                               "decode_tokens_per_s": 0.0}
+
+
+def test_eos_and_multibyte_text_in_process(tiny):
+    from starlette.testclient import TestClient
+
+    from blockspec.server import IncrementalText, create_app
+    from blockspec.tokenizer import Tokenizer
+
+    tok = Tokenizer(tiny, [])
+    reply = "héllo wörld ✓ 😀!"
+    pieces, stream = [], IncrementalText(tok)
+    for token in tok.encode(reply):
+        pieces.append(stream.push([token]))
+    pieces.append(stream.finish())
+    assert "".join(pieces) == reply and not any("\ufffd" in p for p in pieces)
+    assert len(tok.encode(reply)) > len(reply)  # some characters really were split across tokens
+
+    with TestClient(create_app(FakeEngine(tok, reply), queue_size=2)) as http:
+        r = http.post("/v1/chat/completions", json={"messages": user("hi")})
+        answer = r.json()
+        assert answer["choices"][0]["message"]["content"] == reply
+        assert answer["choices"][0]["finish_reason"] == "stop"
+        assert answer["usage"]["completion_tokens"] == len(tok.encode(reply)) + 1  # EOS counted
+        with http.stream("POST", "/v1/completions", json={"prompt": "hi", "stream": True}) as r:
+            chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+        texts = [c["choices"][0]["text"] for c in chunks]
+        assert "".join(texts) == reply and not any("\ufffd" in t for t in texts)
+        assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+        short = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2}).json()
+        assert short["choices"][0]["finish_reason"] == "length"
