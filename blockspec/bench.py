@@ -8,6 +8,7 @@ chosen acceptance. Synthetic and forced results are labelled as such everywhere 
 
 from __future__ import annotations
 
+import gc
 import json
 import statistics
 import tempfile
@@ -66,6 +67,22 @@ class ForcedAcceptance(Proposer):
         self.proposed += k
         self.accepted += m
         return truth[:m] + [(t + 1) % self.vocab for t in truth[m:]]
+
+
+def parse_rates(text: str | None, n_fixtures: int) -> list[float] | None:
+    """One rate for every fixture, or one per fixture (comma-separated, in fixture order)."""
+    if text is None:
+        return None
+    try:
+        rates = [float(r) for r in str(text).split(",")]
+    except ValueError:
+        raise BlockspecError(f"--forced-acceptance must be a number or comma-separated numbers (got {text!r})") \
+            from None
+    if len(rates) == 1:
+        rates *= n_fixtures
+    if len(rates) != n_fixtures or not all(0 <= r <= 1 for r in rates):
+        raise BlockspecError(f"--forced-acceptance: give one rate in [0, 1] or one per fixture ({n_fixtures})")
+    return rates
 
 
 def measure_read_bandwidth(device) -> float | None:
@@ -127,12 +144,12 @@ def build_engine(args, mode: str):
     return Engine(config, model=model, mtp_tensors=mtp, tokenizer=Tokenizer(tok_dir), synthetic_drafter=args.seed)
 
 
-def run_fixture(engine, ids, args, trajectory):
-    if args.forced_acceptance is not None and engine.mode != "none":
+def run_fixture(engine, ids, args, trajectory, rate):
+    if rate is not None and engine.mode != "none":
         forced = engine.proposer if isinstance(engine.proposer, ForcedAcceptance) else None
         if forced is None:
-            forced = engine.proposer = ForcedAcceptance(engine.proposer, args.forced_acceptance, engine.vocab_size)
-        forced.trajectory = trajectory
+            forced = engine.proposer = ForcedAcceptance(engine.proposer, rate, engine.vocab_size)
+        forced.trajectory, forced.rate = trajectory, rate
     engine.generate(ids, min(WARMUP_TOKENS, args.max_tokens), stop_at_eos=False)  # warm-up
     runs = [engine.generate(ids, args.max_tokens, stop_at_eos=not args.synthetic) for _ in range(args.repeats)]
     return runs
@@ -146,8 +163,9 @@ def bench(args) -> dict:
         raise BlockspecError(f"--mode {bad[0]!r}: choose none, mtp or dflash2 (comma-separated for several)")
     if args.forced_acceptance is not None and not args.synthetic:
         raise BlockspecError("--forced-acceptance needs --synthetic weights (it replaces real proposals)")
+    rates = parse_rates(args.forced_acceptance, len(fixtures))
     label = ("SYNTHETIC weights " + args.synthetic if args.synthetic else "model " + str(args.model)) + (
-        f", FORCED acceptance {args.forced_acceptance:.1%}" if args.forced_acceptance is not None else "")
+        ", FORCED acceptance " + "/".join(f"{r:.1%}" for r in rates) if rates else "")
     results = {"label": label, "rows": [], "max_tokens": args.max_tokens, "repeats": args.repeats,
                "context_length": args.context_length, "torch": torch.__version__}
     trajectories = {}
@@ -161,7 +179,8 @@ def bench(args) -> dict:
             results["bytes_per_plain_step"] = bytes_per_plain_step(engine)
         for fixture in fixtures:
             ids = engine.tokenizer.encode(engine.tokenizer.chat_prompt([{"role": "user", "content": fixture["prompt"]}]))
-            runs = run_fixture(engine, ids, args, trajectories.get(fixture["name"]))
+            rate = rates[fixtures.index(fixture)] if rates else None
+            runs = run_fixture(engine, ids, args, trajectories.get(fixture["name"]), rate)
             if mode == "none":
                 trajectories[fixture["name"]] = ids + runs[0].tokens
             if mode not in modes:
@@ -170,6 +189,7 @@ def bench(args) -> dict:
             results["rows"].append(row)
             print(format_row(row), flush=True)
         del engine
+        gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
     return results
@@ -178,10 +198,16 @@ def bench(args) -> dict:
 def summarize(mode, fixture, runs, results) -> dict:
     speeds = [r.stats["decode_tokens_per_s"] for r in runs]
     tps = statistics.median(speeds)
+    cycles = [r.stats["decode_s"] / r.stats["cycles"] * 1e3 for r in runs if r.stats.get("cycles")]
     row = {"mode": mode, "fixture": fixture, "decode_tokens_per_s": tps, "runs_tokens_per_s": speeds,
            "generated": runs[0].stats["generated"], "prefill_s": statistics.median(r.stats["prefill_s"] for r in runs),
            "acceptance_rate": runs[0].stats.get("acceptance_rate"),
-           "mean_accepted_length": runs[0].stats.get("mean_accepted_length")}
+           "mean_accepted_length": runs[0].stats.get("mean_accepted_length"),
+           "cycle_ms": round(statistics.median(cycles), 3) if cycles else None,
+           "step_ms": round(1e3 / tps, 3) if tps else None}
+    plain = next((r for r in results["rows"] if r["mode"] == "none" and r["fixture"] == fixture), None)
+    if row["cycle_ms"] and plain:  # one speculative cycle relative to one plain decode step, same run
+        row["cycle_vs_plain_step"] = round(row["cycle_ms"] / plain["step_ms"], 3)
     bandwidth = results.get("read_bandwidth_gb_s")
     gb_s = tps * results["bytes_per_plain_step"] / 1e9
     row["weight_gb_s"] = round(gb_s, 1)  # plain-step bytes x tokens/s (for speculative modes: effective)
@@ -191,6 +217,8 @@ def summarize(mode, fixture, runs, results) -> dict:
 
 def format_row(row) -> str:
     acc = "" if row["acceptance_rate"] is None else f"  acceptance {100 * row['acceptance_rate']:5.1f}%"
+    if row.get("cycle_vs_plain_step"):
+        acc += f"  cycle {row['cycle_ms']:.2f} ms = {row['cycle_vs_plain_step']:.3f}x plain step"
     roof = "" if row["roofline_pct"] is None else f" ({row['roofline_pct']:.1f}% of measured read bandwidth)"
     return (f"{row['mode']:8s} {row['fixture']:12s} {row['decode_tokens_per_s']:8.2f} tok/s  "
             f"{row['weight_gb_s']:8.1f} GB/s{roof}{acc}  generated {row['generated']}  prefill {row['prefill_s']:.3f} s")
@@ -225,8 +253,6 @@ def cmd_bench(args):
         raise BlockspecError("give --model DIR or --synthetic PRESET")
     if args.repeats < 1 or args.max_tokens < 1:
         raise BlockspecError("--repeats and --max-tokens must be at least 1")
-    if args.forced_acceptance is not None and not 0 <= args.forced_acceptance <= 1:
-        raise BlockspecError(f"--forced-acceptance must be in [0, 1] (got {args.forced_acceptance})")
     results = bench(args)
     print(results["label"])
     if args.json_out:
@@ -247,7 +273,8 @@ def add_bench_parser(sub):
     p.add_argument("--context-length", type=int, default=4096)
     p.add_argument("--prompt")
     p.add_argument("--fixtures")
-    p.add_argument("--forced-acceptance", type=float)
+    p.add_argument("--forced-acceptance", help="synthetic only: accepted fraction of proposals, one rate or one per "
+                   "fixture, e.g. 0.553,0.297,0.516 (the published DFlash2 rates for code, English, translation)")
     p.add_argument("--device", choices=["cpu", "cuda", "auto"], default="auto")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="bfloat16")
     p.add_argument("--compile-mode", type=int, choices=[-1, 0], default=None)

@@ -149,3 +149,71 @@ def build_tiny_checkpoint(directory: str | Path, seed: int = 0, planted: bool = 
     (directory / "tokenizer_config.json").write_text(json.dumps(
         {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "chat_template": CHAT_TEMPLATE}, indent=2))
     return directory
+
+
+def build_tiny_drafter(directory: str | Path, target_dir: str | Path, seed: int = 0, window: int = 16,
+                       noise: float = 0.0) -> Path:
+    """A tiny DFlash2 drafter for a planted tiny target (build_tiny_checkpoint(planted=True)).
+
+    Planted so that its proposals walk the target's cycle 'abc...z ' from the anchor: its final norm keeps only
+    channel 0 (the embeddings' shared constant), so its logits favour every cycle character equally, and the
+    selector's codebooks score the successor of the previous pick highest. `noise` perturbs the codebooks to make
+    some proposals wrong. Everything else is random. The sliding window is small so that long runs exceed it.
+    """
+    from safetensors.torch import load_file
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    target = json.loads((Path(target_dir) / "config.json").read_text())
+    hidden, vocab, layers = target["hidden_size"], target["vocab_size"], target["num_hidden_layers"]
+    tok = byte_tokenizer()
+    ids = cycle_ids(tok)
+    rank = 32
+    config = {
+        "architectures": ["DFlash2DraftModel"], "model_type": "qwen3", "hidden_size": hidden,
+        "intermediate_size": 2 * hidden, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "head_dim": 16, "vocab_size": vocab, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+        "max_position_embeddings": 4096, "sliding_window": window, "use_sliding_window": True,
+        "layer_types": ["sliding_attention"] * 2, "is_causal": False, "attention_bias": False, "hidden_act": "silu",
+        "dflash_config": {"block_size": 8, "mask_token_id": tok.token_to_id("<|endoftext|>"),
+                          "target_layer_ids": sorted({0, layers // 2, layers - 1}), "conv_kernel_size": 2,
+                          "conv_group_size": 16, "selector_rank": rank, "selector_top_k": 32}}
+    (directory / "config.json").write_text(json.dumps(config, indent=2))
+    gen = torch.Generator().manual_seed(seed + 7)
+    n_feat = len(config["dflash_config"]["target_layer_ids"])
+    shapes = {"fc.weight": (hidden, n_feat * hidden), "hidden_norm.weight": (hidden,), "norm.weight": (hidden,)}
+    for i in range(2):
+        p = f"layers.{i}."
+        shapes.update({p + "self_attn.q_proj.weight": (64, hidden), p + "self_attn.k_proj.weight": (32, hidden),
+                       p + "self_attn.v_proj.weight": (32, hidden), p + "self_attn.o_proj.weight": (hidden, 64),
+                       p + "self_attn.q_norm.weight": (16,), p + "self_attn.k_norm.weight": (16,),
+                       p + "mlp.gate_proj.weight": (2 * hidden, hidden), p + "mlp.up_proj.weight": (2 * hidden, hidden),
+                       p + "mlp.down_proj.weight": (hidden, 2 * hidden), p + "input_layernorm.weight": (hidden,),
+                       p + "post_attention_layernorm.weight": (hidden,)})
+        for conv in ("attention_conv", "mlp_conv"):
+            shapes[p + conv + ".base_kernel"] = (2, 2, hidden)
+            shapes[p + conv + ".kernel_projection.weight"] = (2 * 2 * (hidden // 16), hidden)
+    tensors = {}
+    for name, shape in shapes.items():
+        if name.endswith("norm.weight"):
+            tensors[name] = 1.0 + 0.1 * torch.randn(shape, generator=gen)
+        else:
+            fan_in = shape[-1] if len(shape) > 1 else 1
+            tensors[name] = torch.randn(shape, generator=gen) * 0.3 * fan_in ** -0.5
+    norm = torch.zeros(hidden)
+    norm[0] = 1.0  # keep the shared constant channel only
+    tensors["norm.weight"] = norm
+    projection = torch.zeros(rank, hidden)
+    projection[:, 0] = 1.0
+    predecessor, successor = torch.zeros(vocab, rank), torch.zeros(vocab, rank)
+    for i, t in enumerate(ids):
+        successor[t, i] = 4.0
+    for t in range(vocab):  # every token's successor is the cycle character after the one it behaves like
+        i = ids.index(t) if t in ids else t % len(ids) - 1
+        predecessor[t, (i + 1) % len(ids)] = 1.0
+    predecessor += noise * torch.randn(vocab, rank, generator=gen)
+    tensors.update({"candidate_selector.hidden_projection.weight": projection,
+                    "candidate_selector.predecessor_codebook.weight": predecessor,
+                    "candidate_selector.successor_codebook.weight": successor})
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(directory / "model.safetensors"))
+    return directory

@@ -249,10 +249,11 @@ def wait_idle(server, timeout=10.0) -> float:
     raise AssertionError(f"engine still busy {timeout} s after the client left: {server.health()}")
 
 
-def first_content(response, count=1):
-    """Read SSE lines until `count` chunks carrying text arrived (the generation is running)."""
+def first_content(lines, count=1):
+    """Read SSE lines until `count` chunks carrying text arrived (the generation is running). Keep `lines` (one
+    response.iter_lines()) alive meanwhile: dropping that iterator closes the connection."""
     seen = 0
-    for line in response.iter_lines():
+    for line in lines:
         if line.startswith("data: {") and (json.loads(line[6:])["choices"] or [{}])[0].get("text"):
             seen += 1
         if seen >= count:
@@ -264,7 +265,7 @@ def test_client_leaving_mid_stream_frees_engine(server, tiny, reference):
     with httpx.Client(timeout=60) as http:
         with http.stream("POST", server.url + "/v1/completions", json=body) as r:
             assert r.status_code == 200
-            first_content(r, 3)
+            first_content(r.iter_lines(), 3)
     # the connection is closed: the generation must stop at its next token, not run on to LONG tokens
     assert wait_idle(server) < 5
     start = time.monotonic()
@@ -278,10 +279,12 @@ def test_queue_limit_answers_429(servers, tiny, reference):
     body = {"model": model_name(tiny), "prompt": "go", "max_tokens": LONG, "stream": True}
     with httpx.Client(timeout=60) as a, httpx.Client(timeout=60) as b:
         with a.stream("POST", small.url + "/v1/completions", json=body) as running:
-            first_content(running)                      # A holds the engine
+            running_lines = running.iter_lines()
+            first_content(running_lines)                # A holds the engine
             with b.stream("POST", small.url + "/v1/completions", json=body) as waiting:
                 assert waiting.status_code == 200       # B is admitted and waits (queue-size 1)
-                assert small.health()["waiting"] == 1, small.health()
+                assert small.health()["waiting"] == 1, str(small.health())
+                waiting_lines = waiting.iter_lines()
                 start = time.monotonic()
                 refused = httpx.post(small.url + "/v1/completions", json={**body, "stream": False}, timeout=30)
                 assert refused.status_code == 429 and time.monotonic() - start < 5
@@ -290,7 +293,7 @@ def test_queue_limit_answers_429(servers, tiny, reference):
                 with pytest.raises(openai.RateLimitError):
                     small.client().chat.completions.create(model=model_name(tiny), messages=user("x"), max_tokens=2)
                 running.close()                         # A leaves: B gets the engine
-                first_content(waiting)
+                first_content(waiting_lines)
         # both left
     wait_idle(small)
     ids = reference.engine.tokenizer.encode("after")

@@ -1,0 +1,96 @@
+"""`blockspec chat` driven through stdin in a subprocess: replies equal Engine.generate on the templated history,
+/reset, /exit, EOF, history trimmed to the context, a too-long message refused without ending the session."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from blockspec.engine.engine import Engine
+from blockspec.tiny import build_tiny_checkpoint
+
+CONTEXT = 128
+MAX_TOKENS = 6
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return build_tiny_checkpoint(tmp_path_factory.mktemp("tinychat"), seed=0, planted=True)
+
+
+@pytest.fixture(scope="module")
+def engine(tiny):
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield Engine.load(tiny, device="cpu", compute_dtype="float32", mode="none", context_length=CONTEXT)
+    torch.set_num_threads(threads)
+
+
+def chat(tiny, lines, *args):
+    proc = subprocess.run(
+        [sys.executable, "-m", "blockspec.cli", "chat", "--model", str(tiny), "--device", "cpu", "--dtype", "float32",
+         "--context-length", str(CONTEXT), "--max-tokens", str(MAX_TOKENS), *map(str, args)],
+        input="".join(line + "\n" for line in lines), capture_output=True, text=True, timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1"})
+    return proc.returncode, proc.stdout, proc.stderr
+
+
+def expected_replies(engine, messages_in):
+    """The conversation as the spec says: each turn renders system + kept history + the message; the oldest turns
+    go while prompt + max_tokens would overflow; a message too long alone is skipped; /reset forgets all."""
+    tok = engine.tokenizer
+    encode = lambda messages: tok.encode(tok.chat_prompt(messages))  # noqa: E731
+    turns, replies, drops = [], [], 0
+    for text in messages_in:
+        if text == "/reset":
+            turns = []
+            continue
+        user = {"role": "user", "content": text}
+        if len(encode([user])) >= CONTEXT:
+            continue
+        while turns and len(encode([m for t in turns for m in t] + [user])) + MAX_TOKENS > CONTEXT:
+            turns, drops = turns[1:], drops + 1
+        ids = encode([m for t in turns for m in t] + [user])
+        with torch.no_grad():
+            reply = engine.generate(ids, min(MAX_TOKENS, CONTEXT - len(ids))).text
+        replies.append(reply)
+        turns.append((user, {"role": "assistant", "content": reply}))
+    return replies, drops
+
+
+def test_chat_session(tiny, engine):
+    too_long = "y" * (CONTEXT + 5)
+    script = ["hello there", "/reset", "what is a lighthouse?", "", "and a harbour?", too_long, "/bogus",
+              "tell me more", "and more again", "last one"]
+    code, out, err = chat(tiny, script, "--mode", "mtp")
+    assert code == 0, err
+    replies, drops = expected_replies(engine, [line for line in script if line and line != "/bogus"
+                                               and line != too_long])
+    assert drops >= 1  # the script does overflow the context
+    assert out == "".join(reply + "\n" for reply in replies)
+    stats = [line for line in err.splitlines() if "tokens/s" in line]
+    assert len(stats) == len(replies) and all("acceptance" in line and "context" in line for line in stats)
+    assert "conversation reset" in err
+    assert "message too long" in err and "not sent" in err
+    assert "dropped the" in err and "oldest turn" in err
+    assert "unknown command /bogus" in err
+    assert "Traceback" not in err
+
+
+def test_chat_exit_and_eof(tiny, engine):
+    code, out, err = chat(tiny, ["hi", "/exit", "never answered"])
+    assert code == 0, err
+    replies, _ = expected_replies(engine, ["hi"])
+    assert out == replies[0] + "\n"
+    assert "acceptance" not in err  # plain greedy: no speculative stats
+    code, out, err = chat(tiny, [])  # immediate end of input
+    assert code == 0 and out == "" and "blockspec chat" in err
+
+
+def test_chat_bad_model_is_one_line_error(tmp_path):
+    code, out, err = chat(tmp_path / "missing", ["hi"])
+    assert code == 2 and err.startswith("blockspec: error:") and "Traceback" not in err
