@@ -19,7 +19,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-from .errors import BlockspecError, UnsupportedRequest
+from .errors import BlockspecError
 
 try:
     import uvicorn
@@ -185,7 +185,9 @@ class RequestParser:
                 raise bad("suffix: insertion (fill-in-the-middle) is not supported by blockspec", "suffix")
         stream = get_bool(body, "stream", False)
         options = get_object(body, "stream_options") or {}
-        include_usage = get_bool(options, "include_usage", False) if isinstance(options, dict) else False
+        include_usage = options.get("include_usage") or False
+        if not isinstance(include_usage, bool):
+            raise bad("'stream_options.include_usage' must be a boolean", "stream_options")
         return stream, include_usage, model or self.engine.model_name
 
     def chat_messages(self, body: dict) -> list[dict]:
@@ -391,16 +393,19 @@ class Worker:
                 if job.state != "queued":
                     continue  # its client left while it waited
                 job.state, self.running = "running", job
+            final = ("error", ApiError(500, "generation did not finish", type_="server_error"))
             try:
                 with torch.no_grad():
-                    self.execute(job)
+                    final = self.execute(job)
             finally:
-                with self.lock:
+                with self.lock:  # free the engine before answering, so a client's next request is never refused
                     job.state, self.running = "finished", None
                     self.outstanding -= 1
                     self.served += 1
+                job.emit(*final)
 
-    def execute(self, job: Job):
+    def execute(self, job: Job) -> tuple[str, object]:
+        """Run one job, streaming its tokens; return its final event: ("done", stats) or ("error", ApiError)."""
         job.started = time.perf_counter()
         tokens = self.engine.stream(job.prompt_ids, job.max_tokens)
         try:
@@ -411,12 +416,12 @@ class Worker:
             tokens.close()  # runs the engine's cleanup now, so last_stats is this request's
             stats = dict(self.engine.last_stats)
             stats["queue_s"] = round(job.started - job.submitted, 6)
-            job.emit("done", stats)
+            return "done", stats
         except BlockspecError as exc:
-            job.emit("error", ApiError(400, str(exc)))
+            return "error", ApiError(400, str(exc))
         except Exception as exc:  # a bug or a device error: the request fails, the server stays up
             log.exception("generation failed")
-            job.emit("error", ApiError(500, f"generation failed: {type(exc).__name__}: {exc}", type_="server_error"))
+            return "error", ApiError(500, f"generation failed: {type(exc).__name__}: {exc}", type_="server_error")
         finally:
             tokens.close()
 

@@ -143,7 +143,7 @@ def test_bad_config_file(tiny, tmp_path, capsys):
     for text, message in cases:
         path = tmp_path / "c.yaml"
         path.write_text(text)
-        code = main(["generate", "--model", str(tiny), "--prompt", "a", "--config", str(path), *BASE])
+        code = main(["generate", "--model", str(tiny), "--prompt", "a", "--config", str(path), "--device", "cpu"])
         err = capsys.readouterr().err
         assert code == 2 and message in err and err.count("\n") == 1, (text, err)
     code = main(["generate", "--model", str(tiny), "--prompt", "a", "--config", str(tmp_path / "nope.yaml")])
