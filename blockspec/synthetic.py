@@ -71,7 +71,24 @@ def synthetic_target(name: str, device, dtype, seed: int = 0):
                     p.data = p.data.float()
             randomize_(module, seed)
             module.requires_grad_(False).eval()
+    plant_permutation_(model, seed)
     return model, head
+
+
+@torch.no_grad()
+def plant_permutation_(model, seed: int, layer_scale: float = 0.05):
+    """Make greedy decoding follow a fixed random permutation of the vocabulary with a wide logit margin: the head
+    row of token perm(t) is the embedding of t, and the layers' outputs are scaled down so the embedding dominates
+    the residual stream. Random weights alone give nearly flat logits, whose argmax flips with the rounding of
+    differently shaped passes; forced-acceptance benchmarks need a trajectory every pass shape agrees on."""
+    gen = torch.Generator().manual_seed(seed + 1)
+    perm = torch.randperm(model.config.vocab_size, generator=gen).to(model.embed_tokens.weight.device)
+    head = model.lm_head.weight if model.lm_head is not None else None
+    if head is not None:
+        head[perm] = model.embed_tokens.weight
+    for name, p in model.named_parameters():
+        if name.endswith(("o_proj.weight", "out_proj.weight", "down_proj.weight")):
+            p.mul_(layer_scale)
 
 
 def synthetic_drafter_config(target: TargetConfig) -> dict:

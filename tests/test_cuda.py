@@ -64,9 +64,18 @@ def test_graphed_verifier_logits_equal_eager(pair):
     assert (graphed_logits - eager_out.logits).abs().max() < 1e-4
 
 
+@pytest.fixture(scope="module")
+def wide_margin_pair(tmp_path_factory):
+    """bf16 greedy is not batch-invariant (a token's logits round differently in a 1-token and an 8-token pass),
+    so bf16 equality is checked on a planted pair whose logit margins are wide: a less noisy target and a drafter
+    whose codebook noise makes acceptance partial."""
+    target = build_tiny_checkpoint(tmp_path_factory.mktemp("t"), seed=1, planted=True, target_noise=1.0)
+    return target, build_tiny_drafter(tmp_path_factory.mktemp("d"), target, noise=0.5)
+
+
 @pytest.mark.parametrize("compile_mode", [-1, 0])
-def test_dflash2_equals_plain_bf16(pair, compile_mode):
-    target, drafter = pair
+def test_dflash2_equals_plain_bf16(wide_margin_pair, compile_mode):
+    target, drafter = wide_margin_pair
     plain = engine(target, compute_dtype="bfloat16", compile_mode=compile_mode)
     spec = engine(target, compute_dtype="bfloat16", compile_mode=compile_mode, mode="dflash2",
                   dflash2_model=str(drafter))
@@ -74,3 +83,4 @@ def test_dflash2_equals_plain_bf16(pair, compile_mode):
     a, b = plain.generate(ids, 200, stop_at_eos=False), spec.generate(ids, 200, stop_at_eos=False)
     print(f"bf16 compile_mode {compile_mode}: acceptance {b.stats['acceptance_rate']:.2f}")
     assert a.tokens == b.tokens
+    assert 0.02 < b.stats["acceptance_rate"] < 0.98

@@ -11,6 +11,7 @@ import torch
 from ..checkpoint import load_target
 from ..config import PredictConfig
 from ..errors import BlockspecError, UnsupportedRequest
+from ..kernels import enable_fusion
 from ..tokenizer import Tokenizer
 from .decode import DecodeStats, Proposer, decode
 from .state import DecodeState
@@ -103,6 +104,7 @@ class Engine:
         if self.config.compile_mode == 0:
             if self.device.type != "cuda":
                 raise BlockspecError("compile_mode 0 (CUDA graphs) needs --device cuda; use compile_mode -1 on the CPU")
+            enable_fusion()  # torch.compile the elementwise ops before anything is captured
             if hasattr(self.proposer, "capture_graph"):
                 start = time.perf_counter()
                 self.proposer.capture_graph()

@@ -5,7 +5,10 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from . import fused
 
+
+@fused
 def causal_conv1d(x: torch.Tensor, history: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Depthwise causal convolution + SiLU over x [T, C], continuing from `history` [K-1, C] (the previous inputs).
 
@@ -19,6 +22,22 @@ def causal_conv1d(x: torch.Tensor, history: torch.Tensor, weight: torch.Tensor) 
 
 def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+@fused
+def deltanet_inputs(mixed, b, a, A_log, dt_bias, key_heads: int, key_dim: int, value_heads: int, value_dim: int):
+    """Split the convolved projection into the recurrence's inputs: L2-normalised q (pre-scaled) and k repeated
+    to the value heads, v, log-decay g = -exp(A_log) * softplus(a + dt_bias), write strength beta = sigmoid(b)."""
+    t = mixed.shape[0]
+    qk_size = key_heads * key_dim
+    q, k, v = mixed.split([qk_size, qk_size, value_heads * value_dim], dim=-1)
+    repeat = value_heads // key_heads
+    q = l2_normalize(q.reshape(t, key_heads, key_dim).float()).repeat_interleave(repeat, dim=1) * key_dim ** -0.5
+    k = l2_normalize(k.reshape(t, key_heads, key_dim).float()).repeat_interleave(repeat, dim=1)
+    v = v.reshape(t, value_heads, value_dim).float()
+    beta = torch.sigmoid(b).float()
+    g = -A_log.float().exp() * F.softplus(a.float() + dt_bias.float())
+    return q, k, v, g, beta
 
 
 def gated_delta_rule(q, k, v, g, beta, state):

@@ -3,7 +3,10 @@
 import torch
 import torch.nn.functional as F
 
+from . import fused
 
+
+@fused
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Qwen3.5 decoder norms store weight - 1 (zero-centred): y = x / rms(x) * (1 + w), computed in float32."""
     xf = x.float()
@@ -18,6 +21,7 @@ def rms_norm_plain(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.T
     return weight.to(x.dtype) * y
 
 
+@fused
 def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """DeltaNet output norm: plain RMSNorm over each value head, then times silu(gate) in float32."""
     y = rms_norm_plain(x, weight, eps)

@@ -2,6 +2,8 @@
 
 import torch
 
+from . import fused
+
 
 def rope_tables(positions: torch.Tensor, rotary_dim: int, theta: float, dtype: torch.dtype):
     """cos/sin of shape [T, rotary_dim] for integer positions, computed in float32 then cast like the activations."""
@@ -17,6 +19,7 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat([-second, first], dim=-1)
 
 
+@fused
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x: [T, heads, head_dim]; rotates the first cos.shape[-1] channels of each head, passes the rest through."""
     rotary_dim = cos.shape[-1]

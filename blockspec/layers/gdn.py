@@ -7,10 +7,9 @@ recurrence over n tokens, never a second target pass.
 """
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from ..kernels.gdn import causal_conv1d, gated_delta_rule, l2_normalize
+from ..kernels.gdn import causal_conv1d, deltanet_inputs, gated_delta_rule
 from ..kernels.norm import gated_rms_norm
 
 
@@ -45,7 +44,7 @@ class GDNState:
         self.pending_len = t
         self.pending_history.copy_(window[t:])
         self.pending_recurrent.copy_(final_recurrent)
-        if t <= self.max_partial:
+        if 1 < t <= self.max_partial:  # a 1-token pass can only be committed whole
             self.pending_window[:window.shape[0]].copy_(window)
             for buffer, value in zip(self.pending_inputs(t), inputs):
                 buffer.copy_(value)
@@ -93,24 +92,11 @@ class GatedDeltaNet(nn.Module):
         return GDNState(self.conv_dim, self.conv1d.kernel_size[0], self.value_heads, self.key_dim, self.value_dim,
                         max_partial, device, dtype)
 
-    def recurrence_inputs(self, x: torch.Tensor, mixed: torch.Tensor):
-        """Split the convolved projection into the recurrence's q, k, v, log-decay g and write strength beta."""
-        t = x.shape[0]
-        qk_size = self.key_heads * self.key_dim
-        q, k, v = mixed.split([qk_size, qk_size, self.value_heads * self.value_dim], dim=-1)
-        repeat = self.value_heads // self.key_heads
-        q = l2_normalize(q.reshape(t, self.key_heads, self.key_dim).float()).repeat_interleave(repeat, dim=1)
-        k = l2_normalize(k.reshape(t, self.key_heads, self.key_dim).float()).repeat_interleave(repeat, dim=1)
-        q = q * self.key_dim ** -0.5
-        v = v.reshape(t, self.value_heads, self.value_dim).float()
-        beta = torch.sigmoid(self.in_proj_b(x)).float()
-        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias.float())
-        return q, k, v, g, beta
-
     def forward(self, x: torch.Tensor, state: GDNState) -> torch.Tensor:
         t = x.shape[0]
         mixed, window = causal_conv1d(self.in_proj_qkv(x), state.history, self.conv1d.weight)
-        inputs = self.recurrence_inputs(x, mixed)
+        inputs = deltanet_inputs(mixed, self.in_proj_b(x), self.in_proj_a(x), self.A_log, self.dt_bias,
+                                 self.key_heads, self.key_dim, self.value_heads, self.value_dim)
         out, final = gated_delta_rule(*inputs, state.recurrent)
         state.record(window, final, inputs)
         z = self.in_proj_z(x).view(t, self.value_heads, self.value_dim)

@@ -4,6 +4,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..kernels import fused
+
+
+@fused
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return F.silu(gate) * up
+
 
 class SwiGLU(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int):
@@ -13,4 +20,4 @@ class SwiGLU(nn.Module):
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
