@@ -16,17 +16,23 @@ Packed layout ("planar", chosen for these kernels; `pack_planar` builds it, `unp
   dequant: w[n, k] = (u - z) * s      (int4 symmetric: z = 8, so u - 8 is the signed code in [-8, 7]).
 
 Why planar: a plane of a [rows, words] tile is a [rows, words] tensor of codes for *contiguous* k, so the
-kernels never need to interleave nibbles across registers; they extract a plane with one AND+OR into a float's
-mantissa ("magic number" conversion: bits | 0x4B000000 is the float 2**23 + value, exact) and one subtraction,
-with no int->float conversion instruction. The plane's power-of-two position factor is folded into x.
+kernels never interleave nibbles across registers.
 
 Kernels
 -------
-  fma: CUDA-core kernel for M <= 4 (1, 2 or 4 rows per program): everything stays in one register layout.
-  dot: tensor-core kernel, 16 (or 64) activation rows per program; computes out^T = W x^T with tl.dot.
+  dot: tensor-core kernel (tl.dot -> wgmma on sm_90), 16 (or 64) activation rows per program, one group per K
+       step: part[BN, BM] = C[BN, G] @ xg[G, BM], acc += part * scale. On GPU with int4, one PTX block turns each
+       word into eight exact 16-bit floats u - 8 ((u | 0x4300) as bf16 is 128 + u; 3 SHF + 4 LOP3 + 4 packed SUB
+       per word), laid out so each 32-bit register is already a column pair of C. About 2.9 SASS instructions per
+       weight (sm_90a, BN=128), the same for every M <= 16.
+  fma: CUDA-core kernel for M in {1, 2} (also 4): plane p is masked in place into a float mantissa
+       (bits | 0x4B000000 = 2**23 + u * 2**shift, one LOP3) minus a constant (one FADD), times x / 2**shift;
+       no int->float conversions and one register layout throughout. ~4.1 instructions per weight at M = 1.
+  Zero points (asymmetric) are applied per group as -(z - 2**(bits-1)) * sum(x over the group).
 Both split K across programs when there are too few N tiles to fill the GPU; the last program of a tile
 (a per-tile arrival counter) adds the partial sums in a fixed order, so one launch gives a deterministic result.
 Split-K shares one counter buffer per device: kernels on one stream run one at a time, which is what it needs.
+Weights and scales for the next K step are loaded before the current step's math (register double buffering).
 
 A small autotuner (`tune`) times a handful of configurations per (bits, group, M bucket, N, K) on the real
 weights, checks each result against a dequantized reference, and caches the winner; configurations that fail
@@ -39,7 +45,7 @@ import json
 import os
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 
@@ -180,7 +186,8 @@ if triton is not None:
         return s, zc
 
     @triton.jit
-    def _plane(words, words_hi, P: tl.constexpr, BITS: tl.constexpr, P_LO: tl.constexpr, HI_SHIFT: tl.constexpr):
+    def _plane(words, words_hi, P: tl.constexpr, BITS: tl.constexpr, P_LO: tl.constexpr, HI_SHIFT: tl.constexpr,
+               USE_ASM: tl.constexpr):
         """Plane P of a word tile as float32 (u - 2**(BITS-1)) * 2**SHIFT, exact, SHIFT = BITS*P or BITS*P - HI_SHIFT.
 
         The code is masked in place into the low mantissa of the float 2**23 (bits | 0x4B000000), then the
@@ -191,8 +198,57 @@ if triton is not None:
             src = words_hi
         else:
             src = words
-        bits = (src & (((1 << BITS) - 1) << SHIFT)) | 0x4B000000
+        MASK = ((1 << BITS) - 1) << SHIFT
+        if USE_ASM:  # one LOP3 ((a & b) | c, lut 0xEA); plain and/or with two immediates costs two
+            bits = tl.inline_asm_elementwise("lop3.b32 $0, $1, $2, $3, 0xEA;", "=r,r,r,r",
+                                             [src, tl.full(src.shape, MASK, tl.int32),
+                                              tl.full(src.shape, 0x4B000000, tl.int32)],
+                                             dtype=tl.int32, is_pure=True, pack=1)
+        else:
+            bits = (src & MASK) | 0x4B000000
         return bits.to(tl.float32, bitcast=True) - (8388608.0 + (1 << (BITS - 1)) * (1 << SHIFT))
+
+    _PLANES16_ASM = """
+            {
+            .reg .b32 t0, t1, t2, t3, s, k;
+            mov.b32 k, BIAS;
+            lop3.b32 t0, $8, 0x000F000F, MAGIC, 0xEA;
+            shr.u32 s, $8, 4;
+            lop3.b32 t1, s, 0x000F000F, MAGIC, 0xEA;
+            shr.u32 s, $8, 8;
+            lop3.b32 t2, s, 0x000F000F, MAGIC, 0xEA;
+            shr.u32 s, $8, 12;
+            lop3.b32 t3, s, 0x000F000F, MAGIC, 0xEA;
+            sub.rn.TYPE t0, t0, k;
+            sub.rn.TYPE t1, t1, k;
+            sub.rn.TYPE t2, t2, k;
+            sub.rn.TYPE t3, t3, k;
+            mov.b32 {$0, $4}, t0;
+            mov.b32 {$1, $5}, t1;
+            mov.b32 {$2, $6}, t2;
+            mov.b32 {$3, $7}, t3;
+            }
+            """
+    # (u | 0x4300) as bf16 = 128 + u and (u | 0x6400) as fp16 = 1024 + u, exactly; minus 136 / 1032 -> u - 8
+    _PLANES16_BF16 = tl.constexpr(
+        _PLANES16_ASM.replace("BIAS", "0x43084308").replace("MAGIC", "0x43004300").replace("TYPE", "bf16x2"))
+    _PLANES16_FP16 = tl.constexpr(
+        _PLANES16_ASM.replace("BIAS", "0x64086408").replace("MAGIC", "0x64006400").replace("TYPE", "f16x2"))
+
+    @triton.jit
+    def _int4_planes16(words, IS_FP16: tl.constexpr):
+        """Eight 16-bit float tensors (u - 8) of planes 0..7 of int32 words, exact, from one PTX block per word:
+        each 32-bit register of the result pairs planes i and i + 4 (3 SHF + 4 LOP3 + 4 packed SUB per word)."""
+        if IS_FP16:
+            return tl.inline_asm_elementwise(
+                _PLANES16_FP16, "=h,=h,=h,=h,=h,=h,=h,=h,r", [words],
+                dtype=(tl.float16, tl.float16, tl.float16, tl.float16, tl.float16, tl.float16, tl.float16,
+                       tl.float16), is_pure=True, pack=1)
+        else:
+            return tl.inline_asm_elementwise(
+                _PLANES16_BF16, "=h,=h,=h,=h,=h,=h,=h,=h,r", [words],
+                dtype=(tl.bfloat16, tl.bfloat16, tl.bfloat16, tl.bfloat16, tl.bfloat16, tl.bfloat16, tl.bfloat16,
+                       tl.bfloat16), is_pure=True, pack=1)
 
     @triton.jit
     def _join2(a, b):
@@ -242,7 +298,7 @@ if triton is not None:
                        M, N, K, KW, NBLK, BPS, SPLIT_K, stride_xm, stride_om,
                        BITS: tl.constexpr, WB: tl.constexpr, P_LO: tl.constexpr, HI_SHIFT: tl.constexpr,
                        HAS_ZP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, W: tl.constexpr,
-                       SPLIT: tl.constexpr):
+                       SPLIT: tl.constexpr, USE_ASM: tl.constexpr):
         """CUDA-core kernel for BLOCK_M in {1, 2, 4} rows; the weight tile is read once for all rows."""
         PLANES: tl.constexpr = 32 // BITS
         GS: tl.constexpr = WB * PLANES
@@ -287,7 +343,7 @@ if triton is not None:
             xs3 = tl.zeros([W], tl.float32)
             for P in tl.static_range(PLANES):
                 INV = 1.0 / (1 << (BITS * P - HI_SHIFT * (P >= P_LO)))
-                f = _plane(words, words_hi, P, BITS, P_LO, HI_SHIFT)
+                f = _plane(words, words_hi, P, BITS, P_LO, HI_SHIFT, USE_ASM)
                 kx = blk * GS + P * WB + w_j
                 xm = kvalid & (kx < K)
                 t0, xs0 = _fma_row(t0, xs0, f, xb, kx, xm, INV, HAS_ZP)
@@ -323,7 +379,8 @@ if triton is not None:
                        M, N, K, KW, NBLK, BPS, SPLIT_K, stride_xm, stride_om,
                        BITS: tl.constexpr, WB: tl.constexpr, P_LO: tl.constexpr, HI_SHIFT: tl.constexpr,
                        HAS_ZP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, W: tl.constexpr,
-                       SPLIT: tl.constexpr, DOT_F32: tl.constexpr):
+                       SPLIT: tl.constexpr, USE_ASM: tl.constexpr, DOT_F32: tl.constexpr,
+                       PLANES16: tl.constexpr):
         """Tensor-core kernel, one group per K step: part[BN, BM] = C[BN, G] @ xg[G, BM]; acc += part * s.
 
         C holds the group's codes minus 2**(bits-1), times per-plane powers of two (exact in bf16/fp16), in
@@ -345,7 +402,10 @@ if triton is not None:
         m_mask = offs_m < M
         offs_c = tl.arange(0, GS)
         c_w = offs_c // PLANES
-        c_p = offs_c % PLANES
+        if PLANES == 8:  # column 8w + 2i + h holds plane i + 4h (see the join tree below)
+            c_p = (offs_c % 8) // 2 + 4 * (offs_c % 2)
+        else:  # column 4w + p holds plane p
+            c_p = offs_c % PLANES
         c_koff = c_p * WB + c_w
         c_shift = tl.where(c_p >= P_LO, BITS * c_p - HI_SHIFT, BITS * c_p)
         c_inv = ((127 - c_shift) << 23).to(tl.float32, bitcast=True)  # 2**-shift
@@ -365,22 +425,31 @@ if triton is not None:
             kx = b0 * GS + c_koff
             xt = tl.load(x_ptr + offs_m[None, :] * stride_xm + kx[:, None], mask=(kx < K)[:, None] & m_mask[None, :],
                          other=0.0).to(tl.float32)
-            xg = (xt * c_inv[:, None]).to(xdt).to(dt)
-            words_hi = words >> HI_SHIFT
-            c0 = _plane(words, words_hi, 0, BITS, P_LO, HI_SHIFT).to(xdt).to(dt)
-            c1 = _plane(words, words_hi, 1, BITS, P_LO, HI_SHIFT).to(xdt).to(dt)
-            c2 = _plane(words, words_hi, 2, BITS, P_LO, HI_SHIFT).to(xdt).to(dt)
-            c3 = _plane(words, words_hi, 3, BITS, P_LO, HI_SHIFT).to(xdt).to(dt)
+            if PLANES16:  # int4 on GPU: exact (u - 8) planes straight from PTX in x's dtype; x unscaled
+                xg = xt.to(xdt)
+                c0, c1, c2, c3, c4, c5, c6, c7 = _int4_planes16(words, xdt == tl.float16)
+            else:
+                xg = (xt * c_inv[:, None]).to(xdt).to(dt)
+                words_hi = words >> HI_SHIFT
+                c0 = _plane(words, words_hi, 0, BITS, P_LO, HI_SHIFT, USE_ASM).to(xdt).to(dt)
+                c1 = _plane(words, words_hi, 1, BITS, P_LO, HI_SHIFT, USE_ASM).to(xdt).to(dt)
+                c2 = _plane(words, words_hi, 2, BITS, P_LO, HI_SHIFT, USE_ASM).to(xdt).to(dt)
+                c3 = _plane(words, words_hi, 3, BITS, P_LO, HI_SHIFT, USE_ASM).to(xdt).to(dt)
+                if PLANES == 8:
+                    c4 = _plane(words, words_hi, 4, BITS, P_LO, HI_SHIFT, USE_ASM).to(xdt).to(dt)
+                    c5 = _plane(words, words_hi, 5, BITS, P_LO, HI_SHIFT, USE_ASM).to(xdt).to(dt)
+                    c6 = _plane(words, words_hi, 6, BITS, P_LO, HI_SHIFT, USE_ASM).to(xdt).to(dt)
+                    c7 = _plane(words, words_hi, 7, BITS, P_LO, HI_SHIFT, USE_ASM).to(xdt).to(dt)
             if PLANES == 8:
-                c4 = _plane(words, words_hi, 4, BITS, P_LO, HI_SHIFT).to(xdt).to(dt)
-                c5 = _plane(words, words_hi, 5, BITS, P_LO, HI_SHIFT).to(xdt).to(dt)
-                c6 = _plane(words, words_hi, 6, BITS, P_LO, HI_SHIFT).to(xdt).to(dt)
-                c7 = _plane(words, words_hi, 7, BITS, P_LO, HI_SHIFT).to(xdt).to(dt)
-                # column 8w + p  <-  join tree (p, p+4), then (p, p+2), then (p, p+1)
-                a = _join2(_join2(_join2(c0, c4), _join2(c2, c6)), _join2(_join2(c1, c5), _join2(c3, c7)))
+                # column 8w + 2i + h <- plane i + 4h: planes i and i + 4 (one 32-bit register of the PTX
+                # unpacking) land in adjacent columns, so the bf16 pairs need no repacking
+                a = _join2(_join2(_join2(c0, c2), _join2(c1, c3)), _join2(_join2(c4, c6), _join2(c5, c7)))
             else:
                 a = _join2(_join2(c0, c2), _join2(c1, c3))  # column 4w + p
-            part = tl.dot(a, xg)
+            if DOT_F32:
+                part = tl.dot(a, xg, input_precision="ieee")
+            else:
+                part = tl.dot(a, xg)
             if HAS_ZP:
                 part -= zc * tl.sum(xt, axis=0)[None, :]
             acc += part * s
@@ -423,12 +492,13 @@ def kernels_available(device: torch.device | str) -> bool:
 @dataclass(frozen=True)
 class KernelConfig:
     kind: str          # "fma" or "dot"
-    block_m: int       # activation rows per program (fma: 1, 2, 4; dot: 16 or 64)
+    block_m: int       # activation rows per program (fma: 1, 2, 4; dot: 16, 32 or 64)
     block_n: int       # output features per program
     words: int         # int32 words per row per K step (a multiple of the words per group)
     split_k: int       # K ranges (programs) per N tile
     num_warps: int = 4
     num_stages: int = 1
+    asm: bool = True   # inline PTX for the unpacking (GPU only; the interpreter always takes the plain path)
 
 
 def m_bucket(m: int) -> int:
@@ -458,29 +528,22 @@ def _split_for(n_tiles: int, steps: int, target_programs: int) -> int:
     return max(1, min(split, steps // 2, 64))
 
 
-def _words_per_group(bits: int, group_size: int) -> int:
-    return layout_geometry(bits, group_size)[1]
-
-
 def _fit_words(words: int, wb: int) -> int:
     return max(words, wb)
 
 
 def default_config(m: int, n: int, k: int, bits: int, group_size: int, sm_count: int = 132) -> KernelConfig:
-    """Heuristic configuration used before (or without) tuning."""
+    """Heuristic configuration used before (or without) tuning: the tensor-core kernel (fewest instructions per
+    weight in the sm_90 SASS: ~2.9 with the PTX unpacking, vs ~4.1 for the CUDA-core kernel at M=1)."""
     planes, wb = layout_geometry(bits, group_size)
     groups = padded_k(k, group_size) // group_size
-    if m <= 2:
-        bm, bn, words, warps, kind = (1 if m == 1 else 2), 64, _fit_words(32, wb), 4, "fma"
-    else:
-        bm, bn, words, warps, kind = (16 if m <= 16 else 64), 64, wb, 4, "dot"
-    steps = -(-groups * wb // words)
-    split = _split_for(-(-n // bn), steps, 3 * sm_count) if m <= 16 else 1
-    return KernelConfig(kind, bm, bn, words, split, warps)
+    bm, bn = (16, 128) if m <= 16 else (64, 128)
+    split = _split_for(-(-n // bn), groups, 3 * sm_count) if m <= 16 else 1
+    return KernelConfig("dot", bm, bn, wb, split, 4)
 
 
 def candidate_configs(m: int, n: int, k: int, bits: int, group_size: int, sm_count: int = 132) -> list[KernelConfig]:
-    """The short list the tuner times for one problem shape."""
+    """The short list the tuner times for one problem shape (chosen from instruction counts of the sm_90 SASS)."""
     planes, wb = layout_geometry(bits, group_size)
     groups = padded_k(k, group_size) // group_size
     out: list[KernelConfig] = []
@@ -495,15 +558,16 @@ def candidate_configs(m: int, n: int, k: int, bits: int, group_size: int, sm_cou
             if cfg not in out:
                 out.append(cfg)
 
-    if m <= 4:
-        bm = m_bucket(m)
-        for bn, words, warps in ((32, 32, 4), (64, 32, 4), (64, 16, 4), (128, 32, 8)):
-            add("fma", bm, bn, words, warps)
-    if 2 <= m <= 16:
-        for bn, warps in ((32, 4), (64, 4), (128, 4), (128, 8)):
+    if m == 1:
+        add("fma", 1, 128, 32, 4)
+        add("fma", 1, 256, 32, 8)
+    elif m == 2:
+        add("fma", 2, 128, 32, 4)
+    if m <= 16:
+        for bn, warps in ((128, 4), (256, 8), (64, 4), (128, 8)):
             add("dot", 16, bn, wb, warps)
-    if m > 16:
-        add("dot", 64, 64, wb, 4)
+    else:
+        add("dot", 64, 128, wb, 4)
         add("dot", 64, 128, wb, 8)
     return out
 
@@ -579,13 +643,18 @@ def _launch(x2: torch.Tensor, pw: PackedWeight, cfg: KernelConfig, out: torch.Te
     p_lo, hi_shift = (5, 12) if bits == 4 else (2, 16)
     common = dict(BITS=bits, WB=wb, P_LO=p_lo, HI_SHIFT=hi_shift, HAS_ZP=pw.zeros is not None,
                   BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, W=cfg.words, SPLIT=split > 1,
+                  USE_ASM=cfg.asm and x2.device.type == "cuda",
                   num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     args = (x2, pw.qweight, pw.scales, zeros, out, ws, cnt, m, n, k, pw.qweight.shape[1], groups, bps, split,
             x2.stride(0), out.stride(0))
     if cfg.kind == "fma":
         mod._wq_fma_kernel[grid](*args, **common)
     else:
-        mod._wq_dot_kernel[grid](*args, DOT_F32=x2.device.type == "cpu", **common)
+        planes16 = cfg.asm and bits == 4 and x2.device.type == "cuda" and x2.dtype in (torch.bfloat16, torch.float16)
+        # without the PTX unpacking, int4 planes carry factors up to 2**16, beyond fp16: use fp32 then
+        dot_f32 = x2.device.type == "cpu" or x2.dtype == torch.float32 or (
+            bits == 4 and x2.dtype == torch.float16 and not planes16)
+        mod._wq_dot_kernel[grid](*args, DOT_F32=dot_f32, PLANES16=planes16, **common)
 
 
 # --- tuning cache -------------------------------------------------------------------------------------------
@@ -679,6 +748,8 @@ def tune(x2: torch.Tensor, pw: PackedWeight, candidates: list[KernelConfig] | No
     if verbose:
         for cfg, ms, note in report:
             print(f"    {cfg}: {'-' if ms is None else f'{ms * 1e3:.1f} us'} {note}")
+    if best is None and any(c.asm for c in candidates):  # PTX unpacking not usable here: plain Triton
+        return tune(x2, pw, [replace(c, asm=False) for c in candidates], rep_ms, verbose)
     if best is None:
         raise RuntimeError(f"no working kernel configuration for M={m} N={pw.n} K={pw.k}: {report}")
     _TUNED[_key(x2, pw)] = best

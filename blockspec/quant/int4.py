@@ -1,0 +1,357 @@
+"""W4A16 weight-only quantization with groups of 128 along the input dimension.
+
+Conventions (those of compressed-tensors; see /work/notes/int4-format.md):
+  signed code q in [-8, 7];  w ~= (q - zp) * scale  per group of `group_size` consecutive inputs of one output row;
+  symmetric: zp = 0, scale = max|w| / 7.5 (the 15 steps of the signed range over 2 * max|w|), q = clamp(round(w/s));
+  asymmetric: min <= 0 <= max forced, scale = (max - min) / 15, zp = round(clamp(-8 - min/scale, -8, 7)),
+              q = clamp(round(w/s + zp), -8, 7).
+  Rounding is round-half-to-even (torch.round). Every element inside the group's range is within scale/2.
+
+`Int4Linear` keeps the codes in the planar layout of `w4a16_triton` (unsigned codes u = q + 8, zero points stored
+as unsigned z = zp + 8); its forward runs the Triton kernel on CUDA and dequantize + matmul elsewhere.
+`from_compressed_tensors` reads a `pack-quantized` checkpoint module (`weight_packed`, `weight_scale`,
+`weight_shape`, optional `weight_zero_point`).
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..errors import BlockspecError
+from . import w4a16_triton as wq
+
+BITS = 4
+QMIN, QMAX = -8, 7
+DEFAULT_GROUP_SIZE = 128
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Plain PyTorch reference: quantize / dequantize
+# ----------------------------------------------------------------------------------------------------------
+
+def _check_group(k: int, group_size: int) -> None:
+    if group_size <= 0:
+        raise BlockspecError(f"group size must be positive, got {group_size}")
+    if k <= 0:
+        raise BlockspecError("weight has no input features")
+
+
+def _round_scale_up(scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Scale in `dtype`, never below the exact value (so |w| <= 7.5 * stored scale still holds)."""
+    scale = scale.to(torch.float64)
+    s = scale.to(dtype)
+    low = s.to(torch.float64) < scale
+    if bool(low.any()):
+        s = torch.where(low, torch.nextafter(s, torch.full_like(s, float("inf"))), s)
+    return s
+
+
+def quantize(weight: torch.Tensor, group_size: int = DEFAULT_GROUP_SIZE, symmetric: bool = True,
+             scale_dtype: torch.dtype = torch.bfloat16):
+    """Round-to-nearest int4 quantization of weight [N, K] in groups along K.
+
+    Returns (q int8 [N, K] in [-8, 7], scale [N, ceil(K/g)] in scale_dtype, zero_point int8 [N, ceil(K/g)] or None).
+    A last partial group (K not a multiple of g) is quantized over the columns it has.
+    """
+    if weight.dim() != 2:
+        raise BlockspecError(f"expected a 2-D weight, got shape {tuple(weight.shape)}")
+    n, k = weight.shape
+    _check_group(k, group_size)
+    groups = -(-k // group_size)
+    w = weight.to(torch.float32)
+    kp = groups * group_size
+    # pad with copies of the group's first element so min/max only see real values
+    wg = F.pad(w, (0, kp - k)).view(n, groups, group_size)
+    if kp != k:
+        valid = (torch.arange(kp, device=w.device) < k).view(1, groups, group_size)
+        first = wg[:, :, :1].expand_as(wg)
+        wg = torch.where(valid, wg, first)
+    wmin = wg.amin(dim=2).clamp(max=0.0).to(torch.float64)
+    wmax = wg.amax(dim=2).clamp(min=0.0).to(torch.float64)
+    tiny = torch.finfo(scale_dtype).tiny
+    if symmetric:
+        scale = torch.maximum(-wmin, wmax) / ((QMAX - QMIN) / 2)
+        scale = _round_scale_up(scale.clamp(min=tiny), scale_dtype)
+        zp = None
+        q = torch.round(wg / scale.to(torch.float32)[:, :, None]).clamp(QMIN, QMAX)
+    else:
+        scale = _round_scale_up(((wmax - wmin) / (QMAX - QMIN)).clamp(min=tiny), scale_dtype)
+        sf = scale.to(torch.float32)
+        zp = torch.round((QMIN - wmin.to(torch.float32) / sf).clamp(QMIN, QMAX))
+        q = torch.round(wg / sf[:, :, None] + zp[:, :, None]).clamp(QMIN, QMAX)
+        zp = zp.to(torch.int8)
+    q = q.view(n, kp)[:, :k].to(torch.int8)
+    return q, scale, zp
+
+
+def dequantize(q: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None = None,
+               group_size: int = DEFAULT_GROUP_SIZE, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """(q - zp) * scale with per-group scale [N, ceil(K/g)] and zero point (signed, same shape) -> [N, K]."""
+    n, k = q.shape
+    s = scale.to(torch.float32).repeat_interleave(group_size, dim=1)[:, :k]
+    v = q.to(torch.float32)
+    if zero_point is not None:
+        v = v - zero_point.to(torch.float32).repeat_interleave(group_size, dim=1)[:, :k]
+    return (v * s).to(dtype)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Module
+# ----------------------------------------------------------------------------------------------------------
+
+class Int4Linear(nn.Module):
+    """y = x @ dequant(W)^T (+ bias) with int4 group-quantized W held in the kernel's planar layout."""
+
+    bits = BITS
+
+    def __init__(self, in_features: int, out_features: int, group_size: int = DEFAULT_GROUP_SIZE,
+                 symmetric: bool = True, bias: bool = False, scale_dtype: torch.dtype = torch.bfloat16,
+                 device=None):
+        super().__init__()
+        try:
+            planes, wb = wq.layout_geometry(self.bits, group_size)
+        except ValueError as exc:
+            raise BlockspecError(f"unsupported int{self.bits} group size {group_size}: {exc}") from None
+        if in_features <= 0 or out_features <= 0:
+            raise BlockspecError("Int4Linear needs positive in/out features")
+        self.in_features = in_features
+        self.out_features = out_features
+        self.group_size = group_size
+        self.symmetric = symmetric
+        groups = wq.padded_k(in_features, group_size) // group_size
+        self.register_buffer("qweight", torch.zeros(out_features, groups * wb, dtype=torch.int32, device=device))
+        self.register_buffer("scales", torch.zeros(groups, out_features, dtype=scale_dtype, device=device))
+        self.register_buffer("zeros", None if symmetric else
+                             torch.zeros(groups, out_features, dtype=scale_dtype, device=device))
+        self.register_buffer("bias", torch.zeros(out_features, device=device) if bias else None)
+
+    # --- construction -------------------------------------------------------------------------------------
+
+    @classmethod
+    def from_quantized(cls, q: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None = None,
+                       group_size: int = DEFAULT_GROUP_SIZE, bias: torch.Tensor | None = None) -> "Int4Linear":
+        """From signed codes q [N, K] in [-8, 7], scales [N, ceil(K/g)], signed zero points (or None)."""
+        if q.dim() != 2:
+            raise BlockspecError(f"codes must be 2-D, got shape {tuple(q.shape)}")
+        n, k = q.shape
+        groups = -(-k // group_size)
+        if tuple(scale.shape) != (n, groups):
+            raise BlockspecError(f"scale shape {tuple(scale.shape)} does not match codes {n}x{k} with group {group_size}")
+        if zero_point is not None and tuple(zero_point.shape) != (n, groups):
+            raise BlockspecError(f"zero point shape {tuple(zero_point.shape)} does not match scales {(n, groups)}")
+        if not scale.is_floating_point():
+            raise BlockspecError("scales must be floating point")
+        qmin, qmax = -(1 << (cls.bits - 1)), (1 << (cls.bits - 1)) - 1
+        if q.numel() and (int(q.min()) < qmin or int(q.max()) > qmax):
+            raise BlockspecError(f"codes outside the int{cls.bits} range [{qmin}, {qmax}]")
+        sdt = scale.dtype if scale.dtype in (torch.float16, torch.bfloat16, torch.float32) else torch.float32
+        mod = cls(k, n, group_size=group_size, symmetric=zero_point is None, bias=bias is not None,
+                  scale_dtype=sdt, device=q.device)
+        bias_off = 1 << (cls.bits - 1)
+        mod.qweight.copy_(wq.pack_planar(q.to(torch.int32) + bias_off, cls.bits, group_size))
+        kp_groups = mod.scales.shape[0]
+        mod.scales.zero_()
+        mod.scales[:groups].copy_(scale.t().to(sdt))
+        if zero_point is not None:
+            mod.zeros.fill_(bias_off)
+            mod.zeros[:groups].copy_((zero_point.to(torch.float32) + bias_off).t().to(sdt))
+        assert kp_groups >= groups
+        if bias is not None:
+            mod.bias.copy_(bias.detach().to(torch.float32).reshape(n))
+        return mod
+
+    @classmethod
+    def from_float(cls, weight: torch.Tensor, group_size: int = DEFAULT_GROUP_SIZE, symmetric: bool = True,
+                   bias: torch.Tensor | None = None, scale_dtype: torch.dtype = torch.bfloat16) -> "Int4Linear":
+        """Round-to-nearest quantization of a dense weight [out, in] at load time."""
+        if not weight.is_floating_point():
+            raise BlockspecError("from_float needs a floating-point weight")
+        q, scale, zp = quantize(weight.detach(), group_size, symmetric, scale_dtype)
+        return cls.from_quantized(q, scale, zp, group_size, bias)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, group_size: int = DEFAULT_GROUP_SIZE, symmetric: bool = True,
+                    scale_dtype: torch.dtype = torch.bfloat16) -> "Int4Linear":
+        return cls.from_float(linear.weight, group_size, symmetric, linear.bias, scale_dtype)
+
+    # --- use ----------------------------------------------------------------------------------------------
+
+    def packed(self) -> wq.PackedWeight:
+        return wq.PackedWeight(self.qweight, self.scales, self.zeros, self.bits, self.group_size,
+                               self.out_features, self.in_features)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The dense weight [out, in] this module computes with."""
+        return self.packed().dequantize(dtype)
+
+    def codes(self) -> torch.Tensor:
+        """Signed codes [out, in] (int8)."""
+        u = wq.unpack_planar(self.qweight, self.bits, self.group_size, self.in_features)
+        return (u - (1 << (self.bits - 1))).to(torch.int8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] != self.in_features:
+            raise ValueError(f"expected {self.in_features} input features, got {x.shape[-1]}")
+        if x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and wq.kernels_available(x.device):
+            y = wq.wq_matmul(x, self.packed())
+        else:
+            w = self.dequantize(torch.float32)
+            y = (x.to(torch.float32) @ w.t()).to(x.dtype)
+        if self.bias is not None:
+            y = y + self.bias.to(y.dtype)
+        return y
+
+    def weight_bytes(self) -> int:
+        return self.packed().nbytes()
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bits={self.bits}, "
+                f"group_size={self.group_size}, symmetric={self.symmetric}, bias={self.bias is not None}")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# compressed-tensors `pack-quantized`
+# ----------------------------------------------------------------------------------------------------------
+
+def unpack_int32(packed: torch.Tensor, num_bits: int, size: int, dim: int) -> torch.Tensor:
+    """Unsigned codes from compressed-tensors int32 packing along `dim` (value i of a word at bits [i*b, i*b+b))."""
+    if packed.dtype != torch.int32:
+        raise BlockspecError(f"packed tensor must be int32, got {packed.dtype}")
+    per = 32 // num_bits
+    mask = (1 << num_bits) - 1
+    p = packed if dim == 1 else packed.t()
+    parts = [(p >> (num_bits * i)) & mask for i in range(per)]
+    codes = torch.stack(parts, dim=2).reshape(p.shape[0], p.shape[1] * per)
+    if codes.shape[1] < size:
+        raise BlockspecError(f"packed tensor holds {codes.shape[1]} values along dim {dim}, need {size}")
+    codes = codes[:, :size]
+    return codes if dim == 1 else codes.t()
+
+
+def _quant_config(config: dict) -> dict:
+    qc = config.get("quantization_config", config) if isinstance(config, dict) else None
+    if not isinstance(qc, dict):
+        raise BlockspecError("missing quantization_config")
+    method = qc.get("quant_method")
+    if method != "compressed-tensors":
+        raise BlockspecError(f"quant_method {method!r} is not supported (need compressed-tensors)")
+    return qc
+
+
+def _matches(name: str, target: str) -> bool:
+    """compressed-tensors target/ignore entry: an exact module name, or "re:<pattern>" matched from the start."""
+    if target.startswith("re:"):
+        return re.match(target[3:], name) is not None
+    return name == target
+
+
+def is_ignored(prefix: str, config: dict) -> bool:
+    """True when the checkpoint keeps `prefix` unquantized (its `ignore` list names it)."""
+    qc = _quant_config(config)
+    return any(_matches(prefix, t) for t in qc.get("ignore", []) or [])
+
+
+def scheme_for(prefix: str, config: dict) -> dict:
+    """The config group's `weights` arguments that apply to module `prefix` (a Linear)."""
+    qc = _quant_config(config)
+    if is_ignored(prefix, config):
+        raise BlockspecError(f"{prefix} is listed in the checkpoint's quantization ignore list")
+    best, best_rank = None, -1
+    for name, group in (qc.get("config_groups") or {}).items():
+        for target in group.get("targets", []) or []:
+            if target == "Linear":
+                rank = 0
+            elif _matches(prefix, target):
+                rank = 1
+            else:
+                continue
+            if rank > best_rank:
+                best, best_rank = (name, group), rank
+    if best is None:
+        raise BlockspecError(f"no quantization config group targets {prefix}")
+    name, group = best
+    fmt = group.get("format") or qc.get("format")
+    if fmt != "pack-quantized":
+        raise BlockspecError(f"compressed-tensors format {fmt!r} for {prefix} is not supported (need pack-quantized)")
+    if group.get("input_activations") is not None:
+        raise BlockspecError(f"config group {name} quantizes activations; only weight-only (W4A16) is supported")
+    w = group.get("weights")
+    if not isinstance(w, dict):
+        raise BlockspecError(f"config group {name} has no weight quantization arguments")
+    return w
+
+
+def from_compressed_tensors(tensors: dict, prefix: str, config: dict) -> Int4Linear:
+    """Build an Int4Linear for module `prefix` from a compressed-tensors pack-quantized checkpoint.
+
+    tensors: name -> tensor (at least `<prefix>.weight_packed`, `.weight_scale`, `.weight_shape`, and
+    `.weight_zero_point` for asymmetric schemes; `.bias` if present). config: config.json dict (or its
+    quantization_config).
+    """
+    w = scheme_for(prefix, config)
+    num_bits = int(w.get("num_bits", 0))
+    if w.get("type", "int") != "int" or num_bits != BITS:
+        raise BlockspecError(f"{prefix}: only int{BITS} weights are supported here, got {w.get('type')} {num_bits}-bit")
+    if w.get("dynamic", False):
+        raise BlockspecError(f"{prefix}: dynamic weight quantization is not supported")
+    strategy = w.get("strategy")
+    symmetric = bool(w.get("symmetric", True))
+
+    def get(name, required=True):
+        t = tensors.get(f"{prefix}.{name}")
+        if t is None and required:
+            raise BlockspecError(f"checkpoint is missing {prefix}.{name}")
+        return t
+
+    packed = get("weight_packed")
+    scale = get("weight_scale")
+    shape = get("weight_shape")
+    shape = [int(v) for v in torch.as_tensor(shape).flatten().tolist()]
+    if len(shape) != 2:
+        raise BlockspecError(f"{prefix}.weight_shape must hold 2 values, got {shape}")
+    n, k = shape
+    if packed.dim() != 2 or packed.shape[0] != n or packed.shape[1] != -(-k // 8):
+        raise BlockspecError(f"{prefix}.weight_packed has shape {tuple(packed.shape)}, expected ({n}, {-(-k // 8)})")
+    if strategy == "group":
+        group_size = int(w.get("group_size") or 0)
+        if group_size != DEFAULT_GROUP_SIZE:
+            raise BlockspecError(f"{prefix}: group size {group_size} is not supported (need {DEFAULT_GROUP_SIZE})")
+    elif strategy == "channel":
+        group_size = DEFAULT_GROUP_SIZE  # one scale per row: replicate it over groups of 128 (same weight)
+    else:
+        raise BlockspecError(f"{prefix}: quantization strategy {strategy!r} is not supported (group or channel)")
+    groups = -(-k // group_size)
+    scale = scale.reshape(n, -1) if scale.dim() == 1 else scale
+    if strategy == "channel":
+        if tuple(scale.shape) != (n, 1):
+            raise BlockspecError(f"{prefix}.weight_scale has shape {tuple(scale.shape)}, expected ({n}, 1)")
+        scale = scale.expand(n, groups)
+    elif tuple(scale.shape) != (n, groups):
+        raise BlockspecError(f"{prefix}.weight_scale has shape {tuple(scale.shape)}, expected ({n}, {groups})")
+    g_idx = get("weight_g_idx", required=False)
+    if g_idx is not None:
+        expect = torch.arange(k, device=g_idx.device) // group_size
+        if not torch.equal(g_idx.to(torch.int64).flatten(), expect):
+            raise BlockspecError(f"{prefix}: activation-ordered groups (weight_g_idx) are not supported")
+    q = unpack_int32(packed, BITS, k, dim=1).to(torch.int32) - 8
+    zp = None
+    if not symmetric:
+        zpp = get("weight_zero_point")
+        zcols = 1 if strategy == "channel" else groups
+        if zpp.dtype != torch.int32 or zpp.dim() != 2 or tuple(zpp.shape) != (-(-n // 8), zcols):
+            raise BlockspecError(f"{prefix}.weight_zero_point has shape {tuple(zpp.shape)} {zpp.dtype}, "
+                                 f"expected int32 ({-(-n // 8)}, {zcols})")
+        zp = unpack_int32(zpp, BITS, n, dim=0).to(torch.int32) - 8
+        if strategy == "channel":
+            zp = zp.expand(n, groups)
+    bias = tensors.get(f"{prefix}.bias")
+    return Int4Linear.from_quantized(q.to(torch.int8), scale, None if zp is None else zp.to(torch.int8),
+                                     group_size, bias)
+
+
+__all__ = ["Int4Linear", "quantize", "dequantize", "from_compressed_tensors", "unpack_int32", "scheme_for",
+           "is_ignored"]
