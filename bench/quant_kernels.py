@@ -7,7 +7,7 @@ torch._weight_int4pack_mm (tinygemm, when it works). Prints a table with GB/s of
 reference, and writes everything to $OUT/quant_kernels.json when OUT is set.
 
 Run on a GPU machine from the repo root:  python bench/quant_kernels.py   (only torch + triton + blockspec)
-Options (env): BENCH_M="1,2,4,8,16"  BENCH_BUDGET_S=150 (stop tuning new shapes after that; defaults are used)
+Options (env): BENCH_M="1,2,4,8,16"  BENCH_BUDGET_S=120 (stop tuning new shapes after that; defaults are used)
 """
 
 from __future__ import annotations
@@ -43,8 +43,8 @@ SHAPES = [  # name, N (out), K (in)
 INT8_SHAPES = [("6144x5120", 6144, 5120), ("down", 5120, 17408)]
 
 
-def _bench(fn, rep=40):
-    return do_bench(fn, warmup=10, rep=rep, return_mode="median")
+def _bench(fn, rep=30):
+    return do_bench(fn, warmup=8, rep=rep, return_mode="median")
 
 
 def _tinygemm_setup(lin: Int4Linear, n: int, k: int):
@@ -67,7 +67,7 @@ def _tinygemm_setup(lin: Int4Linear, n: int, k: int):
 def main() -> None:
     assert torch.cuda.is_available(), "needs a CUDA GPU"
     t_start = time.time()
-    budget = float(os.environ.get("BENCH_BUDGET_S", "150"))
+    budget = float(os.environ.get("BENCH_BUDGET_S", "120"))
     ms_list = [int(v) for v in os.environ.get("BENCH_M", "1,2,4,8,16").split(",")]
     dev = torch.device("cuda")
     torch.manual_seed(0)
@@ -92,7 +92,7 @@ def main() -> None:
             t0 = time.time()
             tuned = time.time() - t_start < budget
             if tuned:
-                cfg = wq.tune(x, pw, rep_ms=15.0, verbose=True)
+                cfg = wq.tune(x, pw, rep_ms=10.0, verbose=True)
             else:
                 cfg = wq.default_config(m, n, k, bits, group, props.multi_processor_count)
                 notes.append(f"{name} M={m}: not tuned (time budget)")
@@ -121,7 +121,7 @@ def main() -> None:
                        bf16_us=t_bf16 * 1e3, bf16_gbs=gbs_bf16,
                        tinygemm_us=None if t_tg is None else t_tg * 1e3, tinygemm_gbs=gbs_tg, tinygemm_rel_err=tg_rel)
             records.append(rec)
-            c = f"{cfg.kind} m{cfg.block_m} n{cfg.block_n} w{cfg.words} s{cfg.split_k} nw{cfg.num_warps}"
+            c = f"{cfg.kind} m{cfg.block_m} n{cfg.block_n} w{cfg.words} s{cfg.split_k} nw{cfg.num_warps}{'' if cfg.asm else ' noasm'}"
             tg_s = (f"{t_tg * 1e3:8.1f} {gbs_tg:6.0f} {tg_rel:8.1e}" if t_tg is not None else f"{'-':>8s} {'-':>6s} {'-':>8s}")
             print(hdr)
             print(f"{name[:18]:18s} {n:6d} {k:6d} {m:3d} | {t_ours * 1e3:8.1f} {gbs:6.0f} {100 * gbs / PEAK_GBS:5.1f} "
