@@ -106,25 +106,28 @@ def format_stats(stats: dict) -> str:
 
 def cmd_demo(args):
     from .engine.engine import Engine
-    from .tiny import build_tiny_checkpoint
+    from .tiny import build_tiny_checkpoint, build_tiny_drafter
 
     print("blockspec demo: a tiny Qwen3.5-architecture model (4 layers: 3 Gated DeltaNet + 1 gated attention, "
-          "hidden 64, one MTP layer, byte-level tokenizer) built on the spot from seeded RANDOM weights. "
-          "Its text is meaningless; the point is the engine running end to end on the CPU.\n")
+          "hidden 64, one MTP layer, byte-level tokenizer) and a tiny DFlash2 drafter, built on the spot from seeded "
+          "RANDOM weights, planted so that greedy text mostly walks the alphabet. The text means nothing; the point "
+          "is the engine running end to end on the CPU, and every speculative mode giving plain greedy's tokens.\n")
     with tempfile.TemporaryDirectory(prefix="blockspec-demo-") as directory:
-        build_tiny_checkpoint(directory, seed=0)
+        target = build_tiny_checkpoint(f"{directory}/target", seed=0, planted=True)
+        drafter = build_tiny_drafter(f"{directory}/drafter", target)
         outputs = {}
-        for mode in ("none", "mtp"):
-            engine = Engine(PredictConfig.build({"model": directory, "mode": mode, "device": "cpu",
-                                                 "compute_dtype": "float32", "context_length": 512}))
+        for mode in ("none", "mtp", "dflash2"):
+            engine = Engine(PredictConfig.build({"model": str(target), "mode": mode, "device": "cpu",
+                                                 "compute_dtype": "float32", "context_length": 512,
+                                                 "dflash2_model": str(drafter) if mode == "dflash2" else None}))
             ids = engine.tokenizer.encode(engine.tokenizer.chat_prompt(
-                [{"role": "user", "content": "Tell me a story about a lighthouse."}]))
+                [{"role": "user", "content": "Recite the alphabet, please."}]))
             print(f"--- mode {mode} ---")
             outputs[mode] = stream_text(engine, engine.stream(ids, args.max_tokens, stop_at_eos=False))
             print()
             print(format_stats(engine.last_stats))
-        same = outputs["none"] == outputs["mtp"]
-        print(f"\nmtp output identical to plain greedy: {'yes' if same else 'NO'}")
+        same = outputs["none"] == outputs["mtp"] == outputs["dflash2"]
+        print(f"\nmtp and dflash2 outputs identical to plain greedy: {'yes' if same else 'NO'}")
         if not same:
             raise SystemExit(1)
 
@@ -161,7 +164,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_bench_parser(sub)
 
     demo = sub.add_parser("demo", help="run end to end on a tiny built-in random model (CPU)")
-    demo.add_argument("--max-tokens", type=int, default=48)
+    demo.add_argument("--max-tokens", type=int, default=120)
     demo.set_defaults(func=cmd_demo)
 
     chat = sub.add_parser("chat", help="interactive chat in the terminal (chat template, streamed replies)")

@@ -93,6 +93,14 @@ class Engine:
         elif c.dflash2_model:
             raise BlockspecError(f"dflash2_model is set but mode is {self.mode!r}: unset dflash2_model or use "
                                  "mode dflash2 (the drafter is never loaded silently unused)")
+        not_yet = [("target_quantization", c.target_quantization, "none"),
+                   ("dflash2_quantization", c.dflash2_quantization, "none"),
+                   ("vocabulary_quantization", c.vocabulary_quantization, "none"),
+                   ("fuse_kvq", c.fuse_kvq, False), ("fuse_gate", c.fuse_gate, False)]
+        for key, value, default in not_yet:
+            if value != default:  # refused, never silently ignored
+                raise BlockspecError(f"{key}: {value!r} is not implemented in this version of blockspec "
+                                     f"(only {default!r})")
         if c.batch_size > 1 or c.beam_size > 1:
             raise UnsupportedRequest("blockspec decodes one sequence at a time: batch_size and beam_size must be 1")
 
