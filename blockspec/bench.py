@@ -107,10 +107,10 @@ def x_bytes(n, itemsize):
 
 
 def bytes_per_plain_step(engine) -> int:
-    """Bytes one 1-token target pass must read: every weight except the embedding table (one row), plus DeltaNet
-    recurrent states read and written."""
+    """Bytes one 1-token target pass must read: every weight (quantized ones are buffers) except the embedding table
+    (one row), plus DeltaNet recurrent states read and written."""
     total = 0
-    for name, p in engine.model.named_parameters():
+    for name, p in list(engine.model.named_parameters()) + list(engine.model.named_buffers()):
         if name == "embed_tokens.weight":
             total += p.shape[1] * p.element_size()
         else:
@@ -210,7 +210,7 @@ def summarize(mode, fixture, runs, results) -> dict:
         row["cycle_vs_plain_step"] = round(row["cycle_ms"] / plain["step_ms"], 3)
     bandwidth = results.get("read_bandwidth_gb_s")
     gb_s = tps * results["bytes_per_plain_step"] / 1e9
-    row["weight_gb_s"] = round(gb_s, 1)  # plain-step bytes x tokens/s (for speculative modes: effective)
+    row["weight_gb_s"] = round(gb_s, 3)  # plain-step bytes x tokens/s (for speculative modes: effective)
     row["roofline_pct"] = round(100 * gb_s / bandwidth, 1) if bandwidth else None
     return row
 

@@ -16,10 +16,13 @@ from safetensors import safe_open
 from .config import TargetConfig
 from .errors import BlockspecError
 from .models.qwen3_5 import TargetModel
+from .quant.int4 import check_quantization_config, from_compressed_tensors
 
 TEXT_PREFIXES = ("model.language_model.", "language_model.model.", "model.")
 SKIPPED_PREFIXES = ("model.visual.", "visual.", "model.vision_tower.")
 FLOAT32_SUFFIXES = ("A_log", "dt_bias", "norm.weight", "layernorm.weight")  # small; kept exact in float32
+# parts of a compressed-tensors pack-quantized projection (blockspec.quant.int4, /work/notes/int4-format.md)
+COMPRESSED_SUFFIXES = (".weight_packed", ".weight_scale", ".weight_shape", ".weight_zero_point", ".weight_g_idx")
 
 
 def checkpoint_files(directory: Path) -> list[Path]:
@@ -68,37 +71,113 @@ def text_name(name: str) -> str | None:
     return None
 
 
+def checkpoint_quantization(config_path: Path) -> dict | None:
+    """The checkpoint's compressed-tensors quantization_config (validated), or None for a dense checkpoint."""
+    raw = json.loads(config_path.read_text())  # TargetConfig.from_file has already checked it parses
+    qc = raw.get("quantization_config") or (raw.get("text_config") or {}).get("quantization_config")
+    if qc is None:
+        return None
+    method = qc.get("quant_method") if isinstance(qc, dict) else None
+    if method != "compressed-tensors":
+        raise BlockspecError(f"{config_path}: quantization_config.quant_method {method!r} is not supported (blockspec "
+                             "loads dense checkpoints and compressed-tensors pack-quantized int4 ones)")
+    try:
+        check_quantization_config(qc)
+    except BlockspecError as exc:
+        raise BlockspecError(f"{config_path}: {exc}") from None
+    return qc
+
+
+def module_key(prefix: str) -> str | None:
+    """TargetModel / MTP module name of checkpoint module `prefix` (None for modules blockspec does not use)."""
+    key = text_name(prefix + ".weight")
+    return None if key is None else key[:-len(".weight")]
+
+
+def quantized_linears(parts: dict, sources: dict, qc: dict | None) -> dict[str, torch.nn.Module]:
+    """Int4Linear modules built from compressed-tensors parts (`parts`: checkpoint name -> tensor for every name
+    ending in one of COMPRESSED_SUFFIXES; `sources`: name -> file), keyed by module_key."""
+    by_module: dict[str, list[str]] = {}
+    for name in parts:
+        by_module.setdefault(name.rsplit(".", 1)[0], []).append(name)
+    modules = {}
+    for prefix, names in by_module.items():
+        if qc is None:
+            raise BlockspecError(f"{sources[names[0]]}: tensor {names[0]} holds quantized weights, but config.json "
+                                 "declares no quantization_config")
+        if prefix + ".weight_packed" not in parts:
+            raise BlockspecError(f"{sources[names[0]]}: tensor {names[0]} has no {prefix}.weight_packed beside it")
+        try:
+            modules[module_key(prefix)] = from_compressed_tensors(parts, prefix, qc)
+        except BlockspecError as exc:
+            raise BlockspecError(f"{sources[prefix + '.weight_packed']}: {exc}") from None
+    return modules
+
+
+def swap_in(root: torch.nn.Module, name: str, module: torch.nn.Module, where: str) -> None:
+    """Put a ready (quantized) projection in place of root's meta nn.Linear `name`, checking its shape."""
+    try:
+        old = root.get_submodule(name)
+    except AttributeError:
+        old = None
+    if type(old) is not torch.nn.Linear:
+        raise BlockspecError(f"{where}: unexpected quantized projection {name} (not a projection of this model)")
+    if (module.in_features, module.out_features) != (old.in_features, old.out_features):
+        raise BlockspecError(f"{where}: quantized projection {name} has shape {(module.out_features, module.in_features)},"
+                             f" expected {(old.out_features, old.in_features)}")
+    root.set_submodule(name, module)
+
+
 def load_target(directory: str | Path, device="cpu", dtype=torch.float32):
-    """Returns (model, mtp_tensors)."""
+    """Returns (model, mtp): mtp maps `mtp.*` tensor names to tensors and, for a compressed-tensors checkpoint, the
+    names of quantized MTP projections to their Int4Linear. `model.checkpoint_quantization` is "int4" for a
+    compressed-tensors checkpoint (its ignore list stays dense), else None."""
     directory = Path(directory)
     config = TargetConfig.from_file(directory / "config.json")
+    qc = checkpoint_quantization(directory / "config.json")
     files = checkpoint_files(directory)
     with torch.device("meta"):
         model = TargetModel(config)
     expected = dict(model.named_parameters())
-    loaded, mtp = {}, {}
-    for name, tensor in read_tensors(files, device):
-        key = text_name(name)
-        if key is None:
-            continue
-        if key.startswith("mtp."):
-            mtp[key] = tensor
-            continue
-        if key not in expected:
-            if key == "lm_head.weight" and config.tie_word_embeddings:
+    loaded, mtp, parts, sources = {}, {}, {}, {}
+    for path in files:
+        for name, tensor in read_tensors([path], device):
+            if name.endswith(COMPRESSED_SUFFIXES):
+                if module_key(name.rsplit(".", 1)[0]) is not None:
+                    parts[name], sources[name] = tensor, path
                 continue
-            raise BlockspecError(f"{directory}: unexpected tensor {name} (not part of a {config_label(config)})")
-        want = tuple(expected[key].shape)
-        if tuple(tensor.shape) != want:
-            raise BlockspecError(f"{directory}: tensor {name} has shape {tuple(tensor.shape)}, expected {want}")
-        keep_fp32 = key.endswith(FLOAT32_SUFFIXES)
-        loaded[key] = torch.nn.Parameter(tensor.to(device=device, dtype=torch.float32 if keep_fp32 else dtype),
-                                         requires_grad=False)
+            key = text_name(name)
+            if key is None:
+                continue
+            if key.startswith("mtp."):
+                mtp[key] = tensor
+                continue
+            if key not in expected:
+                if key == "lm_head.weight" and config.tie_word_embeddings:
+                    continue
+                raise BlockspecError(f"{directory}: unexpected tensor {name} (not part of a {config_label(config)})")
+            want = tuple(expected[key].shape)
+            if tuple(tensor.shape) != want:
+                raise BlockspecError(f"{directory}: tensor {name} has shape {tuple(tensor.shape)}, expected {want}")
+            keep_fp32 = key.endswith(FLOAT32_SUFFIXES)
+            loaded[key] = torch.nn.Parameter(tensor.to(device=device, dtype=torch.float32 if keep_fp32 else dtype),
+                                             requires_grad=False)
+    for key, module in quantized_linears(parts, sources, qc).items():
+        if key.startswith("mtp."):
+            mtp[key] = module
+        else:
+            swap_in(model, key, module, str(directory))
+    del parts
+    expected = dict(model.named_parameters())  # quantized projections hold buffers, not parameters
+    extra = [k for k in loaded if k not in expected]
+    if extra:
+        raise BlockspecError(f"{directory}: tensor {extra[0]} belongs to a projection stored quantized")
     missing = [k for k in expected if k not in loaded]
     if missing:
         raise BlockspecError(f"{directory}: missing tensor {missing[0]} (shape {tuple(expected[missing[0]].shape)})"
                              + (f" and {len(missing) - 1} more" if len(missing) > 1 else ""))
-    model.load_state_dict(loaded, assign=True, strict=True)
+    model.load_state_dict(loaded, assign=True, strict=False)  # the quantized projections were swapped in whole
+    model.checkpoint_quantization = None if qc is None else "int4"
     model.requires_grad_(False).eval()
     return model, mtp
 

@@ -63,6 +63,8 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class DrafterAttention(nn.Module):
+    PACKS = {"fuse_kvq": ("qkv_proj", ("q_proj", "k_proj", "v_proj"))}  # see blockspec.layers.packed
+
     def __init__(self, config: DrafterConfig, dtype: torch.dtype):
         super().__init__()
         c = config
@@ -71,21 +73,27 @@ class DrafterAttention(nn.Module):
         self.k_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=c.attention_bias, dtype=dtype)
         self.v_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=c.attention_bias, dtype=dtype)
         self.o_proj = nn.Linear(c.num_heads * c.head_dim, c.hidden_size, bias=c.attention_bias, dtype=dtype)
+        self.qkv_proj = None
         self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps, dtype=dtype)
         self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps, dtype=dtype)
 
     def keys_values(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """K (normed, rotated) and V [kv_heads, T, head_dim] of rows x [T, hidden]."""
-        rows = x.shape[0]
-        k = self.k_norm(self.k_proj(x).view(rows, self.num_kv_heads, self.head_dim)).transpose(0, 1)
-        v = self.v_proj(x).view(rows, self.num_kv_heads, self.head_dim).transpose(0, 1)
+        _, k, v = self.qkv_proj(x) if self.qkv_proj is not None else (None, self.k_proj(x), self.v_proj(x))
+        return self._rotated_keys_values(k, v, cos, sin)
+
+    def _rotated_keys_values(self, k, v, cos, sin):
+        rows = k.shape[0]
+        k = self.k_norm(k.view(rows, self.num_kv_heads, self.head_dim)).transpose(0, 1)
+        v = v.view(rows, self.num_kv_heads, self.head_dim).transpose(0, 1)
         return apply_rope(k, cos, sin), v
 
     def forward(self, x, cos, sin, context_keys, context_values, visible):
         rows = x.shape[0]
-        q = self.q_norm(self.q_proj(x).view(rows, self.num_heads, self.head_dim)).transpose(0, 1)
+        q, k, v = self.qkv_proj(x) if self.qkv_proj is not None else (self.q_proj(x), self.k_proj(x), self.v_proj(x))
+        q = self.q_norm(q.view(rows, self.num_heads, self.head_dim)).transpose(0, 1)
         q = apply_rope(q, cos, sin)
-        k, v = self.keys_values(x, cos, sin)
+        k, v = self._rotated_keys_values(k, v, cos, sin)
         keys = torch.cat([context_keys, k], dim=1)
         values = torch.cat([context_values, v], dim=1)
         out = F.scaled_dot_product_attention(
@@ -96,14 +104,18 @@ class DrafterAttention(nn.Module):
 
 
 class DrafterMLP(nn.Module):
+    PACKS = {"fuse_gate": ("gate_up_proj", ("gate_proj", "up_proj"))}  # see blockspec.layers.packed
+
     def __init__(self, config: DrafterConfig, dtype: torch.dtype):
         super().__init__()
         self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False, dtype=dtype)
         self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False, dtype=dtype)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False, dtype=dtype)
+        self.gate_up_proj = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x) if self.gate_up_proj is not None else (self.gate_proj(x), self.up_proj(x))
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DrafterLayer(nn.Module):

@@ -7,11 +7,16 @@ The proposal length comes from the drafter checkpoint's block size (self_specula
 
 from __future__ import annotations
 
+import re
+
 import torch
 
 from ..drafter.config import DrafterConfig
 from ..drafter.model import DFlash2Drafter
+from ..quant.apply import prepare, rtn
 from .decode import Proposer
+
+DRAFTER_PROJECTIONS = re.compile(r"fc$|layers\.\d+\.(self_attn|mlp)\.")  # what dflash2_quantization quantizes
 
 
 class DFlash2Proposer(Proposer):
@@ -34,6 +39,9 @@ class DFlash2Proposer(Proposer):
             from ..synthetic import synthetic_drafter_config, randomize_
             drafter = DFlash2Drafter(DrafterConfig.from_dict(synthetic_drafter_config(model.config)), **shared)
             randomize_(drafter, engine.synthetic_drafter)
+        # norms, convolution controls and the selector stay native: only fc and the layers' projections
+        quantizer = rtn(engine.config.dflash2_quantization, 32, engine.dtype)
+        engine.memory["drafter"] = prepare(drafter, engine.packs, quantizer, DRAFTER_PROJECTIONS.match)
         return cls(drafter)
 
     def reset(self):

@@ -12,6 +12,7 @@ from ..checkpoint import load_target
 from ..config import PredictConfig
 from ..errors import BlockspecError, UnsupportedRequest
 from ..kernels import enable_fusion
+from ..quant.apply import prepare, quantize_head, resident_bytes, rtn
 from ..tokenizer import Tokenizer
 from .decode import DecodeStats, Proposer, decode
 from .state import DecodeState
@@ -52,14 +53,16 @@ class Engine:
             torch.cuda.set_device(config.gpu_ranks[0])
         self.dtype = config.torch_dtype
         self.model_name = Path(config.model).name if config.model else "synthetic"
+        self.load_times: dict = {}
+        self.memory: dict = {}  # resident weight bytes of each model: loaded, after packing, final
         if model is None:
             model, mtp_tensors = load_target(config.model, self.device, self.dtype)
         self.model = model
+        self.prepare_target()
         self.tokenizer = tokenizer or Tokenizer(config.model, self.model.config.eos_token_ids)
         self.context_length = config.context_length
         self.proposer = self.build_proposer(mtp_tensors)
         self.state = DecodeState(self.model, config.context_length, MAX_VERIFY_TOKENS, self.device, self.dtype)
-        self.load_times: dict = {}
         self.target = self.build_target()
         self.last_stats: dict = {}
 
@@ -68,7 +71,7 @@ class Engine:
         if isinstance(config, (str, Path)):
             config = PredictConfig.build({"model": str(config), **overrides})
         elif overrides:
-            config = PredictConfig.build({**config.model_dump(), **overrides})
+            config = PredictConfig.build({**config.model_dump(exclude_unset=True), **overrides})
         return cls(config)
 
     @property
@@ -93,19 +96,32 @@ class Engine:
         elif c.dflash2_model:
             raise BlockspecError(f"dflash2_model is set but mode is {self.mode!r}: unset dflash2_model or use "
                                  "mode dflash2 (the drafter is never loaded silently unused)")
-        not_yet = [("target_quantization", c.target_quantization, "none"),
-                   ("dflash2_quantization", c.dflash2_quantization, "none"),
-                   ("vocabulary_quantization", c.vocabulary_quantization, "none"),
-                   ("fuse_kvq", c.fuse_kvq, False), ("fuse_gate", c.fuse_gate, False)]
-        for key, value, default in not_yet:
-            if value != default:  # refused, never silently ignored
-                raise BlockspecError(f"{key}: {value!r} is not implemented in this version of blockspec "
-                                     f"(only {default!r})")
+        if c.dflash2_quantization != "none" and self.mode != "dflash2":  # refused, never silently ignored
+            raise BlockspecError(f"dflash2_quantization: {c.dflash2_quantization!r} quantizes a DFlash2 drafter, but "
+                                 f"mode is {self.mode!r}: set dflash2_model (mode dflash2) or unset "
+                                 "dflash2_quantization")
         if c.batch_size > 1 or c.beam_size > 1:
             raise UnsupportedRequest("blockspec decodes one sequence at a time: batch_size and beam_size must be 1")
 
     def _unset_drafter_hint(self) -> str:
         return "; unset dflash2_model to leave DFlash2 decoding" if self.mode == "dflash2" else ""
+
+    def prepare_target(self):
+        """Pack and quantize the target's projections and its head as configured (see blockspec.quant.apply)."""
+        c, start = self.config, time.perf_counter()
+        stored = self.model.checkpoint_quantization
+        if stored and c.target_quantization == "none" and "target_quantization" in c.model_fields_set:
+            raise BlockspecError(f"target_quantization: 'none', but {c.model} is a {stored} compressed-tensors "
+                                 f"checkpoint: leave target_quantization unset or set it to {stored!r}")
+        self.target_quantization = stored or c.target_quantization
+        self.packs = [key for key in ("fuse_kvq", "fuse_gate") if getattr(c, key)]
+        # a compressed-tensors checkpoint is used as stored: its ignore list stays dense
+        self.target_quantizer = rtn(c.target_quantization if not stored else "none", 128, self.dtype)
+        self.memory["target"] = prepare(self.model, self.packs, self.target_quantizer,
+                                        lambda name: name.startswith("layers."))
+        quantize_head(self.model, c.vocabulary_quantization, self.dtype)
+        self.memory["target"]["final_bytes"] = resident_bytes(self.model)
+        self.load_times["prepare_target_s"] = round(time.perf_counter() - start, 3)
 
     def build_target(self):
         capture = self.proposer.capture_layers
@@ -177,7 +193,8 @@ class Engine:
             if self.state.pending:
                 self.state.discard()
             self.last_stats = stats.as_dict(self.mode != "none")
-            self.last_stats["mode"] = self.mode
+            self.last_stats.update(mode=self.mode, target_quantization=self.target_quantization,
+                                   vocabulary_quantization=self.config.vocabulary_quantization)
 
     def generate(self, prompt_ids: list[int], max_tokens: int, stop_at_eos: bool = True) -> GenerationResult:
         tokens = list(self.stream(prompt_ids, max_tokens, stop_at_eos))

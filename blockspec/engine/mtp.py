@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import torch
 
+from ..checkpoint import swap_in
 from ..errors import BlockspecError
 from ..layers.attention import KVCache
 from ..models.mtp import MTPHead
+from ..quant.apply import prepare
 from .decode import Proposer
 
 
@@ -23,6 +25,9 @@ def load_mtp_head(model, tensors: dict, dtype, device) -> MTPHead:
                              "(use --mode none, or a DFlash2 drafter with --mode dflash2)")
     with torch.device("meta"):
         head = MTPHead(config)
+    for name, module in tensors.items():
+        if isinstance(module, torch.nn.Module):  # a projection stored quantized (compressed-tensors)
+            swap_in(head, name[len("mtp."):], module, "MTP head")
     expected = {"mtp." + k: p for k, p in head.named_parameters()}
     loaded = {}
     for name, param in expected.items():
@@ -34,7 +39,7 @@ def load_mtp_head(model, tensors: dict, dtype, device) -> MTPHead:
         keep_fp32 = name.endswith("norm.weight")
         loaded[name[4:]] = torch.nn.Parameter(t.to(device=device, dtype=torch.float32 if keep_fp32 else dtype),
                                               requires_grad=False)
-    head.load_state_dict(loaded, assign=True, strict=True)
+    head.load_state_dict(loaded, assign=True, strict=False)  # quantized projections were swapped in whole
     return head.requires_grad_(False).eval()
 
 
@@ -51,6 +56,7 @@ class MTPProposer(Proposer):
     @classmethod
     def build(cls, engine, mtp_tensors) -> "MTPProposer":
         head = load_mtp_head(engine.model, mtp_tensors, engine.dtype, engine.device)
+        engine.memory["mtp"] = prepare(head, engine.packs, engine.target_quantizer)  # as the target's projections
         return cls(engine.model, head, engine.config.self_speculative_num_tokens, engine.context_length,
                    engine.device, engine.dtype)
 

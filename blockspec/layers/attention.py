@@ -24,6 +24,8 @@ class KVCache:
 class GatedAttention(nn.Module):
     """q_proj yields query and an output gate per head; q/k RMSNorm; partial RoPE; grouped KV heads."""
 
+    PACKS = {"fuse_kvq": ("qkv_proj", ("q_proj", "k_proj", "v_proj"))}  # see blockspec.layers.packed
+
     def __init__(self, hidden_size: int, heads: int, kv_heads: int, head_dim: int, eps: float):
         super().__init__()
         self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
@@ -31,6 +33,7 @@ class GatedAttention(nn.Module):
         self.k_proj = nn.Linear(hidden_size, kv_heads * head_dim, bias=False)
         self.v_proj = nn.Linear(hidden_size, kv_heads * head_dim, bias=False)
         self.o_proj = nn.Linear(heads * head_dim, hidden_size, bias=False)
+        self.qkv_proj = None
         self.q_norm = RMSNorm(head_dim, eps)
         self.k_norm = RMSNorm(head_dim, eps)
 
@@ -38,10 +41,11 @@ class GatedAttention(nn.Module):
         """visible: cache entries to attend over (eager: exactly the filled prefix); None under CUDA-graph capture,
         where the position is data and the whole cache is read under the causal mask."""
         t = x.shape[0]
-        query, gate = self.q_proj(x).view(t, self.heads, 2 * self.head_dim).chunk(2, dim=-1)
+        q, k, v = self.qkv_proj(x) if self.qkv_proj is not None else (self.q_proj(x), self.k_proj(x), self.v_proj(x))
+        query, gate = q.view(t, self.heads, 2 * self.head_dim).chunk(2, dim=-1)
         query = apply_rope(self.q_norm(query), *rope)
-        key = apply_rope(self.k_norm(self.k_proj(x).view(t, self.kv_heads, self.head_dim)), *rope)
-        cache.write(positions, key, self.v_proj(x).view(t, self.kv_heads, self.head_dim))
+        key = apply_rope(self.k_norm(k.view(t, self.kv_heads, self.head_dim)), *rope)
+        cache.write(positions, key, v.view(t, self.kv_heads, self.head_dim))
         k, v = (cache.k, cache.v) if visible is None else (cache.k[:visible], cache.v[:visible])
         out = cached_attention(query, k, v, positions, self.head_dim ** -0.5)
         return self.o_proj(out.reshape(t, -1) * torch.sigmoid(gate.reshape(t, -1)))

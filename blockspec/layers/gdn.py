@@ -69,6 +69,8 @@ class GDNState:
 
 
 class GatedDeltaNet(nn.Module):
+    PACKS = {"fuse_kvq": ("in_proj", ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"))}  # layers/packed.py
+
     def __init__(self, hidden_size: int, key_heads: int, value_heads: int, key_dim: int, value_dim: int,
                  conv_kernel: int, eps: float):
         super().__init__()
@@ -87,6 +89,7 @@ class GatedDeltaNet(nn.Module):
         self.norm = nn.Module()
         self.norm.weight = nn.Parameter(torch.ones(value_dim))
         self.out_proj = nn.Linear(v_size, hidden_size, bias=False)
+        self.in_proj = None
 
     def new_state(self, max_partial: int, device, dtype) -> GDNState:
         return GDNState(self.conv_dim, self.conv1d.kernel_size[0], self.value_heads, self.key_dim, self.value_dim,
@@ -94,11 +97,13 @@ class GatedDeltaNet(nn.Module):
 
     def forward(self, x: torch.Tensor, state: GDNState) -> torch.Tensor:
         t = x.shape[0]
-        mixed, window = causal_conv1d(self.in_proj_qkv(x), state.history, self.conv1d.weight)
-        inputs = deltanet_inputs(mixed, self.in_proj_b(x), self.in_proj_a(x), self.A_log, self.dt_bias,
+        qkv, z, b, a = self.in_proj(x) if self.in_proj is not None else (
+            self.in_proj_qkv(x), self.in_proj_z(x), self.in_proj_b(x), self.in_proj_a(x))
+        mixed, window = causal_conv1d(qkv, state.history, self.conv1d.weight)
+        inputs = deltanet_inputs(mixed, b, a, self.A_log, self.dt_bias,
                                  self.key_heads, self.key_dim, self.value_heads, self.value_dim)
         out, final = gated_delta_rule(*inputs, state.recurrent)
         state.record(window, final, inputs)
-        z = self.in_proj_z(x).view(t, self.value_heads, self.value_dim)
+        z = z.view(t, self.value_heads, self.value_dim)
         out = gated_rms_norm(out.to(x.dtype), z, self.norm.weight, self.eps)
         return self.out_proj(out.reshape(t, -1))

@@ -62,6 +62,7 @@ class TargetModel(nn.Module):
         self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size,
                                                                            bias=False)
         self.mtp = None  # set by blockspec.models.mtp when the checkpoint has an MTP head
+        self.checkpoint_quantization = None  # "int4": loaded from a compressed-tensors checkpoint (checkpoint.py)
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(ids)

@@ -178,6 +178,25 @@ class Int4Linear(nn.Module):
                     scale_dtype: torch.dtype = torch.bfloat16) -> "Int4Linear":
         return cls.from_float(linear.weight, group_size, symmetric, linear.bias, scale_dtype)
 
+    def pack_key(self) -> tuple:
+        """Modules with equal keys can be concatenated along their outputs (`concat`)."""
+        return (type(self), self.in_features, self.group_size, self.symmetric, self.scales.dtype,
+                self.qweight.device, self.bias is not None)
+
+    @classmethod
+    def concat(cls, modules: list["Int4Linear"]) -> "Int4Linear":
+        """One module computing the outputs of `modules` (same input, same pack_key) side by side."""
+        first = modules[0]
+        if any(m.pack_key() != first.pack_key() for m in modules):
+            raise BlockspecError("only quantized projections of the same input and format can be packed together")
+        out = cls(first.in_features, sum(m.out_features for m in modules), first.group_size, first.symmetric,
+                  first.bias is not None, first.scales.dtype, device="meta")
+        for name in ("qweight", "scales", "zeros", "bias"):
+            if getattr(first, name) is not None:
+                dim = 1 if name in ("scales", "zeros") else 0  # scales/zeros are [groups, N]
+                setattr(out, name, torch.cat([getattr(m, name) for m in modules], dim=dim))
+        return out
+
     # --- use ----------------------------------------------------------------------------------------------
 
     def packed(self) -> wq.PackedWeight:
@@ -274,15 +293,50 @@ def scheme_for(prefix: str, config: dict) -> dict:
     if best is None:
         raise BlockspecError(f"no quantization config group targets {prefix}")
     name, group = best
+    return _group_weights(name, group, qc)
+
+
+def _group_weights(name: str, group: dict, qc: dict) -> dict:
+    """A config group's `weights` arguments, refusing formats other than weight-only pack-quantized."""
     fmt = group.get("format") or qc.get("format")
     if fmt != "pack-quantized":
-        raise BlockspecError(f"compressed-tensors format {fmt!r} for {prefix} is not supported (need pack-quantized)")
+        raise BlockspecError(f"compressed-tensors format {fmt!r} of config group {name} is not supported "
+                             "(need pack-quantized)")
     if group.get("input_activations") is not None:
         raise BlockspecError(f"config group {name} quantizes activations; only weight-only (W4A16) is supported")
     w = group.get("weights")
     if not isinstance(w, dict):
         raise BlockspecError(f"config group {name} has no weight quantization arguments")
     return w
+
+
+def _weight_scheme(w: dict, where: str) -> tuple[str, int, bool]:
+    """(strategy, group size, symmetric) of `weights` arguments we can load; refuses anything else."""
+    num_bits = int(w.get("num_bits") or 0)
+    if w.get("type", "int") != "int" or num_bits != BITS:
+        raise BlockspecError(f"{where}: only int{BITS} weights are supported here, got {w.get('type')} {num_bits}-bit")
+    if w.get("dynamic", False):
+        raise BlockspecError(f"{where}: dynamic weight quantization is not supported")
+    strategy = w.get("strategy")
+    if strategy == "group":
+        group_size = int(w.get("group_size") or 0)
+        if group_size != DEFAULT_GROUP_SIZE:
+            raise BlockspecError(f"{where}: group size {group_size} is not supported (need {DEFAULT_GROUP_SIZE})")
+    elif strategy == "channel":
+        group_size = DEFAULT_GROUP_SIZE  # one scale per row: replicate it over groups of 128 (same weight)
+    else:
+        raise BlockspecError(f"{where}: quantization strategy {strategy!r} is not supported (group or channel)")
+    return strategy, group_size, bool(w.get("symmetric", True))
+
+
+def check_quantization_config(config: dict) -> None:
+    """Refuse a compressed-tensors config any of whose groups we cannot load (before reading any tensor)."""
+    qc = _quant_config(config)
+    groups = qc.get("config_groups") or {}
+    if not groups:
+        raise BlockspecError("quantization_config has no config_groups")
+    for name, group in groups.items():
+        _weight_scheme(_group_weights(name, group, qc), f"config group {name}")
 
 
 def from_compressed_tensors(tensors: dict, prefix: str, config: dict) -> Int4Linear:
@@ -292,14 +346,7 @@ def from_compressed_tensors(tensors: dict, prefix: str, config: dict) -> Int4Lin
     `.weight_zero_point` for asymmetric schemes; `.bias` if present). config: config.json dict (or its
     quantization_config).
     """
-    w = scheme_for(prefix, config)
-    num_bits = int(w.get("num_bits", 0))
-    if w.get("type", "int") != "int" or num_bits != BITS:
-        raise BlockspecError(f"{prefix}: only int{BITS} weights are supported here, got {w.get('type')} {num_bits}-bit")
-    if w.get("dynamic", False):
-        raise BlockspecError(f"{prefix}: dynamic weight quantization is not supported")
-    strategy = w.get("strategy")
-    symmetric = bool(w.get("symmetric", True))
+    strategy, group_size, symmetric = _weight_scheme(scheme_for(prefix, config), prefix)
 
     def get(name, required=True):
         t = tensors.get(f"{prefix}.{name}")
@@ -316,14 +363,6 @@ def from_compressed_tensors(tensors: dict, prefix: str, config: dict) -> Int4Lin
     n, k = shape
     if packed.dim() != 2 or packed.shape[0] != n or packed.shape[1] != -(-k // 8):
         raise BlockspecError(f"{prefix}.weight_packed has shape {tuple(packed.shape)}, expected ({n}, {-(-k // 8)})")
-    if strategy == "group":
-        group_size = int(w.get("group_size") or 0)
-        if group_size != DEFAULT_GROUP_SIZE:
-            raise BlockspecError(f"{prefix}: group size {group_size} is not supported (need {DEFAULT_GROUP_SIZE})")
-    elif strategy == "channel":
-        group_size = DEFAULT_GROUP_SIZE  # one scale per row: replicate it over groups of 128 (same weight)
-    else:
-        raise BlockspecError(f"{prefix}: quantization strategy {strategy!r} is not supported (group or channel)")
     groups = -(-k // group_size)
     scale = scale.reshape(n, -1) if scale.dim() == 1 else scale
     if strategy == "channel":
@@ -354,4 +393,4 @@ def from_compressed_tensors(tensors: dict, prefix: str, config: dict) -> Int4Lin
 
 
 __all__ = ["Int4Linear", "quantize", "dequantize", "from_compressed_tensors", "unpack_int32", "scheme_for",
-           "is_ignored"]
+           "is_ignored", "check_quantization_config"]

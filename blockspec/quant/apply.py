@@ -1,0 +1,78 @@
+"""Applying packing and weight-only quantization to loaded modules (target, MTP head, DFlash2 drafter, shared head).
+
+One mechanism for all of them: `prepare` packs the projections the options ask for (blockspec.layers.packed), then
+swaps every `nn.Linear` whose qualified name passes a filter for its round-to-nearest quantized version
+(`replace_linears`). Embeddings, norms, convolutions and other parameters are never touched.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import nn
+
+from ..errors import BlockspecError
+from ..layers.packed import pack_projections
+from .int4 import Int4Linear
+from .int8 import Int8Linear
+
+KINDS = {"int4": Int4Linear, "int8": Int8Linear}
+Quantizer = Callable[[nn.Linear], nn.Module]
+
+
+def rtn(kind: str, group_size: int, scale_dtype: torch.dtype) -> Quantizer | None:
+    """Round-to-nearest symmetric quantizer of an nn.Linear ("int4" / "int8"); None for "none"."""
+    if kind == "none":
+        return None
+    if scale_dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        scale_dtype = torch.bfloat16
+    cls = KINDS[kind]
+    return lambda linear: cls.from_linear(linear, group_size, scale_dtype=scale_dtype)
+
+
+def replace_linears(root: nn.Module, make: Quantizer, include: Callable[[str], bool] = lambda name: True) -> list[str]:
+    """Replace every nn.Linear submodule of `root` whose qualified name passes `include` by make(linear), one at a
+    time (each original is released before the next is made). Returns the replaced names."""
+    names = [name for name, m in root.named_modules() if type(m) is nn.Linear and include(name)]
+    for name in names:
+        root.set_submodule(name, make(root.get_submodule(name)))
+    return names
+
+
+def resident_bytes(root: nn.Module) -> int:
+    """Bytes of the distinct storages behind root's parameters and buffers."""
+    storages = {}
+    for t in list(root.parameters()) + list(root.buffers()):
+        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    return sum(storages.values())
+
+
+def prepare(root: nn.Module, packs=(), quantize: Quantizer | None = None,
+            include: Callable[[str], bool] = lambda name: True) -> dict:
+    """Pack the projections named by `packs` ("fuse_kvq", "fuse_gate"), then quantize the Linear layers `include`
+    accepts. Returns the resident weight bytes at each step."""
+    memory = {"loaded_bytes": resident_bytes(root)}
+    pack_projections(root, set(packs))
+    memory["packed_bytes"] = resident_bytes(root)
+    if quantize is not None:
+        replace_linears(root, quantize, include)
+    memory["final_bytes"] = resident_bytes(root)
+    return memory
+
+
+def quantize_head(model, kind: str, scale_dtype: torch.dtype, group_size: int = 128) -> None:
+    """Quantize the shared head (TargetModel.logits). With tied embeddings the head becomes a quantized copy of the
+    embedding table; the embedding lookup itself stays exact."""
+    make = rtn(kind, group_size, scale_dtype)
+    if make is None:
+        return
+    if model.lm_head is None:  # tied: quantize the embedding table as a head
+        tied = nn.Linear(model.config.hidden_size, model.config.vocab_size, bias=False, device="meta")
+        tied.weight = model.embed_tokens.weight  # shared, not copied
+        model.lm_head = make(tied)
+        return
+    if type(model.lm_head) is not nn.Linear:
+        raise BlockspecError(f"vocabulary_quantization: {kind!r}, but the checkpoint's lm_head is already quantized "
+                             "(set vocabulary_quantization: none)")
+    replace_linears(model, make, lambda name: name == "lm_head")
