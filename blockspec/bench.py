@@ -99,11 +99,7 @@ def measure_read_bandwidth(device) -> float | None:
     torch.cuda.synchronize()
     seconds = (time.perf_counter() - start) / reps
     del x
-    return x_bytes(2 ** 31, 2) / seconds / 1e9
-
-
-def x_bytes(n, itemsize):
-    return n * itemsize
+    return 2 ** 31 * 2 / seconds / 1e9
 
 
 def bytes_per_plain_step(engine) -> int:
@@ -172,7 +168,10 @@ def bench(args) -> dict:
     for mode in ["none"] + [m for m in modes if m != "none"]:
         if mode not in modes and args.forced_acceptance is None:
             continue
+        start = time.perf_counter()
         engine = build_engine(args, mode)
+        results.setdefault("load_times", {})[mode] = {"total_s": round(time.perf_counter() - start, 3),
+                                                      **engine.load_times}
         if "device" not in results:
             results["device"] = torch.cuda.get_device_name() if engine.device.type == "cuda" else "cpu"
             results["read_bandwidth_gb_s"] = args.bandwidth or measure_read_bandwidth(engine.device)
