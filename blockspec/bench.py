@@ -118,11 +118,15 @@ def bytes_per_plain_step(engine) -> int:
 
 
 def build_engine(args, mode: str):
+    from .cli import weight_overrides
     from .engine.engine import Engine
 
     overrides = {"mode": mode, "device": args.device, "compute_dtype": args.dtype,
                  "context_length": args.context_length, "compile_mode": args.compile_mode,
-                 "dflash2_model": args.drafter if mode == "dflash2" else None}
+                 "dflash2_model": args.drafter if mode == "dflash2" else None,
+                 **weight_overrides(args)}
+    if mode != "dflash2":
+        overrides.pop("dflash2_quantization")  # applies to the dflash2 rows only
     overrides = {k: v for k, v in overrides.items() if v is not None}
     if not args.synthetic:
         return Engine(PredictConfig.build({"model": args.model, **overrides}, source="bench"))
@@ -162,6 +166,8 @@ def bench(args) -> dict:
     rates = parse_rates(args.forced_acceptance, len(fixtures))
     label = ("SYNTHETIC weights " + args.synthetic if args.synthetic else "model " + str(args.model)) + (
         ", FORCED acceptance " + "/".join(f"{r:.1%}" for r in rates) if rates else "")
+    from .cli import weight_overrides
+    label += "".join(f", {k} {v}" for k, v in weight_overrides(args).items() if v not in (None, "none"))
     results = {"label": label, "rows": [], "max_tokens": args.max_tokens, "repeats": args.repeats,
                "context_length": args.context_length, "torch": torch.__version__}
     trajectories = {}
@@ -172,6 +178,7 @@ def bench(args) -> dict:
         engine = build_engine(args, mode)
         results.setdefault("load_times", {})[mode] = {"total_s": round(time.perf_counter() - start, 3),
                                                       **engine.load_times}
+        results.setdefault("memory", {})[mode] = engine.memory
         if "device" not in results:
             results["device"] = torch.cuda.get_device_name() if engine.device.type == "cuda" else "cpu"
             results["read_bandwidth_gb_s"] = args.bandwidth or measure_read_bandwidth(engine.device)
@@ -279,6 +286,8 @@ def add_bench_parser(sub):
     p.add_argument("--compile-mode", type=int, choices=[-1, 0], default=None)
     p.add_argument("--bandwidth", type=float, help="card read bandwidth in GB/s (default: measured now)")
     p.add_argument("--seed", type=int, default=0)
+    from .cli import add_weight_args  # --target-quantization, --fuse-kvq, ... as for generate
+    add_weight_args(p)
     p.add_argument("--json-out")
     p.add_argument("--png-out")
     p.set_defaults(func=cmd_bench)

@@ -122,9 +122,9 @@ def swap_in(root: torch.nn.Module, name: str, module: torch.nn.Module, where: st
         old = None
     if type(old) is not torch.nn.Linear:
         raise BlockspecError(f"{where}: unexpected quantized projection {name} (not a projection of this model)")
-    if (module.in_features, module.out_features) != (old.in_features, old.out_features):
-        raise BlockspecError(f"{where}: quantized projection {name} has shape {(module.out_features, module.in_features)},"
-                             f" expected {(old.out_features, old.in_features)}")
+    got, want = (module.out_features, module.in_features), (old.out_features, old.in_features)
+    if got != want:
+        raise BlockspecError(f"{where}: quantized projection {name} has shape {got}, expected {want}")
     root.set_submodule(name, module)
 
 

@@ -32,6 +32,11 @@ def add_engine_args(p: argparse.ArgumentParser, model_required=True):
     p.add_argument("--context-length", type=int)
     p.add_argument("--prefill-chunk-size", type=int)
     p.add_argument("--max-tokens", type=int)
+    add_weight_args(p)
+
+
+def add_weight_args(p: argparse.ArgumentParser):
+    """Quantization and packing flags (values are checked by PredictConfig, which names the key)."""
     p.add_argument("--target-quantization", help="none | int4 (RTN group 128 at load)")
     p.add_argument("--vocabulary-quantization", help="none | int8 | int4: the shared head (group 128)")
     p.add_argument("--dflash2-quantization", help="none | int8: the drafter's projections (group 32)")
@@ -39,14 +44,16 @@ def add_engine_args(p: argparse.ArgumentParser, model_required=True):
     p.add_argument("--fuse-gate", action="store_true", default=None, help="pack MLP gate/up projections")
 
 
+def weight_overrides(args) -> dict:
+    return {"target_quantization": args.target_quantization, "vocabulary_quantization": args.vocabulary_quantization,
+            "dflash2_quantization": args.dflash2_quantization, "fuse_kvq": args.fuse_kvq, "fuse_gate": args.fuse_gate}
+
+
 def engine_config(args) -> PredictConfig:
     overrides = {"model": args.model, "mode": args.mode, "dflash2_model": args.drafter, "device": args.device,
                  "compute_dtype": args.dtype, "context_length": args.context_length,
                  "prefill_chunk_size": args.prefill_chunk_size, "max_tokens": args.max_tokens,
-                 "target_quantization": args.target_quantization,
-                 "vocabulary_quantization": args.vocabulary_quantization,
-                 "dflash2_quantization": args.dflash2_quantization, "fuse_kvq": args.fuse_kvq,
-                 "fuse_gate": args.fuse_gate}
+                 **weight_overrides(args)}
     overrides = {k: v for k, v in overrides.items() if v is not None}
     if args.config:
         return PredictConfig.from_yaml(args.config, **overrides)

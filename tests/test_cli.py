@@ -139,8 +139,8 @@ def test_bad_config_file(tiny, tmp_path, capsys):
              ("context_length: -3\n", "invalid value for 'context_length'"),
              ("compute_dtype: int3\n", "invalid value for 'compute_dtype'"),
              ("gpu_ranks: [0, 1]\n", "exactly one GPU"),
-             ("vocabulary_quantization: int4\n", "vocabulary_quantization: 'int4' is not implemented"),
-             ("fuse_gate: true\n", "fuse_gate: True is not implemented"),
+             ("vocabulary_quantization: int2\n", "invalid value for 'vocabulary_quantization'"),
+             ("dflash2_quantization: int8\n", "dflash2_quantization: 'int8' quantizes a DFlash2 drafter"),
              ("[1, 2\n", "not valid YAML")]
     for text, message in cases:
         path = tmp_path / "c.yaml"
