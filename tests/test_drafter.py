@@ -18,7 +18,7 @@ from torch.nn import functional as F
 from blockspec.drafter import DFlash2Drafter, DrafterConfig
 from blockspec.drafter.context import EMPTY_SLOT, DrafterContext
 from blockspec.drafter.conv import DynamicCausalConv, grouped_dynamic_causal_conv
-from blockspec.drafter.model import apply_rope, rope_cos_sin, rope_inverse_frequencies
+from blockspec.kernels.rope import apply_rope, rope_inverse_frequencies, rope_tables
 from blockspec.drafter.selector import CandidateSelector
 from blockspec.errors import BlockspecError
 
@@ -250,9 +250,9 @@ def test_comparison_can_fail(tmp_path):
 def test_rope_is_split_half_rotation():
     theta, heads, rows = 10000.0, 3, 5
     positions = torch.tensor([0, 1, 7, 100, 4095])
-    x = torch.randn(heads, rows, HEAD_DIM)
+    x = torch.randn(rows, heads, HEAD_DIM)
     inverse = rope_inverse_frequencies(HEAD_DIM, theta)
-    cos, sin = rope_cos_sin(positions, inverse, torch.float32)
+    cos, sin = rope_tables(positions, HEAD_DIM, theta, torch.float32)
     out = apply_rope(x, cos, sin)
     half = HEAD_DIM // 2
     for t, p in enumerate(positions.tolist()):
@@ -260,9 +260,9 @@ def test_rope_is_split_half_rotation():
             # the angle is rounded to float32 first, as in the reference; the rest is exact here
             angle = (torch.tensor(float(p)) * inverse[j]).item()
             assert math.isclose(angle, p * theta ** (-2 * j / HEAD_DIM), rel_tol=1e-6)
-            a, b = x[:, t, j].double(), x[:, t, j + half].double()
-            assert torch.allclose(out[:, t, j].double(), a * math.cos(angle) - b * math.sin(angle), atol=1e-5)
-            assert torch.allclose(out[:, t, j + half].double(), b * math.cos(angle) + a * math.sin(angle), atol=1e-5)
+            a, b = x[t, :, j].double(), x[t, :, j + half].double()
+            assert torch.allclose(out[t, :, j].double(), a * math.cos(angle) - b * math.sin(angle), atol=1e-5)
+            assert torch.allclose(out[t, :, j + half].double(), b * math.cos(angle) + a * math.sin(angle), atol=1e-5)
     # same frequencies as the reference's rotary embedding
     ref_rope = transformers.models.qwen3.modeling_qwen3.Qwen3RotaryEmbedding(reference_config())
     assert torch.equal(ref_rope.inv_freq, inverse)
@@ -270,8 +270,8 @@ def test_rope_is_split_half_rotation():
     q, k = torch.randn(1, 1, HEAD_DIM), torch.randn(1, 1, HEAD_DIM)
 
     def score(i, j):
-        ci, si = rope_cos_sin(torch.tensor([i]), inverse, torch.float32)
-        cj, sj = rope_cos_sin(torch.tensor([j]), inverse, torch.float32)
+        ci, si = rope_tables(torch.tensor([i]), HEAD_DIM, theta, torch.float32)
+        cj, sj = rope_tables(torch.tensor([j]), HEAD_DIM, theta, torch.float32)
         return (apply_rope(q, ci, si) * apply_rope(k, cj, sj)).sum()
 
     assert torch.allclose(score(9, 4), score(509, 504), atol=1e-4)

@@ -22,6 +22,9 @@ from blockspec.drafter.context import DrafterContext
 from blockspec.drafter.conv import DynamicCausalConv
 from blockspec.drafter.selector import CandidateSelector
 from blockspec.errors import BlockspecError
+from blockspec.kernels.rope import apply_rope, rope_tables
+from blockspec.layers.mlp import SwiGLU
+from blockspec.layers.norm import PlainRMSNorm as RMSNorm
 
 WEIGHTS_FILE = "model.safetensors"
 # Some checkpoints store the codebooks as bare tensors rather than Embedding weights.
@@ -29,37 +32,6 @@ _BARE_TENSOR_NAMES = {
     "candidate_selector.predecessor_codebook": "candidate_selector.predecessor_codebook.weight",
     "candidate_selector.successor_codebook": "candidate_selector.successor_codebook.weight",
 }
-
-
-class RMSNorm(nn.Module):
-    """weight * x / rms(x); the statistics in float32, the product in the input dtype."""
-
-    def __init__(self, size: int, eps: float, *, dtype: torch.dtype | None = None):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.empty(size, dtype=dtype))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * normed.to(x.dtype)
-
-
-def rope_inverse_frequencies(head_dim: int, theta: float) -> torch.Tensor:
-    return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
-
-
-def rope_cos_sin(positions: torch.Tensor, inverse_frequencies: torch.Tensor, dtype: torch.dtype):
-    """cos, sin [T, head_dim] for absolute positions [T]; angles in float32, the first half repeated."""
-    angles = positions[:, None].float() * inverse_frequencies[None, :]
-    angles = torch.cat([angles, angles], dim=-1)
-    return angles.cos().to(dtype), angles.sin().to(dtype)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Split-half rotation: x [..., T, head_dim]; dimension j pairs with j + head_dim/2."""
-    first, second = x.chunk(2, dim=-1)
-    return x * cos + torch.cat([-second, first], dim=-1) * sin
 
 
 class DrafterAttention(nn.Module):
@@ -84,15 +56,14 @@ class DrafterAttention(nn.Module):
 
     def _rotated_keys_values(self, k, v, cos, sin):
         rows = k.shape[0]
-        k = self.k_norm(k.view(rows, self.num_kv_heads, self.head_dim)).transpose(0, 1)
+        k = apply_rope(self.k_norm(k.view(rows, self.num_kv_heads, self.head_dim)), cos, sin).transpose(0, 1)
         v = v.view(rows, self.num_kv_heads, self.head_dim).transpose(0, 1)
-        return apply_rope(k, cos, sin), v
+        return k, v
 
     def forward(self, x, cos, sin, context_keys, context_values, visible):
         rows = x.shape[0]
         q, k, v = self.qkv_proj(x) if self.qkv_proj is not None else (self.q_proj(x), self.k_proj(x), self.v_proj(x))
-        q = self.q_norm(q.view(rows, self.num_heads, self.head_dim)).transpose(0, 1)
-        q = apply_rope(q, cos, sin)
+        q = apply_rope(self.q_norm(q.view(rows, self.num_heads, self.head_dim)), cos, sin).transpose(0, 1)
         k, v = self._rotated_keys_values(k, v, cos, sin)
         keys = torch.cat([context_keys, k], dim=1)
         values = torch.cat([context_values, v], dim=1)
@@ -101,21 +72,6 @@ class DrafterAttention(nn.Module):
             enable_gqa=self.num_heads != self.num_kv_heads,
         )
         return self.o_proj(out[0].transpose(0, 1).reshape(rows, self.num_heads * self.head_dim))
-
-
-class DrafterMLP(nn.Module):
-    PACKS = {"fuse_gate": ("gate_up_proj", ("gate_proj", "up_proj"))}  # see blockspec.layers.packed
-
-    def __init__(self, config: DrafterConfig, dtype: torch.dtype):
-        super().__init__()
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False, dtype=dtype)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False, dtype=dtype)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False, dtype=dtype)
-        self.gate_up_proj = None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x) if self.gate_up_proj is not None else (self.gate_proj(x), self.up_proj(x))
-        return self.down_proj(F.silu(gate) * up)
 
 
 class DrafterLayer(nn.Module):
@@ -129,7 +85,7 @@ class DrafterLayer(nn.Module):
         self.self_attn = DrafterAttention(c, dtype)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype=dtype)
         self.mlp_conv = DynamicCausalConv(c.hidden_size, c.conv_kernel_size, c.conv_group_size, dtype=dtype)
-        self.mlp = DrafterMLP(c, dtype)
+        self.mlp = SwiGLU(c.hidden_size, c.intermediate_size, dtype=dtype)
 
     def forward(self, x, cos, sin, context_keys, context_values, visible):
         h, after = self.attention_conv.prepare(self.input_layernorm(x))
@@ -174,7 +130,6 @@ class DFlash2Drafter(nn.Module):
         # The target's functions are not submodules: their weights belong to the target.
         self.__dict__["_embed"] = embed
         self.__dict__["_lm_head"] = lm_head
-        self.inverse_frequencies = rope_inverse_frequencies(c.head_dim, c.rope_theta).to(self.device)
         self.context = DrafterContext(
             c.num_layers, c.num_kv_heads, c.head_dim, c.sliding_window, device=self.device, dtype=dtype
         )
@@ -254,7 +209,7 @@ class DFlash2Drafter(nn.Module):
         first = start_position + rows - kept
         hidden = self.hidden_norm(self.fc(features[rows - kept:].to(device=self.device, dtype=self.dtype)))
         positions = torch.arange(first, first + kept, device=self.device)
-        cos, sin = rope_cos_sin(positions, self.inverse_frequencies, self.dtype)
+        cos, sin = rope_tables(positions, self.config.head_dim, self.config.rope_theta, self.dtype)
         pairs = [layer.self_attn.keys_values(hidden, cos, sin) for layer in self.layers]
         self.context.write(torch.stack([k for k, _ in pairs]), torch.stack([v for _, v in pairs]), first)
 
@@ -282,7 +237,7 @@ class DFlash2Drafter(nn.Module):
         tokens = torch.cat([anchor, self._masks])
         x = (self._embed(tokens) * self.config.input_embedding_scale).to(self.dtype)
         positions = self._block_offsets + anchor_position
-        cos, sin = rope_cos_sin(positions, self.inverse_frequencies, self.dtype)
+        cos, sin = rope_tables(positions, self.config.head_dim, self.config.rope_theta, self.dtype)
         visible = self.visible_keys(positions)
         for index, layer in enumerate(self.layers):
             x = layer(x, cos, sin, self.context.keys[index], self.context.values[index], visible)

@@ -5,10 +5,14 @@ import torch
 from . import fused
 
 
+def rope_inverse_frequencies(rotary_dim: int, theta: float, device=None) -> torch.Tensor:
+    return 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32, device=device) / rotary_dim))
+
+
 def rope_tables(positions: torch.Tensor, rotary_dim: int, theta: float, dtype: torch.dtype):
-    """cos/sin of shape [T, rotary_dim] for integer positions, computed in float32 then cast like the activations."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32, device=positions.device)
-                                / rotary_dim))
+    """cos/sin of shape [T, rotary_dim] for integer positions: angles in float32 (channel j pairs with
+    j + rotary_dim/2, the rotate-half layout), cast like the activations."""
+    inv_freq = rope_inverse_frequencies(rotary_dim, theta, positions.device)
     freqs = positions.float()[:, None] * inv_freq[None, :]
     angles = torch.cat([freqs, freqs], dim=-1)
     return angles.cos().to(dtype), angles.sin().to(dtype)

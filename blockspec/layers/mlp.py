@@ -15,11 +15,11 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 class SwiGLU(nn.Module):
     PACKS = {"fuse_gate": ("gate_up_proj", ("gate_proj", "up_proj"))}  # see blockspec.layers.packed
 
-    def __init__(self, hidden_size: int, intermediate_size: int):
+    def __init__(self, hidden_size: int, intermediate_size: int, dtype: torch.dtype | None = None):
         super().__init__()
-        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False, dtype=dtype)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False, dtype=dtype)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False, dtype=dtype)
         self.gate_up_proj = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

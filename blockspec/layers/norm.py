@@ -9,17 +9,17 @@ from ..kernels.norm import rms_norm, rms_norm_plain
 class RMSNorm(nn.Module):
     """Zero-centred weight (y * (1 + w)), the convention of Qwen3.5 decoder, q/k and MTP norms."""
 
-    def __init__(self, dim: int, eps: float):
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype | None = None):
         super().__init__()
         self.eps = eps
-        self.weight = nn.Parameter(torch.zeros(dim))
+        self.weight = nn.Parameter(torch.zeros(dim, dtype=dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, self.weight, self.eps)
 
 
 class PlainRMSNorm(RMSNorm):
-    """Weight stored as is (y * w)."""
+    """Weight stored as is (y * w): the DFlash2 drafter's (Qwen3-style) norms."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return rms_norm_plain(x, self.weight, self.eps)
