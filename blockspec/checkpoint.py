@@ -174,7 +174,8 @@ def load_target(directory: str | Path, device="cpu", dtype=torch.float32):
         raise BlockspecError(f"{directory}: tensor {extra[0]} belongs to a projection stored quantized")
     missing = [k for k in expected if k not in loaded]
     if missing:
-        raise BlockspecError(f"{directory}: missing tensor {missing[0]} (shape {tuple(expected[missing[0]].shape)})"
+        stored_name = missing[0] if missing[0].startswith("lm_head") else "model." + missing[0]  # text layout
+        raise BlockspecError(f"{directory}: missing tensor {stored_name} (shape {tuple(expected[missing[0]].shape)})"
                              + (f" and {len(missing) - 1} more" if len(missing) > 1 else ""))
     model.load_state_dict(loaded, assign=True, strict=False)  # the quantized projections were swapped in whole
     model.checkpoint_quantization = None if qc is None else "int4"

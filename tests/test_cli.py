@@ -98,7 +98,7 @@ CHECKPOINT_ERRORS = [
     ("bad_json", lambda d: (d / "config.json").write_text("{oops"), "not valid JSON"),
     ("no_weights", lambda d: (d / "model.safetensors").unlink(), "no *.safetensors weights"),
     ("corrupt_weights", lambda d: (d / "model.safetensors").write_bytes(b"\x00garbage" * 10), "corrupt"),
-    ("missing_tensor", drop_tensor("model.layers.1.mlp.up_proj.weight"), "missing tensor layers.1.mlp.up_proj"),
+    ("missing_tensor", drop_tensor("model.layers.1.mlp.up_proj.weight"), "missing tensor model.layers.1.mlp.up_proj.weight (shape (128, 64))"),
     ("bad_shape", reshape_tensor("model.layers.3.self_attn.k_proj.weight"), "k_proj.weight has shape (63, 64)"),
     ("architecture", set_config(model_type="llama", architectures=["LlamaForCausalLM"]), "unsupported architecture"),
     ("no_tokenizer", lambda d: (d / "tokenizer.json").unlink(), "tokenizer.json: file not found"),
