@@ -160,7 +160,6 @@ def build_tiny_drafter(directory: str | Path, target_dir: str | Path, seed: int 
     selector's codebooks score the successor of the previous pick highest. `noise` perturbs the codebooks to make
     some proposals wrong. Everything else is random. The sliding window is small so that long runs exceed it.
     """
-    from safetensors.torch import load_file
 
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)

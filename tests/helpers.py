@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import torch
 
 TINY = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
@@ -59,3 +62,10 @@ def save_hf_target(directory, layer_types, seed=0, tie=False, **overrides):
     (directory / "tokenizer_config.json").write_text(
         '{"eos_token": "<|im_end|>", "chat_template": %s}' % __import__("json").dumps(CHAT_TEMPLATE))
     return model
+
+
+def cli(*args):
+    """Run the real console entry point in a subprocess: exit code, stdout, stderr."""
+    proc = subprocess.run([sys.executable, "-m", "blockspec.cli", *map(str, args)], capture_output=True, text=True,
+                          timeout=300)
+    return proc.returncode, proc.stdout, proc.stderr

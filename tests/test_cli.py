@@ -2,10 +2,9 @@
 
 import json
 import shutil
-import subprocess
-import sys
 
 import pytest
+from helpers import cli
 
 from blockspec.cli import main
 from blockspec.tiny import build_tiny_checkpoint
@@ -14,13 +13,6 @@ from blockspec.tiny import build_tiny_checkpoint
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     return build_tiny_checkpoint(tmp_path_factory.mktemp("tiny"), seed=0)
-
-
-def cli(*args):
-    """Run the real console entry point in a subprocess: exit code, stdout, stderr."""
-    proc = subprocess.run([sys.executable, "-m", "blockspec.cli", *map(str, args)], capture_output=True, text=True,
-                          timeout=300)
-    return proc.returncode, proc.stdout, proc.stderr
 
 
 BASE = ("--device", "cpu", "--dtype", "float32")

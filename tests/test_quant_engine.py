@@ -5,13 +5,12 @@ import gc
 import json
 import re
 import shutil
-import subprocess
-import sys
 import weakref
 
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import cli
 from safetensors.torch import load_file, save_file
 from torch import nn
 
@@ -433,12 +432,6 @@ def test_compressed_checkpoint_refusals(tmp_path, capsys, planted):
     err = run_cli(capsys, "--model", quantized_head, "--vocabulary-quantization", "int8")
     assert "vocabulary_quantization" in err and "already quantized" in err, err
 
-
-def cli(*args):
-    """The real console entry point in a subprocess: exit code, stdout, stderr."""
-    proc = subprocess.run([sys.executable, "-m", "blockspec.cli", *map(str, args)], capture_output=True, text=True,
-                          timeout=300)
-    return proc.returncode, proc.stdout, proc.stderr
 
 
 def test_cli_process_exit_code_and_json_stats(pair):
