@@ -1,10 +1,15 @@
 """Where a speculative cycle's time goes, on synthetic Qwen3.5-27B weights (H200 run behind docs/benchmarks.md).
 
-Times each piece alone with CUDA events (median of 20 after warm-up): the graphed 1-token step, the graphed
-4- and 8-token verification passes, commit graphs, the DFlash2 proposal graph, the drafter context append, and the
-eager MTP head steps. Prints one line per piece and writes JSON to $OUT/profile_cycle.json.
+For each target variant (projections as stored, then packed with fuse_kvq + fuse_gate), times each piece alone
+with CUDA events (median of 20 after warm-up): the graphed 1-token step (and its share of the bandwidth roofline),
+the graphed 4- and 8-token verification passes with their commits, the DFlash2 proposal graph, the graphed drafter
+context append, and the graphed MTP observe + chain of 3 drafts. Then a kernel table of one graphed step and one
+8-token verification (torch.profiler: which kernels take the time). Prints it all; JSON to $OUT/profile_cycle.json.
+
+Usage (GPU, repo root): python bench/profile_cycle.py [--variants plain,packed] [--quant int4]
 """
 
+import argparse
 import json
 import os
 import statistics
@@ -12,10 +17,9 @@ import time
 
 import torch
 
+from blockspec.bench import bytes_per_plain_step, measure_read_bandwidth
 from blockspec.config import PredictConfig
 from blockspec.engine.engine import Engine
-from blockspec.engine.mtp import MTPProposer, load_mtp_head
-from blockspec.engine.target import GraphedTarget
 from blockspec.synthetic import synthetic_target
 
 
@@ -33,44 +37,111 @@ def timed(fn, reps=20, warmup=3):
     return statistics.median(times)
 
 
-def main():
-    t0 = time.perf_counter()
-    model, head = synthetic_target("qwen3.5-27b", torch.device("cuda"), torch.bfloat16)
-    mtp = {"mtp." + k: v for k, v in head.state_dict().items()}
-    config = PredictConfig.build({"mode": "dflash2", "device": "cuda", "compile_mode": 0, "context_length": 4096})
-    engine = Engine(config, model=model, mtp_tensors=mtp, tokenizer=object(), synthetic_drafter=0)
-    results = {"load_s": round(time.perf_counter() - t0, 1), **engine.load_times}
-    target, state, drafter = engine.target, engine.state, engine.proposer.drafter
-    assert isinstance(target, GraphedTarget)
-    prompt = torch.randint(0, 248320, (512,), device="cuda")
+def kernel_table(fn, top=18):
+    """The kernels of a few calls of fn, grouped by name: (name, calls per fn call, us per fn call)."""
+    fn()
+    torch.cuda.synchronize()
+    reps = 5
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    rows = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            calls, total = rows.get(e.name, (0, 0.0))
+            rows[e.name] = (calls + 1, total + e.device_time)
+    table = sorted(((n[:90], c / reps, t / reps) for n, (c, t) in rows.items()), key=lambda r: -r[2])
+    total_us = sum(r[2] for r in table)
+    kernels = sum(r[1] for r in table)
+    return {"total_kernel_us": round(total_us, 1), "kernels_per_call": kernels,
+            "top": [(n, c, round(t, 1)) for n, c, t in table[:top]]}
+
+
+def profile_engine(engine, mode_label, bandwidth, results, kernels):
+    target, state = engine.target, engine.state
+    model = engine.model
+    prompt = torch.randint(0, model.config.vocab_size, (512,), device="cuda")
+    state.reset()
+    engine.proposer.reset()
     out = model(prompt, state, engine.proposer.capture_layers, all_logits=False)
     state.commit(512)
-    drafter.append_context(out.features, 0)
+    if hasattr(engine.proposer, "drafter"):
+        engine.proposer.drafter.append_context(out.features, 0)
 
     def step(t, n):
         target.verify(list(range(t)))
         target.commit(n)
         state.length -= n  # stay at the same position
-    results["step_1_ms"] = timed(lambda: step(1, 1))
-    for t in (4, 8):
-        if t in target.passes:
-            results[f"verify_{t}_commit_{t}_ms"] = timed(lambda: step(t, t))
-            results[f"verify_{t}_commit_1_ms"] = timed(lambda: step(t, 1))
-    results["dflash2_propose_graph_ms"] = timed(lambda: engine.proposer.propose(5, state.length, 7))
-    feats = out.features[:4]
-    results["drafter_append_4_ms"] = timed(lambda: (drafter.append_context(feats, drafter.context.length)))
-    mtp_proposer = MTPProposer(model, load_mtp_head(model, mtp, torch.bfloat16, "cuda"), 3, 4096, "cuda",
-                               torch.bfloat16)
-    hidden = out.hidden[:4]
-    nxt = prompt[1:5]
-    results["mtp_observe_4_eager_ms"] = timed(lambda: mtp_proposer.step(model.norm(hidden), nxt, 100))
-    results["mtp_chain_step_eager_ms"] = timed(lambda: mtp_proposer.step(hidden[:1], nxt[:1], 104))
-    results["lm_head_1_row_ms"] = timed(lambda: model.logits(hidden[:1]))
-    for k, v in results.items():
-        print(f"{k:32s} {v:.3f}" if isinstance(v, float) else f"{k:32s} {v}")
+    r = {}
+    if 1 in target.passes:
+        r["step_1_ms"] = timed(lambda: step(1, 1))
+        step_bytes = bytes_per_plain_step(engine)
+        r["step_bytes_gb"] = round(step_bytes / 1e9, 3)
+        r["step_roofline_ms"] = round(step_bytes / (bandwidth * 1e9) * 1e3, 3)
+        r["step_pct_roofline"] = round(100 * r["step_roofline_ms"] / r["step_1_ms"], 1)
+        kernels[f"{mode_label} step_1"] = kernel_table(lambda: step(1, 1))
+    for t in sorted(target.passes):
+        if t > 1:
+            r[f"verify_{t}_commit_{t}_ms"] = timed(lambda: step(t, t))
+            r[f"verify_{t}_commit_1_ms"] = timed(lambda: step(t, 1))
+            kernels[f"{mode_label} verify_{t}"] = kernel_table(lambda: step(t, t))
+    proposer = engine.proposer
+    if proposer.name == "dflash2":
+        r["dflash2_propose_graph_ms"] = timed(lambda: proposer.propose(5, state.length, 7))
+        features = out.features[:4]
+
+        def append():
+            proposer.observe(type(out)(None, None, features), state.length, [0] * 4, [0] * 4)
+            proposer.drafter.context.length -= 4
+        r["drafter_append_4_graph_ms"] = timed(append)
+    if proposer.name == "mtp":
+        hidden = type(out)(None, out.hidden[:4], None)
+
+        def observe_and_propose():
+            proposer.observe(hidden, 100, [0] * 4, [1, 2, 3, 4])
+            return proposer.propose(4, 104, 3)
+        r["mtp_observe_4_chain_3_graph_ms"] = timed(observe_and_propose)
+        kernels[f"{mode_label} mtp observe+chain"] = kernel_table(observe_and_propose)
+    r["lm_head_1_row_ms"] = timed(lambda: model.logits(out.hidden[:1]))
+    results[mode_label] = {**engine.load_times, **r}
+    for k, v in results[mode_label].items():
+        print(f"{mode_label:24s} {k:32s} {v}", flush=True)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--variants", default="plain,packed")
+    ap.add_argument("--modes", default="dflash2,mtp")
+    ap.add_argument("--quant", default="none", help="target_quantization (int4) for every variant")
+    ap.add_argument("--vocab-quant", default="none")
+    args = ap.parse_args()
+    t0 = time.perf_counter()
+    bandwidth = measure_read_bandwidth(torch.device("cuda"))  # GB/s
+    model, head = synthetic_target("qwen3.5-27b", torch.device("cuda"), torch.bfloat16)
+    mtp = {"mtp." + k: v for k, v in head.state_dict().items()}
+    results = {"bandwidth_gbs": round(bandwidth, 1), "synthetic_s": round(time.perf_counter() - t0, 1),
+               "quant": args.quant}
+    kernels = {}
+    for variant in args.variants.split(","):
+        fuse = variant == "packed"  # packing is in place and cannot be undone: keep "plain" first
+        for mode in args.modes.split(","):
+            config = PredictConfig.build({"mode": mode, "device": "cuda", "compile_mode": 0, "context_length": 4096,
+                                          "fuse_kvq": fuse, "fuse_gate": fuse, "target_quantization": args.quant,
+                                          "vocabulary_quantization": args.vocab_quant})
+            t1 = time.perf_counter()
+            engine = Engine(config, model=model, mtp_tensors=mtp, tokenizer=object(), synthetic_drafter=0)
+            engine.load_times["engine_s"] = round(time.perf_counter() - t1, 1)
+            profile_engine(engine, f"{variant}/{mode}", bandwidth, results, kernels)
+            del engine
+            torch.cuda.empty_cache()
+    for label, table in kernels.items():
+        print(f"\n== {label}: {table['kernels_per_call']:.0f} kernels, {table['total_kernel_us']:.0f} us of kernels")
+        for name, calls, us in table["top"]:
+            print(f"  {us:9.1f} us {calls:6.1f}x  {name}")
     out_dir = os.environ.get("OUT", ".")
     with open(os.path.join(out_dir, "profile_cycle.json"), "w") as f:
-        json.dump(results, f, indent=2)
+        json.dump({"results": results, "kernels": kernels}, f, indent=2)
 
 
 if __name__ == "__main__":

@@ -84,3 +84,28 @@ def test_dflash2_equals_plain_bf16(wide_margin_pair, compile_mode):
     print(f"bf16 compile_mode {compile_mode}: acceptance {b.stats['acceptance_rate']:.2f}")
     assert a.tokens == b.tokens
     assert 0.02 < b.stats["acceptance_rate"] < 0.98
+
+
+QUANTIZED = dict(target_quantization="int4", vocabulary_quantization="int8", fuse_kvq=True, fuse_gate=True)
+
+
+@pytest.mark.parametrize("mode", ["mtp", "dflash2"])
+def test_quantized_paths_on_gpu(wide_margin_pair, mode):
+    """The int4 target (Triton W4A16 kernel), int8 head and (dflash2) int8 drafter, packed, under CUDA graphs:
+    speculative output == plain greedy output with the same weights, and graphed plain == eager plain."""
+    from blockspec.quant.int4 import Int4Linear
+    from blockspec.quant.w4a16_triton import kernels_available
+
+    assert kernels_available(torch.device("cuda"))
+    target, drafter = wide_margin_pair
+    kw = dict(compute_dtype="bfloat16", **QUANTIZED)
+    plain_graphed, plain_eager = engine(target, compile_mode=0, **kw), engine(target, compile_mode=-1, **kw)
+    spec = engine(target, compile_mode=0, mode=mode, **kw,
+                  **(dict(dflash2_model=str(drafter), dflash2_quantization="int8") if mode == "dflash2" else {}))
+    assert any(isinstance(m, Int4Linear) for m in spec.model.modules())
+    ids = spec.tokenizer.encode("hello world")
+    a, b = plain_graphed.generate(ids, 160, stop_at_eos=False), spec.generate(ids, 160, stop_at_eos=False)
+    assert a.tokens == plain_eager.generate(ids, 160, stop_at_eos=False).tokens
+    print(f"int4 {mode}: acceptance {b.stats['acceptance_rate']:.2f}")
+    assert a.tokens == b.tokens
+    assert b.stats["acceptance_rate"] > 0.02

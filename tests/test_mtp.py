@@ -73,7 +73,7 @@ def test_mtp_head_matches_independent_computation(tmp_path):
     next_tokens = torch.cat([prompt[1:], torch.tensor([17])])
     proposer = engine.proposer
     normed = engine.model.norm(out.hidden)
-    x, draft = proposer.step(normed, next_tokens, 0)
+    x, draft = proposer.step_at(normed, next_tokens, 0)
     ours = engine.model.logits(x)
     expected = reference_mtp_logits(w, cfg, normed, next_tokens)
     diff = (ours - expected).abs().max().item()
@@ -94,7 +94,7 @@ def test_forced_verification_keeps_target_and_mtp_cache_exact(planted, wrong_fro
         reference = DecodeState(model, 256, 16, "cpu", torch.float32)
         hidden = model(torch.tensor(trajectory[:length]), reference).hidden
         fresh = load(planted).proposer
-        fresh.step(model.norm(hidden), torch.tensor(trajectory[1:length + 1]), 0)
+        fresh.step_at(model.norm(hidden), torch.tensor(trajectory[1:length + 1]), 0)
         for ours, ref in zip(proposer.caches, fresh.caches):
             assert (ours.k[:length] - ref.k[:length]).abs().max() <= 1e-4
             assert (ours.v[:length] - ref.v[:length]).abs().max() <= 1e-4

@@ -53,8 +53,12 @@ class DrafterContext:
         if rows == 0:
             return
         positions = torch.arange(start_position, start_position + rows, device=self.positions.device)
+        self.write_rows(keys, values, positions)
+        self.length = start_position + rows
+
+    def write_rows(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> None:
+        """The buffer update alone (no checks, length unchanged): positions is a device tensor."""
         slots = positions % self.capacity  # one index_copy_ also handles wraparound
         self.keys.index_copy_(2, slots, keys.to(self.keys.dtype))
         self.values.index_copy_(2, slots, values.to(self.values.dtype))
         self.positions.index_copy_(0, slots, positions)
-        self.length = start_position + rows

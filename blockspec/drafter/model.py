@@ -207,11 +207,17 @@ class DFlash2Drafter(nn.Module):
         if kept == 0:
             return
         first = start_position + rows - kept
-        hidden = self.hidden_norm(self.fc(features[rows - kept:].to(device=self.device, dtype=self.dtype)))
-        positions = torch.arange(first, first + kept, device=self.device)
+        self.encode_context(features[rows - kept:], torch.arange(first, first + kept, device=self.device))
+        self.context.length = start_position + rows
+
+    @torch.no_grad()
+    def encode_context(self, features: torch.Tensor, positions: torch.Tensor) -> None:
+        """Write the context K/V of features [n, width] at absolute `positions` (a device tensor, so that a CUDA
+        graph can replay it at any position); append_context checks and keeps the committed length."""
+        hidden = self.hidden_norm(self.fc(features.to(device=self.device, dtype=self.dtype)))
         cos, sin = rope_tables(positions, self.config.head_dim, self.config.rope_theta, self.dtype)
         pairs = [layer.self_attn.keys_values(hidden, cos, sin) for layer in self.layers]
-        self.context.write(torch.stack([k for k, _ in pairs]), torch.stack([v for _, v in pairs]), first)
+        self.context.write_rows(torch.stack([k for k, _ in pairs]), torch.stack([v for _, v in pairs]), positions)
 
     # ---------------------------------------------------------------- drafting
 

@@ -14,6 +14,7 @@ import torch
 from ..drafter.config import DrafterConfig
 from ..drafter.model import DFlash2Drafter
 from ..quant.apply import prepare, rtn
+from . import graphs
 from .decode import Proposer
 
 DRAFTER_PROJECTIONS = re.compile(r"fc$|layers\.\d+\.(self_attn|mlp)\.")  # what dflash2_quantization quantizes
@@ -26,6 +27,7 @@ class DFlash2Proposer(Proposer):
         self.drafter = drafter
         self.capture_layers = tuple(drafter.target_layer_ids)
         self.max_proposals = drafter.block_size - 1
+        self.graph, self.append_graphs = None, {}  # compile_mode 0 only
 
     @classmethod
     def build(cls, engine) -> "DFlash2Proposer":
@@ -48,7 +50,17 @@ class DFlash2Proposer(Proposer):
         self.drafter.reset()
 
     def observe(self, out, first, tokens, next_tokens):
-        self.drafter.append_context(out.features[:len(tokens)], first)
+        rows = len(tokens)
+        if rows not in self.append_graphs:  # prefill chunks (and eager mode)
+            self.drafter.append_context(out.features[:rows], first)
+            return
+        context = self.drafter.context
+        if first != context.length:
+            raise ValueError(f"context append at {first}, but {context.length} positions are committed")
+        self.features_in[:rows].copy_(out.features[:rows])
+        self.append_start.fill_(first)
+        self.append_graphs[rows].replay()
+        context.length = first + rows
 
     def propose(self, anchor, position, k):
         if self.graph is None:
@@ -58,20 +70,22 @@ class DFlash2Proposer(Proposer):
         self.graph.replay()
         return self.proposals[:k].tolist()
 
-    graph = None
-
-    def capture_graph(self, warmup: int = 2):
-        """Record the whole proposal (embedding, layers, convolutions, logits, selector walk) as one CUDA graph over
-        a static anchor and position; prepared at load time (compile_mode 0)."""
-        device = self.drafter.device
+    def capture_graphs(self, pool=None, warmup: int = 2):
+        """compile_mode 0, at load time: the whole proposal (embedding, layers, convolutions, logits, selector walk)
+        as one CUDA graph over a static anchor and position, and the context append of each verification length
+        (1..block_size committed rows) as one graph each."""
+        drafter, device = self.drafter, self.drafter.device
         self.anchor = torch.zeros(1, dtype=torch.long, device=device)
         self.position = torch.zeros((), dtype=torch.long, device=device)
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(warmup):
-                self.drafter.propose(self.anchor, self.position)
-        torch.cuda.current_stream().wait_stream(stream)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            self.proposals = self.drafter.propose(self.anchor, self.position)
+        self.graph, self.proposals = graphs.capture(lambda: drafter.propose(self.anchor, self.position), warmup, pool)
+        block = drafter.block_size
+        width = len(drafter.target_layer_ids) * drafter.config.hidden_size  # the target's captured layers
+        self.features_in = torch.zeros(block, width, device=device, dtype=drafter.dtype)
+        self.append_start = torch.zeros((), dtype=torch.long, device=device)
+        offsets = torch.arange(block, device=device)
+        self.append_graphs = {
+            rows: graphs.capture(lambda rows=rows: drafter.encode_context(self.features_in[:rows],
+                                                                          self.append_start + offsets[:rows]),
+                                 warmup, pool)[0]
+            for rows in range(1, block + 1)}
+        drafter.reset()  # warm-ups wrote scratch context rows

@@ -129,13 +129,13 @@ class Engine:
             if self.device.type != "cuda":
                 raise BlockspecError("compile_mode 0 (CUDA graphs) needs --device cuda; use compile_mode -1 on the CPU")
             enable_fusion()  # torch.compile the elementwise ops before anything is captured
-            if hasattr(self.proposer, "capture_graph"):
-                start = time.perf_counter()
-                self.proposer.capture_graph()
-                self.load_times["proposer_graph_s"] = round(time.perf_counter() - start, 3)
             start = time.perf_counter()
             target = GraphedTarget(self.model, self.state, capture, lengths=(1, 1 + self.proposer.max_proposals))
             self.load_times["target_graphs_s"] = round(time.perf_counter() - start, 3)
+            if hasattr(self.proposer, "capture_graphs"):
+                start = time.perf_counter()
+                self.proposer.capture_graphs(target.pool)
+                self.load_times["proposer_graphs_s"] = round(time.perf_counter() - start, 3)
             return target
         return EagerTarget(self.model, self.state, capture)
 

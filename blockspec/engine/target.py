@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from . import graphs
+
 
 class EagerTarget:
     def __init__(self, model, state, capture=()):
@@ -44,18 +46,12 @@ class GraphedTarget(EagerTarget):
     def _capture_pass(self, t, warmup):
         ids = torch.zeros(t, dtype=torch.long, device=self.device)
         positions = self._scratch_positions(t)  # warm-ups write only cache slots no request has reached
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(warmup):
-                self.model(ids, self.state, self.capture, positions=positions)
-                self.state.discard()
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+
+        def run():
             out = self.model(ids, self.state, self.capture, positions=positions)
-            predicted = out.logits.argmax(-1)
-        self.state.discard()
+            self.state.discard()  # bookkeeping only: the replayed pass is opened by verify()
+            return out, out.logits.argmax(-1)
+        graph, (out, predicted) = graphs.capture(run, warmup, self.pool)
         return graph, ids, positions, out, predicted
 
     def _capture_commit(self, t, n, warmup):
@@ -63,16 +59,7 @@ class GraphedTarget(EagerTarget):
             self.state.begin(t)
             self.state.commit(n)
             self.state.length -= n  # bookkeeping is replayed by hand; only the buffer updates are captured
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(warmup):
-                run()
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            run()
-        return graph
+        return graphs.capture(run, warmup, self.pool)[0]
 
     def verify(self, block):
         captured = self.passes.get(len(block))

@@ -7,6 +7,7 @@ of a 64-layer model otherwise launches thousands of tiny kernels. The undecorate
 """
 
 import functools
+import os
 
 import torch
 
@@ -15,7 +16,12 @@ FUSION = {"enabled": False}
 
 def enable_fusion(enabled: bool = True):
     FUSION["enabled"] = enabled
-    if enabled:  # each op sees a handful of shapes (pass lengths, head layouts): keep them all compiled
+    if enabled:
+        # compiled kernels are cached on disk (inductor's FX-graph cache and Triton's), so a second start skips
+        # compilation; keep them under the user's cache rather than inductor's default in /tmp
+        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR",
+                              os.path.join(os.path.expanduser("~"), ".cache", "blockspec", "inductor"))
+        # each op sees a handful of shapes (pass lengths, head layouts): keep them all compiled
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
 
 
