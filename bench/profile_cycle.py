@@ -123,9 +123,11 @@ def main():
     results = {"bandwidth_gbs": round(bandwidth, 1), "synthetic_s": round(time.perf_counter() - t0, 1),
                "quant": args.quant}
     kernels = {}
-    for variant in args.variants.split(","):
+    variants = args.variants.split(",")
+    for variant in variants:
         fuse = variant == "packed"  # packing is in place and cannot be undone: keep "plain" first
-        for mode in args.modes.split(","):
+        modes = args.modes.split(",") if variant == variants[-1] else args.modes.split(",")[:1]
+        for mode in modes:
             config = PredictConfig.build({"mode": mode, "device": "cuda", "compile_mode": 0, "context_length": 4096,
                                           "fuse_kvq": fuse, "fuse_gate": fuse, "target_quantization": args.quant,
                                           "vocabulary_quantization": args.vocab_quant})
