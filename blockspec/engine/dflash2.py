@@ -82,7 +82,7 @@ class DFlash2Proposer(Proposer):
         width = len(drafter.target_layer_ids) * drafter.config.hidden_size  # the target's captured layers
         self.features_in = torch.zeros(block, width, device=device, dtype=drafter.dtype)
         self.append_start = torch.zeros((), dtype=torch.long, device=device)
-        offsets = torch.arange(block, device=device)
+        self.offsets = offsets = torch.arange(block, device=device)  # kept: a graph holds no reference to it
         self.append_graphs = {
             rows: graphs.capture(lambda rows=rows: drafter.encode_context(self.features_in[:rows],
                                                                           self.append_start + offsets[:rows]),

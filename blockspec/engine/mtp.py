@@ -115,7 +115,7 @@ class MTPProposer(Proposer):
         self.hidden_in = torch.zeros(rows_max, self.model.config.hidden_size, device=device, dtype=self.caches[0].k.dtype)
         self.ids_in = torch.zeros(rows_max, dtype=torch.long, device=device)
         self.start = torch.zeros((), dtype=torch.long, device=device)
-        steps = torch.arange(rows_max, device=device)
+        self.steps = steps = torch.arange(rows_max, device=device)  # kept: a graph holds no reference to it
 
         def draft_all(rows):
             x, draft = self.step(self.model.norm(self.hidden_in[:rows]), self.ids_in[:rows],

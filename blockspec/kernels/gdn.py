@@ -9,12 +9,16 @@ from . import fused
 
 
 @fused
-def causal_conv1d(x: torch.Tensor, history: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def causal_conv1d(x: torch.Tensor, history: torch.Tensor, weight: torch.Tensor,
+                  window_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Depthwise causal convolution + SiLU over x [T, C], continuing from `history` [K-1, C] (the previous inputs).
 
-    Returns (output [T, C], window [K-1+T, C]); the new history after n tokens is window[n : n+K-1].
+    Returns (output [T, C], window [K-1+T, C]); the new history after n tokens is window[n : n+K-1]. With
+    `window_out` the window is written there (the state's pending buffer: no copy afterwards).
     """
     window = torch.cat([history.to(x.dtype), x], dim=0)
+    if window_out is not None:
+        window = window_out.copy_(window)
     taps = window.unfold(0, weight.shape[-1], 1)  # [T, C, K]: the K inputs each output sees, oldest first
     out = (taps * weight.view(weight.shape[0], -1).to(x.dtype)).sum(-1)
     return F.silu(out), window
@@ -25,9 +29,11 @@ def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 
 
 @fused
-def deltanet_inputs(mixed, b, a, A_log, dt_bias, key_heads: int, key_dim: int, value_heads: int, value_dim: int):
+def deltanet_inputs(mixed, b, a, A_log, dt_bias, key_heads: int, key_dim: int, value_heads: int, value_dim: int,
+                    out: tuple | None = None):
     """Split the convolved projection into the recurrence's inputs: L2-normalised q (pre-scaled) and k repeated
-    to the value heads, v, log-decay g = -exp(A_log) * softplus(a + dt_bias), write strength beta = sigmoid(b)."""
+    to the value heads, v, log-decay g = -exp(A_log) * softplus(a + dt_bias), write strength beta = sigmoid(b).
+    With `out` (the state's pending buffers, for a partial commit) they are written there by the same kernel."""
     t = mixed.shape[0]
     qk_size = key_heads * key_dim
     q, k, v = mixed.split([qk_size, qk_size, value_heads * value_dim], dim=-1)
@@ -37,6 +43,8 @@ def deltanet_inputs(mixed, b, a, A_log, dt_bias, key_heads: int, key_dim: int, v
     v = v.reshape(t, value_heads, value_dim).float()
     beta = torch.sigmoid(b).float()
     g = -A_log.float().exp() * F.softplus(a.float() + dt_bias.float())
+    if out is not None:
+        return tuple(buffer.copy_(value) for buffer, value in zip(out, (q, k, v, g, beta)))
     return q, k, v, g, beta
 
 

@@ -39,28 +39,34 @@ class GDNState:
         self.recurrent.zero_()
         self.pending_len = 0
 
-    def record(self, window, final_recurrent, inputs):
+    def short_pass_buffers(self, t: int):
+        """Where a pass of t <= max_partial tokens writes its conv window and recurrence inputs, so that any
+        commit(n) can be replayed from them without copying them afterwards; None for longer passes (prefill)."""
+        if t > self.max_partial:
+            return None, None
+        return self.pending_window[:self.history.shape[0] + t], self.pending_inputs(t)
+
+    def record(self, window, final_recurrent):
         t = window.shape[0] - self.history.shape[0]
         self.pending_len = t
-        self.pending_history.copy_(window[t:])
         self.pending_recurrent.copy_(final_recurrent)
-        if 1 < t <= self.max_partial:  # a 1-token pass can only be committed whole
-            self.pending_window[:window.shape[0]].copy_(window)
-            for buffer, value in zip(self.pending_inputs(t), inputs):
-                buffer.copy_(value)
+        if t > self.max_partial:  # only the whole pass can be committed: keep just the new history
+            self.pending_history.copy_(window[t:])
 
     def pending_inputs(self, n: int):
         return (self.pending_q[:n], self.pending_k[:n], self.pending_v[:n], self.pending_g[:n], self.pending_beta[:n])
 
     def commit(self, n: int):
+        keep = self.history.shape[0]
         if n == self.pending_len:
-            self.history.copy_(self.pending_history)
+            history = self.pending_history if n > self.max_partial else self.pending_window[n:n + keep]
+            self.history.copy_(history)
             self.recurrent.copy_(self.pending_recurrent)
         else:
             if self.pending_len > self.max_partial:
                 raise RuntimeError(f"partial commit of a {self.pending_len}-token pass (max {self.max_partial})")
             _, state = gated_delta_rule(*self.pending_inputs(n), self.recurrent)
-            self.history.copy_(self.pending_window[n:n + self.history.shape[0]])
+            self.history.copy_(self.pending_window[n:n + keep])
             self.recurrent.copy_(state)
         self.pending_len = 0
 
@@ -99,11 +105,12 @@ class GatedDeltaNet(nn.Module):
         t = x.shape[0]
         qkv, z, b, a = self.in_proj(x) if self.in_proj is not None else (
             self.in_proj_qkv(x), self.in_proj_z(x), self.in_proj_b(x), self.in_proj_a(x))
-        mixed, window = causal_conv1d(qkv, state.history, self.conv1d.weight)
+        window_buffer, input_buffers = state.short_pass_buffers(t)
+        mixed, window = causal_conv1d(qkv, state.history, self.conv1d.weight, window_buffer)
         inputs = deltanet_inputs(mixed, b, a, self.A_log, self.dt_bias,
-                                 self.key_heads, self.key_dim, self.value_heads, self.value_dim)
+                                 self.key_heads, self.key_dim, self.value_heads, self.value_dim, input_buffers)
         out, final = gated_delta_rule(*inputs, state.recurrent)
-        state.record(window, final, inputs)
+        state.record(window, final)
         z = z.view(t, self.value_heads, self.value_dim)
         out = gated_rms_norm(out.to(x.dtype), z, self.norm.weight, self.eps)
         return self.out_proj(out.reshape(t, -1))
