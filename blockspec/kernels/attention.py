@@ -1,4 +1,12 @@
-"""Causal attention of T new queries over a KV cache (grouped KV heads)."""
+"""Causal attention of T new queries over a KV cache (grouped KV heads).
+
+Two paths: flash-attn's KV-cache kernel (`flash_attn_with_kvcache`) when the package is installed and the inputs
+are CUDA fp16/bf16: it reads only the filled part of the cache (the length is a device tensor, so a CUDA graph
+replays it at any position); otherwise PyTorch SDPA over the given cache prefix under a causal mask (the
+reference, and the path used wherever flash-attn is missing: under a CUDA graph it reads the whole cache).
+"""
+
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -6,9 +14,32 @@ import torch.nn.functional as F
 
 def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                      scale: float) -> torch.Tensor:
-    """q: [T, Hq, D] at `positions` [T]; k, v: [L, Hkv, D], a prefix of the cache that holds every key up to the
-    last position (entries past a query's position are masked). Returns [T, Hq, D]."""
+    """q: [T, Hq, D] at consecutive `positions` [T]; k, v: [L, Hkv, D], a prefix of the cache that holds every key
+    up to the last position (entries past a query's position are masked). Returns [T, Hq, D]."""
+    if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and flash_attn_with_kvcache() is not None:
+        return cached_attention_flash(q, k, v, positions, scale)
+    return cached_attention_sdpa(q, k, v, positions, scale)
+
+
+def cached_attention_sdpa(q, k, v, positions, scale):
     visible = torch.arange(k.shape[0], device=q.device)[None, :] <= positions[:, None]
     out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
                                          attn_mask=visible, scale=scale, enable_gqa=True)
     return out[0].transpose(0, 1)
+
+
+@functools.cache
+def flash_attn_with_kvcache():
+    try:
+        from flash_attn import flash_attn_with_kvcache as kernel
+    except ImportError:
+        return None
+    return kernel
+
+
+def cached_attention_flash(q, k, v, positions, scale, kernel=None):
+    """flash-attn with cache_seqlens = last position + 1; causal=True aligns the T queries to the end of that
+    prefix, so query i sees keys 0..positions[i]."""
+    kernel = kernel or flash_attn_with_kvcache()
+    seqlens = (positions[-1:] + 1).to(torch.int32)
+    return kernel(q[None], k[None], v[None], cache_seqlens=seqlens, softmax_scale=scale, causal=True)[0]
