@@ -1,9 +1,15 @@
 #!/usr/bin/env bash
-# Second H200 run behind docs/benchmarks.md: where a cycle's time goes (packed vs unpacked target, kernel tables),
-# then the W4A16 kernels against bf16 cuBLAS on the 27B shapes.
+# First H200 run behind docs/benchmarks.md: CUDA tests, the production W4A16 kernel against bf16 cuBLAS on the 27B
+# shapes, then where a cycle's time goes (bench/profile_cycle.py, packed target, kernel tables).
+# Usage (device machine, repo root, wheels in .whl): bash bench/h200_profile.sh  (writes to $OUT or ./out)
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD
 export PYTHONUNBUFFERED=1
-timeout 300 python3 bench/profile_cycle.py 2>&1 | tee "$OUT/profile_cycle.txt"
-BENCH_BUDGET_S=150 timeout 240 python3 bench/quant_kernels.py 2>&1 | tail -80 | tee "$OUT/quant_kernels.txt"
+{ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+  python3 -c "import torch, triton, fla; print('torch', torch.__version__, 'triton', triton.__version__, 'fla', fla.__version__)"
+} > "$OUT/machine.txt" 2>&1
+timeout ${TEST_S:-180} python3 -m pytest -q tests/test_cuda.py -s > "$OUT/cuda_tests.txt" 2>&1; tail -4 "$OUT/cuda_tests.txt"
+timeout ${QUANT_S:-150} python3 bench/quant_kernels.py > "$OUT/quant_kernels.txt" 2>&1; tail -40 "$OUT/quant_kernels.txt"
+timeout ${PROFILE_S:-200} python3 bench/profile_cycle.py --variants ${VARIANTS:-packed} > "$OUT/profile_cycle.txt" 2>&1
+grep -v "^  \|Assertion" "$OUT/profile_cycle.txt" | tail -90
