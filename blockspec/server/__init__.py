@@ -1,0 +1,24 @@
+"""OpenAI-compatible HTTP server over one Engine: `blockspec serve`.
+
+Endpoints: GET /health, GET /v1/models, POST /v1/chat/completions, POST /v1/completions (streamed as server-sent
+events or not). The engine decodes one request at a time on a single worker thread; requests wait in a bounded
+queue and are refused with HTTP 429 when it is full. A request the engine cannot serve exactly (sampling,
+n > 1, logprobs, stop sequences, images, ...) is refused with HTTP 400 naming the field, before it touches the
+engine. A streaming client that goes away stops its generation at the next token.
+"""
+
+from ..errors import BlockspecError
+
+try:  # the server is an optional extra: check it here, before any submodule imports fastapi
+    import uvicorn  # noqa: F401
+    import fastapi  # noqa: F401
+    import fastapi.responses  # noqa: F401
+    import starlette.exceptions  # noqa: F401
+except ImportError as _exc:
+    raise BlockspecError(f"blockspec serve needs the 'serve' extras ({_exc.name} is not installed): "
+                         "pip install 'blockspec[serve]'") from None
+
+from .app import create_app, serve
+from .text import IncrementalText
+
+__all__ = ["IncrementalText", "create_app", "serve"]

@@ -1,0 +1,260 @@
+"""Request validation: an OpenAI request body becomes a Prepared job, or an ApiError naming the field."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fastapi.responses import JSONResponse
+
+from ..errors import BlockspecError
+
+CHAT_ROLES = {"system", "user", "assistant", "tool", "developer"}
+IMAGE_PART_TYPES = {"image_url", "input_image", "image"}
+
+
+class ApiError(Exception):
+    """An error answered as an OpenAI-style JSON body."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, type_: str = "invalid_request_error",
+                 code: str | None = None, headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.type, self.code = status, message, param, type_, code
+        self.headers = headers
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+def bad(message: str, param: str | None = None) -> ApiError:
+    return ApiError(400, message, param)
+
+
+def _json_type(value) -> str:
+    return {bool: "a boolean", int: "an integer", float: "a number", str: "a string", list: "an array",
+            dict: "an object", type(None): "null"}.get(type(value), type(value).__name__)
+
+
+def get_int(body: dict, name: str, default=None):
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise bad(f"'{name}' must be an integer (got {_json_type(value)})", name)
+    return value
+
+
+def get_number(body: dict, name: str, default=None):
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise bad(f"'{name}' must be a number (got {_json_type(value)})", name)
+    return float(value)
+
+
+def get_bool(body: dict, name: str, default=False):
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise bad(f"'{name}' must be a boolean (got {_json_type(value)})", name)
+    return value
+
+
+def get_object(body: dict, name: str):
+    value = body.get(name)
+    if value is not None and not isinstance(value, dict):
+        raise bad(f"'{name}' must be an object (got {_json_type(value)})", name)
+    return value
+
+
+@dataclass
+class Prepared:
+    """A validated request: what the engine will run and how to answer."""
+
+    kind: str                 # "chat" | "completion"
+    prompt_ids: list[int]
+    max_tokens: int
+    stream: bool
+    include_usage: bool
+    model: str
+
+
+class RequestParser:
+    """Turns an OpenAI request body into token ids + max_tokens, refusing (ApiError 400) what blockspec cannot
+    serve exactly. Uses only engine.check_request and the tokenizer: the decode state is never touched."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.model_ids = {engine.model_name, str(engine.config.model)}
+
+    def refuse_unless(self, param: str, hint: str = "", **request):
+        """Ask the engine whether it serves this one field (on a trivially valid prompt) and name the field."""
+        try:
+            self.engine.check_request([0], 1, **request)
+        except BlockspecError as exc:
+            raise bad(f"{exc}{hint}", param) from None
+
+    def common(self, body: dict, kind: str) -> tuple[bool, bool, str]:
+        model = body.get("model")
+        if model is not None and not isinstance(model, str):
+            raise bad(f"'model' must be a string (got {_json_type(model)})", "model")
+        if model and model not in self.model_ids:
+            raise ApiError(404, f"model '{model}' is not served here; this server serves '{self.engine.model_name}' "
+                           "(see GET /v1/models)", "model", code="model_not_found")
+        # OpenAI's default temperature is 1.0; absent means greedy here, an explicit temperature > 0 is refused
+        temperature = get_number(body, "temperature", 0.0)
+        self.refuse_unless("temperature", " (omit temperature or set it to 0)", temperature=temperature)
+        top_p = get_number(body, "top_p", 1.0)
+        if top_p < 1.0:
+            raise bad(f"top_p={body['top_p']}: blockspec decodes greedily only (nucleus sampling is not supported); "
+                      "omit top_p or set it to 1", "top_p")
+        top_k = get_int(body, "top_k", None)  # vLLM-style extension
+        if top_k is not None and top_k not in (0, 1, -1):
+            self.refuse_unless("top_k", top_k=top_k)
+        self.refuse_unless("n", n=get_int(body, "n", 1))
+        best_of = get_int(body, "best_of", 1)
+        if best_of != 1:
+            raise bad(f"best_of={best_of}: blockspec generates one sequence per request", "best_of")
+        logprobs = body.get("logprobs")
+        if logprobs not in (None, False):
+            self.refuse_unless("logprobs", logprobs=True)
+        if body.get("top_logprobs") not in (None, 0):
+            self.refuse_unless("top_logprobs", logprobs=True)
+        stop = body.get("stop")
+        if stop is not None and not isinstance(stop, (str, list)):
+            raise bad(f"'stop' must be a string or an array of strings (got {_json_type(stop)})", "stop")
+        if stop:
+            self.refuse_unless("stop", stop=stop)
+        for name, neutral in (("frequency_penalty", 0.0), ("presence_penalty", 0.0), ("repetition_penalty", 1.0)):
+            value = get_number(body, name, neutral)
+            if value != neutral:
+                raise bad(f"{name}={body[name]}: penalties change the greedy choice; blockspec decodes plain greedy "
+                          f"only (omit {name})", name)
+        if body.get("logit_bias"):
+            self.refuse_unless("logit_bias", constraints=True)
+        response_format = get_object(body, "response_format")
+        if response_format and response_format.get("type", "text") != "text":
+            self.refuse_unless("response_format", constraints=True)
+        for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar"):
+            if body.get(name):
+                self.refuse_unless(name, constraints=True)
+        if body.get("tools"):
+            raise bad("tools: function calling is not supported by blockspec", "tools")
+        if body.get("functions"):
+            raise bad("functions: function calling is not supported by blockspec", "functions")
+        if kind == "completion":
+            if get_bool(body, "echo"):
+                raise bad("echo: returning the prompt with the completion is not supported by blockspec", "echo")
+            if body.get("suffix"):
+                raise bad("suffix: insertion (fill-in-the-middle) is not supported by blockspec", "suffix")
+        stream = get_bool(body, "stream", False)
+        options = get_object(body, "stream_options") or {}
+        include_usage = options.get("include_usage") or False
+        if not isinstance(include_usage, bool):
+            raise bad("'stream_options.include_usage' must be a boolean", "stream_options")
+        return stream, include_usage, model or self.engine.model_name
+
+    def chat_messages(self, body: dict) -> list[dict]:
+        messages = body.get("messages")
+        if messages is None:
+            raise bad("'messages' is required: a non-empty array of {role, content} objects", "messages")
+        if not isinstance(messages, list) or not messages:
+            raise bad("'messages' must be a non-empty array of {role, content} objects", "messages")
+        out = []
+        for i, message in enumerate(messages):
+            where = f"messages[{i}]"
+            if not isinstance(message, dict):
+                raise bad(f"{where} must be an object with 'role' and 'content' (got {_json_type(message)})",
+                          "messages")
+            role = message.get("role")
+            if role not in CHAT_ROLES:
+                raise bad(f"{where}.role must be one of {', '.join(sorted(CHAT_ROLES))} (got {role!r})", "messages")
+            content = message.get("content")
+            if content is None:
+                content = ""
+            elif isinstance(content, list):
+                content = self.content_parts(content, where)
+            elif not isinstance(content, str):
+                raise bad(f"{where}.content must be a string or an array of content parts "
+                          f"(got {_json_type(content)})", "messages")
+            item = {"role": "system" if role == "developer" else role, "content": content}
+            for key in ("name", "tool_calls", "tool_call_id", "reasoning_content"):
+                if message.get(key) is not None:
+                    item[key] = message[key]
+            out.append(item)
+        return out
+
+    def content_parts(self, parts: list, where: str) -> str:
+        texts = []
+        for j, part in enumerate(parts):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind == "text":
+                text = part.get("text")
+                if not isinstance(text, str):
+                    raise bad(f"{where}.content[{j}].text must be a string", "messages")
+                texts.append(text)
+            elif kind in IMAGE_PART_TYPES:
+                try:
+                    self.engine.check_request([0], 1, images=True)
+                except BlockspecError as exc:
+                    raise bad(f"{where}.content[{j}]: {exc}", "messages") from None
+                raise bad(f"{where}.content[{j}]: image inputs are not supported", "messages")
+            else:
+                raise bad(f"{where}.content[{j}]: content part type {kind!r} is not supported "
+                          "(blockspec serves text parts only)", "messages")
+        return "".join(texts)
+
+    def completion_prompt(self, body: dict) -> list[int]:
+        prompt = body.get("prompt")
+        if prompt is None:
+            raise bad("'prompt' is required: a string or an array of token ids", "prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]  # a batch of one
+        if isinstance(prompt, str):
+            return self.engine.tokenizer.encode(prompt)
+        if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            return list(prompt)
+        if isinstance(prompt, list) and all(isinstance(p, (str, list)) for p in prompt):
+            raise bad(f"'prompt' holds {len(prompt)} prompts: blockspec serves one prompt per request", "prompt")
+        raise bad("'prompt' must be a string or an array of token ids", "prompt")
+
+    def parse(self, body, kind: str) -> Prepared:
+        if not isinstance(body, dict):
+            raise bad(f"the request body must be a JSON object (got {_json_type(body)})")
+        stream, include_usage, model = self.common(body, kind)
+        if kind == "chat":
+            messages = self.chat_messages(body)
+            try:
+                prompt_ids = self.engine.tokenizer.encode(self.engine.tokenizer.chat_prompt(messages))
+            except BlockspecError as exc:
+                raise bad(str(exc), "messages") from None
+            prompt_param = "messages"
+            explicit = get_int(body, "max_completion_tokens", None)
+            max_param = "max_completion_tokens"
+            if explicit is None:
+                explicit, max_param = get_int(body, "max_tokens", None), "max_tokens"
+        else:
+            prompt_ids = self.completion_prompt(body)
+            prompt_param = "prompt"
+            explicit, max_param = get_int(body, "max_tokens", None), "max_tokens"
+        if not prompt_ids:
+            raise bad("the prompt is empty: give at least one token", prompt_param)
+        room = self.engine.context_length - len(prompt_ids)
+        if explicit is None and room < 1:
+            raise bad(f"the prompt is {len(prompt_ids)} tokens but context_length is {self.engine.context_length}: "
+                      "no room left to generate; shorten the prompt", prompt_param)
+        max_tokens = explicit if explicit is not None else min(self.engine.config.max_tokens, room)
+        try:
+            self.engine.check_request(prompt_ids, max_tokens)
+        except BlockspecError as exc:
+            message = str(exc)
+            param = max_param if (message.startswith("max_tokens") or "exceeds context_length" in message) \
+                and explicit is not None else prompt_param
+            if explicit is not None and param == max_param and max_param != "max_tokens":
+                message = message.replace("max_tokens", max_param)
+            raise bad(message, param) from None
+        return Prepared(kind, prompt_ids, max_tokens, stream, include_usage, model)
