@@ -19,6 +19,7 @@ from blockspec.cli import main
 from blockspec.engine.engine import Engine
 from blockspec.layers.packed import PackedLinear, pack_projections
 from blockspec.quant import Int4Linear, Int8Linear
+from blockspec.quant.w4a16_triton import unpack_groups
 from blockspec.tiny import build_tiny_checkpoint, build_tiny_drafter
 
 PROMPT = "hello world, the quick brown fox jumps over"
@@ -46,7 +47,7 @@ def assert_close(got, expected, tol):
 
 def group_scales(module, k):
     """Per-element scale [out, k] of a quantized module (its groups expanded)."""
-    return module.scales.float().t().repeat_interleave(module.group_size, dim=1)[:, :k]
+    return unpack_groups(module.scales, k, module.group_size).float().repeat_interleave(module.group_size, dim=1)[:, :k]
 
 
 @pytest.fixture(scope="module")
@@ -105,7 +106,12 @@ def test_int4_target_close_to_dense(planted):
     head = mtp.proposer.head
     assert isinstance(head.fc, Int4Linear) and isinstance(head.layers[0].mlp.down_proj, Int4Linear)
     assert mtp.generate(ids, 50, stop_at_eos=False).tokens == plain.tokens
-    assert mtp.memory["mtp"]["final_bytes"] < mtp.memory["mtp"]["loaded_bytes"] / 3
+    # every dense projection is released and replaced by its packed codes and scales (the tiny model's K = 64 / 128
+    # is padded to the 512-input blocks of the q16 layout, so int4 saves less here than the ~3.5x of real shapes)
+    replaced = [m for m in head.modules() if isinstance(m, Int4Linear)]
+    memory = mtp.memory["mtp"]
+    assert memory["final_bytes"] == memory["loaded_bytes"] - sum(
+        4 * m.in_features * m.out_features - m.weight_bytes() for m in replaced) < memory["loaded_bytes"]
     assert quant.memory["target"]["final_bytes"] < quant.memory["target"]["loaded_bytes"]
 
 

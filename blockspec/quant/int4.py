@@ -7,8 +7,10 @@ Conventions (those of compressed-tensors; see /work/notes/int4-format.md):
               q = clamp(round(w/s + zp), -8, 7).
   Rounding is round-half-to-even (torch.round). Every element inside the group's range is within scale/2.
 
-`Int4Linear` keeps the codes in the planar layout of `w4a16_triton` (unsigned codes u = q + 8, zero points stored
-as unsigned z = zp + 8); its forward runs the Triton kernel on CUDA and dequantize + matmul elsewhere.
+`Int4Linear` keeps the codes in the q16 layout of `w4a16_triton` (unsigned codes u = q + 8, zero points stored as
+unsigned z = zp + 8): buffers `qweight` int16 [N, Kp/4], `scales` [Kp/512, N, 4] and `zeros` (same, or None), Kp = K
+padded to a multiple of 512. Its forward runs the Triton kernel on CUDA (bf16/fp16 activations) and dequantize +
+matmul elsewhere.
 `from_compressed_tensors` reads a `pack-quantized` checkpoint module (`weight_packed`, `weight_scale`,
 `weight_shape`, optional `weight_zero_point`).
 """
@@ -104,7 +106,7 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | 
 # ----------------------------------------------------------------------------------------------------------
 
 class Int4Linear(nn.Module):
-    """y = x @ dequant(W)^T (+ bias) with int4 group-quantized W held in the kernel's planar layout."""
+    """y = x @ dequant(W)^T (+ bias) with int4 group-quantized W held in the kernel's q16 layout."""
 
     bits = BITS
 
@@ -113,7 +115,7 @@ class Int4Linear(nn.Module):
                  device=None):
         super().__init__()
         try:
-            planes, wb = wq.layout_geometry(self.bits, group_size)
+            wq.check_format(self.bits, group_size)
         except ValueError as exc:
             raise BlockspecError(f"unsupported int{self.bits} group size {group_size}: {exc}") from None
         if in_features <= 0 or out_features <= 0:
@@ -122,11 +124,11 @@ class Int4Linear(nn.Module):
         self.out_features = out_features
         self.group_size = group_size
         self.symmetric = symmetric
-        groups = wq.padded_k(in_features, group_size) // group_size
-        self.register_buffer("qweight", torch.zeros(out_features, groups * wb, dtype=torch.int32, device=device))
-        self.register_buffer("scales", torch.zeros(groups, out_features, dtype=scale_dtype, device=device))
-        self.register_buffer("zeros", None if symmetric else
-                             torch.zeros(groups, out_features, dtype=scale_dtype, device=device))
+        kp, cph = wq.padded_k(in_features, self.bits, group_size), 16 // self.bits
+        sz = (kp // (cph * group_size), out_features, cph)
+        self.register_buffer("qweight", torch.zeros(out_features, kp // cph, dtype=torch.int16, device=device))
+        self.register_buffer("scales", torch.zeros(sz, dtype=scale_dtype, device=device))
+        self.register_buffer("zeros", None if symmetric else torch.zeros(sz, dtype=scale_dtype, device=device))
         self.register_buffer("bias", torch.zeros(out_features, device=device) if bias else None)
 
     # --- construction -------------------------------------------------------------------------------------
@@ -140,7 +142,8 @@ class Int4Linear(nn.Module):
         n, k = q.shape
         groups = -(-k // group_size)
         if tuple(scale.shape) != (n, groups):
-            raise BlockspecError(f"scale shape {tuple(scale.shape)} does not match codes {n}x{k} with group {group_size}")
+            raise BlockspecError(f"scale shape {tuple(scale.shape)} does not match codes {n}x{k} with group "
+                                 f"{group_size}")
         if zero_point is not None and tuple(zero_point.shape) != (n, groups):
             raise BlockspecError(f"zero point shape {tuple(zero_point.shape)} does not match scales {(n, groups)}")
         if not scale.is_floating_point():
@@ -152,14 +155,11 @@ class Int4Linear(nn.Module):
         mod = cls(k, n, group_size=group_size, symmetric=zero_point is None, bias=bias is not None,
                   scale_dtype=sdt, device=q.device)
         bias_off = 1 << (cls.bits - 1)
-        mod.qweight.copy_(wq.pack_planar(q.to(torch.int32) + bias_off, cls.bits, group_size))
-        kp_groups = mod.scales.shape[0]
-        mod.scales.zero_()
-        mod.scales[:groups].copy_(scale.t().to(sdt))
+        mod.qweight.copy_(wq.pack_codes(q, cls.bits, group_size, bias_off))
+        mod.scales.copy_(wq.pack_groups(scale.to(sdt), cls.bits, group_size, k, 0.0))
         if zero_point is not None:
-            mod.zeros.fill_(bias_off)
-            mod.zeros[:groups].copy_((zero_point.to(torch.float32) + bias_off).t().to(sdt))
-        assert kp_groups >= groups
+            mod.zeros.copy_(wq.pack_groups((zero_point.to(torch.float32) + bias_off).to(sdt), cls.bits, group_size,
+                                           k, float(bias_off)))
         if bias is not None:
             mod.bias.copy_(bias.detach().to(torch.float32).reshape(n))
         return mod
@@ -193,7 +193,7 @@ class Int4Linear(nn.Module):
                   first.bias is not None, first.scales.dtype, device="meta")
         for name in ("qweight", "scales", "zeros", "bias"):
             if getattr(first, name) is not None:
-                dim = 1 if name in ("scales", "zeros") else 0  # scales/zeros are [groups, N]
+                dim = 1 if name in ("scales", "zeros") else 0  # scales/zeros are [blocks, N, C]
                 setattr(out, name, torch.cat([getattr(m, name) for m in modules], dim=dim))
         return out
 
@@ -209,7 +209,7 @@ class Int4Linear(nn.Module):
 
     def codes(self) -> torch.Tensor:
         """Signed codes [out, in] (int8)."""
-        u = wq.unpack_planar(self.qweight, self.bits, self.group_size, self.in_features)
+        u = wq.unpack_codes(self.qweight, self.bits, self.group_size, self.in_features)
         return (u - (1 << (self.bits - 1))).to(torch.int8)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

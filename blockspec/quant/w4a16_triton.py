@@ -1,53 +1,73 @@
-"""Weight-only quantized GEMM for few activation rows (decode and verification), in Triton.
+"""Weight-only quantized matmul for few activation rows (decode, speculative verification), in Triton.
 
-y[M, N] = x[M, K] @ dequant(W)[N, K]^T with 4-bit (or 8-bit) weights in groups along K, bf16/fp16 activations,
-fp32 accumulation. Built for M = 1..16 (batch-one decode and speculative verification), where the weights are
-read from HBM exactly once for all M rows; larger M is served by the tensor-core kernel tiled over M.
+y[M, N] = x[M, K] @ dequant(W)[N, K]^T, W in 4-bit (or 8-bit) unsigned codes u with one scale s (and optionally
+one unsigned zero point z) per group of G consecutive inputs of a row: w = (u - z) * s, z = 2**(bits-1) if absent.
 
-Packed layout ("planar", chosen for these kernels; `pack_planar` builds it, `unpack_planar` inverts it)
------------------------------------------------------------------------------------------------------
-  bits B in {4, 8}; P = 32 // B values per int32 word ("planes"); group size G (one scale per G consecutive k);
-  WB = G // P words per group. K is padded up to Kp = ceil(K / G) * G.
-  qweight: int32 [N, Kp // P]. For output row n and group g, words g*WB .. g*WB+WB-1 hold the group's G values:
-      bits [B*p, B*p + B) of word g*WB + j  =  unsigned code u of k = g*G + p*WB + j      (0 <= p < P, 0 <= j < WB)
-  i.e. plane p of the group's words covers the contiguous run of WB inputs starting at g*G + p*WB.
-  scales:  [Kp // G, N] (group-major, so one program's scales for its N tile are contiguous), fp16/bf16/fp32.
-  zeros:   optional [Kp // G, N], the unsigned zero point z as a float (same dtype as scales); absent = 2**(B-1).
-  dequant: w[n, k] = (u - z) * s      (int4 symmetric: z = 8, so u - 8 is the signed code in [-8, 7]).
+Layout "q16" (`pack`; `unpack_codes` / `dequantize` invert it)
+--------------------------------------------------------------
+  C = 16 // bits codes per int16 halfword (4 for int4, 2 for int8); a block is C groups = C*G inputs; K is padded
+  to Kp, a multiple of the block (pad code = 2**(bits-1), i.e. weight 0).
+  q: int16 [N, Kp / C]. Halfword c of block b of a row holds, in bits [bits*i, bits*(i+1)), the code of input
+     k = b*C*G + i*G + c        (0 <= i < C, 0 <= c < G)   -- so group k // G is group i of block b.
+  s: [Kp / (C*G), N, C] (scale dtype: bf16/fp16/fp32); one C-vector per row and block (8 bytes for int4 bf16).
+  z: the same shape as s, or None.
+  int4 group 128: q [N, Kp/4], blocks of 512 inputs, s [Kp/512, N, 4]. int8 group 32: blocks of 64 inputs.
 
-Why planar: a plane of a [rows, words] tile is a [rows, words] tensor of codes for *contiguous* k, so the
-kernels never interleave nibbles across registers.
+Kernel (design "tc" of the exploration, exact numerics)
+-------------------------------------------------------
+  Program (pid_n, pid_k): BN output rows, a range of blocks (split-K when N alone does not fill the GPU). Each step
+  loads one [BN, G] int16 tile (Triton's pipeliner: cp.async into shared memory, num_stages deep) and the block's
+  scales (prefetched one block ahead by hand), then per group i: A = (u_i - z) in x's dtype, exact;
+  part[BN, BM] = A @ x_i^T (one MMA chain, fp32), acc += part * s_i (fp32). M <= 8 uses BM = 8 with mma.sync
+  (`sync`: compiled under DISABLE_MMA_V3), M 9..16 BM = 16. Under split-K the last program to arrive at a tile adds
+  the fp32 partials in a fixed order (per-tile arrival counters, reset by that program; no memset). Results are
+  deterministic and a row does not depend on the other rows (row 0 of an M = 8 launch == the M = 1 launch), but
+  the config (through BM and the split) sets the summation order: M <= 8 and M 9..16 may differ in the last bits.
+  The counters are shared per device: launches on one stream at a time.
+  Why it is fast: group i of a block is an ELEMENTWISE function of the loaded int16 tile (nibble/byte i of every
+  halfword), so the MMA-operand layout conversion is hoisted up to the load (ldmatrix of the int16 tile) and one
+  PTX block per 32-bit register makes the A fragment in place (int4: shift, LOP3 into the bf16 128 + u, one bf16x2
+  FMA = u - 8). No shared-memory round trip of a dequantized tile (the previous kernels stored and re-read it:
+  ~4 B/weight of smem traffic, ~125 of an SM's 128 B/clk at 4 TB/s), 1.9-2.4 SASS instructions per weight in the
+  main loop (sm_90a) instead of 2.9, and a cp.async pipeline 3-4 tiles deep keeps enough bytes in flight.
 
-Kernels
--------
-  dot: tensor-core kernel (tl.dot -> wgmma on sm_90), 16 (or 64) activation rows per program, one group per K
-       step: part[BN, BM] = C[BN, G] @ xg[G, BM], acc += part * scale. On GPU with int4, one PTX block turns each
-       word into eight exact 16-bit floats u - 8 ((u | 0x4300) as bf16 is 128 + u; 3 SHF + 4 LOP3 + 4 packed SUB
-       per word), laid out so each 32-bit register is already a column pair of C. About 2.9 SASS instructions per
-       weight (sm_90a, BN=128), the same for every M <= 16.
-  fma: CUDA-core kernel for M in {1, 2} (also 4): plane p is masked in place into a float mantissa
-       (bits | 0x4B000000 = 2**23 + u * 2**shift, one LOP3) minus a constant (one FADD), times x / 2**shift;
-       no int->float conversions and one register layout throughout. ~4.1 instructions per weight at M = 1.
-  Zero points (asymmetric) are applied per group as -(z - 2**(bits-1)) * sum(x over the group).
-Both split K across programs when there are too few N tiles to fill the GPU; the last program of a tile
-(a per-tile arrival counter) adds the partial sums in a fixed order, so one launch gives a deterministic result.
-Split-K shares one counter buffer per device: kernels on one stream run one at a time, which is what it needs.
-Weights and scales for the next K step are loaded before the current step's math (register double buffering).
+Measured (H200, triton 3.6; C weight copies > 200 MB in one CUDA graph, as bench/quant_kernels.py times; int4
+group 128; "old" = the previous planar kernels with their best candidate config; % of 3990 GB/s of packed bytes):
+  gate_up 34816x5120  M=1 34.9 us (66%) vs old 48.1 (48%);  M=8 35.4 (65%) vs 83.3 (28%);  bf16 F.linear 92 us
+  vocab 248320x5120   M=1 181.7 us (90%) vs 230.2 (71%);    M=8 182.1 (90%) vs 452 (36%);  bf16 690 us
+  o 5120x6144         M=1 12.6 us (32%) vs 12.5 (33%);      M=8 11.5 (35%) vs 21.2 (19%);  bf16 19 us
+  M=16: gate_up 48%, vocab 78% (old 27%, 36%). The smaller shapes (16-46 MB) reach 30-55%: latency-bound.
+Dropped after measuring: "tcf" (scale folded into the bf16 tile, one accumulator): up to M=8 slower on most shapes
+(gate_up 39.8 vs 34.9 us), at M=16 3-19% faster on five shapes, but it rounds every dequantized weight to bf16
+(rel err 2e-3 even with an fp32 output; tc: 3e-7). The old planar kernels (dot: the smem round trip above; fma
+CUDA-core: 4.1 instr/weight). A CUDA-core GEMV on this layout (4.2 instr/weight, while the issue limit at 4 TB/s is
+~4.1: no CUDA-core design reaches 85% in Triton). Plain Triton unpacking instead of PTX (2x slower: vocab 422 us).
+BN = 256, and wgmma with 8 warps (slower at every shape).
+Not run on a GPU yet (bench/quant_kernels.py checks and times all of it): int8 (byte i of each halfword; the
+default unpacking is plain Triton, ~4.3 / 5.6 SASS instr per weight at group 128 / 32 against a budget of ~8 for
+1-byte weights at 4 TB/s; the PTX one, `asm=True`: PRMT into the fp32 2**23 + u, FADD, F2FP to bf16x2, 3.2 / 4.4),
+fp16 activations, waves = 2 at M < 8 (measured at M = 8 only; M < 8 used waves = 4, 1-10% slower there than M = 8
+with waves = 2), and the table entries marked "by analogy" below.
 
-A small autotuner (`tune`) times a handful of configurations per (bits, group, M bucket, N, K) on the real
-weights, checks each result against a dequantized reference, and caches the winner; configurations that fail
-to compile or compute wrong values are skipped. Without tuning, `default_config` is used.
+Configs: `default_config`, a fixed table (no autotuning: a timing-based choice would vary between runs, and with
+it the summation order, i.e. the numerics):
+  M <= 8:  n64 m8 w4 s4 sync, split-K to ~2 waves of 132 SMs;  N >= 131072 (vocabulary): n128 m8 w4 s3 sync (split 1)
+  M 9..16: n128 m16 w4 s3 sync, ~4 waves;  N*K <= 40M (o, gdn_z): n64 m16 w4 s4 wgmma, ~4 waves
+  group < 128 (int8 group 32; by analogy): n128 w4 s6 sync (m8 / m16)
+M > 16 (prefill): up to 64 rows in 16-row launches; beyond, each slice of <= 16M weights is dequantized to x's dtype
+and multiplied with F.linear (the kernel's numerics are not kept there).
+The plain PyTorch functions here (pack / unpack / dequantize / reference_matmul) are the CPU path and the tests'
+oracle; the kernel runs on CUDA, or on CPU tensors under TRITON_INTERPRET=1 (fp32 dots, no PTX).
 """
 
 from __future__ import annotations
 
-import json
+import functools
 import os
-import sys
-import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 try:  # triton is optional: CPU-only installs use the plain PyTorch reference paths
     import triton
@@ -56,520 +76,291 @@ except ImportError:  # pragma: no cover - depends on the environment
     triton = None
     tl = None
 
-_SUPPORTED_BITS = (4, 8)
+MAX_KERNEL_ROWS = 16      # rows per launch
+CHUNKED_ROWS = 64         # up to this many rows: 16-row launches; beyond: dequantize + F.linear
 
 
 # ----------------------------------------------------------------------------------------------------------
 # Layout (pure PyTorch)
 # ----------------------------------------------------------------------------------------------------------
 
-def layout_geometry(bits: int, group_size: int) -> tuple[int, int]:
-    """(planes, words_per_group) of the planar layout; raises ValueError for unsupported settings."""
-    if bits not in _SUPPORTED_BITS:
-        raise ValueError(f"planar layout supports {_SUPPORTED_BITS}-bit codes, got {bits}")
-    planes = 32 // bits
-    if group_size <= 0 or group_size % planes or (group_size // planes) & (group_size // planes - 1):
-        raise ValueError(f"group size {group_size} must be {planes} times a power of two for {bits}-bit codes")
-    return planes, group_size // planes
+def check_format(bits: int, group_size: int) -> None:
+    """Raises ValueError unless (bits, group_size) is a layout the kernel takes."""
+    if bits not in (4, 8):
+        raise ValueError(f"the q16 layout holds 4- or 8-bit codes, got {bits}")
+    if not (16 <= group_size <= 1024 and group_size & (group_size - 1) == 0):
+        raise ValueError(f"group size must be a power of two in [16, 1024], got {group_size}")
 
 
-def padded_k(k: int, group_size: int) -> int:
-    return -(-k // group_size) * group_size
+def block_size(bits: int, group_size: int) -> int:
+    """Inputs per block (16 // bits groups)."""
+    return group_size * (16 // bits)
 
 
-def pack_planar(codes: torch.Tensor, bits: int, group_size: int, pad_code: int | None = None,
-                chunk_rows: int = 2048) -> torch.Tensor:
-    """Unsigned codes [N, K] (integers in [0, 2**bits)) -> int32 words [N, Kp * bits // 32] in the planar layout."""
-    planes, wb = layout_geometry(bits, group_size)
+def padded_k(k: int, bits: int, group_size: int) -> int:
+    blk = block_size(bits, group_size)
+    return -(-k // blk) * blk
+
+
+def pack_codes(codes: torch.Tensor, bits: int, group_size: int, offset: int = 0,
+               chunk_rows: int = 4096) -> torch.Tensor:
+    """Unsigned codes codes + offset [N, K] in [0, 2**bits) -> int16 [N, Kp * bits // 16]."""
+    check_format(bits, group_size)
     n, k = codes.shape
-    kp = padded_k(k, group_size)
-    groups = kp // group_size
-    pad = (1 << (bits - 1)) if pad_code is None else pad_code
-    out = torch.empty(n, groups * wb, dtype=torch.int32, device=codes.device)
-    shifts = (torch.arange(planes, device=codes.device, dtype=torch.int64) * bits).view(1, 1, planes, 1)
+    kp, cph = padded_k(k, bits, group_size), 16 // bits
+    out = torch.empty(n, kp // cph, dtype=torch.int16, device=codes.device)
+    shifts = (torch.arange(cph, device=codes.device, dtype=torch.int32) * bits).view(1, 1, cph, 1)
     for r0 in range(0, n, chunk_rows):
-        c = codes[r0:r0 + chunk_rows].to(torch.int64)
-        if kp != k:
-            c = torch.nn.functional.pad(c, (0, kp - k), value=pad)
-        c = c.view(c.shape[0], groups, planes, wb)
-        words = (c << shifts).sum(dim=2)  # disjoint bit fields: sum == bitwise or
-        words = torch.where(words >= 2 ** 31, words - 2 ** 32, words)
-        out[r0:r0 + chunk_rows] = words.view(c.shape[0], groups * wb).to(torch.int32)
+        c = F.pad(codes[r0:r0 + chunk_rows].to(torch.int32) + offset, (0, kp - k), value=1 << (bits - 1))
+        h = (c.view(c.shape[0], -1, cph, group_size) << shifts).sum(2)  # disjoint bit fields: sum == or
+        out[r0:r0 + chunk_rows] = torch.where(h >= 1 << 15, h - (1 << 16), h).view(c.shape[0], -1).to(torch.int16)
     return out
 
 
-def unpack_planar(words: torch.Tensor, bits: int, group_size: int, k: int) -> torch.Tensor:
-    """Inverse of `pack_planar`: int32 [N, Kp*bits/32] -> unsigned codes int32 [N, k]."""
-    planes, wb = layout_geometry(bits, group_size)
-    n = words.shape[0]
-    groups = words.shape[1] // wb
-    w = words.view(n, groups, 1, wb)
-    shifts = (torch.arange(planes, device=words.device, dtype=torch.int32) * bits).view(1, 1, planes, 1)
-    codes = (w >> shifts) & ((1 << bits) - 1)  # arithmetic shift is fine: the mask drops the sign copies
-    return codes.reshape(n, groups * planes * wb)[:, :k]
+def unpack_codes(q: torch.Tensor, bits: int, group_size: int, k: int) -> torch.Tensor:
+    """Inverse of `pack_codes`: int16 [N, Kp/C] -> unsigned codes int32 [N, k]."""
+    n, cph = q.shape[0], 16 // bits
+    shifts = (torch.arange(cph, device=q.device, dtype=torch.int32) * bits).view(1, 1, cph, 1)
+    u = (q.view(n, -1, 1, group_size).to(torch.int32) >> shifts) & ((1 << bits) - 1)  # the mask drops sign copies
+    return u.reshape(n, -1)[:, :k]
 
 
-def dequantize_planar(words, scales_t, zeros_t, bits, group_size, k, dtype=torch.float32):
-    """Full weight [N, k] from the planar layout (reference; materialises N*k floats)."""
-    codes = unpack_planar(words, bits, group_size, k).to(torch.float32)
-    n = codes.shape[0]
-    groups = scales_t.shape[0]
-    s = scales_t.to(torch.float32).t().repeat_interleave(group_size, dim=1)[:, :k]
-    if zeros_t is None:
-        z = float(1 << (bits - 1))
-    else:
-        z = zeros_t.to(torch.float32).t().repeat_interleave(group_size, dim=1)[:, :k]
-    assert s.shape == (n, k) and groups * group_size >= k
-    return ((codes - z) * s).to(dtype)
+def pack_groups(t: torch.Tensor, bits: int, group_size: int, k: int, pad: float) -> torch.Tensor:
+    """Per-group values [N, ceil(k/G)] (scales or zero points) -> [Kp/(C*G), N, C], same dtype."""
+    n, cph = t.shape[0], 16 // bits
+    gp = padded_k(k, bits, group_size) // group_size
+    t = F.pad(t.to(torch.float32), (0, gp - t.shape[1]), value=pad).to(t.dtype)
+    return t.view(n, gp // cph, cph).permute(1, 0, 2).contiguous()
+
+
+def unpack_groups(t: torch.Tensor, k: int, group_size: int) -> torch.Tensor:
+    """Inverse of `pack_groups`: [Kp/(C*G), N, C] -> [N, ceil(k/G)]."""
+    return t.permute(1, 0, 2).reshape(t.shape[1], -1)[:, :-(-k // group_size)]
 
 
 @dataclass
 class PackedWeight:
-    """A quantized weight in the planar layout plus what the kernels need to know about it."""
-    qweight: torch.Tensor          # int32 [N, Kp*bits/32]
-    scales: torch.Tensor           # [Kp/group, N]
-    zeros: torch.Tensor | None     # [Kp/group, N] float unsigned zero points, or None (= 2**(bits-1))
+    """A weight in the q16 layout and what the kernel needs to know about it."""
+    q: torch.Tensor                # int16 [N, Kp/C]
+    s: torch.Tensor                # [Kp/(C*G), N, C]
+    z: torch.Tensor | None         # like s (unsigned zero points as floats), or None (= 2**(bits-1))
     bits: int
     group_size: int
     n: int
     k: int
 
-    def dequantize(self, dtype=torch.float32, rows: torch.Tensor | None = None) -> torch.Tensor:
-        if rows is None:
-            return dequantize_planar(self.qweight, self.scales, self.zeros, self.bits, self.group_size, self.k, dtype)
-        z = None if self.zeros is None else self.zeros[:, rows]
-        return dequantize_planar(self.qweight[rows], self.scales[:, rows], z, self.bits, self.group_size, self.k, dtype)
+    def dequantize(self, dtype=torch.float32, rows=None) -> torch.Tensor:
+        """Dense weight [N, k] (or of `rows`: an index tensor or a slice), computed in fp32."""
+        q, s, z = self.q, self.s, self.z
+        if rows is not None:
+            q, s, z = q[rows], s[:, rows], None if z is None else z[:, rows]
+        r, g = q.shape[0], self.group_size
+        u = unpack_codes(q, self.bits, g, q.shape[1] * 16 // self.bits).to(torch.float32).view(r, -1, g)
+        zz = float(1 << (self.bits - 1)) if z is None else z.permute(1, 0, 2).reshape(r, -1, 1).to(torch.float32)
+        w = (u - zz) * s.permute(1, 0, 2).reshape(r, -1, 1).to(torch.float32)
+        return w.view(r, -1)[:, :self.k].to(dtype)
 
     def nbytes(self) -> int:
-        """Bytes a kernel reads for the weight: packed codes + scales (+ zeros)."""
-        total = self.qweight.numel() * 4 + self.scales.numel() * self.scales.element_size()
-        if self.zeros is not None:
-            total += self.zeros.numel() * self.zeros.element_size()
-        return total
+        """Bytes the kernel reads for the weight: codes + scales (+ zero points)."""
+        return sum(t.numel() * t.element_size() for t in (self.q, self.s, self.z) if t is not None)
+
+
+def pack(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, bits: int,
+         group_size: int) -> PackedWeight:
+    """Unsigned codes [N, K], scales [N, ceil(K/G)] and unsigned zero points (same shape, or None) -> PackedWeight."""
+    n, k = codes.shape
+    z = None if zeros is None else pack_groups(zeros, bits, group_size, k, float(1 << (bits - 1)))
+    return PackedWeight(pack_codes(codes, bits, group_size), pack_groups(scales, bits, group_size, k, 0.0), z,
+                        bits, group_size, n, k)
 
 
 def reference_matmul(x: torch.Tensor, pw: PackedWeight) -> torch.Tensor:
-    """x [..., K] @ dequant(W)^T in float32, returned in x's dtype (the CPU path and the tests' oracle)."""
-    w = pw.dequantize(torch.float32)
-    y = x.reshape(-1, pw.k).to(torch.float32) @ w.t()
+    """x [..., K] @ dequant(W)^T in fp32, returned in x's dtype (the tests' oracle)."""
+    y = x.reshape(-1, pw.k).to(torch.float32) @ pw.dequantize(torch.float32).t()
     return y.to(x.dtype).reshape(*x.shape[:-1], pw.n)
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Kernels
+# Kernel
 # ----------------------------------------------------------------------------------------------------------
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+@functools.lru_cache(maxsize=None)
+def unpack_asm(bits: int, i: int, fp16: bool) -> str:
+    """PTX for one 32-bit register (two halfwords): (u - 2**(bits-1)) of code i of each, as bf16x2 / f16x2."""
+    if bits == 4:  # (u | 0x4300) as bf16 is 128 + u, (u | 0x6400) as fp16 is 1024 + u; then * 1 - 136 / - 1032
+        magic, one, bias = ("0x64006400", "0x3C003C00", "0xE408E408") if fp16 else \
+            ("0x43004300", "0x3F803F80", "0xC308C308")
+        src = f"shr.u32 w, $1, {4 * i};" if i else "mov.b32 w, $1;"
+        return (f"{{ .reg .b32 w, t, k, one; mov.b32 k, {bias}; mov.b32 one, {one}; {src} "
+                f"lop3.b32 t, w, 0x000F000F, {magic}, 0xEA; fma.rn.{'f16x2' if fp16 else 'bf16x2'} $0, t, one, k; }}")
+    if fp16:  # bytes (0x64, u) -> fp16 1024 + u, minus 1152
+        return (f"{{ .reg .b32 t, k; mov.b32 k, 0x64806480; prmt.b32 t, $1, 0x64646464, 0x4{2 + i}4{i}; "
+                "sub.rn.f16x2 $0, t, k; }")
+    # bytes (0x4B, 0, 0, u) -> fp32 2**23 + u, minus 2**23 + 128, both halfwords packed to bf16x2 (exact)
+    return (f"{{ .reg .b32 lo, hi; prmt.b32 lo, $1, 0x4B000000, 0x744{i}; prmt.b32 hi, $1, 0x4B000000, 0x744{2 + i}; "
+            "sub.rn.f32 lo, lo, 0f4B000080; sub.rn.f32 hi, hi, 0f4B000080; cvt.rn.bf16x2.f32 $0, hi, lo; }")
 
 
 if triton is not None:
 
     @triton.jit
-    def _load_words(q_ptr, offs_n, n_mask, offs_w, b0, b_end, KW, WB: tl.constexpr):
-        """Words [BN, W] of groups b0, b0+1, ... (masked from group b_end on)."""
-        blk = b0 + offs_w // WB
-        m2 = n_mask[:, None] & (blk < b_end)[None, :]
-        return tl.load(q_ptr + offs_n[:, None].to(tl.int64) * KW + (b0 * WB + offs_w)[None, :], mask=m2, other=0)
-
-    @triton.jit
-    def _load_group_meta(s_ptr, z_ptr, offs_n, n_mask, offs_g, b0, b_end, N, HAS_ZP: tl.constexpr, ZP_BIAS):
-        """Scales and signed zero points (z - 2**(bits-1)) [BN, NG] of groups b0 + offs_g, as float32."""
-        g = b0 + offs_g
-        m2 = n_mask[:, None] & (g < b_end)[None, :]
-        idx = g[None, :] * N + offs_n[:, None]
-        s = tl.load(s_ptr + idx, mask=m2, other=0.0).to(tl.float32)
-        if HAS_ZP:
-            zc = tl.load(z_ptr + idx, mask=m2, other=ZP_BIAS).to(tl.float32) - ZP_BIAS
+    def _cols(v, BN: tl.constexpr, C: tl.constexpr):
+        """[BN, C] -> its C columns (C = 2: returned twice)."""
+        if C == 4:
+            v02, v13 = tl.split(tl.reshape(v, [BN, 2, 2]))
+            v0, v2 = tl.split(v02)
+            v1, v3 = tl.split(v13)
         else:
-            zc = s
-        return s, zc
+            v0, v1 = tl.split(v)
+            v2, v3 = v0, v1
+        return v0, v1, v2, v3
 
     @triton.jit
-    def _plane(words, words_hi, P: tl.constexpr, BITS: tl.constexpr, P_LO: tl.constexpr, HI_SHIFT: tl.constexpr,
-               USE_ASM: tl.constexpr):
-        """Plane P of a word tile as float32 (u - 2**(BITS-1)) * 2**SHIFT, exact, SHIFT = BITS*P or BITS*P - HI_SHIFT.
-
-        The code is masked in place into the low mantissa of the float 2**23 (bits | 0x4B000000), then the
-        offset 2**23 + 2**(BITS-1) * 2**SHIFT is subtracted: one AND+OR (LOP3) and one FADD, no conversion.
-        """
-        SHIFT = BITS * P - HI_SHIFT * (P >= P_LO)
-        if P >= P_LO:
-            src = words_hi
+    def _group(acc, h, xp, xm, s, zc, IDX: tl.constexpr, BITS: tl.constexpr, UNPACK: tl.constexpr, BN: tl.constexpr,
+               BM: tl.constexpr, HAS_ZP: tl.constexpr, USE_ASM: tl.constexpr, F32DOT: tl.constexpr):
+        """acc[BN, BM] += s * ((u - z) of code IDX of every halfword of h [BN, G]) @ x^T tile [G, BM]."""
+        xt = tl.load(xp, mask=xm, other=0.0)
+        if USE_ASM:  # one input and one output register per PTX block: the MMA layout is hoisted to the load
+            a = tl.inline_asm_elementwise(UNPACK, "=r,r", [h], dtype=xt.dtype, is_pure=True, pack=2)
         else:
-            src = words
-        MASK = ((1 << BITS) - 1) << SHIFT
-        if USE_ASM:  # one LOP3 ((a & b) | c, lut 0xEA); plain and/or with two immediates costs two
-            bits = tl.inline_asm_elementwise("lop3.b32 $0, $1, $2, $3, 0xEA;", "=r,r,r,r",
-                                             [src, tl.full(src.shape, MASK, tl.int32),
-                                              tl.full(src.shape, 0x4B000000, tl.int32)],
-                                             dtype=tl.int32, is_pure=True, pack=1)
-        else:
-            bits = (src & MASK) | 0x4B000000
-        return bits.to(tl.float32, bitcast=True) - (8388608.0 + (1 << (BITS - 1)) * (1 << SHIFT))
-
-    _PLANES16_ASM = """
-            {
-            .reg .b32 t0, t1, t2, t3, s, k;
-            mov.b32 k, BIAS;
-            lop3.b32 t0, $8, 0x000F000F, MAGIC, 0xEA;
-            shr.u32 s, $8, 4;
-            lop3.b32 t1, s, 0x000F000F, MAGIC, 0xEA;
-            shr.u32 s, $8, 8;
-            lop3.b32 t2, s, 0x000F000F, MAGIC, 0xEA;
-            shr.u32 s, $8, 12;
-            lop3.b32 t3, s, 0x000F000F, MAGIC, 0xEA;
-            sub.rn.TYPE t0, t0, k;
-            sub.rn.TYPE t1, t1, k;
-            sub.rn.TYPE t2, t2, k;
-            sub.rn.TYPE t3, t3, k;
-            mov.b32 {$0, $4}, t0;
-            mov.b32 {$1, $5}, t1;
-            mov.b32 {$2, $6}, t2;
-            mov.b32 {$3, $7}, t3;
-            }
-            """
-    # (u | 0x4300) as bf16 = 128 + u and (u | 0x6400) as fp16 = 1024 + u, exactly; minus 136 / 1032 -> u - 8
-    _PLANES16_BF16 = tl.constexpr(
-        _PLANES16_ASM.replace("BIAS", "0x43084308").replace("MAGIC", "0x43004300").replace("TYPE", "bf16x2"))
-    _PLANES16_FP16 = tl.constexpr(
-        _PLANES16_ASM.replace("BIAS", "0x64086408").replace("MAGIC", "0x64006400").replace("TYPE", "f16x2"))
-
-    @triton.jit
-    def _int4_planes16(words, IS_FP16: tl.constexpr):
-        """Eight 16-bit float tensors (u - 8) of planes 0..7 of int32 words, exact, from one PTX block per word:
-        each 32-bit register of the result pairs planes i and i + 4 (3 SHF + 4 LOP3 + 4 packed SUB per word)."""
-        if IS_FP16:
-            return tl.inline_asm_elementwise(
-                _PLANES16_FP16, "=h,=h,=h,=h,=h,=h,=h,=h,r", [words],
-                dtype=(tl.float16, tl.float16, tl.float16, tl.float16, tl.float16, tl.float16, tl.float16,
-                       tl.float16), is_pure=True, pack=1)
-        else:
-            return tl.inline_asm_elementwise(
-                _PLANES16_BF16, "=h,=h,=h,=h,=h,=h,=h,=h,r", [words],
-                dtype=(tl.bfloat16, tl.bfloat16, tl.bfloat16, tl.bfloat16, tl.bfloat16, tl.bfloat16, tl.bfloat16,
-                       tl.bfloat16), is_pure=True, pack=1)
-
-    @triton.jit
-    def _join2(a, b):
-        """Interleave two [R, C] tensors along columns: result[:, 2c] = a[:, c], result[:, 2c + 1] = b[:, c]."""
-        return tl.reshape(tl.join(a, b), [a.shape[0], 2 * a.shape[1]])
-
-    @triton.jit
-    def _finish(acc, out_ptr, ws_ptr, cnt_ptr, offs_n, offs_m, M, N, stride_om, tile, pid_k, SPLIT_K,
-                SPLIT: tl.constexpr):
-        """acc [BN, BM] fp32 partial sums -> out (directly, or via workspace + arrival counter under split-K)."""
-        mask = (offs_n < N)[:, None] & (offs_m < M)[None, :]
-        out_off = offs_m[None, :] * stride_om + offs_n[:, None]
-        if SPLIT:
-            ws_off = (pid_k * M + offs_m[None, :]) * N + offs_n[:, None]
-            tl.store(ws_ptr + ws_off, acc, mask=mask)
-            tl.debug_barrier()
-            arrived = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel")
-            if arrived == SPLIT_K - 1:  # last program of this tile: reduce in a fixed order
-                total = tl.zeros(acc.shape, tl.float32)
-                for s in range(0, SPLIT_K):
-                    total += tl.load(ws_ptr + (s * M + offs_m[None, :]) * N + offs_n[:, None], mask=mask,
-                                     other=0.0, cache_modifier=".cg")
-                tl.store(out_ptr + out_off, total.to(out_ptr.dtype.element_ty), mask=mask)
-                tl.atomic_xchg(cnt_ptr + tile, 0)  # ready for the next launch
-        else:
-            tl.store(out_ptr + out_off, acc.to(out_ptr.dtype.element_ty), mask=mask)
-
-    @triton.jit
-    def _fma_row(t, xs, f, xb, kx, xm, INV, HAS_ZP: tl.constexpr):
-        x = tl.load(xb + kx, mask=xm, other=0.0).to(tl.float32)
-        if HAS_ZP:
-            xs += x
-        t += f * (x * INV)[None, :]
-        return t, xs
-
-    @triton.jit
-    def _fma_group_sum(t, xs, s, zc, BLOCK_N: tl.constexpr, NB: tl.constexpr, WB: tl.constexpr,
-                       HAS_ZP: tl.constexpr):
-        """[BN, NB*WB] per-word partial sums -> per-group sums [BN, NB], zero point corrected, times the scales."""
-        part = tl.sum(tl.reshape(t, [BLOCK_N, NB, WB]), axis=2)
-        if HAS_ZP:
-            part -= zc * tl.sum(tl.reshape(xs, [NB, WB]), axis=1)[None, :]
-        return part * s
-
-    @triton.jit
-    def _wq_fma_kernel(x_ptr, q_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr,
-                       M, N, K, KW, NBLK, BPS, SPLIT_K, stride_xm, stride_om,
-                       BITS: tl.constexpr, WB: tl.constexpr, P_LO: tl.constexpr, HI_SHIFT: tl.constexpr,
-                       HAS_ZP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, W: tl.constexpr,
-                       SPLIT: tl.constexpr, USE_ASM: tl.constexpr):
-        """CUDA-core kernel for BLOCK_M in {1, 2, 4} rows; the weight tile is read once for all rows."""
-        PLANES: tl.constexpr = 32 // BITS
-        GS: tl.constexpr = WB * PLANES
-        NB: tl.constexpr = W // WB
-        ZP_BIAS: tl.constexpr = 1 << (BITS - 1)
-        pid_n = tl.program_id(0)
-        pid_k = tl.program_id(1)
-        pid_m = tl.program_id(2)
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_mask = offs_n < N
-        offs_w = tl.arange(0, W)
-        offs_g = tl.arange(0, NB)
-        w_blk = offs_w // WB
-        w_j = offs_w % WB
-        b_start = pid_k * BPS
-        b_end = tl.minimum(b_start + BPS, NBLK)
-        row0 = pid_m * BLOCK_M
-        xb = x_ptr + row0 * stride_xm
-        ok1 = row0 + 1 < M
-        ok2 = row0 + 2 < M
-        ok3 = row0 + 3 < M
-        acc0 = tl.zeros([BLOCK_N, NB], tl.float32)
-        acc1 = tl.zeros([BLOCK_N, NB], tl.float32)
-        acc2 = tl.zeros([BLOCK_N, NB], tl.float32)
-        acc3 = tl.zeros([BLOCK_N, NB], tl.float32)
-        words = _load_words(q_ptr, offs_n, n_mask, offs_w, b_start, b_end, KW, WB)
-        s, zc = _load_group_meta(s_ptr, z_ptr, offs_n, n_mask, offs_g, b_start, b_end, N, HAS_ZP, ZP_BIAS)
-        for b0 in range(b_start, b_end, NB):
-            # issue the next step's loads before this step's math (register double buffering)
-            nwords = _load_words(q_ptr, offs_n, n_mask, offs_w, b0 + NB, b_end, KW, WB)
-            ns, nzc = _load_group_meta(s_ptr, z_ptr, offs_n, n_mask, offs_g, b0 + NB, b_end, N, HAS_ZP, ZP_BIAS)
-            words_hi = words >> HI_SHIFT
-            blk = b0 + w_blk
-            kvalid = blk < b_end
-            t0 = tl.zeros([BLOCK_N, W], tl.float32)
-            t1 = tl.zeros([BLOCK_N, W], tl.float32)
-            t2 = tl.zeros([BLOCK_N, W], tl.float32)
-            t3 = tl.zeros([BLOCK_N, W], tl.float32)
-            xs0 = tl.zeros([W], tl.float32)
-            xs1 = tl.zeros([W], tl.float32)
-            xs2 = tl.zeros([W], tl.float32)
-            xs3 = tl.zeros([W], tl.float32)
-            for P in tl.static_range(PLANES):
-                INV = 1.0 / (1 << (BITS * P - HI_SHIFT * (P >= P_LO)))
-                f = _plane(words, words_hi, P, BITS, P_LO, HI_SHIFT, USE_ASM)
-                kx = blk * GS + P * WB + w_j
-                xm = kvalid & (kx < K)
-                t0, xs0 = _fma_row(t0, xs0, f, xb, kx, xm, INV, HAS_ZP)
-                if BLOCK_M > 1:
-                    t1, xs1 = _fma_row(t1, xs1, f, xb + stride_xm, kx, xm & ok1, INV, HAS_ZP)
-                if BLOCK_M > 2:
-                    t2, xs2 = _fma_row(t2, xs2, f, xb + 2 * stride_xm, kx, xm & ok2, INV, HAS_ZP)
-                    t3, xs3 = _fma_row(t3, xs3, f, xb + 3 * stride_xm, kx, xm & ok3, INV, HAS_ZP)
-            acc0 += _fma_group_sum(t0, xs0, s, zc, BLOCK_N, NB, WB, HAS_ZP)
-            if BLOCK_M > 1:
-                acc1 += _fma_group_sum(t1, xs1, s, zc, BLOCK_N, NB, WB, HAS_ZP)
-            if BLOCK_M > 2:
-                acc2 += _fma_group_sum(t2, xs2, s, zc, BLOCK_N, NB, WB, HAS_ZP)
-                acc3 += _fma_group_sum(t3, xs3, s, zc, BLOCK_N, NB, WB, HAS_ZP)
-            words = nwords
-            s = ns
-            zc = nzc
-        o0 = tl.sum(acc0, axis=1)
-        if BLOCK_M == 1:
-            acc = o0[:, None]
-        elif BLOCK_M == 2:
-            acc = _join2(o0[:, None], tl.sum(acc1, axis=1)[:, None])
-        else:
-            a02 = _join2(o0[:, None], tl.sum(acc2, axis=1)[:, None])
-            a13 = _join2(tl.sum(acc1, axis=1)[:, None], tl.sum(acc3, axis=1)[:, None])
-            acc = _join2(a02, a13)  # columns: rows 0, 1, 2, 3
-        offs_m = row0 + tl.arange(0, BLOCK_M)
-        tile = pid_m * tl.num_programs(0) + pid_n
-        _finish(acc, out_ptr, ws_ptr, cnt_ptr, offs_n, offs_m, M, N, stride_om, tile, pid_k, SPLIT_K, SPLIT)
-
-    @triton.jit
-    def _wq_dot_kernel(x_ptr, q_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr,
-                       M, N, K, KW, NBLK, BPS, SPLIT_K, stride_xm, stride_om,
-                       BITS: tl.constexpr, WB: tl.constexpr, P_LO: tl.constexpr, HI_SHIFT: tl.constexpr,
-                       HAS_ZP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, W: tl.constexpr,
-                       SPLIT: tl.constexpr, USE_ASM: tl.constexpr, DOT_F32: tl.constexpr,
-                       PLANES16: tl.constexpr):
-        """Tensor-core kernel, one group per K step: part[BN, BM] = C[BN, G] @ xg[G, BM]; acc += part * s.
-
-        C holds the group's codes minus 2**(bits-1), times per-plane powers of two (exact in bf16/fp16), in
-        plane-interleaved column order c = PLANES * word + plane; xg is x gathered in the same order and divided
-        by the same powers of two. The zero point correction uses the group's sum of x.
-        """
-        PLANES: tl.constexpr = 32 // BITS
-        GS: tl.constexpr = WB * PLANES
-        ZP_BIAS: tl.constexpr = 1 << (BITS - 1)
-        tl.static_assert(W == WB, "dot kernel takes one group per K step")
-        pid_n = tl.program_id(0)
-        pid_k = tl.program_id(1)
-        pid_m = tl.program_id(2)
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_mask = offs_n < N
-        offs_w = tl.arange(0, W)
-        offs_g = tl.arange(0, 1)
-        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        m_mask = offs_m < M
-        offs_c = tl.arange(0, GS)
-        c_w = offs_c // PLANES
-        if PLANES == 8:  # column 8w + 2i + h holds plane i + 4h (see the join tree below)
-            c_p = (offs_c % 8) // 2 + 4 * (offs_c % 2)
-        else:  # column 4w + p holds plane p
-            c_p = offs_c % PLANES
-        c_koff = c_p * WB + c_w
-        c_shift = tl.where(c_p >= P_LO, BITS * c_p - HI_SHIFT, BITS * c_p)
-        c_inv = ((127 - c_shift) << 23).to(tl.float32, bitcast=True)  # 2**-shift
-        xdt = x_ptr.dtype.element_ty
-        if DOT_F32:
-            dt = tl.float32
-        else:
-            dt = xdt
-        b_start = pid_k * BPS
-        b_end = tl.minimum(b_start + BPS, NBLK)
-        acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
-        words = _load_words(q_ptr, offs_n, n_mask, offs_w, b_start, b_end, KW, WB)
-        s, zc = _load_group_meta(s_ptr, z_ptr, offs_n, n_mask, offs_g, b_start, b_end, N, HAS_ZP, ZP_BIAS)
-        for b0 in range(b_start, b_end):
-            nwords = _load_words(q_ptr, offs_n, n_mask, offs_w, b0 + 1, b_end, KW, WB)
-            ns, nzc = _load_group_meta(s_ptr, z_ptr, offs_n, n_mask, offs_g, b0 + 1, b_end, N, HAS_ZP, ZP_BIAS)
-            kx = b0 * GS + c_koff
-            xt = tl.load(x_ptr + offs_m[None, :] * stride_xm + kx[:, None], mask=(kx < K)[:, None] & m_mask[None, :],
-                         other=0.0).to(tl.float32)
-            if PLANES16:  # int4 on GPU: exact (u - 8) planes straight from PTX in x's dtype; x unscaled
-                xg = xt.to(xdt)
-                c0, c1, c2, c3, c4, c5, c6, c7 = _int4_planes16(words, xdt == tl.float16)
-            else:
-                xg = (xt * c_inv[:, None]).to(xdt).to(dt)
-                words_hi = words >> HI_SHIFT
-                c0 = _plane(words, words_hi, 0, BITS, P_LO, HI_SHIFT, USE_ASM).to(xdt).to(dt)
-                c1 = _plane(words, words_hi, 1, BITS, P_LO, HI_SHIFT, USE_ASM).to(xdt).to(dt)
-                c2 = _plane(words, words_hi, 2, BITS, P_LO, HI_SHIFT, USE_ASM).to(xdt).to(dt)
-                c3 = _plane(words, words_hi, 3, BITS, P_LO, HI_SHIFT, USE_ASM).to(xdt).to(dt)
-                if PLANES == 8:
-                    c4 = _plane(words, words_hi, 4, BITS, P_LO, HI_SHIFT, USE_ASM).to(xdt).to(dt)
-                    c5 = _plane(words, words_hi, 5, BITS, P_LO, HI_SHIFT, USE_ASM).to(xdt).to(dt)
-                    c6 = _plane(words, words_hi, 6, BITS, P_LO, HI_SHIFT, USE_ASM).to(xdt).to(dt)
-                    c7 = _plane(words, words_hi, 7, BITS, P_LO, HI_SHIFT, USE_ASM).to(xdt).to(dt)
-            if PLANES == 8:
-                # column 8w + 2i + h <- plane i + 4h: planes i and i + 4 (one 32-bit register of the PTX
-                # unpacking) land in adjacent columns, so the bf16 pairs need no repacking
-                a = _join2(_join2(_join2(c0, c2), _join2(c1, c3)), _join2(_join2(c4, c6), _join2(c5, c7)))
-            else:
-                a = _join2(_join2(c0, c2), _join2(c1, c3))  # column 4w + p
-            if DOT_F32:
-                part = tl.dot(a, xg, input_precision="ieee")
-            else:
-                part = tl.dot(a, xg)
+            a = ((h >> (BITS * IDX)) & ((1 << BITS) - 1)).to(tl.float32) - (1 << (BITS - 1))
+        if F32DOT:  # interpreter: its bf16 dot is broken; every value here is exact in fp32
             if HAS_ZP:
-                part -= zc * tl.sum(xt, axis=0)[None, :]
-            acc += part * s
-            words = nwords
-            s = ns
-            zc = nzc
-        tile = pid_m * tl.num_programs(0) + pid_n
-        _finish(acc, out_ptr, ws_ptr, cnt_ptr, offs_n, offs_m, M, N, stride_om, tile, pid_k, SPLIT_K, SPLIT)
+                a = a.to(tl.float32) - zc.to(tl.float32)[:, None]
+            part = tl.dot(a.to(tl.float32), xt.to(tl.float32), tl.zeros([BN, BM], tl.float32))
+        else:
+            a = a.to(xt.dtype)
+            if HAS_ZP:
+                a = a - zc.to(xt.dtype)[:, None]  # z - 2**(bits-1): a small integer, exact
+            part = tl.dot(a, xt, tl.zeros([BN, BM], tl.float32))
+        return acc + part * s.to(tl.float32)[:, None]
+
+    @triton.jit
+    def _finish(vals, out_ptr, ws_ptr, cnt_ptr, offs_n, offs_m, M, N, stride_om, pid_n, pid_k, SPLIT):
+        """vals [BN, BM] fp32 -> out; under split-K the last program of the tile adds the partials in a fixed order."""
+        mask = (offs_n < N)[:, None] & (offs_m < M)[None, :]
+        o_ptrs = out_ptr + offs_m[None, :] * stride_om + offs_n[:, None]
+        if SPLIT == 1:
+            tl.store(o_ptrs, vals.to(out_ptr.dtype.element_ty), mask=mask)
+        else:
+            w_off = offs_m[None, :] * N + offs_n[:, None]
+            tl.store(ws_ptr + pid_k * M * N + w_off, vals, mask=mask)
+            tl.debug_barrier()
+            arrived = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel")
+            if arrived == SPLIT - 1:
+                total = tl.zeros(vals.shape, tl.float32)
+                for sk in range(SPLIT):
+                    total += tl.load(ws_ptr + sk * M * N + w_off, mask=mask, other=0.0, cache_modifier=".cg")
+                tl.store(o_ptrs, total.to(out_ptr.dtype.element_ty), mask=mask)
+                tl.atomic_xchg(cnt_ptr + pid_n, 0)  # clean for the next launch / graph replay
+
+    @triton.jit(do_not_specialize=["M", "BPS", "SPLIT"])
+    def _wq_kernel(x_ptr, q_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, KH, NBLK, BPS, SPLIT, stride_xm,
+                   stride_om, BITS: tl.constexpr, G: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr,
+                   STAGES: tl.constexpr, HAS_ZP: tl.constexpr, EVEN_K: tl.constexpr, USE_ASM: tl.constexpr,
+                   F32DOT: tl.constexpr, SYNC: tl.constexpr, U0: tl.constexpr, U1: tl.constexpr,
+                   U2: tl.constexpr, U3: tl.constexpr):
+        """Program (pid_n, pid_k): rows [pid_n*BN, +BN), blocks [pid_k*BPS, +BPS); one block (C groups) per step.
+        SYNC only keys the compile cache (the launcher sets DISABLE_MMA_V3 while it compiles)."""
+        C: tl.constexpr = 16 // BITS
+        ZB: tl.constexpr = 1 << (BITS - 1)
+        pid_n = tl.program_id(0)
+        pid_k = tl.program_id(1)
+        offs_n = pid_n * BN + tl.arange(0, BN)
+        n_ok = offs_n < N
+        offs_m = tl.arange(0, BM)
+        offs_c = tl.arange(0, G)
+        q_rows = q_ptr + offs_n[:, None].to(tl.int64) * KH + offs_c[None, :]
+        sz_off = offs_n[:, None] * C + tl.arange(0, C)[None, :]  # [BN, C]: one block's scales
+        x_cols = x_ptr + offs_m[None, :] * stride_xm + offs_c[:, None]  # x^T tile [G, BM]
+        m_ok = (offs_m < M)[None, :]
+        b_lo = pid_k * BPS
+        b_hi = tl.minimum(b_lo + BPS, NBLK)
+        acc = tl.zeros([BN, BM], tl.float32)
+        s_next = tl.load(s_ptr + b_lo * N * C + sz_off, mask=n_ok[:, None], other=0.0)
+        for b in tl.range(b_lo, b_hi, num_stages=STAGES):
+            s = s_next  # prefetched one block ahead by hand (not in the dot's operand chain: not pipelined)
+            s_next = tl.load(s_ptr + (b + 1) * N * C + sz_off, mask=n_ok[:, None] & (b + 1 < b_hi), other=0.0)
+            s0, s1, s2, s3 = _cols(s, BN, C)
+            if HAS_ZP:
+                zc = tl.load(z_ptr + b * N * C + sz_off, mask=n_ok[:, None], other=ZB).to(tl.float32) - ZB
+                z0, z1, z2, z3 = _cols(zc, BN, C)
+            else:
+                z0, z1, z2, z3 = s0, s1, s2, s3  # unused
+            h = tl.load(q_rows + b * G, mask=n_ok[:, None], other=0)
+            xb = x_cols + b * (C * G)
+            if EVEN_K:
+                x0m, x1m, x2m, x3m = m_ok, m_ok, m_ok, m_ok
+            else:
+                kk = b * (C * G) + offs_c
+                x0m = m_ok & (kk < K)[:, None]
+                x1m = m_ok & (kk + G < K)[:, None]
+                x2m = m_ok & (kk + 2 * G < K)[:, None]
+                x3m = m_ok & (kk + 3 * G < K)[:, None]
+            acc = _group(acc, h, xb, x0m, s0, z0, 0, BITS, U0, BN, BM, HAS_ZP, USE_ASM, F32DOT)
+            acc = _group(acc, h, xb + G, x1m, s1, z1, 1, BITS, U1, BN, BM, HAS_ZP, USE_ASM, F32DOT)
+            if C == 4:
+                acc = _group(acc, h, xb + 2 * G, x2m, s2, z2, 2, BITS, U2, BN, BM, HAS_ZP, USE_ASM, F32DOT)
+                acc = _group(acc, h, xb + 3 * G, x3m, s3, z3, 3, BITS, U3, BN, BM, HAS_ZP, USE_ASM, F32DOT)
+        _finish(acc, out_ptr, ws_ptr, cnt_ptr, offs_n, offs_m, M, N, stride_om, pid_n, pid_k, SPLIT)
 
 
-def _kernel_module(device: torch.device):
-    """This module, after checking its kernels can run on `device`.
-
-    Triton decides at import time whether kernels are compiled or interpreted (TRITON_INTERPRET=1 must be set
-    before triton is first imported), so CUDA tensors need a normal process and CPU tensors an interpreter one.
-    """
-    if triton is None:
-        raise RuntimeError("triton is not installed")
-    if device.type == "cuda" and _interpreting():
-        raise RuntimeError("TRITON_INTERPRET=1 is set but the tensors are on CUDA")
-    if device.type != "cuda" and not _interpreting():
-        raise RuntimeError("the Triton kernels run on CPU tensors only under TRITON_INTERPRET=1")
-    return sys.modules[__name__]
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def kernels_available(device: torch.device | str) -> bool:
-    """True where `wq_matmul` can run: CUDA with triton (and no interpreter), or CPU with the interpreter."""
+    """True where `wq_matmul` can run: CUDA with triton (no interpreter), or CPU under TRITON_INTERPRET=1."""
     device = torch.device(device)
     if triton is None:
         return False
-    if device.type == "cuda":
-        return not _interpreting()
-    return device.type == "cpu" and _interpreting()
+    return (not _interpreting()) if device.type == "cuda" else device.type == "cpu" and _interpreting()
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Configurations, launch, tuning
+# Configurations and launch
 # ----------------------------------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
 class KernelConfig:
-    kind: str          # "fma" or "dot"
-    block_m: int       # activation rows per program (fma: 1, 2, 4; dot: 16, 32 or 64)
-    block_n: int       # output features per program
-    words: int         # int32 words per row per K step (a multiple of the words per group)
-    split_k: int       # K ranges (programs) per N tile
-    num_warps: int = 4
-    num_stages: int = 1
-    asm: bool = True   # inline PTX for the unpacking (GPU only; the interpreter always takes the plain path)
+    block_n: int          # output rows per program
+    block_m: int          # activation rows per program: 8 (M <= 8) or 16
+    warps: int
+    stages: int           # cp.async pipeline depth
+    sync: bool = True     # mma.sync (compiled under DISABLE_MMA_V3); False: wgmma where Triton picks it
+    waves: int = 2        # split K until about waves * SMs programs
+    asm: bool = True      # PTX unpacking on CUDA (the interpreter always takes the plain path)
+
+    def short(self) -> str:
+        return (f"n{self.block_n} m{self.block_m} w{self.warps} s{self.stages}{' sync' if self.sync else ''} "
+                f"wv{self.waves}{'' if self.asm else ' noasm'}")
 
 
-def m_bucket(m: int) -> int:
-    for b in (1, 2, 4, 8, 16):
-        if m <= b:
-            return b
-    return 64
+def default_config(m: int, n: int, k: int, bits: int = 4, group_size: int = 128) -> KernelConfig:
+    """The config table of the module docstring (H200 winners of the exploration for int4 group 128)."""
+    asm = bits == 4  # the int8 PTX compiles for sm_90a but has not run on a GPU: plain Triton unpacking for now
+    if group_size < 128:  # short groups (int8 g32: 64 B per row and step): wider tiles, deeper pipeline
+        return KernelConfig(128, 8, 4, 6, True, 2, asm) if m <= 8 else KernelConfig(128, 16, 4, 6, True, 4, asm)
+    if m <= 8:
+        if n >= 131072:  # vocabulary-sized: N alone fills the GPU (split 1)
+            return KernelConfig(128, 8, 4, 3, True, 2, asm)
+        return KernelConfig(64, 8, 4, 4, True, 2, asm)
+    if n * k <= 40_000_000:  # small weights (o, gdn_z): wgmma tiles of 64 rows
+        return KernelConfig(64, 16, 4, 4, False, 4, asm)
+    return KernelConfig(128, 16, 4, 3, True, 4, asm)
 
 
-_SM_COUNT: dict = {}
-
-
+@functools.lru_cache(maxsize=None)
 def _sm_count(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 132
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _SM_COUNT:
-        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-    return _SM_COUNT[idx]
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
 
 
-def _split_for(n_tiles: int, steps: int, target_programs: int) -> int:
-    """Smallest K split giving about `target_programs` programs, keeping >= 2 K steps per program."""
-    if n_tiles >= target_programs or steps < 4:
-        return 1
-    split = -(-target_programs // n_tiles)
-    return max(1, min(split, steps // 2, 64))
-
-
-def _fit_words(words: int, wb: int) -> int:
-    return max(words, wb)
-
-
-def default_config(m: int, n: int, k: int, bits: int, group_size: int, sm_count: int = 132) -> KernelConfig:
-    """Heuristic configuration used before (or without) tuning: the tensor-core kernel (fewest instructions per
-    weight in the sm_90 SASS: ~2.9 with the PTX unpacking, vs ~4.1 for the CUDA-core kernel at M=1)."""
-    planes, wb = layout_geometry(bits, group_size)
-    groups = padded_k(k, group_size) // group_size
-    bm, bn = (16, 128) if m <= 16 else (64, 128)
-    split = _split_for(-(-n // bn), groups, 3 * sm_count) if m <= 16 else 1
-    return KernelConfig("dot", bm, bn, wb, split, 4)
-
-
-def candidate_configs(m: int, n: int, k: int, bits: int, group_size: int, sm_count: int = 132) -> list[KernelConfig]:
-    """The short list the tuner times for one problem shape (chosen from instruction counts of the sm_90 SASS)."""
-    planes, wb = layout_geometry(bits, group_size)
-    groups = padded_k(k, group_size) // group_size
-    out: list[KernelConfig] = []
-
-    def add(kind, bm, bn, words, warps):
-        words = _fit_words(words, wb)
-        steps = -(-groups * wb // words)
-        n_tiles = -(-n // bn)
-        splits = {_split_for(n_tiles, steps, 2 * sm_count), _split_for(n_tiles, steps, 4 * sm_count)}
-        for sp in sorted(splits):
-            cfg = KernelConfig(kind, bm, bn, words, sp, warps)
-            if cfg not in out:
-                out.append(cfg)
-
-    if m == 1:
-        add("fma", 1, 128, 32, 4)
-        add("fma", 1, 256, 32, 8)
-    elif m == 2:
-        add("fma", 2, 128, 32, 4)
-    if m <= 16:
-        for bn, warps in ((128, 4), (256, 8), (64, 4), (128, 8)):
-            add("dot", 16, bn, wb, warps)
-    else:
-        add("dot", 64, 128, wb, 4)
-        add("dot", 64, 128, wb, 8)
-    return out
+def split_k(cfg: KernelConfig, n: int, nblk: int, sms: int = 132) -> tuple[int, int]:
+    """(split, blocks per split): split K until about cfg.waves * sms programs, no empty splits."""
+    n_tiles, target = -(-n // cfg.block_n), cfg.waves * sms
+    split = min(-(-target // n_tiles), nblk) if n_tiles < target else 1
+    bps = -(-nblk // split)
+    return -(-nblk // bps), bps
 
 
 _COUNTERS: dict = {}
@@ -577,31 +368,48 @@ _COUNTERS: dict = {}
 
 def _counters(device: torch.device, tiles: int) -> torch.Tensor:
     key = (device.type, device.index)
-    buf = _COUNTERS.get(key)
-    if buf is None or buf.numel() < tiles:
-        buf = torch.zeros(max(tiles, 1 << 16), dtype=torch.int32, device=device)
-        _COUNTERS[key] = buf
-    return buf
+    if key not in _COUNTERS or _COUNTERS[key].numel() < tiles:
+        _COUNTERS[key] = torch.zeros(max(tiles, 1 << 16), dtype=torch.int32, device=device)
+    return _COUNTERS[key]
 
 
-def _check_config(cfg: KernelConfig, m: int, bits: int, group_size: int) -> None:
-    planes, wb = layout_geometry(bits, group_size)
-    p2 = lambda v: v > 0 and v & (v - 1) == 0  # noqa: E731
-    if cfg.kind not in ("fma", "dot"):
-        raise ValueError(f"unknown kernel kind {cfg.kind!r}")
-    if cfg.kind == "fma" and cfg.block_m not in (1, 2, 4):
-        raise ValueError("fma kernel takes block_m 1, 2 or 4")
-    if cfg.kind == "dot" and (cfg.block_m < 16 or not p2(cfg.block_m) or cfg.block_n < 16):
-        raise ValueError("dot kernel takes block_m and block_n >= 16 (powers of two)")
-    if not (p2(cfg.block_n) and p2(cfg.words) and cfg.words % wb == 0 and cfg.split_k >= 1):
-        raise ValueError(f"bad kernel configuration {cfg}")
-    if cfg.kind == "dot" and cfg.words != wb:
-        raise ValueError(f"dot kernel takes one group ({wb} words) per K step, not {cfg.words}")
+def _launch(x2: torch.Tensor, pw: PackedWeight, cfg: KernelConfig, out: torch.Tensor) -> None:
+    m, cuda = x2.shape[0], x2.device.type == "cuda"
+    if not kernels_available(x2.device):
+        raise RuntimeError(f"the Triton kernel cannot run on {x2.device} here (CPU tensors need TRITON_INTERPRET=1)")
+    if cuda and x2.dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"on CUDA the kernel takes bf16 or fp16 activations, got {x2.dtype}")
+    if m > cfg.block_m or cfg.block_m not in (8, 16):
+        raise ValueError(f"config {cfg.short()} takes block_m 8 or 16 and at most block_m rows, got {m}")
+    nblk = pw.q.shape[1] // pw.group_size
+    split, bps = split_k(cfg, pw.n, nblk, _sm_count(x2.device))
+    n_tiles = -(-pw.n // cfg.block_n)
+    ws = torch.empty(split * m * pw.n if split > 1 else 1, dtype=torch.float32, device=x2.device)
+    cnt = _counters(x2.device, n_tiles)
+    fp16 = x2.dtype == torch.float16
+    unpack = [unpack_asm(pw.bits, i, fp16) if i < 16 // pw.bits else "" for i in range(4)]
+    args = (x2, pw.q, pw.s, pw.s if pw.z is None else pw.z, out, ws, cnt, m, pw.n, pw.k, pw.q.shape[1], nblk, bps,
+            split, x2.stride(0), out.stride(0))
+    meta = dict(BITS=pw.bits, G=pw.group_size, BN=cfg.block_n, BM=cfg.block_m, STAGES=cfg.stages,
+                HAS_ZP=pw.z is not None, EVEN_K=pw.k % block_size(pw.bits, pw.group_size) == 0,
+                USE_ASM=cuda and cfg.asm, F32DOT=not cuda, SYNC=cuda and cfg.sync, U0=unpack[0], U1=unpack[1],
+                U2=unpack[2], U3=unpack[3], num_warps=cfg.warps)
+    if meta["SYNC"]:
+        os.environ["DISABLE_MMA_V3"] = "1"  # read by the compiler; only a first call per config compiles
+    try:
+        _wq_kernel[(n_tiles, split)](*args, **meta)
+    finally:
+        if meta["SYNC"]:
+            os.environ.pop("DISABLE_MMA_V3", None)
 
 
 def wq_matmul(x: torch.Tensor, pw: PackedWeight, config: KernelConfig | None = None,
               out: torch.Tensor | None = None) -> torch.Tensor:
-    """y = x @ dequant(W)^T for x [..., K] (bf16/fp16; fp32 allowed under the interpreter) with the Triton kernels."""
+    """y = x @ dequant(W)^T for x [..., K] (bf16/fp16 on CUDA; any float dtype under the interpreter).
+
+    Up to 16 rows: one launch (`config`, default `default_config`); up to 64: 16-row launches; more:
+    dequantize slices of the weight to x's dtype and F.linear (prefill; the kernel's numerics are not kept there).
+    """
     if x.shape[-1] != pw.k:
         raise ValueError(f"input has {x.shape[-1]} features, weight expects {pw.k}")
     lead = x.shape[:-1]
@@ -611,156 +419,18 @@ def wq_matmul(x: torch.Tensor, pw: PackedWeight, config: KernelConfig | None = N
     m = x2.shape[0]
     if out is None:
         out = torch.empty(m, pw.n, dtype=x.dtype, device=x.device)
-    if m == 0:
-        return out.reshape(*lead, pw.n)
-    if config is None:
-        config = lookup_config(x2, pw)
-    _launch(x2, pw, config, out)
+    if m > CHUNKED_ROWS and config is None:
+        step = max(1, (1 << 24) // (pw.q.shape[1] * 16 // pw.bits))  # rows of <= 16M weights per slice
+        for r0 in range(0, pw.n, step):
+            out[:, r0:r0 + step] = F.linear(x2, pw.dequantize(x2.dtype, rows=slice(r0, r0 + step)))
+    else:
+        for r0 in range(0, m, MAX_KERNEL_ROWS):
+            xs = x2[r0:r0 + MAX_KERNEL_ROWS]
+            cfg = config or default_config(xs.shape[0], pw.n, pw.k, pw.bits, pw.group_size)
+            _launch(xs, pw, cfg, out[r0:r0 + MAX_KERNEL_ROWS])
     return out.reshape(*lead, pw.n)
 
 
-def _launch(x2: torch.Tensor, pw: PackedWeight, cfg: KernelConfig, out: torch.Tensor) -> None:
-    mod = _kernel_module(x2.device)
-    bits, gs = pw.bits, pw.group_size
-    _check_config(cfg, x2.shape[0], bits, gs)
-    planes, wb = layout_geometry(bits, gs)
-    m, n, k = x2.shape[0], pw.n, pw.k
-    groups = pw.qweight.shape[1] // wb
-    nb = cfg.words // wb
-    bps = -(-groups // cfg.split_k)
-    bps = -(-bps // nb) * nb              # whole K steps per split
-    split = -(-groups // bps)              # no empty splits
-    n_tiles = -(-n // cfg.block_n)
-    m_tiles = -(-m // cfg.block_m)
-    grid = (n_tiles, split, m_tiles)
-    if split > 1:
-        ws = torch.empty(split * m * n, dtype=torch.float32, device=x2.device)
-        cnt = _counters(x2.device, n_tiles * m_tiles)
-    else:
-        ws = out
-        cnt = pw.qweight  # unused
-    zeros = pw.zeros if pw.zeros is not None else pw.scales
-    p_lo, hi_shift = (5, 12) if bits == 4 else (2, 16)
-    common = dict(BITS=bits, WB=wb, P_LO=p_lo, HI_SHIFT=hi_shift, HAS_ZP=pw.zeros is not None,
-                  BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, W=cfg.words, SPLIT=split > 1,
-                  USE_ASM=cfg.asm and x2.device.type == "cuda",
-                  num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    args = (x2, pw.qweight, pw.scales, zeros, out, ws, cnt, m, n, k, pw.qweight.shape[1], groups, bps, split,
-            x2.stride(0), out.stride(0))
-    if cfg.kind == "fma":
-        mod._wq_fma_kernel[grid](*args, **common)
-    else:
-        planes16 = cfg.asm and bits == 4 and x2.device.type == "cuda" and x2.dtype in (torch.bfloat16, torch.float16)
-        # without the PTX unpacking, int4 planes carry factors up to 2**16, beyond fp16: use fp32 then
-        dot_f32 = x2.device.type == "cpu" or x2.dtype == torch.float32 or (
-            bits == 4 and x2.dtype == torch.float16 and not planes16)
-        mod._wq_dot_kernel[grid](*args, DOT_F32=dot_f32, PLANES16=planes16, **common)
-
-
-# --- tuning cache -------------------------------------------------------------------------------------------
-
-_TUNED: dict[str, KernelConfig] = {}
-_TUNE_FILE_LOADED = False
-
-
-def _key(x2: torch.Tensor, pw: PackedWeight) -> str:
-    dev = torch.cuda.get_device_name(x2.device) if x2.device.type == "cuda" else "cpu"
-    return "|".join(str(v) for v in (dev, pw.bits, pw.group_size, pw.zeros is not None, str(x2.dtype),
-                                      m_bucket(x2.shape[0]), pw.n, pw.k))
-
-
-def _load_tune_file() -> None:
-    global _TUNE_FILE_LOADED
-    _TUNE_FILE_LOADED = True
-    path = os.environ.get("BLOCKSPEC_QUANT_TUNE_FILE")
-    if path and os.path.exists(path):
-        with open(path) as f:
-            for key, cfg in json.load(f).items():
-                _TUNED.setdefault(key, KernelConfig(**cfg))
-
-
-def _save_tune_file() -> None:
-    path = os.environ.get("BLOCKSPEC_QUANT_TUNE_FILE")
-    if path:
-        with open(path, "w") as f:
-            json.dump({k: asdict(v) for k, v in _TUNED.items()}, f, indent=1)
-
-
-def tuned_configs() -> dict[str, dict]:
-    return {k: asdict(v) for k, v in _TUNED.items()}
-
-
-def set_tuned_configs(table: dict) -> None:
-    for key, cfg in table.items():
-        _TUNED[key] = cfg if isinstance(cfg, KernelConfig) else KernelConfig(**cfg)
-
-
-def _autotune_enabled() -> bool:
-    return os.environ.get("BLOCKSPEC_QUANT_AUTOTUNE", "1") != "0"
-
-
-def lookup_config(x2: torch.Tensor, pw: PackedWeight) -> KernelConfig:
-    """Tuned configuration for this shape; tunes on first sight (CUDA, not while capturing a graph)."""
-    if not _TUNE_FILE_LOADED:
-        _load_tune_file()
-    key = _key(x2, pw)
-    cfg = _TUNED.get(key)
-    if cfg is not None:
-        return cfg
-    m = x2.shape[0]
-    if (x2.device.type == "cuda" and _autotune_enabled() and m <= 16
-            and not torch.cuda.is_current_stream_capturing()):
-        return tune(x2, pw)
-    return default_config(m, pw.n, pw.k, pw.bits, pw.group_size, _sm_count(x2.device))
-
-
-def tune(x2: torch.Tensor, pw: PackedWeight, candidates: list[KernelConfig] | None = None,
-         rep_ms: float = 20.0, verbose: bool = False) -> KernelConfig:
-    """Time the candidate configurations on (x2, pw); keep the fastest one whose output is right."""
-    from triton.testing import do_bench
-
-    m = x2.shape[0]
-    if candidates is None:
-        candidates = candidate_configs(m, pw.n, pw.k, pw.bits, pw.group_size, _sm_count(x2.device))
-    gen = torch.Generator(device="cpu").manual_seed(0)
-    rows = torch.randperm(pw.n, generator=gen)[:512].to(x2.device)
-    rows = torch.cat([rows, torch.tensor([pw.n - 1], device=x2.device)])
-    ref = x2.float() @ pw.dequantize(torch.float32, rows=rows).t()
-    tol = 3e-2 * float(ref.abs().max()) + 1e-3
-    out = torch.empty(m, pw.n, dtype=x2.dtype, device=x2.device)
-    best, best_t, report = None, float("inf"), []
-    for cfg in candidates:
-        t0 = time.perf_counter()
-        try:
-            _launch(x2, pw, cfg, out)
-            err = float((out[:, rows].float() - ref).abs().max())
-            if not err <= tol:
-                report.append((cfg, None, f"wrong (max err {err:.3g} > {tol:.3g})"))
-                continue
-            ms = do_bench(lambda: _launch(x2, pw, cfg, out), warmup=max(2.0, rep_ms / 4), rep=rep_ms,
-                          return_mode="median")
-        except Exception as exc:  # a configuration that does not compile or launch is skipped
-            report.append((cfg, None, f"failed: {type(exc).__name__}: {str(exc).splitlines()[0][:120] if str(exc) else ''}"))
-            continue
-        report.append((cfg, ms, f"{time.perf_counter() - t0:.2f}s"))
-        if ms < best_t:
-            best, best_t = cfg, ms
-    if verbose:
-        for cfg, ms, note in report:
-            print(f"    {cfg}: {'-' if ms is None else f'{ms * 1e3:.1f} us'} {note}")
-    if best is None and any(c.asm for c in candidates):  # PTX unpacking not usable here: plain Triton
-        return tune(x2, pw, [replace(c, asm=False) for c in candidates], rep_ms, verbose)
-    if best is None:
-        raise RuntimeError(f"no working kernel configuration for M={m} N={pw.n} K={pw.k}: {report}")
-    _TUNED[_key(x2, pw)] = best
-    _save_tune_file()
-    return best
-
-
-def effective_bandwidth_gbs(pw: PackedWeight, ms: float) -> float:
-    return pw.nbytes() / (ms * 1e-3) / 1e9
-
-
-__all__ = ["PackedWeight", "KernelConfig", "pack_planar", "unpack_planar", "dequantize_planar", "layout_geometry",
-           "padded_k", "reference_matmul", "wq_matmul", "kernels_available", "default_config", "candidate_configs",
-           "tune", "lookup_config", "tuned_configs", "set_tuned_configs", "m_bucket", "effective_bandwidth_gbs"]
+__all__ = ["PackedWeight", "KernelConfig", "check_format", "block_size", "padded_k", "pack", "pack_codes",
+           "unpack_codes", "pack_groups", "unpack_groups", "unpack_asm", "reference_matmul", "kernels_available",
+           "default_config", "split_k", "wq_matmul"]
