@@ -61,12 +61,11 @@ class ForcedAcceptance(Proposer):
     def propose(self, anchor, position, k):
         real = self.inner.propose(anchor, position, k)
         truth = self.trajectory[position + 1:position + 1 + k]
-        if len(truth) < k:  # past the known trajectory: keep the real proposals
-            return real
-        m = max(0, min(k, round(self.rate * (self.proposed + k) - self.accepted)))
-        self.proposed += k
+        n = len(truth)  # shorter near max_tokens: the rest of the block is never emitted
+        m = max(0, min(n, round(self.rate * (self.proposed + n) - self.accepted)))
+        self.proposed += n
         self.accepted += m
-        return truth[:m] + [(t + 1) % self.vocab for t in truth[m:]]
+        return truth[:m] + [(t + 1) % self.vocab for t in truth[m:]] + real[n:]
 
 
 def parse_rates(text: str | None, n_fixtures: int) -> list[float] | None:

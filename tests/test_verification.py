@@ -63,7 +63,7 @@ def run_forced(model, prompt, plain, k, wrong_from, inner=None, extra_check=None
     checked = []
 
     def check(length):
-        if state.length != length or length <= len(prompt):
+        if state.length != length or length <= len(prompt) or length >= len(trajectory):  # past it: nothing to compare
             return
         reference = plain_state(model, trajectory[:length])
         for a, b in zip(committed_state(state), committed_state(reference)):

@@ -90,8 +90,11 @@ def decode(target, proposer: Proposer, prompt: list[int], max_tokens: int, eos: 
     try:
         while stats.generated < max_tokens and anchor not in eos:
             position = state.length
-            room = min(max_tokens - stats.generated, state.capacity - position) - 1
-            k = min(proposer.max_proposals, room)
+            useful = min(proposer.max_proposals, max_tokens - stats.generated - 1)  # proposals that can be emitted
+            # a full block whenever the cache has room, even near max_tokens: the pass length stays one captured
+            # by a CUDA graph (a shorter block would run eagerly); tokens past max_tokens are never emitted
+            full = position + proposer.max_proposals < state.capacity
+            k = proposer.max_proposals if useful > 0 and full else max(0, min(useful, state.capacity - position - 1))
             proposals = proposer.propose(anchor, position, k) if k > 0 else []
             out, predicted = target.verify([anchor] + proposals)
             accepted = 0
@@ -102,8 +105,8 @@ def decode(target, proposer: Proposer, prompt: list[int], max_tokens: int, eos: 
             proposer.observe(out, position, [anchor] + proposals[:accepted], emitted)
             if proposer.max_proposals:
                 stats.cycles += 1
-                stats.proposed += len(proposals)
-                stats.accepted_per_cycle.append(accepted)
+                stats.proposed += min(len(proposals), useful)
+                stats.accepted_per_cycle.append(min(accepted, useful))
             for token in emitted:
                 stats.generated += 1
                 stats.decode_s = time.perf_counter() - begin
