@@ -7,7 +7,7 @@ cache_seqlens ignored, causal masks aligned to the bottom right (query i of Tq s
 
 import torch
 
-from blockspec.kernels.attention import cached_attention_flash, cached_attention_sdpa
+from blockspec.kernels.attention import cached_attention_flash, cached_attention_grouped, cached_attention_sdpa
 
 
 def documented_flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens, softmax_scale, causal):
@@ -33,4 +33,17 @@ def test_flash_glue_matches_sdpa_over_the_whole_cache_and_a_prefix():
             got = cached_attention_flash(q, k[:visible], v[:visible], positions, d ** -0.5,
                                          kernel=documented_flash_attn_with_kvcache)
             assert got.shape == expected.shape
+            assert (got - expected).abs().max() < 1e-5
+
+
+def test_grouped_matmul_attention_matches_sdpa():
+    torch.manual_seed(1)
+    capacity, hq, hkv, d = 48, 12, 4, 32
+    k, v = torch.randn(capacity, hkv, d), torch.randn(capacity, hkv, d)
+    for start, t in [(0, 2), (7, 4), (20, 8), (32, 16)]:
+        q = torch.randn(t, hq, d)
+        positions = torch.arange(start, start + t)
+        expected = cached_attention_sdpa(q, k[:start + t], v[:start + t], positions, d ** -0.5)
+        for visible in (capacity, start + t):
+            got = cached_attention_grouped(q, k[:visible], v[:visible], positions, d ** -0.5)
             assert (got - expected).abs().max() < 1e-5
