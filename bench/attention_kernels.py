@@ -11,7 +11,6 @@ import os
 import statistics
 
 import torch
-import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from blockspec.kernels.attention import cached_attention_grouped, cached_attention_sdpa

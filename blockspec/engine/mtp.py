@@ -112,7 +112,8 @@ class MTPProposer(Proposer):
         """compile_mode 0: for each verification length n (1..k+1 committed rows), one CUDA graph that observes
         the n rows and chains all k drafts on the device, so a cycle costs one replay and one host sync."""
         device, rows_max = self.caches[0].k.device, self.max_proposals + 1
-        self.hidden_in = torch.zeros(rows_max, self.model.config.hidden_size, device=device, dtype=self.caches[0].k.dtype)
+        hidden, dtype = self.model.config.hidden_size, self.caches[0].k.dtype
+        self.hidden_in = torch.zeros(rows_max, hidden, device=device, dtype=dtype)
         self.ids_in = torch.zeros(rows_max, dtype=torch.long, device=device)
         self.start = torch.zeros((), dtype=torch.long, device=device)
         self.steps = steps = torch.arange(rows_max, device=device)  # kept: a graph holds no reference to it
