@@ -109,3 +109,17 @@ def test_quantized_paths_on_gpu(wide_margin_pair, mode):
     print(f"int4 {mode}: acceptance {b.stats['acceptance_rate']:.2f}")
     assert a.tokens == b.tokens
     assert b.stats["acceptance_rate"] > 0.02
+
+
+@pytest.mark.parametrize("t", [2, 8, 16])
+def test_grouped_attention_matches_sdpa_on_gpu(t):
+    """The verification-pass attention (grouped-head matmul) against SDPA, 27B head layout, bf16, whole cache."""
+    from blockspec.kernels.attention import cached_attention_grouped, cached_attention_sdpa
+
+    torch.manual_seed(0)
+    k, v = (torch.randn(4096, 4, 256, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    q = torch.randn(t, 24, 256, device="cuda", dtype=torch.bfloat16)
+    positions = torch.arange(3000, 3000 + t, device="cuda")
+    got = cached_attention_grouped(q, k, v, positions, 256 ** -0.5).float()
+    expected = cached_attention_sdpa(q, k, v, positions, 256 ** -0.5).float()
+    assert (got - expected).abs().max() < 1e-2
