@@ -8,34 +8,17 @@ Usage (GPU): python bench/attention_kernels.py
 
 import json
 import os
-import statistics
-
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from blockspec.kernels.attention import cached_attention_grouped, cached_attention_sdpa
+from timing import replay_ms  # bench/timing.py, beside this script
 
 HQ, HKV, D, CAP, LAYERS = 24, 4, 256, 4096, 16
 
 
-def timed_graph(fn, reps=20):
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / LAYERS)
-    return statistics.median(times)
+def timed_graph(fn):
+    return replay_ms(fn) * 1e3 / LAYERS  # us per layer
 
 
 def main():

@@ -37,6 +37,7 @@ import torch.nn.functional as F  # noqa: E402
 from blockspec.quant import w4a16_triton as wq  # noqa: E402
 from blockspec.quant.int4 import Int4Linear  # noqa: E402
 from blockspec.quant.int8 import Int8Linear  # noqa: E402
+from timing import replay_ms  # noqa: E402  (bench/timing.py, beside this script)
 
 DRY = os.environ.get("TRITON_INTERPRET", "0") == "1"
 PEAK_GBS = 3990.0
@@ -61,24 +62,7 @@ def time_graph(fn, reps=7) -> float:
         t = time.perf_counter()
         fn()
         return (time.perf_counter() - t) * 1e3
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):  # warm-up off the capture stream
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    g.replay()
-    ts = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b))
-    return sorted(ts)[len(ts) // 2]
+    return replay_ms(fn, reps)
 
 
 def rel_err(y, ref) -> float:
