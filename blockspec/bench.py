@@ -183,7 +183,8 @@ def bench(args) -> dict:
             results["read_bandwidth_gb_s"] = args.bandwidth or measure_read_bandwidth(engine.device)
             results["bytes_per_plain_step"] = bytes_per_plain_step(engine)
         for fixture in fixtures:
-            ids = engine.tokenizer.encode(engine.tokenizer.chat_prompt([{"role": "user", "content": fixture["prompt"]}]))
+            chat = [{"role": "user", "content": fixture["prompt"]}]
+            ids = engine.tokenizer.encode(engine.tokenizer.chat_prompt(chat))
             rate = rates[fixtures.index(fixture)] if rates else None
             runs = run_fixture(engine, ids, args, trajectories.get(fixture["name"]), rate)
             if mode == "none":
@@ -226,7 +227,8 @@ def format_row(row) -> str:
         acc += f"  cycle {row['cycle_ms']:.2f} ms = {row['cycle_vs_plain_step']:.3f}x plain step"
     roof = "" if row["roofline_pct"] is None else f" ({row['roofline_pct']:.1f}% of measured read bandwidth)"
     return (f"{row['mode']:8s} {row['fixture']:12s} {row['decode_tokens_per_s']:8.2f} tok/s  "
-            f"{row['weight_gb_s']:8.1f} GB/s{roof}{acc}  generated {row['generated']}  prefill {row['prefill_s']:.3f} s")
+            f"{row['weight_gb_s']:8.1f} GB/s{roof}{acc}  generated {row['generated']}  "
+            f"prefill {row['prefill_s']:.3f} s")
 
 
 def draw_chart(results, path):

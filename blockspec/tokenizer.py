@@ -52,7 +52,8 @@ class Tokenizer:
         """Render the checkpoint's chat template with thinking disabled (templates that know `enable_thinking`)."""
         if not self.chat_template:
             raise BlockspecError("this checkpoint has no chat template (tokenizer_config.json: chat_template)")
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                            extensions=["jinja2.ext.loopcontrols"])
 
         def raise_exception(message):
             raise BlockspecError(f"chat template: {message}")

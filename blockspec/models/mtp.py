@@ -1,8 +1,8 @@
 """Qwen3.5 native multi-token-prediction (MTP) head, stored under `mtp.*` in the checkpoint.
 
 Predicting the token after next: normalise the embedding of the next token and the target's final-normed hidden
-state at the current position (each with its own RMSNorm), project their concatenation [embedding, hidden] with `fc`, run a
-full-attention decoder layer (own KV cache, same RoPE positions as the target), final norm, shared lm_head.
+state at the current position (each with its own RMSNorm), project their concatenation [embedding, hidden] with `fc`,
+run a full-attention decoder layer (own KV cache, same RoPE positions as the target), final norm, shared lm_head.
 """
 
 from __future__ import annotations
