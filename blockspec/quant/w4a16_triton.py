@@ -338,7 +338,7 @@ class KernelConfig:
 
 def default_config(m: int, n: int, k: int, bits: int = 4, group_size: int = 128) -> KernelConfig:
     """The config table of the module docstring (H200 winners of the exploration for int4 group 128)."""
-    asm = True  # int8 too: PTX unpacking checked on the H200 and 8-45 % faster than plain Triton (quant_kernels.py)
+    asm = True  # int8 too: PTX unpacking checked on the H200 and 9-48 % faster than plain Triton (quant_kernels.py)
     if group_size < 128:  # short groups (int8 g32: 64 B per row and step): wider tiles, deeper pipeline
         return KernelConfig(128, 8, 4, 6, True, 2, asm) if m <= 8 else KernelConfig(128, 16, 4, 6, True, 4, asm)
     if m <= 8:
