@@ -69,3 +69,35 @@ def cli(*args):
     proc = subprocess.run([sys.executable, "-m", "blockspec.cli", *map(str, args)], capture_output=True, text=True,
                           timeout=300)
     return proc.returncode, proc.stdout, proc.stderr
+
+
+def patch_triton_interpreter():
+    """numpy >= 2 refuses int() of a 1-element array, and the interpreter's program ids are such arrays."""
+    import triton.runtime.interpreter as interp
+
+    orig = interp._patch_lang_tensor
+
+    def patched(tensor, scope):
+        orig(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    interp._patch_lang_tensor = patched
+
+
+def run_in_triton_interpreter(test_file) -> list:
+    """Runs `python test_file` with TRITON_INTERPRET=1 (Triton kernels on CPU tensors, in numpy); the script prints
+    one line `RESULTS <json>`, returned parsed."""
+    import json
+    import os
+    from pathlib import Path
+
+    import pytest
+
+    pytest.importorskip("triton")
+    root = Path(__file__).resolve().parent.parent
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([str(root), str(root / "tests")]))
+    proc = subprocess.run([sys.executable, str(test_file)], cwd=str(root), env=env, capture_output=True, text=True,
+                          timeout=600)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULTS ")]
+    assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return json.loads(lines[-1][len("RESULTS "):])

@@ -1,13 +1,17 @@
-"""The flash-attn glue (cache_seqlens and causal alignment) against the SDPA reference.
+"""The fast attention paths against the SDPA reference: the split-KV Triton kernel (through the Triton interpreter,
+in a subprocess) and the flash-attn glue (cache_seqlens and causal alignment).
 
 flash-attn is not installable on the CPU, so `cached_attention_flash` is driven by a stand-in written from the
 library's documented contract for flash_attn_with_kvcache: q [B, Tq, Hq, D], caches [B, L, Hkv, D], keys past
 cache_seqlens ignored, causal masks aligned to the bottom right (query i of Tq sees keys < seqlen - Tq + i + 1).
 """
 
-import torch
+import json
 
-from blockspec.kernels.attention import cached_attention_flash, cached_attention_grouped, cached_attention_sdpa
+import torch
+from helpers import patch_triton_interpreter, run_in_triton_interpreter
+
+from blockspec.kernels.attention import cached_attention_flash, cached_attention_sdpa
 
 
 def documented_flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens, softmax_scale, causal):
@@ -36,14 +40,38 @@ def test_flash_glue_matches_sdpa_over_the_whole_cache_and_a_prefix():
             assert (got - expected).abs().max() < 1e-5
 
 
-def test_grouped_matmul_attention_matches_sdpa():
-    torch.manual_seed(1)
-    capacity, hq, hkv, d = 48, 12, 4, 32
-    k, v = torch.randn(capacity, hkv, d), torch.randn(capacity, hkv, d)
-    for start, t in [(0, 2), (7, 4), (20, 8), (32, 16)]:
-        q = torch.randn(t, hq, d)
+TRITON_CASES = [  # (capacity, query heads, kv heads, head dim, start, queries)
+    (40, 8, 2, 16, 0, 1), (40, 8, 2, 16, 13, 8), (300, 12, 4, 32, 0, 16), (300, 12, 4, 32, 131, 1),
+    (300, 12, 4, 32, 250, 5), (1000, 6, 1, 64, 700, 3), (5000, 24, 4, 32, 4990, 8),  # 27B's grouping, many splits
+]
+
+
+def _run_triton_cases():  # executed in a subprocess with TRITON_INTERPRET=1
+    from blockspec.kernels import attention_triton
+
+    patch_triton_interpreter()
+    results = []
+    for capacity, hq, hkv, d, start, t in TRITON_CASES:
+        g = torch.Generator().manual_seed(capacity + t)
+        k, v = torch.randn(capacity, hkv, d, generator=g), torch.randn(capacity, hkv, d, generator=g)
+        q = torch.randn(t, hq, d, generator=g)
         positions = torch.arange(start, start + t)
         expected = cached_attention_sdpa(q, k[:start + t], v[:start + t], positions, d ** -0.5)
-        for visible in (capacity, start + t):
-            got = cached_attention_grouped(q, k[:visible], v[:visible], positions, d ** -0.5)
-            assert (got - expected).abs().max() < 1e-5
+        poisoned = k.clone()
+        poisoned[start + t:] = float("nan")  # past the filled length: must not be read
+        got = attention_triton.cached_attention_triton(q, poisoned, v, positions, d ** -0.5)
+        results.append({"case": [capacity, hq, hkv, d, start, t], "err": float((got - expected).abs().max()),
+                        "splits": attention_triton.split_plan(capacity, 64)[0], "shape": list(got.shape) == [t, hq, d]})
+    print("RESULTS " + json.dumps(results))
+
+
+def test_triton_attention_matches_sdpa_in_interpreter():
+    results = run_in_triton_interpreter(__file__)
+    assert len(results) == len(TRITON_CASES)
+    for r in results:
+        assert r["shape"] and r["err"] < 1e-4, r
+    assert max(r["splits"] for r in results) > 1  # the split merge is exercised
+
+
+if __name__ == "__main__":
+    _run_triton_cases()

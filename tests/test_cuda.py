@@ -4,7 +4,12 @@ import pytest
 import torch
 
 from blockspec.engine.engine import Engine
-from blockspec.kernels.gdn import fla_available, gated_delta_rule_fla, gated_delta_rule_reference, l2_normalize
+from blockspec.kernels.gdn import (
+    fla_available,
+    gated_delta_rule_fla,
+    gated_delta_rule_reference,
+    l2_normalize,
+)
 from blockspec.tiny import build_tiny_checkpoint, build_tiny_drafter
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -111,15 +116,18 @@ def test_quantized_paths_on_gpu(wide_margin_pair, mode):
     assert b.stats["acceptance_rate"] > 0.02
 
 
-@pytest.mark.parametrize("t", [2, 8, 16])
-def test_grouped_attention_matches_sdpa_on_gpu(t):
-    """The verification-pass attention (grouped-head matmul) against SDPA, 27B head layout, bf16, whole cache."""
-    from blockspec.kernels.attention import cached_attention_grouped, cached_attention_sdpa
+@pytest.mark.parametrize("t", [1, 2, 8, 16])
+def test_triton_attention_matches_sdpa_on_gpu(t):
+    """The decode / verification attention (split-KV Triton kernel) against SDPA, 27B head layout, bf16, whole
+    cache given (as under a graph), garbage past the filled length."""
+    from blockspec.kernels.attention import cached_attention_sdpa
+    from blockspec.kernels.attention_triton import cached_attention_triton
 
     torch.manual_seed(0)
     k, v = (torch.randn(4096, 4, 256, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     q = torch.randn(t, 24, 256, device="cuda", dtype=torch.bfloat16)
     positions = torch.arange(3000, 3000 + t, device="cuda")
-    got = cached_attention_grouped(q, k, v, positions, 256 ** -0.5).float()
     expected = cached_attention_sdpa(q, k, v, positions, 256 ** -0.5).float()
+    k[3000 + t:] = float("nan")
+    got = cached_attention_triton(q, k, v, positions, 256 ** -0.5).float()
     assert (got - expected).abs().max() < 1e-2

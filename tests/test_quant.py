@@ -3,20 +3,16 @@ Triton kernel against the reference (through the Triton interpreter, in a subpro
 
 import json
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
+from helpers import patch_triton_interpreter, run_in_triton_interpreter
 
 from blockspec.errors import BlockspecError
 from blockspec.quant import int4, int8
 from blockspec.quant import w4a16_triton as wq
 from blockspec.quant.int4 import Int4Linear, from_compressed_tensors
 from blockspec.quant.int8 import Int8Linear
-
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def _weight(n, k, seed=0, outliers=True):
@@ -319,16 +315,7 @@ def _kernel_cases():
 
 
 def _run_kernel_cases():  # executed in a subprocess with TRITON_INTERPRET=1
-    import triton.runtime.interpreter as interp
-
-    # numpy >= 2 refuses int() of a 1-element array; the interpreter's program ids are such arrays
-    orig = interp._patch_lang_tensor
-
-    def patched(tensor, scope):
-        orig(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-    interp._patch_lang_tensor = patched
+    patch_triton_interpreter()
     results = []
     for name, m, n, k, bits, gs, sym, xdt, cfg in _kernel_cases():
         g = torch.Generator().manual_seed(m * 7919 + n * 31 + k)
@@ -352,13 +339,7 @@ def _run_kernel_cases():  # executed in a subprocess with TRITON_INTERPRET=1
 
 
 def test_kernels_match_reference_in_interpreter():
-    pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests")]))
-    proc = subprocess.run([sys.executable, __file__], cwd=str(ROOT), env=env, capture_output=True, text=True,
-                          timeout=600)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULTS ")]
-    assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-3000:]
-    results = json.loads(lines[-1][len("RESULTS "):])
+    results = run_in_triton_interpreter(__file__)
     assert len(results) == len(_kernel_cases())
     for r in results:
         assert r["err"] <= r["tol"], r
