@@ -1,27 +1,32 @@
-"""Gated DeltaNet ops: depthwise causal conv1d with carried state, and the gated delta rule recurrence."""
+"""Gated DeltaNet ops: depthwise causal conv1d with carried state, the recurrence's inputs (gates, normalised
+q/k), and the gated delta rule: the float32 references here; the fast paths are fla-core's kernels (prefill) and
+gdn_triton.py (short passes)."""
 
 import functools
 
 import torch
 import torch.nn.functional as F
 
-from . import fused
+from . import fused, gdn_triton
 
 
 @fused
 def causal_conv1d(x: torch.Tensor, history: torch.Tensor, weight: torch.Tensor,
-                  window_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                  window_out: torch.Tensor | None = None,
+                  mixed_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Depthwise causal convolution + SiLU over x [T, C], continuing from `history` [K-1, C] (the previous inputs).
 
     Returns (output [T, C], window [K-1+T, C]); the new history after n tokens is window[n : n+K-1]. With
-    `window_out` the window is written there (the state's pending buffer: no copy afterwards).
+    `window_out` / `mixed_out` they are written there (the state's pending buffers: no copy afterwards).
     """
     window = torch.cat([history.to(x.dtype), x], dim=0)
     if window_out is not None:
         window = window_out.copy_(window)
     taps = window.unfold(0, weight.shape[-1], 1)  # [T, C, K]: the K inputs each output sees, oldest first
-    out = (taps * weight.view(weight.shape[0], -1).to(x.dtype)).sum(-1)
-    return F.silu(out), window
+    out = F.silu((taps * weight.view(weight.shape[0], -1).to(x.dtype)).sum(-1))
+    if mixed_out is not None:
+        out = mixed_out.copy_(out)
+    return out, window
 
 
 def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -29,27 +34,47 @@ def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 
 
 @fused
-def deltanet_inputs(mixed, b, a, A_log, dt_bias, key_heads: int, key_dim: int, value_heads: int, value_dim: int,
-                    out: tuple | None = None):
-    """Split the convolved projection into the recurrence's inputs: L2-normalised q (pre-scaled) and k repeated
-    to the value heads, v, log-decay g = -exp(A_log) * softplus(a + dt_bias), write strength beta = sigmoid(b).
-    With `out` (the state's pending buffers, for a partial commit) they are written there by the same kernel."""
+def deltanet_gates(b, a, A_log, dt_bias, out: tuple | None = None):
+    """Log-decay g = -exp(A_log) * softplus(a + dt_bias) and write strength beta = sigmoid(b), [T, Hv] float32;
+    with `out` written into those buffers."""
+    g = -A_log.float().exp() * F.softplus(a.float() + dt_bias.float())
+    beta = torch.sigmoid(b.float())
+    if out is not None:
+        return out[0].copy_(g), out[1].copy_(beta)
+    return g, beta
+
+
+@fused
+def deltanet_qkv(mixed, key_heads: int, key_dim: int, value_heads: int, value_dim: int):
+    """Split the convolved projection into the recurrence's q (L2-normalised, pre-scaled) and k (L2-normalised),
+    each repeated to the value heads, and v; float32."""
     t = mixed.shape[0]
     qk_size = key_heads * key_dim
     q, k, v = mixed.split([qk_size, qk_size, value_heads * value_dim], dim=-1)
     repeat = value_heads // key_heads
     q = l2_normalize(q.reshape(t, key_heads, key_dim).float()).repeat_interleave(repeat, dim=1) * key_dim ** -0.5
     k = l2_normalize(k.reshape(t, key_heads, key_dim).float()).repeat_interleave(repeat, dim=1)
-    v = v.reshape(t, value_heads, value_dim).float()
-    beta = torch.sigmoid(b).float()
-    g = -A_log.float().exp() * F.softplus(a.float() + dt_bias.float())
-    if out is not None:
-        return tuple(buffer.copy_(value) for buffer, value in zip(out, (q, k, v, g, beta)))
-    return q, k, v, g, beta
+    return q, k, v.reshape(t, value_heads, value_dim).float()
+
+
+SHORT_PASS = 64  # up to this many tokens the recurrence runs token by token in one kernel (gdn_triton.py)
+
+
+def gated_delta(mixed, gates, state_in, state_out, shape, gates_out=None, out_dtype=None):
+    """A DeltaNet layer's recurrence from its convolved projection `mixed` [T, C]: returns out [T, Hv, Dv] and writes
+    the final state into state_out (which may be state_in). shape = (Hk, Dk, Hv, Dv); gates = ("ab", b, a, A_log,
+    dt_bias), or ("given", g, beta) as stored by an earlier pass through gates_out. Short passes on CUDA: one Triton
+    kernel; else fla-core's chunked kernel (CUDA) or the reference, after preparing the inputs."""
+    if mixed.shape[0] <= SHORT_PASS and gdn_triton.available(mixed):
+        return gdn_triton.gated_delta_short(mixed, state_in, state_out, shape, gates, gates_out, out_dtype)
+    g, beta = deltanet_gates(*gates[1:], out=gates_out) if gates[0] == "ab" else gates[1:]
+    out, final = gated_delta_rule(*deltanet_qkv(mixed, *shape), g, beta, state_in)
+    state_out.copy_(final)
+    return out.to(out_dtype or torch.float32)
 
 
 def gated_delta_rule(q, k, v, g, beta, state):
-    """The gated delta rule over T tokens: fla-core's Triton kernels on CUDA when installed, else the reference."""
+    """The gated delta rule over T tokens: fla-core's chunked kernel on CUDA when installed, else the reference."""
     if q.is_cuda and fla_available():
         return gated_delta_rule_fla(q, k, v, g, beta, state)
     return gated_delta_rule_reference(q, k, v, g, beta, state)
@@ -65,12 +90,10 @@ def fla_available() -> bool:
 
 
 def gated_delta_rule_fla(q, k, v, g, beta, state):
-    """fla-core: fused recurrent kernel for short passes (decode, verification), chunked kernel for prefill.
-    Same contract as the reference; q is pre-scaled, so the kernel's scale is 1."""
-    from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
+    """fla-core's chunked kernel (prefill). Same contract as the reference; q is pre-scaled, so scale is 1."""
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
-    kernel = fused_recurrent_gated_delta_rule if q.shape[0] <= 64 else chunk_gated_delta_rule
-    out, final = kernel(q=q[None], k=k[None], v=v[None], g=g[None], beta=beta[None], scale=1.0,
+    out, final = chunk_gated_delta_rule(q=q[None], k=k[None], v=v[None], g=g[None], beta=beta[None], scale=1.0,
                         initial_state=state[None], output_final_state=True)
     return out[0].float(), final[0]
 

@@ -9,7 +9,7 @@ recurrence over n tokens, never a second target pass.
 import torch
 from torch import nn
 
-from ..kernels.gdn import causal_conv1d, deltanet_inputs, gated_delta_rule
+from ..kernels.gdn import causal_conv1d, gated_delta
 from ..kernels.norm import gated_rms_norm
 
 
@@ -17,21 +17,21 @@ class GDNState:
     """Committed conv history and recurrent state, plus static buffers for the pending pass (allocated once per
     engine and reused per request, so a CUDA graph of a pass and of each commit(n) can be captured over them)."""
 
-    def __init__(self, conv_dim: int, kernel: int, heads: int, key_dim: int, value_dim: int, max_partial: int,
+    def __init__(self, conv_dim: int, kernel: int, shape: tuple[int, int, int, int], max_partial: int,
                  device, dtype):
+        key_heads, key_dim, value_heads, value_dim = shape
         f32 = dict(device=device, dtype=torch.float32)
+        self.shape = shape
         self.history = torch.zeros(kernel - 1, conv_dim, device=device, dtype=dtype)
-        self.recurrent = torch.zeros(heads, key_dim, value_dim, **f32)
+        self.recurrent = torch.zeros(value_heads, key_dim, value_dim, **f32)
         self.max_partial = max_partial
         self.pending_len = 0
         self.pending_history = torch.zeros_like(self.history)
-        self.pending_recurrent = torch.zeros_like(self.recurrent)
+        self.pending_recurrent = torch.zeros_like(self.recurrent)  # the pass writes its final state here
         # inputs of a short pass (<= max_partial tokens), enough to recompute the state after any n of them
         self.pending_window = torch.zeros(kernel - 1 + max_partial, conv_dim, device=device, dtype=dtype)
-        self.pending_q = torch.zeros(max_partial, heads, key_dim, **f32)
-        self.pending_k = torch.zeros_like(self.pending_q)
-        self.pending_v = torch.zeros(max_partial, heads, value_dim, **f32)
-        self.pending_g = torch.zeros(max_partial, heads, **f32)
+        self.pending_mixed = torch.zeros(max_partial, conv_dim, device=device, dtype=dtype)
+        self.pending_g = torch.zeros(max_partial, value_heads, **f32)
         self.pending_beta = torch.zeros_like(self.pending_g)
 
     def reset(self):
@@ -40,21 +40,18 @@ class GDNState:
         self.pending_len = 0
 
     def short_pass_buffers(self, t: int):
-        """Where a pass of t <= max_partial tokens writes its conv window and recurrence inputs, so that any
-        commit(n) can be replayed from them without copying them afterwards; None for longer passes (prefill)."""
+        """Where a pass of t <= max_partial tokens writes its conv window, conv output and gates, so that any
+        commit(n) can be replayed from them without copying them afterwards; Nones for longer passes (prefill)."""
         if t > self.max_partial:
-            return None, None
-        return self.pending_window[:self.history.shape[0] + t], self.pending_inputs(t)
+            return None, None, None
+        return self.pending_window[:self.history.shape[0] + t], self.pending_mixed[:t], \
+            (self.pending_g[:t], self.pending_beta[:t])
 
-    def record(self, window, final_recurrent):
+    def record(self, window):
         t = window.shape[0] - self.history.shape[0]
         self.pending_len = t
-        self.pending_recurrent.copy_(final_recurrent)
         if t > self.max_partial:  # only the whole pass can be committed: keep just the new history
             self.pending_history.copy_(window[t:])
-
-    def pending_inputs(self, n: int):
-        return (self.pending_q[:n], self.pending_k[:n], self.pending_v[:n], self.pending_g[:n], self.pending_beta[:n])
 
     def commit(self, n: int):
         keep = self.history.shape[0]
@@ -65,9 +62,10 @@ class GDNState:
         else:
             if self.pending_len > self.max_partial:
                 raise RuntimeError(f"partial commit of a {self.pending_len}-token pass (max {self.max_partial})")
-            _, state = gated_delta_rule(*self.pending_inputs(n), self.recurrent)
+            # the recurrence alone over the first n tokens, in place, from the recorded inputs
+            gates = ("given", self.pending_g[:n], self.pending_beta[:n])
+            gated_delta(self.pending_mixed[:n], gates, self.recurrent, self.recurrent, self.shape)
             self.history.copy_(self.pending_window[n:n + keep])
-            self.recurrent.copy_(state)
         self.pending_len = 0
 
     def discard(self):
@@ -98,19 +96,18 @@ class GatedDeltaNet(nn.Module):
         self.in_proj = None
 
     def new_state(self, max_partial: int, device, dtype) -> GDNState:
-        return GDNState(self.conv_dim, self.conv1d.kernel_size[0], self.value_heads, self.key_dim, self.value_dim,
-                        max_partial, device, dtype)
+        shape = (self.key_heads, self.key_dim, self.value_heads, self.value_dim)
+        return GDNState(self.conv_dim, self.conv1d.kernel_size[0], shape, max_partial, device, dtype)
 
     def forward(self, x: torch.Tensor, state: GDNState) -> torch.Tensor:
         t = x.shape[0]
         qkv, z, b, a = self.in_proj(x) if self.in_proj is not None else (
             self.in_proj_qkv(x), self.in_proj_z(x), self.in_proj_b(x), self.in_proj_a(x))
-        window_buffer, input_buffers = state.short_pass_buffers(t)
-        mixed, window = causal_conv1d(qkv, state.history, self.conv1d.weight, window_buffer)
-        inputs = deltanet_inputs(mixed, b, a, self.A_log, self.dt_bias,
-                                 self.key_heads, self.key_dim, self.value_heads, self.value_dim, input_buffers)
-        out, final = gated_delta_rule(*inputs, state.recurrent)
-        state.record(window, final)
+        window_buffer, mixed_buffer, gate_buffers = state.short_pass_buffers(t)
+        mixed, window = causal_conv1d(qkv, state.history, self.conv1d.weight, window_buffer, mixed_buffer)
+        gates = ("ab", b, a, self.A_log, self.dt_bias)
+        out = gated_delta(mixed, gates, state.recurrent, state.pending_recurrent, state.shape, gate_buffers, x.dtype)
+        state.record(window)
         z = z.view(t, self.value_heads, self.value_dim)
-        out = gated_rms_norm(out.to(x.dtype), z, self.norm.weight, self.eps)
+        out = gated_rms_norm(out, z, self.norm.weight, self.eps)
         return self.out_proj(out.reshape(t, -1))

@@ -1,0 +1,94 @@
+"""The gated delta rule for short passes (decode, verification, a partial commit's replay) as one Triton kernel,
+the fast path beside `gated_delta_rule_reference` (blockspec.kernels.gdn).
+
+One launch does what the reference spreads over a dozen kernels: it reads the convolved projection `mixed` as is
+(q and k L2-normalised in-kernel, q scaled, each key head shared by its value heads without a repeat), computes
+the gates g = -exp(A_log) * softplus(a + dt_bias) and beta = sigmoid(b) (or reads them back for a replay), runs
+the recurrence from the committed state and writes the final state straight into the given buffer (the pending
+state of the pass, or the committed state itself when a partial commit replays n tokens: each program reads its
+tile before writing it). Programs: (value head, slice of BV value channels), as fla-core's fused recurrent kernel.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - CPU-only installs use the reference
+    triton = None
+
+BLOCK_V = 8
+
+
+def available(x: torch.Tensor) -> bool:
+    return triton is not None and (x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")
+
+
+def gated_delta_short(mixed, state_in, state_out, shape, gates, gates_out=None, out_dtype=None):
+    """mixed [T, 2*Hk*Dk + Hv*Dv] (conv output, rows may be strided); state_in / state_out [Hv, Dk, Dv] float32
+    (may be the same tensor); shape = (Hk, Dk, Hv, Dv); gates = ("ab", b, a, A_log, dt_bias) with b, a [T, Hv]
+    (rows may be strided), or ("given", g, beta) [T, Hv] float32. With gates_out = (g, beta) buffers the computed
+    gates are stored there (for a later replay). Returns out [T, Hv, Dv] (out_dtype, default float32)."""
+    key_heads, key_dim, value_heads, value_dim = shape
+    t = mixed.shape[0]
+    out = torch.empty(t, value_heads, value_dim, device=mixed.device, dtype=out_dtype or torch.float32)
+    if gates[0] == "ab":
+        _, b, a, a_log, dt_bias = gates
+        g_buf, beta_buf = gates_out if gates_out is not None else (out, out)  # unused unless SAVE_GATES
+    else:
+        _, g_buf, beta_buf = gates
+        b = a = a_log = dt_bias = g_buf
+    _gated_delta_kernel[(value_heads * triton.cdiv(value_dim, BLOCK_V),)](
+        mixed, mixed.stride(0), b, a, b.stride(0), a_log, dt_bias, g_buf, beta_buf, state_in, state_out, out,
+        key_dim ** -0.5, t, KEY_HEADS=key_heads, VALUE_HEADS=value_heads, K=key_dim, V=value_dim, BV=BLOCK_V,
+        BK=triton.next_power_of_2(key_dim), COMPUTE_GATES=gates[0] == "ab", SAVE_GATES=gates[0] == "ab" and gates_out is not None,
+        num_warps=1, num_stages=3)
+    return out
+
+
+if triton is not None:
+    @triton.jit(do_not_specialize=["T"])
+    def _gated_delta_kernel(mixed, s_mixed, b, a, s_ab, a_log, dt_bias, g_buf, beta_buf, h0, ht, out, scale, T,
+                            KEY_HEADS: tl.constexpr, VALUE_HEADS: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                            BV: tl.constexpr, BK: tl.constexpr, COMPUTE_GATES: tl.constexpr, SAVE_GATES: tl.constexpr):
+        pid = tl.program_id(0)
+        slices = tl.cdiv(V, BV)
+        i_v = pid % slices
+        hv = pid // slices
+        hk = hv // (VALUE_HEADS // KEY_HEADS)
+        ks = tl.arange(0, BK)
+        vs = i_v * BV + tl.arange(0, BV)
+        k_ok, v_ok = ks < K, vs < V
+        tile = hv * K * V + ks[:, None] * V + vs[None, :]
+        tile_ok = k_ok[:, None] & v_ok[None, :]
+        state = tl.load(h0 + tile, mask=tile_ok, other=0.0)
+        if COMPUTE_GATES:
+            decay_rate = -tl.exp(tl.load(a_log + hv).to(tl.float32))
+            bias = tl.load(dt_bias + hv).to(tl.float32)
+        for t in range(T):
+            row = mixed + t * s_mixed
+            q = tl.load(row + hk * K + ks, mask=k_ok, other=0.0).to(tl.float32)
+            k = tl.load(row + (KEY_HEADS + hk) * K + ks, mask=k_ok, other=0.0).to(tl.float32)
+            v = tl.load(row + 2 * KEY_HEADS * K + hv * V + vs, mask=v_ok, other=0.0).to(tl.float32)
+            q = q * tl.rsqrt(tl.sum(q * q) + 1e-6) * scale
+            k = k * tl.rsqrt(tl.sum(k * k) + 1e-6)
+            if COMPUTE_GATES:
+                beta = tl.sigmoid(tl.load(b + t * s_ab + hv).to(tl.float32))
+                x = tl.load(a + t * s_ab + hv).to(tl.float32) + bias
+                g = decay_rate * tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(x)))  # F.softplus, threshold 20
+                if SAVE_GATES:
+                    tl.store(g_buf + t * VALUE_HEADS + hv, g, mask=i_v == 0)
+                    tl.store(beta_buf + t * VALUE_HEADS + hv, beta, mask=i_v == 0)
+            else:
+                g = tl.load(g_buf + t * VALUE_HEADS + hv)
+                beta = tl.load(beta_buf + t * VALUE_HEADS + hv)
+            state = state * tl.exp(g)
+            delta = (v - tl.sum(state * k[:, None], 0)) * beta
+            state = state + k[:, None] * delta[None, :]
+            o = tl.sum(state * q[:, None], 0)
+            tl.store(out + (t * VALUE_HEADS + hv) * V + vs, o.to(out.dtype.element_ty), mask=v_ok)
+        tl.store(ht + tile, state, mask=tile_ok)
