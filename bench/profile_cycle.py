@@ -37,8 +37,9 @@ def timed(fn, reps=20, warmup=3):
     return statistics.median(times)
 
 
-def kernel_table(fn, top=18):
-    """The kernels of a few calls of fn, grouped by name: (name, calls per fn call, us per fn call)."""
+def kernel_table(fn, top=18, sequence=0):
+    """The kernels of a few calls of fn, grouped by name: (name, calls per fn call, us per fn call); with
+    `sequence`, also the first that many kernels of one call in launch order (what one layer runs)."""
     fn()
     torch.cuda.synchronize()
     reps = 5
@@ -54,8 +55,11 @@ def kernel_table(fn, top=18):
     table = sorted(((n[:90], c / reps, t / reps) for n, (c, t) in rows.items()), key=lambda r: -r[2])
     total_us = sum(r[2] for r in table)
     kernels = sum(r[1] for r in table)
+    ordered = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+                     key=lambda e: e.time_range.start)
     return {"total_kernel_us": round(total_us, 1), "kernels_per_call": kernels,
-            "top": [(n, c, round(t, 1)) for n, c, t in table[:top]]}
+            "top": [(n, c, round(t, 1)) for n, c, t in table[:top]],
+            "sequence": [(e.name[:70], round(e.device_time, 1)) for e in ordered[:sequence]]}
 
 
 def profile_engine(engine, mode_label, bandwidth, results, kernels):
@@ -80,7 +84,7 @@ def profile_engine(engine, mode_label, bandwidth, results, kernels):
         r["step_bytes_gb"] = round(step_bytes / 1e9, 3)
         r["step_roofline_ms"] = round(step_bytes / (bandwidth * 1e9) * 1e3, 3)
         r["step_pct_roofline"] = round(100 * r["step_roofline_ms"] / r["step_1_ms"], 1)
-        kernels[f"{mode_label} step_1"] = kernel_table(lambda: step(1, 1))
+        kernels[f"{mode_label} step_1"] = kernel_table(lambda: step(1, 1), sequence=70)
     for t in sorted(target.passes):
         if t > 1:
             r[f"verify_{t}_commit_{t}_ms"] = timed(lambda: step(t, t))
@@ -89,6 +93,7 @@ def profile_engine(engine, mode_label, bandwidth, results, kernels):
     proposer = engine.proposer
     if proposer.name == "dflash2":
         r["dflash2_propose_graph_ms"] = timed(lambda: proposer.propose(5, state.length, 7))
+        kernels[f"{mode_label} dflash2 propose"] = kernel_table(lambda: proposer.propose(5, state.length, 7))
         features = out.features[:4]
 
         def append():
@@ -141,6 +146,10 @@ def main():
         print(f"\n== {label}: {table['kernels_per_call']:.0f} kernels, {table['total_kernel_us']:.0f} us of kernels")
         for name, calls, us in table["top"]:
             print(f"  {us:9.1f} us {calls:6.1f}x  {name}")
+        if table["sequence"]:
+            print("  -- first kernels of one call, in order:")
+            for name, us in table["sequence"]:
+                print(f"  {us:9.1f} us  {name}")
     out_dir = os.environ.get("OUT", ".")
     with open(os.path.join(out_dir, "profile_cycle.json"), "w") as f:
         json.dump({"results": results, "kernels": kernels}, f, indent=2)

@@ -14,6 +14,13 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return (y * (1.0 + weight.float())).to(x.dtype)
 
 
+@fused
+def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float):
+    """The residual add fused with the next norm (one kernel on the fast path): returns (x + delta, its norm)."""
+    x = x + delta
+    return x, rms_norm.reference(x, weight, eps)
+
+
 def rms_norm_plain(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """The usual convention (weight stored as is), used by the DeltaNet output norm and Qwen3-style drafters."""
     xf = x.float()

@@ -3,7 +3,9 @@
 import torch
 from torch import nn
 
+from ..kernels import fused
 from ..kernels.attention import cached_attention
+from ..kernels.norm import rms_norm
 from ..kernels.rope import apply_rope
 from .norm import RMSNorm
 
@@ -43,9 +45,21 @@ class GatedAttention(nn.Module):
         t = x.shape[0]
         q, k, v = self.qkv_proj(x) if self.qkv_proj is not None else (self.q_proj(x), self.k_proj(x), self.v_proj(x))
         query, gate = q.view(t, self.heads, 2 * self.head_dim).chunk(2, dim=-1)
-        query = apply_rope(self.q_norm(query), *rope)
-        key = apply_rope(self.k_norm(k.view(t, self.kv_heads, self.head_dim)), *rope)
+        query, key = qk_norm_rope(query, k.view(t, self.kv_heads, self.head_dim), self.q_norm.weight,
+                                  self.k_norm.weight, self.q_norm.eps, *rope)
         cache.write(positions, key, v.view(t, self.kv_heads, self.head_dim))
         k, v = (cache.k, cache.v) if visible is None else (cache.k[:visible], cache.v[:visible])
         out = cached_attention(query, k, v, positions, self.head_dim ** -0.5)
-        return self.o_proj(out.reshape(t, -1) * torch.sigmoid(gate.reshape(t, -1)))
+        return self.o_proj(sigmoid_gated(out.reshape(t, -1), gate.reshape(t, -1)))
+
+
+@fused
+def qk_norm_rope(query, key, q_weight, k_weight, eps: float, cos, sin):
+    """Per-head RMSNorm then RoPE of queries and keys (one compiled region on the fast path)."""
+    return (apply_rope.reference(rms_norm.reference(query, q_weight, eps), cos, sin),
+            apply_rope.reference(rms_norm.reference(key, k_weight, eps), cos, sin))
+
+
+@fused
+def sigmoid_gated(out, gate):
+    return out * torch.sigmoid(gate)

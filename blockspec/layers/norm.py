@@ -3,7 +3,7 @@
 import torch
 from torch import nn
 
-from ..kernels.norm import rms_norm, rms_norm_plain
+from ..kernels.norm import add_rms_norm, rms_norm, rms_norm_plain
 
 
 class RMSNorm(nn.Module):
@@ -16,6 +16,12 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, self.weight, self.eps)
+
+    def add_forward(self, x: torch.Tensor, delta: torch.Tensor | None):
+        """(x + delta, its norm); delta None: (x, norm of x)."""
+        if delta is None:
+            return x, self(x)
+        return add_rms_norm(x, delta, self.weight, self.eps)
 
 
 class PlainRMSNorm(RMSNorm):

@@ -31,6 +31,7 @@ class MTPHead(nn.Module):
         """embedded: embeddings of tokens at positions start+1.. ; hidden: final-normed target (or previous MTP step)
         hidden states at positions start.. . Returns the layer output before the head's final norm [T, hidden]."""
         x = self.fc(torch.cat([self.pre_fc_norm_embedding(embedded), self.pre_fc_norm_hidden(hidden)], dim=-1))
+        delta = None
         for layer, cache in zip(self.layers, caches):
-            x = layer(x, cache, positions, rope, visible)
-        return x
+            x, delta = layer(x, delta, cache, positions, rope, visible)
+        return x + delta

@@ -35,14 +35,16 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.mlp = SwiGLU(c.hidden_size, c.intermediate_size)
 
-    def forward(self, x, layer_state, positions, rope, visible):
-        h = self.input_layernorm(x)
+    def forward(self, x, delta, layer_state, positions, rope, visible):
+        """The residual stream is x + delta, delta being the previous layer's MLP output (None for the first):
+        each residual add is left to the next norm, which does both in one kernel. Returns (x, delta) likewise."""
+        x, h = self.input_layernorm.add_forward(x, delta)
         if self.is_attention:
             h = self.self_attn(h, layer_state, positions, rope, visible)
         else:
             h = self.linear_attn(h, layer_state)
-        x = x + h
-        return x + self.mlp(self.post_attention_layernorm(x))
+        x, h = self.post_attention_layernorm.add_forward(x, h)
+        return x, self.mlp(h)
 
 
 @dataclass
@@ -86,11 +88,11 @@ class TargetModel(nn.Module):
             visible = start + ids.shape[0]
         x = self.embed(ids)
         rope = self.rope(positions, x.dtype)
-        captured = {}
+        captured, delta = {}, None
         for i, layer in enumerate(self.layers):
-            x = layer(x, state.layers[i], positions, rope, visible)
+            x, delta = layer(x, delta, state.layers[i], positions, rope, visible)
             if capture and i in capture:
-                captured[i] = x
+                captured[i] = x + delta
         features = torch.cat([captured[i] for i in capture], dim=-1) if capture else None
-        last = x if all_logits else x[-1:]
-        return TargetOutput(self.logits(self.norm(last)), x, features)
+        x, normed = self.norm.add_forward(x, delta)
+        return TargetOutput(self.logits(normed if all_logits else normed[-1:]), x, features)
