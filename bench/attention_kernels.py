@@ -37,7 +37,7 @@ def main():
                     key = f"capacity={capacity} filled={filled} T={t} {name}"
                     results[key] = {"us_per_layer": round(us, 1), "max_err": err}
                     print(f"{key:42s} {us:8.1f} us/layer  err {err:.1e}", flush=True)
-        del caches
+        caches = None  # free before the next capacity
     with open(os.path.join(os.environ.get("OUT", "."), "attention_kernels.json"), "w") as f:
         json.dump(results, f, indent=2)
 

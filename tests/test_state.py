@@ -116,3 +116,20 @@ def test_commit_bounds_are_checked(model):
         state.commit(4)
     with pytest.raises(ValueError):
         state.commit(0)
+
+
+def test_in_place_state_equals_transactional_and_refuses_partial_commits(model):
+    """Plain decoding's in-place DeltaNet state: token by token it ends in exactly the transactional state."""
+    gen = torch.Generator().manual_seed(5)
+    prompt, tokens = torch.randint(0, 300, (7,), generator=gen), torch.randint(0, 300, (5,), generator=gen)
+    states = [new_state(model), DecodeState(model, 128, 16, "cpu", torch.float32, in_place=True)]
+    logits = []
+    for state in states:
+        run(model, state, prompt)
+        logits.append(torch.stack([run(model, state, tokens[i:i + 1])[0] for i in range(5)]))
+    assert torch.equal(logits[0], logits[1])
+    assert all(torch.equal(a, b) for a, b in zip(snapshot(states[0]), snapshot(states[1])))
+    if states[1].gdn:
+        model(tokens[:3], states[1])
+        with pytest.raises(RuntimeError, match="in-place"):
+            states[1].commit(2)

@@ -15,13 +15,13 @@ from typing import Callable
 
 import torch
 from torch import nn
-from torch.nn import functional as F
 
 from blockspec.drafter.config import DrafterConfig
 from blockspec.drafter.context import DrafterContext
 from blockspec.drafter.conv import DynamicCausalConv
 from blockspec.drafter.selector import CandidateSelector
 from blockspec.errors import BlockspecError
+from blockspec.kernels.attention import masked_attention
 from blockspec.kernels.rope import apply_rope, rope_tables
 from blockspec.layers.mlp import SwiGLU
 from blockspec.layers.norm import PlainRMSNorm as RMSNorm
@@ -67,11 +67,8 @@ class DrafterAttention(nn.Module):
         k, v = self._rotated_keys_values(k, v, cos, sin)
         keys = torch.cat([context_keys, k], dim=1)
         values = torch.cat([context_values, v], dim=1)
-        out = F.scaled_dot_product_attention(
-            q[None], keys[None], values[None], attn_mask=visible, scale=self.head_dim**-0.5,
-            enable_gqa=self.num_heads != self.num_kv_heads,
-        )
-        return self.o_proj(out[0].transpose(0, 1).reshape(rows, self.num_heads * self.head_dim))
+        out = masked_attention(q, keys, values, visible, self.head_dim**-0.5)
+        return self.o_proj(out.transpose(0, 1).reshape(rows, self.num_heads * self.head_dim))
 
 
 class DrafterLayer(nn.Module):

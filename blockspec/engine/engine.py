@@ -62,7 +62,8 @@ class Engine:
         self.tokenizer = tokenizer or Tokenizer(config.model, self.model.config.eos_token_ids)
         self.context_length = config.context_length
         self.proposer = self.build_proposer(mtp_tensors)
-        self.state = DecodeState(self.model, config.context_length, MAX_VERIFY_TOKENS, self.device, self.dtype)
+        self.state = DecodeState(self.model, config.context_length, MAX_VERIFY_TOKENS, self.device, self.dtype,
+                                 in_place=self.proposer.max_proposals == 0)
         self.target = self.build_target()
         self.last_stats: dict = {}
 

@@ -5,6 +5,10 @@ A forward pass of k tokens runs on top of the committed state and is left pendin
              exactly at the boundary after token n;
   discard()  forget the pass; the committed state is untouched.
 Buffers are allocated once per engine; reset() starts a new request without reallocating.
+
+`in_place` (plain decoding, where every pass is committed whole): DeltaNet passes write their final state over the
+committed one, saving a 3 MB copy per layer and token; commit(k) then only moves the conv history, and neither a
+partial commit nor a discard can restore the state (discard is bookkeeping only: the next request resets).
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ from ..layers.attention import KVCache
 
 
 class DecodeState:
-    def __init__(self, model, capacity: int, max_partial: int, device, dtype):
+    def __init__(self, model, capacity: int, max_partial: int, device, dtype, in_place: bool = False):
         c = model.config
         self.capacity = capacity
         self.layers = [
@@ -23,6 +27,8 @@ class DecodeState:
             for layer in model.layers
         ]
         self.gdn = [s for s in self.layers if not isinstance(s, KVCache)]
+        for s in self.gdn:
+            s.in_place = in_place
         self.length = 0    # committed tokens
         self.pending = 0   # tokens of the pass awaiting commit/discard
 

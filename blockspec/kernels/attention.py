@@ -12,7 +12,9 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from . import attention_triton
+from . import FUSION, attention_inputs_triton, attention_triton, fused
+from .norm import rms_norm_reference
+from .rope import apply_rope
 
 
 def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
@@ -26,11 +28,59 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position
     return cached_attention_sdpa(q, k, v, positions, scale)
 
 
+def prepare_attention_inputs(query, key, value, q_weight, k_weight, eps: float, cos, sin, positions, cache_k,
+                             cache_v):
+    """query [T, Hq, D], key / value [T, Hkv, D] (rows may be strided): per-head zero-centred RMSNorm then RoPE of
+    query and key; key and value written into the cache [capacity, Hkv, D] at `positions`. Returns the query."""
+    args = (query, key, value, q_weight, k_weight, eps, cos, sin, positions, cache_k, cache_v)
+    if attention_inputs_triton.available(query):
+        return attention_inputs_triton.prepare_attention_inputs(*args)
+    return prepare_attention_inputs_reference(*args)
+
+
+def prepare_attention_inputs_reference(query, key, value, q_weight, k_weight, eps, cos, sin, positions, cache_k,
+                                       cache_v):
+    query, key = qk_norm_rope(query, key, q_weight, k_weight, eps, cos, sin)
+    cache_k.index_copy_(0, positions, key)
+    cache_v.index_copy_(0, positions, value)
+    return query
+
+
+@fused
+def qk_norm_rope(query, key, q_weight, k_weight, eps: float, cos, sin):
+    return (apply_rope.reference(rms_norm_reference(query, q_weight, eps), cos, sin),
+            apply_rope.reference(rms_norm_reference(key, k_weight, eps), cos, sin))
+
+
 def cached_attention_sdpa(q, k, v, positions, scale):
     visible = torch.arange(k.shape[0], device=q.device)[None, :] <= positions[:, None]
     out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
                                          attn_mask=visible, scale=scale, enable_gqa=True)
     return out[0].transpose(0, 1)
+
+
+def masked_attention(q, k, v, visible, scale: float):
+    """Attention under an explicit mask (the DFlash2 drafter's block over its context window): q [Hq, T, D],
+    k / v [Hkv, L, D], visible [T, L] bool -> [Hq, T, D]. SDPA is the reference; on CUDA with fusion on, a
+    compiled grouped-head matmul-softmax-matmul (SDPA's cuDNN choice took 48 us per drafter layer at 8 queries on
+    the H200, for ~8 MB of keys and values)."""
+    if q.is_cuda and FUSION["enabled"]:
+        return _grouped_masked_attention(q, k, v, visible, scale)
+    out = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=visible, scale=scale,
+                                         enable_gqa=q.shape[0] != k.shape[0])
+    return out[0]
+
+
+@fused
+def _grouped_masked_attention(q, k, v, visible, scale: float):
+    """The query heads sharing a KV head are stacked into one matmul per KV head; scores in float32."""
+    heads, t, d = q.shape
+    kv_heads = k.shape[0]
+    group = heads // kv_heads
+    stacked = q.reshape(kv_heads, group * t, d)
+    scores = torch.bmm(stacked, k.transpose(1, 2)).float().view(kv_heads, group, t, -1) * scale
+    probs = scores.masked_fill(~visible, float("-inf")).softmax(-1).to(v.dtype)
+    return torch.bmm(probs.view(kv_heads, group * t, -1), v).view(heads, t, d)
 
 
 @functools.cache

@@ -1,24 +1,38 @@
-"""RMSNorm in the two conventions Qwen3.5 checkpoints use."""
+"""RMSNorm in the two conventions Qwen3.5 checkpoints use. Zero-centred norms (every decoder norm) run as the
+Triton kernel of norm_triton.py on CUDA; the functions below are the reference (compiled when fusion is on)."""
 
 import torch
 import torch.nn.functional as F
 
-from . import fused
+from . import fused, norm_triton
 
 
-@fused
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Qwen3.5 decoder norms store weight - 1 (zero-centred): y = x / rms(x) * (1 + w), computed in float32."""
     xf = x.float()
     y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return (y * (1.0 + weight.float())).to(x.dtype)
 
 
-@fused
-def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float):
-    """The residual add fused with the next norm (one kernel on the fast path): returns (x + delta, its norm)."""
+def add_rms_norm_reference(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float):
+    """The residual add and the next norm: returns (x + delta, its norm)."""
     x = x + delta
-    return x, rms_norm.reference(x, weight, eps)
+    return x, rms_norm_reference(x, weight, eps)
+
+
+_rms_norm_fused, _add_rms_norm_fused = fused(rms_norm_reference), fused(add_rms_norm_reference)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    if norm_triton.available(x):
+        return norm_triton.add_rms_norm_rows(x, None, weight, eps)
+    return _rms_norm_fused(x, weight, eps)
+
+
+def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float):
+    if norm_triton.available(x) and delta.stride(-1) == 1:
+        return norm_triton.add_rms_norm_rows(x, delta, weight, eps)
+    return _add_rms_norm_fused(x, delta, weight, eps)
 
 
 def rms_norm_plain(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -26,6 +40,9 @@ def rms_norm_plain(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.T
     xf = x.float()
     y = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
     return weight.to(x.dtype) * y
+
+
+rms_norm_plain_fused = fused(rms_norm_plain)
 
 
 @fused

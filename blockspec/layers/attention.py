@@ -4,9 +4,7 @@ import torch
 from torch import nn
 
 from ..kernels import fused
-from ..kernels.attention import cached_attention
-from ..kernels.norm import rms_norm
-from ..kernels.rope import apply_rope
+from ..kernels.attention import cached_attention, prepare_attention_inputs
 from .norm import RMSNorm
 
 
@@ -17,10 +15,6 @@ class KVCache:
     def __init__(self, capacity: int, kv_heads: int, head_dim: int, device, dtype):
         self.k = torch.zeros(capacity, kv_heads, head_dim, device=device, dtype=dtype)
         self.v = torch.zeros_like(self.k)
-
-    def write(self, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
-        self.k.index_copy_(0, positions, k)
-        self.v.index_copy_(0, positions, v)
 
 
 class GatedAttention(nn.Module):
@@ -45,19 +39,12 @@ class GatedAttention(nn.Module):
         t = x.shape[0]
         q, k, v = self.qkv_proj(x) if self.qkv_proj is not None else (self.q_proj(x), self.k_proj(x), self.v_proj(x))
         query, gate = q.view(t, self.heads, 2 * self.head_dim).chunk(2, dim=-1)
-        query, key = qk_norm_rope(query, k.view(t, self.kv_heads, self.head_dim), self.q_norm.weight,
-                                  self.k_norm.weight, self.q_norm.eps, *rope)
-        cache.write(positions, key, v.view(t, self.kv_heads, self.head_dim))
+        kv_shape = (t, self.kv_heads, self.head_dim)
+        query = prepare_attention_inputs(query, k.view(kv_shape), v.view(kv_shape), self.q_norm.weight,
+                                         self.k_norm.weight, self.q_norm.eps, *rope, positions, cache.k, cache.v)
         k, v = (cache.k, cache.v) if visible is None else (cache.k[:visible], cache.v[:visible])
         out = cached_attention(query, k, v, positions, self.head_dim ** -0.5)
-        return self.o_proj(sigmoid_gated(out.reshape(t, -1), gate.reshape(t, -1)))
-
-
-@fused
-def qk_norm_rope(query, key, q_weight, k_weight, eps: float, cos, sin):
-    """Per-head RMSNorm then RoPE of queries and keys (one compiled region on the fast path)."""
-    return (apply_rope.reference(rms_norm.reference(query, q_weight, eps), cos, sin),
-            apply_rope.reference(rms_norm.reference(key, k_weight, eps), cos, sin))
+        return self.o_proj(sigmoid_gated(out, gate).reshape(t, -1))
 
 
 @fused

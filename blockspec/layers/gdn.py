@@ -25,6 +25,7 @@ class GDNState:
         self.history = torch.zeros(kernel - 1, conv_dim, device=device, dtype=dtype)
         self.recurrent = torch.zeros(value_heads, key_dim, value_dim, **f32)
         self.max_partial = max_partial
+        self.in_place = False  # see DecodeState
         self.pending_len = 0
         self.pending_history = torch.zeros_like(self.history)
         self.pending_recurrent = torch.zeros_like(self.recurrent)  # the pass writes its final state here
@@ -58,8 +59,11 @@ class GDNState:
         if n == self.pending_len:
             history = self.pending_history if n > self.max_partial else self.pending_window[n:n + keep]
             self.history.copy_(history)
-            self.recurrent.copy_(self.pending_recurrent)
+            if not self.in_place:
+                self.recurrent.copy_(self.pending_recurrent)
         else:
+            if self.in_place:
+                raise RuntimeError(f"partial commit of an in-place pass ({n} of {self.pending_len} tokens)")
             if self.pending_len > self.max_partial:
                 raise RuntimeError(f"partial commit of a {self.pending_len}-token pass (max {self.max_partial})")
             # the recurrence alone over the first n tokens, in place, from the recorded inputs
@@ -106,7 +110,8 @@ class GatedDeltaNet(nn.Module):
         window_buffer, mixed_buffer, gate_buffers = state.short_pass_buffers(t)
         mixed, window = causal_conv1d(qkv, state.history, self.conv1d.weight, window_buffer, mixed_buffer)
         gates = ("ab", b, a, self.A_log, self.dt_bias)
-        out = gated_delta(mixed, gates, state.recurrent, state.pending_recurrent, state.shape, gate_buffers, x.dtype)
+        final = state.recurrent if state.in_place else state.pending_recurrent
+        out = gated_delta(mixed, gates, state.recurrent, final, state.shape, gate_buffers, x.dtype)
         state.record(window)
         z = z.view(t, self.value_heads, self.value_dim)
         out = gated_rms_norm(out, z, self.norm.weight, self.eps)

@@ -1,0 +1,61 @@
+"""RMSNorm rows, optionally after the residual add, in Triton: the fast path beside `rms_norm` / `add_rms_norm`
+(blockspec.kernels.norm), which stay the reference.
+
+Why a hand-written kernel: for one 5120-wide row torch.compile emits a looped reduction (two passes over the row in
+one program) that took 3.3-3.8 us per call on the H200, 129 calls per 27B decode step; one program holding the
+whole row in registers reads and writes it once. Same rounding as the reference: the sum x + delta is rounded to
+the activation dtype first (it is the new residual stream), the norm is computed in float32 from that.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - CPU-only installs use the reference
+    triton = None
+
+MAX_WIDTH = 16384
+
+
+def available(x: torch.Tensor) -> bool:
+    return (triton is not None and x.shape[-1] <= MAX_WIDTH and x.stride(-1) == 1
+            and (x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"))
+
+
+def add_rms_norm_rows(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float):
+    """Zero-centred RMSNorm (y = x / rms(x) * (1 + w)) of each row of x [..., N], after x += delta when given.
+    Returns the norm, or (x + delta, the norm) with delta."""
+    width = x.shape[-1]
+    rows = x.reshape(-1, width)
+    summed = torch.empty_like(rows) if delta is not None else rows
+    normed = torch.empty_like(rows)
+    block = triton.next_power_of_2(width)
+    _add_rms_norm_kernel[(rows.shape[0],)](
+        rows, rows.stride(0), delta if delta is not None else rows, delta.reshape(-1, width).stride(0)
+        if delta is not None else 0, weight, summed, normed, width, eps,
+        HAS_DELTA=delta is not None, BLOCK=block, num_warps=max(1, min(16, block // 512)))
+    if delta is None:
+        return normed.view(x.shape)
+    return summed.view(x.shape), normed.view(x.shape)
+
+
+if triton is not None:
+    @triton.jit
+    def _add_rms_norm_kernel(x, s_x, delta, s_delta, weight, summed, normed, N, eps,
+                             HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr):
+        row = tl.program_id(0)
+        cols = tl.arange(0, BLOCK)
+        ok = cols < N
+        v = tl.load(x + row * s_x + cols, mask=ok, other=0.0)
+        if HAS_DELTA:
+            v = v + tl.load(delta + row * s_delta + cols, mask=ok, other=0.0)
+            tl.store(summed + row * N + cols, v, mask=ok)  # rounded to the stream's dtype, as the reference adds
+        v = v.to(tl.float32)
+        rstd = tl.rsqrt(tl.sum(v * v, 0) / N + eps)
+        w = tl.load(weight + cols, mask=ok, other=0.0).to(tl.float32)
+        tl.store(normed + row * N + cols, (v * rstd * (1.0 + w)).to(normed.dtype.element_ty), mask=ok)
