@@ -21,14 +21,15 @@ try:
 except ImportError:  # pragma: no cover - CPU-only installs use the reference
     triton = None
 
-BLOCK_V = 8
+BLOCK_V, NUM_WARPS = 8, 1  # fla-core's choice; bench/gdn_kernel.py times the alternatives
 
 
 def available(x: torch.Tensor) -> bool:
     return triton is not None and (x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")
 
 
-def gated_delta_short(mixed, state_in, state_out, shape, gates, gates_out=None, out_dtype=None):
+def gated_delta_short(mixed, state_in, state_out, shape, gates, gates_out=None, out_dtype=None, block_v=None,
+                      num_warps=None):
     """mixed [T, 2*Hk*Dk + Hv*Dv] (conv output, rows may be strided); state_in / state_out [Hv, Dk, Dv] float32
     (may be the same tensor); shape = (Hk, Dk, Hv, Dv); gates = ("ab", b, a, A_log, dt_bias) with b, a [T, Hv]
     (rows may be strided), or ("given", g, beta) [T, Hv] float32. With gates_out = (g, beta) buffers the computed
@@ -42,11 +43,12 @@ def gated_delta_short(mixed, state_in, state_out, shape, gates, gates_out=None, 
     else:
         _, g_buf, beta_buf = gates
         b = a = a_log = dt_bias = g_buf
-    _gated_delta_kernel[(value_heads * triton.cdiv(value_dim, BLOCK_V),)](
+    block_v, num_warps = block_v or BLOCK_V, num_warps or NUM_WARPS
+    _gated_delta_kernel[(value_heads * triton.cdiv(value_dim, block_v),)](
         mixed, mixed.stride(0), b, a, b.stride(0), a_log, dt_bias, g_buf, beta_buf, state_in, state_out, out,
-        key_dim ** -0.5, t, KEY_HEADS=key_heads, VALUE_HEADS=value_heads, K=key_dim, V=value_dim, BV=BLOCK_V,
+        key_dim ** -0.5, t, KEY_HEADS=key_heads, VALUE_HEADS=value_heads, K=key_dim, V=value_dim, BV=block_v,
         BK=triton.next_power_of_2(key_dim), COMPUTE_GATES=gates[0] == "ab", SAVE_GATES=gates[0] == "ab" and gates_out is not None,
-        num_warps=1, num_stages=3)
+        num_warps=num_warps, num_stages=3)
     return out
 
 
