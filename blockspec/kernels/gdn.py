@@ -10,8 +10,16 @@ import torch.nn.functional as F
 from . import fused, gdn_triton
 
 
-@fused
 def causal_conv1d(x: torch.Tensor, history: torch.Tensor, weight: torch.Tensor,
+                  window_out: torch.Tensor | None = None,
+                  mixed_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    if gdn_triton.available(x) and x.stride(-1) == 1:
+        return gdn_triton.causal_conv1d(x, history, weight, window_out, mixed_out)
+    return causal_conv1d_reference(x, history, weight, window_out, mixed_out)
+
+
+@fused
+def causal_conv1d_reference(x: torch.Tensor, history: torch.Tensor, weight: torch.Tensor,
                   window_out: torch.Tensor | None = None,
                   mixed_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Depthwise causal convolution + SiLU over x [T, C], continuing from `history` [K-1, C] (the previous inputs).

@@ -1,4 +1,4 @@
-"""The gated delta rule for short passes (decode, verification, a partial commit's replay) as one Triton kernel,
+"""Gated DeltaNet kernels in Triton: the depthwise causal conv (any length) and the gated delta rule for short passes (decode, verification, a partial commit's replay) as one Triton kernel,
 the fast path beside `gated_delta_rule_reference` (blockspec.kernels.gdn).
 
 One launch does what the reference spreads over a dozen kernels: it reads the convolved projection `mixed` as is
@@ -52,7 +52,37 @@ def gated_delta_short(mixed, state_in, state_out, shape, gates, gates_out=None, 
     return out
 
 
+def causal_conv1d(x, history, weight, window_out=None, mixed_out=None, block_c=512):
+    """Depthwise causal conv + SiLU (the contract of blockspec.kernels.gdn.causal_conv1d_reference) in one launch:
+    x [T, C] (rows may be strided), history [K-1, C], weight [C, 1, K]; writes the window [K-1+T, C] (history then
+    x) and the output [T, C] into the given buffers (or new ones). Accumulates in float32, rounds once."""
+    t, channels = x.shape
+    taps = weight.shape[-1]
+    window = window_out if window_out is not None else x.new_empty(taps - 1 + t, channels)
+    mixed = mixed_out if mixed_out is not None else x.new_empty(t, channels)
+    _causal_conv1d_kernel[(triton.cdiv(channels, block_c),)](
+        x, x.stride(0), history, weight, window, mixed, t, channels, K=taps, BLOCK_C=block_c, num_warps=4)
+    return mixed, window
+
+
 if triton is not None:
+    @triton.jit(do_not_specialize=["T"])
+    def _causal_conv1d_kernel(x, s_x, history, weight, window, mixed, T, C, K: tl.constexpr, BLOCK_C: tl.constexpr):
+        cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+        ok = cols < C
+        for r in tl.static_range(K - 1):
+            tl.store(window + r * C + cols, tl.load(history + r * C + cols, mask=ok), mask=ok)
+        for t in range(T):
+            acc = tl.zeros([BLOCK_C], tl.float32)
+            for j in tl.static_range(K):
+                row = t + j  # window row: history row `row` while row < K-1, else input row row - (K-1)
+                from_history = tl.load(history + row * C + cols, mask=ok & (row < K - 1), other=0.0)
+                from_input = tl.load(x + (row - (K - 1)) * s_x + cols, mask=ok & (row >= K - 1), other=0.0)
+                tap = tl.load(weight + cols * K + j, mask=ok).to(tl.float32)
+                acc += (from_history + from_input).to(tl.float32) * tap
+            tl.store(window + (K - 1 + t) * C + cols, tl.load(x + t * s_x + cols, mask=ok), mask=ok)
+            tl.store(mixed + t * C + cols, (acc * tl.sigmoid(acc)).to(mixed.dtype.element_ty), mask=ok)
+
     @triton.jit(do_not_specialize=["T"])
     def _gated_delta_kernel(mixed, s_mixed, b, a, s_ab, a_log, dt_bias, g_buf, beta_buf, h0, ht, out, scale, T,
                             KEY_HEADS: tl.constexpr, VALUE_HEADS: tl.constexpr, K: tl.constexpr, V: tl.constexpr,

@@ -1,5 +1,6 @@
-"""RMSNorm in the two conventions Qwen3.5 checkpoints use. Zero-centred norms (every decoder norm) run as the
-Triton kernel of norm_triton.py on CUDA; the functions below are the reference (compiled when fusion is on)."""
+"""RMSNorm in the two conventions Qwen3.5 checkpoints use. Zero-centred norms (every decoder norm) and the DeltaNet
+gated output norm run as the Triton kernels of norm_triton.py on CUDA; the *_reference functions are the reference
+(compiled when fusion is on)."""
 
 import torch
 import torch.nn.functional as F
@@ -46,7 +47,13 @@ rms_norm_plain_fused = fused(rms_norm_plain)
 
 
 @fused
-def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def gated_rms_norm_reference(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """DeltaNet output norm: plain RMSNorm over each value head, then times silu(gate) in float32."""
     y = rms_norm_plain(x, weight, eps)
     return (y * F.silu(gate.float())).to(x.dtype)
+
+
+def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    if norm_triton.available(x) and x.dim() == 3 and gate.stride(-1) == 1:
+        return norm_triton.gated_rms_norm_rows(x, gate, weight, eps)
+    return gated_rms_norm_reference(x, gate, weight, eps)

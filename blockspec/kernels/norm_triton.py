@@ -44,7 +44,33 @@ def add_rms_norm_rows(x: torch.Tensor, delta: torch.Tensor | None, weight: torch
     return summed.view(x.shape), normed.view(x.shape)
 
 
+def gated_rms_norm_rows(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The DeltaNet output norm (plain-weight RMSNorm of each head's vector of x [T, H, D], times silu(gate)); gate
+    [T, H, D] may be strided (a slice of the packed projection). Rounding as the reference: the norm is rounded to x's dtype and multiplied by the weight in it."""
+    t, heads, width = x.shape
+    xs = x.reshape(-1, width)
+    out = torch.empty(xs.shape, device=x.device, dtype=x.dtype)
+    block = triton.next_power_of_2(width)
+    _gated_rms_norm_kernel[(xs.shape[0],)](xs, xs.stride(0), gate, gate.stride(0), gate.stride(1), weight, out, width,
+                                           eps, HEADS=heads, BLOCK=block, num_warps=max(1, min(8, block // 256)))
+    return out.view(x.shape)
+
+
 if triton is not None:
+    @triton.jit
+    def _gated_rms_norm_kernel(x, s_x, gate, s_gate_t, s_gate_h, weight, out, N, eps, HEADS: tl.constexpr,
+                               BLOCK: tl.constexpr):
+        row = tl.program_id(0)
+        cols = tl.arange(0, BLOCK)
+        ok = cols < N
+        v = tl.load(x + row * s_x + cols, mask=ok, other=0.0).to(tl.float32)
+        dtype = out.dtype.element_ty
+        normed = (v * tl.rsqrt(tl.sum(v * v, 0) / N + eps)).to(dtype)
+        scaled = (normed * tl.load(weight + cols, mask=ok, other=0.0).to(dtype)).to(tl.float32)
+        g = tl.load(gate + (row // HEADS) * s_gate_t + (row % HEADS) * s_gate_h + cols, mask=ok, other=0.0)
+        g = g.to(tl.float32)
+        tl.store(out + row * N + cols, (scaled * g * tl.sigmoid(g)).to(dtype), mask=ok)
+
     @triton.jit
     def _add_rms_norm_kernel(x, s_x, delta, s_delta, weight, summed, normed, N, eps,
                              HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr):

@@ -9,7 +9,6 @@ def rope_inverse_frequencies(rotary_dim: int, theta: float, device=None) -> torc
     return 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32, device=device) / rotary_dim))
 
 
-@fused
 def rope_tables(positions: torch.Tensor, rotary_dim: int, theta: float, dtype: torch.dtype):
     """cos/sin of shape [T, rotary_dim] for integer positions: angles in float32 (channel j pairs with
     j + rotary_dim/2, the rotate-half layout), cast like the activations."""

@@ -3,7 +3,7 @@
 import torch
 from torch import nn
 
-from ..kernels import fused
+from ..kernels.activation import sigmoid_mul
 from ..kernels.attention import cached_attention, prepare_attention_inputs
 from .norm import RMSNorm
 
@@ -44,9 +44,5 @@ class GatedAttention(nn.Module):
                                          self.k_norm.weight, self.q_norm.eps, *rope, positions, cache.k, cache.v)
         k, v = (cache.k, cache.v) if visible is None else (cache.k[:visible], cache.v[:visible])
         out = cached_attention(query, k, v, positions, self.head_dim ** -0.5)
-        return self.o_proj(sigmoid_gated(out, gate).reshape(t, -1))
+        return self.o_proj(sigmoid_mul(out, gate).reshape(t, -1))
 
-
-@fused
-def sigmoid_gated(out, gate):
-    return out * torch.sigmoid(gate)

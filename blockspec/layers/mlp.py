@@ -1,15 +1,9 @@
 """SwiGLU feed-forward block."""
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from ..kernels import fused
-
-
-@fused
-def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    return F.silu(gate) * up
+from ..kernels.activation import silu_mul
 
 
 class SwiGLU(nn.Module):
@@ -24,4 +18,4 @@ class SwiGLU(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x) if self.gate_up_proj is not None else (self.gate_proj(x), self.up_proj(x))
-        return self.down_proj(swiglu(gate, up))
+        return self.down_proj(silu_mul(gate, up))
