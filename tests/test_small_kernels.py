@@ -42,7 +42,7 @@ def _attention_input_errors():
         value = packed[:, (heads * 2 + kv_heads) * d:].view(t, kv_heads, d)
         qw, kw = torch.randn(d, generator=g) * 0.1, torch.randn(d, generator=g) * 0.1
         positions = torch.arange(9, 9 + t)
-        cos, sin = rope_tables.reference(positions, rot, 10000.0, torch.float32)
+        cos, sin = rope_tables(positions, rot, 10000.0, torch.float32)
         caches = [[torch.zeros(40, kv_heads, d), torch.zeros(40, kv_heads, d)] for _ in range(2)]
         ref = prepare_attention_inputs_reference(query, key, value, qw, kw, 1e-6, cos, sin, positions, *caches[0])
         got = attention_inputs_triton.prepare_attention_inputs(query, key, value, qw, kw, 1e-6, cos, sin,
