@@ -131,3 +131,45 @@ def test_triton_attention_matches_sdpa_on_gpu(t):
     k[3000 + t:] = float("nan")
     got = cached_attention_triton(q, k, v, positions, 256 ** -0.5).float()
     assert (got - expected).abs().max() < 1e-2
+
+
+@pytest.mark.parametrize("mode", ["none", "dflash2"])
+def test_fast_kernels_on_gpu_equal_cpu_reference(pair, mode):
+    """float32: the GPU engine on its Triton kernels (DeltaNet conv and recurrence, norms, attention inputs,
+    activations) generates what the CPU engine on the reference paths generates."""
+    target, drafter = pair
+    kw = dict(mode=mode, compute_dtype="float32", context_length=512,
+              dflash2_model=str(drafter) if mode == "dflash2" else None)
+    gpu, cpu = Engine.load(target, device="cuda", **kw), Engine.load(target, device="cpu", **kw)
+    ids = cpu.tokenizer.encode("hello world")
+    a, b = gpu.generate(ids, 60, stop_at_eos=False), cpu.generate(ids, 60, stop_at_eos=False)
+    assert a.tokens == b.tokens
+
+
+def test_small_kernels_bf16_on_gpu():
+    """The small kernels at 27B shapes in bf16 against their references (bf16 rounding: a few ulps)."""
+    from blockspec.kernels import activation_triton, gdn_triton, norm_triton
+    from blockspec.kernels.activation import silu_mul_reference
+    from blockspec.kernels.gdn import causal_conv1d_reference
+    from blockspec.kernels.norm import add_rms_norm_reference, gated_rms_norm_reference
+
+    def close(got, ref):  # bf16: a few ulps of the largest value (the reference rounds more often)
+        return (got.float() - ref.float()).abs().max() <= 0.02 * ref.float().abs().max()
+
+    torch.manual_seed(0)
+    bf = dict(device="cuda", dtype=torch.bfloat16)
+    for t in (1, 8):
+        x, delta, w = torch.randn(t, 5120, **bf), torch.randn(t, 5120, **bf), torch.randn(5120, **bf) * 0.1
+        for got, ref in zip(norm_triton.add_rms_norm_rows(x, delta, w, 1e-6),
+                            add_rms_norm_reference(x, delta, w, 1e-6)):
+            assert close(got, ref)
+        o, z = torch.randn(t, 48, 128, **bf), torch.randn(t, 48 * 128 + 64, **bf)[:, :6144].view(t, 48, 128)
+        wn = torch.randn(128, **bf)
+        ref = gated_rms_norm_reference(o, z, wn, 1e-6)
+        assert close(norm_triton.gated_rms_norm_rows(o, z, wn, 1e-6), ref)
+        qkv, hist, cw = torch.randn(t, 10240, **bf), torch.randn(3, 10240, **bf), torch.randn(10240, 1, 4, **bf)
+        got, ref = gdn_triton.causal_conv1d(qkv, hist, cw)[0], causal_conv1d_reference(qkv, hist, cw)[0]
+        assert close(got, ref)
+        gu = torch.randn(t, 2 * 17408, **bf)
+        ref = silu_mul_reference(gu[:, :17408], gu[:, 17408:])
+        assert close(activation_triton.gated(gu[:, 17408:], gu[:, :17408], "silu"), ref)
