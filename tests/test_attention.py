@@ -40,6 +40,22 @@ def test_flash_glue_matches_sdpa_over_the_whole_cache_and_a_prefix():
             assert (got - expected).abs().max() < 1e-5
 
 
+def test_grouped_masked_attention_matches_sdpa():
+    """The drafter's attention fast path (grouped heads, context and block chunks never concatenated) against SDPA
+    over the concatenation."""
+    from blockspec.kernels.attention import _grouped_masked_attention, masked_attention
+
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(8, 5, 16, generator=g)
+    keys = (torch.randn(2, 30, 16, generator=g), torch.randn(2, 5, 16, generator=g))
+    values = (torch.randn(2, 30, 16, generator=g), torch.randn(2, 5, 16, generator=g))
+    visible = torch.rand(5, 35, generator=g) > 0.3
+    visible[:, 30:] = True
+    expected = masked_attention(q, keys, values, visible, 0.25)  # CPU: the SDPA reference
+    got = _grouped_masked_attention.reference(q, keys, values, visible, 0.25)
+    assert got.shape == expected.shape and (got - expected).abs().max() < 1e-5
+
+
 TRITON_CASES = [  # (capacity, query heads, kv heads, head dim, start, queries)
     (40, 8, 2, 16, 0, 1), (40, 8, 2, 16, 13, 8), (300, 12, 4, 32, 0, 16), (300, 12, 4, 32, 131, 1),
     (300, 12, 4, 32, 250, 5), (1000, 6, 1, 64, 700, 3), (5000, 24, 4, 32, 4990, 8),  # 27B's grouping, many splits

@@ -65,9 +65,7 @@ class DrafterAttention(nn.Module):
         q, k, v = self.qkv_proj(x) if self.qkv_proj is not None else (self.q_proj(x), self.k_proj(x), self.v_proj(x))
         q = apply_rope(self.q_norm(q.view(rows, self.num_heads, self.head_dim)), cos, sin).transpose(0, 1)
         k, v = self._rotated_keys_values(k, v, cos, sin)
-        keys = torch.cat([context_keys, k], dim=1)
-        values = torch.cat([context_values, v], dim=1)
-        out = masked_attention(q, keys, values, visible, self.head_dim**-0.5)
+        out = masked_attention(q, (context_keys, k), (context_values, v), visible, self.head_dim**-0.5)
         return self.o_proj(out.transpose(0, 1).reshape(rows, self.num_heads * self.head_dim))
 
 

@@ -59,28 +59,33 @@ def cached_attention_sdpa(q, k, v, positions, scale):
     return out[0].transpose(0, 1)
 
 
-def masked_attention(q, k, v, visible, scale: float):
-    """Attention under an explicit mask (the DFlash2 drafter's block over its context window): q [Hq, T, D],
-    k / v [Hkv, L, D], visible [T, L] bool -> [Hq, T, D]. SDPA is the reference; on CUDA with fusion on, a
-    compiled grouped-head matmul-softmax-matmul (SDPA's cuDNN choice took 48 us per drafter layer at 8 queries on
-    the H200, for ~8 MB of keys and values)."""
+def masked_attention(q, keys, values, visible, scale: float):
+    """Attention under an explicit mask (the DFlash2 drafter's block over its context window): q [Hq, T, D], keys /
+    values: sequences of [Hkv, L_i, D] chunks (the context buffer, then the block's own), visible [T, sum L_i]
+    bool -> [Hq, T, D]. SDPA over the concatenation is the reference; on CUDA with fusion on, a compiled
+    grouped-head matmul-softmax-matmul per chunk that never copies the context (SDPA's cuDNN choice took 48 us per
+    drafter layer at 8 queries on the H200, and the concatenation copied 8 MB per layer)."""
     if q.is_cuda and FUSION["enabled"]:
-        return _grouped_masked_attention(q, k, v, visible, scale)
+        return _grouped_masked_attention(q, tuple(keys), tuple(values), visible, scale)
+    k, v = torch.cat(list(keys), dim=1), torch.cat(list(values), dim=1)
     out = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=visible, scale=scale,
                                          enable_gqa=q.shape[0] != k.shape[0])
     return out[0]
 
 
 @fused
-def _grouped_masked_attention(q, k, v, visible, scale: float):
+def _grouped_masked_attention(q, keys, values, visible, scale: float):
     """The query heads sharing a KV head are stacked into one matmul per KV head; scores in float32."""
     heads, t, d = q.shape
-    kv_heads = k.shape[0]
+    kv_heads = keys[0].shape[0]
     group = heads // kv_heads
     stacked = q.reshape(kv_heads, group * t, d)
-    scores = torch.bmm(stacked, k.transpose(1, 2)).float().view(kv_heads, group, t, -1) * scale
-    probs = scores.masked_fill(~visible, float("-inf")).softmax(-1).to(v.dtype)
-    return torch.bmm(probs.view(kv_heads, group * t, -1), v).view(heads, t, d)
+    scores = torch.cat([torch.bmm(stacked, k.transpose(1, 2)) for k in keys], dim=-1).float()
+    scores = scores.view(kv_heads, group, t, -1) * scale
+    probs = scores.masked_fill(~visible, float("-inf")).softmax(-1).to(values[0].dtype).view(kv_heads, group * t, -1)
+    parts = probs.split([v.shape[1] for v in values], dim=-1)
+    out = sum(torch.bmm(p, v) for p, v in zip(parts, values))
+    return out.view(heads, t, d)
 
 
 @functools.cache
