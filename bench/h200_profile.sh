@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # First H200 run behind docs/benchmarks.md: CUDA tests, the production W4A16 kernel against bf16 cuBLAS on the 27B
-# shapes (SKIP_QUANT=1 skips it), the attention kernel against SDPA, then where a cycle's time goes
+# shapes (SKIP_QUANT=1 skips it), the attention kernel against SDPA (SKIP_ATTN=1), the DeltaNet kernel's configs, then
+# where a cycle's time goes
 # (bench/profile_cycle.py, packed target, kernel tables).
 # Usage (device machine, repo root, wheels in .whl): bash bench/h200_profile.sh  (writes to $OUT or ./out)
 set -uo pipefail
@@ -14,6 +15,9 @@ timeout ${TEST_S:-180} python3 -m pytest -q tests/test_cuda.py -s > "$OUT/cuda_t
 if [ -z "${SKIP_QUANT:-}" ]; then
   timeout ${QUANT_S:-150} python3 bench/quant_kernels.py > "$OUT/quant_kernels.txt" 2>&1; tail -40 "$OUT/quant_kernels.txt"
 fi
-(cd bench && timeout ${ATTN_S:-60} python3 attention_kernels.py > "$OUT/attention_kernels.txt" 2>&1); tail -24 "$OUT/attention_kernels.txt"
+if [ -z "${SKIP_ATTN:-}" ]; then
+  (cd bench && timeout ${ATTN_S:-60} python3 attention_kernels.py > "$OUT/attention_kernels.txt" 2>&1); tail -24 "$OUT/attention_kernels.txt"
+fi
+(cd bench && timeout ${GDN_S:-60} python3 gdn_kernel.py > "$OUT/gdn_kernel.txt" 2>&1); tail -20 "$OUT/gdn_kernel.txt"
 timeout ${PROFILE_S:-200} python3 bench/profile_cycle.py --variants ${VARIANTS:-packed} > "$OUT/profile_cycle.txt" 2>&1
 grep -v "^  \|Assertion" "$OUT/profile_cycle.txt" | tail -90
