@@ -3,8 +3,8 @@
 
 Why: under a CUDA graph the position is data, so SDPA must read the whole cache under a mask (cost grows with
 context_length, not with the tokens actually held) and cuDNN took 10 us per 27B layer at one query and 216 us at
-eight (docs/h200/attention_kernels.json; this kernel: docs/h200/session3/run1/attention_kernels.txt). Here the filled length is read from `positions` on the device, so a
-replay reads only the filled prefix, whatever the capacity.
+eight (docs/h200/attention_kernels.json); this kernel 10.7 / 15.2 us (docs/h200/session3/run1). The filled length
+is read from `positions` on the device, so a replay reads only the filled prefix, whatever the capacity.
 
 Layout: the T queries of the KV heads' G grouped query heads are stacked as the M = T*G rows of one tile (row
 r: token r // G, head kv*G + r % G), so each key/value tile is loaded once per KV head. Programs (kv head, split)
