@@ -25,7 +25,7 @@ def main():
     results = {}
     for t in (1, 8):
         mixed = torch.randn(t, 2 * HK * DK + HV * DV, device=dev, dtype=torch.bfloat16)
-        b, a = torch.randn(t, HV, device=dev, dtype=torch.bfloat16), torch.randn(t, HV, device=dev, dtype=torch.bfloat16)
+        b, a = (torch.randn(t, HV, device=dev, dtype=torch.bfloat16) for _ in range(2))
         gates = ("ab", b, a, a_log, dt_bias)
         reference = gated_delta_short(mixed, states[0], finals[0], shape, gates, out_dtype=torch.bfloat16)
         for block_v in (8, 16, 32):

@@ -1,7 +1,8 @@
-"""Gated DeltaNet kernels in Triton: the depthwise causal conv (any length) and the gated delta rule for short passes (decode, verification, a partial commit's replay) as one Triton kernel,
-the fast path beside `gated_delta_rule_reference` (blockspec.kernels.gdn).
+"""Gated DeltaNet kernels in Triton, the fast paths beside the references of blockspec.kernels.gdn: the depthwise
+causal conv (any length, window and output written by one launch) and the gated delta rule for short passes
+(decode, verification, a partial commit's replay).
 
-One launch does what the reference spreads over a dozen kernels: it reads the convolved projection `mixed` as is
+The recurrence kernel does what the reference spreads over a dozen kernels: it reads the convolved projection `mixed` as is
 (q and k L2-normalised in-kernel, q scaled, each key head shared by its value heads without a repeat), computes
 the gates g = -exp(A_log) * softplus(a + dt_bias) and beta = sigmoid(b) (or reads them back for a replay), runs
 the recurrence from the committed state and writes the final state straight into the given buffer (the pending
@@ -21,7 +22,8 @@ try:
 except ImportError:  # pragma: no cover - CPU-only installs use the reference
     triton = None
 
-BLOCK_V, NUM_WARPS = 16, 1  # bench/gdn_kernel.py on the H200: 4.56 / 10.88 us per 27B layer at 1 / 8 tokens (fla-core's 8, 1: 4.85 / 11.72)
+# bench/gdn_kernel.py on the H200: 4.56 / 10.88 us per 27B layer at 1 / 8 tokens (fla-core's 8, 1: 4.85 / 11.72)
+BLOCK_V, NUM_WARPS = 16, 1
 
 
 def available(x: torch.Tensor) -> bool:
@@ -47,7 +49,8 @@ def gated_delta_short(mixed, state_in, state_out, shape, gates, gates_out=None, 
     _gated_delta_kernel[(value_heads * triton.cdiv(value_dim, block_v),)](
         mixed, mixed.stride(0), b, a, b.stride(0), a_log, dt_bias, g_buf, beta_buf, state_in, state_out, out,
         key_dim ** -0.5, t, KEY_HEADS=key_heads, VALUE_HEADS=value_heads, K=key_dim, V=value_dim, BV=block_v,
-        BK=triton.next_power_of_2(key_dim), COMPUTE_GATES=gates[0] == "ab", SAVE_GATES=gates[0] == "ab" and gates_out is not None,
+        BK=triton.next_power_of_2(key_dim), COMPUTE_GATES=gates[0] == "ab",
+        SAVE_GATES=gates[0] == "ab" and gates_out is not None,
         num_warps=num_warps, num_stages=3)
     return out
 

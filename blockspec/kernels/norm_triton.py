@@ -46,7 +46,8 @@ def add_rms_norm_rows(x: torch.Tensor, delta: torch.Tensor | None, weight: torch
 
 def gated_rms_norm_rows(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """The DeltaNet output norm (plain-weight RMSNorm of each head's vector of x [T, H, D], times silu(gate)); gate
-    [T, H, D] may be strided (a slice of the packed projection). Rounding as the reference: the norm is rounded to x's dtype and multiplied by the weight in it."""
+    [T, H, D] may be strided (a slice of the packed projection). Rounding as the reference: the norm is rounded to
+    x's dtype and multiplied by the weight in it."""
     t, heads, width = x.shape
     xs = x.reshape(-1, width)
     out = torch.empty(xs.shape, device=x.device, dtype=x.dtype)
