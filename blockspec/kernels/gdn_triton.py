@@ -2,8 +2,8 @@
 causal conv (any length, window and output written by one launch) and the gated delta rule for short passes
 (decode, verification, a partial commit's replay).
 
-The recurrence kernel does what the reference spreads over a dozen kernels: it reads the convolved projection `mixed` as is
-(q and k L2-normalised in-kernel, q scaled, each key head shared by its value heads without a repeat), computes
+The recurrence kernel does in one launch what the reference spreads over a dozen: it reads the convolved
+projection `mixed` as is (q and k L2-normalised in-kernel, q scaled, each key head shared by its value heads without a repeat), computes
 the gates g = -exp(A_log) * softplus(a + dt_bias) and beta = sigmoid(b) (or reads them back for a replay), runs
 the recurrence from the committed state and writes the final state straight into the given buffer (the pending
 state of the pass, or the committed state itself when a partial commit replays n tokens: each program reads its
