@@ -3,11 +3,12 @@ causal conv (any length, window and output written by one launch) and the gated 
 (decode, verification, a partial commit's replay).
 
 The recurrence kernel does in one launch what the reference spreads over a dozen: it reads the convolved
-projection `mixed` as is (q and k L2-normalised in-kernel, q scaled, each key head shared by its value heads without a repeat), computes
-the gates g = -exp(A_log) * softplus(a + dt_bias) and beta = sigmoid(b) (or reads them back for a replay), runs
-the recurrence from the committed state and writes the final state straight into the given buffer (the pending
-state of the pass, or the committed state itself when a partial commit replays n tokens: each program reads its
-tile before writing it). Programs: (value head, slice of BV value channels), as fla-core's fused recurrent kernel.
+projection `mixed` as is (q and k L2-normalised in-kernel, q scaled, each key head shared by its value heads
+without a repeat), computes the gates g = -exp(A_log) * softplus(a + dt_bias) and beta = sigmoid(b) (or reads them
+back for a replay), runs the recurrence from the committed state and writes the final state straight into the
+given buffer (the pending state of the pass, or the committed state itself when a partial commit replays n
+tokens: each program reads its tile before writing it). Programs: (value head, slice of BV value channels), as
+fla-core's fused recurrent kernel.
 """
 
 from __future__ import annotations
