@@ -11,7 +11,8 @@ from blockspec.kernels import activation_triton, attention_inputs_triton, gdn_tr
 from blockspec.kernels.activation import sigmoid_mul_reference, silu_mul_reference
 from blockspec.kernels.attention import prepare_attention_inputs_reference
 from blockspec.kernels.gdn import causal_conv1d_reference
-from blockspec.kernels.norm import add_rms_norm_reference, gated_rms_norm_reference, rms_norm_reference
+from blockspec.kernels.norm import (add_rms_norm_reference, gated_rms_norm_reference, rms_norm_plain,
+                                    rms_norm_reference)
 from blockspec.kernels.rope import rope_tables
 
 NORM_CASES = [(1, 64), (3, 100), (8, 5120)]               # rows, width
@@ -27,8 +28,10 @@ def _norm_errors():
         summed, normed = norm_triton.add_rms_norm_rows(x, delta, w, 1e-6)
         ref_sum, ref_norm = add_rms_norm_reference(x, delta, w, 1e-6)
         alone = norm_triton.add_rms_norm_rows(x, None, w, 1e-6)
+        plain = norm_triton.add_rms_norm_rows(x, None, w, 1e-6, zero_centred=False)
         out.append(max(float((summed - ref_sum).abs().max()), float((normed - ref_norm).abs().max()),
-                       float((alone - rms_norm_reference(x, w, 1e-6)).abs().max())))
+                       float((alone - rms_norm_reference(x, w, 1e-6)).abs().max()),
+                       float((plain - rms_norm_plain(x, w, 1e-6)).abs().max())))
     return out
 
 

@@ -27,9 +27,11 @@ def available(x: torch.Tensor) -> bool:
             and (x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"))
 
 
-def add_rms_norm_rows(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float):
+def add_rms_norm_rows(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float,
+                      zero_centred: bool = True):
     """Zero-centred RMSNorm (y = x / rms(x) * (1 + w)) of each row of x [..., N], after x += delta when given.
-    Returns the norm, or (x + delta, the norm) with delta."""
+    Returns the norm, or (x + delta, the norm) with delta. zero_centred=False: the plain convention
+    (rms_norm_plain: the norm rounded to x's dtype, times w in that dtype), the drafter's."""
     width = x.shape[-1]
     rows = x.reshape(-1, width)
     summed = torch.empty_like(rows) if delta is not None else rows
@@ -38,7 +40,7 @@ def add_rms_norm_rows(x: torch.Tensor, delta: torch.Tensor | None, weight: torch
     _add_rms_norm_kernel[(rows.shape[0],)](
         rows, rows.stride(0), delta if delta is not None else rows, delta.reshape(-1, width).stride(0)
         if delta is not None else 0, weight, summed, normed, width, eps,
-        HAS_DELTA=delta is not None, BLOCK=block, num_warps=max(1, min(16, block // 512)))
+        HAS_DELTA=delta is not None, ZERO_CENTRED=zero_centred, BLOCK=block, num_warps=max(1, min(16, block // 512)))
     if delta is None:
         return normed.view(x.shape)
     return summed.view(x.shape), normed.view(x.shape)
@@ -74,7 +76,7 @@ if triton is not None:
 
     @triton.jit
     def _add_rms_norm_kernel(x, s_x, delta, s_delta, weight, summed, normed, N, eps,
-                             HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr):
+                             HAS_DELTA: tl.constexpr, ZERO_CENTRED: tl.constexpr, BLOCK: tl.constexpr):
         row = tl.program_id(0)
         cols = tl.arange(0, BLOCK)
         ok = cols < N
@@ -84,5 +86,10 @@ if triton is not None:
             tl.store(summed + row * N + cols, v, mask=ok)  # rounded to the stream's dtype, as the reference adds
         v = v.to(tl.float32)
         rstd = tl.rsqrt(tl.sum(v * v, 0) / N + eps)
-        w = tl.load(weight + cols, mask=ok, other=0.0).to(tl.float32)
-        tl.store(normed + row * N + cols, (v * rstd * (1.0 + w)).to(normed.dtype.element_ty), mask=ok)
+        dtype = normed.dtype.element_ty
+        w = tl.load(weight + cols, mask=ok, other=0.0)
+        if ZERO_CENTRED:
+            y = v * rstd * (1.0 + w.to(tl.float32))
+        else:
+            y = (v * rstd).to(dtype).to(tl.float32) * w.to(dtype).to(tl.float32)
+        tl.store(normed + row * N + cols, y.to(dtype), mask=ok)

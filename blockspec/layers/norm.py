@@ -3,7 +3,7 @@
 import torch
 from torch import nn
 
-from ..kernels.norm import add_rms_norm, rms_norm, rms_norm_plain_fused
+from ..kernels.norm import add_rms_norm, rms_norm, rms_norm_plain_fast
 
 
 class RMSNorm(nn.Module):
@@ -28,4 +28,4 @@ class PlainRMSNorm(RMSNorm):
     """Weight stored as is (y * w): the DFlash2 drafter's (Qwen3-style) norms."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm_plain_fused(x, self.weight, self.eps)
+        return rms_norm_plain_fast(x, self.weight, self.eps)
