@@ -168,23 +168,13 @@ def time_bf16(records, name, n, k, ms) -> None:
         print(f"  M={m:2d} bf16 F.linear {us:8.1f} us {records[-1]['pct']:5.1f}% of its {nb / 1e6:.0f} MB", flush=True)
 
 
-def _patch_interpreter():
-    """numpy >= 2 refuses int() of the interpreter's 1-element program-id arrays (as in tests/test_quant.py)."""
-    import triton.runtime.interpreter as interp
-
-    orig = interp._patch_lang_tensor
-
-    def patched(tensor, scope):
-        orig(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-    interp._patch_lang_tensor = patched
-
-
 def main() -> None:
     t0 = time.time()
     if DRY:
-        _patch_interpreter()
+        sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+        from helpers import patch_triton_interpreter  # numpy >= 2 vs the interpreter's program ids
+
+        patch_triton_interpreter()
     name = "cpu (interpreter dry run)" if DRY else torch.cuda.get_device_name(DEV)
     print(f"device {name}; torch {torch.__version__}", flush=True)
     checks, records = [], []
