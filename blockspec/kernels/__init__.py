@@ -1,9 +1,11 @@
-"""One function per op. Each file holds the plain PyTorch reference (CPU, float32, used by every CI test)
-and, beside it, the fast GPU path that replaces it when available.
+"""One function per op. Each file holds the plain PyTorch reference (CPU, float32, used by every CI test) and,
+beside it in `<op>_triton.py`, the fast GPU kernel that replaces it on CUDA (tested against the reference through
+Triton's CPU interpreter): attention, attention inputs, norms, DeltaNet conv and recurrence, gated activations.
 
-`fused` marks the elementwise-heavy ops (norms, gates, the DeltaNet input preparation): on CUDA with fusion
-enabled (compile_mode 0) they run through torch.compile, which turns each into one or two kernels; a decode step
-of a 64-layer model otherwise launches thousands of tiny kernels. The undecorated function stays the reference.
+`fused` marks the elementwise-heavy ops that have no kernel of their own (the drafter's dynamic convolution,
+masked attention, RoPE and selector walk; DeltaNet prefill input preparation): on CUDA with fusion enabled
+(compile_mode 0) they run through torch.compile, which turns each into one or a few kernels. The undecorated
+function stays the reference.
 """
 
 import functools
