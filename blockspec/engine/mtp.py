@@ -70,7 +70,7 @@ class MTPProposer(Proposer):
     def step(self, hidden: torch.Tensor, next_tokens: torch.Tensor, positions: torch.Tensor, visible: int | None):
         """Run MTP rows at `positions` on final-normed hidden states; returns (the rows' final-normed outputs [T, h],
         greedy draft of the last row as a 1-element tensor). Outputs feed the lm_head and, when chaining, the next
-        step. visible=None reads the whole cache under the causal mask (graph capture: the position is data)."""
+        step. visible=None passes the whole cache, the position being data (graph capture)."""
         embedded = self.model.embed(next_tokens)
         rope = self.model.rope(positions, embedded.dtype)
         x = self.head(embedded, hidden, self.caches, positions, rope, visible)

@@ -3,7 +3,8 @@
 Both expose the same three calls: verify(block) -> (out, greedy tokens), commit(n), discard(). A graph is captured
 for each pass length the mode uses (1 for plain decoding, k+1 for MTP, the block size for DFlash2) and for each
 commit(n) of it, once at load time while the state is empty; other lengths (the last cycles near max_tokens) run
-eagerly. The captured pass reads the whole KV cache under a causal mask, since the position is data.
+eagerly. The captured pass gets the whole KV cache with the position as data; the attention kernel reads only
+the filled part (blockspec.kernels.attention).
 """
 
 from __future__ import annotations

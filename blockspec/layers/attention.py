@@ -35,7 +35,7 @@ class GatedAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, cache: KVCache, positions: torch.Tensor, rope, visible: int | None):
         """visible: cache entries to attend over (eager: exactly the filled prefix); None under CUDA-graph capture,
-        where the position is data and the whole cache is read under the causal mask."""
+        where the position is data and the whole cache is passed (the fast kernels read only its filled part)."""
         t = x.shape[0]
         q, k, v = self.qkv_proj(x) if self.qkv_proj is not None else (self.q_proj(x), self.k_proj(x), self.v_proj(x))
         query, gate = q.view(t, self.heads, 2 * self.head_dim).chunk(2, dim=-1)
