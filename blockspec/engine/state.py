@@ -27,8 +27,9 @@ class DecodeState:
             for layer in model.layers
         ]
         self.gdn = [s for s in self.layers if not isinstance(s, KVCache)]
-        for s in self.gdn:
-            s.in_place = in_place
+        if in_place:
+            for s in self.gdn:
+                s.write_in_place()
         self.length = 0    # committed tokens
         self.pending = 0   # tokens of the pass awaiting commit/discard
 

@@ -35,6 +35,11 @@ class GDNState:
         self.pending_g = torch.zeros(max_partial, value_heads, **f32)
         self.pending_beta = torch.zeros_like(self.pending_g)
 
+    def write_in_place(self):
+        """Passes write their final state over the committed one (see DecodeState's `in_place`)."""
+        self.in_place = True
+        self.pending_recurrent = self.recurrent  # the separate buffer is never needed
+
     def reset(self):
         self.history.zero_()
         self.recurrent.zero_()
@@ -110,8 +115,7 @@ class GatedDeltaNet(nn.Module):
         window_buffer, mixed_buffer, gate_buffers = state.short_pass_buffers(t)
         mixed, window = causal_conv1d(qkv, state.history, self.conv1d.weight, window_buffer, mixed_buffer)
         gates = ("ab", b, a, self.A_log, self.dt_bias)
-        final = state.recurrent if state.in_place else state.pending_recurrent
-        out = gated_delta(mixed, gates, state.recurrent, final, state.shape, gate_buffers, x.dtype)
+        out = gated_delta(mixed, gates, state.recurrent, state.pending_recurrent, state.shape, gate_buffers, x.dtype)
         state.record(window)
         z = z.view(t, self.value_heads, self.value_dim)
         out = gated_rms_norm(out, z, self.norm.weight, self.eps)
