@@ -9,11 +9,20 @@ function stays the reference.
 """
 
 import functools
+import importlib.util
 import os
 
 import torch
 
+TRITON_INSTALLED = importlib.util.find_spec("triton") is not None
+
 FUSION = {"enabled": False}
+
+
+def triton_runs_on(x: torch.Tensor) -> bool:
+    """Whether the Triton kernels can take x: a CUDA tensor with triton installed, or any tensor under
+    TRITON_INTERPRET=1 (the CPU interpreter the tests use)."""
+    return TRITON_INSTALLED and (x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")
 
 
 def enable_fusion(enabled: bool = True):

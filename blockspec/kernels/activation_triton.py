@@ -4,9 +4,9 @@ Computed in float32, rounded once, as the compiled reference does."""
 
 from __future__ import annotations
 
-import os
-
 import torch
+
+from . import triton_runs_on
 
 try:
     import triton
@@ -28,12 +28,12 @@ def _rows(t: torch.Tensor):
 
 
 def available(*tensors: torch.Tensor) -> bool:
-    if triton is None or not (tensors[0].is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
-        return False
-    return all(_rows(t) is not None and t.shape == tensors[0].shape for t in tensors)
+    return triton_runs_on(tensors[0]) and all(_rows(t) is not None and t.shape == tensors[0].shape
+                                               for t in tensors)
 
 
 def gated(x: torch.Tensor, gate: torch.Tensor, activation: str) -> torch.Tensor:
+    """x * act(gate); the caller has checked `available(x, gate)`."""
     xs, gs = _rows(x), _rows(gate)
     out = torch.empty(x.shape, device=x.device, dtype=x.dtype)
     n = xs.shape[1]

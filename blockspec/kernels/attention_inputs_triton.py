@@ -8,9 +8,9 @@ Rounding as the reference: the normed vector is rounded to the activation dtype 
 
 from __future__ import annotations
 
-import os
-
 import torch
+
+from . import triton_runs_on
 
 try:
     import triton
@@ -21,8 +21,7 @@ except ImportError:  # pragma: no cover - CPU-only installs use the reference
 
 def available(query: torch.Tensor) -> bool:
     d = query.shape[-1]
-    return (triton is not None and d & (d - 1) == 0 and query.stride(-1) == 1
-            and (query.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"))
+    return triton_runs_on(query) and d & (d - 1) == 0 and query.stride(-1) == 1
 
 
 def prepare_attention_inputs(query, key, value, q_weight, k_weight, eps, cos, sin, positions, cache_k, cache_v):

@@ -14,9 +14,9 @@ second kernel merges the splits (splits past the filled length write lse = -inf 
 
 from __future__ import annotations
 
-import os
-
 import torch
+
+from . import triton_runs_on
 
 try:
     import triton
@@ -30,11 +30,9 @@ MAX_SPLITS = 64  # 4 KV heads x 64 splits fills an H200's 132 SMs twice over onc
 
 def available(q: torch.Tensor) -> bool:
     """CUDA fp16/bf16 (fp32 dots would run in TF32), or any dtype under the CPU interpreter (the tests)."""
-    if triton is None or q.shape[0] > MAX_QUERIES or q.shape[-1] & (q.shape[-1] - 1):
+    if not triton_runs_on(q) or q.shape[0] > MAX_QUERIES or q.shape[-1] & (q.shape[-1] - 1):
         return False
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        return True
-    return q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
+    return not q.is_cuda or q.dtype in (torch.float16, torch.bfloat16)
 
 
 def split_plan(capacity: int, block_n: int) -> tuple[int, int]:

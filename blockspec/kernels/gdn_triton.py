@@ -13,9 +13,9 @@ fla-core's fused recurrent kernel.
 
 from __future__ import annotations
 
-import os
-
 import torch
+
+from . import triton_runs_on
 
 try:
     import triton
@@ -28,7 +28,7 @@ BLOCK_V, NUM_WARPS = 16, 1
 
 
 def available(x: torch.Tensor) -> bool:
-    return triton is not None and (x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")
+    return triton_runs_on(x)
 
 
 def gated_delta_short(mixed, state_in, state_out, shape, gates, gates_out=None, out_dtype=None, block_v=None,

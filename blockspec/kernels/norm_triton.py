@@ -9,9 +9,9 @@ the activation dtype first (it is the new residual stream), the norm is computed
 
 from __future__ import annotations
 
-import os
-
 import torch
+
+from . import triton_runs_on
 
 try:
     import triton
@@ -23,8 +23,7 @@ MAX_WIDTH = 16384
 
 
 def available(x: torch.Tensor) -> bool:
-    return (triton is not None and x.shape[-1] <= MAX_WIDTH and x.stride(-1) == 1
-            and (x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"))
+    return triton_runs_on(x) and x.shape[-1] <= MAX_WIDTH and x.stride(-1) == 1
 
 
 def add_rms_norm_rows(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float,
