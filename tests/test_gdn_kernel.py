@@ -1,18 +1,27 @@
 """The short-pass gated delta rule kernel (kernels/gdn_triton.py) against the float32 reference, through the Triton
 interpreter in a subprocess: a pass computing (and storing) its gates, then a replay of the first n tokens from the
-stored gates, in place over the state, as a partial commit does."""
+stored gates, in place over the state, as a partial commit does; and the whole mixer in one launch (conv +
+recurrence + gated output norm, `short_pass`) against the reference chain."""
 
 import json
 
 import torch
 from helpers import patch_triton_interpreter, run_in_triton_interpreter
 
+from blockspec import kernels
 from blockspec.kernels import gdn
-from blockspec.kernels.gdn_triton import gated_delta_short
+from blockspec.kernels.gdn_triton import gated_delta_short, short_pass
+from blockspec.kernels.norm import gated_rms_norm_reference
 
 CASES = [  # (key heads, key dim, value heads, value dim, tokens, replayed)
     (2, 16, 4, 12, 1, 1), (2, 16, 4, 12, 8, 3), (1, 32, 3, 16, 5, 5), (4, 24, 8, 20, 16, 9),
 ]
+
+
+def _err(got, want) -> float:
+    """Largest absolute difference; infinite where got holds a NaN (an unwritten element of a NaN-filled buffer)."""
+    diff = (got - want).abs()
+    return float("inf") if bool(diff.isnan().any()) else float(diff.max())
 
 
 def reference(mixed, b, a, a_log, dt_bias, state, shape):
@@ -40,18 +49,51 @@ def _run_cases():  # executed in a subprocess with TRITON_INTERPRET=1
         replayed = state.clone()
         gated_delta_short(mixed[:n], replayed, replayed, shape, ("given", g_buf[:n], beta_buf[:n]))
         partial_ref = reference(mixed[:n], b[:n], a[:n], a_log, dt_bias, state, shape)[1]
-        results.append({"case": [hk, dk, hv, dv, t, n], "out": float((out - out_ref).abs().max()),
-                        "final": float((final - final_ref).abs().max()),
-                        "gates": float(max((g_buf - g_ref).abs().max(), (beta_buf - beta_ref).abs().max())),
-                        "replay": float((replayed - partial_ref).abs().max())})
-    print("RESULTS " + json.dumps(results))
+        results.append({"case": [hk, dk, hv, dv, t, n], "out": _err(out, out_ref),
+                        "final": _err(final, final_ref),
+                        "gates": max(_err(g_buf, g_ref), _err(beta_buf, beta_ref)),
+                        "replay": _err(replayed, partial_ref)})
+    print("RESULTS " + json.dumps({"recurrence": results, "mixer": _mixer_cases()}))
+
+
+def _mixer_cases():
+    results = []
+    for hk, dk, hv, dv, t, block_v in [(2, 16, 4, 12, 1, 4), (2, 16, 4, 12, 8, 8), (1, 32, 3, 16, 5, 16),
+                                       (4, 24, 8, 20, 16, 8)]:
+        gen = torch.Generator().manual_seed(t * 10 + hv)
+        shape, channels = (hk, dk, hv, dv), 2 * hk * dk + hv * dv
+        packed = torch.randn(t, channels + 2 * hv * dv + 3, generator=gen)  # the projection's slices: strided
+        x, z = packed[:, :channels], packed[:, channels:channels + hv * dv].view(t, hv, dv)
+        history, conv_w = torch.randn(3, channels, generator=gen), torch.randn(channels, 1, 4, generator=gen) * 0.5
+        ab = torch.randn(t, 2 * hv, generator=gen) * 3
+        gates = ("ab", ab[:, :hv], ab[:, hv:], torch.randn(hv, generator=gen), torch.randn(hv, generator=gen))
+        norm_w = torch.randn(dv, generator=gen) * 0.1 + 1
+        state = torch.randn(hv, dk, dv, generator=gen)
+        ref_mixed, ref_window = gdn.causal_conv1d_reference.reference(x, history, conv_w)
+        ref_out, ref_final, ref_g, ref_beta = reference(ref_mixed, *gates[1:], state, shape)
+        ref_out = gated_rms_norm_reference.reference(ref_out, z, norm_w, 1e-6)
+        in_place = state.clone()  # plain decoding's in-place pass: the state is read and written by one launch
+        window, mixed = torch.full_like(ref_window, float("nan")), torch.full_like(ref_mixed, float("nan"))
+        g_buf, beta_buf = torch.zeros(t, hv), torch.zeros(t, hv)
+        out, _ = short_pass(x, history, conv_w, gates, in_place, in_place, shape, z, norm_w, 1e-6, window, mixed,
+                            (g_buf, beta_buf), block_v=block_v)
+        results.append({"case": [hk, dk, hv, dv, t, block_v], "out": _err(out, ref_out),
+                        "final": _err(in_place, ref_final),
+                        "window": _err(window, ref_window),
+                        "mixed": _err(mixed, ref_mixed),
+                        "gates": max(_err(g_buf, ref_g), _err(beta_buf, ref_beta)),
+                        "counters_clean": int(kernels._COUNTERS[("cpu", None)].abs().sum()) == 0})
+    return results
 
 
 def test_short_pass_kernel_matches_reference_in_interpreter():
     results = run_in_triton_interpreter(__file__)
-    assert len(results) == len(CASES)
-    for r in results:
+    assert len(results["recurrence"]) == len(CASES)
+    for r in results["recurrence"]:
         assert max(r["out"], r["final"], r["gates"], r["replay"]) < 1e-4, r
+    assert len(results["mixer"]) == 4
+    for r in results["mixer"]:  # NaN-filled buffers: a channel the kernel forgets to write fails here
+        assert max(r["out"], r["final"], r["window"], r["mixed"], r["gates"]) < 1e-4 and r["counters_clean"], r
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ import pytest
 import torch
 from helpers import patch_triton_interpreter, run_in_triton_interpreter
 
+from blockspec import kernels
 from blockspec.errors import BlockspecError
 from blockspec.quant import int4, int8
 from blockspec.quant import w4a16_triton as wq
@@ -331,7 +332,7 @@ def _run_kernel_cases():  # executed in a subprocess with TRITON_INTERPRET=1
         scale = float(ref.abs().max())
         # bf16 output: the interpreter truncates fp32 -> bf16 (up to one ulp, 2**-7 relative; the GPU rounds)
         tol = (1e-5 if xdt == torch.float32 else 8e-3) * scale + 1e-5
-        counters = wq._COUNTERS.get(("cpu", None))
+        counters = kernels._COUNTERS.get(("cpu", None))
         results.append({"name": name, "err": err, "tol": tol, "same": bool(torch.equal(y, y2)),
                         "row0": bool(torch.equal(y[:1], row0)) or m > 16, "dtype": str(y.dtype),
                         "counters_clean": counters is None or int(counters.abs().sum()) == 0})

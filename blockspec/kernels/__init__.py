@@ -25,6 +25,19 @@ def triton_runs_on(x: torch.Tensor) -> bool:
     return TRITON_INSTALLED and (x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")
 
 
+_COUNTERS: dict = {}
+
+
+def arrival_counters(device: torch.device, count: int) -> torch.Tensor:
+    """Zeroed int32 counters on `device` for kernels whose last-arriving program finishes a tile (split-K sums, a
+    head's output norm); each such program resets its counter, so one buffer per device serves every launch on
+    one stream, graph replays included."""
+    key = (device.type, device.index)
+    if key not in _COUNTERS or _COUNTERS[key].numel() < count:
+        _COUNTERS[key] = torch.zeros(max(count, 1 << 16), dtype=torch.int32, device=device)
+    return _COUNTERS[key]
+
+
 def enable_fusion(enabled: bool = True):
     FUSION["enabled"] = enabled
     if enabled:

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from . import fused, gdn_triton
+from .norm import gated_rms_norm
 
 
 def causal_conv1d(x: torch.Tensor, history: torch.Tensor, weight: torch.Tensor,
@@ -79,6 +80,19 @@ def gated_delta(mixed, gates, state_in, state_out, shape, gates_out=None, out_dt
     out, final = gated_delta_rule(*deltanet_qkv(mixed, *shape), g, beta, state_in)
     state_out.copy_(final)
     return out.to(out_dtype or torch.float32)
+
+
+def deltanet_mixer(x, history, conv_weight, gates, state_in, state_out, shape, z, norm_weight, eps, window_out=None,
+                   mixed_out=None, gates_out=None):
+    """A DeltaNet layer between its input and output projections: causal conv of the projection x [T, C], the
+    recurrence (final state into state_out), the gated output norm with z [T, Hv, Dv]. Returns (out [T, Hv, Dv] in
+    x's dtype, conv window). Short passes on CUDA: one Triton kernel (gdn_triton.short_pass); else the three steps."""
+    if x.shape[0] <= SHORT_PASS and gdn_triton.available(x) and x.stride(-1) == 1 and z.stride(-1) == 1:
+        return gdn_triton.short_pass(x, history, conv_weight, gates, state_in, state_out, shape, z, norm_weight, eps,
+                                     window_out, mixed_out, gates_out)
+    mixed, window = causal_conv1d(x, history, conv_weight, window_out, mixed_out)
+    out = gated_delta(mixed, gates, state_in, state_out, shape, gates_out, x.dtype)
+    return gated_rms_norm(out, z, norm_weight, eps), window
 
 
 def gated_delta_rule(q, k, v, g, beta, state):

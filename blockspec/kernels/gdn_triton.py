@@ -9,13 +9,19 @@ back for a replay), runs the recurrence from the committed state and writes the 
 given buffer (the pending state of the pass, or the committed state itself when a partial commit replays n
 tokens: each program reads its tile before writing it). Programs: (value head, slice of BV value channels), as
 fla-core's fused recurrent kernel.
+
+`short_pass` is the whole DeltaNet mixer of a decode or verification pass in that one launch: it also runs the
+causal conv (each program convolves the q/k channels of its key head and its own v slice, from the history and
+the projection; the programs that own a channel write it to the window and conv-output buffers a partial commit
+replays from), and the gated output norm (the last program of a value head to finish, counted by an atomic,
+norms the head's whole output). That is 3 launches -> 1 per layer, 48 per 27B step.
 """
 
 from __future__ import annotations
 
 import torch
 
-from . import triton_runs_on
+from . import arrival_counters, triton_runs_on
 
 try:
     import triton
@@ -37,23 +43,49 @@ def gated_delta_short(mixed, state_in, state_out, shape, gates, gates_out=None, 
     (may be the same tensor); shape = (Hk, Dk, Hv, Dv); gates = ("ab", b, a, A_log, dt_bias) with b, a [T, Hv]
     (rows may be strided), or ("given", g, beta) [T, Hv] float32. With gates_out = (g, beta) buffers the computed
     gates are stored there (for a later replay). Returns out [T, Hv, Dv] (out_dtype, default float32)."""
+    out = torch.empty(mixed.shape[0], shape[2], shape[3], device=mixed.device, dtype=out_dtype or torch.float32)
+    _launch(mixed, state_in, state_out, shape, gates, gates_out, out, None, None, block_v, num_warps)
+    return out
+
+
+def short_pass(x, history, conv_weight, gates, state_in, state_out, shape, z, norm_weight, eps, window_out=None,
+               mixed_out=None, gates_out=None, block_v=None, num_warps=None):
+    """A DeltaNet layer's mixer over T tokens in one launch: conv + SiLU of the projection x [T, C] (rows may be
+    strided) from history [K-1, C] with conv_weight [C, 1, K], the recurrence as `gated_delta_short`, then the
+    gated output norm with z [T, Hv, Dv] (strided rows) and norm_weight [Dv]. Writes the window [K-1+T, C] and
+    the conv output [T, C] into the given buffers (or scratch), the gates into gates_out when given, the final
+    state into state_out. Returns (out [T, Hv, Dv] in x's dtype, window): the contract of the reference chain
+    causal_conv1d_reference -> gated_delta -> gated_rms_norm_reference."""
+    t, channels = x.shape
+    taps = conv_weight.shape[-1]
+    window = window_out if window_out is not None else x.new_empty(taps - 1 + t, channels)
+    mixed = mixed_out if mixed_out is not None else x.new_empty(t, channels)
+    out = torch.empty(t, shape[2], shape[3], device=x.device, dtype=x.dtype)
+    _launch(mixed, state_in, state_out, shape, gates, gates_out, out, (x, history, conv_weight, window),
+            (z, norm_weight, eps), block_v, num_warps)
+    return out, window
+
+
+def _launch(mixed, state_in, state_out, shape, gates, gates_out, out, conv, norm, block_v, num_warps):
     key_heads, key_dim, value_heads, value_dim = shape
-    t = mixed.shape[0]
-    out = torch.empty(t, value_heads, value_dim, device=mixed.device, dtype=out_dtype or torch.float32)
     if gates[0] == "ab":
         _, b, a, a_log, dt_bias = gates
         g_buf, beta_buf = gates_out if gates_out is not None else (out, out)  # unused unless SAVE_GATES
     else:
         _, g_buf, beta_buf = gates
         b = a = a_log = dt_bias = g_buf
+    x, history, conv_weight, window = conv if conv is not None else (mixed, mixed, mixed, mixed)
+    z, norm_weight, eps = norm if norm is not None else (out, out, 0.0)
     block_v, num_warps = block_v or BLOCK_V, num_warps or NUM_WARPS
+    counters = arrival_counters(out.device, value_heads) if norm is not None else out
     _gated_delta_kernel[(value_heads * triton.cdiv(value_dim, block_v),)](
         mixed, mixed.stride(0), b, a, b.stride(0), a_log, dt_bias, g_buf, beta_buf, state_in, state_out, out,
-        key_dim ** -0.5, t, KEY_HEADS=key_heads, VALUE_HEADS=value_heads, K=key_dim, V=value_dim, BV=block_v,
-        BK=triton.next_power_of_2(key_dim), COMPUTE_GATES=gates[0] == "ab",
-        SAVE_GATES=gates[0] == "ab" and gates_out is not None,
-        num_warps=num_warps, num_stages=3)
-    return out
+        key_dim ** -0.5, mixed.shape[0], x, x.stride(0), history, conv_weight, window, z, z.stride(0),
+        z.stride(1) if norm is not None else 0, norm_weight, eps, counters, KEY_HEADS=key_heads,
+        VALUE_HEADS=value_heads, K=key_dim, V=value_dim, BV=block_v, BK=triton.next_power_of_2(key_dim),
+        BVN=triton.next_power_of_2(value_dim), TAPS=conv_weight.shape[-1] if conv is not None else 1,
+        COMPUTE_GATES=gates[0] == "ab", SAVE_GATES=gates[0] == "ab" and gates_out is not None,
+        CONV=conv is not None, NORM=norm is not None, num_warps=num_warps, num_stages=3)
 
 
 def causal_conv1d(x, history, weight, window_out=None, mixed_out=None, block_c=512):
@@ -87,10 +119,34 @@ if triton is not None:
             tl.store(window + (K - 1 + t) * C + cols, tl.load(x + t * s_x + cols, mask=ok), mask=ok)
             tl.store(mixed + t * C + cols, (acc * tl.sigmoid(acc)).to(mixed.dtype.element_ty), mask=ok)
 
+    @triton.jit
+    def _conv_silu(x, s_x, history, conv_w, window, mixed, t, cols, ok, C, TAPS: tl.constexpr, OWNER):
+        """Conv + SiLU output of token t for channels `cols`, rounded to the activation dtype as the reference
+        stores it, returned in float32; the channels' owner also writes the window (history rows with token 0)
+        and the conv output."""
+        acc = tl.zeros(cols.shape, tl.float32)
+        for j in tl.static_range(TAPS):
+            row = t + j  # window row: history row `row` while row < TAPS-1, else input row row - (TAPS-1)
+            from_history = tl.load(history + row * C + cols, mask=ok & (row < TAPS - 1), other=0.0)
+            from_input = tl.load(x + (row - (TAPS - 1)) * s_x + cols, mask=ok & (row >= TAPS - 1), other=0.0)
+            acc += (from_history + from_input).to(tl.float32) * tl.load(conv_w + cols * TAPS + j, mask=ok).to(
+                tl.float32)
+        y = (acc * tl.sigmoid(acc)).to(mixed.dtype.element_ty)
+        write = ok & OWNER
+        if t == 0:
+            for r in tl.static_range(TAPS - 1):
+                tl.store(window + r * C + cols, tl.load(history + r * C + cols, mask=write), mask=write)
+        tl.store(window + (TAPS - 1 + t) * C + cols, tl.load(x + t * s_x + cols, mask=write), mask=write)
+        tl.store(mixed + t * C + cols, y, mask=write)
+        return y.to(tl.float32)
+
     @triton.jit(do_not_specialize=["T"])
     def _gated_delta_kernel(mixed, s_mixed, b, a, s_ab, a_log, dt_bias, g_buf, beta_buf, h0, ht, out, scale, T,
+                            x, s_x, history, conv_w, window, z, s_z_t, s_z_h, norm_w, eps, counters,
                             KEY_HEADS: tl.constexpr, VALUE_HEADS: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                            BV: tl.constexpr, BK: tl.constexpr, COMPUTE_GATES: tl.constexpr, SAVE_GATES: tl.constexpr):
+                            BV: tl.constexpr, BK: tl.constexpr, BVN: tl.constexpr, TAPS: tl.constexpr,
+                            COMPUTE_GATES: tl.constexpr, SAVE_GATES: tl.constexpr, CONV: tl.constexpr,
+                            NORM: tl.constexpr):
         pid = tl.program_id(0)
         slices = tl.cdiv(V, BV)
         i_v = pid % slices
@@ -105,17 +161,26 @@ if triton is not None:
         if COMPUTE_GATES:
             decay_rate = -tl.exp(tl.load(a_log + hv).to(tl.float32))
             bias = tl.load(dt_bias + hv).to(tl.float32)
+        qk_owner = (hv % (VALUE_HEADS // KEY_HEADS) == 0) & (i_v == 0)  # one program per key head writes q, k
+        C = 2 * KEY_HEADS * K + VALUE_HEADS * V
         for t in range(T):
-            row = mixed + t * s_mixed
-            q = tl.load(row + hk * K + ks, mask=k_ok, other=0.0).to(tl.float32)
-            k = tl.load(row + (KEY_HEADS + hk) * K + ks, mask=k_ok, other=0.0).to(tl.float32)
-            v = tl.load(row + 2 * KEY_HEADS * K + hv * V + vs, mask=v_ok, other=0.0).to(tl.float32)
+            if CONV:
+                q = _conv_silu(x, s_x, history, conv_w, window, mixed, t, hk * K + ks, k_ok, C, TAPS, qk_owner)
+                k = _conv_silu(x, s_x, history, conv_w, window, mixed, t, (KEY_HEADS + hk) * K + ks, k_ok, C, TAPS,
+                               qk_owner)
+                v = _conv_silu(x, s_x, history, conv_w, window, mixed, t, 2 * KEY_HEADS * K + hv * V + vs, v_ok, C,
+                               TAPS, True)
+            else:
+                row = mixed + t * s_mixed
+                q = tl.load(row + hk * K + ks, mask=k_ok, other=0.0).to(tl.float32)
+                k = tl.load(row + (KEY_HEADS + hk) * K + ks, mask=k_ok, other=0.0).to(tl.float32)
+                v = tl.load(row + 2 * KEY_HEADS * K + hv * V + vs, mask=v_ok, other=0.0).to(tl.float32)
             q = q * tl.rsqrt(tl.sum(q * q) + 1e-6) * scale
             k = k * tl.rsqrt(tl.sum(k * k) + 1e-6)
             if COMPUTE_GATES:
                 beta = tl.sigmoid(tl.load(b + t * s_ab + hv).to(tl.float32))
-                x = tl.load(a + t * s_ab + hv).to(tl.float32) + bias
-                g = decay_rate * tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(x)))  # F.softplus, threshold 20
+                a_t = tl.load(a + t * s_ab + hv).to(tl.float32) + bias
+                g = decay_rate * tl.where(a_t > 20.0, a_t, tl.log(1.0 + tl.exp(a_t)))  # F.softplus, threshold 20
                 if SAVE_GATES:
                     tl.store(g_buf + t * VALUE_HEADS + hv, g, mask=i_v == 0)
                     tl.store(beta_buf + t * VALUE_HEADS + hv, beta, mask=i_v == 0)
@@ -128,3 +193,18 @@ if triton is not None:
             o = tl.sum(state * q[:, None], 0)
             tl.store(out + (t * VALUE_HEADS + hv) * V + vs, o.to(out.dtype.element_ty), mask=v_ok)
         tl.store(ht + tile, state, mask=tile_ok)
+        if NORM:  # the head's last program to finish norms its whole output (the other slices read back via L2)
+            tl.debug_barrier()
+            if tl.atomic_add(counters + hv, 1, sem="acq_rel") == slices - 1:
+                cols = tl.arange(0, BVN)
+                ok = cols < V
+                dtype = out.dtype.element_ty
+                weight = tl.load(norm_w + cols, mask=ok, other=0.0).to(dtype)
+                for t in range(T):
+                    o = tl.load(out + (t * VALUE_HEADS + hv) * V + cols, mask=ok, other=0.0, cache_modifier=".cg")
+                    o = o.to(tl.float32)
+                    normed = (o * tl.rsqrt(tl.sum(o * o, 0) / V + eps)).to(dtype)
+                    gate = tl.load(z + t * s_z_t + hv * s_z_h + cols, mask=ok, other=0.0).to(tl.float32)
+                    y = (normed * weight).to(tl.float32) * gate * tl.sigmoid(gate)
+                    tl.store(out + (t * VALUE_HEADS + hv) * V + cols, y.to(dtype), mask=ok)
+                tl.atomic_xchg(counters + hv, 0)  # clean for the next launch / graph replay

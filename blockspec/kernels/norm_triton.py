@@ -26,8 +26,12 @@ def available(x: torch.Tensor) -> bool:
     return triton_runs_on(x) and x.shape[-1] <= MAX_WIDTH and x.stride(-1) == 1
 
 
+def norm_warps(block: int) -> int:
+    return max(1, min(16, block // 512))
+
+
 def add_rms_norm_rows(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float,
-                      zero_centred: bool = True):
+                      zero_centred: bool = True, num_warps: int | None = None):
     """Zero-centred RMSNorm (y = x / rms(x) * (1 + w)) of each row of x [..., N], after x += delta when given.
     Returns the norm, or (x + delta, the norm) with delta. zero_centred=False: the plain convention
     (rms_norm_plain: the norm rounded to x's dtype, times w in that dtype), the drafter's."""
@@ -39,7 +43,7 @@ def add_rms_norm_rows(x: torch.Tensor, delta: torch.Tensor | None, weight: torch
     _add_rms_norm_kernel[(rows.shape[0],)](
         rows, rows.stride(0), delta if delta is not None else rows, delta.reshape(-1, width).stride(0)
         if delta is not None else 0, weight, summed, normed, width, eps,
-        HAS_DELTA=delta is not None, ZERO_CENTRED=zero_centred, BLOCK=block, num_warps=max(1, min(16, block // 512)))
+        HAS_DELTA=delta is not None, ZERO_CENTRED=zero_centred, BLOCK=block, num_warps=num_warps or norm_warps(block))
     if delta is None:
         return normed.view(x.shape)
     return summed.view(x.shape), normed.view(x.shape)

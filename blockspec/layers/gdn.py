@@ -9,8 +9,7 @@ recurrence over n tokens, never a second target pass.
 import torch
 from torch import nn
 
-from ..kernels.gdn import causal_conv1d, gated_delta
-from ..kernels.norm import gated_rms_norm
+from ..kernels.gdn import deltanet_mixer, gated_delta
 
 
 class GDNState:
@@ -113,10 +112,10 @@ class GatedDeltaNet(nn.Module):
         qkv, z, b, a = self.in_proj(x) if self.in_proj is not None else (
             self.in_proj_qkv(x), self.in_proj_z(x), self.in_proj_b(x), self.in_proj_a(x))
         window_buffer, mixed_buffer, gate_buffers = state.short_pass_buffers(t)
-        mixed, window = causal_conv1d(qkv, state.history, self.conv1d.weight, window_buffer, mixed_buffer)
         gates = ("ab", b, a, self.A_log, self.dt_bias)
-        out = gated_delta(mixed, gates, state.recurrent, state.pending_recurrent, state.shape, gate_buffers, x.dtype)
-        state.record(window)
         z = z.view(t, self.value_heads, self.value_dim)
-        out = gated_rms_norm(out, z, self.norm.weight, self.eps)
+        out, window = deltanet_mixer(qkv, state.history, self.conv1d.weight, gates, state.recurrent,
+                                     state.pending_recurrent, state.shape, z, self.norm.weight, self.eps,
+                                     window_buffer, mixed_buffer, gate_buffers)
+        state.record(window)
         return self.out_proj(out.reshape(t, -1))

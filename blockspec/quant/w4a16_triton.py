@@ -69,6 +69,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ..kernels import arrival_counters
+
 try:  # triton is optional: CPU-only installs use the plain PyTorch reference paths
     import triton
     import triton.language as tl
@@ -363,16 +365,6 @@ def split_k(cfg: KernelConfig, n: int, nblk: int, sms: int = 132) -> tuple[int, 
     return -(-nblk // bps), bps
 
 
-_COUNTERS: dict = {}
-
-
-def _counters(device: torch.device, tiles: int) -> torch.Tensor:
-    key = (device.type, device.index)
-    if key not in _COUNTERS or _COUNTERS[key].numel() < tiles:
-        _COUNTERS[key] = torch.zeros(max(tiles, 1 << 16), dtype=torch.int32, device=device)
-    return _COUNTERS[key]
-
-
 def _launch(x2: torch.Tensor, pw: PackedWeight, cfg: KernelConfig, out: torch.Tensor) -> None:
     m, cuda = x2.shape[0], x2.device.type == "cuda"
     if not kernels_available(x2.device):
@@ -385,7 +377,7 @@ def _launch(x2: torch.Tensor, pw: PackedWeight, cfg: KernelConfig, out: torch.Te
     split, bps = split_k(cfg, pw.n, nblk, _sm_count(x2.device))
     n_tiles = -(-pw.n // cfg.block_n)
     ws = torch.empty(split * m * pw.n if split > 1 else 1, dtype=torch.float32, device=x2.device)
-    cnt = _counters(x2.device, n_tiles)
+    cnt = arrival_counters(x2.device, n_tiles)
     fp16 = x2.dtype == torch.float16
     unpack = [unpack_asm(pw.bits, i, fp16) if i < 16 // pw.bits else "" for i in range(4)]
     args = (x2, pw.q, pw.s, pw.s if pw.z is None else pw.z, out, ws, cnt, m, pw.n, pw.k, pw.q.shape[1], nblk, bps,

@@ -1,0 +1,66 @@
+"""Few-row bf16 matmuls on the 27B's projection shapes: cuBLAS (F.linear) against the Triton kernel of
+blockspec/kernels/linear_triton.py for a sweep of configs, at 1 and 8 rows. Weight copies > 400 MB in one CUDA
+graph (no L2 reuse), median of replays; GB/s of weight bytes. Usage (GPU): python bench/linear_kernels.py
+[--quick]; JSON to $OUT/linear_kernels.json.
+"""
+
+import itertools
+import json
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+from timing import replay_ms  # bench/timing.py, beside this script
+
+from blockspec.kernels.linear_triton import LinearConfig, linear_rows
+
+SHAPES = {"mlp down": (5120, 17408), "gdn out / attn o": (5120, 6144), "mlp gate_up": (34816, 5120),
+          "gdn in (packed)": (16480, 5120), "attn qkv (packed)": (14336, 5120)}
+
+
+def configs(m, quick):
+    blocks_n = (16, 32, 64) if not quick else (32,)
+    for bn, bk, waves, stages in itertools.product(blocks_n, (128, 256), (1, 2, 4), (3, 5)):
+        yield LinearConfig(bn, bk, True, 4, stages, waves)
+        if m == 1:
+            yield LinearConfig(bn, bk, False, 4, stages, waves)
+
+
+def main(quick=False):
+    dev = torch.device("cuda")
+    results = {}
+    for name, (n, k) in SHAPES.items():
+        nbytes = n * k * 2
+        copies = max(2, -(-400_000_000 // nbytes))
+        weights = [torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
+        for m in (1, 8):
+            x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+            ref = F.linear(x, weights[0]).float()
+            base = replay_ms(lambda: [F.linear(x, w) for w in weights]) * 1e3 / copies
+            row = {"cublas_us": round(base, 2), "cublas_gb_s": round(nbytes / base / 1e3)}
+            best = None
+            for cfg in configs(m, quick):
+                try:
+                    err = (linear_rows(x, weights[0], cfg).float() - ref).abs().max().item()
+                    us = replay_ms(lambda c=cfg: [linear_rows(x, w, c) for w in weights]) * 1e3 / copies
+                except Exception as e:  # a config the compiler refuses (shared memory, tile shape)
+                    print(f"  {name} M={m} {cfg.short()}: {type(e).__name__}", flush=True)
+                    continue
+                if best is None or us < best[0]:
+                    best = (us, cfg, err)
+            if best:
+                row.update(triton_us=round(best[0], 2), triton_gb_s=round(nbytes / best[0] / 1e3),
+                           config=best[1].short(), max_err=best[2])
+            results[f"{name} M={m}"] = row
+            print(f"{name:18s} M={m}  cuBLAS {base:7.2f} us {nbytes / base / 1e3:6.0f} GB/s   "
+                  f"triton {row.get('triton_us', 0):7.2f} us {row.get('triton_gb_s', 0):6.0f} GB/s "
+                  f"[{row.get('config')}] err {row.get('max_err', 0):.1e}", flush=True)
+        del weights
+    with open(os.path.join(os.environ.get("OUT", "."), "linear_kernels.json"), "w") as f:
+        json.dump(results, f, indent=2)
+
+
+if __name__ == "__main__":
+    with torch.no_grad():
+        main("--quick" in sys.argv)
