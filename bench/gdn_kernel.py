@@ -2,12 +2,14 @@
 heads, 128 x 128 state per head, bf16 activations), microseconds per layer at 1 and 8 tokens (48 layers back to back
 in one CUDA graph, median of replays):
   - the recurrence alone for each (BLOCK_V, num_warps), against the state's bytes (read + write);
-  - the layer's mixer as three launches (conv, recurrence, gated norm) against one (`short_pass`) per config.
-Usage (GPU): python bench/gdn_kernel.py; JSON to $OUT/gdn_kernel.json.
+  - the layer's mixer as three launches (conv, recurrence, gated norm) against one (`short_pass`) per config;
+  - the conv kernel alone for each channel block (BLOCK_C) and num_warps.
+Usage (GPU): python bench/gdn_kernel.py [--parts recurrence,mixer,conv]; JSON to $OUT/gdn_kernel.json.
 """
 
 import json
 import os
+import sys
 
 import torch
 from timing import replay_ms  # bench/timing.py, beside this script
@@ -19,7 +21,7 @@ HK, DK, HV, DV, LAYERS, TAPS = 16, 128, 48, 128, 48, 4
 CHANNELS = 2 * HK * DK + HV * DV
 
 
-def main():
+def main(parts):
     dev, bf16 = torch.device("cuda"), torch.bfloat16
     shape = (HK, DK, HV, DV)
     states = [torch.randn(HV, DK, DV, device=dev) * 0.01 for _ in range(LAYERS)]
@@ -44,7 +46,14 @@ def main():
         mixeds = [torch.empty(t, CHANNELS, device=dev, dtype=bf16) for _ in range(LAYERS)]
         mixed = causal_conv1d(x, histories[0], conv_w)[0]
         reference = gated_delta_short(mixed, states[0], finals[0], shape, gates, out_dtype=bf16)
-        for block_v in (8, 16, 32):
+        for block_c in (64, 128, 256, 512) if "conv" in parts else ():
+            for warps in (1, 2, 4):
+                def conv(bc=block_c, w=warps):
+                    return [causal_conv1d(x, histories[i], conv_w, windows[i], mixeds[i], bc, w)[0]
+                            for i in range(LAYERS)]
+                err = (conv()[0].float() - mixed.float()).abs().max().item()
+                report(f"T={t} conv BLOCK_C={block_c} warps={warps}", replay_ms(conv) * 1e3 / LAYERS, err)
+        for block_v in (8, 16, 32) if "recurrence" in parts else ():
             for warps in (1, 2, 4):
                 def run(bv=block_v, w=warps):
                     return [gated_delta_short(mixed, s, f, shape, gates, out_dtype=bf16, block_v=bv, num_warps=w)
@@ -61,6 +70,8 @@ def main():
                 o = gated_delta_short(m, states[i], finals[i], shape, gates, out_dtype=bf16)
                 outs.append(gated_rms_norm_rows(o, z, norm_w, 1e-6))
             return outs
+        if "mixer" not in parts:
+            continue
         mixer_ref = three()[0].float()
         report(f"T={t} mixer, three launches", replay_ms(three) * 1e3 / LAYERS, 0.0)
         for block_v in (8, 16, 32):
@@ -76,4 +87,4 @@ def main():
 
 if __name__ == "__main__":
     with torch.no_grad():
-        main()
+        main(sys.argv[sys.argv.index("--parts") + 1] if "--parts" in sys.argv else "recurrence,mixer,conv")

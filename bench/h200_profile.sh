@@ -22,7 +22,7 @@ fi
 (cd bench && timeout ${GDN_S:-60} python3 gdn_kernel.py > "$OUT/gdn_kernel.txt" 2>&1); tail -40 "$OUT/gdn_kernel.txt"
 (cd bench && timeout ${NORM_S:-40} python3 norm_kernel.py > "$OUT/norm_kernel.txt" 2>&1); tail -10 "$OUT/norm_kernel.txt"
 if [ -z "${SKIP_LINEAR:-}" ]; then
-  (cd bench && timeout ${LINEAR_S:-150} python3 linear_kernels.py > "$OUT/linear_kernels.txt" 2>&1); grep -v "^  " "$OUT/linear_kernels.txt"
+  (cd bench && timeout ${LINEAR_S:-150} python3 linear_kernels.py ${LINEAR_ARGS:-} > "$OUT/linear_kernels.txt" 2>&1); grep -v "^  " "$OUT/linear_kernels.txt"
 fi
 [ -n "${SKIP_PROFILE:-}" ] && exit 0
 timeout ${PROFILE_S:-200} python3 bench/profile_cycle.py --variants ${VARIANTS:-packed} > "$OUT/profile_cycle.txt" 2>&1

@@ -173,3 +173,40 @@ def test_small_kernels_bf16_on_gpu():
         gu = torch.randn(t, 2 * 17408, **bf)
         ref = silu_mul_reference(gu[:, :17408], gu[:, 17408:])
         assert close(activation_triton.gated(gu[:, 17408:], gu[:, :17408], "silu"), ref)
+
+
+@pytest.mark.parametrize("rows", [1, 8])
+def test_dense_linear_kernel_bf16_on_gpu(rows):
+    """The few-row Triton matmul at the 27B shapes it serves (kernels.linear's dispatch), against cuBLAS; and the
+    DeltaNet mixer in one launch against its three launches."""
+    from blockspec.kernels import linear_triton
+    from blockspec.kernels.activation import silu_mul
+    from blockspec.kernels.gdn_triton import causal_conv1d, gated_delta_short, short_pass
+    from blockspec.kernels.linear import linear, silu_mul_linear
+    from blockspec.kernels.norm_triton import gated_rms_norm_rows
+
+    torch.manual_seed(rows)
+    bf = dict(device="cuda", dtype=torch.bfloat16)
+    for n, k in [(5120, 17408), (34816, 5120), (16480, 5120)]:
+        assert linear_triton.default_config(rows, n, k) is not None
+        x, w = torch.randn(rows, k, **bf), torch.randn(n, k, **bf) * k ** -0.5
+        ref = torch.nn.functional.linear(x, w).float()
+        assert (linear(x, w).float() - ref).abs().max() <= 0.02 * ref.abs().max()
+    gate_up = torch.randn(rows, 2 * 17408, **bf)
+    gate, up = gate_up[:, :17408], gate_up[:, 17408:]
+    ref = torch.nn.functional.linear(silu_mul(gate, up), w_down := torch.randn(5120, 17408, **bf) * 0.01).float()
+    assert (silu_mul_linear(gate, up, w_down).float() - ref).abs().max() <= 0.02 * ref.abs().max()
+    shape, channels = (16, 128, 48, 128), 10240
+    proj = torch.randn(1, channels + 6144, **bf)
+    x, z = proj[:, :channels], proj[:, channels:].view(1, 48, 128)
+    hist, cw, nw = torch.randn(3, channels, **bf), torch.randn(channels, 1, 4, **bf) * 0.3, torch.randn(128, **bf)
+    gates = ("ab", torch.randn(1, 48, **bf), torch.randn(1, 48, **bf), torch.randn(48, device="cuda"),
+             torch.randn(48, device="cuda"))
+    state = torch.randn(48, 128, 128, device="cuda") * 0.01
+    final_one, final_three = torch.empty_like(state), torch.empty_like(state)
+    one, window = short_pass(x, hist, cw, gates, state, final_one, shape, z, nw, 1e-6)
+    mixed, window3 = causal_conv1d(x, hist, cw)
+    three = gated_rms_norm_rows(gated_delta_short(mixed, state, final_three, shape, gates, out_dtype=torch.bfloat16),
+                                z, nw, 1e-6)
+    assert torch.equal(window, window3) and (one.float() - three.float()).abs().max() <= 0.02 * three.abs().max()
+    assert (final_one - final_three).abs().max() <= 1e-5

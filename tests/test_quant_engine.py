@@ -67,7 +67,7 @@ def pair(planted, tmp_path_factory):
 def test_int4_target_close_to_dense(planted):
     dense, quant = load(planted), load(planted, target_quantization="int4")
     dense_modules = dict(dense.model.named_modules())
-    projections = [n for n, m in dense_modules.items() if type(m) is nn.Linear and n.startswith("layers.")]
+    projections = [n for n, m in dense_modules.items() if isinstance(m, nn.Linear) and n.startswith("layers.")]
     swapped = {n: m for n, m in quant.model.named_modules() if isinstance(m, Int4Linear)}
     assert sorted(swapped) == sorted(projections) and len(projections) == 3 * 8 + 7  # 3 DeltaNet + 1 attention layers
     # every weight within half a step of its group's scale: the RTN error bound; eps = worst relative error

@@ -67,6 +67,9 @@ def deltanet_qkv(mixed, key_heads: int, key_dim: int, value_heads: int, value_di
 
 
 SHORT_PASS = 64  # up to this many tokens the recurrence runs token by token in one kernel (gdn_triton.py)
+# The whole mixer in one launch pays for one token only (H200, bench/gdn_kernel.py, us per 27B layer: 1 token 9.2 ->
+# 8.1; 8 tokens 19.4 -> 23.6, every program convolving its key head's q/k channels token after token)
+FUSED_MIXER_TOKENS = 1
 
 
 def gated_delta(mixed, gates, state_in, state_out, shape, gates_out=None, out_dtype=None):
@@ -86,8 +89,8 @@ def deltanet_mixer(x, history, conv_weight, gates, state_in, state_out, shape, z
                    mixed_out=None, gates_out=None):
     """A DeltaNet layer between its input and output projections: causal conv of the projection x [T, C], the
     recurrence (final state into state_out), the gated output norm with z [T, Hv, Dv]. Returns (out [T, Hv, Dv] in
-    x's dtype, conv window). Short passes on CUDA: one Triton kernel (gdn_triton.short_pass); else the three steps."""
-    if x.shape[0] <= SHORT_PASS and gdn_triton.available(x) and x.stride(-1) == 1 and z.stride(-1) == 1:
+    x's dtype, conv window). One token on CUDA: one Triton kernel (gdn_triton.short_pass); else the three steps."""
+    if x.shape[0] <= FUSED_MIXER_TOKENS and gdn_triton.available(x) and x.stride(-1) == 1 and z.stride(-1) == 1:
         return gdn_triton.short_pass(x, history, conv_weight, gates, state_in, state_out, shape, z, norm_weight, eps,
                                      window_out, mixed_out, gates_out)
     mixed, window = causal_conv1d(x, history, conv_weight, window_out, mixed_out)

@@ -31,6 +31,7 @@ except ImportError:  # pragma: no cover - CPU-only installs use the reference
 
 # bench/gdn_kernel.py on the H200: 4.56 / 10.88 us per 27B layer at 1 / 8 tokens (fla-core's 8, 1: 4.85 / 11.72)
 BLOCK_V, NUM_WARPS = 16, 1
+CONV_BLOCK_C = 512
 
 
 def available(x: torch.Tensor) -> bool:
@@ -88,7 +89,7 @@ def _launch(mixed, state_in, state_out, shape, gates, gates_out, out, conv, norm
         CONV=conv is not None, NORM=norm is not None, num_warps=num_warps, num_stages=3)
 
 
-def causal_conv1d(x, history, weight, window_out=None, mixed_out=None, block_c=512):
+def causal_conv1d(x, history, weight, window_out=None, mixed_out=None, block_c=None, num_warps=4):
     """Depthwise causal conv + SiLU (the contract of blockspec.kernels.gdn.causal_conv1d_reference) in one launch:
     x [T, C] (rows may be strided), history [K-1, C], weight [C, 1, K]; writes the window [K-1+T, C] (history then
     x) and the output [T, C] into the given buffers (or new ones). Accumulates in float32, rounds once."""
@@ -96,8 +97,9 @@ def causal_conv1d(x, history, weight, window_out=None, mixed_out=None, block_c=5
     taps = weight.shape[-1]
     window = window_out if window_out is not None else x.new_empty(taps - 1 + t, channels)
     mixed = mixed_out if mixed_out is not None else x.new_empty(t, channels)
+    block_c = block_c or CONV_BLOCK_C
     _causal_conv1d_kernel[(triton.cdiv(channels, block_c),)](
-        x, x.stride(0), history, weight, window, mixed, t, channels, K=taps, BLOCK_C=block_c, num_warps=4)
+        x, x.stride(0), history, weight, window, mixed, t, channels, K=taps, BLOCK_C=block_c, num_warps=num_warps)
     return mixed, window
 
 

@@ -1,15 +1,23 @@
-"""Dense (bf16 / fp16) matmul for few activation rows in Triton: y[M, N] = x[M, K] @ w[N, K]^T, M <= 16.
+"""Dense (bf16 / fp16) matmul for few activation rows in Triton: y[M, N] = x[M, K] @ w[N, K]^T, M <= 8; F.linear
+(cuBLAS) stays the reference and serves every other shape.
 
-Why, beside cuBLAS (F.linear stays the reference and the default): for the 27B's projections onto the 5120-wide
-stream (MLP down 17408 -> 5120, DeltaNet out and attention o 6144 -> 5120) cuBLAS picks split-K kernels that add a
-memset and a reduction launch per call, or runs at ~3.5 TB/s; with 64 such calls per step that is ~0.3-0.4 ms.
-Here split-K partial sums are added by the last program to finish a tile (blockspec.quant.w4a16_triton's
-`_finish`): one launch, no memset. Programs: (BN output rows, a range of BK-wide input blocks); M <= 8 uses an
-8-row MMA tile (mma.sync), or for one row a CUDA-core dot (DOT=False).
+Why, beside cuBLAS: for the MLP's down projection (17408 -> 5120 on the 27B) cuBLAS picks a split-K kernel plus a
+memset and a reduction launch, ~51 us per call where the weight alone streams in ~44 us. Here split-K partial sums
+are added by the last program to finish a tile (`split_k_finish`, shared with the W4A16 kernel): one launch, no
+memset. Programs: (BN output rows, a range of BK-wide input blocks); up to 8 rows an 8-row MMA tile (mma.sync), or
+for one row a CUDA-core dot (dot=False).
+
+`default_config` holds the H200 measurements of bench/linear_kernels.py (bf16, weight copies > 400 MB in a CUDA
+graph; us per call, cuBLAS -> this kernel):
+  down   5120 x 17408  M=1 50.9 -> 45.3 (n16 k256 fma s5),   M=8 52.6 -> 46.8 (n64 k128 dot s3, split-K)
+  gate_up 34816 x 5120 M=1 88.0 -> 85.4, M=8 88.3 -> 85.8 (n64 k256 dot s3, no split)
+  gdn in 16480 x 5120  M=1 44.2 -> 42.2, M=8 45.7 -> 42.9 (the same)
+  attention qkv 14336 x 5120 and o / gdn out 5120 x 6144: cuBLAS as fast or faster (kept).
 """
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 
@@ -20,8 +28,6 @@ from . import arrival_counters, triton_runs_on
 try:
     import triton
     import triton.language as tl
-
-    from ..quant.w4a16_triton import _finish
 except ImportError:  # pragma: no cover - CPU-only installs use F.linear
     triton = None
 
@@ -40,23 +46,39 @@ class LinearConfig:
         return f"n{self.block_n} k{self.block_k} {kind} w{self.warps} s{self.stages} wv{self.waves}"
 
 
+def default_config(m: int, n: int, k: int) -> LinearConfig | None:
+    """The measured winners (module docstring); None where cuBLAS is as fast, or where nothing was measured (more
+    than 8 rows, the vocabulary head)."""
+    if m > 8 or n > 65536:
+        return None
+    if n >= 16384:  # wide outputs: enough tiles without splitting K
+        return LinearConfig(64, 256, True, 4, 3, 1)
+    if k >= 12288:  # long inputs onto a narrow output: one row as CUDA-core dots (no split), more rows split K
+        return LinearConfig(16, 256, False, 4, 5, 2) if m == 1 else LinearConfig(64, 128, True, 4, 3, 2)
+    return None
+
+
 def available(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    return triton_runs_on(x) and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype and \
-        x.shape[0] <= 16 and weight.stride(-1) == 1
+    return triton_runs_on(x) and x.dim() == 2 and x.dtype in (torch.bfloat16, torch.float16) and \
+        weight.dtype == x.dtype and weight.stride(-1) == 1
 
 
 def linear_rows(x: torch.Tensor, weight: torch.Tensor, config: LinearConfig, out: torch.Tensor | None = None,
-                sms: int = 132) -> torch.Tensor:
+                sms: int | None = None, silu_gate: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] @ weight[N, K]^T with `config` (M <= 8 for 8-row tiles, 16 otherwise; one row for dot=False).
+    With silu_gate [M, K] the input is x * silu(silu_gate), computed in float32 and rounded to x's dtype as
+    activation_triton's kernel stores it, while loading (SwiGLU's down projection without its own launch)."""
     m, k = x.shape
     n = weight.shape[0]
-    if x.stride(-1) != 1:
-        x = x.contiguous()
+    if x.stride(-1) != 1 or (silu_gate is not None and silu_gate.stride(-1) != 1):
+        raise ValueError("the inputs' rows must have unit inner stride")
+    gate = silu_gate if silu_gate is not None else x
     out = out if out is not None else torch.empty(m, n, device=x.device, dtype=x.dtype)
     block_m = 1 if not config.dot else (8 if m <= 8 else 16)
     if not config.dot and m != 1:
         raise ValueError("the CUDA-core variant takes one row")
     tiles, blocks = -(-n // config.block_n), -(-k // config.block_k)
-    target = config.waves * sms
+    target = config.waves * (sms or _sm_count(x.device))
     split = min(-(-target // tiles), blocks) if tiles < target else 1
     per_split = -(-blocks // split)
     split = -(-blocks // per_split)
@@ -65,8 +87,9 @@ def linear_rows(x: torch.Tensor, weight: torch.Tensor, config: LinearConfig, out
     if sync:
         os.environ["DISABLE_MMA_V3"] = "1"  # mma.sync for 8-row tiles; read by the compiler on a first call
     try:
-        _linear_kernel[(tiles, split)](x, weight, out, ws, arrival_counters(x.device, tiles), m, n, k, x.stride(0),
-                                       weight.stride(0), out.stride(0), per_split, split, BN=config.block_n,
+        _linear_kernel[(tiles, split)](x, gate, weight, out, ws, arrival_counters(x.device, tiles), m, n, k,
+                                       x.stride(0), gate.stride(0), weight.stride(0), out.stride(0), per_split, split,
+                                       SILU_GATE=silu_gate is not None, BN=config.block_n,
                                        BK=config.block_k, BM=block_m, STAGES=config.stages, DOT=config.dot,
                                        EVEN_K=k % config.block_k == 0, SYNC=sync, F32DOT=not x.is_cuda,
                                        num_warps=config.warps)
@@ -76,11 +99,44 @@ def linear_rows(x: torch.Tensor, weight: torch.Tensor, config: LinearConfig, out
     return out
 
 
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+
+
 if triton is not None:
+    @triton.jit
+    def split_k_finish(vals, out_ptr, ws_ptr, cnt_ptr, offs_n, offs_m, M, N, stride_om, pid_n, pid_k, SPLIT):
+        """vals [BN, BM] fp32 -> out; under split-K the last program of the tile adds the partials in a fixed order."""
+        mask = (offs_n < N)[:, None] & (offs_m < M)[None, :]
+        o_ptrs = out_ptr + offs_m[None, :] * stride_om + offs_n[:, None]
+        if SPLIT == 1:
+            tl.store(o_ptrs, vals.to(out_ptr.dtype.element_ty), mask=mask)
+        else:
+            w_off = offs_m[None, :] * N + offs_n[:, None]
+            tl.store(ws_ptr + pid_k * M * N + w_off, vals, mask=mask)
+            tl.debug_barrier()
+            arrived = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel")
+            if arrived == SPLIT - 1:
+                total = tl.zeros(vals.shape, tl.float32)
+                for sk in range(SPLIT):
+                    total += tl.load(ws_ptr + sk * M * N + w_off, mask=mask, other=0.0, cache_modifier=".cg")
+                tl.store(o_ptrs, total.to(out_ptr.dtype.element_ty), mask=mask)
+                tl.atomic_xchg(cnt_ptr + pid_n, 0)  # clean for the next launch / graph replay
+
+    @triton.jit
+    def _input(x, gate, offs_x, offs_g, mask, SILU_GATE: tl.constexpr):
+        v = tl.load(x + offs_x, mask=mask, other=0.0)
+        if SILU_GATE:
+            g = tl.load(gate + offs_g, mask=mask, other=0.0).to(tl.float32)
+            v = (v.to(tl.float32) * (g * tl.sigmoid(g))).to(x.dtype.element_ty)
+        return v
+
     @triton.jit(do_not_specialize=["M", "PER_SPLIT", "SPLIT"])
-    def _linear_kernel(x, w, out, ws, counters, M, N, K, s_x, s_w, s_o, PER_SPLIT, SPLIT, BN: tl.constexpr,
-                       BK: tl.constexpr, BM: tl.constexpr, STAGES: tl.constexpr, DOT: tl.constexpr,
-                       EVEN_K: tl.constexpr, SYNC: tl.constexpr, F32DOT: tl.constexpr):
+    def _linear_kernel(x, gate, w, out, ws, counters, M, N, K, s_x, s_g, s_w, s_o, PER_SPLIT, SPLIT,
+                       SILU_GATE: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BM: tl.constexpr,
+                       STAGES: tl.constexpr, DOT: tl.constexpr, EVEN_K: tl.constexpr, SYNC: tl.constexpr,
+                       F32DOT: tl.constexpr):
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
         offs_n = pid_n * BN + tl.arange(0, BN)
@@ -93,11 +149,12 @@ if triton is not None:
         b_hi = tl.minimum(b_lo + PER_SPLIT, tl.cdiv(K, BK))
         if DOT:
             acc = tl.zeros([BN, BM], tl.float32)
-            x_tile = x + offs_m[None, :] * s_x + offs_k[:, None]  # x^T [BK, BM]
             for b in tl.range(b_lo, b_hi, num_stages=STAGES):
                 k_ok = (b * BK + offs_k < K) | EVEN_K
                 wt = tl.load(w_tile + b * BK, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-                xt = tl.load(x_tile + b * BK, mask=m_ok[None, :] & k_ok[:, None], other=0.0)
+                cols = b * BK + offs_k[:, None]  # x^T [BK, BM]
+                xt = _input(x, gate, offs_m[None, :] * s_x + cols, offs_m[None, :] * s_g + cols,
+                            m_ok[None, :] & k_ok[:, None], SILU_GATE)
                 if F32DOT:  # the interpreter's bf16 dot is broken
                     wt, xt = wt.to(tl.float32), xt.to(tl.float32)
                 acc = tl.dot(wt, xt, acc)
@@ -106,7 +163,7 @@ if triton is not None:
             for b in tl.range(b_lo, b_hi, num_stages=STAGES):
                 k_ok = (b * BK + offs_k < K) | EVEN_K
                 wt = tl.load(w_tile + b * BK, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-                xr = tl.load(x + b * BK + offs_k, mask=k_ok, other=0.0)
+                xr = _input(x, gate, b * BK + offs_k, b * BK + offs_k, k_ok, SILU_GATE)
                 row += tl.sum(wt.to(tl.float32) * xr.to(tl.float32)[None, :], 1)
             acc = row[:, None]
-        _finish(acc, out, ws, counters, offs_n, offs_m, M, N, s_o, pid_n, pid_k, SPLIT)
+        split_k_finish(acc, out, ws, counters, offs_n, offs_m, M, N, s_o, pid_n, pid_k, SPLIT)

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from ..errors import BlockspecError
+from ..layers.linear import DenseLinear
 from ..layers.packed import pack_projections
 from .int4 import Int4Linear
 from .int8 import Int8Linear
@@ -51,12 +52,14 @@ def resident_bytes(root: nn.Module) -> int:
 def prepare(root: nn.Module, packs=(), quantize: Quantizer | None = None,
             include: Callable[[str], bool] = lambda name: True) -> dict:
     """Pack the projections named by `packs` ("fuse_kvq", "fuse_gate"), then quantize the Linear layers `include`
-    accepts. Returns the resident weight bytes at each step."""
+    accepts (or, left dense, run them through blockspec.kernels.linear). Returns the resident weight bytes at each
+    step."""
     memory = {"loaded_bytes": resident_bytes(root)}
     pack_projections(root, set(packs))
     memory["packed_bytes"] = resident_bytes(root)
     if quantize is not None:
         replace_linears(root, quantize, include)
+    replace_linears(root, DenseLinear.wrap, include)  # the dense ones left: the few-row kernel where it pays
     memory["final_bytes"] = resident_bytes(root)
     return memory
 

@@ -20,7 +20,7 @@ Kernel (design "tc" of the exploration, exact numerics)
   scales (prefetched one block ahead by hand), then per group i: A = (u_i - z) in x's dtype, exact;
   part[BN, BM] = A @ x_i^T (one MMA chain, fp32), acc += part * s_i (fp32). M <= 8 uses BM = 8 with mma.sync
   (`sync`: compiled under DISABLE_MMA_V3), M 9..16 BM = 16. Under split-K the last program to arrive at a tile adds
-  the fp32 partials in a fixed order (per-tile arrival counters, reset by that program; no memset). Results are
+  the fp32 partials in a fixed order (kernels/linear_triton.split_k_finish; no memset). Results are
   deterministic and a row does not depend on the other rows (row 0 of an M = 8 launch == the M = 1 launch), but
   the config (through BM and the split) sets the summation order: M <= 8 and M 9..16 may differ in the last bits.
   The counters are shared per device: launches on one stream at a time.
@@ -74,6 +74,8 @@ from ..kernels import arrival_counters
 try:  # triton is optional: CPU-only installs use the plain PyTorch reference paths
     import triton
     import triton.language as tl
+
+    from ..kernels.linear_triton import split_k_finish
 except ImportError:  # pragma: no cover - depends on the environment
     triton = None
     tl = None
@@ -237,25 +239,6 @@ if triton is not None:
             part = tl.dot(a, xt, tl.zeros([BN, BM], tl.float32))
         return acc + part * s.to(tl.float32)[:, None]
 
-    @triton.jit
-    def _finish(vals, out_ptr, ws_ptr, cnt_ptr, offs_n, offs_m, M, N, stride_om, pid_n, pid_k, SPLIT):
-        """vals [BN, BM] fp32 -> out; under split-K the last program of the tile adds the partials in a fixed order."""
-        mask = (offs_n < N)[:, None] & (offs_m < M)[None, :]
-        o_ptrs = out_ptr + offs_m[None, :] * stride_om + offs_n[:, None]
-        if SPLIT == 1:
-            tl.store(o_ptrs, vals.to(out_ptr.dtype.element_ty), mask=mask)
-        else:
-            w_off = offs_m[None, :] * N + offs_n[:, None]
-            tl.store(ws_ptr + pid_k * M * N + w_off, vals, mask=mask)
-            tl.debug_barrier()
-            arrived = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel")
-            if arrived == SPLIT - 1:
-                total = tl.zeros(vals.shape, tl.float32)
-                for sk in range(SPLIT):
-                    total += tl.load(ws_ptr + sk * M * N + w_off, mask=mask, other=0.0, cache_modifier=".cg")
-                tl.store(o_ptrs, total.to(out_ptr.dtype.element_ty), mask=mask)
-                tl.atomic_xchg(cnt_ptr + pid_n, 0)  # clean for the next launch / graph replay
-
     @triton.jit(do_not_specialize=["M", "BPS", "SPLIT"])
     def _wq_kernel(x_ptr, q_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, KH, NBLK, BPS, SPLIT, stride_xm,
                    stride_om, BITS: tl.constexpr, G: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr,
@@ -304,7 +287,7 @@ if triton is not None:
             if C == 4:
                 acc = _group(acc, h, xb + 2 * G, x2m, s2, z2, 2, BITS, U2, BN, BM, HAS_ZP, USE_ASM, F32DOT)
                 acc = _group(acc, h, xb + 3 * G, x3m, s3, z3, 3, BITS, U3, BN, BM, HAS_ZP, USE_ASM, F32DOT)
-        _finish(acc, out_ptr, ws_ptr, cnt_ptr, offs_n, offs_m, M, N, stride_om, pid_n, pid_k, SPLIT)
+        split_k_finish(acc, out_ptr, ws_ptr, cnt_ptr, offs_n, offs_m, M, N, stride_om, pid_n, pid_k, SPLIT)
 
 
 def _interpreting() -> bool:

@@ -1,0 +1,72 @@
+"""The few-row dense matmul kernel (kernels/linear_triton.py) against F.linear in float32, through the Triton
+interpreter in a subprocess: both inner products (MMA tile, CUDA-core row), with and without split-K (the last
+program of a tile adds the partials; counters left clean), odd K and N, the SwiGLU activation computed on the
+input load; the config table; the module wrapper."""
+
+import json
+
+import torch
+from helpers import patch_triton_interpreter, run_in_triton_interpreter
+
+from blockspec import kernels
+from blockspec.kernels import linear_triton
+from blockspec.kernels.activation import silu_mul_reference
+from blockspec.kernels.linear_triton import LinearConfig, linear_rows
+from blockspec.layers.linear import DenseLinear
+
+CASES = [  # rows, N, K, config (sms = 4 in the interpreter: waves * 4 programs before K is split)
+    (1, 50, 300, LinearConfig(16, 64, False, waves=1)), (1, 50, 256, LinearConfig(16, 64, True, waves=4)),
+    (5, 70, 200, LinearConfig(32, 32, True, waves=1)), (8, 33, 128, LinearConfig(16, 32, True, waves=2)),
+    (12, 40, 96, LinearConfig(16, 32, True, waves=8)), (1, 17, 1000, LinearConfig(16, 128, False, waves=8)),
+]
+
+
+def _run_cases():  # executed in a subprocess with TRITON_INTERPRET=1
+    patch_triton_interpreter()
+    results = []
+    for m, n, k, cfg in CASES:
+        g = torch.Generator().manual_seed(m * n + k)
+        x, w = torch.randn(m, k + 3, generator=g)[:, :k], torch.randn(n, k, generator=g)  # strided rows
+        tiles, blocks = -(-n // cfg.block_n), -(-k // cfg.block_k)
+        split = min(-(-cfg.waves * 4 // tiles), blocks) if tiles < cfg.waves * 4 else 1
+        y = linear_rows(x, w, cfg, sms=4)
+        # SwiGLU's down projection: gate and up are the halves of one packed output (strided rows)
+        gate_up = torch.randn(m, 2 * k, generator=g)
+        gate, up = gate_up[:, :k], gate_up[:, k:]
+        fused = linear_rows(up, w, cfg, sms=4, silu_gate=gate)
+        results.append({"case": [m, n, k, cfg.short()], "err": float((y - x @ w.t()).abs().max()), "split": split,
+                        "silu_err": float((fused - silu_mul_reference(gate, up) @ w.t()).abs().max()),
+                        "counters_clean": int(kernels._COUNTERS[("cpu", None)].abs().sum()) == 0})
+    print("RESULTS " + json.dumps(results))
+
+
+def test_linear_kernel_matches_reference_in_interpreter():
+    results = run_in_triton_interpreter(__file__)
+    assert len(results) == len(CASES)
+    for r in results:
+        assert r["err"] < 1e-4 and r["silu_err"] < 1e-4 and r["counters_clean"], r
+    assert max(r["split"] for r in results) > 1 and min(r["split"] for r in results) == 1  # both paths exercised
+
+
+def test_default_configs_follow_the_measured_table():
+    assert linear_triton.default_config(1, 5120, 17408).dot is False  # down, one row: CUDA-core row dot
+    assert linear_triton.default_config(8, 5120, 17408).dot is True
+    assert linear_triton.default_config(1, 34816, 5120).waves == 1    # gate_up: no split
+    assert linear_triton.default_config(1, 5120, 6144) is None        # o / gdn out: cuBLAS
+    assert linear_triton.default_config(16, 34816, 5120) is None      # more than 8 rows: cuBLAS
+    assert linear_triton.default_config(1, 248320, 5120) is None      # vocabulary head: cuBLAS
+
+
+def test_dense_linear_shares_weights_and_matches_nn_linear_on_cpu():
+    torch.manual_seed(0)
+    original = torch.nn.Linear(24, 10, bias=True)
+    wrapped = DenseLinear.wrap(original)
+    assert wrapped.weight is original.weight and wrapped.bias is original.bias
+    x = torch.randn(3, 24)
+    assert torch.equal(wrapped(x), original(x))  # CPU float32: F.linear, bit for bit
+    gate, up = torch.randn(3, 24), torch.randn(3, 24)
+    assert torch.equal(wrapped.silu_mul_forward(gate, up), original(silu_mul_reference(gate, up)))
+
+
+if __name__ == "__main__":
+    _run_cases()
