@@ -1,7 +1,6 @@
 """Few-row bf16 matmuls on the 27B's projection shapes: cuBLAS (F.linear) against the Triton kernel of
 blockspec/kernels/linear_triton.py for a sweep of configs, at 1 and 8 rows. Weight copies > 400 MB in one CUDA
-graph (no L2 reuse), median of replays; GB/s of weight bytes; for the down projection also SwiGLU's activation
-fused into the input load against its own launch. Usage (GPU): python bench/linear_kernels.py [--quick: the
+graph (no L2 reuse), median of replays; GB/s of weight bytes. Usage (GPU): python bench/linear_kernels.py [--quick: the
 table's configs only]; JSON to $OUT/linear_kernels.json.
 """
 
@@ -14,7 +13,6 @@ import torch
 import torch.nn.functional as F
 from timing import replay_ms  # bench/timing.py, beside this script
 
-from blockspec.kernels.activation import silu_mul
 from blockspec.kernels.linear_triton import LinearConfig, default_config, linear_rows
 
 SHAPES = {"mlp down": (5120, 17408), "gdn out / attn o": (5120, 6144), "mlp gate_up": (34816, 5120),
@@ -56,15 +54,6 @@ def main(quick=False):
             if best:
                 row.update(triton_us=round(best[0], 2), triton_gb_s=round(nbytes / best[0] / 1e3),
                            config=best[1].short(), max_err=best[2])
-            if name == "mlp down" and best:  # SwiGLU's activation on the input load vs its own launch first
-                gate_up = torch.randn(m, 2 * k, device=dev, dtype=torch.bfloat16)
-                gate, up = gate_up[:, :k], gate_up[:, k:]
-                row["silu_then_down_us"] = round(replay_ms(lambda c=best[1]: [
-                    linear_rows(silu_mul(gate, up), w, c) for w in weights]) * 1e3 / copies, 2)
-                row["silu_fused_down_us"] = round(replay_ms(lambda c=best[1]: [
-                    linear_rows(up, w, c, silu_gate=gate) for w in weights]) * 1e3 / copies, 2)
-                print(f"mlp down M={m}: silu_mul then down {row['silu_then_down_us']} us, activation on the input "
-                      f"load {row['silu_fused_down_us']} us", flush=True)
             results[f"{name} M={m}"] = row
             print(f"{name:18s} M={m}  cuBLAS {base:7.2f} us {nbytes / base / 1e3:6.0f} GB/s   "
                   f"triton {row.get('triton_us', 0):7.2f} us {row.get('triton_gb_s', 0):6.0f} GB/s "

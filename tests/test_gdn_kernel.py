@@ -1,7 +1,8 @@
 """The short-pass gated delta rule kernel (kernels/gdn_triton.py) against the float32 reference, through the Triton
 interpreter in a subprocess: a pass computing (and storing) its gates, then a replay of the first n tokens from the
 stored gates, in place over the state, as a partial commit does; and the whole mixer in one launch (conv +
-recurrence + gated output norm, `short_pass`) against the reference chain."""
+recurrence + gated output norm, `short_pass`) against the reference chain, also shifting the conv history in place
+(plain decoding's one-token step)."""
 
 import json
 
@@ -83,6 +84,13 @@ def _mixer_cases():
                         "mixed": _err(mixed, ref_mixed),
                         "gates": max(_err(g_buf, ref_g), _err(beta_buf, ref_beta)),
                         "counters_clean": int(kernels._COUNTERS[("cpu", None)].abs().sum()) == 0})
+        if t == 1:  # plain decoding's step: the history shifted in place, nothing recorded for a replay
+            shifted, in_place = history.clone(), state.clone()
+            out, window = short_pass(x, shifted, conv_w, gates, in_place, in_place, shape, z, norm_w, 1e-6,
+                                     block_v=block_v, update_history=True)
+            results[-1].update(shifted_out=_err(out, ref_out), shifted_final=_err(in_place, ref_final),
+                               shifted_history=_err(shifted, ref_window[1:]), no_window=window is None,
+                               shifted_counters_clean=int(kernels._COUNTERS[("cpu", None)].abs().sum()) == 0)
     return results
 
 
@@ -94,6 +102,11 @@ def test_short_pass_kernel_matches_reference_in_interpreter():
     assert len(results["mixer"]) == 4
     for r in results["mixer"]:  # NaN-filled buffers: a channel the kernel forgets to write fails here
         assert max(r["out"], r["final"], r["window"], r["mixed"], r["gates"]) < 1e-4 and r["counters_clean"], r
+    shifted = [r for r in results["mixer"] if "shifted_history" in r]
+    assert shifted
+    for r in shifted:
+        assert max(r["shifted_out"], r["shifted_final"], r["shifted_history"]) < 1e-4, r
+        assert r["no_window"] and r["shifted_counters_clean"], r
 
 
 if __name__ == "__main__":

@@ -7,8 +7,9 @@ A forward pass of k tokens runs on top of the committed state and is left pendin
 Buffers are allocated once per engine; reset() starts a new request without reallocating.
 
 `in_place` (plain decoding, where every pass is committed whole): DeltaNet passes write their final state over the
-committed one, saving a 3 MB copy per layer and token; commit(k) then only moves the conv history, and neither a
-partial commit nor a discard can restore the state (discard is bookkeeping only: the next request resets).
+committed one, saving a 3 MB copy per layer and token, and one-token passes shift the conv history in place too, so
+their commit is bookkeeping only; neither a partial commit nor a discard can restore the state (discard is
+bookkeeping only: the next request resets).
 """
 
 from __future__ import annotations
@@ -48,6 +49,10 @@ class DecodeState:
         for s in self.gdn:
             s.pending_len = k
         return self.length
+
+    def commit_moves_data(self, t: int, n: int) -> bool:
+        """Whether commit(n) of a t-token pass touches any buffer (attention caches only move their length)."""
+        return any(s.commit_moves_data(t, n) for s in self.gdn)
 
     def commit(self, n: int):
         if not 1 <= n <= self.pending:

@@ -38,7 +38,8 @@ class GraphedTarget(EagerTarget):
         for t in sorted(set(lengths)):
             self.passes[t] = self._capture_pass(t, warmup)
             for n in range(1, t + 1):
-                self.commits[t, n] = self._capture_commit(t, n, warmup)
+                if state.commit_moves_data(t, n):  # else commit is bookkeeping only: nothing to capture
+                    self.commits[t, n] = self._capture_commit(t, n, warmup)
         state.reset()  # warm-ups ran on scratch data
 
     def _scratch_positions(self, t):

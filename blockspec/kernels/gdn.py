@@ -86,15 +86,19 @@ def gated_delta(mixed, gates, state_in, state_out, shape, gates_out=None, out_dt
 
 
 def deltanet_mixer(x, history, conv_weight, gates, state_in, state_out, shape, z, norm_weight, eps, window_out=None,
-                   mixed_out=None, gates_out=None):
+                   mixed_out=None, gates_out=None, update_history=False):
     """A DeltaNet layer between its input and output projections: causal conv of the projection x [T, C], the
     recurrence (final state into state_out), the gated output norm with z [T, Hv, Dv]. Returns (out [T, Hv, Dv] in
-    x's dtype, conv window). One token on CUDA: one Triton kernel (gdn_triton.short_pass); else the three steps."""
+    x's dtype, conv window); with update_history the new history is written over `history` and the window
+    returned is None. One token on CUDA: one Triton kernel (gdn_triton.short_pass); else the three steps."""
     if x.shape[0] <= FUSED_MIXER_TOKENS and gdn_triton.available(x) and x.stride(-1) == 1 and z.stride(-1) == 1:
         return gdn_triton.short_pass(x, history, conv_weight, gates, state_in, state_out, shape, z, norm_weight, eps,
-                                     window_out, mixed_out, gates_out)
+                                     window_out, mixed_out, gates_out, update_history=update_history)
     mixed, window = causal_conv1d(x, history, conv_weight, window_out, mixed_out)
     out = gated_delta(mixed, gates, state_in, state_out, shape, gates_out, x.dtype)
+    if update_history:
+        history.copy_(window[x.shape[0]:])
+        window = None
     return gated_rms_norm(out, z, norm_weight, eps), window
 
 

@@ -31,7 +31,9 @@ except ImportError:  # pragma: no cover - CPU-only installs use the reference
 
 # bench/gdn_kernel.py on the H200: 4.56 / 10.88 us per 27B layer at 1 / 8 tokens (fla-core's 8, 1: 4.85 / 11.72)
 BLOCK_V, NUM_WARPS = 16, 1
-CONV_BLOCK_C = 512
+# the conv (bench/gdn_kernel.py --parts conv, us per 27B layer, 1 / 8 tokens): 64 channels, 1 warp 1.95 / 3.99;
+# 512 channels, 4 warps (the earlier choice: 20 programs) 2.17 / 5.41
+CONV_BLOCK_C, CONV_WARPS = 64, 1
 
 
 def available(x: torch.Tensor) -> bool:
@@ -50,20 +52,26 @@ def gated_delta_short(mixed, state_in, state_out, shape, gates, gates_out=None, 
 
 
 def short_pass(x, history, conv_weight, gates, state_in, state_out, shape, z, norm_weight, eps, window_out=None,
-               mixed_out=None, gates_out=None, block_v=None, num_warps=None):
+               mixed_out=None, gates_out=None, block_v=None, num_warps=None, update_history=False):
     """A DeltaNet layer's mixer over T tokens in one launch: conv + SiLU of the projection x [T, C] (rows may be
     strided) from history [K-1, C] with conv_weight [C, 1, K], the recurrence as `gated_delta_short`, then the
     gated output norm with z [T, Hv, Dv] (strided rows) and norm_weight [Dv]. Writes the window [K-1+T, C] and
     the conv output [T, C] into the given buffers (or scratch), the gates into gates_out when given, the final
     state into state_out. Returns (out [T, Hv, Dv] in x's dtype, window): the contract of the reference chain
-    causal_conv1d_reference -> gated_delta -> gated_rms_norm_reference."""
+    causal_conv1d_reference -> gated_delta -> gated_rms_norm_reference. update_history (one token): the history is
+    shifted in place instead (no window, no conv output written; returns window None): each program shifts its
+    own v channels, the last program of a key head to finish (an atomic count) its q/k channels, which every
+    program of that key head reads."""
     t, channels = x.shape
     taps = conv_weight.shape[-1]
-    window = window_out if window_out is not None else x.new_empty(taps - 1 + t, channels)
-    mixed = mixed_out if mixed_out is not None else x.new_empty(t, channels)
+    if update_history and t != 1:
+        raise ValueError(f"the history is shifted in place for one-token passes only, got {t} tokens")
+    window = window_out if window_out is not None or update_history else x.new_empty(taps - 1 + t, channels)
+    mixed = mixed_out if mixed_out is not None or update_history else x.new_empty(t, channels)
     out = torch.empty(t, shape[2], shape[3], device=x.device, dtype=x.dtype)
-    _launch(mixed, state_in, state_out, shape, gates, gates_out, out, (x, history, conv_weight, window),
-            (z, norm_weight, eps), block_v, num_warps)
+    _launch(mixed if mixed is not None else x, state_in, state_out, shape, gates, gates_out, out,
+            (x, history, conv_weight, window if window is not None else x, update_history), (z, norm_weight, eps),
+            block_v, num_warps)
     return out, window
 
 
@@ -75,10 +83,11 @@ def _launch(mixed, state_in, state_out, shape, gates, gates_out, out, conv, norm
     else:
         _, g_buf, beta_buf = gates
         b = a = a_log = dt_bias = g_buf
-    x, history, conv_weight, window = conv if conv is not None else (mixed, mixed, mixed, mixed)
+    x, history, conv_weight, window, update_history = conv if conv is not None else (mixed, mixed, mixed, mixed,
+                                                                                      False)
     z, norm_weight, eps = norm if norm is not None else (out, out, 0.0)
     block_v, num_warps = block_v or BLOCK_V, num_warps or NUM_WARPS
-    counters = arrival_counters(out.device, value_heads) if norm is not None else out
+    counters = arrival_counters(out.device, value_heads + key_heads) if norm is not None else out
     _gated_delta_kernel[(value_heads * triton.cdiv(value_dim, block_v),)](
         mixed, mixed.stride(0), b, a, b.stride(0), a_log, dt_bias, g_buf, beta_buf, state_in, state_out, out,
         key_dim ** -0.5, mixed.shape[0], x, x.stride(0), history, conv_weight, window, z, z.stride(0),
@@ -86,10 +95,11 @@ def _launch(mixed, state_in, state_out, shape, gates, gates_out, out, conv, norm
         VALUE_HEADS=value_heads, K=key_dim, V=value_dim, BV=block_v, BK=triton.next_power_of_2(key_dim),
         BVN=triton.next_power_of_2(value_dim), TAPS=conv_weight.shape[-1] if conv is not None else 1,
         COMPUTE_GATES=gates[0] == "ab", SAVE_GATES=gates[0] == "ab" and gates_out is not None,
-        CONV=conv is not None, NORM=norm is not None, num_warps=num_warps, num_stages=3)
+        CONV=conv is not None, NORM=norm is not None, HISTORY_IN_PLACE=update_history, num_warps=num_warps,
+        num_stages=3)
 
 
-def causal_conv1d(x, history, weight, window_out=None, mixed_out=None, block_c=None, num_warps=4):
+def causal_conv1d(x, history, weight, window_out=None, mixed_out=None, block_c=None, num_warps=None):
     """Depthwise causal conv + SiLU (the contract of blockspec.kernels.gdn.causal_conv1d_reference) in one launch:
     x [T, C] (rows may be strided), history [K-1, C], weight [C, 1, K]; writes the window [K-1+T, C] (history then
     x) and the output [T, C] into the given buffers (or new ones). Accumulates in float32, rounds once."""
@@ -97,7 +107,7 @@ def causal_conv1d(x, history, weight, window_out=None, mixed_out=None, block_c=N
     taps = weight.shape[-1]
     window = window_out if window_out is not None else x.new_empty(taps - 1 + t, channels)
     mixed = mixed_out if mixed_out is not None else x.new_empty(t, channels)
-    block_c = block_c or CONV_BLOCK_C
+    block_c, num_warps = block_c or CONV_BLOCK_C, num_warps or CONV_WARPS
     _causal_conv1d_kernel[(triton.cdiv(channels, block_c),)](
         x, x.stride(0), history, weight, window, mixed, t, channels, K=taps, BLOCK_C=block_c, num_warps=num_warps)
     return mixed, window
@@ -124,8 +134,8 @@ if triton is not None:
     @triton.jit
     def _conv_silu(x, s_x, history, conv_w, window, mixed, t, cols, ok, C, TAPS: tl.constexpr, OWNER):
         """Conv + SiLU output of token t for channels `cols`, rounded to the activation dtype as the reference
-        stores it, returned in float32; the channels' owner also writes the window (history rows with token 0)
-        and the conv output."""
+        stores it, returned in float32; the channels' owner (OWNER: a scalar, False when nothing is recorded)
+        also writes the window (history rows with token 0) and the conv output."""
         acc = tl.zeros(cols.shape, tl.float32)
         for j in tl.static_range(TAPS):
             row = t + j  # window row: history row `row` while row < TAPS-1, else input row row - (TAPS-1)
@@ -142,13 +152,19 @@ if triton is not None:
         tl.store(mixed + t * C + cols, y, mask=write)
         return y.to(tl.float32)
 
+    @triton.jit
+    def _shift_history(x, history, cols, ok, C, TAPS: tl.constexpr):
+        for r in tl.static_range(TAPS - 2):
+            tl.store(history + r * C + cols, tl.load(history + (r + 1) * C + cols, mask=ok), mask=ok)
+        tl.store(history + (TAPS - 2) * C + cols, tl.load(x + cols, mask=ok), mask=ok)
+
     @triton.jit(do_not_specialize=["T"])
     def _gated_delta_kernel(mixed, s_mixed, b, a, s_ab, a_log, dt_bias, g_buf, beta_buf, h0, ht, out, scale, T,
                             x, s_x, history, conv_w, window, z, s_z_t, s_z_h, norm_w, eps, counters,
                             KEY_HEADS: tl.constexpr, VALUE_HEADS: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                             BV: tl.constexpr, BK: tl.constexpr, BVN: tl.constexpr, TAPS: tl.constexpr,
                             COMPUTE_GATES: tl.constexpr, SAVE_GATES: tl.constexpr, CONV: tl.constexpr,
-                            NORM: tl.constexpr):
+                            NORM: tl.constexpr, HISTORY_IN_PLACE: tl.constexpr):
         pid = tl.program_id(0)
         slices = tl.cdiv(V, BV)
         i_v = pid % slices
@@ -164,6 +180,10 @@ if triton is not None:
             decay_rate = -tl.exp(tl.load(a_log + hv).to(tl.float32))
             bias = tl.load(dt_bias + hv).to(tl.float32)
         qk_owner = (hv % (VALUE_HEADS // KEY_HEADS) == 0) & (i_v == 0)  # one program per key head writes q, k
+        v_owner = i_v >= 0
+        if HISTORY_IN_PLACE:  # nothing to record for a replay
+            qk_owner = qk_owner & False
+            v_owner = qk_owner
         C = 2 * KEY_HEADS * K + VALUE_HEADS * V
         for t in range(T):
             if CONV:
@@ -171,7 +191,7 @@ if triton is not None:
                 k = _conv_silu(x, s_x, history, conv_w, window, mixed, t, (KEY_HEADS + hk) * K + ks, k_ok, C, TAPS,
                                qk_owner)
                 v = _conv_silu(x, s_x, history, conv_w, window, mixed, t, 2 * KEY_HEADS * K + hv * V + vs, v_ok, C,
-                               TAPS, True)
+                               TAPS, v_owner)
             else:
                 row = mixed + t * s_mixed
                 q = tl.load(row + hk * K + ks, mask=k_ok, other=0.0).to(tl.float32)
@@ -195,6 +215,14 @@ if triton is not None:
             o = tl.sum(state * q[:, None], 0)
             tl.store(out + (t * VALUE_HEADS + hv) * V + vs, o.to(out.dtype.element_ty), mask=v_ok)
         tl.store(ht + tile, state, mask=tile_ok)
+        if HISTORY_IN_PLACE:  # one token: history rows 0..TAPS-2 <- rows 1.., then the input
+            tl.debug_barrier()  # every read of this program's history is done
+            _shift_history(x, history, 2 * KEY_HEADS * K + hv * V + vs, v_ok, C, TAPS)
+            arrivals = counters + VALUE_HEADS + hk
+            if tl.atomic_add(arrivals, 1, sem="acq_rel") == slices * (VALUE_HEADS // KEY_HEADS) - 1:
+                _shift_history(x, history, hk * K + ks, k_ok, C, TAPS)  # the key head's q and k channels
+                _shift_history(x, history, (KEY_HEADS + hk) * K + ks, k_ok, C, TAPS)
+                tl.atomic_xchg(arrivals, 0)
         if NORM:  # the head's last program to finish norms its whole output (the other slices read back via L2)
             tl.debug_barrier()
             if tl.atomic_add(counters + hv, 1, sem="acq_rel") == slices - 1:

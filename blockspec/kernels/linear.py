@@ -5,7 +5,6 @@ import torch
 import torch.nn.functional as F
 
 from . import linear_triton
-from .activation import silu_mul
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -15,12 +14,3 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
             return linear_triton.linear_rows(x, weight, config)
     return F.linear(x, weight, bias)
 
-
-def silu_mul_linear(gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """linear(silu_mul(gate, up), weight): SwiGLU's down projection. On the Triton path the activation is computed
-    while the kernel loads its input (same rounding), one launch fewer."""
-    if up.dim() == 2 and linear_triton.available(up, weight) and gate.dtype == up.dtype and gate.stride(-1) == 1:
-        config = linear_triton.default_config(up.shape[0], weight.shape[0], weight.shape[1])
-        if config is not None:
-            return linear_triton.linear_rows(up, weight, config, silu_gate=gate)
-    return linear(silu_mul(gate, up), weight)

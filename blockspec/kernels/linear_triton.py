@@ -13,6 +13,8 @@ graph; us per call, cuBLAS -> this kernel):
   gate_up 34816 x 5120 M=1 88.0 -> 85.4, M=8 88.3 -> 85.8 (n64 k256 dot s3, no split)
   gdn in 16480 x 5120  M=1 44.2 -> 42.2, M=8 45.7 -> 42.9 (the same)
   attention qkv 14336 x 5120 and o / gdn out 5120 x 6144: cuBLAS as fast or faster (kept).
+Dropped after measuring: SwiGLU's activation computed on the down projection's input load (every program re-reads
+and re-activates the whole input): 51.4 vs 46.2 us (activation launch + this kernel) at one row, 71.6 vs 48.7 at 8.
 """
 
 from __future__ import annotations
@@ -64,15 +66,12 @@ def available(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 def linear_rows(x: torch.Tensor, weight: torch.Tensor, config: LinearConfig, out: torch.Tensor | None = None,
-                sms: int | None = None, silu_gate: torch.Tensor | None = None) -> torch.Tensor:
-    """x [M, K] @ weight[N, K]^T with `config` (M <= 8 for 8-row tiles, 16 otherwise; one row for dot=False).
-    With silu_gate [M, K] the input is x * silu(silu_gate), computed in float32 and rounded to x's dtype as
-    activation_triton's kernel stores it, while loading (SwiGLU's down projection without its own launch)."""
+                sms: int | None = None) -> torch.Tensor:
+    """x [M, K] @ weight[N, K]^T with `config` (M <= 8 for 8-row tiles, 16 otherwise; one row for dot=False)."""
     m, k = x.shape
     n = weight.shape[0]
-    if x.stride(-1) != 1 or (silu_gate is not None and silu_gate.stride(-1) != 1):
-        raise ValueError("the inputs' rows must have unit inner stride")
-    gate = silu_gate if silu_gate is not None else x
+    if x.stride(-1) != 1:
+        x = x.contiguous()
     out = out if out is not None else torch.empty(m, n, device=x.device, dtype=x.dtype)
     block_m = 1 if not config.dot else (8 if m <= 8 else 16)
     if not config.dot and m != 1:
@@ -87,9 +86,8 @@ def linear_rows(x: torch.Tensor, weight: torch.Tensor, config: LinearConfig, out
     if sync:
         os.environ["DISABLE_MMA_V3"] = "1"  # mma.sync for 8-row tiles; read by the compiler on a first call
     try:
-        _linear_kernel[(tiles, split)](x, gate, weight, out, ws, arrival_counters(x.device, tiles), m, n, k,
-                                       x.stride(0), gate.stride(0), weight.stride(0), out.stride(0), per_split, split,
-                                       SILU_GATE=silu_gate is not None, BN=config.block_n,
+        _linear_kernel[(tiles, split)](x, weight, out, ws, arrival_counters(x.device, tiles), m, n, k, x.stride(0),
+                                       weight.stride(0), out.stride(0), per_split, split, BN=config.block_n,
                                        BK=config.block_k, BM=block_m, STAGES=config.stages, DOT=config.dot,
                                        EVEN_K=k % config.block_k == 0, SYNC=sync, F32DOT=not x.is_cuda,
                                        num_warps=config.warps)
@@ -124,17 +122,9 @@ if triton is not None:
                 tl.store(o_ptrs, total.to(out_ptr.dtype.element_ty), mask=mask)
                 tl.atomic_xchg(cnt_ptr + pid_n, 0)  # clean for the next launch / graph replay
 
-    @triton.jit
-    def _input(x, gate, offs_x, offs_g, mask, SILU_GATE: tl.constexpr):
-        v = tl.load(x + offs_x, mask=mask, other=0.0)
-        if SILU_GATE:
-            g = tl.load(gate + offs_g, mask=mask, other=0.0).to(tl.float32)
-            v = (v.to(tl.float32) * (g * tl.sigmoid(g))).to(x.dtype.element_ty)
-        return v
-
     @triton.jit(do_not_specialize=["M", "PER_SPLIT", "SPLIT"])
-    def _linear_kernel(x, gate, w, out, ws, counters, M, N, K, s_x, s_g, s_w, s_o, PER_SPLIT, SPLIT,
-                       SILU_GATE: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BM: tl.constexpr,
+    def _linear_kernel(x, w, out, ws, counters, M, N, K, s_x, s_w, s_o, PER_SPLIT, SPLIT, BN: tl.constexpr,
+                       BK: tl.constexpr, BM: tl.constexpr,
                        STAGES: tl.constexpr, DOT: tl.constexpr, EVEN_K: tl.constexpr, SYNC: tl.constexpr,
                        F32DOT: tl.constexpr):
         pid_n = tl.program_id(0)
@@ -152,9 +142,8 @@ if triton is not None:
             for b in tl.range(b_lo, b_hi, num_stages=STAGES):
                 k_ok = (b * BK + offs_k < K) | EVEN_K
                 wt = tl.load(w_tile + b * BK, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-                cols = b * BK + offs_k[:, None]  # x^T [BK, BM]
-                xt = _input(x, gate, offs_m[None, :] * s_x + cols, offs_m[None, :] * s_g + cols,
-                            m_ok[None, :] & k_ok[:, None], SILU_GATE)
+                xt = tl.load(x + offs_m[None, :] * s_x + b * BK + offs_k[:, None],  # x^T [BK, BM]
+                             mask=m_ok[None, :] & k_ok[:, None], other=0.0)
                 if F32DOT:  # the interpreter's bf16 dot is broken
                     wt, xt = wt.to(tl.float32), xt.to(tl.float32)
                 acc = tl.dot(wt, xt, acc)
@@ -163,7 +152,7 @@ if triton is not None:
             for b in tl.range(b_lo, b_hi, num_stages=STAGES):
                 k_ok = (b * BK + offs_k < K) | EVEN_K
                 wt = tl.load(w_tile + b * BK, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-                xr = _input(x, gate, b * BK + offs_k, b * BK + offs_k, k_ok, SILU_GATE)
+                xr = tl.load(x + b * BK + offs_k, mask=k_ok, other=0.0)
                 row += tl.sum(wt.to(tl.float32) * xr.to(tl.float32)[None, :], 1)
             acc = row[:, None]
         split_k_finish(acc, out, ws, counters, offs_n, offs_m, M, N, s_o, pid_n, pid_k, SPLIT)

@@ -35,9 +35,17 @@ class GDNState:
         self.pending_beta = torch.zeros_like(self.pending_g)
 
     def write_in_place(self):
-        """Passes write their final state over the committed one (see DecodeState's `in_place`)."""
+        """Passes write their final state over the committed one (see DecodeState's `in_place`); one-token passes
+        also shift the conv history in place, so their commit copies nothing."""
         self.in_place = True
         self.pending_recurrent = self.recurrent  # the separate buffer is never needed
+
+    def history_in_place(self, t: int) -> bool:
+        return self.in_place and t == 1
+
+    def commit_moves_data(self, t: int, n: int) -> bool:
+        """Whether commit(n) of a t-token pass copies or recomputes anything (else it is bookkeeping only)."""
+        return not (n == t and self.history_in_place(n))
 
     def reset(self):
         self.history.zero_()
@@ -46,23 +54,25 @@ class GDNState:
 
     def short_pass_buffers(self, t: int):
         """Where a pass of t <= max_partial tokens writes its conv window, conv output and gates, so that any
-        commit(n) can be replayed from them without copying them afterwards; Nones for longer passes (prefill)."""
-        if t > self.max_partial:
+        commit(n) can be replayed from them without copying them afterwards; Nones for longer passes (prefill) and
+        for passes that update the history in place (nothing to replay)."""
+        if t > self.max_partial or self.history_in_place(t):
             return None, None, None
         return self.pending_window[:self.history.shape[0] + t], self.pending_mixed[:t], \
             (self.pending_g[:t], self.pending_beta[:t])
 
-    def record(self, window):
-        t = window.shape[0] - self.history.shape[0]
+    def record(self, t: int, window):
+        """Bookkeeping after a t-token pass (window: None when the pass shifted the history in place)."""
         self.pending_len = t
-        if t > self.max_partial:  # only the whole pass can be committed: keep just the new history
+        if t > self.max_partial and window is not None:  # only the whole pass can be committed: the new history
             self.pending_history.copy_(window[t:])
 
     def commit(self, n: int):
         keep = self.history.shape[0]
         if n == self.pending_len:
-            history = self.pending_history if n > self.max_partial else self.pending_window[n:n + keep]
-            self.history.copy_(history)
+            if not self.history_in_place(n):
+                history = self.pending_history if n > self.max_partial else self.pending_window[n:n + keep]
+                self.history.copy_(history)
             if not self.in_place:
                 self.recurrent.copy_(self.pending_recurrent)
         else:
@@ -116,6 +126,6 @@ class GatedDeltaNet(nn.Module):
         z = z.view(t, self.value_heads, self.value_dim)
         out, window = deltanet_mixer(qkv, state.history, self.conv1d.weight, gates, state.recurrent,
                                      state.pending_recurrent, state.shape, z, self.norm.weight, self.eps,
-                                     window_buffer, mixed_buffer, gate_buffers)
-        state.record(window)
+                                     window_buffer, mixed_buffer, gate_buffers, state.history_in_place(t))
+        state.record(t, window)
         return self.out_proj(out.reshape(t, -1))

@@ -3,8 +3,7 @@ blockspec.kernels.linear (the Triton few-row kernel where it beats cuBLAS, else 
 
 from torch import nn
 
-from ..kernels.activation import silu_mul
-from ..kernels.linear import linear, silu_mul_linear
+from ..kernels.linear import linear
 
 
 class DenseLinear(nn.Linear):
@@ -19,9 +18,3 @@ class DenseLinear(nn.Linear):
 
     def forward(self, x):
         return linear(x, self.weight, self.bias)
-
-    def silu_mul_forward(self, gate, up):
-        """self(silu(gate) * up), the activation fused into the projection's input where the kernel allows."""
-        if self.bias is not None:
-            return self(silu_mul(gate, up))
-        return silu_mul_linear(gate, up, self.weight)

@@ -4,7 +4,6 @@ import torch
 from torch import nn
 
 from ..kernels.activation import silu_mul
-from .linear import DenseLinear
 
 
 class SwiGLU(nn.Module):
@@ -19,6 +18,4 @@ class SwiGLU(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x) if self.gate_up_proj is not None else (self.gate_proj(x), self.up_proj(x))
-        if isinstance(self.down_proj, DenseLinear):  # the activation can ride on the projection's input load
-            return self.down_proj.silu_mul_forward(gate, up)
         return self.down_proj(silu_mul(gate, up))
