@@ -16,6 +16,7 @@ CASES = [  # rows, N, K, config (sms = 4 in the interpreter: waves * 4 programs 
     (1, 50, 300, LinearConfig(16, 64, False, waves=1)), (1, 50, 256, LinearConfig(16, 64, True, waves=4)),
     (5, 70, 200, LinearConfig(32, 32, True, waves=1)), (8, 33, 128, LinearConfig(16, 32, True, waves=2)),
     (12, 40, 96, LinearConfig(16, 32, True, waves=8)), (1, 17, 1000, LinearConfig(16, 128, False, waves=8)),
+    (1, 45, 520, LinearConfig(8, 256, False, waves=1)),
 ]
 
 
@@ -45,7 +46,8 @@ def test_default_configs_follow_the_measured_table():
     assert linear_triton.default_config(1, 5120, 17408).dot is False  # down, one row: CUDA-core row dot
     assert linear_triton.default_config(8, 5120, 17408).dot is True
     assert linear_triton.default_config(1, 34816, 5120).waves == 1    # gate_up: no split
-    assert linear_triton.default_config(1, 5120, 6144) is None        # o / gdn out: cuBLAS
+    assert linear_triton.default_config(1, 5120, 6144).block_n == 8   # o / gdn out, one row: 8-row tiles
+    assert linear_triton.default_config(8, 5120, 6144) is None        # o / gdn out, 8 rows: cuBLAS
     assert linear_triton.default_config(16, 34816, 5120) is None      # more than 8 rows: cuBLAS
     assert linear_triton.default_config(1, 248320, 5120) is None      # vocabulary head: cuBLAS
 

@@ -57,6 +57,8 @@ def default_config(m: int, n: int, k: int) -> LinearConfig | None:
         return LinearConfig(64, 256, True, 4, 3, 1)
     if k >= 12288:  # long inputs onto a narrow output: one row as CUDA-core dots (no split), more rows split K
         return LinearConfig(16, 256, False, 4, 5, 2) if m == 1 else LinearConfig(64, 128, True, 4, 3, 2)
+    if m == 1 and n <= 8192:  # o / gdn out: 8-row tiles, 640 programs spread evenly over the SMs
+        return LinearConfig(8, 256, False, 4, 5, 1)
     return None
 
 
