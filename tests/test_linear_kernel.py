@@ -26,8 +26,7 @@ def _run_cases():  # executed in a subprocess with TRITON_INTERPRET=1
     for m, n, k, cfg in CASES:
         g = torch.Generator().manual_seed(m * n + k)
         x, w = torch.randn(m, k + 3, generator=g)[:, :k], torch.randn(n, k, generator=g)  # strided rows
-        tiles, blocks = -(-n // cfg.block_n), -(-k // cfg.block_k)
-        split = min(-(-cfg.waves * 4 // tiles), blocks) if tiles < cfg.waves * 4 else 1
+        split = linear_triton.split_blocks(-(-n // cfg.block_n), -(-k // cfg.block_k), cfg.waves * 4)[0]
         y = linear_rows(x, w, cfg, sms=4)
         results.append({"case": [m, n, k, cfg.short()], "err": float((y - x @ w.t()).abs().max()), "split": split,
                         "counters_clean": int(kernels._COUNTERS[("cpu", None)].abs().sum()) == 0})

@@ -179,9 +179,11 @@ if triton is not None:
         if COMPUTE_GATES:
             decay_rate = -tl.exp(tl.load(a_log + hv).to(tl.float32))
             bias = tl.load(dt_bias + hv).to(tl.float32)
-        qk_owner = (hv % (VALUE_HEADS // KEY_HEADS) == 0) & (i_v == 0)  # one program per key head writes q, k
+        # who writes the window and conv output a replay needs: one program per key head its q, k channels; each
+        # program its own v slice; nobody when the history is shifted in place (a replay never follows)
+        qk_owner = (hv % (VALUE_HEADS // KEY_HEADS) == 0) & (i_v == 0)
         v_owner = i_v >= 0
-        if HISTORY_IN_PLACE:  # nothing to record for a replay
+        if HISTORY_IN_PLACE:
             qk_owner = qk_owner & False
             v_owner = qk_owner
         C = 2 * KEY_HEADS * K + VALUE_HEADS * V

@@ -62,6 +62,14 @@ def default_config(m: int, n: int, k: int) -> LinearConfig | None:
     return None
 
 
+def split_blocks(tiles: int, blocks: int, programs: int) -> tuple[int, int]:
+    """(split, blocks per split): each output tile's K blocks split until about `programs` programs run, no split
+    empty (shared with the W4A16 kernel)."""
+    split = min(-(-programs // tiles), blocks) if tiles < programs else 1
+    per_split = -(-blocks // split)
+    return -(-blocks // per_split), per_split
+
+
 def available(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return triton_runs_on(x) and x.dim() == 2 and x.dtype in (torch.bfloat16, torch.float16) and \
         weight.dtype == x.dtype and weight.stride(-1) == 1
@@ -78,11 +86,8 @@ def linear_rows(x: torch.Tensor, weight: torch.Tensor, config: LinearConfig, out
     block_m = 1 if not config.dot else (8 if m <= 8 else 16)
     if not config.dot and m != 1:
         raise ValueError("the CUDA-core variant takes one row")
-    tiles, blocks = -(-n // config.block_n), -(-k // config.block_k)
-    target = config.waves * (sms or _sm_count(x.device))
-    split = min(-(-target // tiles), blocks) if tiles < target else 1
-    per_split = -(-blocks // split)
-    split = -(-blocks // per_split)
+    tiles = -(-n // config.block_n)
+    split, per_split = split_blocks(tiles, -(-k // config.block_k), config.waves * (sms or _sm_count(x.device)))
     ws = torch.empty(split * m * n if split > 1 else 1, device=x.device, dtype=torch.float32)
     sync = config.dot and x.is_cuda
     if sync:

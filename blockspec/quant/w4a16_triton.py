@@ -70,6 +70,7 @@ import torch
 import torch.nn.functional as F
 
 from ..kernels import arrival_counters
+from ..kernels.linear_triton import split_blocks
 
 try:  # triton is optional: CPU-only installs use the plain PyTorch reference paths
     import triton
@@ -342,10 +343,7 @@ def _sm_count(device: torch.device) -> int:
 
 def split_k(cfg: KernelConfig, n: int, nblk: int, sms: int = 132) -> tuple[int, int]:
     """(split, blocks per split): split K until about cfg.waves * sms programs, no empty splits."""
-    n_tiles, target = -(-n // cfg.block_n), cfg.waves * sms
-    split = min(-(-target // n_tiles), nblk) if n_tiles < target else 1
-    bps = -(-nblk // split)
-    return -(-nblk // bps), bps
+    return split_blocks(-(-n // cfg.block_n), nblk, cfg.waves * sms)
 
 
 def _launch(x2: torch.Tensor, pw: PackedWeight, cfg: KernelConfig, out: torch.Tensor) -> None:
