@@ -119,7 +119,8 @@ def test_commit_bounds_are_checked(model):
 
 
 def test_in_place_state_equals_transactional_and_refuses_partial_commits(model):
-    """Plain decoding's in-place DeltaNet state: token by token it ends in exactly the transactional state."""
+    """Plain decoding's in-place DeltaNet state (recurrent state and, for one-token passes, the conv history
+    updated by the pass itself): token by token it ends in exactly the transactional state."""
     gen = torch.Generator().manual_seed(5)
     prompt, tokens = torch.randint(0, 300, (7,), generator=gen), torch.randint(0, 300, (5,), generator=gen)
     states = [new_state(model), DecodeState(model, 128, 16, "cpu", torch.float32, in_place=True)]
@@ -129,7 +130,9 @@ def test_in_place_state_equals_transactional_and_refuses_partial_commits(model):
         logits.append(torch.stack([run(model, state, tokens[i:i + 1])[0] for i in range(5)]))
     assert torch.equal(logits[0], logits[1])
     assert all(torch.equal(a, b) for a, b in zip(snapshot(states[0]), snapshot(states[1])))
-    if states[1].gdn:
+    if states[1].gdn:  # one-token in-place passes shift the history themselves: their commit is bookkeeping only
+        assert not states[1].commit_moves_data(1, 1) and states[1].commit_moves_data(3, 3)
+        assert states[0].commit_moves_data(1, 1)
         model(tokens[:3], states[1])
         with pytest.raises(RuntimeError, match="in-place"):
             states[1].commit(2)
