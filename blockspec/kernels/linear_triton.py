@@ -12,7 +12,9 @@ graph; us per call, cuBLAS -> this kernel):
   down   5120 x 17408  M=1 50.9 -> 45.3 (n16 k256 fma s5),   M=8 52.6 -> 46.8 (n64 k128 dot s3, split-K)
   gate_up 34816 x 5120 M=1 88.0 -> 85.4, M=8 88.3 -> 85.8 (n64 k256 dot s3, no split)
   gdn in 16480 x 5120  M=1 44.2 -> 42.2, M=8 45.7 -> 42.9 (the same)
-  attention qkv 14336 x 5120 and o / gdn out 5120 x 6144: cuBLAS as fast or faster (kept).
+  o / gdn out 5120 x 6144 M=1 18.53 -> 17.96 (n8 k256 fma s5: 640 programs spread evenly over 132 SMs, where
+  16-row tiles leave 2 or 3 per SM; another machine's run); M=8 cuBLAS 18.6 vs 19.9 (kept)
+  attention qkv 14336 x 5120: cuBLAS within 2 % (kept).
 Dropped after measuring: SwiGLU's activation computed on the down projection's input load (every program re-reads
 and re-activates the whole input): 51.4 vs 46.2 us (activation launch + this kernel) at one row, 71.6 vs 48.7 at 8.
 """
