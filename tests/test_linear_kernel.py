@@ -62,3 +62,16 @@ def test_dense_linear_shares_weights_and_matches_nn_linear_on_cpu():
 
 if __name__ == "__main__":
     _run_cases()
+
+
+def test_configs_that_do_not_fit_shared_memory_keep_cublas(monkeypatch):
+    """The H200's configs need up to ~110 KB of shared memory; a card with ~100 KB per block (consumer Ampere / Ada)
+    keeps F.linear instead of failing to launch."""
+    gpu = torch.device("cuda", 0)
+    wide = linear_triton.default_config(8, 34816, 5120)
+    monkeypatch.setattr(linear_triton, "_shared_memory", lambda device: 227 * 1024)  # H100 / H200
+    assert linear_triton.fits(wide, 8, gpu)
+    monkeypatch.setattr(linear_triton, "_shared_memory", lambda device: 99 * 1024)  # RTX 4090
+    assert not linear_triton.fits(wide, 8, gpu)
+    assert linear_triton.fits(linear_triton.default_config(1, 5120, 17408), 1, gpu)  # the one-row dot: 40 KB
+    assert linear_triton.fits(wide, 8, torch.device("cpu"))  # the interpreter has no such limit

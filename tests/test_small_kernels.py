@@ -103,3 +103,34 @@ if __name__ == "__main__":
     print("RESULTS " + json.dumps({"norm": _norm_errors(), "attention": _attention_input_errors(),
                                    "gated_norm": _gated_norm_errors(), "activation": _activation_errors(),
                                    "conv": _conv_errors()}))
+
+
+def test_launch_fitting_lowers_pipeline_depth_until_shared_memory_suffices():
+    """A config tuned on the H200 that a smaller GPU refuses (Triton's OutOfResources) runs with fewer stages; the
+    depth that fits is remembered; a kernel that fits nowhere still fails loudly."""
+    import pytest
+
+    pytest.importorskip("triton")
+    from triton.runtime.errors import OutOfResources
+
+    from blockspec.kernels import launch_fitting
+
+    class FakeKernel:  # needs 40 KB per stage; the "GPU" has 100 KB
+        def __init__(self, per_stage):
+            self.per_stage, self.tried = per_stage, []
+
+        def __getitem__(self, grid):
+            def run(*args, STAGES, **meta):
+                self.tried.append(STAGES)
+                if STAGES * self.per_stage > 100:
+                    raise OutOfResources(STAGES * self.per_stage, 100, "shared memory")
+                return args, STAGES, meta
+            return run
+
+    kernel = FakeKernel(40)
+    assert launch_fitting(kernel, (1,), "x", stages_key="STAGES", STAGES=4, BN=64) == (("x",), 2, {"BN": 64})
+    assert kernel.tried == [4, 3, 2]
+    launch_fitting(kernel, (1,), "x", stages_key="STAGES", STAGES=4, BN=64)
+    assert kernel.tried == [4, 3, 2, 2]  # remembered
+    with pytest.raises(OutOfResources):
+        launch_fitting(FakeKernel(200), (1,), stages_key="STAGES", STAGES=3)

@@ -38,6 +38,31 @@ def arrival_counters(device: torch.device, count: int) -> torch.Tensor:
     return _COUNTERS[key]
 
 
+_FITTING_STAGES: dict = {}
+
+
+def launch_fitting(kernel, grid, *args, stages_key: str = "num_stages", **meta):
+    """kernel[grid](*args, **meta) with as deep a software pipeline as the GPU's shared memory holds: the depths
+    were tuned on the H200 (227 KB per block), consumer Ampere / Ada / Blackwell cards give ~100 KB, where Triton
+    refuses the launch (OutOfResources); then the same kernel runs with fewer stages (same numerics). The depth
+    that fits is remembered per kernel and constants."""
+    from triton.runtime.errors import OutOfResources
+
+    tuned = meta.pop(stages_key, 3)
+    key = (kernel, tuned, tuple(sorted((name, str(value)) for name, value in meta.items())))
+    stages = _FITTING_STAGES.get(key, tuned)
+    while True:
+        try:
+            result = kernel[grid](*args, **meta, **{stages_key: stages})
+        except OutOfResources:
+            if stages <= 1:
+                raise
+            stages -= 1
+            continue
+        _FITTING_STAGES[key] = stages
+        return result
+
+
 def enable_fusion(enabled: bool = True):
     FUSION["enabled"] = enabled
     if enabled:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from . import triton_runs_on
+from . import launch_fitting, triton_runs_on
 
 try:
     import triton
@@ -54,11 +54,11 @@ def cached_attention_triton(q, k, v, positions, scale):
     splits, per_split = split_plan(k.shape[0], block_n)
     partial = torch.empty(splits, kv_heads, block_m, d, device=q.device, dtype=torch.float32)
     lse = torch.empty(splits, kv_heads, block_m, device=q.device, dtype=torch.float32)
-    _attention_split_kernel[(kv_heads, splits)](
-        q, k, v, positions, partial, lse, scale,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        T=t, GROUP=group, D=d, BLOCK_M=block_m, BLOCK_N=block_n, PER_SPLIT=per_split,
-        num_warps=4 if block_m <= 32 else 8)
+    launch_fitting(_attention_split_kernel, (kv_heads, splits),
+                   q, k, v, positions, partial, lse, scale,
+                   q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+                   T=t, GROUP=group, D=d, BLOCK_M=block_m, BLOCK_N=block_n, PER_SPLIT=per_split,
+                   num_warps=4 if block_m <= 32 else 8)
     out = torch.empty(t, heads, d, device=q.device, dtype=q.dtype)
     _merge_splits_kernel[(kv_heads, rows)](partial, lse, out, out.stride(0), out.stride(1),
                                            SPLITS=splits, GROUP=group, D=d, BLOCK_M=block_m,

@@ -10,7 +10,7 @@ from . import linear_triton
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     if bias is None and linear_triton.available(x, weight):
         config = linear_triton.default_config(x.shape[0], weight.shape[0], weight.shape[1])
-        if config is not None:
+        if config is not None and linear_triton.fits(config, x.shape[0], x.device):
             return linear_triton.linear_rows(x, weight, config)
     return F.linear(x, weight, bias)
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import arrival_counters, triton_runs_on
+from . import arrival_counters, launch_fitting, triton_runs_on
 
 try:
     import triton
@@ -64,6 +64,15 @@ def default_config(m: int, n: int, k: int) -> LinearConfig | None:
     return None
 
 
+def fits(config: LinearConfig, m: int, device: torch.device) -> bool:
+    """Whether the config's pipeline (stages x (weight tile + input tile), bf16) fits the device's shared memory per
+    block: the H200's winners need up to ~110 KB, more than consumer Ampere / Ada cards give (~100 KB), which then
+    keep cuBLAS."""
+    block_m = 1 if not config.dot else (8 if m <= 8 else 16)
+    need = config.stages * (config.block_n + block_m) * config.block_k * 2
+    return device.type != "cuda" or need <= _shared_memory(device)
+
+
 def split_blocks(tiles: int, blocks: int, programs: int) -> tuple[int, int]:
     """(split, blocks per split): each output tile's K blocks split until about `programs` programs run, no split
     empty (shared with the W4A16 kernel)."""
@@ -95,15 +104,20 @@ def linear_rows(x: torch.Tensor, weight: torch.Tensor, config: LinearConfig, out
     if sync:
         os.environ["DISABLE_MMA_V3"] = "1"  # mma.sync for 8-row tiles; read by the compiler on a first call
     try:
-        _linear_kernel[(tiles, split)](x, weight, out, ws, arrival_counters(x.device, tiles), m, n, k, x.stride(0),
-                                       weight.stride(0), out.stride(0), per_split, split, BN=config.block_n,
-                                       BK=config.block_k, BM=block_m, STAGES=config.stages, DOT=config.dot,
-                                       EVEN_K=k % config.block_k == 0, SYNC=sync, F32DOT=not x.is_cuda,
-                                       num_warps=config.warps)
+        launch_fitting(_linear_kernel, (tiles, split), x, weight, out, ws, arrival_counters(x.device, tiles), m, n,
+                       k, x.stride(0), weight.stride(0), out.stride(0), per_split, split, stages_key="STAGES",
+                       BN=config.block_n, BK=config.block_k, BM=block_m, STAGES=config.stages, DOT=config.dot,
+                       EVEN_K=k % config.block_k == 0, SYNC=sync, F32DOT=not x.is_cuda, num_warps=config.warps)
     finally:
         if sync:
             os.environ.pop("DISABLE_MMA_V3", None)
     return out
+
+
+@functools.cache
+def _shared_memory(device: torch.device) -> int:
+    props = torch.cuda.get_device_properties(device)
+    return getattr(props, "shared_memory_per_block_optin", props.shared_memory_per_block)
 
 
 @functools.cache

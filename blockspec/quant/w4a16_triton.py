@@ -69,7 +69,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..kernels import arrival_counters
+from ..kernels import arrival_counters, launch_fitting
 from ..kernels.linear_triton import split_blocks
 
 try:  # triton is optional: CPU-only installs use the plain PyTorch reference paths
@@ -370,7 +370,7 @@ def _launch(x2: torch.Tensor, pw: PackedWeight, cfg: KernelConfig, out: torch.Te
     if meta["SYNC"]:
         os.environ["DISABLE_MMA_V3"] = "1"  # read by the compiler; only a first call per config compiles
     try:
-        _wq_kernel[(n_tiles, split)](*args, **meta)
+        launch_fitting(_wq_kernel, (n_tiles, split), *args, stages_key="STAGES", **meta)
     finally:
         if meta["SYNC"]:
             os.environ.pop("DISABLE_MMA_V3", None)
