@@ -49,7 +49,7 @@ def launch_fitting(kernel, grid, *args, stages_key: str = "num_stages", **meta):
     from triton.runtime.errors import OutOfResources
 
     tuned = meta.pop(stages_key, 3)
-    key = (kernel, tuned, tuple(sorted((name, str(value)) for name, value in meta.items())))
+    key = (kernel, tuned, tuple(sorted(meta.items())))  # constants: ints, bools, strings (hashable as they are)
     stages = _FITTING_STAGES.get(key, tuned)
     while True:
         try:
