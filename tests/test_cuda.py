@@ -210,3 +210,46 @@ def test_dense_linear_kernel_bf16_on_gpu(rows):
                                 z, nw, 1e-6)
     assert torch.equal(window, window3) and (one.float() - three.float()).abs().max() <= 0.02 * three.abs().max()
     assert (final_one - final_three).abs().max() <= 1e-5
+
+
+@pytest.mark.parametrize("rows", [1, 8])
+def test_pdl_chain_in_graph_equals_serial_launches(rows, monkeypatch):
+    """Programmatic dependent launch (kernels.pdl) changes when kernels start, never what they compute: a chain of
+    norm -> projection -> activation -> split-K projection -> norm -> W4A16 projection at 27B shapes, captured in a
+    CUDA graph with PDL and replayed on fresh inputs, is bitwise equal to the same kernels launched one after
+    another without it (a kernel reading its input before the previous one wrote it would differ)."""
+    from blockspec.kernels import activation_triton, norm_triton, pdl
+    from blockspec.kernels.linear import linear
+    from blockspec.quant.w4a16_triton import pack, wq_matmul
+
+    torch.manual_seed(rows)
+    bf = dict(device="cuda", dtype=torch.bfloat16)
+    w_up, w_down = torch.randn(34816, 5120, **bf) * 0.014, torch.randn(5120, 17408, **bf) * 0.008
+    norm_w = torch.randn(5120, **bf) * 0.1
+    packed = pack(torch.randint(0, 16, (6144, 5120), device="cuda"),
+                  torch.rand(6144, 40, **bf) * 0.01, None, 4, 128)
+
+    def chain(x, delta):
+        summed, h = norm_triton.add_rms_norm_rows(x, delta, norm_w, 1e-6)
+        gate_up = linear(h, w_up)
+        down = linear(activation_triton.gated(gate_up[:, 17408:], gate_up[:, :17408], "silu"), w_down)
+        return wq_matmul(norm_triton.add_rms_norm_rows(summed, down, norm_w, 1e-6)[1], packed)
+
+    inputs = [(torch.randn(rows, 5120, **bf), torch.randn(rows, 5120, **bf)) for _ in range(3)]
+    monkeypatch.setenv("BLOCKSPEC_PDL", "0")
+    pdl._device_supports.cache_clear()
+    serial = [chain(*pair) for pair in inputs]
+    monkeypatch.setenv("BLOCKSPEC_PDL", "1")
+    pdl._device_supports.cache_clear()
+    assert pdl.enabled(w_up) == (torch.cuda.get_device_capability()[0] >= 9)
+    x, delta = (t.clone() for t in inputs[0])
+    chain(x, delta)  # compiles the PDL variants outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = chain(x, delta)
+    for (xi, di), expected in zip(inputs[::-1], serial[::-1]):
+        x.copy_(xi)
+        delta.copy_(di)
+        graph.replay()
+        assert torch.equal(out, expected)
+    pdl._device_supports.cache_clear()

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from . import triton_runs_on
+from . import pdl, triton_runs_on
 
 try:
     import triton
@@ -38,13 +38,15 @@ def gated(x: torch.Tensor, gate: torch.Tensor, activation: str) -> torch.Tensor:
     out = torch.empty(x.shape, device=x.device, dtype=x.dtype)
     n = xs.shape[1]
     _gated_kernel[(xs.shape[0], triton.cdiv(n, BLOCK))](xs, xs.stride(0), gs, gs.stride(0), out, n,
-                                                       SILU=activation == "silu", BLOCK=BLOCK, num_warps=4)
+                                                       SILU=activation == "silu", BLOCK=BLOCK, num_warps=4,
+                                                       **pdl.options(x))
     return out
 
 
 if triton is not None:
     @triton.jit
-    def _gated_kernel(x, s_x, gate, s_gate, out, N, SILU: tl.constexpr, BLOCK: tl.constexpr):
+    def _gated_kernel(x, s_x, gate, s_gate, out, N, SILU: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+        pdl.begin(PDL)
         row = tl.program_id(0)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         ok = cols < N

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from . import triton_runs_on
+from . import pdl, triton_runs_on
 
 try:
     import triton
@@ -32,7 +32,8 @@ def prepare_attention_inputs(query, key, value, q_weight, k_weight, eps, cos, si
     _attention_inputs_kernel[(t, heads + kv_heads)](
         query, key, value, q_weight, k_weight, cos, sin, positions, cache_k, cache_v, out, eps,
         query.stride(0), query.stride(1), key.stride(0), key.stride(1), value.stride(0), value.stride(1),
-        cache_k.stride(0), cache_k.stride(1), HEADS=heads, D=d, ROT=cos.shape[-1], num_warps=2)
+        cache_k.stride(0), cache_k.stride(1), HEADS=heads, D=d, ROT=cos.shape[-1], num_warps=2,
+        **pdl.options(query))
     return out
 
 
@@ -58,7 +59,8 @@ if triton is not None:
     @triton.jit
     def _attention_inputs_kernel(q, k, v, q_weight, k_weight, cos, sin, positions, cache_k, cache_v, out, eps,
                                  sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, sc_l, sc_h,
-                                 HEADS: tl.constexpr, D: tl.constexpr, ROT: tl.constexpr):
+                                 HEADS: tl.constexpr, D: tl.constexpr, ROT: tl.constexpr, PDL: tl.constexpr):
+        pdl.begin(PDL)
         t = tl.program_id(0)
         head = tl.program_id(1)
         dims = tl.arange(0, D)

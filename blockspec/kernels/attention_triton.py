@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from . import launch_fitting, triton_runs_on
+from . import launch_fitting, pdl, triton_runs_on
 
 try:
     import triton
@@ -58,11 +58,12 @@ def cached_attention_triton(q, k, v, positions, scale):
                    q, k, v, positions, partial, lse, scale,
                    q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                    T=t, GROUP=group, D=d, BLOCK_M=block_m, BLOCK_N=block_n, PER_SPLIT=per_split,
-                   num_warps=4 if block_m <= 32 else 8)
+                   num_warps=4 if block_m <= 32 else 8, **pdl.options(q))
     out = torch.empty(t, heads, d, device=q.device, dtype=q.dtype)
     _merge_splits_kernel[(kv_heads, rows)](partial, lse, out, out.stride(0), out.stride(1),
                                            SPLITS=splits, GROUP=group, D=d, BLOCK_M=block_m,
-                                           BLOCK_S=max(2, triton.next_power_of_2(splits)), KV_HEADS=kv_heads)
+                                           BLOCK_S=max(2, triton.next_power_of_2(splits)), KV_HEADS=kv_heads,
+                                           **pdl.options(q))
     return out
 
 
@@ -71,7 +72,9 @@ if triton is not None:
     def _attention_split_kernel(q, k, v, positions, partial, lse, scale,
                                 sq_t, sq_h, sk_l, sk_h, sv_l, sv_h,
                                 T: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr,
-                                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PER_SPLIT: tl.constexpr):
+                                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PER_SPLIT: tl.constexpr,
+                                PDL: tl.constexpr):
+        pdl.begin(PDL)
         kv = tl.program_id(0)
         split = tl.program_id(1)
         start = tl.load(positions)                      # position of query token 0; the cache holds start + T
@@ -107,7 +110,9 @@ if triton is not None:
 
     @triton.jit
     def _merge_splits_kernel(partial, lse, out, so_t, so_h, SPLITS: tl.constexpr, GROUP: tl.constexpr,
-                             D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_S: tl.constexpr, KV_HEADS: tl.constexpr):
+                             D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_S: tl.constexpr, KV_HEADS: tl.constexpr,
+                             PDL: tl.constexpr):
+        pdl.begin(PDL)
         kv = tl.program_id(0)
         row = tl.program_id(1)
         splits = tl.arange(0, BLOCK_S)

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from . import arrival_counters, triton_runs_on
+from . import arrival_counters, pdl, triton_runs_on
 
 try:
     import triton
@@ -96,7 +96,7 @@ def _launch(mixed, state_in, state_out, shape, gates, gates_out, out, conv, norm
         BVN=triton.next_power_of_2(value_dim), TAPS=conv_weight.shape[-1] if conv is not None else 1,
         COMPUTE_GATES=gates[0] == "ab", SAVE_GATES=gates[0] == "ab" and gates_out is not None,
         CONV=conv is not None, NORM=norm is not None, HISTORY_IN_PLACE=update_history, num_warps=num_warps,
-        num_stages=3)
+        num_stages=3, **pdl.options(out))
 
 
 def causal_conv1d(x, history, weight, window_out=None, mixed_out=None, block_c=None, num_warps=None):
@@ -109,13 +109,16 @@ def causal_conv1d(x, history, weight, window_out=None, mixed_out=None, block_c=N
     mixed = mixed_out if mixed_out is not None else x.new_empty(t, channels)
     block_c, num_warps = block_c or CONV_BLOCK_C, num_warps or CONV_WARPS
     _causal_conv1d_kernel[(triton.cdiv(channels, block_c),)](
-        x, x.stride(0), history, weight, window, mixed, t, channels, K=taps, BLOCK_C=block_c, num_warps=num_warps)
+        x, x.stride(0), history, weight, window, mixed, t, channels, K=taps, BLOCK_C=block_c, num_warps=num_warps,
+        **pdl.options(x))
     return mixed, window
 
 
 if triton is not None:
     @triton.jit(do_not_specialize=["T"])
-    def _causal_conv1d_kernel(x, s_x, history, weight, window, mixed, T, C, K: tl.constexpr, BLOCK_C: tl.constexpr):
+    def _causal_conv1d_kernel(x, s_x, history, weight, window, mixed, T, C, K: tl.constexpr, BLOCK_C: tl.constexpr,
+                              PDL: tl.constexpr):
+        pdl.begin(PDL)
         cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
         ok = cols < C
         for r in tl.static_range(K - 1):
@@ -164,7 +167,8 @@ if triton is not None:
                             KEY_HEADS: tl.constexpr, VALUE_HEADS: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                             BV: tl.constexpr, BK: tl.constexpr, BVN: tl.constexpr, TAPS: tl.constexpr,
                             COMPUTE_GATES: tl.constexpr, SAVE_GATES: tl.constexpr, CONV: tl.constexpr,
-                            NORM: tl.constexpr, HISTORY_IN_PLACE: tl.constexpr):
+                            NORM: tl.constexpr, HISTORY_IN_PLACE: tl.constexpr, PDL: tl.constexpr):
+        pdl.begin(PDL)
         pid = tl.program_id(0)
         slices = tl.cdiv(V, BV)
         i_v = pid % slices

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import arrival_counters, launch_fitting, triton_runs_on
+from . import arrival_counters, launch_fitting, pdl, triton_runs_on
 
 try:
     import triton
@@ -100,6 +100,8 @@ def linear_rows(x: torch.Tensor, weight: torch.Tensor, config: LinearConfig, out
     tiles = -(-n // config.block_n)
     split, per_split = split_blocks(tiles, -(-k // config.block_k), config.waves * (sms or _sm_count(x.device)))
     ws = torch.empty(split * m * n if split > 1 else 1, device=x.device, dtype=torch.float32)
+    prefetch = pdl.prefetch_blocks(config.block_n * config.block_k * weight.element_size(), tiles * split,
+                                   per_split, x.device)
     sync = config.dot and x.is_cuda
     if sync:
         os.environ["DISABLE_MMA_V3"] = "1"  # mma.sync for 8-row tiles; read by the compiler on a first call
@@ -107,7 +109,8 @@ def linear_rows(x: torch.Tensor, weight: torch.Tensor, config: LinearConfig, out
         launch_fitting(_linear_kernel, (tiles, split), x, weight, out, ws, arrival_counters(x.device, tiles), m, n,
                        k, x.stride(0), weight.stride(0), out.stride(0), per_split, split, stages_key="STAGES",
                        BN=config.block_n, BK=config.block_k, BM=block_m, STAGES=config.stages, DOT=config.dot,
-                       EVEN_K=k % config.block_k == 0, SYNC=sync, F32DOT=not x.is_cuda, num_warps=config.warps)
+                       EVEN_K=k % config.block_k == 0, SYNC=sync, F32DOT=not x.is_cuda, PREFETCH=prefetch,
+                       LINE=128 // weight.element_size(), num_warps=config.warps, **pdl.options(x))
     finally:
         if sync:
             os.environ.pop("DISABLE_MMA_V3", None)
@@ -149,7 +152,7 @@ if triton is not None:
     def _linear_kernel(x, w, out, ws, counters, M, N, K, s_x, s_w, s_o, PER_SPLIT, SPLIT, BN: tl.constexpr,
                        BK: tl.constexpr, BM: tl.constexpr,
                        STAGES: tl.constexpr, DOT: tl.constexpr, EVEN_K: tl.constexpr, SYNC: tl.constexpr,
-                       F32DOT: tl.constexpr):
+                       F32DOT: tl.constexpr, PREFETCH: tl.constexpr, LINE: tl.constexpr, PDL: tl.constexpr):
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
         offs_n = pid_n * BN + tl.arange(0, BN)
@@ -160,6 +163,8 @@ if triton is not None:
         w_tile = w + offs_n[:, None].to(tl.int64) * s_w + offs_k[None, :]
         b_lo = pid_k * PER_SPLIT
         b_hi = tl.minimum(b_lo + PER_SPLIT, tl.cdiv(K, BK))
+        pdl.prefetch_rows(w, offs_n, s_w, b_lo * BK, N, K, PREFETCH * BK, LINE, PDL)  # while the previous kernel ends
+        pdl.wait(PDL)
         if DOT:
             acc = tl.zeros([BN, BM], tl.float32)
             for b in tl.range(b_lo, b_hi, num_stages=STAGES):
@@ -178,4 +183,5 @@ if triton is not None:
                 xr = tl.load(x + b * BK + offs_k, mask=k_ok, other=0.0)
                 row += tl.sum(wt.to(tl.float32) * xr.to(tl.float32)[None, :], 1)
             acc = row[:, None]
+        pdl.release(PDL)
         split_k_finish(acc, out, ws, counters, offs_n, offs_m, M, N, s_o, pid_n, pid_k, SPLIT)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from . import triton_runs_on
+from . import pdl, triton_runs_on
 
 try:
     import triton
@@ -43,7 +43,8 @@ def add_rms_norm_rows(x: torch.Tensor, delta: torch.Tensor | None, weight: torch
     _add_rms_norm_kernel[(rows.shape[0],)](
         rows, rows.stride(0), delta if delta is not None else rows, delta.reshape(-1, width).stride(0)
         if delta is not None else 0, weight, summed, normed, width, eps,
-        HAS_DELTA=delta is not None, ZERO_CENTRED=zero_centred, BLOCK=block, num_warps=num_warps or norm_warps(block))
+        HAS_DELTA=delta is not None, ZERO_CENTRED=zero_centred, BLOCK=block, num_warps=num_warps or norm_warps(block),
+        **pdl.options(x))
     if delta is None:
         return normed.view(x.shape)
     return summed.view(x.shape), normed.view(x.shape)
@@ -58,14 +59,16 @@ def gated_rms_norm_rows(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tenso
     out = torch.empty(xs.shape, device=x.device, dtype=x.dtype)
     block = triton.next_power_of_2(width)
     _gated_rms_norm_kernel[(xs.shape[0],)](xs, xs.stride(0), gate, gate.stride(0), gate.stride(1), weight, out, width,
-                                           eps, HEADS=heads, BLOCK=block, num_warps=max(1, min(8, block // 256)))
+                                           eps, HEADS=heads, BLOCK=block, num_warps=max(1, min(8, block // 256)),
+                                           **pdl.options(x))
     return out.view(x.shape)
 
 
 if triton is not None:
     @triton.jit
     def _gated_rms_norm_kernel(x, s_x, gate, s_gate_t, s_gate_h, weight, out, N, eps, HEADS: tl.constexpr,
-                               BLOCK: tl.constexpr):
+                               BLOCK: tl.constexpr, PDL: tl.constexpr):
+        pdl.begin(PDL)
         row = tl.program_id(0)
         cols = tl.arange(0, BLOCK)
         ok = cols < N
@@ -79,7 +82,9 @@ if triton is not None:
 
     @triton.jit
     def _add_rms_norm_kernel(x, s_x, delta, s_delta, weight, summed, normed, N, eps,
-                             HAS_DELTA: tl.constexpr, ZERO_CENTRED: tl.constexpr, BLOCK: tl.constexpr):
+                             HAS_DELTA: tl.constexpr, ZERO_CENTRED: tl.constexpr, BLOCK: tl.constexpr,
+                             PDL: tl.constexpr):
+        pdl.begin(PDL)
         row = tl.program_id(0)
         cols = tl.arange(0, BLOCK)
         ok = cols < N
