@@ -237,10 +237,10 @@ def test_pdl_chain_in_graph_equals_serial_launches(rows, monkeypatch):
 
     inputs = [(torch.randn(rows, 5120, **bf), torch.randn(rows, 5120, **bf)) for _ in range(3)]
     monkeypatch.setenv("BLOCKSPEC_PDL", "0")
-    pdl._device_supports.cache_clear()
+    pdl.reset()
     serial = [chain(*pair) for pair in inputs]
-    monkeypatch.setenv("BLOCKSPEC_PDL", "1")
-    pdl._device_supports.cache_clear()
+    monkeypatch.setenv("BLOCKSPEC_PDL", "2")
+    pdl.reset()
     assert pdl.enabled(w_up) == (torch.cuda.get_device_capability()[0] >= 9)
     x, delta = (t.clone() for t in inputs[0])
     chain(x, delta)  # compiles the PDL variants outside the capture
@@ -252,4 +252,5 @@ def test_pdl_chain_in_graph_equals_serial_launches(rows, monkeypatch):
         delta.copy_(di)
         graph.replay()
         assert torch.equal(out, expected)
-    pdl._device_supports.cache_clear()
+    monkeypatch.delenv("BLOCKSPEC_PDL")
+    pdl.reset()

@@ -7,16 +7,18 @@ from blockspec.kernels import pdl
 
 
 def test_prefetch_blocks_sizes_to_the_budget():
-    cpu = torch.device("cpu")
+    budget = 16 << 20
     for tile, programs, per_program in [(32768, 545, 20), (4096, 640, 24), (16384, 264, 3), (512, 10, 1000),
                                         (1 << 20, 1000, 8)]:
-        blocks = pdl.prefetch_blocks(tile, programs, per_program, cpu)
+        blocks = pdl.blocks_for_budget(tile, programs, per_program, budget)
         assert blocks & (blocks - 1) == 0 and 1 <= blocks <= per_program
         if blocks > 1:  # never more than the budget, unless one tile per program already exceeds it
-            assert blocks * tile * programs <= pdl.PREFETCH_BYTES
-        assert 2 * blocks > min(per_program, max(1, pdl.PREFETCH_BYTES // (tile * programs)))  # the largest such
+            assert blocks * tile * programs <= budget
+        assert 2 * blocks > min(per_program, max(1, budget // (tile * programs)))  # the largest such
+        assert pdl.blocks_for_budget(tile, programs, per_program, 0) == 0  # no PDL: no prefetch
 
 
 def test_no_pdl_off_cuda():
-    assert pdl.options(torch.zeros(1)) == {"PDL": False}
+    assert pdl.options(torch.zeros(1)) == {"PDL": 0}
     assert not pdl.enabled(torch.zeros(1))
+    assert pdl.prefetch_blocks(4096, 100, 8, torch.device("cpu")) == 0

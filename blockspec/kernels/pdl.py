@@ -16,7 +16,7 @@ The rules every kernel launched with PDL follows here:
     again, and at most one projection's programs wait for their turn at any time.
 The chain is transitive (a kernel past its wait implies every earlier kernel completed). Kernels without PDL (cuBLAS,
 torch ops) are ordinary launches and serialize as always. Off on older GPUs, under the interpreter, and with
-BLOCKSPEC_PDL=0 (debugging, or a comparison run).
+BLOCKSPEC_PDL=0 (debugging, or a comparison run; see `settings`).
 """
 
 from __future__ import annotations
@@ -32,32 +32,47 @@ try:
 except ImportError:  # pragma: no cover - CPU-only installs run no Triton kernel
     triton = None
 
-PREFETCH_BYTES = 16 << 20  # what a projection prefetches in all: ~4 us of HBM time, well inside L2 (50 MB, H200)
+PREFETCH_MB = 16  # what a projection prefetches in all: ~4 us of HBM time, well inside L2 (50 MB, H200)
 
 
 @functools.cache
-def _device_supports(device: torch.device) -> bool:
-    if os.environ.get("BLOCKSPEC_PDL", "1") == "0" or triton is None:
-        return False
-    return torch.cuda.get_device_capability(device)[0] >= 9
+def settings(device: torch.device) -> tuple[int, int]:
+    """(level, prefetch bytes) on `device`: level 0 = no PDL, 1 = launched with PDL but each kernel lets its
+    successor start only when it exits (hides the launch alone), 2 = the early releases described above. Read once
+    from BLOCKSPEC_PDL (0 / 1 / 2, default 2) and BLOCKSPEC_PDL_PREFETCH_MB; `reset` re-reads them."""
+    level = int(os.environ.get("BLOCKSPEC_PDL", "2"))
+    if triton is None or device.type != "cuda" or torch.cuda.get_device_capability(device)[0] < 9:
+        level = 0
+    budget = int(float(os.environ.get("BLOCKSPEC_PDL_PREFETCH_MB", PREFETCH_MB)) * (1 << 20))
+    if device.type == "cuda":  # a third of L2 at most
+        budget = min(budget, getattr(torch.cuda.get_device_properties(device), "L2_cache_size", budget) // 3)
+    return level, budget if level else 0
+
+
+def reset():
+    settings.cache_clear()
 
 
 def enabled(x: torch.Tensor) -> bool:
-    return x.is_cuda and _device_supports(x.device)
+    return settings(x.device)[0] > 0
 
 
 def options(x: torch.Tensor) -> dict:
     """Launch keywords for a kernel taking the PDL constexpr: launch_pdl only where it applies (the interpreter
     takes no such option)."""
-    return {"PDL": True, "launch_pdl": True} if enabled(x) else {"PDL": False}
+    level = settings(x.device)[0]
+    return {"PDL": level, "launch_pdl": True} if level else {"PDL": 0}
 
 
 def prefetch_blocks(tile_bytes: int, programs: int, blocks_per_program: int, device: torch.device) -> int:
-    """How many of its first weight tiles each of `programs` prefetches (a power of two, at most its own range):
-    PREFETCH_BYTES in all (less on GPUs whose L2 is small), as if every program were resident at once."""
-    budget = PREFETCH_BYTES
-    if device.type == "cuda":
-        budget = min(budget, getattr(torch.cuda.get_device_properties(device), "L2_cache_size", budget) // 3)
+    """How many of its first weight tiles each of `programs` prefetches (a power of two, at most its own range, 0
+    without PDL): the prefetch budget in all, as if every program were resident at once."""
+    return blocks_for_budget(tile_bytes, programs, blocks_per_program, settings(device)[1])
+
+
+def blocks_for_budget(tile_bytes: int, programs: int, blocks_per_program: int, budget: int) -> int:
+    if budget <= 0:
+        return 0
     blocks = max(1, min(blocks_per_program, budget // max(1, programs * tile_bytes)))
     return 1 << (blocks.bit_length() - 1)
 
@@ -66,13 +81,13 @@ if triton is not None:
     @triton.jit
     def wait(PDL: tl.constexpr):
         """Until the previous kernel has completed and its writes are visible (a no-op without PDL)."""
-        if PDL:
+        if PDL >= 1:
             tl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
 
     @triton.jit
     def release(PDL: tl.constexpr):
         """Lets the next kernel's programs be placed once every program of this one got here (or exited)."""
-        if PDL:
+        if PDL >= 2:
             tl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=tl.int32,
                                       is_pure=False, pack=1)
 
@@ -86,8 +101,8 @@ if triton is not None:
     def prefetch_rows(base, rows, row_stride, col0, n_rows, n_cols, COLS: tl.constexpr, LINE: tl.constexpr,
                       PDL: tl.constexpr):
         """L2 prefetch of elements [col0, col0 + COLS) of the given rows of a row-major matrix (n_rows x n_cols,
-        indices clamped into it), one prefetch per LINE elements (a 128-byte line)."""
-        if PDL:
+        indices clamped into it), one prefetch per LINE elements (a 128-byte line); COLS 0: none."""
+        if PDL >= 1 and COLS > 0:
             LINES: tl.constexpr = (COLS + LINE - 1) // LINE
             cols = tl.minimum(col0 + tl.arange(0, LINES) * LINE, n_cols - 1)
             r = tl.minimum(rows, n_rows - 1).to(tl.int64)
