@@ -239,7 +239,7 @@ def test_pdl_chain_in_graph_equals_serial_launches(rows, monkeypatch):
     monkeypatch.setenv("BLOCKSPEC_PDL", "0")
     pdl.reset()
     serial = [chain(*pair) for pair in inputs]
-    monkeypatch.setenv("BLOCKSPEC_PDL", "2")
+    monkeypatch.setenv("BLOCKSPEC_PDL", "3")
     pdl.reset()
     assert pdl.enabled(w_up) == (torch.cuda.get_device_capability()[0] >= 9)
     x, delta = (t.clone() for t in inputs[0])

@@ -38,9 +38,10 @@ PREFETCH_MB = 16  # what a projection prefetches in all: ~4 us of HBM time, well
 @functools.cache
 def settings(device: torch.device) -> tuple[int, int]:
     """(level, prefetch bytes) on `device`: level 0 = no PDL, 1 = launched with PDL but each kernel lets its
-    successor start only when it exits (hides the launch alone), 2 = the early releases described above. Read once
-    from BLOCKSPEC_PDL (0 / 1 / 2, default 2) and BLOCKSPEC_PDL_PREFETCH_MB; `reset` re-reads them."""
-    level = int(os.environ.get("BLOCKSPEC_PDL", "2"))
+    successor start only when it exits (hides the launch alone), 2 = projections release after their main loop,
+    3 = small kernels also release at their start. Read once from BLOCKSPEC_PDL (default 3) and
+    BLOCKSPEC_PDL_PREFETCH_MB; `reset` re-reads them."""
+    level = int(os.environ.get("BLOCKSPEC_PDL", "3"))
     if triton is None or device.type != "cuda" or torch.cuda.get_device_capability(device)[0] < 9:
         level = 0
     budget = int(float(os.environ.get("BLOCKSPEC_PDL_PREFETCH_MB", PREFETCH_MB)) * (1 << 20))
@@ -93,8 +94,9 @@ if triton is not None:
 
     @triton.jit
     def begin(PDL: tl.constexpr):
-        """A small kernel's start: release the successor, then wait for the predecessor."""
-        release(PDL)
+        """A small kernel's start: release the successor (level 3), then wait for the predecessor."""
+        if PDL >= 3:
+            release(PDL)
         wait(PDL)
 
     @triton.jit
