@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# Programmatic dependent launch on the H200 (blockspec/kernels/pdl.py): the benchmark recipe with it (the default)
-# and without it (BLOCKSPEC_PDL=0), both in one run so the ratio is read on one machine. PARTS picks what runs:
-# tests (CUDA tests), bf16 (plain greedy off/on, then DFlash2 beside plain with it on), int4 (the same with the
-# INT4 target + int8 head).
+# Programmatic dependent launch on the H200 (blockspec/kernels/pdl.py): the benchmark recipe with the engine's
+# default level and without PDL (BLOCKSPEC_PDL=0), both in one run so the ratio is read on one machine. PARTS picks what runs:
+# tests (CUDA tests; TESTS_K selects), bf16 (plain greedy off/default, then DFlash2 beside plain), int4 (the same
+# with the INT4 target + int8 head, MTP too, and DFlash2 with the int8 drafter).
 # Usage (device machine, repo root, wheels in .whl): PARTS="tests bf16" bash bench/h200_pdl.sh  (writes to $OUT)
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"; LOG="$OUT/bench.txt"
@@ -17,12 +17,13 @@ Q="--target-quantization int4 --vocabulary-quantization int8"
 run() { local limit=$1; shift; echo "## $*" >> "$LOG"; timeout "$limit" "$@" 2>&1 | grep -v "^ \|[Ww]arn\|softmax\|important use" >> "$LOG"; echo "## exit $?" >> "$LOG"; }
 for part in ${PARTS:-tests bf16 int4}; do
   case $part in
-    tests) timeout ${TEST_S:-200} python3 -m pytest -q tests/test_cuda.py -s > "$OUT/cuda_tests.txt" 2>&1
+    tests) timeout ${TEST_S:-200} python3 -m pytest -q tests/test_cuda.py -s ${TESTS_K:+-k "$TESTS_K"} > "$OUT/cuda_tests.txt" 2>&1
            tail -3 "$OUT/cuda_tests.txt" >> "$LOG" ;;
     bf16) BLOCKSPEC_PDL=0 run 150 $BENCH --mode none $FORCED --json-out "$OUT/bf16_nopdl.json"
           run 240 $BENCH --mode none,dflash2 $FORCED --json-out "$OUT/bf16_pdl.json" ;;
     int4) BLOCKSPEC_PDL=0 run 150 $BENCH $Q --mode none $FORCED --json-out "$OUT/int4_nopdl.json"
-          run 240 $BENCH $Q --mode none,dflash2 $FORCED --json-out "$OUT/int4_pdl.json" ;;
+          run 240 $BENCH $Q --mode none,mtp,dflash2 $FORCED --json-out "$OUT/int4_pdl.json"
+          run 150 $BENCH $Q --dflash2-quantization int8 --mode dflash2 $FORCED --json-out "$OUT/int4_d8_pdl.json" ;;
   esac
 done
 cat "$LOG"

@@ -20,6 +20,7 @@ import torch
 from .config import PredictConfig
 from .engine.decode import Proposer
 from .errors import BlockspecError
+from .kernels import pdl
 
 WARMUP_TOKENS = 128
 DEFAULT_FIXTURES = Path(__file__).parent / "data" / "fixtures.json"  # code, English mystery, zh->en translation
@@ -186,6 +187,10 @@ def bench(args) -> dict:
             results["device"] = torch.cuda.get_device_name() if engine.device.type == "cuda" else "cpu"
             results["read_bandwidth_gb_s"] = args.bandwidth or measure_read_bandwidth(engine.device)
             results["bytes_per_plain_step"] = bytes_per_plain_step(engine)
+            level = pdl.settings(engine.device)[0]
+            results["pdl_level"] = level  # programmatic dependent launch (kernels/pdl.py); 0 = off
+            if level:
+                results["label"] += f", PDL level {level}"
         for fixture in fixtures:
             chat = [{"role": "user", "content": fixture["prompt"]}]
             ids = engine.tokenizer.encode(engine.tokenizer.chat_prompt(chat))

@@ -11,7 +11,7 @@ import torch
 from ..checkpoint import load_target
 from ..config import PredictConfig
 from ..errors import BlockspecError, UnsupportedRequest
-from ..kernels import enable_fusion
+from ..kernels import enable_fusion, pdl
 from ..quant.apply import prepare, quantize_head, resident_bytes, rtn
 from ..tokenizer import Tokenizer
 from .decode import DecodeStats, Proposer, decode
@@ -115,6 +115,7 @@ class Engine:
             raise BlockspecError(f"target_quantization: 'none', but {c.model} is a {stored} compressed-tensors "
                                  f"checkpoint: leave target_quantization unset or set it to {stored!r}")
         self.target_quantization = stored or c.target_quantization
+        pdl.use_level(3 if self.target_quantization == "int4" else 0)  # what each measured best with (kernels/pdl.py)
         self.packs = [key for key in ("fuse_kvq", "fuse_gate") if getattr(c, key)]
         # a compressed-tensors checkpoint is used as stored: its ignore list stays dense
         self.target_quantizer = rtn(c.target_quantization if not stored else "none", 128, self.dtype)

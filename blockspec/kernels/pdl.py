@@ -15,8 +15,9 @@ The rules every kernel launched with PDL follows here:
     (`release`): a successor released earlier would prefetch weights that this kernel's own stream evicts from L2
     again, and at most one projection's programs wait for their turn at any time.
 The chain is transitive (a kernel past its wait implies every earlier kernel completed). Kernels without PDL (cuBLAS,
-torch ops) are ordinary launches and serialize as always. Off on older GPUs, under the interpreter, and with
-BLOCKSPEC_PDL=0 (debugging, or a comparison run; see `settings`).
+torch ops) are ordinary launches and serialize as always. Those releases are levels (`settings`); the engine picks
+the one its target's weights measured best with (`DEFAULT_LEVEL`: all of it for an INT4 target, none for bf16).
+Off on older GPUs and under the interpreter; BLOCKSPEC_PDL=<level> overrides (debugging, comparison runs).
 """
 
 from __future__ import annotations
@@ -35,13 +36,26 @@ except ImportError:  # pragma: no cover - CPU-only installs run no Triton kernel
 PREFETCH_MB = 16  # what a projection prefetches in all: ~4 us of HBM time, well inside L2 (50 MB, H200)
 
 
+# The level an engine asks for (`use_level`) unless BLOCKSPEC_PDL says otherwise. Measured on the H200 (synthetic
+# 27B, packed; bench/pdl_variants.py, docs/benchmarks.md): INT4 target step 7.13 ms without PDL, 7.01 / 6.85 /
+# 6.71 ms at levels 1 / 2 / 3; bf16 step 13.79 ms without, 13.74 / 13.79 / 14.09 at levels 1 / 2 / 3: the bf16
+# projections, 4x longer, gain nothing from the overlap, and placing their programs early costs (level 3).
+DEFAULT_LEVEL = {"level": 3}
+
+
+def use_level(level: int):
+    """The level an engine's weights measured best with (see DEFAULT_LEVEL); BLOCKSPEC_PDL still overrides it."""
+    DEFAULT_LEVEL["level"] = level
+    reset()
+
+
 @functools.cache
 def settings(device: torch.device) -> tuple[int, int]:
     """(level, prefetch bytes) on `device`: level 0 = no PDL, 1 = launched with PDL but each kernel lets its
     successor start only when it exits (hides the launch alone), 2 = projections release after their main loop,
-    3 = small kernels also release at their start. Read once from BLOCKSPEC_PDL (default 3) and
-    BLOCKSPEC_PDL_PREFETCH_MB; `reset` re-reads them."""
-    level = int(os.environ.get("BLOCKSPEC_PDL", "3"))
+    3 = small kernels also release at their start. BLOCKSPEC_PDL (a level) and BLOCKSPEC_PDL_PREFETCH_MB override
+    the defaults; `reset` re-reads them."""
+    level = int(os.environ.get("BLOCKSPEC_PDL", DEFAULT_LEVEL["level"]))
     if triton is None or device.type != "cuda" or torch.cuda.get_device_capability(device)[0] < 9:
         level = 0
     budget = int(float(os.environ.get("BLOCKSPEC_PDL_PREFETCH_MB", PREFETCH_MB)) * (1 << 20))
