@@ -33,7 +33,7 @@ try:
 except ImportError:  # pragma: no cover - CPU-only installs run no Triton kernel
     triton = None
 
-PREFETCH_MB = 16  # what a projection prefetches in all: ~4 us of HBM time, well inside L2 (50 MB, H200)
+PREFETCH_MB = 4  # what a projection prefetches in all (~1 us of HBM time; bench/pdl_variants.py compares)
 
 
 # The level an engine asks for (`use_level`) unless BLOCKSPEC_PDL says otherwise. Measured on the H200 (synthetic
