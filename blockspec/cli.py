@@ -36,17 +36,24 @@ def add_engine_args(p: argparse.ArgumentParser, model_required=True):
 
 
 def add_weight_args(p: argparse.ArgumentParser):
-    """Quantization and packing flags (values are checked by PredictConfig, which names the key)."""
+    """Quantization, packing and draft-head flags (values are checked by PredictConfig, which names the key)."""
     p.add_argument("--target-quantization", help="none | int4 (RTN group 128 at load)")
     p.add_argument("--vocabulary-quantization", help="none | int8 | int4: the shared head (group 128)")
     p.add_argument("--dflash2-quantization", help="none | int8: the drafter's projections (group 32)")
     p.add_argument("--fuse-kvq", action="store_true", default=None, help="pack q/k/v (and DeltaNet in_proj_*)")
     p.add_argument("--fuse-gate", action="store_true", default=None, help="pack MLP gate/up projections")
+    p.add_argument("--mtp-draft-vocabulary", type=_count_or_path, metavar="N|FILE",
+                   help="MTP drafts over token ids 0..N-1 (+ EOS) or a JSON list of ids; 0: the full head")
 
 
 def weight_overrides(args) -> dict:
     return {"target_quantization": args.target_quantization, "vocabulary_quantization": args.vocabulary_quantization,
-            "dflash2_quantization": args.dflash2_quantization, "fuse_kvq": args.fuse_kvq, "fuse_gate": args.fuse_gate}
+            "dflash2_quantization": args.dflash2_quantization, "fuse_kvq": args.fuse_kvq, "fuse_gate": args.fuse_gate,
+            "mtp_draft_vocabulary": args.mtp_draft_vocabulary}
+
+
+def _count_or_path(text: str) -> int | str:
+    return int(text) if text.lstrip("-").isdigit() else text
 
 
 def engine_config(args) -> PredictConfig:

@@ -97,6 +97,9 @@ class Engine:
         elif c.dflash2_model:
             raise BlockspecError(f"dflash2_model is set but mode is {self.mode!r}: unset dflash2_model or use "
                                  "mode dflash2 (the drafter is never loaded silently unused)")
+        if c.mtp_draft_vocabulary not in (0, "") and self.mode != "mtp":  # refused, never silently ignored
+            raise BlockspecError(f"mtp_draft_vocabulary: {c.mtp_draft_vocabulary!r} restricts MTP drafts, but mode is "
+                                 f"{self.mode!r}: use mode mtp or unset mtp_draft_vocabulary")
         if c.dflash2_quantization != "none" and self.mode != "dflash2":  # refused, never silently ignored
             raise BlockspecError(f"dflash2_quantization: {c.dflash2_quantization!r} quantizes a DFlash2 drafter, but "
                                  f"mode is {self.mode!r}: set dflash2_model (mode dflash2) or unset "
@@ -197,6 +200,9 @@ class Engine:
             self.last_stats = stats.as_dict(self.mode != "none")
             self.last_stats.update(mode=self.mode, target_quantization=self.target_quantization,
                                    vocabulary_quantization=self.config.vocabulary_quantization)
+            draft_head = getattr(self.proposer, "draft_head", None)
+            if draft_head is not None:  # proposals only: acceptance, not output, depends on it
+                self.last_stats["mtp_draft_vocabulary"] = draft_head.ids.numel()
 
     def generate(self, prompt_ids: list[int], max_tokens: int, stop_at_eos: bool = True) -> GenerationResult:
         tokens = list(self.stream(prompt_ids, max_tokens, stop_at_eos))

@@ -13,6 +13,7 @@ import torch
 from ..checkpoint import swap_in
 from ..errors import BlockspecError
 from ..layers.attention import KVCache
+from ..layers.draft_head import DraftHead, draft_ids
 from ..models.mtp import MTPHead
 from ..quant.apply import prepare
 from . import graphs
@@ -47,9 +48,11 @@ def load_mtp_head(model, tensors: dict, dtype, device) -> MTPHead:
 class MTPProposer(Proposer):
     name = "mtp"
 
-    def __init__(self, model, head: MTPHead, num_drafts: int, capacity: int, device, dtype):
+    def __init__(self, model, head: MTPHead, num_drafts: int, capacity: int, device, dtype,
+                 draft_head: DraftHead | None = None):
         c = model.config
         self.model, self.head = model, head
+        self.draft_head = draft_head  # drafts over a subset of the vocabulary (None: the full shared head)
         self.max_proposals = num_drafts
         self.caches = [KVCache(capacity, c.num_key_value_heads, c.head_dim, device, dtype) for _ in head.layers]
         self.graphs = {}  # rows observed -> (graph, drafts): compile_mode 0 only
@@ -59,8 +62,14 @@ class MTPProposer(Proposer):
     def build(cls, engine, mtp_tensors) -> "MTPProposer":
         head = load_mtp_head(engine.model, mtp_tensors, engine.dtype, engine.device)
         engine.memory["mtp"] = prepare(head, engine.packs, engine.target_quantizer)  # as the target's projections
+        spec, draft_head = engine.config.mtp_draft_vocabulary, None
+        if spec not in (0, ""):
+            config = engine.model.config
+            draft_head = DraftHead.from_model(engine.model, draft_ids(spec, config.vocab_size, config.eos_token_ids),
+                                              engine.dtype)
+            engine.memory["mtp"]["draft_head_bytes"] = draft_head.weight.numel() * draft_head.weight.element_size()
         return cls(engine.model, head, engine.config.self_speculative_num_tokens, engine.context_length,
-                   engine.device, engine.dtype)
+                   engine.device, engine.dtype, draft_head)
 
     def reset(self):
         self.first_draft = None   # the head's guess for the token after the anchor
@@ -75,6 +84,8 @@ class MTPProposer(Proposer):
         rope = self.model.rope(positions, embedded.dtype)
         x = self.head(embedded, hidden, self.caches, positions, rope, visible)
         normed = self.head.norm(x)
+        if self.draft_head is not None:
+            return normed, self.draft_head(normed[-1:])
         return normed, self.model.logits(normed[-1:]).argmax(-1)
 
     def step_at(self, hidden, next_tokens, position: int):

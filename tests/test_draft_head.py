@@ -1,0 +1,113 @@
+"""MTP drafts over a draft vocabulary (layers/draft_head.py): output still equals plain greedy, drafts stay in the
+set, the head rows are the shared head's (dense, tied or quantized), bad settings are refused in one line."""
+
+import json
+
+import pytest
+import torch
+
+from blockspec.cli import main
+from blockspec.engine.engine import Engine
+from blockspec.errors import BlockspecError
+from blockspec.layers.draft_head import DraftHead, draft_ids, head_rows
+from blockspec.tiny import build_tiny_checkpoint
+
+
+@pytest.fixture(scope="module")
+def planted(tmp_path_factory):
+    return build_tiny_checkpoint(tmp_path_factory.mktemp("planted"), seed=0, planted=True)
+
+
+def load(directory, mode="mtp", **kw):
+    return Engine.load(directory, device="cpu", compute_dtype="float32", mode=mode, context_length=512, **kw)
+
+
+def recording(engine):
+    """Wrap the proposer's propose to record every draft."""
+    drafts, propose = [], engine.proposer.propose
+
+    def wrapped(*args):
+        out = propose(*args)
+        drafts.extend(out)
+        return out
+    engine.proposer.propose = wrapped
+    return drafts
+
+
+@pytest.fixture(scope="module")
+def references(planted):
+    """(prompt, plain greedy, MTP over the full head)."""
+    prompt = load(planted, "none").tokenizer.encode("hello world")
+    return prompt, load(planted, "none").generate(prompt, 200, stop_at_eos=False), \
+        load(planted).generate(prompt, 200, stop_at_eos=False)
+
+
+@pytest.mark.parametrize("spec", [80, "file"])  # this prompt's greedy tokens are ids 65..89
+def test_mtp_with_draft_vocabulary_equals_plain_greedy(planted, references, tmp_path, spec):
+    prompt, plain, full = references
+    if spec == "file":  # every other id of the first 192: a set that is not a prefix
+        spec = tmp_path / "ids.json"
+        spec.write_text(json.dumps(list(range(0, 192, 2))))
+    engine = load(planted, mtp_draft_vocabulary=spec if isinstance(spec, int) else str(spec))
+    drafts = recording(engine)
+    allowed = set(engine.proposer.draft_head.ids.tolist())
+    result = engine.generate(prompt, 200, stop_at_eos=False)
+    assert result.tokens == plain.tokens  # lossless whatever the drafts
+    assert drafts and set(drafts) <= allowed
+    assert result.stats["mtp_draft_vocabulary"] == len(allowed) < engine.vocab_size
+    outside = sum(t not in allowed for t in plain.tokens)
+    print(f"acceptance {result.stats['acceptance_rate']:.2f} (full head {full.stats['acceptance_rate']:.2f}), "
+          f"{outside} of 200 greedy tokens outside the set")
+    assert outside > 0 and result.stats["acceptance_rate"] < full.stats["acceptance_rate"]
+    assert result.stats["acceptance_rate"] > 0.02  # drafts inside the set are still accepted
+
+
+@pytest.mark.parametrize("vocabulary_quantization", ["none", "int8"])
+def test_draft_head_rows_are_the_shared_head(planted, vocabulary_quantization):
+    engine = load(planted, "none", vocabulary_quantization=vocabulary_quantization)
+    model, vocab = engine.model, engine.vocab_size
+    ids = torch.tensor([0, 5, 17, vocab - 1])
+    full = model.embed_tokens.weight if model.lm_head is None else (
+        model.lm_head.dequantize(torch.float32) if hasattr(model.lm_head, "packed") else model.lm_head.weight)
+    assert torch.equal(head_rows(model, ids, torch.float32), full[ids].float())
+    # over every id the draft head picks what the full head picks (where the top two logits are not tied)
+    head = DraftHead.from_model(model, torch.arange(vocab), torch.float32)
+    x = torch.randn(64, model.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    logits = model.logits(x)
+    top2 = logits.topk(2, -1).values
+    clear = (top2[:, 0] - top2[:, 1]) > 1e-4
+    assert clear.sum() > 20  # (the planted head has tied rows)
+    assert torch.equal(head(x)[clear], logits.argmax(-1)[clear])
+
+
+def test_draft_ids(tmp_path):
+    assert draft_ids(4, 100, eos_ids=[99, 2]).tolist() == [0, 1, 2, 3, 99]
+    assert draft_ids(500, 100).tolist() == list(range(100))
+    good = tmp_path / "ids.json"
+    good.write_text("[7, 3, 3, 50]")
+    assert draft_ids(str(good), 100).tolist() == [3, 7, 50]
+    cases = {"missing.json": None, "text.json": "7, 3", "dict.json": '{"ids": [1]}', "empty.json": "[]",
+             "bools.json": "[true, 1]", "range.json": "[1, 100]"}
+    messages = []
+    for name, text in cases.items():
+        path = tmp_path / name
+        if text is not None:
+            path.write_text(text)
+        with pytest.raises(BlockspecError) as exc:
+            draft_ids(str(path), 100)
+        messages.append(str(exc.value))
+    assert all(m.startswith("mtp_draft_vocabulary: ") and "\n" not in m for m in messages)
+    assert "cannot read" in messages[0] and "not JSON" in messages[1] and "token id 100" in messages[-1]
+
+
+def test_draft_vocabulary_refusals(planted, capsys):
+    base = ["generate", "--model", str(planted), "--prompt", "a", "--device", "cpu", "--max-tokens", "2"]
+    assert main(base + ["--mode", "none", "--mtp-draft-vocabulary", "64"]) == 2
+    err = capsys.readouterr().err
+    assert "mtp_draft_vocabulary: 64 restricts MTP drafts, but mode is 'none'" in err and err.count("\n") == 1
+    assert main(base + ["--mode", "mtp", "--mtp-draft-vocabulary", "-3"]) == 2
+    err = capsys.readouterr().err
+    assert "invalid value for 'mtp_draft_vocabulary'" in err and err.count("\n") == 1
+    assert main(base + ["--mode", "mtp", "--mtp-draft-vocabulary", "/nonexistent/ids.json"]) == 2
+    err = capsys.readouterr().err
+    assert "mtp_draft_vocabulary: cannot read /nonexistent/ids.json" in err and err.count("\n") == 1
