@@ -65,7 +65,7 @@ class DraftHead(nn.Module):
         self.weight = nn.Parameter(weight.contiguous(), requires_grad=False)
 
     @classmethod
-    def from_model(cls, model, ids: torch.Tensor, dtype: torch.dtype) -> "DraftHead":
+    def from_model(cls, model, ids: torch.Tensor, dtype: torch.dtype) -> DraftHead:
         return cls(ids, head_rows(model, ids, dtype))
 
     def forward(self, normed: torch.Tensor) -> torch.Tensor:
