@@ -131,8 +131,8 @@ def build_engine(args, mode: str):
                  **weight_overrides(args)}
     if mode != "dflash2":
         overrides.pop("dflash2_quantization")  # applies to the dflash2 rows only
-    if mode != "mtp":
-        overrides.pop("mtp_draft_vocabulary")  # the mtp rows only
+    if mode == "none":
+        overrides.pop("draft_vocabulary")  # the speculative rows only
     overrides = {k: v for k, v in overrides.items() if v is not None}
     if not args.synthetic:
         return Engine(PredictConfig.build({"model": args.model, **overrides}, source="bench"))

@@ -42,14 +42,14 @@ def add_weight_args(p: argparse.ArgumentParser):
     p.add_argument("--dflash2-quantization", help="none | int8: the drafter's projections (group 32)")
     p.add_argument("--fuse-kvq", action="store_true", default=None, help="pack q/k/v (and DeltaNet in_proj_*)")
     p.add_argument("--fuse-gate", action="store_true", default=None, help="pack MLP gate/up projections")
-    p.add_argument("--mtp-draft-vocabulary", type=_count_or_path, metavar="N|FILE",
-                   help="MTP drafts over token ids 0..N-1 (+ EOS) or a JSON list of ids; 0: the full head")
+    p.add_argument("--draft-vocabulary", type=_count_or_path, metavar="N|FILE",
+                   help="proposals (mtp, dflash2) over token ids 0..N-1 (+ EOS) or a JSON list of ids; 0: all")
 
 
 def weight_overrides(args) -> dict:
     return {"target_quantization": args.target_quantization, "vocabulary_quantization": args.vocabulary_quantization,
             "dflash2_quantization": args.dflash2_quantization, "fuse_kvq": args.fuse_kvq, "fuse_gate": args.fuse_gate,
-            "mtp_draft_vocabulary": args.mtp_draft_vocabulary}
+            "draft_vocabulary": args.draft_vocabulary}
 
 
 def _count_or_path(text: str) -> int | str:

@@ -34,7 +34,7 @@ class PredictConfig(BaseModel):
     prefill_chunk_size: int = Field(2048, ge=1)
     max_tokens: int = Field(256, ge=1)
     self_speculative_num_tokens: int = Field(3, ge=1, le=16)
-    mtp_draft_vocabulary: int | str = 0  # 0: MTP drafts over the full head; N or a JSON file of ids: layers/draft_head
+    draft_vocabulary: int | str = 0  # 0: proposals over the full head; N or a JSON file of ids: layers/draft_head
     dflash2_model: str | None = None
     dflash2_quantization: Literal["none", "int8"] = "none"
     target_quantization: Literal["none", "int4"] = "none"
@@ -43,7 +43,7 @@ class PredictConfig(BaseModel):
     fuse_gate: bool = False
     compile_mode: Literal[-1, 0] = -1  # -1 eager (debugging, CPU); 0 = full CUDA graphs
 
-    @field_validator("mtp_draft_vocabulary")
+    @field_validator("draft_vocabulary")
     @classmethod
     def _draft_vocabulary(cls, value: int | str) -> int | str:
         if isinstance(value, int) and value < 0:

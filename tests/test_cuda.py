@@ -256,14 +256,14 @@ def test_pdl_chain_in_graph_equals_serial_launches(rows, monkeypatch):
     pdl.reset()
 
 
-def test_mtp_draft_vocabulary_graphed_bf16(wide_margin_pair):
+def test_draft_vocabulary_graphed_bf16(wide_margin_pair):
     """MTP drafting over a draft vocabulary (layers/draft_head.py) inside the captured observe-and-chain graph:
     output == plain greedy in bf16, and the stats name the set."""
     target, _ = wide_margin_pair
     plain = engine(target, compute_dtype="bfloat16", compile_mode=0)
-    spec = engine(target, compute_dtype="bfloat16", compile_mode=0, mode="mtp", mtp_draft_vocabulary=128)
+    spec = engine(target, compute_dtype="bfloat16", compile_mode=0, mode="mtp", draft_vocabulary=128)
     ids = plain.tokenizer.encode("hello world")
     a, b = plain.generate(ids, 160, stop_at_eos=False), spec.generate(ids, 160, stop_at_eos=False)
     print(f"bf16 mtp, draft vocabulary 128: acceptance {b.stats['acceptance_rate']:.2f}")
     assert a.tokens == b.tokens
-    assert b.stats["mtp_draft_vocabulary"] >= 128
+    assert b.stats["draft_vocabulary"] >= 128

@@ -1,5 +1,6 @@
-"""MTP drafts over a draft vocabulary (layers/draft_head.py): output still equals plain greedy, drafts stay in the
-set, the head rows are the shared head's (dense, tied or quantized), bad settings are refused in one line."""
+"""Proposals over a draft vocabulary (layers/draft_head.py), MTP and DFlash2: output still equals plain greedy,
+proposals stay in the set, the head rows are the shared head's (dense, tied or quantized), bad settings are refused
+in one line."""
 
 import json
 
@@ -10,12 +11,17 @@ from blockspec.cli import main
 from blockspec.engine.engine import Engine
 from blockspec.errors import BlockspecError
 from blockspec.layers.draft_head import DraftHead, draft_ids, head_rows
-from blockspec.tiny import build_tiny_checkpoint
+from blockspec.tiny import build_tiny_checkpoint, build_tiny_drafter
 
 
 @pytest.fixture(scope="module")
 def planted(tmp_path_factory):
     return build_tiny_checkpoint(tmp_path_factory.mktemp("planted"), seed=0, planted=True)
+
+
+@pytest.fixture(scope="module")
+def drafter(planted, tmp_path_factory):
+    return build_tiny_drafter(tmp_path_factory.mktemp("drafter"), planted, window=16)
 
 
 def load(directory, mode="mtp", **kw):
@@ -35,26 +41,30 @@ def recording(engine):
 
 
 @pytest.fixture(scope="module")
-def references(planted):
-    """(prompt, plain greedy, MTP over the full head)."""
+def references(planted, drafter):
+    """(prompt, plain greedy, {mode: its run over the full head})."""
     prompt = load(planted, "none").tokenizer.encode("hello world")
     return prompt, load(planted, "none").generate(prompt, 200, stop_at_eos=False), \
-        load(planted).generate(prompt, 200, stop_at_eos=False)
+        {"mtp": load(planted).generate(prompt, 200, stop_at_eos=False),
+         "dflash2": load(planted, "dflash2", dflash2_model=str(drafter)).generate(prompt, 200, stop_at_eos=False)}
 
 
-@pytest.mark.parametrize("spec", [80, "file"])  # this prompt's greedy tokens are ids 65..89
-def test_mtp_with_draft_vocabulary_equals_plain_greedy(planted, references, tmp_path, spec):
+@pytest.mark.parametrize("mode, spec", [("mtp", 80), ("mtp", "file"), ("dflash2", 80)])  # greedy ids: 65..89
+def test_proposals_over_draft_vocabulary_equal_plain_greedy(planted, drafter, references, tmp_path, mode, spec):
     prompt, plain, full = references
+    full = full[mode]
     if spec == "file":  # every other id of the first 192: a set that is not a prefix
         spec = tmp_path / "ids.json"
         spec.write_text(json.dumps(list(range(0, 192, 2))))
-    engine = load(planted, mtp_draft_vocabulary=spec if isinstance(spec, int) else str(spec))
+    extra = dict(dflash2_model=str(drafter)) if mode == "dflash2" else {}
+    engine = load(planted, mode, draft_vocabulary=spec if isinstance(spec, int) else str(spec), **extra)
     drafts = recording(engine)
     allowed = set(engine.proposer.draft_head.ids.tolist())
+    assert engine.memory["draft_head_bytes"] == len(allowed) * engine.model.config.hidden_size * 4
     result = engine.generate(prompt, 200, stop_at_eos=False)
     assert result.tokens == plain.tokens  # lossless whatever the drafts
     assert drafts and set(drafts) <= allowed
-    assert result.stats["mtp_draft_vocabulary"] == len(allowed) < engine.vocab_size
+    assert result.stats["draft_vocabulary"] == len(allowed) < engine.vocab_size
     outside = sum(t not in allowed for t in plain.tokens)
     print(f"acceptance {result.stats['acceptance_rate']:.2f} (full head {full.stats['acceptance_rate']:.2f}), "
           f"{outside} of 200 greedy tokens outside the set")
@@ -96,18 +106,26 @@ def test_draft_ids(tmp_path):
         with pytest.raises(BlockspecError) as exc:
             draft_ids(str(path), 100)
         messages.append(str(exc.value))
-    assert all(m.startswith("mtp_draft_vocabulary: ") and "\n" not in m for m in messages)
+    assert all(m.startswith("draft_vocabulary: ") and "\n" not in m for m in messages)
     assert "cannot read" in messages[0] and "not JSON" in messages[1] and "token id 100" in messages[-1]
 
 
 def test_draft_vocabulary_refusals(planted, capsys):
     base = ["generate", "--model", str(planted), "--prompt", "a", "--device", "cpu", "--max-tokens", "2"]
-    assert main(base + ["--mode", "none", "--mtp-draft-vocabulary", "64"]) == 2
+    assert main(base + ["--mode", "none", "--draft-vocabulary", "64"]) == 2
     err = capsys.readouterr().err
-    assert "mtp_draft_vocabulary: 64 restricts MTP drafts, but mode is 'none'" in err and err.count("\n") == 1
-    assert main(base + ["--mode", "mtp", "--mtp-draft-vocabulary", "-3"]) == 2
+    assert "draft_vocabulary: 64 restricts speculative proposals, but mode is 'none'" in err and err.count("\n") == 1
+    assert main(base + ["--mode", "mtp", "--draft-vocabulary", "-3"]) == 2
     err = capsys.readouterr().err
-    assert "invalid value for 'mtp_draft_vocabulary'" in err and err.count("\n") == 1
-    assert main(base + ["--mode", "mtp", "--mtp-draft-vocabulary", "/nonexistent/ids.json"]) == 2
+    assert "invalid value for 'draft_vocabulary'" in err and err.count("\n") == 1
+    assert main(base + ["--mode", "mtp", "--draft-vocabulary", "/nonexistent/ids.json"]) == 2
     err = capsys.readouterr().err
-    assert "mtp_draft_vocabulary: cannot read /nonexistent/ids.json" in err and err.count("\n") == 1
+    assert "draft_vocabulary: cannot read /nonexistent/ids.json" in err and err.count("\n") == 1
+
+
+def test_draft_vocabulary_smaller_than_the_selector_is_refused(planted, drafter, capsys):
+    top_k = json.loads((drafter / "config.json").read_text())["dflash_config"]["selector_top_k"]
+    code = main(["generate", "--model", str(planted), "--drafter", str(drafter), "--prompt", "a", "--device", "cpu",
+                 "--max-tokens", "2", "--draft-vocabulary", str(top_k - 2)])
+    err = capsys.readouterr().err
+    assert code == 2 and f"fewer than the drafter's selector takes per row (selector_top_k {top_k})" in err

@@ -125,6 +125,7 @@ class DFlash2Drafter(nn.Module):
         # The target's functions are not submodules: their weights belong to the target.
         self.__dict__["_embed"] = embed
         self.__dict__["_lm_head"] = lm_head
+        self.vocabulary = None  # token ids of the head's columns when it covers a draft vocabulary (set_head)
         self.context = DrafterContext(
             c.num_layers, c.num_kv_heads, c.head_dim, c.sliding_window, device=self.device, dtype=dtype
         )
@@ -244,6 +245,14 @@ class DFlash2Drafter(nn.Module):
             x = layer(x, cos, sin, self.context.keys[index], self.context.values[index], visible)
         return self.norm(x)
 
+    def set_head(self, lm_head: Callable[[torch.Tensor], torch.Tensor], vocabulary: torch.Tensor) -> None:
+        """Propose over a draft vocabulary: lm_head's column j is token vocabulary[j] (layers/draft_head.py)."""
+        if vocabulary.numel() < self.config.selector_top_k:
+            raise BlockspecError(f"draft_vocabulary: {vocabulary.numel()} ids, fewer than the drafter's selector "
+                                 f"takes per row (selector_top_k {self.config.selector_top_k})")
+        self.__dict__["_lm_head"] = lm_head
+        self.vocabulary = vocabulary
+
     @torch.no_grad()
     def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self._lm_head(hidden) * self.config.output_multiplier
@@ -258,7 +267,7 @@ class DFlash2Drafter(nn.Module):
             raise ValueError(f"proposal at {anchor_position}, but the context holds {self.context.length} positions")
         anchor = self._anchor(anchor_token)
         hidden = self.forward_block(anchor, anchor_position)[1:]
-        return self.candidate_selector.walk(hidden, self.draft_logits(hidden), anchor)
+        return self.candidate_selector.walk(hidden, self.draft_logits(hidden), anchor, self.vocabulary)
 
     def _anchor(self, token: torch.Tensor | int) -> torch.Tensor:
         if isinstance(token, int):

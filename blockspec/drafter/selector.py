@@ -27,10 +27,14 @@ class CandidateSelector(nn.Module):
         query = self.predecessor_codebook(previous)[0] * projected  # [rank]
         return unary + self.successor_codebook(candidates) @ query
 
-    def walk(self, hidden: torch.Tensor, logits: torch.Tensor, anchor: torch.Tensor) -> torch.Tensor:
-        """hidden [n, H], logits [n, V], anchor [1] -> chosen tokens [n]. No host synchronisation."""
+    def walk(self, hidden: torch.Tensor, logits: torch.Tensor, anchor: torch.Tensor,
+             vocabulary: torch.Tensor | None = None) -> torch.Tensor:
+        """hidden [n, H], logits [n, V], anchor [1] -> chosen tokens [n]. No host synchronisation. With a draft
+        vocabulary, logits column j is token vocabulary[j] (layers/draft_head.py)."""
         # Unsorted, like the reference: candidate order decides exact score ties (common in bf16).
         unary, candidates = torch.topk(logits, self.top_k, dim=-1, sorted=False)
+        if vocabulary is not None:
+            candidates = vocabulary[candidates]
         return greedy_walk(unary, candidates, self.hidden_projection(hidden), anchor.reshape(1),
                            self.predecessor_codebook.weight, self.successor_codebook.weight)
 

@@ -23,8 +23,9 @@ DRAFTER_PROJECTIONS = re.compile(r"fc$|layers\.\d+\.(self_attn|mlp)\.")  # what 
 class DFlash2Proposer(Proposer):
     name = "dflash2"
 
-    def __init__(self, drafter: DFlash2Drafter):
+    def __init__(self, drafter: DFlash2Drafter, draft_head=None):
         self.drafter = drafter
+        self.draft_head = draft_head  # proposals over a draft vocabulary (None: the full shared head)
         self.capture_layers = tuple(drafter.target_layer_ids)
         self.max_proposals = drafter.block_size - 1
         self.graph, self.append_graphs = None, {}  # compile_mode 0 only
@@ -44,7 +45,11 @@ class DFlash2Proposer(Proposer):
         # norms, convolution controls and the selector stay native: only fc and the layers' projections
         quantizer = rtn(engine.config.dflash2_quantization, 32, engine.dtype)
         engine.memory["drafter"] = prepare(drafter, engine.packs, quantizer, DRAFTER_PROJECTIONS.match)
-        return cls(drafter)
+        draft_head = engine.draft_head()
+        if draft_head is not None:
+            drafter.set_head(draft_head.logits, draft_head.ids)
+            engine.memory["draft_head_bytes"] = draft_head.nbytes()
+        return cls(drafter, draft_head)
 
     def reset(self):
         self.drafter.reset()

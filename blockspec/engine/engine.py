@@ -12,6 +12,7 @@ from ..checkpoint import load_target
 from ..config import PredictConfig
 from ..errors import BlockspecError, UnsupportedRequest
 from ..kernels import enable_fusion, pdl
+from ..layers.draft_head import DraftHead, draft_ids
 from ..quant.apply import prepare, quantize_head, resident_bytes, rtn
 from ..tokenizer import Tokenizer
 from .decode import DecodeStats, Proposer, decode
@@ -97,9 +98,9 @@ class Engine:
         elif c.dflash2_model:
             raise BlockspecError(f"dflash2_model is set but mode is {self.mode!r}: unset dflash2_model or use "
                                  "mode dflash2 (the drafter is never loaded silently unused)")
-        if c.mtp_draft_vocabulary not in (0, "") and self.mode != "mtp":  # refused, never silently ignored
-            raise BlockspecError(f"mtp_draft_vocabulary: {c.mtp_draft_vocabulary!r} restricts MTP drafts, but mode is "
-                                 f"{self.mode!r}: use mode mtp or unset mtp_draft_vocabulary")
+        if c.draft_vocabulary not in (0, "") and self.mode == "none":  # refused, never silently ignored
+            raise BlockspecError(f"draft_vocabulary: {c.draft_vocabulary!r} restricts speculative proposals, but "
+                                 "mode is 'none': use mode mtp or dflash2, or unset draft_vocabulary")
         if c.dflash2_quantization != "none" and self.mode != "dflash2":  # refused, never silently ignored
             raise BlockspecError(f"dflash2_quantization: {c.dflash2_quantization!r} quantizes a DFlash2 drafter, but "
                                  f"mode is {self.mode!r}: set dflash2_model (mode dflash2) or unset "
@@ -202,7 +203,15 @@ class Engine:
                                    vocabulary_quantization=self.config.vocabulary_quantization)
             draft_head = getattr(self.proposer, "draft_head", None)
             if draft_head is not None:  # proposals only: acceptance, not output, depends on it
-                self.last_stats["mtp_draft_vocabulary"] = draft_head.ids.numel()
+                self.last_stats["draft_vocabulary"] = draft_head.ids.numel()
+
+    def draft_head(self):
+        """The shared head over `draft_vocabulary` for the proposer (layers/draft_head.py), or None: full head."""
+        spec = self.config.draft_vocabulary
+        if spec in (0, ""):
+            return None
+        config = self.model.config
+        return DraftHead.from_model(self.model, draft_ids(spec, config.vocab_size, config.eos_token_ids), self.dtype)
 
     def generate(self, prompt_ids: list[int], max_tokens: int, stop_at_eos: bool = True) -> GenerationResult:
         tokens = list(self.stream(prompt_ids, max_tokens, stop_at_eos))

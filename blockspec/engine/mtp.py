@@ -13,7 +13,7 @@ import torch
 from ..checkpoint import swap_in
 from ..errors import BlockspecError
 from ..layers.attention import KVCache
-from ..layers.draft_head import DraftHead, draft_ids
+from ..layers.draft_head import DraftHead
 from ..models.mtp import MTPHead
 from ..quant.apply import prepare
 from . import graphs
@@ -62,12 +62,9 @@ class MTPProposer(Proposer):
     def build(cls, engine, mtp_tensors) -> "MTPProposer":
         head = load_mtp_head(engine.model, mtp_tensors, engine.dtype, engine.device)
         engine.memory["mtp"] = prepare(head, engine.packs, engine.target_quantizer)  # as the target's projections
-        spec, draft_head = engine.config.mtp_draft_vocabulary, None
-        if spec not in (0, ""):
-            config = engine.model.config
-            draft_head = DraftHead.from_model(engine.model, draft_ids(spec, config.vocab_size, config.eos_token_ids),
-                                              engine.dtype)
-            engine.memory["mtp"]["draft_head_bytes"] = draft_head.weight.numel() * draft_head.weight.element_size()
+        draft_head = engine.draft_head()
+        if draft_head is not None:
+            engine.memory["draft_head_bytes"] = draft_head.nbytes()
         return cls(engine.model, head, engine.config.self_speculative_num_tokens, engine.context_length,
                    engine.device, engine.dtype, draft_head)
 

@@ -1,11 +1,12 @@
 """A draft vocabulary: the shared head restricted to a set of token ids, used for proposals only.
 
 Why: each MTP draft reads the whole head (248k rows x 5120 on the 27B: 2.54 GB in bf16, ~0.65 ms on the H200), so
-3 drafts cost 0.14x a plain step. Drafting over N likely tokens reads N / vocab of it. The target's verification
+3 drafts cost 0.14x a plain step; a DFlash2 proposal reads it once for its 7 rows (~0.6 of its ~2.1 ms). Drafting
+over N likely tokens reads N / vocab of it. The target's verification
 still scores the full vocabulary, so the output is unchanged (greedy, lossless); only acceptance falls, by how often
 the target's token lies outside the set (the idea of SGLang's speculative token map and of FR-Spec).
 
-Which ids (`mtp_draft_vocabulary`): a number N takes ids 0..N-1 (byte-level BPE vocabularies such as Qwen's number
+Which ids (`draft_vocabulary`, modes mtp and dflash2): a number N takes ids 0..N-1 (byte-level BPE vocabularies such as Qwen's number
 tokens in merge order, frequent pieces first) plus the end-of-sequence ids; a path names a JSON list of ids (say,
 counted on one's own traffic).
 """
@@ -24,7 +25,7 @@ from ..kernels.linear import linear
 
 def draft_ids(spec: int | str, vocab_size: int, eos_ids=()) -> torch.Tensor:
     """The sorted ids `spec` names (see the module docstring); a bad file or id is refused in one line."""
-    key = "mtp_draft_vocabulary"
+    key = "draft_vocabulary"
     if isinstance(spec, int):
         ids = set(range(min(spec, vocab_size))) | {int(i) for i in eos_ids if 0 <= int(i) < vocab_size}
     else:
@@ -68,5 +69,12 @@ class DraftHead(nn.Module):
     def from_model(cls, model, ids: torch.Tensor, dtype: torch.dtype) -> DraftHead:
         return cls(ids, head_rows(model, ids, dtype))
 
+    def logits(self, normed: torch.Tensor) -> torch.Tensor:
+        """Logits of the draft vocabulary's ids, in their (ascending) order."""
+        return linear(normed, self.weight)
+
     def forward(self, normed: torch.Tensor) -> torch.Tensor:
-        return self.ids[linear(normed, self.weight).argmax(-1)]
+        return self.ids[self.logits(normed).argmax(-1)]
+
+    def nbytes(self) -> int:
+        return self.weight.numel() * self.weight.element_size()
