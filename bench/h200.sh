@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Second H200 run behind docs/benchmarks.md: the benchmark recipe on synthetic 27B weights, packed projections:
 # bf16 target in every mode (first start: empty compile cache), a second start on the warm disk cache, and the
-# INT4 table of issue 6 (INT4 target + int8 head; DFlash2 with the bf16 drafter and with the int8 drafter).
+# INT4 table of issue 6 (INT4 target + int8 head; DFlash2 with the bf16 drafter and with the int8 drafter), then
+# the bf16 speculative modes over a 32768-id draft vocabulary.
 # Usage (device machine, repo root, wheels in .whl): bash bench/h200.sh  (writes to $OUT or ./out)
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"; LOG="$OUT/bench_log.txt"
@@ -15,4 +16,5 @@ run 240 $BENCH --mode none,mtp,dflash2 $FORCED --json-out "$OUT/bench.json" --pn
 run 70 $BENCH --mode dflash2 --max-tokens 16 --repeats 1 --prompt "warm start" --json-out "$OUT/warm_start.json"
 run 180 $BENCH $Q --mode none,mtp,dflash2 $FORCED --json-out "$OUT/bench_int4.json" --png-out "$OUT/bench_int4.png"
 run 100 $BENCH $Q --dflash2-quantization int8 --mode dflash2 $FORCED --json-out "$OUT/bench_int4_drafter_int8.json"
+run 200 $BENCH --draft-vocabulary 32768 --mode mtp,dflash2 $FORCED --json-out "$OUT/bench_draft_vocabulary.json"
 grep -v "^ \|Warning\|warn" "$LOG" | tail -60
