@@ -3,7 +3,7 @@
 each setting of blockspec.kernels.pdl, in one process on one model so the ratios are read on one machine.
 
 Variants are "level:prefetch_MB" (levels 0-3 of `kernels.pdl.settings`; see
-kernels/pdl.py). Each is timed in two rounds, interleaved with the others (median of 40 replays per round), so
+kernels/pdl.py). Each is timed in `--rounds` rounds, interleaved with the others (median of 40 replays per round), so
 clock or thermal drift shows as a round-to-round difference instead of a variant difference.
 
 Usage (GPU, repo root): python bench/pdl_variants.py [--variants 0:0,2:16,2:0,1:0] [--quant none,int4]
@@ -13,7 +13,6 @@ Usage (GPU, repo root): python bench/pdl_variants.py [--variants 0:0,2:16,2:0,1:
 import argparse
 import json
 import os
-import statistics
 import time
 
 import torch
@@ -23,21 +22,7 @@ from blockspec.config import PredictConfig
 from blockspec.engine.engine import Engine
 from blockspec.kernels import pdl
 from blockspec.synthetic import synthetic_target
-
-
-def timed(fn, reps=40, warmup=5):
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+from timing import event_ms  # bench/timing.py, beside this script
 
 
 def measure(model, mtp, quant, mode):
@@ -55,7 +40,7 @@ def measure(model, mtp, quant, mode):
         target.verify(list(range(t)))
         target.commit(t)
         state.length -= t  # stay at the same position
-    result = {t: timed(lambda: step(t)) for t in sorted(target.passes)}
+    result = {t: event_ms(lambda: step(t), reps=40, warmup=5) for t in sorted(target.passes)}
     step_bytes = bytes_per_plain_step(engine)
     del engine
     torch.cuda.empty_cache()

@@ -12,7 +12,6 @@ Usage (GPU, repo root): python bench/profile_cycle.py [--variants plain,packed] 
 import argparse
 import json
 import os
-import statistics
 import time
 
 import torch
@@ -21,20 +20,7 @@ from blockspec.bench import bytes_per_plain_step, measure_read_bandwidth
 from blockspec.config import PredictConfig
 from blockspec.engine.engine import Engine
 from blockspec.synthetic import synthetic_target
-
-
-def timed(fn, reps=20, warmup=3):
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+from timing import event_ms  # bench/timing.py, beside this script
 
 
 def kernel_table(fn, top=18, sequence=0):
@@ -79,7 +65,7 @@ def profile_engine(engine, mode_label, bandwidth, results, kernels):
         state.length -= n  # stay at the same position
     r = {}
     if 1 in target.passes:
-        r["step_1_ms"] = timed(lambda: step(1, 1))
+        r["step_1_ms"] = event_ms(lambda: step(1, 1))
         step_bytes = bytes_per_plain_step(engine)
         r["step_bytes_gb"] = round(step_bytes / 1e9, 3)
         r["step_roofline_ms"] = round(step_bytes / (bandwidth * 1e9) * 1e3, 3)
@@ -87,28 +73,28 @@ def profile_engine(engine, mode_label, bandwidth, results, kernels):
         kernels[f"{mode_label} step_1"] = kernel_table(lambda: step(1, 1), sequence=70)
     for t in sorted(target.passes):
         if t > 1:
-            r[f"verify_{t}_commit_{t}_ms"] = timed(lambda: step(t, t))
-            r[f"verify_{t}_commit_1_ms"] = timed(lambda: step(t, 1))
+            r[f"verify_{t}_commit_{t}_ms"] = event_ms(lambda: step(t, t))
+            r[f"verify_{t}_commit_1_ms"] = event_ms(lambda: step(t, 1))
             kernels[f"{mode_label} verify_{t}"] = kernel_table(lambda: step(t, t))
     proposer = engine.proposer
     if proposer.name == "dflash2":
-        r["dflash2_propose_graph_ms"] = timed(lambda: proposer.propose(5, state.length, 7))
+        r["dflash2_propose_graph_ms"] = event_ms(lambda: proposer.propose(5, state.length, 7))
         kernels[f"{mode_label} dflash2 propose"] = kernel_table(lambda: proposer.propose(5, state.length, 7))
         features = out.features[:4]
 
         def append():
             proposer.observe(type(out)(None, None, features), state.length, [0] * 4, [0] * 4)
             proposer.drafter.context.length -= 4
-        r["drafter_append_4_graph_ms"] = timed(append)
+        r["drafter_append_4_graph_ms"] = event_ms(append)
     if proposer.name == "mtp":
         hidden = type(out)(None, out.hidden[:4], None)
 
         def observe_and_propose():
             proposer.observe(hidden, 100, [0] * 4, [1, 2, 3, 4])
             return proposer.propose(4, 104, 3)
-        r["mtp_observe_4_chain_3_graph_ms"] = timed(observe_and_propose)
+        r["mtp_observe_4_chain_3_graph_ms"] = event_ms(observe_and_propose)
         kernels[f"{mode_label} mtp observe+chain"] = kernel_table(observe_and_propose)
-    r["lm_head_1_row_ms"] = timed(lambda: model.logits(out.hidden[:1]))
+    r["lm_head_1_row_ms"] = event_ms(lambda: model.logits(out.hidden[:1]))
     results[mode_label] = {**engine.load_times, **r}
     for k, v in results[mode_label].items():
         print(f"{mode_label:24s} {k:32s} {v}", flush=True)

@@ -1,4 +1,5 @@
-"""Timing a piece of GPU work as the engine runs it: recorded once as a CUDA graph, replayed, timed with events."""
+"""Timing GPU work with CUDA events: a piece recorded once as a CUDA graph and replayed (`replay_ms`), or a host
+function that launches work, e.g. replays the engine's own graphs (`event_ms`)."""
 
 import statistics
 
@@ -18,5 +19,20 @@ def replay_ms(fn, reps: int = 20) -> float:
         graph.replay()
         end.record()
         end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def event_ms(fn, reps: int = 20, warmup: int = 3) -> float:
+    """Median milliseconds between CUDA events around fn(), after warm-up calls."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
         times.append(start.elapsed_time(end))
     return statistics.median(times)
