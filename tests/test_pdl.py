@@ -1,6 +1,7 @@
 """kernels.pdl on the CPU: the prefetch sizing and that nothing asks for PDL where it cannot run (the GPU side, a
 PDL graph bitwise equal to serial launches, is in test_cuda.py)."""
 
+import pytest
 import torch
 
 from blockspec.kernels import pdl
@@ -22,3 +23,16 @@ def test_no_pdl_off_cuda():
     assert pdl.options(torch.zeros(1)) == {"PDL": 0}
     assert not pdl.enabled(torch.zeros(1))
     assert pdl.prefetch_blocks(4096, 100, 8, torch.device("cpu")) == 0
+
+
+def test_bad_environment_is_one_line(monkeypatch):
+    from blockspec.errors import BlockspecError
+
+    monkeypatch.setenv("BLOCKSPEC_PDL", "fast")
+    pdl.reset()
+    try:
+        with pytest.raises(BlockspecError, match="BLOCKSPEC_PDL='fast'"):
+            pdl.settings(torch.device("cpu"))
+    finally:
+        monkeypatch.delenv("BLOCKSPEC_PDL")
+        pdl.reset()

@@ -27,6 +27,8 @@ import os
 
 import torch
 
+from ..errors import BlockspecError
+
 try:
     import triton
     import triton.language as tl
@@ -40,7 +42,7 @@ PREFETCH_MB = 4  # what a projection prefetches in all (~1 us of HBM time; bench
 # 27B, packed; bench/pdl_variants.py, docs/benchmarks.md): INT4 target step 7.13 ms without PDL, 7.01 / 6.85 /
 # 6.71 ms at levels 1 / 2 / 3; bf16 step 13.79 ms without, 13.74 / 13.79 / 14.09 at levels 1 / 2 / 3: the bf16
 # projections, 4x longer, gain nothing from the overlap, and placing their programs early costs (level 3).
-DEFAULT_LEVEL = {"level": 3}
+DEFAULT_LEVEL = {"level": 0}  # direct kernel users (kernel benches) launch as before unless they ask
 
 
 def use_level(level: int):
@@ -55,10 +57,15 @@ def settings(device: torch.device) -> tuple[int, int]:
     successor start only when it exits (hides the launch alone), 2 = projections release after their main loop,
     3 = small kernels also release at their start. BLOCKSPEC_PDL (a level) and BLOCKSPEC_PDL_PREFETCH_MB override
     the defaults; `reset` re-reads them."""
-    level = int(os.environ.get("BLOCKSPEC_PDL", DEFAULT_LEVEL["level"]))
+    level, megabytes = os.environ.get("BLOCKSPEC_PDL", DEFAULT_LEVEL["level"]), \
+        os.environ.get("BLOCKSPEC_PDL_PREFETCH_MB", PREFETCH_MB)
+    try:
+        level, budget = int(level), int(float(megabytes) * (1 << 20))
+    except ValueError:
+        raise BlockspecError(f"BLOCKSPEC_PDL={level!r} / BLOCKSPEC_PDL_PREFETCH_MB={megabytes!r}: expected a level "
+                             "0-3 and a number of MB") from None
     if triton is None or device.type != "cuda" or torch.cuda.get_device_capability(device)[0] < 9:
         level = 0
-    budget = int(float(os.environ.get("BLOCKSPEC_PDL_PREFETCH_MB", PREFETCH_MB)) * (1 << 20))
     if device.type == "cuda":  # a third of L2 at most
         budget = min(budget, getattr(torch.cuda.get_device_properties(device), "L2_cache_size", budget) // 3)
     return level, budget if level else 0
