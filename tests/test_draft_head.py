@@ -72,7 +72,7 @@ def test_proposals_over_draft_vocabulary_equal_plain_greedy(planted, drafter, re
     assert result.stats["acceptance_rate"] > 0.02  # drafts inside the set are still accepted
 
 
-@pytest.mark.parametrize("vocabulary_quantization", ["none", "int8"])
+@pytest.mark.parametrize("vocabulary_quantization", ["none", "int8", "int4"])
 def test_draft_head_rows_are_the_shared_head(planted, vocabulary_quantization):
     engine = load(planted, "none", vocabulary_quantization=vocabulary_quantization)
     model, vocab = engine.model, engine.vocab_size
