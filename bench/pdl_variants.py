@@ -40,7 +40,7 @@ def measure(model, mtp, quant, mode):
         target.verify(list(range(t)))
         target.commit(t)
         state.length -= t  # stay at the same position
-    result = {t: event_ms(lambda: step(t), reps=40, warmup=5) for t in sorted(target.passes)}
+    result = {t: event_ms(lambda t=t: step(t), reps=40, warmup=5) for t in sorted(target.passes)}
     step_bytes = bytes_per_plain_step(engine)
     del engine
     torch.cuda.empty_cache()

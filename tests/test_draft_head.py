@@ -56,7 +56,7 @@ def test_proposals_over_draft_vocabulary_equal_plain_greedy(planted, drafter, re
     if spec == "file":  # every other id of the first 192: a set that is not a prefix
         spec = tmp_path / "ids.json"
         spec.write_text(json.dumps(list(range(0, 192, 2))))
-    extra = dict(dflash2_model=str(drafter)) if mode == "dflash2" else {}
+    extra = {"dflash2_model": str(drafter)} if mode == "dflash2" else {}
     engine = load(planted, mode, draft_vocabulary=spec if isinstance(spec, int) else str(spec), **extra)
     drafts = recording(engine)
     allowed = set(engine.proposer.draft_head.ids.tolist())
