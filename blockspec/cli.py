@@ -9,6 +9,7 @@ import argparse
 import json
 import sys
 import tempfile
+from pathlib import Path
 
 from .config import PredictConfig
 from .errors import BlockspecError
@@ -171,6 +172,31 @@ def cmd_serve(args):
     serve(Engine(config), host=args.host, port=args.port, queue_size=args.queue_size)
 
 
+def cmd_draft_vocabulary(args):
+    """Count token frequencies over the user's texts and write the most frequent ids (a `draft_vocabulary` file)."""
+    from .config import TargetConfig
+    from .layers.draft_head import coverage, most_frequent_ids
+    from .tokenizer import Tokenizer
+
+    if args.size < 1:
+        raise BlockspecError(f"--size must be at least 1, got {args.size}")
+    target = TargetConfig.from_file(Path(args.model) / "config.json")
+    tokenizer = Tokenizer(args.model, target.eos_token_ids)
+    texts = []
+    for name in args.texts:
+        try:
+            texts.append(Path(name).read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError) as exc:
+            raise BlockspecError(f"--texts {name}: {getattr(exc, 'strerror', None) or exc}") from None
+    token_lists = [tokenizer.encode(text) for text in texts]
+    ids = most_frequent_ids(token_lists, args.size, target.vocab_size, tokenizer.eos_token_ids)
+    Path(args.out).write_text(json.dumps(ids))
+    prefix = range(min(args.size, target.vocab_size))
+    print(f"wrote {len(ids)} ids to {args.out}: they cover {100 * coverage(ids, token_lists):.1f}% of the "
+          f"{sum(map(len, token_lists))} tokens of the texts (ids 0..{args.size - 1}: "
+          f"{100 * coverage(prefix, token_lists):.1f}%)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineParser(prog="blockspec", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
@@ -189,6 +215,13 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="run end to end on a tiny built-in random model (CPU)")
     demo.add_argument("--max-tokens", type=int, default=120)
     demo.set_defaults(func=cmd_demo)
+
+    vocab = sub.add_parser("draft-vocabulary", help="write the ids most frequent in your texts, for draft_vocabulary")
+    vocab.add_argument("--model", required=True, help="checkpoint directory (its tokenizer and config.json)")
+    vocab.add_argument("--texts", nargs="+", required=True, help="UTF-8 text files like your traffic")
+    vocab.add_argument("--size", type=int, default=32768, help="ids to keep (the EOS ids are added)")
+    vocab.add_argument("--out", required=True, help="JSON file to write (pass it as --draft-vocabulary)")
+    vocab.set_defaults(func=cmd_draft_vocabulary)
 
     chat = sub.add_parser("chat", help="interactive chat in the terminal (chat template, streamed replies)")
     add_engine_args(chat)

@@ -129,3 +129,31 @@ def test_draft_vocabulary_smaller_than_the_selector_is_refused(planted, drafter,
                  "--max-tokens", "2", "--draft-vocabulary", str(top_k - 2)])
     err = capsys.readouterr().err
     assert code == 2 and f"fewer than the drafter's selector takes per row (selector_top_k {top_k})" in err
+
+
+def test_draft_vocabulary_command_counts_the_texts(planted, tmp_path, capsys):
+    from blockspec.layers.draft_head import coverage, most_frequent_ids
+
+    assert most_frequent_ids([[5, 5, 7, 9], [7, 5, 2]], 2, 10, eos_ids=[9]) == [5, 7, 9]  # 5 x3, 7 x2, then EOS
+    assert most_frequent_ids([[3, 1]], 1, 10) == [1]  # a tie goes to the lower id
+    assert coverage([5, 7], [[5, 5, 7, 9]]) == 0.75
+    texts = tmp_path / "traffic.txt"
+    texts.write_text("zebra zebra zebra quiz " * 20)
+    out = tmp_path / "ids.json"
+    code = main(["draft-vocabulary", "--model", str(planted), "--texts", str(texts), "--size", "12", "--out", str(out)])
+    assert code == 0
+    ids = json.loads(out.read_text())
+    tokenizer = load(planted, "none").tokenizer
+    counted = tokenizer.encode(texts.read_text())
+    assert set(tokenizer.encode("zebra quiz")) <= set(ids) and len(ids) <= 12 + len(tokenizer.eos_token_ids)
+    assert "cover 100.0% of the" in capsys.readouterr().out
+    assert coverage(ids, [counted]) == 1.0
+    # the file drives proposals as --draft-vocabulary FILE, and bad input is one line with exit code 2
+    engine = load(planted, draft_vocabulary=str(out))
+    assert engine.proposer.draft_head.ids.tolist() == ids
+    assert main(["draft-vocabulary", "--model", str(planted), "--texts", str(tmp_path / "none.txt"),
+                 "--out", str(out)]) == 2
+    assert main(["draft-vocabulary", "--model", str(planted), "--texts", str(texts), "--size", "0",
+                 "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "--texts" in err and "--size must be at least 1" in err and err.count("\n") == 2

@@ -45,6 +45,23 @@ def draft_ids(spec: int | str, vocab_size: int, eos_ids=()) -> torch.Tensor:
     return torch.tensor(sorted(ids), dtype=torch.long)  # ascending: ties resolve to the lowest id, as a full argmax
 
 
+def most_frequent_ids(token_lists, size: int, vocab_size: int, eos_ids=()) -> list[int]:
+    """The `size` ids most frequent in token_lists (ties: the lower id), plus the end-of-sequence ids, sorted: a
+    draft vocabulary counted on the user's own texts (`blockspec draft-vocabulary`)."""
+    counts = torch.zeros(vocab_size, dtype=torch.long)
+    for tokens in token_lists:
+        counts += torch.bincount(torch.as_tensor(tokens, dtype=torch.long), minlength=vocab_size)[:vocab_size]
+    order = torch.sort(-counts, stable=True).indices[:size].tolist()  # stable: equal counts keep id order
+    return sorted(set(order) | {int(i) for i in eos_ids if 0 <= int(i) < vocab_size})
+
+
+def coverage(ids, token_lists) -> float:
+    """Share of the tokens of token_lists that lie in `ids` (the most a draft can be right over that set)."""
+    allowed = set(ids)
+    total = sum(len(t) for t in token_lists)
+    return sum(tok in allowed for tokens in token_lists for tok in tokens) / max(total, 1)
+
+
 def head_rows(model, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Rows `ids` of the model's shared head (TargetModel.logits) as a dense [len(ids), hidden] weight; a quantized
     head gives its dequantized rows, so drafts follow the head the target uses."""
