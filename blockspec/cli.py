@@ -190,7 +190,10 @@ def cmd_draft_vocabulary(args):
             raise BlockspecError(f"--texts {name}: {getattr(exc, 'strerror', None) or exc}") from None
     token_lists = [tokenizer.encode(text) for text in texts]
     ids = most_frequent_ids(token_lists, args.size, target.vocab_size, tokenizer.eos_token_ids)
-    Path(args.out).write_text(json.dumps(ids))
+    try:
+        Path(args.out).write_text(json.dumps(ids))
+    except OSError as exc:
+        raise BlockspecError(f"--out {args.out}: {exc.strerror}") from None
     prefix = range(min(args.size, target.vocab_size))
     print(f"wrote {len(ids)} ids to {args.out}: they cover {100 * coverage(ids, token_lists):.1f}% of the "
           f"{sum(map(len, token_lists))} tokens of the texts (ids 0..{args.size - 1}: "

@@ -155,5 +155,7 @@ def test_draft_vocabulary_command_counts_the_texts(planted, tmp_path, capsys):
                  "--out", str(out)]) == 2
     assert main(["draft-vocabulary", "--model", str(planted), "--texts", str(texts), "--size", "0",
                  "--out", str(out)]) == 2
+    assert main(["draft-vocabulary", "--model", str(planted), "--texts", str(texts),
+                 "--out", str(tmp_path / "no" / "such" / "dir.json")]) == 2
     err = capsys.readouterr().err
-    assert "--texts" in err and "--size must be at least 1" in err and err.count("\n") == 2
+    assert "--texts" in err and "--size must be at least 1" in err and "--out" in err and err.count("\n") == 3
