@@ -46,7 +46,7 @@ class PredictConfig(BaseModel):
     @field_validator("draft_vocabulary")
     @classmethod
     def _draft_vocabulary(cls, value: int | str) -> int | str:
-        if isinstance(value, int) and value < 0:
+        if (isinstance(value, int) and value < 0) or value == "":
             raise ValueError("give 0 (the full head), a number of token ids, or a JSON file of ids")
         return value
 

@@ -118,6 +118,9 @@ def test_draft_vocabulary_refusals(planted, capsys):
     assert main(base + ["--mode", "mtp", "--draft-vocabulary", "-3"]) == 2
     err = capsys.readouterr().err
     assert "invalid value for 'draft_vocabulary'" in err and err.count("\n") == 1
+    assert main(base + ["--mode", "mtp", "--draft-vocabulary", ""]) == 2  # an empty path is not "all"
+    err = capsys.readouterr().err
+    assert "invalid value for 'draft_vocabulary'" in err and err.count("\n") == 1
     assert main(base + ["--mode", "mtp", "--draft-vocabulary", "/nonexistent/ids.json"]) == 2
     err = capsys.readouterr().err
     assert "draft_vocabulary: cannot read /nonexistent/ids.json" in err and err.count("\n") == 1

@@ -48,7 +48,6 @@ class DFlash2Proposer(Proposer):
         draft_head = engine.draft_head()
         if draft_head is not None:
             drafter.set_head(draft_head.logits, draft_head.ids)
-            engine.memory["draft_head_bytes"] = draft_head.nbytes()
         return cls(drafter, draft_head)
 
     def reset(self):

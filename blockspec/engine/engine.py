@@ -98,7 +98,7 @@ class Engine:
         elif c.dflash2_model:
             raise BlockspecError(f"dflash2_model is set but mode is {self.mode!r}: unset dflash2_model or use "
                                  "mode dflash2 (the drafter is never loaded silently unused)")
-        if c.draft_vocabulary not in (0, "") and self.mode == "none":  # refused, never silently ignored
+        if c.draft_vocabulary and self.mode == "none":  # refused, never silently ignored
             raise BlockspecError(f"draft_vocabulary: {c.draft_vocabulary!r} restricts speculative proposals, but "
                                  "mode is 'none': use mode mtp or dflash2, or unset draft_vocabulary")
         if c.dflash2_quantization != "none" and self.mode != "dflash2":  # refused, never silently ignored
@@ -206,12 +206,15 @@ class Engine:
                 self.last_stats["draft_vocabulary"] = draft_head.ids.numel()
 
     def draft_head(self):
-        """The shared head over `draft_vocabulary` for the proposer (layers/draft_head.py), or None: full head."""
+        """The shared head over `draft_vocabulary` for the proposer (layers/draft_head.py; its bytes recorded in
+        `memory`), or None: the full head."""
         spec = self.config.draft_vocabulary
-        if spec in (0, ""):
+        if not spec:
             return None
         config = self.model.config
-        return DraftHead.from_model(self.model, draft_ids(spec, config.vocab_size, config.eos_token_ids), self.dtype)
+        head = DraftHead.from_model(self.model, draft_ids(spec, config.vocab_size, config.eos_token_ids), self.dtype)
+        self.memory["draft_head_bytes"] = head.nbytes()
+        return head
 
     def generate(self, prompt_ids: list[int], max_tokens: int, stop_at_eos: bool = True) -> GenerationResult:
         tokens = list(self.stream(prompt_ids, max_tokens, stop_at_eos))

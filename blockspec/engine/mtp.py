@@ -62,11 +62,8 @@ class MTPProposer(Proposer):
     def build(cls, engine, mtp_tensors) -> "MTPProposer":
         head = load_mtp_head(engine.model, mtp_tensors, engine.dtype, engine.device)
         engine.memory["mtp"] = prepare(head, engine.packs, engine.target_quantizer)  # as the target's projections
-        draft_head = engine.draft_head()
-        if draft_head is not None:
-            engine.memory["draft_head_bytes"] = draft_head.nbytes()
         return cls(engine.model, head, engine.config.self_speculative_num_tokens, engine.context_length,
-                   engine.device, engine.dtype, draft_head)
+                   engine.device, engine.dtype, engine.draft_head())
 
     def reset(self):
         self.first_draft = None   # the head's guess for the token after the anchor
