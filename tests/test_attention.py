@@ -1,5 +1,6 @@
 """The fast attention paths against the SDPA reference: the split-KV Triton kernel (through the Triton interpreter,
-in a subprocess) and the flash-attn glue (cache_seqlens and causal alignment).
+in a subprocess), causal and in the DFlash2 drafter's mask mode, and the flash-attn glue (cache_seqlens and causal
+alignment).
 
 flash-attn is not installable on the CPU, so `cached_attention_flash` is driven by a stand-in written from the
 library's documented contract for flash_attn_with_kvcache: q [B, Tq, Hq, D], caches [B, L, Hkv, D], keys past
@@ -11,7 +12,7 @@ import json
 import torch
 from helpers import patch_triton_interpreter, run_in_triton_interpreter
 
-from blockspec.kernels.attention import cached_attention_flash, cached_attention_sdpa
+from blockspec.kernels.attention import cached_attention_flash, cached_attention_sdpa, masked_attention_sdpa
 
 
 def documented_flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens, softmax_scale, causal):
@@ -40,22 +41,6 @@ def test_flash_glue_matches_sdpa_over_the_whole_cache_and_a_prefix():
             assert (got - expected).abs().max() < 1e-5
 
 
-def test_grouped_masked_attention_matches_sdpa():
-    """The drafter's attention fast path (grouped heads, context and block chunks never concatenated) against SDPA
-    over the concatenation."""
-    from blockspec.kernels.attention import _grouped_masked_attention, masked_attention
-
-    g = torch.Generator().manual_seed(3)
-    q = torch.randn(8, 5, 16, generator=g)
-    keys = (torch.randn(2, 30, 16, generator=g), torch.randn(2, 5, 16, generator=g))
-    values = (torch.randn(2, 30, 16, generator=g), torch.randn(2, 5, 16, generator=g))
-    visible = torch.rand(5, 35, generator=g) > 0.3
-    visible[:, 30:] = True
-    expected = masked_attention(q, keys, values, visible, 0.25)  # CPU: the SDPA reference
-    got = _grouped_masked_attention.reference(q, keys, values, visible, 0.25)
-    assert got.shape == expected.shape and (got - expected).abs().max() < 1e-5
-
-
 TRITON_CASES = [  # (capacity, query heads, kv heads, head dim, start, queries)
     (40, 8, 2, 16, 0, 1), (40, 8, 2, 16, 13, 8), (300, 12, 4, 32, 0, 16), (300, 12, 4, 32, 131, 1),
     (300, 12, 4, 32, 250, 5), (1000, 6, 1, 64, 700, 3), (5000, 24, 4, 32, 4990, 8),  # 27B's grouping, many splits
@@ -78,15 +63,36 @@ def _run_triton_cases():  # executed in a subprocess with TRITON_INTERPRET=1
         got = attention_triton.cached_attention_triton(q, poisoned, v, positions, d ** -0.5)
         results.append({"case": [capacity, hq, hkv, d, start, t], "err": float((got - expected).abs().max()),
                         "splits": attention_triton.split_plan(capacity, 64)[0], "shape": list(got.shape) == [t, hq, d]})
-    print("RESULTS " + json.dumps(results))
+    print("RESULTS " + json.dumps({"causal": results, "masked": _masked_errors(attention_triton)}))
+
+
+MASKED_CASES = [(30, 8, 2, 16, 5), (2056, 32, 8, 128, 8), (300, 6, 6, 32, 1)]  # keys, q heads, kv heads, dim, rows
+
+
+def _masked_errors(attention_triton):
+    """The drafter's shapes among them: a 2048-slot window plus its 8 block rows, 32 query heads over 8 KV heads."""
+    out = []
+    for length, hq, hkv, d, t in MASKED_CASES:
+        g = torch.Generator().manual_seed(length + hq)
+        q = torch.randn(t, hq, d, generator=g)
+        k, v = torch.randn(length, hkv, d, generator=g), torch.randn(length, hkv, d, generator=g)
+        visible = torch.rand(t, length, generator=g) > 0.4
+        visible[:, -t:] = torch.ones(t, t).tril().bool()  # each row sees itself at least
+        visible[0, :length - t] = False  # a row seeing nothing of the context (every split but the last empty)
+        expected = masked_attention_sdpa(q, k, v, visible, d ** -0.5)
+        got = attention_triton.masked_attention_triton(q, k, v, visible, d ** -0.5)
+        out.append(float((got - expected).abs().max()) if got.shape == expected.shape else float("inf"))
+    return out
 
 
 def test_triton_attention_matches_sdpa_in_interpreter():
     results = run_in_triton_interpreter(__file__)
-    assert len(results) == len(TRITON_CASES)
-    for r in results:
+    causal = results["causal"]
+    assert len(causal) == len(TRITON_CASES)
+    for r in causal:
         assert r["shape"] and r["err"] < 1e-4, r
-    assert max(r["splits"] for r in results) > 1  # the split merge is exercised
+    assert max(r["splits"] for r in causal) > 1  # the split merge is exercised
+    assert len(results["masked"]) == len(MASKED_CASES) and max(results["masked"]) < 1e-4, results["masked"]
 
 
 if __name__ == "__main__":

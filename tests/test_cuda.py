@@ -267,3 +267,65 @@ def test_draft_vocabulary_graphed_bf16(wide_margin_pair):
     print(f"bf16 mtp, draft vocabulary 128: acceptance {b.stats['acceptance_rate']:.2f}")
     assert a.tokens == b.tokens
     assert b.stats["draft_vocabulary"] >= 128
+
+
+def test_drafter_kernels_bf16_on_gpu():
+    """The DFlash2 drafter's Triton kernels at the published drafter's shapes (5120 wide, 32 query heads over 8 KV
+    heads of 128, a 2048-slot window + 8 block rows, conv groups of 16, selector rank 256 / top 16) against their
+    references: bf16 within a few ulps; the selector walk exactly in float32."""
+    from blockspec.drafter import conv_triton, selector_triton
+    from blockspec.drafter.conv import grouped_dynamic_causal_conv_reference
+    from blockspec.drafter.selector import greedy_walk_reference
+    from blockspec.kernels import attention_inputs_triton, attention_triton
+    from blockspec.kernels.attention import masked_attention_sdpa, prepare_attention_inputs_reference
+    from blockspec.kernels.rope import rope_tables
+
+    def close(got, ref):
+        return (got.float() - ref.float()).abs().max() <= 0.02 * ref.float().abs().max()
+
+    torch.manual_seed(0)
+    bf = dict(device="cuda", dtype=torch.bfloat16)
+    x, static = torch.randn(8, 5120, **bf), torch.randn(2, 5120, **bf)
+    dynamic = torch.randn(8, 2, 2, 320, **bf)[:, 1]
+    assert close(conv_triton.grouped_dynamic_causal_conv(x, dynamic, static, 16),
+                 grouped_dynamic_causal_conv_reference(x.float(), dynamic.float(), static.float(), 16))
+    q, k, v = torch.randn(8, 32, 128, **bf), torch.randn(2056, 8, 128, **bf), torch.randn(2056, 8, 128, **bf)
+    visible = torch.rand(8, 2056, device="cuda") > 0.3
+    visible[:, -8:] = True
+    assert close(attention_triton.masked_attention_triton(q, k, v, visible, 128 ** -0.5),
+                 masked_attention_sdpa(q.float(), k.float(), v.float(), visible, 128 ** -0.5))
+    cos, sin = rope_tables(torch.arange(900, 908, device="cuda"), 128, 1e7, torch.bfloat16)
+    qw, kw, slots = torch.randn(128, **bf), torch.randn(128, **bf), torch.arange(2048, 2056, device="cuda")
+    caches = [[torch.zeros(2056, 8, 128, **bf) for _ in range(2)] for _ in range(2)]
+    got = attention_inputs_triton.prepare_attention_inputs(q, k[:8], v[:8], qw, kw, 1e-6, cos, sin, slots,
+                                                           *caches[0], zero_centred=False)
+    ref = prepare_attention_inputs_reference(q, k[:8], v[:8], qw, kw, 1e-6, cos, sin, slots, *caches[1],
+                                             zero_centred=False)
+    assert close(got, ref) and close(caches[0][0][2048:], caches[1][0][2048:])
+    assert torch.equal(caches[0][1], caches[1][1])
+    f32 = dict(device="cuda", dtype=torch.float32)
+    for trial in range(5):
+        unary, projected = torch.randn(7, 16, **f32), torch.randn(7, 256, **f32)
+        candidates = torch.randint(0, 248320, (7, 16), device="cuda")
+        codebooks = torch.randn(248320, 256, **f32), torch.randn(248320, 256, **f32)
+        anchor = torch.randint(0, 248320, (1,), device="cuda")
+        args = (unary, candidates, projected, anchor, *codebooks)
+        assert torch.equal(selector_triton.greedy_walk(*args), greedy_walk_reference(*args))
+
+
+def test_drafter_graphs_trace_nothing(pair):
+    """The drafter's graphs (issue 5: ready in <= 1 s) record Triton kernels only: re-capturing them after
+    torch._dynamo.reset() traces no frame (a torch.compile region would be traced again, at every start); the
+    re-captured graphs still give plain greedy's output."""
+    from torch._dynamo.utils import counters
+
+    target, drafter = pair
+    e = engine(target, compute_dtype="bfloat16", compile_mode=0, mode="dflash2", dflash2_model=str(drafter))
+    ids = e.tokenizer.encode("hello world")
+    first = e.generate(ids, 60, stop_at_eos=False).tokens
+    torch._dynamo.reset()
+    frames = sum(counters["frames"].values())
+    e.proposer.capture_graphs(e.target.pool)
+    assert sum(counters["frames"].values()) == frames
+    assert e.generate(ids, 60, stop_at_eos=False).tokens == first
+    print(f"drafter graphs at load: {e.load_times['proposer_graphs_s']} s")

@@ -70,9 +70,9 @@ def test_forced_verification_keeps_target_and_drafter_context_exact(pair, wrong_
         ours, ref = proposer.drafter.context, fresh.context
         order, ref_order = ours.positions.argsort(), ref.positions.argsort()
         assert torch.equal(ours.positions[order], ref.positions[ref_order])
-        valid = ours.positions[order] >= 0  # buffers are [layers, kv heads, slots, head_dim]
+        valid = ours.positions[order] >= 0  # buffers are [layers, slots, kv heads, head_dim]
         for a, b in ((ours.keys, ref.keys), (ours.values, ref.values)):
-            assert (a[:, :, order][:, :, valid] - b[:, :, ref_order][:, :, valid]).abs().max() <= 1e-4
+            assert (a[:, order][:, valid] - b[:, ref_order][:, valid]).abs().max() <= 1e-4
 
     run_forced(model, prompt, plain, 7, wrong_from, inner=proposer, extra_check=context_check)
 

@@ -370,7 +370,7 @@ def test_selector_transition_can_overrule_the_logits():
 
 def _rows(layers, n, start):
     """Context rows whose every value encodes its position, for checking where rows land."""
-    k = torch.arange(start, start + n, dtype=torch.float32).view(1, 1, n, 1).expand(layers, 2, n, 3).clone()
+    k = torch.arange(start, start + n, dtype=torch.float32).view(1, n, 1, 1).expand(layers, n, 2, 3).clone()
     return k, -k
 
 
@@ -381,8 +381,8 @@ def test_context_ring_wraparound():
     context.write(*_rows(2, 3, 3), 3)  # positions 3, 4, 5 -> slots 3, 0, 1
     assert context.length == 6
     assert context.positions.tolist() == [4, 5, 2, 3]
-    assert context.keys[1, 0, :, 0].tolist() == [4.0, 5.0, 2.0, 3.0]
-    assert context.values[0, 1, :, 2].tolist() == [-4.0, -5.0, -2.0, -3.0]
+    assert context.keys[1, :, 0, 0].tolist() == [4.0, 5.0, 2.0, 3.0]
+    assert context.values[0, :, 1, 2].tolist() == [-4.0, -5.0, -2.0, -3.0]
     context.write(*_rows(2, 4, 9), 9)  # a skipped stretch (only allowed when fully overwritten)
     assert context.positions.tolist() == [12, 9, 10, 11]
     with pytest.raises(ValueError):

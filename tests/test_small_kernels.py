@@ -1,12 +1,16 @@
 """The small Triton kernels against their references, through the Triton interpreter in a subprocess: RMSNorm
-(with and without the residual add), the DeltaNet gated norm, the attention inputs (q/k norm, RoPE, KV cache
-write), the gated activations, the DeltaNet causal conv."""
+(with and without the residual add), the DeltaNet gated norm, the attention inputs (q/k norm in both conventions,
+RoPE, KV cache write; keys alone), the gated activations, the DeltaNet causal conv, and the DFlash2 drafter's
+grouped dynamic convolution and selector walk."""
 
 import json
 
 import torch
 from helpers import patch_triton_interpreter, run_in_triton_interpreter
 
+from blockspec.drafter import conv_triton, selector_triton
+from blockspec.drafter.conv import grouped_dynamic_causal_conv_reference
+from blockspec.drafter.selector import greedy_walk_reference
 from blockspec.kernels import activation_triton, attention_inputs_triton, gdn_triton, norm_triton
 from blockspec.kernels.activation import sigmoid_mul_reference, silu_mul_reference
 from blockspec.kernels.attention import prepare_attention_inputs_reference
@@ -46,12 +50,18 @@ def _attention_input_errors():
         qw, kw = torch.randn(d, generator=g) * 0.1, torch.randn(d, generator=g) * 0.1
         positions = torch.arange(9, 9 + t)
         cos, sin = rope_tables(positions, rot, 10000.0, torch.float32)
-        caches = [[torch.zeros(40, kv_heads, d), torch.zeros(40, kv_heads, d)] for _ in range(2)]
-        ref = prepare_attention_inputs_reference(query, key, value, qw, kw, 1e-6, cos, sin, positions, *caches[0])
-        got = attention_inputs_triton.prepare_attention_inputs(query, key, value, qw, kw, 1e-6, cos, sin,
-                                                               positions, *caches[1])
-        out.append(max(float((got - ref).abs().max()), float((caches[0][0] - caches[1][0]).abs().max()),
-                       float((caches[0][1] - caches[1][1]).abs().max())))
+        for zero_centred in (True, False):  # the target's norms, the drafter's
+            for q in (query, None):  # None: the drafter's context append writes keys and values alone
+                caches = [[torch.zeros(40, kv_heads, d), torch.zeros(40, kv_heads, d)] for _ in range(2)]
+                args = (key, value, qw, kw, 1e-6, cos, sin, positions % 37)
+                ref = prepare_attention_inputs_reference(q, *args, *caches[0], zero_centred)
+                got = attention_inputs_triton.prepare_attention_inputs(q, *args, *caches[1], zero_centred)
+                errors = [(caches[0][i] - caches[1][i]).abs().max() for i in (0, 1)]
+                if q is not None:
+                    errors.append((got - ref).abs().max())
+                elif got is not None:
+                    errors.append(float("inf"))
+                out.append(max(float(e) for e in errors))
     return out
 
 
@@ -90,11 +100,42 @@ def _conv_errors():
     return out
 
 
+def _drafter_conv_errors():
+    out = []
+    for t, channels, group, taps in [(8, 5120, 16, 2), (5, 300, 4, 3), (1, 64, 8, 2)]:
+        g = torch.Generator().manual_seed(t * channels)
+        x = torch.randn(t, channels, generator=g)
+        # the dynamic taps as the module slices them out of its projection: a strided view
+        dynamic = torch.randn(t, 2, taps, channels // group, generator=g)[:, 1]
+        static = torch.randn(taps, channels, generator=g)
+        got = conv_triton.grouped_dynamic_causal_conv(x, dynamic, static, group)
+        out.append(float((got - grouped_dynamic_causal_conv_reference(x, dynamic, static, group)).abs().max()))
+    return out
+
+
+def _walk_mismatches():
+    """Chosen ids that differ from the reference walk (0 expected), over random selectors with repeated candidates."""
+    out = []
+    for rows, top_k, rank, vocab in [(7, 16, 256, 1000), (3, 5, 20, 50), (1, 8, 16, 9)]:
+        g = torch.Generator().manual_seed(rows * rank)
+        unary = torch.randn(rows, top_k, generator=g)
+        candidates = torch.randint(0, vocab, (rows, top_k), generator=g)
+        projected = torch.randn(rows, rank, generator=g)
+        anchor = torch.randint(0, vocab, (1,), generator=g)
+        codebooks = torch.randn(vocab, rank, generator=g), torch.randn(vocab, rank, generator=g)
+        got = selector_triton.greedy_walk(unary, candidates, projected, anchor, *codebooks)
+        ref = greedy_walk_reference(unary, candidates, projected, anchor, *codebooks)
+        out.append(int((got != ref).sum()) if got.shape == ref.shape and got.dtype == ref.dtype else -1)
+    return out
+
+
 def test_kernels_match_references_in_interpreter():
     assert not norm_triton.available(torch.zeros(2, 8))  # outside the interpreter the CPU takes the reference
     results = run_in_triton_interpreter(__file__)
-    assert [len(results[k]) for k in ("norm", "attention", "gated_norm", "conv")] == [3, 3, 3, 3], results
-    assert len(results["activation"]) == 4
+    walk = results.pop("walk")
+    assert walk == [0, 0, 0], walk
+    assert [len(results[k]) for k in ("norm", "gated_norm", "conv", "drafter_conv")] == [3, 3, 3, 3], results
+    assert len(results["activation"]) == 4 and len(results["attention"]) == 12
     assert max(max(v) for v in results.values()) < 1e-5, results
 
 
@@ -102,7 +143,8 @@ if __name__ == "__main__":
     patch_triton_interpreter()
     print("RESULTS " + json.dumps({"norm": _norm_errors(), "attention": _attention_input_errors(),
                                    "gated_norm": _gated_norm_errors(), "activation": _activation_errors(),
-                                   "conv": _conv_errors()}))
+                                   "conv": _conv_errors(), "drafter_conv": _drafter_conv_errors(),
+                                   "walk": _walk_mismatches()}))
 
 
 def test_launch_fitting_lowers_pipeline_depth_until_shared_memory_suffices():

@@ -4,6 +4,8 @@ A drafter query at absolute position t only sees context positions p with t - p 
 and the earliest query of a block sits right after the last committed position. So the last
 `sliding_window` committed positions are all any proposal can use; older rows are overwritten in place.
 K is stored with rotary embedding already applied at its absolute position, so rows never move.
+Each layer's buffer is [slots, kv_heads, head_dim] like the target's KV cache, with `block` scratch slots after
+the ring: a proposal writes its own block's K/V there, so that its attention reads one buffer per layer.
 """
 
 from __future__ import annotations
@@ -22,14 +24,16 @@ class DrafterContext:
         head_dim: int,
         capacity: int,
         *,
+        block: int = 0,
         device: torch.device | str,
         dtype: torch.dtype,
     ):
         self.capacity = capacity
-        shape = (num_layers, num_kv_heads, capacity, head_dim)  # slot axis where attention wants it
+        shape = (num_layers, capacity + block, num_kv_heads, head_dim)
         self.keys = torch.zeros(shape, device=device, dtype=dtype)
         self.values = torch.zeros(shape, device=device, dtype=dtype)
         self.positions = torch.full((capacity,), EMPTY_SLOT, device=device, dtype=torch.long)
+        self.block_slots = torch.arange(capacity, capacity + block, device=device)
         self.length = 0  # committed positions so far; the next append starts here
 
     def reset(self) -> None:
@@ -42,10 +46,10 @@ class DrafterContext:
     def write(self, keys: torch.Tensor, values: torch.Tensor, start_position: int) -> None:
         """Store rows for positions start_position .. start_position + n - 1.
 
-        keys, values: [num_layers, num_kv_heads, n, head_dim] with n <= capacity. Positions between the
+        keys, values: [num_layers, n, num_kv_heads, head_dim] with n <= capacity. Positions between the
         current length and start_position may be skipped only when they would be overwritten anyway.
         """
-        rows = keys.shape[2]
+        rows = keys.shape[1]
         if rows > self.capacity:
             raise ValueError(f"{rows} context rows do not fit {self.capacity} slots; keep only the last ones")
         if start_position < self.length:
@@ -58,7 +62,13 @@ class DrafterContext:
 
     def write_rows(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> None:
         """The buffer update alone (no checks, length unchanged): positions is a device tensor."""
-        slots = positions % self.capacity  # one index_copy_ also handles wraparound
-        self.keys.index_copy_(2, slots, keys.to(self.keys.dtype))
-        self.values.index_copy_(2, slots, values.to(self.values.dtype))
+        slots = self.record(positions)
+        self.keys.index_copy_(1, slots, keys.to(self.keys.dtype))
+        self.values.index_copy_(1, slots, values.to(self.values.dtype))
+
+    def record(self, positions: torch.Tensor) -> torch.Tensor:
+        """Mark the ring slots of `positions` (a device tensor) as holding them; returns those slots, where the
+        caller writes their K/V (one index per row also handles wraparound)."""
+        slots = positions % self.capacity
         self.positions.index_copy_(0, slots, positions)
+        return slots

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from blockspec.kernels import fused
+from blockspec.drafter import conv_triton
 
 
 def _shift_rows(x: torch.Tensor, offset: int) -> torch.Tensor:
@@ -22,14 +22,20 @@ def _shift_rows(x: torch.Tensor, offset: int) -> torch.Tensor:
     return torch.cat([x.new_zeros((offset, *x.shape[1:])), x[:-offset]])
 
 
-@fused  # one compiled kernel on the fast path instead of ~5 per tap
 def grouped_dynamic_causal_conv(
     x: torch.Tensor, dynamic: torch.Tensor, static: torch.Tensor, group_size: int
 ) -> torch.Tensor:
     """y[t, c] = sum_o (static[o, c] + dynamic[t, o, c // group_size]) * x[t - o, c].
 
-    x: [T, C] one block; dynamic: [T, K, C // group_size]; static: [K, C].
+    x: [T, C] one block; dynamic: [T, K, C // group_size]; static: [K, C]. On CUDA the Triton kernel of
+    conv_triton.py (one kernel instead of ~5 per tap); else grouped_dynamic_causal_conv_reference.
     """
+    if conv_triton.available(x, dynamic):
+        return conv_triton.grouped_dynamic_causal_conv(x, dynamic, static, group_size)
+    return grouped_dynamic_causal_conv_reference(x, dynamic, static, group_size)
+
+
+def grouped_dynamic_causal_conv_reference(x, dynamic, static, group_size: int) -> torch.Tensor:
     rows, channels = x.shape
     groups = channels // group_size
     x = x.view(rows, groups, group_size)

@@ -21,8 +21,8 @@ from blockspec.drafter.context import DrafterContext
 from blockspec.drafter.conv import DynamicCausalConv
 from blockspec.drafter.selector import CandidateSelector
 from blockspec.errors import BlockspecError
-from blockspec.kernels.attention import masked_attention
-from blockspec.kernels.rope import apply_rope, rope_tables
+from blockspec.kernels.attention import masked_attention, prepare_attention_inputs
+from blockspec.kernels.rope import rope_tables
 from blockspec.layers.mlp import SwiGLU
 from blockspec.layers.norm import PlainRMSNorm as RMSNorm
 
@@ -49,24 +49,29 @@ class DrafterAttention(nn.Module):
         self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps, dtype=dtype)
         self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps, dtype=dtype)
 
-    def keys_values(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        """K (normed, rotated) and V [kv_heads, T, head_dim] of rows x [T, hidden]."""
-        _, k, v = self.qkv_proj(x) if self.qkv_proj is not None else (None, self.k_proj(x), self.v_proj(x))
-        return self._rotated_keys_values(k, v, cos, sin)
+    def write_context(self, x: torch.Tensor, cos, sin, slots, keys, values):
+        """K (normed, rotated) and V of context rows x [T, hidden] into this layer's buffers [slots, kv_heads,
+        head_dim] at `slots`."""
+        rows = x.shape[0]
+        if self.qkv_proj is not None:
+            _, k, v = self.qkv_proj(x)
+        else:
+            k, v = self.k_proj(x), self.v_proj(x)
+        kv_shape = (rows, self.num_kv_heads, self.head_dim)
+        prepare_attention_inputs(None, k.view(kv_shape), v.view(kv_shape), None, self.k_norm.weight,
+                                 self.k_norm.eps, cos, sin, slots, keys, values, zero_centred=False)
 
-    def _rotated_keys_values(self, k, v, cos, sin):
-        rows = k.shape[0]
-        k = apply_rope(self.k_norm(k.view(rows, self.num_kv_heads, self.head_dim)), cos, sin).transpose(0, 1)
-        v = v.view(rows, self.num_kv_heads, self.head_dim).transpose(0, 1)
-        return k, v
-
-    def forward(self, x, cos, sin, context_keys, context_values, visible):
+    def forward(self, x, cos, sin, keys, values, visible, block_slots):
+        """keys / values: this layer's context buffers; the block's own K/V go to their `block_slots`, and `visible`
+        [T, slots] says which slots each row sees."""
         rows = x.shape[0]
         q, k, v = self.qkv_proj(x) if self.qkv_proj is not None else (self.q_proj(x), self.k_proj(x), self.v_proj(x))
-        q = apply_rope(self.q_norm(q.view(rows, self.num_heads, self.head_dim)), cos, sin).transpose(0, 1)
-        k, v = self._rotated_keys_values(k, v, cos, sin)
-        out = masked_attention(q, (context_keys, k), (context_values, v), visible, self.head_dim**-0.5)
-        return self.o_proj(out.transpose(0, 1).reshape(rows, self.num_heads * self.head_dim))
+        kv_shape = (rows, self.num_kv_heads, self.head_dim)
+        q = prepare_attention_inputs(q.view(rows, self.num_heads, self.head_dim), k.view(kv_shape), v.view(kv_shape),
+                                     self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, cos, sin, block_slots,
+                                     keys, values, zero_centred=False)
+        out = masked_attention(q, keys, values, visible, self.head_dim**-0.5)
+        return self.o_proj(out.reshape(rows, self.num_heads * self.head_dim))
 
 
 class DrafterLayer(nn.Module):
@@ -82,9 +87,9 @@ class DrafterLayer(nn.Module):
         self.mlp_conv = DynamicCausalConv(c.hidden_size, c.conv_kernel_size, c.conv_group_size, dtype=dtype)
         self.mlp = SwiGLU(c.hidden_size, c.intermediate_size, dtype=dtype)
 
-    def forward(self, x, cos, sin, context_keys, context_values, visible):
+    def forward(self, x, cos, sin, keys, values, visible, block_slots):
         h, after = self.attention_conv.prepare(self.input_layernorm(x))
-        h = self.self_attn(h, cos, sin, context_keys, context_values, visible)
+        h = self.self_attn(h, cos, sin, keys, values, visible, block_slots)
         x = x + self.attention_conv.finish(h, after)
         h, after = self.mlp_conv.prepare(self.post_attention_layernorm(x))
         return x + self.mlp_conv.finish(self.mlp(h), after)
@@ -127,8 +132,8 @@ class DFlash2Drafter(nn.Module):
         self.__dict__["_lm_head"] = lm_head
         self.vocabulary = None  # token ids of the head's columns when it covers a draft vocabulary (set_head)
         self.context = DrafterContext(
-            c.num_layers, c.num_kv_heads, c.head_dim, c.sliding_window, device=self.device, dtype=dtype
-        )
+            c.num_layers, c.num_kv_heads, c.head_dim, c.sliding_window, block=c.block_size, device=self.device,
+            dtype=dtype)
         self._block_offsets = torch.arange(c.block_size, device=self.device)
         self._masks = torch.full((c.block_size - 1,), c.mask_token_id, device=self.device, dtype=torch.long)
 
@@ -212,8 +217,9 @@ class DFlash2Drafter(nn.Module):
         graph can replay it at any position); append_context checks and keeps the committed length."""
         hidden = self.hidden_norm(self.fc(features.to(device=self.device, dtype=self.dtype)))
         cos, sin = rope_tables(positions, self.config.head_dim, self.config.rope_theta, self.dtype)
-        pairs = [layer.self_attn.keys_values(hidden, cos, sin) for layer in self.layers]
-        self.context.write_rows(torch.stack([k for k, _ in pairs]), torch.stack([v for _, v in pairs]), positions)
+        slots = self.context.record(positions)
+        for index, layer in enumerate(self.layers):
+            layer.self_attn.write_context(hidden, cos, sin, slots, self.context.keys[index], self.context.values[index])
 
     # ---------------------------------------------------------------- drafting
 
@@ -242,7 +248,8 @@ class DFlash2Drafter(nn.Module):
         cos, sin = rope_tables(positions, self.config.head_dim, self.config.rope_theta, self.dtype)
         visible = self.visible_keys(positions)
         for index, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, self.context.keys[index], self.context.values[index], visible)
+            x = layer(x, cos, sin, self.context.keys[index], self.context.values[index], visible,
+                      self.context.block_slots)
         return self.norm(x)
 
     def set_head(self, lm_head: Callable[[torch.Tensor], torch.Tensor], vocabulary: torch.Tensor) -> None:

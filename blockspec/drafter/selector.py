@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from blockspec.kernels import fused
+from blockspec.drafter import selector_triton
 
 
 class CandidateSelector(nn.Module):
@@ -39,10 +39,16 @@ class CandidateSelector(nn.Module):
                            self.predecessor_codebook.weight, self.successor_codebook.weight)
 
 
-@fused  # the n dependent steps as one compiled region on the fast path (a few kernels instead of ~6 per step)
 def greedy_walk(unary, candidates, projected, anchor, predecessor, successor):
     """From the anchor, pick in each row the candidate with the best unary + transition score given the pick
-    before it (the same arithmetic as CandidateSelector.transition_scores)."""
+    before it (the same arithmetic as CandidateSelector.transition_scores). On CUDA one Triton program
+    (selector_triton.py) instead of ~6 ops per step; else greedy_walk_reference."""
+    if selector_triton.available(unary):
+        return selector_triton.greedy_walk(unary, candidates, projected, anchor, predecessor, successor)
+    return greedy_walk_reference(unary, candidates, projected, anchor, predecessor, successor)
+
+
+def greedy_walk_reference(unary, candidates, projected, anchor, predecessor, successor):
     previous = anchor
     chosen = []
     for row in range(unary.shape[0]):

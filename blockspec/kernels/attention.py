@@ -12,8 +12,8 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from . import FUSION, attention_inputs_triton, attention_triton, fused
-from .norm import rms_norm_reference
+from . import attention_inputs_triton, attention_triton
+from .norm import rms_norm_plain, rms_norm_reference
 from .rope import apply_rope
 
 
@@ -28,28 +28,23 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position
     return cached_attention_sdpa(q, k, v, positions, scale)
 
 
-def prepare_attention_inputs(query, key, value, q_weight, k_weight, eps: float, cos, sin, positions, cache_k,
-                             cache_v):
-    """query [T, Hq, D], key / value [T, Hkv, D] (rows may be strided): per-head zero-centred RMSNorm then RoPE of
-    query and key; key and value written into the cache [capacity, Hkv, D] at `positions`. Returns the query."""
-    args = (query, key, value, q_weight, k_weight, eps, cos, sin, positions, cache_k, cache_v)
-    if attention_inputs_triton.available(query):
+def prepare_attention_inputs(query, key, value, q_weight, k_weight, eps: float, cos, sin, slots, cache_k, cache_v,
+                             zero_centred: bool = True):
+    """query [T, Hq, D], key / value [T, Hkv, D] (rows may be strided): per-head RMSNorm (zero-centred, or the plain
+    convention of the DFlash2 drafter) then RoPE of query and key; key and value written into the cache
+    [slots, Hkv, D] at `slots` (a device tensor). Returns the query; query None: the keys and values alone."""
+    args = (query, key, value, q_weight, k_weight, eps, cos, sin, slots, cache_k, cache_v, zero_centred)
+    if attention_inputs_triton.available(key, query):
         return attention_inputs_triton.prepare_attention_inputs(*args)
     return prepare_attention_inputs_reference(*args)
 
 
-def prepare_attention_inputs_reference(query, key, value, q_weight, k_weight, eps, cos, sin, positions, cache_k,
-                                       cache_v):
-    query, key = qk_norm_rope(query, key, q_weight, k_weight, eps, cos, sin)
-    cache_k.index_copy_(0, positions, key)
-    cache_v.index_copy_(0, positions, value)
-    return query
-
-
-@fused
-def qk_norm_rope(query, key, q_weight, k_weight, eps: float, cos, sin):
-    return (apply_rope.reference(rms_norm_reference(query, q_weight, eps), cos, sin),
-            apply_rope.reference(rms_norm_reference(key, k_weight, eps), cos, sin))
+def prepare_attention_inputs_reference(query, key, value, q_weight, k_weight, eps, cos, sin, slots, cache_k,
+                                       cache_v, zero_centred: bool = True):
+    norm = rms_norm_reference if zero_centred else rms_norm_plain
+    cache_k.index_copy_(0, slots, apply_rope.reference(norm(key, k_weight, eps), cos, sin))
+    cache_v.index_copy_(0, slots, value)
+    return None if query is None else apply_rope.reference(norm(query, q_weight, eps), cos, sin)
 
 
 def cached_attention_sdpa(q, k, v, positions, scale):
@@ -59,33 +54,20 @@ def cached_attention_sdpa(q, k, v, positions, scale):
     return out[0].transpose(0, 1)
 
 
-def masked_attention(q, keys, values, visible, scale: float):
-    """Attention under an explicit mask (the DFlash2 drafter's block over its context window): q [Hq, T, D], keys /
-    values: sequences of [Hkv, L_i, D] chunks (the context buffer, then the block's own), visible [T, sum L_i]
-    bool -> [Hq, T, D]. SDPA over the concatenation is the reference; on CUDA with fusion on, a compiled
-    grouped-head matmul-softmax-matmul per chunk that never copies the context (SDPA's cuDNN choice took 48 us per
-    drafter layer at 8 queries on the H200, and the concatenation copied 8 MB per layer)."""
-    if q.is_cuda and FUSION["enabled"]:
-        return _grouped_masked_attention(q, tuple(keys), tuple(values), visible, scale)
-    k, v = torch.cat(list(keys), dim=1), torch.cat(list(values), dim=1)
-    out = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=visible, scale=scale,
-                                         enable_gqa=q.shape[0] != k.shape[0])
-    return out[0]
+def masked_attention(q, k, v, visible, scale: float):
+    """Attention under an explicit mask (the DFlash2 drafter's block over its context slots and its own rows):
+    q [T, Hq, D], k / v [L, Hkv, D], visible [T, L] bool -> [T, Hq, D]. The split-KV Triton kernel in mask mode
+    on CUDA (no torch.compile region to trace at start-up; SDPA's cuDNN choice took 48 us per drafter layer at 8
+    queries on the H200); SDPA, the reference, otherwise."""
+    if attention_triton.available(q):
+        return attention_triton.masked_attention_triton(q, k, v, visible, scale)
+    return masked_attention_sdpa(q, k, v, visible, scale)
 
 
-@fused
-def _grouped_masked_attention(q, keys, values, visible, scale: float):
-    """The query heads sharing a KV head are stacked into one matmul per KV head; scores in float32."""
-    heads, t, d = q.shape
-    kv_heads = keys[0].shape[0]
-    group = heads // kv_heads
-    stacked = q.reshape(kv_heads, group * t, d)
-    scores = torch.cat([torch.bmm(stacked, k.transpose(1, 2)) for k in keys], dim=-1).float()
-    scores = scores.view(kv_heads, group, t, -1) * scale
-    probs = scores.masked_fill(~visible, float("-inf")).softmax(-1).to(values[0].dtype).view(kv_heads, group * t, -1)
-    parts = probs.split([v.shape[1] for v in values], dim=-1)
-    out = sum(torch.bmm(p, v) for p, v in zip(parts, values))
-    return out.view(heads, t, d)
+def masked_attention_sdpa(q, k, v, visible, scale: float):
+    out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+                                         attn_mask=visible, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+    return out[0].transpose(0, 1)
 
 
 @functools.cache

@@ -45,6 +45,16 @@ def split_plan(capacity: int, block_n: int) -> tuple[int, int]:
 def cached_attention_triton(q, k, v, positions, scale):
     """Same contract as cached_attention_sdpa: q [T, Hq, D] at consecutive positions, k/v [L, Hkv, D] holding every
     key up to positions[-1] (L may be the whole capacity: only keys <= positions[-1] are read)."""
+    return _split_kv_attention(q, k, v, positions, None, scale)
+
+
+def masked_attention_triton(q, k, v, visible, scale):
+    """The DFlash2 drafter's attention: q [T, Hq, D], k/v [L, Hkv, D] (its context slots, then the block's own
+    rows), visible [T, L] bool: which keys each query sees (every query sees at least one). Returns [T, Hq, D]."""
+    return _split_kv_attention(q, k, v, None, visible, scale)
+
+
+def _split_kv_attention(q, k, v, positions, visible, scale):
     t, heads, d = q.shape
     kv_heads = k.shape[1]
     group = heads // kv_heads
@@ -54,10 +64,12 @@ def cached_attention_triton(q, k, v, positions, scale):
     splits, per_split = split_plan(k.shape[0], block_n)
     partial = torch.empty(splits, kv_heads, block_m, d, device=q.device, dtype=torch.float32)
     lse = torch.empty(splits, kv_heads, block_m, device=q.device, dtype=torch.float32)
+    masked = visible is not None
     launch_fitting(_attention_split_kernel, (kv_heads, splits),
-                   q, k, v, positions, partial, lse, scale,
+                   q, k, v, visible.view(torch.uint8) if masked else positions, partial, lse, scale, k.shape[0],
                    q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-                   T=t, GROUP=group, D=d, BLOCK_M=block_m, BLOCK_N=block_n, PER_SPLIT=per_split,
+                   visible.stride(0) if masked else 0,
+                   T=t, GROUP=group, D=d, BLOCK_M=block_m, BLOCK_N=block_n, PER_SPLIT=per_split, MASKED=masked,
                    num_warps=4 if block_m <= 32 else 8, **pdl.options(q))
     out = torch.empty(t, heads, d, device=q.device, dtype=q.dtype)
     _merge_splits_kernel[(kv_heads, rows)](partial, lse, out, out.stride(0), out.stride(1),
@@ -69,24 +81,30 @@ def cached_attention_triton(q, k, v, positions, scale):
 
 if triton is not None:
     @triton.jit
-    def _attention_split_kernel(q, k, v, positions, partial, lse, scale,
-                                sq_t, sq_h, sk_l, sk_h, sv_l, sv_h,
+    def _attention_split_kernel(q, k, v, positions, partial, lse, scale, L,
+                                sq_t, sq_h, sk_l, sk_h, sv_l, sv_h, s_vis,
                                 T: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr,
                                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PER_SPLIT: tl.constexpr,
-                                PDL: tl.constexpr):
+                                MASKED: tl.constexpr, PDL: tl.constexpr):
+        """MASKED: `positions` is the visibility mask [T, L] (row stride s_vis) and every key may be read; else
+        the position of query token 0, the cache holding its T tokens' keys up to start + T (causal)."""
         pdl.begin(PDL)
         kv = tl.program_id(0)
         split = tl.program_id(1)
-        start = tl.load(positions)                      # position of query token 0; the cache holds start + T
         lo = split * PER_SPLIT
-        hi = tl.minimum(lo + PER_SPLIT, start + T)
         rows = tl.arange(0, BLOCK_M)
         token = rows // GROUP
+        if MASKED:
+            hi = tl.minimum(lo + PER_SPLIT, L)
+            last_visible = token + L                    # no causal limit: the mask decides
+        else:
+            start = tl.load(positions)
+            hi = tl.minimum(lo + PER_SPLIT, start + T)
+            last_visible = start + token                # causal: token i sees keys 0..start+i
         dims = tl.arange(0, D)
         row_ok = rows < T * GROUP
         q_ptrs = q + token[:, None] * sq_t + (kv * GROUP + rows % GROUP)[:, None] * sq_h + dims[None, :]
         qt = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)
-        last_visible = start + token                    # causal: token i sees keys 0..start+i
         m = tl.full([BLOCK_M], float("-inf"), tl.float32)
         denom = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, D], tl.float32)
@@ -95,7 +113,11 @@ if triton is not None:
             key_ok = keys < hi
             kt = tl.load(k + keys[:, None] * sk_l + kv * sk_h + dims[None, :], mask=key_ok[:, None], other=0.0)
             s = tl.dot(qt, tl.trans(kt)) * scale
-            s = tl.where(key_ok[None, :] & (keys[None, :] <= last_visible[:, None]), s, float("-inf"))
+            seen = key_ok[None, :] & (keys[None, :] <= last_visible[:, None])
+            if MASKED:
+                seen &= tl.load(positions + token[:, None] * s_vis + keys[None, :],
+                                mask=row_ok[:, None] & key_ok[None, :], other=0) != 0
+            s = tl.where(seen, s, float("-inf"))
             m_new = tl.maximum(m, tl.max(s, 1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet stays empty
             p = tl.exp(s - m_safe[:, None])

@@ -1,0 +1,69 @@
+"""The candidate selector's greedy walk in one Triton program, the fast path beside `greedy_walk_reference`
+(blockspec.drafter.selector).
+
+Why: the walk is n dependent steps of a few tiny ops each; torch.compile made it a few kernels but traced it again
+at every start (part of the drafter's graph preparation, issue 5: <= 1 s), while a Triton kernel loads from
+Triton's disk cache. One program walks all rows: each step gathers the previous pick's predecessor code and the K
+candidates' successor codes (K x rank values, L2-resident after the first proposal).
+Rounding as the reference: the query and the dot products are rounded to the codebooks' dtype (a matmul's output),
+and so is their sum with the unary logits; exact ties go to the first candidate, as argmax does.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..kernels import pdl, triton_runs_on
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - CPU-only installs use the reference
+    triton = None
+
+MAX_ROWS = 16
+
+
+def available(unary: torch.Tensor) -> bool:
+    return triton_runs_on(unary) and unary.shape[0] <= MAX_ROWS
+
+
+def greedy_walk(unary, candidates, projected, anchor, predecessor, successor) -> torch.Tensor:
+    """Same contract as the reference: unary / candidates [n, K], projected [n, rank], anchor [1], codebooks
+    [vocab, rank] -> chosen token ids [n] (int64)."""
+    rows, top_k = unary.shape
+    rank = projected.shape[1]
+    unary, candidates, projected = unary.contiguous(), candidates.contiguous(), projected.contiguous()
+    chosen = torch.empty(rows, device=unary.device, dtype=torch.long)
+    _greedy_walk_kernel[(1,)](unary, candidates, projected, anchor, predecessor, predecessor.stride(0), successor,
+                              successor.stride(0), chosen, ROWS=rows, TOP_K=top_k, RANK=rank,
+                              BLOCK_K=triton.next_power_of_2(top_k), BLOCK_R=triton.next_power_of_2(rank),
+                              num_warps=4, **pdl.options(unary))
+    return chosen
+
+
+if triton is not None:
+    @triton.jit
+    def _greedy_walk_kernel(unary, candidates, projected, anchor, predecessor, s_pred, successor, s_succ, chosen,
+                            ROWS: tl.constexpr, TOP_K: tl.constexpr, RANK: tl.constexpr, BLOCK_K: tl.constexpr,
+                            BLOCK_R: tl.constexpr, PDL: tl.constexpr):
+        pdl.begin(PDL)
+        ks = tl.arange(0, BLOCK_K)
+        rs = tl.arange(0, BLOCK_R)
+        k_ok = ks < TOP_K
+        r_ok = rs < RANK
+        dtype = successor.dtype.element_ty
+        previous = tl.load(anchor).to(tl.int64)
+        for row in tl.static_range(ROWS):
+            code = tl.load(predecessor + previous * s_pred + rs, mask=r_ok, other=0.0).to(tl.float32)
+            query = (code * tl.load(projected + row * RANK + rs, mask=r_ok, other=0.0).to(tl.float32)).to(dtype)
+            cand = tl.load(candidates + row * TOP_K + ks, mask=k_ok, other=0).to(tl.int64)
+            codes = tl.load(successor + cand[:, None] * s_succ + rs[None, :], mask=k_ok[:, None] & r_ok[None, :],
+                            other=0.0)
+            dots = tl.sum(codes.to(tl.float32) * query.to(tl.float32)[None, :], 1).to(dtype)
+            scores = (tl.load(unary + row * TOP_K + ks, mask=k_ok, other=0.0).to(tl.float32)
+                      + dots.to(tl.float32)).to(dtype).to(tl.float32)
+            scores = tl.where(k_ok, scores, float("-inf"))
+            best = tl.argmax(scores, 0, tie_break_left=True)
+            previous = tl.sum(tl.where(ks == best, cand, 0), 0)
+            tl.store(chosen + row, previous)
