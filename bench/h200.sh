@@ -6,6 +6,8 @@
 #   warm   a second DFlash2 start on the warm disk caches (load_times: the drafter's graphs)
 #   int4   the INT4 table of issue 6 (INT4 target + int8 head; DFlash2 with the bf16 drafter, then the int8 one)
 #   vocab  the bf16 speculative modes (VOCAB_MODES, default mtp,dflash2) over a 32768-id draft vocabulary
+#   startprof  where a second start's time goes: cProfile of a warm plain start (top functions, cumulative / own)
+#   sweep  the W4A16 config sweep (bench/quant_kernels.py --sweep)
 # Usage (device machine, repo root, wheels in .whl): PARTS="tests bf16 warm" bash bench/h200.sh  (writes to $OUT)
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"; LOG="$OUT/bench_log.txt"
@@ -26,6 +28,13 @@ for part in ${PARTS:-bf16 warm int4 vocab}; do
     warm) run 70 $BENCH --mode dflash2 --max-tokens 16 --repeats 1 --prompt "warm start" --json-out "$OUT/warm_start.json" ;;
     int4) run 180 $BENCH $Q --mode none,mtp,dflash2 $FORCED --json-out "$OUT/bench_int4.json" --png-out "$OUT/bench_int4.png"
           run 100 $BENCH $Q --dflash2-quantization int8 --mode dflash2 $FORCED --json-out "$OUT/bench_int4_drafter_int8.json" ;;
+    startprof) run 90 python3 -m cProfile -o "$OUT/start.prof" -m blockspec.cli bench --synthetic qwen3.5-27b \
+                 --compile-mode 0 --context-length 4096 --fuse-kvq --fuse-gate --mode none --max-tokens 16 --repeats 1 \
+                 --prompt "warm start" --json-out "$OUT/start_profile.json"
+               python3 -c "import pstats, sys; s = pstats.Stats('$OUT/start.prof', stream=sys.stdout); \
+                 s.sort_stats('cumulative').print_stats(60); s.sort_stats('tottime').print_stats(30)" \
+                 > "$OUT/start_profile.txt" 2>&1; rm -f "$OUT/start.prof" ;;
+    sweep) timeout 240 python3 bench/quant_kernels.py --sweep > "$OUT/quant_sweep.txt" 2>&1; tail -14 "$OUT/quant_sweep.txt" >> "$LOG" ;;
     vocab) run 200 $BENCH --draft-vocabulary 32768 --mode ${VOCAB_MODES:-mtp,dflash2} $FORCED --json-out "$OUT/bench_draft_vocabulary.json" ;;
   esac
 done

@@ -13,6 +13,9 @@ CPU dry run of the harness (tiny shapes, Triton interpreter):      TRITON_INTERP
    (its own 4x larger weight) and the best tc time of the exploration ("explored"); M = 1 also with waves = 4.
    int8 (drafter group 32, vocabulary head group 128): M = 1 and 8, plain-Triton (default) and PTX unpacking.
 Writes $OUT/quant_kernels.json when OUT is set.
+`--sweep`: instead, the config space around the M <= 8 default for the int4 projections (not the head): block_n 16 /
+32 / 64, waves 1 / 2 / 4, stages 4 / 6, at M = 1 and 8 (the fixed per-launch cost of the small shapes, W4A16 table
+in docs/benchmarks.md); each config checked, then timed as above. Writes $OUT/quant_sweep.json.
 
 Alternatives measured in the exploration (bench/w4a16_variants.py, removed; its results are summarised in the
 w4a16_triton docstring): "tcf" (scale folded into a bf16 tile: not exact, no faster up to M = 8), the previous
@@ -168,7 +171,35 @@ def time_bf16(records, name, n, k, ms) -> None:
         print(f"  M={m:2d} bf16 F.linear {us:8.1f} us {records[-1]['pct']:5.1f}% of its {nb / 1e6:.0f} MB", flush=True)
 
 
+def sweep() -> None:
+    records = []
+    grid = [(bn, wv, st) for bn in (16, 32, 64) for wv in (1, 2, 4) for st in (4, 6)]
+    for sname, n, k in SHAPES[:-1] if not DRY else SHAPES:
+        variants = [(f"n{bn}w{wv}s{st}", lambda m, bn=bn, wv=wv, st=st: replace(
+            wq.default_config(m, n, k), block_n=bn, waves=wv, stages=st), [1, 8]) for bn, wv, st in grid]
+        time_shape(records, sname, n, k, 4, 128, [("default", lambda m: wq.default_config(m, n, k), [1, 8])] + variants)
+        torch.cuda.empty_cache() if not DRY else None
+    print("\nbest per shape and M (us; default us):")
+    for sname, _, _ in SHAPES:
+        for m in (1, 8):
+            rs = [r for r in records if r["shape"] == sname and r["m"] == m and "us" in r]
+            if rs:
+                best, default = min(rs, key=lambda r: r["us"]), [r for r in rs if r["variant"] == "default"]
+                print(f"  {sname:9s} M={m} {best['variant']:10s} {best['us']:6.1f} us {best['pct']:5.1f}% "
+                      f"(default {default[0]['us'] if default else float('nan'):.1f})")
+    if os.environ.get("OUT"):
+        Path(os.environ["OUT"]).mkdir(parents=True, exist_ok=True)
+        (Path(os.environ["OUT"]) / "quant_sweep.json").write_text(json.dumps(records, indent=1))
+
+
 def main() -> None:
+    if "--sweep" in sys.argv:
+        if DRY:
+            sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+            from helpers import patch_triton_interpreter
+
+            patch_triton_interpreter()
+        return sweep()
     t0 = time.time()
     if DRY:
         sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
