@@ -8,6 +8,7 @@
 #   vocab  the bf16 speculative modes (VOCAB_MODES, default mtp,dflash2) over a 32768-id draft vocabulary
 #   startprof  where a second start's time goes: cProfile of a warm plain start (top functions, cumulative / own)
 #   sweep  the W4A16 config sweep (bench/quant_kernels.py --sweep)
+#   compiles  two DFlash2 starts (first, then warm): load times and what torch.compile traced (bench/start_compiles.py)
 # Usage (device machine, repo root, wheels in .whl): PARTS="tests bf16 warm" bash bench/h200.sh  (writes to $OUT)
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"; LOG="$OUT/bench_log.txt"
@@ -34,6 +35,11 @@ for part in ${PARTS:-bf16 warm int4 vocab}; do
                python3 -c "import pstats, sys; s = pstats.Stats('$OUT/start.prof', stream=sys.stdout); \
                  s.sort_stats('cumulative').print_stats(60); s.sort_stats('tottime').print_stats(30)" \
                  > "$OUT/start_profile.txt" 2>&1; rm -f "$OUT/start.prof" ;;
+    compiles) for start in first warm; do
+                run 120 python3 bench/start_compiles.py bench --synthetic qwen3.5-27b --compile-mode 0 \
+                  --context-length 4096 --fuse-kvq --fuse-gate --mode dflash2 --max-tokens 16 --repeats 1 \
+                  --prompt "$start start" --json-out "$OUT/start_$start.json"
+              done ;;
     sweep) timeout 240 python3 bench/quant_kernels.py --sweep > "$OUT/quant_sweep.txt" 2>&1; tail -14 "$OUT/quant_sweep.txt" >> "$LOG" ;;
     vocab) run 200 $BENCH --draft-vocabulary 32768 --mode ${VOCAB_MODES:-mtp,dflash2} $FORCED --json-out "$OUT/bench_draft_vocabulary.json" ;;
   esac
