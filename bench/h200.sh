@@ -20,7 +20,8 @@ export PYTHONUNBUFFERED=1 TORCHINDUCTOR_CACHE_DIR=/tmp/blockspec-inductor-cache 
 BENCH="python3 -m blockspec.cli bench --synthetic qwen3.5-27b --compile-mode 0 --context-length 4096 --fuse-kvq --fuse-gate"
 FORCED="--forced-acceptance 0.553,0.297,0.516 --max-tokens ${MAX_TOKENS:-200} --repeats ${REPEATS:-2}"
 Q="--target-quantization int4 --vocabulary-quantization int8"
-run() { local limit=$1; shift; echo "## $*" >> "$LOG"; timeout "$limit" "$@" 2>&1 | grep -v "^ \|[Ww]arn\|softmax\|important use" >> "$LOG"; echo "## exit $?" >> "$LOG"; }
+run() { local limit=$1; shift; echo "## $*" >> "$LOG"
+        timeout "$limit" "$@" 2>&1 | grep -v "^ \|[Ww]arn\|softmax\|important use" >> "$LOG"; echo "## exit ${PIPESTATUS[0]}" >> "$LOG"; }
 for part in ${PARTS:-bf16 warm int4 vocab}; do
   case $part in
     tests) timeout ${TEST_S:-240} python3 -m pytest -q tests/test_cuda.py -s ${TESTS_K:+-k "$TESTS_K"} > "$OUT/cuda_tests.txt" 2>&1
@@ -28,7 +29,7 @@ for part in ${PARTS:-bf16 warm int4 vocab}; do
     bf16) run 240 $BENCH --mode ${MODES:-none,mtp,dflash2} $FORCED --json-out "$OUT/bench.json" --png-out "$OUT/bench.png" ;;
     warm) run 70 $BENCH --mode dflash2 --max-tokens 16 --repeats 1 --prompt "warm start" --json-out "$OUT/warm_start.json" ;;
     int4) run 180 $BENCH $Q --mode none,mtp,dflash2 $FORCED --json-out "$OUT/bench_int4.json" --png-out "$OUT/bench_int4.png"
-          run 100 $BENCH $Q --dflash2-quantization int8 --mode dflash2 $FORCED --json-out "$OUT/bench_int4_drafter_int8.json" ;;
+          run 150 $BENCH $Q --dflash2-quantization int8 --mode dflash2 $FORCED --json-out "$OUT/bench_int4_drafter_int8.json" ;;
     startprof) run 90 python3 -m cProfile -o "$OUT/start.prof" -m blockspec.cli bench --synthetic qwen3.5-27b \
                  --compile-mode 0 --context-length 4096 --fuse-kvq --fuse-gate --mode none --max-tokens 16 --repeats 1 \
                  --prompt "warm start" --json-out "$OUT/start_profile.json"

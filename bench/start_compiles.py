@@ -6,10 +6,22 @@ Usage (GPU): python bench/start_compiles.py bench --synthetic qwen3.5-27b --comp
 
 import runpy
 import sys
+import traceback
 
+import torch
 import torch._dynamo.utils as dynamo_utils
 
+_compile = torch.compile
+
+
+def _named_compile(fn=None, **kwargs):
+    """torch.compile that says what it was given and from where (blockspec's `fused` compiles on first use)."""
+    print(f"torch.compile({getattr(fn, '__qualname__', fn)}) from", traceback.extract_stack(limit=4)[0].name)
+    return _compile(fn, **kwargs)
+
+
 if __name__ == "__main__":
+    torch.compile = _named_compile
     sys.argv = ["blockspec"] + sys.argv[1:]
     try:
         runpy.run_module("blockspec.cli", run_name="__main__")

@@ -85,6 +85,16 @@ def _activation_errors():
         gate, up = packed[:, :n], packed[:, n:2 * n]  # the halves of a packed gate_up output
         out.append(float((activation_triton.gated(up, gate, "silu") - silu_mul_reference(gate, up)).abs().max()))
         out.append(float((activation_triton.gated(up, gate, "sigmoid") - sigmoid_mul_reference(up, gate)).abs().max()))
+    for t, heads, d in [(1, 4, 32), (8, 24, 256)]:  # the attention gate: half of each head of a packed qkv output
+        g = torch.Generator().manual_seed(t * heads)
+        packed = torch.randn(t, heads * 2 * d + 3 * d, generator=g)
+        gate = packed[:, :heads * 2 * d].view(t, heads, 2 * d).chunk(2, dim=-1)[1]
+        attended = torch.randn(t, heads, d, generator=g)
+        if not activation_triton.available(gate, attended):
+            out.append(float("inf"))
+            continue
+        got = activation_triton.gated(attended, gate, "sigmoid")
+        out.append(float((got - sigmoid_mul_reference(attended, gate)).abs().max()))
     return out
 
 
@@ -135,7 +145,7 @@ def test_kernels_match_references_in_interpreter():
     walk = results.pop("walk")
     assert walk == [0, 0, 0], walk
     assert [len(results[k]) for k in ("norm", "gated_norm", "conv", "drafter_conv")] == [3, 3, 3, 3], results
-    assert len(results["activation"]) == 4 and len(results["attention"]) == 12
+    assert len(results["activation"]) == 6 and len(results["attention"]) == 12
     assert max(max(v) for v in results.values()) < 1e-5, results
 
 

@@ -17,7 +17,7 @@ import torch
 
 TRITON_INSTALLED = importlib.util.find_spec("triton") is not None
 
-FUSION = {"enabled": False}
+FUSION = {"enabled": False, "compiled_calls": 0}  # calls that took the compiled path (tests: graphs record none)
 
 
 def triton_runs_on(x: torch.Tensor) -> bool:
@@ -82,6 +82,7 @@ def fused(fn):
     def wrapper(*args, **kwargs):
         nonlocal compiled
         if FUSION["enabled"] and args[0].is_cuda:
+            FUSION["compiled_calls"] += 1
             if compiled is None:
                 compiled = torch.compile(fn, fullgraph=True)
             return compiled(*args, **kwargs)

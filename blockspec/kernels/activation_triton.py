@@ -18,13 +18,18 @@ BLOCK = 1024
 
 
 def _rows(t: torch.Tensor):
-    """A [rows, N] view with unit inner stride, or None when the layout does not allow one."""
+    """(rows, inner rows B, outer stride, inner stride): row r of the [rows, N] view starts at (r // B) * outer +
+    (r % B) * inner. Covers [..., N] tensors whose leading dims merge into one stride, and [A, B, N] head slices of a
+    wider row (the attention gate: a chunk of each head of a packed projection's output). None otherwise."""
     if t.stride(-1) != 1:
         return None
     try:
-        return t.view(-1, t.shape[-1])
+        flat = t.view(-1, t.shape[-1])
+        return flat.shape[0], 1, flat.stride(0), 0
     except RuntimeError:
-        return None
+        if t.dim() != 3:
+            return None
+        return t.shape[0] * t.shape[1], t.shape[1], t.stride(0), t.stride(1)
 
 
 def available(*tensors: torch.Tensor) -> bool:
@@ -34,25 +39,28 @@ def available(*tensors: torch.Tensor) -> bool:
 
 def gated(x: torch.Tensor, gate: torch.Tensor, activation: str) -> torch.Tensor:
     """x * act(gate); the caller has checked `available(x, gate)`."""
-    xs, gs = _rows(x), _rows(gate)
+    (rows, bx, ox, ix), (_, bg, og, ig) = _rows(x), _rows(gate)
     out = torch.empty(x.shape, device=x.device, dtype=x.dtype)
-    n = xs.shape[1]
-    _gated_kernel[(xs.shape[0], triton.cdiv(n, BLOCK))](xs, xs.stride(0), gs, gs.stride(0), out, n,
-                                                       SILU=activation == "silu", BLOCK=BLOCK, num_warps=4,
-                                                       **pdl.options(x))
+    n = x.shape[-1]
+    _gated_kernel[(rows, triton.cdiv(n, BLOCK))](x, bx, ox, ix, gate, bg, og, ig, out, n,
+                                                SILU=activation == "silu", BLOCK=BLOCK, num_warps=4,
+                                                **pdl.options(x))
     return out
 
 
 if triton is not None:
     @triton.jit
-    def _gated_kernel(x, s_x, gate, s_gate, out, N, SILU: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    def _gated_kernel(x, b_x, o_x, i_x, gate, b_gate, o_gate, i_gate, out, N, SILU: tl.constexpr,
+                      BLOCK: tl.constexpr, PDL: tl.constexpr):
         pdl.begin(PDL)
         row = tl.program_id(0)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         ok = cols < N
-        g = tl.load(gate + row * s_gate + cols, mask=ok, other=0.0).to(tl.float32)
-        v = tl.load(x + row * s_x + cols, mask=ok, other=0.0).to(tl.float32)
+        g_at = (row // b_gate).to(tl.int64) * o_gate + (row % b_gate) * i_gate
+        x_at = (row // b_x).to(tl.int64) * o_x + (row % b_x) * i_x
+        g = tl.load(gate + g_at + cols, mask=ok, other=0.0).to(tl.float32)
+        v = tl.load(x + x_at + cols, mask=ok, other=0.0).to(tl.float32)
         act = tl.sigmoid(g)
         if SILU:
             act = g * act
-        tl.store(out + row * N + cols, (v * act).to(out.dtype.element_ty), mask=ok)
+        tl.store(out + row.to(tl.int64) * N + cols, (v * act).to(out.dtype.element_ty), mask=ok)
