@@ -121,18 +121,8 @@ if triton is not None:
         pdl.begin(PDL)
         cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
         ok = cols < C
-        for r in tl.static_range(K - 1):
-            tl.store(window + r * C + cols, tl.load(history + r * C + cols, mask=ok), mask=ok)
-        for t in range(T):
-            acc = tl.zeros([BLOCK_C], tl.float32)
-            for j in tl.static_range(K):
-                row = t + j  # window row: history row `row` while row < K-1, else input row row - (K-1)
-                from_history = tl.load(history + row * C + cols, mask=ok & (row < K - 1), other=0.0)
-                from_input = tl.load(x + (row - (K - 1)) * s_x + cols, mask=ok & (row >= K - 1), other=0.0)
-                tap = tl.load(weight + cols * K + j, mask=ok).to(tl.float32)
-                acc += (from_history + from_input).to(tl.float32) * tap
-            tl.store(window + (K - 1 + t) * C + cols, tl.load(x + t * s_x + cols, mask=ok), mask=ok)
-            tl.store(mixed + t * C + cols, (acc * tl.sigmoid(acc)).to(mixed.dtype.element_ty), mask=ok)
+        for t in range(T):  # every program owns its channels: it writes the window (history at t = 0) and output
+            _conv_silu(x, s_x, history, weight, window, mixed, t, cols, ok, C, K, True)
 
     @triton.jit
     def _conv_silu(x, s_x, history, conv_w, window, mixed, t, cols, ok, C, TAPS: tl.constexpr, OWNER):
