@@ -42,9 +42,9 @@ def prepare_attention_inputs(query, key, value, q_weight, k_weight, eps: float, 
 def prepare_attention_inputs_reference(query, key, value, q_weight, k_weight, eps, cos, sin, slots, cache_k,
                                        cache_v, zero_centred: bool = True):
     norm = rms_norm_reference if zero_centred else rms_norm_plain
-    cache_k.index_copy_(0, slots, apply_rope.reference(norm(key, k_weight, eps), cos, sin))
+    cache_k.index_copy_(0, slots, apply_rope(norm(key, k_weight, eps), cos, sin))
     cache_v.index_copy_(0, slots, value)
-    return None if query is None else apply_rope.reference(norm(query, q_weight, eps), cos, sin)
+    return None if query is None else apply_rope(norm(query, q_weight, eps), cos, sin)
 
 
 def cached_attention_sdpa(q, k, v, positions, scale):

@@ -1,8 +1,7 @@
-"""Rotary position embedding (rotate-half layout), optionally on the leading part of each head only."""
+"""Rotary position embedding (rotate-half layout), optionally on the leading part of each head only: the reference
+of the RoPE inside the attention-inputs kernel (attention_inputs_triton.py)."""
 
 import torch
-
-from . import fused
 
 
 def rope_inverse_frequencies(rotary_dim: int, theta: float, device=None) -> torch.Tensor:
@@ -23,7 +22,6 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat([-second, first], dim=-1)
 
 
-@fused
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x: [T, heads, head_dim]; rotates the first cos.shape[-1] channels of each head, passes the rest through."""
     rotary_dim = cos.shape[-1]
