@@ -7,7 +7,9 @@
 #   int4   the INT4 table of issue 6 (INT4 target + int8 head; DFlash2 with the bf16 drafter, then the int8 one)
 #   vocab  the bf16 speculative modes (VOCAB_MODES, default mtp,dflash2) over a 32768-id draft vocabulary
 #   startprof  where a second start's time goes: cProfile of a warm plain start (top functions, cumulative / own)
-#   sweep  the W4A16 config sweep (bench/quant_kernels.py --sweep)
+#   sweep  the W4A16 schedule sweep (bench/quant_kernels.py --sweep; SWEEP_S seconds at most)
+#   kernels  the W4A16 kernel's checks and table (bench/quant_kernels.py)
+#   profile  where a step / cycle goes, kernel tables (bench/profile_cycle.py --variants packed $PROFILE_ARGS)
 #   compiles  two DFlash2 starts (first, then warm): load times and what torch.compile traced (bench/start_compiles.py)
 # Usage (device machine, repo root, wheels in .whl): PARTS="tests bf16 warm" bash bench/h200.sh  (writes to $OUT)
 set -uo pipefail
@@ -41,7 +43,13 @@ for part in ${PARTS:-bf16 warm int4 vocab}; do
                   --context-length 4096 --fuse-kvq --fuse-gate --mode dflash2 --max-tokens 16 --repeats 1 \
                   --prompt "$start start" --json-out "$OUT/start_$start.json"
               done ;;
-    sweep) timeout 240 python3 bench/quant_kernels.py --sweep > "$OUT/quant_sweep.txt" 2>&1; tail -14 "$OUT/quant_sweep.txt" >> "$LOG" ;;
+    sweep) timeout ${SWEEP_S:-240} python3 bench/quant_kernels.py --sweep > "$OUT/quant_sweep.txt" 2>&1
+           echo "## sweep exit $?" >> "$LOG"; sed -n '/^best per shape/,$p' "$OUT/quant_sweep.txt" >> "$LOG" ;;
+    kernels) timeout ${KERNELS_S:-240} python3 bench/quant_kernels.py > "$OUT/quant_kernels.txt" 2>&1
+             echo "## kernels exit $?" >> "$LOG"; sed -n '/^summary/,$p' "$OUT/quant_kernels.txt" >> "$LOG" ;;
+    profile) timeout ${PROFILE_S:-200} python3 bench/profile_cycle.py --variants packed ${PROFILE_ARGS:-} \
+               > "$OUT/profile_cycle.txt" 2>&1; echo "## profile exit $?" >> "$LOG"
+             grep -v "^  \|Assertion\|[Ww]arn" "$OUT/profile_cycle.txt" | tail -60 >> "$LOG" ;;
     vocab) run 200 $BENCH --draft-vocabulary 32768 --mode ${VOCAB_MODES:-mtp,dflash2} $FORCED --json-out "$OUT/bench_draft_vocabulary.json" ;;
   esac
 done

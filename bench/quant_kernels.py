@@ -13,9 +13,12 @@ CPU dry run of the harness (tiny shapes, Triton interpreter):      TRITON_INTERP
    (its own 4x larger weight) and the best tc time of the exploration ("explored"); M = 1 also with waves = 4.
    int8 (drafter group 32, vocabulary head group 128): M = 1 and 8, plain-Triton (default) and PTX unpacking.
 Writes $OUT/quant_kernels.json when OUT is set.
-`--sweep`: instead, the config space around the M <= 8 default for the int4 projections (not the head): block_n 16 /
-32 / 64, waves 1 / 2 / 4, stages 4 / 6, at M = 1 and 8 (the fixed per-launch cost of the small shapes, W4A16 table
-in docs/benchmarks.md); each config checked, then timed as above. Writes $OUT/quant_sweep.json.
+`--sweep`: instead, the stream-K schedule (`KernelConfig.stream`: resident programs walking the (tile, block) space
+in one flat loop) against the default tiles x K-splits grid, on every int4 shape at every M and the int8 shapes at
+M = 1 and 8: block_n / stages / programs per SM variants; each checked on 256 rows and once more after the timed
+graph replays (the replayed output == an eager launch, bitwise: the tile counters are clean), then timed as above.
+Session 6's sweep of the grid itself (block_n 16-64, waves 1-4, stages 4/6) found nothing > 4 % better.
+Writes $OUT/quant_sweep.json.
 
 Alternatives measured in the exploration (bench/w4a16_variants.py, removed; its results are summarised in the
 w4a16_triton docstring): "tcf" (scale folded into a bf16 tile: not exact, no faster up to M = 8), the previous
@@ -148,6 +151,7 @@ def time_shape(records, name, n, k, bits, gs, variants) -> None:
                 if not rec["rel_err"] < 1e-2:
                     raise RuntimeError(f"wrong result, rel err {rec['rel_err']:.3g}")
                 rec["us"] = time_graph(lambda: [wq.wq_matmul(x, w, cfg, out=out) for w in ws]) * 1e3 / copies
+                rec["graph_equal"] = bool(torch.equal(out, wq.wq_matmul(x, ws[-1], cfg)))  # replays left out = last
                 rec.update(gbs=nb / rec["us"] / 1e3, pct=nb / rec["us"] / 1e3 / PEAK_GBS * 100)
             except Exception as exc:  # noqa: BLE001  (recorded; a production config failing fails the run)
                 rec["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
@@ -171,22 +175,48 @@ def time_bf16(records, name, n, k, ms) -> None:
         print(f"  M={m:2d} bf16 F.linear {us:8.1f} us {records[-1]['pct']:5.1f}% of its {nb / 1e6:.0f} MB", flush=True)
 
 
+STREAM_VARIANTS = {  # label: (block_n, stages, programs per SM, mma.sync) of the stream-K schedule
+    8: {"sk n64 s4 x3": (64, 4, 3, True), "sk n64 s4 x2": (64, 4, 2, True), "sk n64 s3 x4": (64, 3, 4, True),
+        "sk n128 s3 x2": (128, 3, 2, True), "sk n32 s4 x6": (32, 4, 6, True)},
+    16: {"sk n64 s4 x3": (64, 4, 3, True), "sk n64 s4 x2": (64, 4, 2, True), "sk n128 s3 x2": (128, 3, 2, True),
+         "sk n64 s4 x3 wg": (64, 4, 3, False)},
+}
+INT8_STREAM = {"sk n128 s6 x3": (128, 6, 3, True), "sk n64 s6 x4": (64, 6, 4, True)}
+
+
+def _stream(default, bn, st, per_sm, sync):
+    return replace(default, block_n=bn, stages=st, stream=per_sm, sync=sync)
+
+
 def sweep() -> None:
+    """The stream-K schedule against the tiles x K-splits default: every shape, every M, int4 and int8."""
     records = []
-    grid = [(bn, wv, st) for bn in (16, 32, 64) for wv in (1, 2, 4) for st in (4, 6)]
-    for sname, n, k in SHAPES[:-1] if not DRY else SHAPES:
-        variants = [(f"n{bn}w{wv}s{st}", lambda m, bn=bn, wv=wv, st=st: replace(
-            wq.default_config(m, n, k), block_n=bn, waves=wv, stages=st), [1, 8]) for bn, wv, st in grid]
-        time_shape(records, sname, n, k, 4, 128, [("default", lambda m: wq.default_config(m, n, k), [1, 8])] + variants)
+    for sname, n, k in SHAPES:
+        variants = [("default", lambda m: wq.default_config(m, n, k), MS)]
+        for bm, table in STREAM_VARIANTS.items():
+            ms = [m for m in MS if (m <= 8) == (bm == 8)]
+            variants += [(label, lambda m, v=v: _stream(wq.default_config(m, n, k), *v), ms)
+                         for label, v in table.items()]
+        time_shape(records, sname, n, k, 4, 128, variants)
         torch.cuda.empty_cache() if not DRY else None
-    print("\nbest per shape and M (us; default us):")
-    for sname, _, _ in SHAPES:
-        for m in (1, 8):
-            rs = [r for r in records if r["shape"] == sname and r["m"] == m and "us" in r]
+    for sname, n, k, gs in INT8_SHAPES:
+        table = INT8_STREAM if gs < 128 else {"sk n128 s3 x2": (128, 3, 2, True)}
+        variants = [("default", lambda m: wq.default_config(m, n, k, 8, gs), [1, 8])]
+        variants += [(label, lambda m, v=v: _stream(wq.default_config(m, n, k, 8, gs), *v), [1, 8])
+                     for label, v in table.items()]
+        time_shape(records, sname, n, k, 8, gs, variants)
+        torch.cuda.empty_cache() if not DRY else None
+    print("\nbest per shape and M (us, % of 3990 GB/s; default):")
+    for sname in dict.fromkeys(r["shape"] + f" int{r['bits']}" for r in records):
+        for m in MS:
+            rs = [r for r in records if f"{r['shape']} int{r['bits']}" == sname and r["m"] == m and "us" in r]
             if rs:
                 best, default = min(rs, key=lambda r: r["us"]), [r for r in rs if r["variant"] == "default"]
-                print(f"  {sname:9s} M={m} {best['variant']:10s} {best['us']:6.1f} us {best['pct']:5.1f}% "
-                      f"(default {default[0]['us'] if default else float('nan'):.1f})")
+                d = f"{default[0]['us']:.1f} us {default[0]['pct']:.1f}%" if default else "-"
+                print(f"  {sname:14s} M={m:2d} {best['variant']:16s} {best['us']:6.1f} us {best['pct']:5.1f}% "
+                      f"(default {d})")
+    bad = [f"{r['shape']} M={r['m']} {r['variant']}" for r in records if "error" in r or not r.get("graph_equal", 1)]
+    print(f"failed or graph replay != eager: {bad or 'none'}")
     if os.environ.get("OUT"):
         Path(os.environ["OUT"]).mkdir(parents=True, exist_ok=True)
         (Path(os.environ["OUT"]) / "quant_sweep.json").write_text(json.dumps(records, indent=1))

@@ -294,6 +294,12 @@ def test_default_configs():
     assert cfg.block_n == 128 and wq.split_k(cfg, 248320, 10)[0] == 1
     assert wq.split_k(wq.default_config(8, 5120, 17408), 5120, 34) == (4, 9)
     assert wq.default_config(16, 5120, 6144).sync is False and wq.default_config(16, 10240, 5120).block_n == 128
+    for tiles, blocks, programs in ((544, 10, 396), (80, 12, 396), (63, 3, 132), (7, 40, 5), (1940, 10, 264)):
+        units = tiles * blocks  # brute force: which programs' ranges meet each tile
+        starts = [p * units // programs for p in range(programs + 1)]
+        owners = [max(p for p in range(programs) if starts[p] <= u) for u in range(units)]
+        most = max(len(set(owners[t * blocks:(t + 1) * blocks])) for t in range(tiles))
+        assert wq.stream_segments(tiles, blocks, programs) == most
 
 
 def _kernel_cases():
@@ -310,6 +316,10 @@ def _kernel_cases():
         ("int8 g32 m1 split", 1, 33, 260, 8, 32, True, bf16, K(16, 8, 4, 2, True, 64)),
         ("int8 g32 m16", 16, 21, 100, 8, 32, True, f32, K(16, 16, 4, 2, True, 1)),
         ("int8 g128 m3 split", 3, 24, 700, 8, 128, True, f32, K(16, 8, 4, 2, True, 64)),
+        ("m1 stream-K, tiles whole and cut", 1, 1000, 1100, 4, 128, True, f32, K(16, 8, 4, 2, stream=1)),
+        ("m5 asym odd stream-K, every tile cut", 5, 37, 1100, 4, 128, False, bf16, K(16, 8, 4, 2, stream=3)),
+        ("m16 stream-K", 16, 70, 1030, 4, 128, True, f32, K(32, 16, 4, 2, False, stream=1)),
+        ("int8 g32 m3 stream-K", 3, 300, 260, 8, 32, True, bf16, K(16, 8, 4, 2, stream=1)),
         ("m40 default: 16-row launches", 40, 20, 300, 4, 128, True, f32, None),
         ("m70 default: dequantize + linear", 70, 20, 300, 4, 128, True, f32, None),
     ]

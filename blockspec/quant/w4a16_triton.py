@@ -293,6 +293,92 @@ if triton is not None:
         pdl.release(PDL)
         split_k_finish(acc, out_ptr, ws_ptr, cnt_ptr, offs_n, offs_m, M, N, stride_om, pid_n, pid_k, SPLIT)
 
+    @triton.jit
+    def _owner(u, P, UNITS):
+        """The stream-K program whose range [p * UNITS // P, (p + 1) * UNITS // P) holds unit u."""
+        return ((u + 1) * P - 1) // UNITS
+
+    @triton.jit
+    def _stream_finish(acc, out_ptr, ws_ptr, cnt_ptr, t, seg, nseg, offs_n, offs_m, M, N, stride_om,
+                       MAXSEG, BN: tl.constexpr, BM: tl.constexpr):
+        """Tile t's partial sum from segment seg of nseg -> out; the last segment to arrive adds them in order."""
+        mask = (offs_n < N)[:, None] & (offs_m < M)[None, :]
+        o_ptrs = out_ptr + offs_m[None, :] * stride_om + offs_n[:, None]
+        if nseg == 1:
+            tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+        else:
+            w_ptrs = ws_ptr + t.to(tl.int64) * (MAXSEG * BM * BN) + offs_m[None, :] * BN + tl.arange(0, BN)[:, None]
+            tl.store(w_ptrs + seg * (BM * BN), acc)
+            tl.debug_barrier()
+            arrived = tl.atomic_add(cnt_ptr + t, 1, sem="acq_rel")
+            if arrived == nseg - 1:
+                total = tl.zeros([BN, BM], tl.float32)
+                for sg in range(nseg):
+                    total += tl.load(w_ptrs + sg * (BM * BN), cache_modifier=".cg")
+                tl.store(o_ptrs, total.to(out_ptr.dtype.element_ty), mask=mask)
+                tl.atomic_xchg(cnt_ptr + t, 0)  # clean for the next launch / graph replay
+
+    @triton.jit(do_not_specialize=["M", "P", "MAXSEG"])
+    def _wq_stream_kernel(x_ptr, q_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, KH, NBLK, UNITS, P, MAXSEG,
+                          stride_xm, stride_om, BITS: tl.constexpr, G: tl.constexpr, BN: tl.constexpr,
+                          BM: tl.constexpr, STAGES: tl.constexpr, HAS_ZP: tl.constexpr, EVEN_K: tl.constexpr,
+                          USE_ASM: tl.constexpr, F32DOT: tl.constexpr, SYNC: tl.constexpr, U0: tl.constexpr,
+                          U1: tl.constexpr, U2: tl.constexpr, U3: tl.constexpr, PREFETCH: tl.constexpr,
+                          PDL: tl.constexpr):
+        """Stream-K: P resident programs, program p takes units [p * UNITS // P, (p + 1) * UNITS // P) of the
+        (tile, block) space in tile-major order, one flat pipelined loop across its tiles, so no wave of programs
+        trails half-empty and no pipeline drains between tiles; a tile cut between programs is finished by the last
+        of them (fixed order)."""
+        C: tl.constexpr = 16 // BITS
+        ZB: tl.constexpr = 1 << (BITS - 1)
+        p = tl.program_id(0)
+        u_lo = p * UNITS // P
+        u_hi = (p + 1) * UNITS // P
+        offs_m = tl.arange(0, BM)
+        offs_c = tl.arange(0, G)
+        offs_bn = tl.arange(0, BN)
+        x_cols = x_ptr + offs_m[None, :] * stride_xm + offs_c[:, None]
+        m_ok = (offs_m < M)[None, :]
+        first_rows = (u_lo // NBLK) * BN + offs_bn
+        pdl.prefetch_rows(q_ptr, first_rows, KH, (u_lo % NBLK) * G, N, KH, PREFETCH * G, 64, PDL)
+        pdl.wait(PDL)
+        acc = tl.zeros([BN, BM], tl.float32)
+        for u in tl.range(u_lo, u_hi, num_stages=STAGES):
+            t = u // NBLK
+            b = u - t * NBLK
+            offs_n = t * BN + offs_bn
+            n_ok = offs_n < N
+            sz_off = b * N * C + offs_n[:, None] * C + tl.arange(0, C)[None, :]
+            s0, s1, s2, s3 = _cols(tl.load(s_ptr + sz_off, mask=n_ok[:, None], other=0.0), BN, C)
+            if HAS_ZP:
+                zc = tl.load(z_ptr + sz_off, mask=n_ok[:, None], other=ZB).to(tl.float32) - ZB
+                z0, z1, z2, z3 = _cols(zc, BN, C)
+            else:
+                z0, z1, z2, z3 = s0, s1, s2, s3  # unused
+            h = tl.load(q_ptr + offs_n[:, None].to(tl.int64) * KH + b * G + offs_c[None, :], mask=n_ok[:, None],
+                        other=0)
+            xb = x_cols + b * (C * G)
+            if EVEN_K:
+                x0m, x1m, x2m, x3m = m_ok, m_ok, m_ok, m_ok
+            else:
+                kk = b * (C * G) + offs_c
+                x0m = m_ok & (kk < K)[:, None]
+                x1m = m_ok & (kk + G < K)[:, None]
+                x2m = m_ok & (kk + 2 * G < K)[:, None]
+                x3m = m_ok & (kk + 3 * G < K)[:, None]
+            acc = _group(acc, h, xb, x0m, s0, z0, 0, BITS, U0, BN, BM, HAS_ZP, USE_ASM, F32DOT)
+            acc = _group(acc, h, xb + G, x1m, s1, z1, 1, BITS, U1, BN, BM, HAS_ZP, USE_ASM, F32DOT)
+            if C == 4:
+                acc = _group(acc, h, xb + 2 * G, x2m, s2, z2, 2, BITS, U2, BN, BM, HAS_ZP, USE_ASM, F32DOT)
+                acc = _group(acc, h, xb + 3 * G, x3m, s3, z3, 3, BITS, U3, BN, BM, HAS_ZP, USE_ASM, F32DOT)
+            if (b == NBLK - 1) | (u == u_hi - 1):
+                first = _owner(t * NBLK, P, UNITS)
+                nseg = _owner(t * NBLK + NBLK - 1, P, UNITS) - first + 1
+                _stream_finish(acc, out_ptr, ws_ptr, cnt_ptr, t, p - first, nseg, offs_n, offs_m, M, N, stride_om,
+                               MAXSEG, BN, BM)
+                acc = tl.zeros([BN, BM], tl.float32)
+        pdl.release(PDL)
+
 
 def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -319,10 +405,12 @@ class KernelConfig:
     sync: bool = True     # mma.sync (compiled under DISABLE_MMA_V3); False: wgmma where Triton picks it
     waves: int = 2        # split K until about waves * SMs programs
     asm: bool = True      # PTX unpacking on CUDA (the interpreter always takes the plain path)
+    stream: int = 0       # > 0: stream-K, this many resident programs per SM (waves unused); 0: tiles x K splits
 
     def short(self) -> str:
+        grid = f"sk{self.stream}" if self.stream else f"wv{self.waves}"
         return (f"n{self.block_n} m{self.block_m} w{self.warps} s{self.stages}{' sync' if self.sync else ''} "
-                f"wv{self.waves}{'' if self.asm else ' noasm'}")
+                f"{grid}{'' if self.asm else ' noasm'}")
 
 
 def default_config(m: int, n: int, k: int, bits: int = 4, group_size: int = 128) -> KernelConfig:
@@ -349,6 +437,15 @@ def split_k(cfg: KernelConfig, n: int, nblk: int, sms: int = 132) -> tuple[int, 
     return split_blocks(-(-n // cfg.block_n), nblk, cfg.waves * sms)
 
 
+@functools.lru_cache(maxsize=None)
+def stream_segments(tiles: int, blocks: int, programs: int) -> int:
+    """The most stream-K programs sharing one tile (program p holds units [p * U // P, (p + 1) * U // P))."""
+    units = tiles * blocks
+    first = torch.arange(tiles, dtype=torch.int64) * blocks
+    owner = lambda u: ((u + 1) * programs - 1) // units  # noqa: E731  (the kernel's _owner)
+    return int((owner(first + blocks - 1) - owner(first)).max()) + 1
+
+
 def _launch(x2: torch.Tensor, pw: PackedWeight, cfg: KernelConfig, out: torch.Tensor) -> None:
     m, cuda = x2.shape[0], x2.device.type == "cuda"
     if not kernels_available(x2.device):
@@ -358,23 +455,36 @@ def _launch(x2: torch.Tensor, pw: PackedWeight, cfg: KernelConfig, out: torch.Te
     if m > cfg.block_m or cfg.block_m not in (8, 16):
         raise ValueError(f"config {cfg.short()} takes block_m 8 or 16 and at most block_m rows, got {m}")
     nblk = pw.q.shape[1] // pw.group_size
-    split, bps = split_k(cfg, pw.n, nblk, _sm_count(x2.device))
     n_tiles = -(-pw.n // cfg.block_n)
-    ws = torch.empty(split * m * pw.n if split > 1 else 1, dtype=torch.float32, device=x2.device)
     cnt = arrival_counters(x2.device, n_tiles)
     fp16 = x2.dtype == torch.float16
     unpack = [unpack_asm(pw.bits, i, fp16) if i < 16 // pw.bits else "" for i in range(4)]
-    args = (x2, pw.q, pw.s, pw.s if pw.z is None else pw.z, out, ws, cnt, m, pw.n, pw.k, pw.q.shape[1], nblk, bps,
-            split, x2.stride(0), out.stride(0))
     meta = dict(BITS=pw.bits, G=pw.group_size, BN=cfg.block_n, BM=cfg.block_m, STAGES=cfg.stages,
                 HAS_ZP=pw.z is not None, EVEN_K=pw.k % block_size(pw.bits, pw.group_size) == 0,
                 USE_ASM=cuda and cfg.asm, F32DOT=not cuda, SYNC=cuda and cfg.sync, U0=unpack[0], U1=unpack[1],
-                U2=unpack[2], U3=unpack[3], num_warps=cfg.warps, **pdl.options(x2),
-                PREFETCH=pdl.prefetch_blocks(cfg.block_n * pw.group_size * 2, n_tiles * split, bps, x2.device))
+                U2=unpack[2], U3=unpack[3], num_warps=cfg.warps, **pdl.options(x2))
+    tile_bytes = cfg.block_n * pw.group_size * 2
+    if cfg.stream:
+        units = n_tiles * nblk
+        programs = min(cfg.stream * _sm_count(x2.device), units)
+        maxseg = stream_segments(n_tiles, nblk, programs)
+        ws = torch.empty(n_tiles * maxseg * cfg.block_m * cfg.block_n if maxseg > 1 else 1, dtype=torch.float32,
+                         device=x2.device)
+        kernel, grid = _wq_stream_kernel, (programs,)
+        args = (x2, pw.q, pw.s, pw.s if pw.z is None else pw.z, out, ws, cnt, m, pw.n, pw.k, pw.q.shape[1], nblk,
+                units, programs, maxseg, x2.stride(0), out.stride(0))
+        meta.update(PREFETCH=pdl.prefetch_blocks(tile_bytes, programs, units // programs, x2.device))
+    else:
+        split, bps = split_k(cfg, pw.n, nblk, _sm_count(x2.device))
+        ws = torch.empty(split * m * pw.n if split > 1 else 1, dtype=torch.float32, device=x2.device)
+        kernel, grid = _wq_kernel, (n_tiles, split)
+        args = (x2, pw.q, pw.s, pw.s if pw.z is None else pw.z, out, ws, cnt, m, pw.n, pw.k, pw.q.shape[1], nblk,
+                bps, split, x2.stride(0), out.stride(0))
+        meta.update(PREFETCH=pdl.prefetch_blocks(tile_bytes, n_tiles * split, bps, x2.device))
     if meta["SYNC"]:
         os.environ["DISABLE_MMA_V3"] = "1"  # read by the compiler; only a first call per config compiles
     try:
-        launch_fitting(_wq_kernel, (n_tiles, split), *args, stages_key="STAGES", **meta)
+        launch_fitting(kernel, grid, *args, stages_key="STAGES", **meta)
     finally:
         if meta["SYNC"]:
             os.environ.pop("DISABLE_MMA_V3", None)
@@ -410,4 +520,4 @@ def wq_matmul(x: torch.Tensor, pw: PackedWeight, config: KernelConfig | None = N
 
 __all__ = ["PackedWeight", "KernelConfig", "check_format", "block_size", "padded_k", "pack", "pack_codes",
            "unpack_codes", "pack_groups", "unpack_groups", "unpack_asm", "reference_matmul", "kernels_available",
-           "default_config", "split_k", "wq_matmul"]
+           "default_config", "split_k", "stream_segments", "wq_matmul"]
