@@ -13,10 +13,10 @@ CPU dry run of the harness (tiny shapes, Triton interpreter):      TRITON_INTERP
    (its own 4x larger weight) and the best tc time of the exploration ("explored"); M = 1 also with waves = 4.
    int8 (drafter group 32, vocabulary head group 128): M = 1 and 8, plain-Triton (default) and PTX unpacking.
 Writes $OUT/quant_kernels.json when OUT is set.
-`--sweep`: instead, the stream-K schedule (`KernelConfig.stream`: resident programs walking the (tile, block) space
-in one flat loop) against the default tiles x K-splits grid, on every int4 shape at every M and the int8 shapes at
-M = 1 and 8: block_n / stages / programs per SM variants; each checked on 256 rows and once more after the timed
-graph replays (the replayed output == an eager launch, bitwise: the tile counters are clean), then timed as above.
+`--sweep`: instead, scales loaded 1-3 blocks ahead (`KernelConfig.ahead`) and the stream-K schedule
+(`KernelConfig.stream`: resident programs walking the (tile, block) space in one flat loop) against the default
+config, on every int4 shape at every M and the int8 shapes at M = 1 and 8; each checked on 256 rows and once more
+after the timed graph replays (the replayed output == an eager launch, bitwise: the tile counters are clean).
 Session 6's sweep of the grid itself (block_n 16-64, waves 1-4, stages 4/6) found nothing > 4 % better.
 Writes $OUT/quant_sweep.json.
 
@@ -175,35 +175,33 @@ def time_bf16(records, name, n, k, ms) -> None:
         print(f"  M={m:2d} bf16 F.linear {us:8.1f} us {records[-1]['pct']:5.1f}% of its {nb / 1e6:.0f} MB", flush=True)
 
 
-STREAM_VARIANTS = {  # label: (block_n, stages, programs per SM, mma.sync) of the stream-K schedule
-    8: {"sk n64 s4 x3": (64, 4, 3, True), "sk n64 s4 x2": (64, 4, 2, True), "sk n64 s3 x4": (64, 3, 4, True),
-        "sk n128 s3 x2": (128, 3, 2, True), "sk n32 s4 x6": (32, 4, 6, True)},
-    16: {"sk n64 s4 x3": (64, 4, 3, True), "sk n64 s4 x2": (64, 4, 2, True), "sk n128 s3 x2": (128, 3, 2, True),
-         "sk n64 s4 x3 wg": (64, 4, 3, False)},
+SWEEP_VARIANTS = {  # label: changes to the default config; by activation rows (<= 8, 16)
+    8: {"a2": dict(ahead=2), "a3": dict(ahead=3), "s6 a3": dict(stages=6, ahead=3),
+        "sk n64 s4 x3 a3": dict(block_n=64, stages=4, stream=3, ahead=3),
+        "sk n64 s3 x4 a3": dict(block_n=64, stages=3, stream=4, ahead=3),
+        "sk n128 s3 x2 a3": dict(block_n=128, stages=3, stream=2, ahead=3)},
+    16: {"a3": dict(ahead=3), "sk n128 s3 x2 a3": dict(block_n=128, stages=3, stream=2, ahead=3, sync=True),
+         "sk n64 s4 x3 a3": dict(block_n=64, stages=4, stream=3, ahead=3, sync=True)},
 }
-INT8_STREAM = {"sk n128 s6 x3": (128, 6, 3, True), "sk n64 s6 x4": (64, 6, 4, True)}
-
-
-def _stream(default, bn, st, per_sm, sync):
-    return replace(default, block_n=bn, stages=st, stream=per_sm, sync=sync)
+INT8_SWEEP = {"a3": dict(ahead=3), "sk n128 s6 x3 a3": dict(block_n=128, stages=6, stream=3, ahead=3)}
 
 
 def sweep() -> None:
-    """The stream-K schedule against the tiles x K-splits default: every shape, every M, int4 and int8."""
+    """Scales loaded 1-3 blocks ahead, and the stream-K schedule, against the default config: every int4 shape at
+    every M, the int8 shapes at M = 1 and 8."""
     records = []
     for sname, n, k in SHAPES:
         variants = [("default", lambda m: wq.default_config(m, n, k), MS)]
-        for bm, table in STREAM_VARIANTS.items():
+        for bm, table in SWEEP_VARIANTS.items():
             ms = [m for m in MS if (m <= 8) == (bm == 8)]
-            variants += [(label, lambda m, v=v: _stream(wq.default_config(m, n, k), *v), ms)
+            variants += [(label, lambda m, v=v: replace(wq.default_config(m, n, k), **v), ms)
                          for label, v in table.items()]
         time_shape(records, sname, n, k, 4, 128, variants)
         torch.cuda.empty_cache() if not DRY else None
     for sname, n, k, gs in INT8_SHAPES:
-        table = INT8_STREAM if gs < 128 else {"sk n128 s3 x2": (128, 3, 2, True)}
         variants = [("default", lambda m: wq.default_config(m, n, k, 8, gs), [1, 8])]
-        variants += [(label, lambda m, v=v: _stream(wq.default_config(m, n, k, 8, gs), *v), [1, 8])
-                     for label, v in table.items()]
+        variants += [(label, lambda m, v=v: replace(wq.default_config(m, n, k, 8, gs), **v), [1, 8])
+                     for label, v in INT8_SWEEP.items()]
         time_shape(records, sname, n, k, 8, gs, variants)
         torch.cuda.empty_cache() if not DRY else None
     print("\nbest per shape and M (us, % of 3990 GB/s; default):")

@@ -240,12 +240,23 @@ if triton is not None:
             part = tl.dot(a, xt, tl.zeros([BN, BM], tl.float32))
         return acc + part * s.to(tl.float32)[:, None]
 
+    @triton.jit
+    def _scales_zeros(s_ptr, z_ptr, b, ok, N, sz_off, C: tl.constexpr, HAS_ZP: tl.constexpr, ZB: tl.constexpr):
+        """Block b's scales [BN, C] (and zero points minus 2**(bits-1), else the scales again), 0 where not ok."""
+        s = tl.load(s_ptr + b * N * C + sz_off, mask=ok, other=0.0)
+        if HAS_ZP:
+            z = tl.load(z_ptr + b * N * C + sz_off, mask=ok, other=ZB).to(tl.float32) - ZB
+        else:
+            z = s.to(tl.float32)
+        return s, z
+
     @triton.jit(do_not_specialize=["M", "BPS", "SPLIT"])
     def _wq_kernel(x_ptr, q_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, KH, NBLK, BPS, SPLIT, stride_xm,
                    stride_om, BITS: tl.constexpr, G: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr,
                    STAGES: tl.constexpr, HAS_ZP: tl.constexpr, EVEN_K: tl.constexpr, USE_ASM: tl.constexpr,
                    F32DOT: tl.constexpr, SYNC: tl.constexpr, U0: tl.constexpr, U1: tl.constexpr,
-                   U2: tl.constexpr, U3: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr):
+                   U2: tl.constexpr, U3: tl.constexpr, AHEAD: tl.constexpr, PREFETCH: tl.constexpr,
+                   PDL: tl.constexpr):
         """Program (pid_n, pid_k): rows [pid_n*BN, +BN), blocks [pid_k*BPS, +BPS); one block (C groups) per step.
         SYNC only keys the compile cache (the launcher sets DISABLE_MMA_V3 while it compiles)."""
         C: tl.constexpr = 16 // BITS
@@ -265,16 +276,27 @@ if triton is not None:
         acc = tl.zeros([BN, BM], tl.float32)
         pdl.prefetch_rows(q_ptr, offs_n, KH, b_lo * G, N, KH, PREFETCH * G, 64, PDL)  # int16 codes: 64 per line
         pdl.wait(PDL)
-        s_next = tl.load(s_ptr + b_lo * N * C + sz_off, mask=n_ok[:, None], other=0.0)
+        # scales (and zero points) are loaded AHEAD blocks ahead by hand: not dot operands, Triton's pipeliner leaves
+        # them in the loop, where each would wait a full memory latency
+        n2 = n_ok[:, None]
+        sa, za = _scales_zeros(s_ptr, z_ptr, b_lo, n2, N, sz_off, C, HAS_ZP, ZB)
+        sb, zb, sc, zc = sa, za, sa, za
+        if AHEAD > 1:
+            sb, zb = _scales_zeros(s_ptr, z_ptr, b_lo + 1, n2 & (b_lo + 1 < b_hi), N, sz_off, C, HAS_ZP, ZB)
+        if AHEAD > 2:
+            sc, zc = _scales_zeros(s_ptr, z_ptr, b_lo + 2, n2 & (b_lo + 2 < b_hi), N, sz_off, C, HAS_ZP, ZB)
         for b in tl.range(b_lo, b_hi, num_stages=STAGES):
-            s = s_next  # prefetched one block ahead by hand (not in the dot's operand chain: not pipelined)
-            s_next = tl.load(s_ptr + (b + 1) * N * C + sz_off, mask=n_ok[:, None] & (b + 1 < b_hi), other=0.0)
-            s0, s1, s2, s3 = _cols(s, BN, C)
-            if HAS_ZP:
-                zc = tl.load(z_ptr + b * N * C + sz_off, mask=n_ok[:, None], other=ZB).to(tl.float32) - ZB
-                z0, z1, z2, z3 = _cols(zc, BN, C)
+            s, z = sa, za
+            if AHEAD == 1:
+                sa, za = _scales_zeros(s_ptr, z_ptr, b + 1, n2 & (b + 1 < b_hi), N, sz_off, C, HAS_ZP, ZB)
+            elif AHEAD == 2:
+                sa, za = sb, zb
+                sb, zb = _scales_zeros(s_ptr, z_ptr, b + 2, n2 & (b + 2 < b_hi), N, sz_off, C, HAS_ZP, ZB)
             else:
-                z0, z1, z2, z3 = s0, s1, s2, s3  # unused
+                sa, za, sb, zb = sb, zb, sc, zc
+                sc, zc = _scales_zeros(s_ptr, z_ptr, b + 3, n2 & (b + 3 < b_hi), N, sz_off, C, HAS_ZP, ZB)
+            s0, s1, s2, s3 = _cols(s, BN, C)
+            z0, z1, z2, z3 = _cols(z, BN, C)
             h = tl.load(q_rows + b * G, mask=n_ok[:, None], other=0)
             xb = x_cols + b * (C * G)
             if EVEN_K:
@@ -297,6 +319,16 @@ if triton is not None:
     def _owner(u, P, UNITS):
         """The stream-K program whose range [p * UNITS // P, (p + 1) * UNITS // P) holds unit u."""
         return ((u + 1) * P - 1) // UNITS
+
+    @triton.jit
+    def _unit_scales(s_ptr, z_ptr, u, u_end, NBLK, N, BN: tl.constexpr, C: tl.constexpr, HAS_ZP: tl.constexpr,
+                     ZB: tl.constexpr):
+        """`_scales_zeros` of stream-K unit u (tile u // NBLK, block u % NBLK); zeros from u_end on."""
+        t = u // NBLK
+        offs_n = t * BN + tl.arange(0, BN)
+        sz_off = offs_n[:, None] * C + tl.arange(0, C)[None, :]
+        return _scales_zeros(s_ptr, z_ptr, u - t * NBLK, (offs_n < N)[:, None] & (u < u_end), N, sz_off, C, HAS_ZP,
+                             ZB)
 
     @triton.jit
     def _stream_finish(acc, out_ptr, ws_ptr, cnt_ptr, t, seg, nseg, offs_n, offs_m, M, N, stride_om,
@@ -323,8 +355,8 @@ if triton is not None:
                           stride_xm, stride_om, BITS: tl.constexpr, G: tl.constexpr, BN: tl.constexpr,
                           BM: tl.constexpr, STAGES: tl.constexpr, HAS_ZP: tl.constexpr, EVEN_K: tl.constexpr,
                           USE_ASM: tl.constexpr, F32DOT: tl.constexpr, SYNC: tl.constexpr, U0: tl.constexpr,
-                          U1: tl.constexpr, U2: tl.constexpr, U3: tl.constexpr, PREFETCH: tl.constexpr,
-                          PDL: tl.constexpr):
+                          U1: tl.constexpr, U2: tl.constexpr, U3: tl.constexpr, AHEAD: tl.constexpr,
+                          PREFETCH: tl.constexpr, PDL: tl.constexpr):
         """Stream-K: P resident programs, program p takes units [p * UNITS // P, (p + 1) * UNITS // P) of the
         (tile, block) space in tile-major order, one flat pipelined loop across its tiles, so no wave of programs
         trails half-empty and no pipeline drains between tiles; a tile cut between programs is finished by the last
@@ -343,18 +375,28 @@ if triton is not None:
         pdl.prefetch_rows(q_ptr, first_rows, KH, (u_lo % NBLK) * G, N, KH, PREFETCH * G, 64, PDL)
         pdl.wait(PDL)
         acc = tl.zeros([BN, BM], tl.float32)
+        sa, za = _unit_scales(s_ptr, z_ptr, u_lo, u_hi, NBLK, N, BN, C, HAS_ZP, ZB)
+        sb, zb, sc, zc = sa, za, sa, za
+        if AHEAD > 1:
+            sb, zb = _unit_scales(s_ptr, z_ptr, u_lo + 1, u_hi, NBLK, N, BN, C, HAS_ZP, ZB)
+        if AHEAD > 2:
+            sc, zc = _unit_scales(s_ptr, z_ptr, u_lo + 2, u_hi, NBLK, N, BN, C, HAS_ZP, ZB)
         for u in tl.range(u_lo, u_hi, num_stages=STAGES):
             t = u // NBLK
             b = u - t * NBLK
             offs_n = t * BN + offs_bn
             n_ok = offs_n < N
-            sz_off = b * N * C + offs_n[:, None] * C + tl.arange(0, C)[None, :]
-            s0, s1, s2, s3 = _cols(tl.load(s_ptr + sz_off, mask=n_ok[:, None], other=0.0), BN, C)
-            if HAS_ZP:
-                zc = tl.load(z_ptr + sz_off, mask=n_ok[:, None], other=ZB).to(tl.float32) - ZB
-                z0, z1, z2, z3 = _cols(zc, BN, C)
+            s, z = sa, za
+            if AHEAD == 1:
+                sa, za = _unit_scales(s_ptr, z_ptr, u + 1, u_hi, NBLK, N, BN, C, HAS_ZP, ZB)
+            elif AHEAD == 2:
+                sa, za = sb, zb
+                sb, zb = _unit_scales(s_ptr, z_ptr, u + 2, u_hi, NBLK, N, BN, C, HAS_ZP, ZB)
             else:
-                z0, z1, z2, z3 = s0, s1, s2, s3  # unused
+                sa, za, sb, zb = sb, zb, sc, zc
+                sc, zc = _unit_scales(s_ptr, z_ptr, u + 3, u_hi, NBLK, N, BN, C, HAS_ZP, ZB)
+            s0, s1, s2, s3 = _cols(s, BN, C)
+            z0, z1, z2, z3 = _cols(z, BN, C)
             h = tl.load(q_ptr + offs_n[:, None].to(tl.int64) * KH + b * G + offs_c[None, :], mask=n_ok[:, None],
                         other=0)
             xb = x_cols + b * (C * G)
@@ -406,11 +448,12 @@ class KernelConfig:
     waves: int = 2        # split K until about waves * SMs programs
     asm: bool = True      # PTX unpacking on CUDA (the interpreter always takes the plain path)
     stream: int = 0       # > 0: stream-K, this many resident programs per SM (waves unused); 0: tiles x K splits
+    ahead: int = 1        # scales loaded this many blocks ahead (1-3)
 
     def short(self) -> str:
         grid = f"sk{self.stream}" if self.stream else f"wv{self.waves}"
         return (f"n{self.block_n} m{self.block_m} w{self.warps} s{self.stages}{' sync' if self.sync else ''} "
-                f"{grid}{'' if self.asm else ' noasm'}")
+                f"{grid} a{self.ahead}{'' if self.asm else ' noasm'}")
 
 
 def default_config(m: int, n: int, k: int, bits: int = 4, group_size: int = 128) -> KernelConfig:
@@ -462,7 +505,7 @@ def _launch(x2: torch.Tensor, pw: PackedWeight, cfg: KernelConfig, out: torch.Te
     meta = dict(BITS=pw.bits, G=pw.group_size, BN=cfg.block_n, BM=cfg.block_m, STAGES=cfg.stages,
                 HAS_ZP=pw.z is not None, EVEN_K=pw.k % block_size(pw.bits, pw.group_size) == 0,
                 USE_ASM=cuda and cfg.asm, F32DOT=not cuda, SYNC=cuda and cfg.sync, U0=unpack[0], U1=unpack[1],
-                U2=unpack[2], U3=unpack[3], num_warps=cfg.warps, **pdl.options(x2))
+                U2=unpack[2], U3=unpack[3], AHEAD=cfg.ahead, num_warps=cfg.warps, **pdl.options(x2))
     tile_bytes = cfg.block_n * pw.group_size * 2
     if cfg.stream:
         units = n_tiles * nblk
