@@ -13,10 +13,9 @@ CPU dry run of the harness (tiny shapes, Triton interpreter):      TRITON_INTERP
    (its own 4x larger weight) and the best tc time of the exploration ("explored"); M = 1 also with waves = 4.
    int8 (drafter group 32, vocabulary head group 128): M = 1 and 8, plain-Triton (default) and PTX unpacking.
 Writes $OUT/quant_kernels.json when OUT is set.
-`--sweep`: instead, scales loaded 1-3 blocks ahead (`KernelConfig.ahead`) and the stream-K schedule
-(`KernelConfig.stream`: resident programs walking the (tile, block) space in one flat loop) against the default
-config, on every int4 shape at every M and the int8 shapes at M = 1 and 8; each checked on 256 rows and once more
-after the timed graph replays (the replayed output == an eager launch, bitwise: the tile counters are clean).
+`--sweep`: instead, tile width / pipeline depth / warps / K splits around the default config for the gate_up,
+down, q and o projections and the vocabulary head at M = 1 and 8 (and the head and gate_up at M = 16); each config
+checked on 256 rows and once more after the timed graph replays (replayed output == an eager launch, bitwise).
 Session 6's sweep of the grid itself (block_n 16-64, waves 1-4, stages 4/6) found nothing > 4 % better.
 Writes $OUT/quant_sweep.json.
 
@@ -176,25 +175,30 @@ def time_bf16(records, name, n, k, ms) -> None:
 
 
 SWEEP_VARIANTS = {  # label: changes to the default config; by activation rows (<= 8, 16)
-    8: {"a2": dict(ahead=2), "a3": dict(ahead=3), "s6 a3": dict(stages=6, ahead=3),
-        "sk n64 s4 x3 a3": dict(block_n=64, stages=4, stream=3, ahead=3),
-        "sk n64 s3 x4 a3": dict(block_n=64, stages=3, stream=4, ahead=3),
-        "sk n128 s3 x2 a3": dict(block_n=128, stages=3, stream=2, ahead=3)},
-    16: {"a3": dict(ahead=3), "sk n128 s3 x2 a3": dict(block_n=128, stages=3, stream=2, ahead=3, sync=True),
-         "sk n64 s4 x3 a3": dict(block_n=64, stages=4, stream=3, ahead=3, sync=True)},
+    8: {"n64 s3 wv2": dict(block_n=64, stages=3, waves=2), "n64 s3 wv3": dict(block_n=64, stages=3, waves=3),
+        "n64 s3 wv4": dict(block_n=64, stages=3, waves=4), "n64 s2 wv2": dict(block_n=64, stages=2, waves=2),
+        "n64 s2 wv4": dict(block_n=64, stages=2, waves=4), "n64 s2 wv6": dict(block_n=64, stages=2, waves=6),
+        "n128 s2 wv2": dict(block_n=128, stages=2, waves=2), "n128 s2 wv4": dict(block_n=128, stages=2, waves=4)},
+    16: {"n64 s3 wg wv4": dict(block_n=64, stages=3, sync=False, waves=4),
+         "n64 s2 wg wv4": dict(block_n=64, stages=2, sync=False, waves=4),
+         "n64 s3 sync wv4": dict(block_n=64, stages=3, sync=True, waves=4),
+         "n64 s2 sync wv4": dict(block_n=64, stages=2, sync=True, waves=4),
+         "n128 s3 wg wv4": dict(block_n=128, stages=3, sync=False, waves=4),
+         "n128 s2 wg wv4": dict(block_n=128, stages=2, sync=False, waves=4),
+         "n128 s2 sync wv4": dict(block_n=128, stages=2, sync=True, waves=4)},
 }
-INT8_SWEEP = {"a3": dict(ahead=3), "sk n128 s6 x3 a3": dict(block_n=128, stages=6, stream=3, ahead=3)}
+INT8_SWEEP = {"s4": dict(stages=4), "s3": dict(stages=3), "n64 s4": dict(block_n=64, stages=4),
+              "n64 s3": dict(block_n=64, stages=3)}
 
 
 def sweep() -> None:
-    """Scales loaded 1-3 blocks ahead, and the stream-K schedule, against the default config: every int4 shape at
-    every M, the int8 shapes at M = 1 and 8."""
+    """Tile width, pipeline depth and K splits around the default config: every int4 shape at M = 1, 8 and 16,
+    the int8 shapes at M = 1 and 8."""
     records = []
     for sname, n, k in SHAPES:
-        variants = [("default", lambda m: wq.default_config(m, n, k), MS)]
+        variants = [("default", lambda m: wq.default_config(m, n, k), [1, 8, 16])]
         for bm, table in SWEEP_VARIANTS.items():
-            ms = [m for m in MS if (m <= 8) == (bm == 8)]
-            variants += [(label, lambda m, v=v: replace(wq.default_config(m, n, k), **v), ms)
+            variants += [(label, lambda m, v=v: replace(wq.default_config(m, n, k), **v), [1, 8] if bm == 8 else [16])
                          for label, v in table.items()]
         time_shape(records, sname, n, k, 4, 128, variants)
         torch.cuda.empty_cache() if not DRY else None
@@ -206,7 +210,7 @@ def sweep() -> None:
         torch.cuda.empty_cache() if not DRY else None
     print("\nbest per shape and M (us, % of 3990 GB/s; default):")
     for sname in dict.fromkeys(r["shape"] + f" int{r['bits']}" for r in records):
-        for m in MS:
+        for m in (1, 8, 16):
             rs = [r for r in records if f"{r['shape']} int{r['bits']}" == sname and r["m"] == m and "us" in r]
             if rs:
                 best, default = min(rs, key=lambda r: r["us"]), [r for r in rs if r["variant"] == "default"]
