@@ -185,7 +185,9 @@ SWEEP_VARIANTS = {  # label: changes to the default config; by activation rows (
          "n64 s2 sync wv4": dict(block_n=64, stages=2, sync=True, waves=4),
          "n128 s3 wg wv4": dict(block_n=128, stages=3, sync=False, waves=4),
          "n128 s2 wg wv4": dict(block_n=128, stages=2, sync=False, waves=4),
-         "n128 s2 sync wv4": dict(block_n=128, stages=2, sync=True, waves=4)},
+         "n128 s2 sync wv4": dict(block_n=128, stages=2, sync=True, waves=4),
+         "n128 s4 wg": dict(block_n=128, stages=4, sync=False), "n128 s3 wg w8": dict(block_n=128, warps=8, sync=False),
+         "n256 s3 wg w8": dict(block_n=256, stages=3, warps=8, sync=False)},
 }
 INT8_SWEEP = {"s4": dict(stages=4), "s3": dict(stages=3), "n64 s4": dict(block_n=64, stages=4),
               "n64 s3": dict(block_n=64, stages=3)}

@@ -50,10 +50,14 @@ fp16 activations, waves = 2 at M < 8 (measured at M = 8 only; M < 8 used waves =
 with waves = 2), and the table entries marked "by analogy" below.
 
 Configs: `default_config`, a fixed table (no autotuning: a timing-based choice would vary between runs, and with
-it the summation order, i.e. the numerics):
-  M <= 8:  n64 m8 w4 s4 sync, split-K to ~2 waves of 132 SMs;  N >= 131072 (vocabulary): n128 m8 w4 s3 sync (split 1)
-  M 9..16: n128 m16 w4 s3 sync, ~4 waves;  N*K <= 40M (o, gdn_z): n64 m16 w4 s4 wgmma, ~4 waves
-  group < 128 (int8 group 32; by analogy): n128 w4 s6 sync (m8 / m16)
+it the summation order, i.e. the numerics), from bench/quant_kernels.py --sweep (session 7):
+  M <= 8:  n64 m8 w4 sync, split-K to ~2 waves of 132 SMs; 3 stages above 80M weights, else 2
+  M 9..16: wgmma, ~4 waves; vocabulary (N >= 131072) n128 s3; else n64, 3 stages above 150M weights, else 2
+  int8 group 32: M <= 8 n64 (N >= 16384) or n128, s3; M 9..16 n128 m16 s6 sync (by analogy, not re-measured)
+Shallow pipelines won: 64-row tiles with 2-3 stages (32-48 KB of shared memory, 4-7 programs per SM) beat 4-stage
+ones (3 per SM) by 1-16 %: more resident programs hide the memory latency better than a deeper pipeline per program.
+Measured and dropped in session 7: a stream-K schedule (resident programs walking the (tile, block) space in one
+flat loop; 1.3-1.9x slower: Triton left its loads unpipelined) and scales loaded 2-3 blocks ahead (1.1-1.7x slower).
 M > 16 (prefill): up to 64 rows in 16-row launches; beyond, each slice of <= 16M weights is dequantized to x's dtype
 and multiplied with F.linear (the kernel's numerics are not kept there).
 The plain PyTorch functions here (pack / unpack / dequantize / reference_matmul) are the CPU path and the tests'
@@ -240,23 +244,12 @@ if triton is not None:
             part = tl.dot(a, xt, tl.zeros([BN, BM], tl.float32))
         return acc + part * s.to(tl.float32)[:, None]
 
-    @triton.jit
-    def _scales_zeros(s_ptr, z_ptr, b, ok, N, sz_off, C: tl.constexpr, HAS_ZP: tl.constexpr, ZB: tl.constexpr):
-        """Block b's scales [BN, C] (and zero points minus 2**(bits-1), else the scales again), 0 where not ok."""
-        s = tl.load(s_ptr + b * N * C + sz_off, mask=ok, other=0.0)
-        if HAS_ZP:
-            z = tl.load(z_ptr + b * N * C + sz_off, mask=ok, other=ZB).to(tl.float32) - ZB
-        else:
-            z = s.to(tl.float32)
-        return s, z
-
     @triton.jit(do_not_specialize=["M", "BPS", "SPLIT"])
     def _wq_kernel(x_ptr, q_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, KH, NBLK, BPS, SPLIT, stride_xm,
                    stride_om, BITS: tl.constexpr, G: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr,
                    STAGES: tl.constexpr, HAS_ZP: tl.constexpr, EVEN_K: tl.constexpr, USE_ASM: tl.constexpr,
                    F32DOT: tl.constexpr, SYNC: tl.constexpr, U0: tl.constexpr, U1: tl.constexpr,
-                   U2: tl.constexpr, U3: tl.constexpr, AHEAD: tl.constexpr, PREFETCH: tl.constexpr,
-                   PDL: tl.constexpr):
+                   U2: tl.constexpr, U3: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr):
         """Program (pid_n, pid_k): rows [pid_n*BN, +BN), blocks [pid_k*BPS, +BPS); one block (C groups) per step.
         SYNC only keys the compile cache (the launcher sets DISABLE_MMA_V3 while it compiles)."""
         C: tl.constexpr = 16 // BITS
@@ -276,27 +269,16 @@ if triton is not None:
         acc = tl.zeros([BN, BM], tl.float32)
         pdl.prefetch_rows(q_ptr, offs_n, KH, b_lo * G, N, KH, PREFETCH * G, 64, PDL)  # int16 codes: 64 per line
         pdl.wait(PDL)
-        # scales (and zero points) are loaded AHEAD blocks ahead by hand: not dot operands, Triton's pipeliner leaves
-        # them in the loop, where each would wait a full memory latency
-        n2 = n_ok[:, None]
-        sa, za = _scales_zeros(s_ptr, z_ptr, b_lo, n2, N, sz_off, C, HAS_ZP, ZB)
-        sb, zb, sc, zc = sa, za, sa, za
-        if AHEAD > 1:
-            sb, zb = _scales_zeros(s_ptr, z_ptr, b_lo + 1, n2 & (b_lo + 1 < b_hi), N, sz_off, C, HAS_ZP, ZB)
-        if AHEAD > 2:
-            sc, zc = _scales_zeros(s_ptr, z_ptr, b_lo + 2, n2 & (b_lo + 2 < b_hi), N, sz_off, C, HAS_ZP, ZB)
+        s_next = tl.load(s_ptr + b_lo * N * C + sz_off, mask=n_ok[:, None], other=0.0)
         for b in tl.range(b_lo, b_hi, num_stages=STAGES):
-            s, z = sa, za
-            if AHEAD == 1:
-                sa, za = _scales_zeros(s_ptr, z_ptr, b + 1, n2 & (b + 1 < b_hi), N, sz_off, C, HAS_ZP, ZB)
-            elif AHEAD == 2:
-                sa, za = sb, zb
-                sb, zb = _scales_zeros(s_ptr, z_ptr, b + 2, n2 & (b + 2 < b_hi), N, sz_off, C, HAS_ZP, ZB)
-            else:
-                sa, za, sb, zb = sb, zb, sc, zc
-                sc, zc = _scales_zeros(s_ptr, z_ptr, b + 3, n2 & (b + 3 < b_hi), N, sz_off, C, HAS_ZP, ZB)
+            s = s_next  # prefetched one block ahead by hand (not in the dot's operand chain: not pipelined)
+            s_next = tl.load(s_ptr + (b + 1) * N * C + sz_off, mask=n_ok[:, None] & (b + 1 < b_hi), other=0.0)
             s0, s1, s2, s3 = _cols(s, BN, C)
-            z0, z1, z2, z3 = _cols(z, BN, C)
+            if HAS_ZP:
+                zc = tl.load(z_ptr + b * N * C + sz_off, mask=n_ok[:, None], other=ZB).to(tl.float32) - ZB
+                z0, z1, z2, z3 = _cols(zc, BN, C)
+            else:
+                z0, z1, z2, z3 = s0, s1, s2, s3  # unused
             h = tl.load(q_rows + b * G, mask=n_ok[:, None], other=0)
             xb = x_cols + b * (C * G)
             if EVEN_K:
@@ -314,112 +296,6 @@ if triton is not None:
                 acc = _group(acc, h, xb + 3 * G, x3m, s3, z3, 3, BITS, U3, BN, BM, HAS_ZP, USE_ASM, F32DOT)
         pdl.release(PDL)
         split_k_finish(acc, out_ptr, ws_ptr, cnt_ptr, offs_n, offs_m, M, N, stride_om, pid_n, pid_k, SPLIT)
-
-    @triton.jit
-    def _owner(u, P, UNITS):
-        """The stream-K program whose range [p * UNITS // P, (p + 1) * UNITS // P) holds unit u."""
-        return ((u + 1) * P - 1) // UNITS
-
-    @triton.jit
-    def _unit_scales(s_ptr, z_ptr, u, u_end, NBLK, N, BN: tl.constexpr, C: tl.constexpr, HAS_ZP: tl.constexpr,
-                     ZB: tl.constexpr):
-        """`_scales_zeros` of stream-K unit u (tile u // NBLK, block u % NBLK); zeros from u_end on."""
-        t = u // NBLK
-        offs_n = t * BN + tl.arange(0, BN)
-        sz_off = offs_n[:, None] * C + tl.arange(0, C)[None, :]
-        return _scales_zeros(s_ptr, z_ptr, u - t * NBLK, (offs_n < N)[:, None] & (u < u_end), N, sz_off, C, HAS_ZP,
-                             ZB)
-
-    @triton.jit
-    def _stream_finish(acc, out_ptr, ws_ptr, cnt_ptr, t, seg, nseg, offs_n, offs_m, M, N, stride_om,
-                       MAXSEG, BN: tl.constexpr, BM: tl.constexpr):
-        """Tile t's partial sum from segment seg of nseg -> out; the last segment to arrive adds them in order."""
-        mask = (offs_n < N)[:, None] & (offs_m < M)[None, :]
-        o_ptrs = out_ptr + offs_m[None, :] * stride_om + offs_n[:, None]
-        if nseg == 1:
-            tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
-        else:
-            w_ptrs = ws_ptr + t.to(tl.int64) * (MAXSEG * BM * BN) + offs_m[None, :] * BN + tl.arange(0, BN)[:, None]
-            tl.store(w_ptrs + seg * (BM * BN), acc)
-            tl.debug_barrier()
-            arrived = tl.atomic_add(cnt_ptr + t, 1, sem="acq_rel")
-            if arrived == nseg - 1:
-                total = tl.zeros([BN, BM], tl.float32)
-                for sg in range(nseg):
-                    total += tl.load(w_ptrs + sg * (BM * BN), cache_modifier=".cg")
-                tl.store(o_ptrs, total.to(out_ptr.dtype.element_ty), mask=mask)
-                tl.atomic_xchg(cnt_ptr + t, 0)  # clean for the next launch / graph replay
-
-    @triton.jit(do_not_specialize=["M", "P", "MAXSEG"])
-    def _wq_stream_kernel(x_ptr, q_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, KH, NBLK, UNITS, P, MAXSEG,
-                          stride_xm, stride_om, BITS: tl.constexpr, G: tl.constexpr, BN: tl.constexpr,
-                          BM: tl.constexpr, STAGES: tl.constexpr, HAS_ZP: tl.constexpr, EVEN_K: tl.constexpr,
-                          USE_ASM: tl.constexpr, F32DOT: tl.constexpr, SYNC: tl.constexpr, U0: tl.constexpr,
-                          U1: tl.constexpr, U2: tl.constexpr, U3: tl.constexpr, AHEAD: tl.constexpr,
-                          PREFETCH: tl.constexpr, PDL: tl.constexpr):
-        """Stream-K: P resident programs, program p takes units [p * UNITS // P, (p + 1) * UNITS // P) of the
-        (tile, block) space in tile-major order, one flat pipelined loop across its tiles, so no wave of programs
-        trails half-empty and no pipeline drains between tiles; a tile cut between programs is finished by the last
-        of them (fixed order)."""
-        C: tl.constexpr = 16 // BITS
-        ZB: tl.constexpr = 1 << (BITS - 1)
-        p = tl.program_id(0)
-        u_lo = p * UNITS // P
-        u_hi = (p + 1) * UNITS // P
-        offs_m = tl.arange(0, BM)
-        offs_c = tl.arange(0, G)
-        offs_bn = tl.arange(0, BN)
-        x_cols = x_ptr + offs_m[None, :] * stride_xm + offs_c[:, None]
-        m_ok = (offs_m < M)[None, :]
-        first_rows = (u_lo // NBLK) * BN + offs_bn
-        pdl.prefetch_rows(q_ptr, first_rows, KH, (u_lo % NBLK) * G, N, KH, PREFETCH * G, 64, PDL)
-        pdl.wait(PDL)
-        acc = tl.zeros([BN, BM], tl.float32)
-        sa, za = _unit_scales(s_ptr, z_ptr, u_lo, u_hi, NBLK, N, BN, C, HAS_ZP, ZB)
-        sb, zb, sc, zc = sa, za, sa, za
-        if AHEAD > 1:
-            sb, zb = _unit_scales(s_ptr, z_ptr, u_lo + 1, u_hi, NBLK, N, BN, C, HAS_ZP, ZB)
-        if AHEAD > 2:
-            sc, zc = _unit_scales(s_ptr, z_ptr, u_lo + 2, u_hi, NBLK, N, BN, C, HAS_ZP, ZB)
-        for u in tl.range(u_lo, u_hi, num_stages=STAGES):
-            t = u // NBLK
-            b = u - t * NBLK
-            offs_n = t * BN + offs_bn
-            n_ok = offs_n < N
-            s, z = sa, za
-            if AHEAD == 1:
-                sa, za = _unit_scales(s_ptr, z_ptr, u + 1, u_hi, NBLK, N, BN, C, HAS_ZP, ZB)
-            elif AHEAD == 2:
-                sa, za = sb, zb
-                sb, zb = _unit_scales(s_ptr, z_ptr, u + 2, u_hi, NBLK, N, BN, C, HAS_ZP, ZB)
-            else:
-                sa, za, sb, zb = sb, zb, sc, zc
-                sc, zc = _unit_scales(s_ptr, z_ptr, u + 3, u_hi, NBLK, N, BN, C, HAS_ZP, ZB)
-            s0, s1, s2, s3 = _cols(s, BN, C)
-            z0, z1, z2, z3 = _cols(z, BN, C)
-            h = tl.load(q_ptr + offs_n[:, None].to(tl.int64) * KH + b * G + offs_c[None, :], mask=n_ok[:, None],
-                        other=0)
-            xb = x_cols + b * (C * G)
-            if EVEN_K:
-                x0m, x1m, x2m, x3m = m_ok, m_ok, m_ok, m_ok
-            else:
-                kk = b * (C * G) + offs_c
-                x0m = m_ok & (kk < K)[:, None]
-                x1m = m_ok & (kk + G < K)[:, None]
-                x2m = m_ok & (kk + 2 * G < K)[:, None]
-                x3m = m_ok & (kk + 3 * G < K)[:, None]
-            acc = _group(acc, h, xb, x0m, s0, z0, 0, BITS, U0, BN, BM, HAS_ZP, USE_ASM, F32DOT)
-            acc = _group(acc, h, xb + G, x1m, s1, z1, 1, BITS, U1, BN, BM, HAS_ZP, USE_ASM, F32DOT)
-            if C == 4:
-                acc = _group(acc, h, xb + 2 * G, x2m, s2, z2, 2, BITS, U2, BN, BM, HAS_ZP, USE_ASM, F32DOT)
-                acc = _group(acc, h, xb + 3 * G, x3m, s3, z3, 3, BITS, U3, BN, BM, HAS_ZP, USE_ASM, F32DOT)
-            if (b == NBLK - 1) | (u == u_hi - 1):
-                first = _owner(t * NBLK, P, UNITS)
-                nseg = _owner(t * NBLK + NBLK - 1, P, UNITS) - first + 1
-                _stream_finish(acc, out_ptr, ws_ptr, cnt_ptr, t, p - first, nseg, offs_n, offs_m, M, N, stride_om,
-                               MAXSEG, BN, BM)
-                acc = tl.zeros([BN, BM], tl.float32)
-        pdl.release(PDL)
 
 
 def _interpreting() -> bool:
@@ -447,27 +323,24 @@ class KernelConfig:
     sync: bool = True     # mma.sync (compiled under DISABLE_MMA_V3); False: wgmma where Triton picks it
     waves: int = 2        # split K until about waves * SMs programs
     asm: bool = True      # PTX unpacking on CUDA (the interpreter always takes the plain path)
-    stream: int = 0       # > 0: stream-K, this many resident programs per SM (waves unused); 0: tiles x K splits
-    ahead: int = 1        # scales loaded this many blocks ahead (1-3)
 
     def short(self) -> str:
-        grid = f"sk{self.stream}" if self.stream else f"wv{self.waves}"
         return (f"n{self.block_n} m{self.block_m} w{self.warps} s{self.stages}{' sync' if self.sync else ''} "
-                f"{grid} a{self.ahead}{'' if self.asm else ' noasm'}")
+                f"wv{self.waves}{'' if self.asm else ' noasm'}")
 
 
 def default_config(m: int, n: int, k: int, bits: int = 4, group_size: int = 128) -> KernelConfig:
-    """The config table of the module docstring (H200 winners of the exploration for int4 group 128)."""
+    """The config table of the module docstring (H200 winners of bench/quant_kernels.py --sweep)."""
     asm = True  # int8 too: PTX unpacking checked on the H200 and 9-48 % faster than plain Triton (quant_kernels.py)
-    if group_size < 128:  # short groups (int8 g32: 64 B per row and step): wider tiles, deeper pipeline
-        return KernelConfig(128, 8, 4, 6, True, 2, asm) if m <= 8 else KernelConfig(128, 16, 4, 6, True, 4, asm)
-    if m <= 8:
-        if n >= 131072:  # vocabulary-sized: N alone fills the GPU (split 1)
-            return KernelConfig(128, 8, 4, 3, True, 2, asm)
-        return KernelConfig(64, 8, 4, 4, True, 2, asm)
-    if n * k <= 40_000_000:  # small weights (o, gdn_z): wgmma tiles of 64 rows
-        return KernelConfig(64, 16, 4, 4, False, 4, asm)
-    return KernelConfig(128, 16, 4, 3, True, 4, asm)
+    if group_size < 128:  # short groups (int8 g32: 64 B per row and step): 3 stages, 64-row tiles for wide outputs
+        if m <= 8:
+            return KernelConfig(64 if n >= 16384 else 128, 8, 4, 3, True, 2, asm)
+        return KernelConfig(128, 16, 4, 6, True, 4, asm)
+    if m <= 8:  # 64-row tiles, shallow pipelines: more programs resident per SM hide more latency than deeper ones
+        return KernelConfig(64, 8, 4, 3 if n * k > 80_000_000 else 2, True, 2, asm)
+    if n >= 131072:  # vocabulary-sized
+        return KernelConfig(128, 16, 4, 3, False, 4, asm)
+    return KernelConfig(64, 16, 4, 3 if n * k > 150_000_000 else 2, False, 4, asm)
 
 
 @functools.lru_cache(maxsize=None)
@@ -480,15 +353,6 @@ def split_k(cfg: KernelConfig, n: int, nblk: int, sms: int = 132) -> tuple[int, 
     return split_blocks(-(-n // cfg.block_n), nblk, cfg.waves * sms)
 
 
-@functools.lru_cache(maxsize=None)
-def stream_segments(tiles: int, blocks: int, programs: int) -> int:
-    """The most stream-K programs sharing one tile (program p holds units [p * U // P, (p + 1) * U // P))."""
-    units = tiles * blocks
-    first = torch.arange(tiles, dtype=torch.int64) * blocks
-    owner = lambda u: ((u + 1) * programs - 1) // units  # noqa: E731  (the kernel's _owner)
-    return int((owner(first + blocks - 1) - owner(first)).max()) + 1
-
-
 def _launch(x2: torch.Tensor, pw: PackedWeight, cfg: KernelConfig, out: torch.Tensor) -> None:
     m, cuda = x2.shape[0], x2.device.type == "cuda"
     if not kernels_available(x2.device):
@@ -498,36 +362,23 @@ def _launch(x2: torch.Tensor, pw: PackedWeight, cfg: KernelConfig, out: torch.Te
     if m > cfg.block_m or cfg.block_m not in (8, 16):
         raise ValueError(f"config {cfg.short()} takes block_m 8 or 16 and at most block_m rows, got {m}")
     nblk = pw.q.shape[1] // pw.group_size
+    split, bps = split_k(cfg, pw.n, nblk, _sm_count(x2.device))
     n_tiles = -(-pw.n // cfg.block_n)
+    ws = torch.empty(split * m * pw.n if split > 1 else 1, dtype=torch.float32, device=x2.device)
     cnt = arrival_counters(x2.device, n_tiles)
     fp16 = x2.dtype == torch.float16
     unpack = [unpack_asm(pw.bits, i, fp16) if i < 16 // pw.bits else "" for i in range(4)]
+    args = (x2, pw.q, pw.s, pw.s if pw.z is None else pw.z, out, ws, cnt, m, pw.n, pw.k, pw.q.shape[1], nblk, bps,
+            split, x2.stride(0), out.stride(0))
     meta = dict(BITS=pw.bits, G=pw.group_size, BN=cfg.block_n, BM=cfg.block_m, STAGES=cfg.stages,
                 HAS_ZP=pw.z is not None, EVEN_K=pw.k % block_size(pw.bits, pw.group_size) == 0,
                 USE_ASM=cuda and cfg.asm, F32DOT=not cuda, SYNC=cuda and cfg.sync, U0=unpack[0], U1=unpack[1],
-                U2=unpack[2], U3=unpack[3], AHEAD=cfg.ahead, num_warps=cfg.warps, **pdl.options(x2))
-    tile_bytes = cfg.block_n * pw.group_size * 2
-    if cfg.stream:
-        units = n_tiles * nblk
-        programs = min(cfg.stream * _sm_count(x2.device), units)
-        maxseg = stream_segments(n_tiles, nblk, programs)
-        ws = torch.empty(n_tiles * maxseg * cfg.block_m * cfg.block_n if maxseg > 1 else 1, dtype=torch.float32,
-                         device=x2.device)
-        kernel, grid = _wq_stream_kernel, (programs,)
-        args = (x2, pw.q, pw.s, pw.s if pw.z is None else pw.z, out, ws, cnt, m, pw.n, pw.k, pw.q.shape[1], nblk,
-                units, programs, maxseg, x2.stride(0), out.stride(0))
-        meta.update(PREFETCH=pdl.prefetch_blocks(tile_bytes, programs, units // programs, x2.device))
-    else:
-        split, bps = split_k(cfg, pw.n, nblk, _sm_count(x2.device))
-        ws = torch.empty(split * m * pw.n if split > 1 else 1, dtype=torch.float32, device=x2.device)
-        kernel, grid = _wq_kernel, (n_tiles, split)
-        args = (x2, pw.q, pw.s, pw.s if pw.z is None else pw.z, out, ws, cnt, m, pw.n, pw.k, pw.q.shape[1], nblk,
-                bps, split, x2.stride(0), out.stride(0))
-        meta.update(PREFETCH=pdl.prefetch_blocks(tile_bytes, n_tiles * split, bps, x2.device))
+                U2=unpack[2], U3=unpack[3], num_warps=cfg.warps, **pdl.options(x2),
+                PREFETCH=pdl.prefetch_blocks(cfg.block_n * pw.group_size * 2, n_tiles * split, bps, x2.device))
     if meta["SYNC"]:
         os.environ["DISABLE_MMA_V3"] = "1"  # read by the compiler; only a first call per config compiles
     try:
-        launch_fitting(kernel, grid, *args, stages_key="STAGES", **meta)
+        launch_fitting(_wq_kernel, (n_tiles, split), *args, stages_key="STAGES", **meta)
     finally:
         if meta["SYNC"]:
             os.environ.pop("DISABLE_MMA_V3", None)
@@ -563,4 +414,4 @@ def wq_matmul(x: torch.Tensor, pw: PackedWeight, config: KernelConfig | None = N
 
 __all__ = ["PackedWeight", "KernelConfig", "check_format", "block_size", "padded_k", "pack", "pack_codes",
            "unpack_codes", "pack_groups", "unpack_groups", "unpack_asm", "reference_matmul", "kernels_available",
-           "default_config", "split_k", "stream_segments", "wq_matmul"]
+           "default_config", "split_k", "wq_matmul"]
