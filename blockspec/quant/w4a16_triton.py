@@ -29,10 +29,12 @@ Kernel (design "tc" of the exploration, exact numerics)
   PTX block per 32-bit register makes the A fragment in place (int4: shift, LOP3 into the bf16 128 + u, one bf16x2
   FMA = u - 8). No shared-memory round trip of a dequantized tile (the previous kernels stored and re-read it:
   ~4 B/weight of smem traffic, ~125 of an SM's 128 B/clk at 4 TB/s), 1.9-2.4 SASS instructions per weight in the
-  main loop (sm_90a) instead of 2.9, and a cp.async pipeline 3-4 tiles deep keeps enough bytes in flight.
+  main loop (sm_90a) instead of 2.9, and a cp.async pipeline 2-3 tiles deep keeps enough bytes in flight.
 
-Measured (H200, triton 3.6; C weight copies > 200 MB in one CUDA graph, as bench/quant_kernels.py times; int4
-group 128; "old" = the previous planar kernels with their best candidate config; % of 3990 GB/s of packed bytes):
+Measured with the session 7 configs (docs/benchmarks.md, W4A16 table): vocab M=1 166 us (99 %), M=8 172 (96 %),
+M=16 200 (82 %); gate_up M=1 34.0 us (68 %); o M=1 10.0 us (41 %). The exploration that chose the kernel (below,
+4-stage configs) measured (H200, triton 3.6; C weight copies > 200 MB in one CUDA graph, as bench/quant_kernels.py
+times; int4 group 128; "old" = the previous planar kernels with their best candidate config; % of 3990 GB/s):
   gate_up 34816x5120  M=1 34.9 us (66%) vs old 48.1 (48%);  M=8 35.4 (65%) vs 83.3 (28%);  bf16 F.linear 92 us
   vocab 248320x5120   M=1 181.7 us (90%) vs 230.2 (71%);    M=8 182.1 (90%) vs 452 (36%);  bf16 690 us
   o 5120x6144         M=1 12.6 us (32%) vs 12.5 (33%);      M=8 11.5 (35%) vs 21.2 (19%);  bf16 19 us
@@ -43,11 +45,10 @@ Dropped after measuring: "tcf" (scale folded into the bf16 tile, one accumulator
 CUDA-core: 4.1 instr/weight). A CUDA-core GEMV on this layout (4.2 instr/weight, while the issue limit at 4 TB/s is
 ~4.1: no CUDA-core design reaches 85% in Triton). Plain Triton unpacking instead of PTX (2x slower: vocab 422 us).
 BN = 256, and wgmma with 8 warps (slower at every shape).
-Not run on a GPU yet (bench/quant_kernels.py checks and times all of it): int8 (byte i of each halfword; the
-default unpacking is plain Triton, ~4.3 / 5.6 SASS instr per weight at group 128 / 32 against a budget of ~8 for
-1-byte weights at 4 TB/s; the PTX one, `asm=True`: PRMT into the fp32 2**23 + u, FADD, F2FP to bf16x2, 3.2 / 4.4),
-fp16 activations, waves = 2 at M < 8 (measured at M = 8 only; M < 8 used waves = 4, 1-10% slower there than M = 8
-with waves = 2), and the table entries marked "by analogy" below.
+int8 (byte i of each halfword): plain Triton unpacking takes ~4.3 / 5.6 SASS instr per weight at group 128 / 32
+(budget ~8 for 1-byte weights at 4 TB/s), the PTX one (`asm=True`: PRMT into the fp32 2**23 + u, FADD, F2FP to
+bf16x2) 3.2 / 4.4 and measured 9-48 % faster on the H200, so it is the default. The int8 group-32 M 9..16 entry of
+the table below is by analogy (not measured).
 
 Configs: `default_config`, a fixed table (no autotuning: a timing-based choice would vary between runs, and with
 it the summation order, i.e. the numerics), from bench/quant_kernels.py --sweep (session 7):
@@ -57,7 +58,9 @@ it the summation order, i.e. the numerics), from bench/quant_kernels.py --sweep 
 Shallow pipelines won: 64-row tiles with 2-3 stages (32-48 KB of shared memory, 4-7 programs per SM) beat 4-stage
 ones (3 per SM) by 1-16 %: more resident programs hide the memory latency better than a deeper pipeline per program.
 Measured and dropped in session 7: a stream-K schedule (resident programs walking the (tile, block) space in one
-flat loop; 1.3-1.9x slower: Triton left its loads unpipelined) and scales loaded 2-3 blocks ahead (1.1-1.7x slower).
+flat loop; 1.3-1.9x slower, its time falling with every program added per SM, as if each step waited out a memory
+latency: likely its loop, with the tile-finishing branch inside, pipelined worse; not analysed) and scales loaded
+2-3 blocks ahead (1.1-1.7x slower).
 M > 16 (prefill): up to 64 rows in 16-row launches; beyond, each slice of <= 16M weights is dequantized to x's dtype
 and multiplied with F.linear (the kernel's numerics are not kept there).
 The plain PyTorch functions here (pack / unpack / dequantize / reference_matmul) are the CPU path and the tests'
