@@ -13,9 +13,10 @@ CPU dry run of the harness (tiny shapes, Triton interpreter):      TRITON_INTERP
    (its own 4x larger weight) and the best tc time of the exploration ("explored"); M = 1 also with waves = 4.
    int8 (drafter group 32, vocabulary head group 128): M = 1 and 8, plain-Triton (default) and PTX unpacking.
 Writes $OUT/quant_kernels.json when OUT is set.
-`--sweep`: instead, tile width / pipeline depth / warps / K splits around the default config for the gate_up,
-down, q and o projections and the vocabulary head at M = 1 and 8 (and the head and gate_up at M = 16); each config
-checked on 256 rows and once more after the timed graph replays (replayed output == an eager launch, bitwise).
+`--sweep`: instead, tile width / pipeline depth / warps / K splits / wgmma around the default config, every int4
+shape at M = 1, 8 and 16 and the int8 shapes at M = 1 and 8 (SWEEP_VARIANTS, INT8_SWEEP); each config checked on 256
+rows and once more after the timed graph replays (replayed output == an eager launch, bitwise). Session 7's runs
+chose today's `default_config` with it (docs/benchmarks.md, "Session 7").
 Session 6's sweep of the grid itself (block_n 16-64, waves 1-4, stages 4/6) found nothing > 4 % better.
 Writes $OUT/quant_sweep.json.
 
