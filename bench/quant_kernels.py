@@ -11,7 +11,7 @@ CPU dry run of the harness (tiny shapes, Triton interpreter):      TRITON_INTERP
    never hits) run back to back in one CUDA graph, replayed 7 times between CUDA events, median / C. Every timed
    config is first checked on 256 rows. int4 group 128: the 7 shapes, M = 1, 2, 4, 8, 16, against bf16 F.linear
    (its own 4x larger weight) and the best tc time of the exploration ("explored"); M = 1 also with waves = 4.
-   int8 (drafter group 32, vocabulary head group 128): M = 1 and 8, plain-Triton (default) and PTX unpacking.
+   int8 (drafter group 32, vocabulary head group 128): M = 1 and 8, PTX (default) and plain-Triton unpacking.
 Writes $OUT/quant_kernels.json when OUT is set.
 `--sweep`: instead, tile width / pipeline depth / warps / K splits / wgmma around the default config, every int4
 shape at M = 1, 8 and 16 and the int8 shapes at M = 1 and 8 (SWEEP_VARIANTS, INT8_SWEEP); each config checked on 256
@@ -254,9 +254,9 @@ def main() -> None:
             time_bf16(records, sname, n, k, MS)
             torch.cuda.empty_cache()
     for sname, n, k, gs in INT8_SHAPES:
-        time_shape(records, sname, n, k, 8, gs, [("default", lambda m: wq.default_config(m, n, k, 8, gs), [1, 8]),
-                                                 ("asm", lambda m: replace(wq.default_config(m, n, k, 8, gs), asm=True),
-                                                  [1, 8])])
+        default = lambda m, n=n, k=k, gs=gs: wq.default_config(m, n, k, 8, gs)  # noqa: E731
+        time_shape(records, sname, n, k, 8, gs, [("default", default, [1, 8]),
+                                                 ("triton", lambda m: replace(default(m), asm=False), [1, 8])])
         if not DRY:
             torch.cuda.empty_cache()
     prod_fail = [c["check"] for c in checks if not c["ok"]] + \
