@@ -3,7 +3,7 @@
 each setting of blockspec.kernels.pdl, in one process on one model so the ratios are read on one machine.
 
 Variants are "level:prefetch_MB" (levels 0-3 of `kernels.pdl.settings`; see
-kernels/pdl.py). Each is timed in `--rounds` rounds, interleaved with the others (median of 40 replays per round), so
+kernels/pdl.py), optionally ":0" after it for norms left unfolded (BLOCKSPEC_FOLD_NORMS=0, layers/folded_norm.py). Each is timed in `--rounds` rounds, interleaved with the others (median of 40 replays per round), so
 clock or thermal drift shows as a round-to-round difference instead of a variant difference.
 
 Usage (GPU, repo root): python bench/pdl_variants.py [--variants 0:0,2:16,2:0,1:0] [--quant none,int4]
@@ -65,8 +65,9 @@ def main():
         applied = quant
         for rnd in range(args.rounds):
             for variant in args.variants.split(","):
-                level, mb = variant.split(":")
+                level, mb, *fold = variant.split(":")
                 os.environ["BLOCKSPEC_PDL"], os.environ["BLOCKSPEC_PDL_PREFETCH_MB"] = level, mb
+                os.environ["BLOCKSPEC_FOLD_NORMS"] = fold[0] if fold else "1"
                 pdl.reset()
                 t0 = time.perf_counter()
                 times, step_bytes = measure(model, mtp, applied, args.mode)

@@ -84,8 +84,8 @@ def patch_triton_interpreter():
     interp._patch_lang_tensor = patched
 
 
-def run_in_triton_interpreter(test_file) -> list:
-    """Runs `python test_file` with TRITON_INTERPRET=1 (Triton kernels on CPU tensors, in numpy); the script prints
+def run_in_triton_interpreter(test_file, *args) -> list:
+    """Runs `python test_file *args` with TRITON_INTERPRET=1 (Triton kernels on CPU tensors, in numpy); the script prints
     one line `RESULTS <json>`, returned parsed."""
     import json
     import os
@@ -96,8 +96,8 @@ def run_in_triton_interpreter(test_file) -> list:
     pytest.importorskip("triton")
     root = Path(__file__).resolve().parent.parent
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([str(root), str(root / "tests")]))
-    proc = subprocess.run([sys.executable, str(test_file)], cwd=str(root), env=env, capture_output=True, text=True,
-                          timeout=600)
+    proc = subprocess.run([sys.executable, str(test_file), *args], cwd=str(root), env=env, capture_output=True,
+                          text=True, timeout=600)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULTS ")]
     assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-3000:]
     return json.loads(lines[-1][len("RESULTS "):])

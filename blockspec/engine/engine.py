@@ -12,6 +12,7 @@ from ..checkpoint import load_target
 from ..config import PredictConfig
 from ..errors import BlockspecError, UnsupportedRequest
 from ..kernels import enable_fusion, pdl
+from ..layers import folded_norm
 from ..layers.draft_head import DraftHead, draft_ids
 from ..quant.apply import prepare, quantize_head, resident_bytes, rtn
 from ..tokenizer import Tokenizer
@@ -126,6 +127,7 @@ class Engine:
         self.memory["target"] = prepare(self.model, self.packs, self.target_quantizer,
                                         lambda name: name.startswith("layers."))
         quantize_head(self.model, c.vocabulary_quantization, self.dtype)
+        self.folded_norms = folded_norm.enable(self.model)  # INT4 on CUDA: norms inside the projections
         self.memory["target"]["final_bytes"] = resident_bytes(self.model)
         self.load_times["prepare_target_s"] = round(time.perf_counter() - start, 3)
 

@@ -130,23 +130,30 @@ def _sm_count(device: torch.device) -> int:
 
 if triton is not None:
     @triton.jit
-    def split_k_finish(vals, out_ptr, ws_ptr, cnt_ptr, offs_n, offs_m, M, N, stride_om, pid_n, pid_k, SPLIT):
-        """vals [BN, BM] fp32 -> out; under split-K the last program of the tile adds the partials in a fixed order."""
-        mask = (offs_n < N)[:, None] & (offs_m < M)[None, :]
-        o_ptrs = out_ptr + offs_m[None, :] * stride_om + offs_n[:, None]
-        if SPLIT == 1:
-            tl.store(o_ptrs, vals.to(out_ptr.dtype.element_ty), mask=mask)
-        else:
+    def split_k_total(vals, ws_ptr, cnt_ptr, offs_n, offs_m, M, N, pid_n, pid_k, SPLIT):
+        """(the tile's fp32 sum [BN, BM], whether this program holds it): without split-K every program holds its
+        own; under split-K the last program of the tile to arrive adds the partials in a fixed order."""
+        total = vals
+        done = pid_k == pid_k
+        if SPLIT > 1:
+            mask = (offs_n < N)[:, None] & (offs_m < M)[None, :]
             w_off = offs_m[None, :] * N + offs_n[:, None]
             tl.store(ws_ptr + pid_k * M * N + w_off, vals, mask=mask)
             tl.debug_barrier()
-            arrived = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel")
-            if arrived == SPLIT - 1:
+            done = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel") == SPLIT - 1
+            if done:
                 total = tl.zeros(vals.shape, tl.float32)
                 for sk in range(SPLIT):
                     total += tl.load(ws_ptr + sk * M * N + w_off, mask=mask, other=0.0, cache_modifier=".cg")
-                tl.store(o_ptrs, total.to(out_ptr.dtype.element_ty), mask=mask)
                 tl.atomic_xchg(cnt_ptr + pid_n, 0)  # clean for the next launch / graph replay
+        return total, done
+
+    @triton.jit
+    def split_k_finish(vals, out_ptr, ws_ptr, cnt_ptr, offs_n, offs_m, M, N, stride_om, pid_n, pid_k, SPLIT):
+        """vals [BN, BM] fp32 -> out (see split_k_total)."""
+        total, done = split_k_total(vals, ws_ptr, cnt_ptr, offs_n, offs_m, M, N, pid_n, pid_k, SPLIT)
+        mask = (offs_n < N)[:, None] & (offs_m < M)[None, :] & done
+        tl.store(out_ptr + offs_m[None, :] * stride_om + offs_n[:, None], total.to(out_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit(do_not_specialize=["M", "PER_SPLIT", "SPLIT"])
     def _linear_kernel(x, w, out, ws, counters, M, N, K, s_x, s_w, s_o, PER_SPLIT, SPLIT, BN: tl.constexpr,

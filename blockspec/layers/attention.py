@@ -34,8 +34,12 @@ class GatedAttention(nn.Module):
         self.k_norm = RMSNorm(head_dim, eps)
 
     def forward(self, x: torch.Tensor, cache: KVCache, positions: torch.Tensor, rope, visible: int | None):
-        """visible: cache entries to attend over (eager: exactly the filled prefix); None under CUDA-graph capture,
-        where the position is data and the whole cache is passed (the fast kernels read only its filled part)."""
+        return self.o_proj(self.attend(x, cache, positions, rope, visible))
+
+    def attend(self, x: torch.Tensor, cache: KVCache, positions: torch.Tensor, rope, visible: int | None):
+        """The gated attention output, o_proj's input. visible: cache entries to attend over (eager: exactly the
+        filled prefix); None under CUDA-graph capture, where the position is data and the whole cache is passed
+        (the fast kernels read only its filled part)."""
         t = x.shape[0]
         q, k, v = self.qkv_proj(x) if self.qkv_proj is not None else (self.q_proj(x), self.k_proj(x), self.v_proj(x))
         query, gate = q.view(t, self.heads, 2 * self.head_dim).chunk(2, dim=-1)
@@ -44,5 +48,5 @@ class GatedAttention(nn.Module):
                                          self.k_norm.weight, self.q_norm.eps, *rope, positions, cache.k, cache.v)
         k, v = (cache.k, cache.v) if visible is None else (cache.k[:visible], cache.v[:visible])
         out = cached_attention(query, k, v, positions, self.head_dim ** -0.5)
-        return self.o_proj(sigmoid_mul(out, gate).reshape(t, -1))
+        return sigmoid_mul(out, gate).reshape(t, -1)
 

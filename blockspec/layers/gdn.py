@@ -118,6 +118,10 @@ class GatedDeltaNet(nn.Module):
         return GDNState(self.conv_dim, self.conv1d.kernel_size[0], shape, max_partial, device, dtype)
 
     def forward(self, x: torch.Tensor, state: GDNState) -> torch.Tensor:
+        return self.out_proj(self.mix(x, state))
+
+    def mix(self, x: torch.Tensor, state: GDNState) -> torch.Tensor:
+        """The gated, normed DeltaNet output [T, value heads * value dim], out_proj's input."""
         t = x.shape[0]
         qkv, z, b, a = self.in_proj(x) if self.in_proj is not None else (
             self.in_proj_qkv(x), self.in_proj_z(x), self.in_proj_b(x), self.in_proj_a(x))
@@ -128,4 +132,4 @@ class GatedDeltaNet(nn.Module):
                                      state.pending_recurrent, state.shape, z, self.norm.weight, self.eps,
                                      window_buffer, mixed_buffer, gate_buffers, state.history_in_place(t))
         state.record(t, window)
-        return self.out_proj(out.reshape(t, -1))
+        return out.reshape(t, -1)

@@ -16,6 +16,10 @@ class SwiGLU(nn.Module):
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False, dtype=dtype)
         self.gate_up_proj = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def activate(self, x: torch.Tensor) -> torch.Tensor:
+        """The down projection's input."""
         gate, up = self.gate_up_proj(x) if self.gate_up_proj is not None else (self.gate_proj(x), self.up_proj(x))
-        return self.down_proj(silu_mul(gate, up))
+        return silu_mul(gate, up)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.activate(x))

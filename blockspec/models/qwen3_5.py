@@ -14,6 +14,7 @@ from torch import nn
 from ..config import TargetConfig
 from ..kernels.rope import rope_tables
 from ..layers.attention import GatedAttention
+from ..layers.folded_norm import MAX_ROWS, FoldedNorm
 from ..layers.gdn import GatedDeltaNet
 from ..layers.mlp import SwiGLU
 from ..layers.norm import RMSNorm
@@ -34,17 +35,29 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.mlp = SwiGLU(c.hidden_size, c.intermediate_size)
+        self.fold, self.fold_into = False, None  # norms folded into the projections (layers/folded_norm.py)
 
     def forward(self, x, delta, layer_state, positions, rope, visible):
         """The residual stream is x + delta, delta being the previous layer's MLP output (None for the first):
-        each residual add is left to the next norm, which does both in one kernel. Returns (x, delta) likewise."""
-        x, h = self.input_layernorm.add_forward(x, delta)
+        each residual add is left to the next norm, which does both in one kernel. Returns (x, delta) likewise.
+        Folded norms (passes of <= 16 tokens): delta may be a FoldedNorm (x already holds the sum, the norm is
+        begun), and the layer returns one when it folds the next layer's input norm."""
+        h = delta if isinstance(delta, FoldedNorm) else None
+        if h is None:
+            x, h = self.input_layernorm.add_forward(x, delta)
         if self.is_attention:
-            h = self.self_attn(h, layer_state, positions, rope, visible)
+            mixed, out_proj = self.self_attn.attend(h, layer_state, positions, rope, visible), self.self_attn.o_proj
         else:
-            h = self.linear_attn(h, layer_state)
-        x, h = self.post_attention_layernorm.add_forward(x, h)
-        return x, self.mlp(h)
+            mixed, out_proj = self.linear_attn.mix(h, layer_state), self.linear_attn.out_proj
+        fold = self.fold and x.shape[0] <= MAX_ROWS
+        if fold:
+            x, h = out_proj.add_norm(mixed, x, self.post_attention_layernorm)
+        else:
+            x, h = self.post_attention_layernorm.add_forward(x, out_proj(mixed))
+        activated = self.mlp.activate(h)
+        if fold and self.fold_into is not None:
+            return self.mlp.down_proj.add_norm(activated, x, self.fold_into)
+        return x, self.mlp.down_proj(activated)
 
 
 @dataclass
@@ -92,7 +105,7 @@ class TargetModel(nn.Module):
         for i, layer in enumerate(self.layers):
             x, delta = layer(x, delta, state.layers[i], positions, rope, visible)
             if capture and i in capture:
-                captured[i] = x + delta
+                captured[i] = x if isinstance(delta, FoldedNorm) else x + delta
         features = torch.cat([captured[i] for i in capture], dim=-1) if capture else None
         x, normed = self.norm.add_forward(x, delta)
         return TargetOutput(self.logits(normed if all_logits else normed[-1:]), x, features)

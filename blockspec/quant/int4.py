@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import BlockspecError
+from ..layers.folded_norm import FoldedNorm
 from . import w4a16_triton as wq
 
 BITS = 4
@@ -212,7 +213,10 @@ class Int4Linear(nn.Module):
         u = wq.unpack_codes(self.qweight, self.bits, self.group_size, self.in_features)
         return (u - (1 << (self.bits - 1))).to(torch.int8)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | FoldedNorm) -> torch.Tensor:
+        if isinstance(x, FoldedNorm):  # a norm begun by add_norm: the kernel scales the result by 1 / rms
+            y = wq.wq_matmul(x.rows, self.packed(), rms=(x.partials, x.eps))
+            return y if self.bias is None else y + self.bias.to(y.dtype)
         if x.shape[-1] != self.in_features:
             raise ValueError(f"expected {self.in_features} input features, got {x.shape[-1]}")
         if x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and wq.kernels_available(x.device):
@@ -223,6 +227,13 @@ class Int4Linear(nn.Module):
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
         return y
+
+    def add_norm(self, x: torch.Tensor, residual: torch.Tensor, norm: nn.Module) -> tuple[torch.Tensor, FoldedNorm]:
+        """(residual + self(x), that sum's zero-centred `norm` begun) in one kernel launch (layers/folded_norm.py)."""
+        if self.bias is not None:
+            raise ValueError("add_norm takes a projection without bias")
+        summed, rows, partials = wq.wq_matmul_add_norm(x, self.packed(), residual, norm.weight)
+        return summed, FoldedNorm(rows, partials, norm.eps)
 
     def weight_bytes(self) -> int:
         return self.packed().nbytes()

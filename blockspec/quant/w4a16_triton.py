@@ -83,7 +83,7 @@ try:  # triton is optional: CPU-only installs use the plain PyTorch reference pa
     import triton
     import triton.language as tl
 
-    from ..kernels.linear_triton import split_k_finish
+    from ..kernels.linear_triton import split_k_total
 except ImportError:  # pragma: no cover - depends on the environment
     triton = None
     tl = None
@@ -249,12 +249,16 @@ if triton is not None:
 
     @triton.jit(do_not_specialize=["M", "BPS", "SPLIT"])
     def _wq_kernel(x_ptr, q_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, KH, NBLK, BPS, SPLIT, stride_xm,
-                   stride_om, BITS: tl.constexpr, G: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr,
+                   stride_om, res_ptr, nw_ptr, rows_ptr, part_ptr, PARTS, eps, BITS: tl.constexpr,
+                   G: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr,
                    STAGES: tl.constexpr, HAS_ZP: tl.constexpr, EVEN_K: tl.constexpr, USE_ASM: tl.constexpr,
                    F32DOT: tl.constexpr, SYNC: tl.constexpr, U0: tl.constexpr, U1: tl.constexpr,
-                   U2: tl.constexpr, U3: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr):
+                   U2: tl.constexpr, U3: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr,
+                   EPI: tl.constexpr, PBLOCK: tl.constexpr):
         """Program (pid_n, pid_k): rows [pid_n*BN, +BN), blocks [pid_k*BPS, +BPS); one block (C groups) per step.
-        SYNC only keys the compile cache (the launcher sets DISABLE_MMA_V3 while it compiles)."""
+        SYNC only keys the compile cache (the launcher sets DISABLE_MMA_V3 while it compiles). EPI: the finished
+        tile is stored as is (0), added to a residual stream with the next norm begun (1, `_add_norm_epilogue`), or
+        scaled by its rows' 1 / rms (2: the input is the rows of an EPI 1 launch, its partials give the rms)."""
         C: tl.constexpr = 16 // BITS
         ZB: tl.constexpr = 1 << (BITS - 1)
         pid_n = tl.program_id(0)
@@ -272,6 +276,10 @@ if triton is not None:
         acc = tl.zeros([BN, BM], tl.float32)
         pdl.prefetch_rows(q_ptr, offs_n, KH, b_lo * G, N, KH, PREFETCH * G, 64, PDL)  # int16 codes: 64 per line
         pdl.wait(PDL)
+        if EPI == 2:  # issued before the loop, summed after it: its latency hides behind the weights
+            p_rows = tl.arange(0, PBLOCK)
+            sums = tl.load(part_ptr + p_rows[:, None] * M + offs_m[None, :],
+                           mask=(p_rows < PARTS)[:, None] & (offs_m < M)[None, :], other=0.0)
         s_next = tl.load(s_ptr + b_lo * N * C + sz_off, mask=n_ok[:, None], other=0.0)
         for b in tl.range(b_lo, b_hi, num_stages=STAGES):
             s = s_next  # prefetched one block ahead by hand (not in the dot's operand chain: not pipelined)
@@ -298,7 +306,31 @@ if triton is not None:
                 acc = _group(acc, h, xb + 2 * G, x2m, s2, z2, 2, BITS, U2, BN, BM, HAS_ZP, USE_ASM, F32DOT)
                 acc = _group(acc, h, xb + 3 * G, x3m, s3, z3, 3, BITS, U3, BN, BM, HAS_ZP, USE_ASM, F32DOT)
         pdl.release(PDL)
-        split_k_finish(acc, out_ptr, ws_ptr, cnt_ptr, offs_n, offs_m, M, N, stride_om, pid_n, pid_k, SPLIT)
+        total, done = split_k_total(acc, ws_ptr, cnt_ptr, offs_n, offs_m, M, N, pid_n, pid_k, SPLIT)
+        ok = n_ok[:, None] & (offs_m < M)[None, :] & done
+        if EPI == 1:
+            _add_norm_epilogue(total, ok, done, res_ptr, nw_ptr, rows_ptr, part_ptr, out_ptr, offs_n, offs_m, M, N,
+                               pid_n)
+        else:
+            if EPI == 2:
+                total = total * tl.rsqrt(tl.sum(sums, 0) / K + eps)[None, :]
+            o_ptrs = out_ptr + offs_m[None, :] * stride_om + offs_n[:, None]
+            tl.store(o_ptrs, total.to(out_ptr.dtype.element_ty), mask=ok)
+
+    @triton.jit
+    def _add_norm_epilogue(total, ok, done, res_ptr, nw_ptr, rows_ptr, part_ptr, out_ptr, offs_n, offs_m, M, N, pid_n):
+        """A finished tile y [BN, BM] of a projection whose output joins the residual stream: out = r + y (rounded
+        as the plain add), rows = out * (1 + w) for the next zero-centred RMSNorm's projections, and this tile's
+        sum of out^2 per row into part [tiles, M] (`_wq_kernel` EPI 2 turns the sums into 1/rms)."""
+        off = offs_m[None, :] * N + offs_n[:, None]
+        dtype = out_ptr.dtype.element_ty
+        res = tl.load(res_ptr + off, mask=ok, other=0.0).to(tl.float32)
+        summed = (res + total.to(dtype).to(tl.float32)).to(dtype)
+        tl.store(out_ptr + off, summed, mask=ok)
+        v = summed.to(tl.float32)
+        tl.store(part_ptr + pid_n * M + offs_m, tl.sum(v * v, 0), mask=(offs_m < M) & done)
+        w = tl.load(nw_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)
+        tl.store(rows_ptr + off, (v * (1.0 + w)[:, None]).to(dtype), mask=ok)
 
 
 def _interpreting() -> bool:
@@ -356,7 +388,19 @@ def split_k(cfg: KernelConfig, n: int, nblk: int, sms: int = 132) -> tuple[int, 
     return split_blocks(-(-n // cfg.block_n), nblk, cfg.waves * sms)
 
 
-def _launch(x2: torch.Tensor, pw: PackedWeight, cfg: KernelConfig, out: torch.Tensor) -> None:
+@dataclass
+class Epilogue:
+    """What a launch does with its finished tiles besides storing them (`_wq_kernel`'s EPI): 1 `add_norm`, 2 `rms`."""
+    kind: int
+    partials: torch.Tensor                  # fp32 [tiles of the EPI 1 launch, M]: per-tile sums of out^2
+    residual: torch.Tensor | None = None    # EPI 1: [M, N], the residual stream the output joins
+    weight: torch.Tensor | None = None      # EPI 1: the next zero-centred norm's weight [N]
+    rows: torch.Tensor | None = None        # EPI 1: [M, N], out * (1 + weight): the next projections' input
+    eps: float = 0.0                        # EPI 2: the norm's epsilon
+
+
+def _launch(x2: torch.Tensor, pw: PackedWeight, cfg: KernelConfig, out: torch.Tensor,
+            epilogue: Epilogue | None = None) -> None:
     m, cuda = x2.shape[0], x2.device.type == "cuda"
     if not kernels_available(x2.device):
         raise RuntimeError(f"the Triton kernel cannot run on {x2.device} here (CPU tensors need TRITON_INTERPRET=1)")
@@ -371,13 +415,17 @@ def _launch(x2: torch.Tensor, pw: PackedWeight, cfg: KernelConfig, out: torch.Te
     cnt = arrival_counters(x2.device, n_tiles)
     fp16 = x2.dtype == torch.float16
     unpack = [unpack_asm(pw.bits, i, fp16) if i < 16 // pw.bits else "" for i in range(4)]
+    epi = epilogue or Epilogue(0, ws)
     args = (x2, pw.q, pw.s, pw.s if pw.z is None else pw.z, out, ws, cnt, m, pw.n, pw.k, pw.q.shape[1], nblk, bps,
-            split, x2.stride(0), out.stride(0))
+            split, x2.stride(0), out.stride(0),
+            *(out if t is None else t for t in (epi.residual, epi.weight, epi.rows)), epi.partials,
+            epi.partials.shape[0], epi.eps)
     meta = dict(BITS=pw.bits, G=pw.group_size, BN=cfg.block_n, BM=cfg.block_m, STAGES=cfg.stages,
                 HAS_ZP=pw.z is not None, EVEN_K=pw.k % block_size(pw.bits, pw.group_size) == 0,
                 USE_ASM=cuda and cfg.asm, F32DOT=not cuda, SYNC=cuda and cfg.sync, U0=unpack[0], U1=unpack[1],
                 U2=unpack[2], U3=unpack[3], num_warps=cfg.warps, **pdl.options(x2),
-                PREFETCH=pdl.prefetch_blocks(cfg.block_n * pw.group_size * 2, n_tiles * split, bps, x2.device))
+                PREFETCH=pdl.prefetch_blocks(cfg.block_n * pw.group_size * 2, n_tiles * split, bps, x2.device),
+                EPI=epi.kind, PBLOCK=triton.next_power_of_2(epi.partials.shape[0]) if epi.kind == 2 else 1)
     if meta["SYNC"]:
         os.environ["DISABLE_MMA_V3"] = "1"  # read by the compiler; only a first call per config compiles
     try:
@@ -387,20 +435,56 @@ def _launch(x2: torch.Tensor, pw: PackedWeight, cfg: KernelConfig, out: torch.Te
             os.environ.pop("DISABLE_MMA_V3", None)
 
 
+def _rows(x: torch.Tensor, pw: PackedWeight) -> torch.Tensor:
+    if x.shape[-1] != pw.k:
+        raise ValueError(f"input has {x.shape[-1]} features, weight expects {pw.k}")
+    x2 = x.reshape(-1, pw.k)
+    return x2 if x2.stride(-1) == 1 else x2.contiguous()
+
+
+def _one_launch(x2: torch.Tensor, pw: PackedWeight, config: KernelConfig | None, what: str) -> KernelConfig:
+    if x2.shape[0] > MAX_KERNEL_ROWS:
+        raise ValueError(f"{what} takes at most {MAX_KERNEL_ROWS} rows (one launch), got {x2.shape[0]}")
+    return config or default_config(x2.shape[0], pw.n, pw.k, pw.bits, pw.group_size)
+
+
+def wq_matmul_add_norm(x: torch.Tensor, pw: PackedWeight, residual: torch.Tensor, norm_weight: torch.Tensor,
+                       config: KernelConfig | None = None):
+    """A projection whose output joins the residual stream, with the next zero-centred RMSNorm begun in the same
+    launch (<= 16 rows): returns (out = residual + x @ W^T rounded as the plain add, rows = out * (1 + w) in out's
+    dtype, partials fp32 [tiles, M]: each output tile's sum of out^2 per row). `wq_matmul(rows, W2, rms=(partials,
+    eps))` then completes the norm: it scales its result by each row's 1 / rms."""
+    x2 = _rows(x, pw)
+    cfg = _one_launch(x2, pw, config, "wq_matmul_add_norm")
+    m = x2.shape[0]
+    if tuple(residual.shape[-2:] if residual.dim() > 1 else ()) != (m, pw.n) or norm_weight.shape != (pw.n,):
+        raise ValueError(f"residual {tuple(residual.shape)} / norm weight {tuple(norm_weight.shape)} do not match "
+                         f"the output [{m}, {pw.n}]")
+    out = torch.empty(m, pw.n, dtype=x.dtype, device=x.device)
+    rows = torch.empty_like(out)
+    partials = torch.empty(-(-pw.n // cfg.block_n), m, dtype=torch.float32, device=x.device)
+    _launch(x2, pw, cfg, out, Epilogue(1, partials, residual.reshape(m, pw.n).contiguous(), norm_weight, rows))
+    return out, rows, partials
+
+
 def wq_matmul(x: torch.Tensor, pw: PackedWeight, config: KernelConfig | None = None,
-              out: torch.Tensor | None = None) -> torch.Tensor:
+              out: torch.Tensor | None = None, rms: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:
     """y = x @ dequant(W)^T for x [..., K] (bf16/fp16 on CUDA; any float dtype under the interpreter).
 
     Up to 16 rows: one launch (`config`, default `default_config`); up to 64: 16-row launches; more:
     dequantize slices of the weight to x's dtype and F.linear (prefill; the kernel's numerics are not kept there).
+    `rms` (partials, eps) of `wq_matmul_add_norm` (one launch, <= 16 rows): y is scaled by each row's 1 / rms.
     """
-    if x.shape[-1] != pw.k:
-        raise ValueError(f"input has {x.shape[-1]} features, weight expects {pw.k}")
     lead = x.shape[:-1]
-    x2 = x.reshape(-1, pw.k)
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
+    x2 = _rows(x, pw)
     m = x2.shape[0]
+    if rms is not None:
+        cfg = _one_launch(x2, pw, config, "wq_matmul with rms")
+        if rms[0].dim() != 2 or rms[0].shape[1] != m:
+            raise ValueError(f"rms partials {tuple(rms[0].shape)} do not match {m} rows")
+        out = out if out is not None else torch.empty(m, pw.n, dtype=x.dtype, device=x.device)
+        _launch(x2, pw, cfg, out, Epilogue(2, rms[0], eps=float(rms[1])))
+        return out.reshape(*lead, pw.n)
     if out is None:
         out = torch.empty(m, pw.n, dtype=x.dtype, device=x.device)
     if m > CHUNKED_ROWS and config is None:
@@ -417,4 +501,4 @@ def wq_matmul(x: torch.Tensor, pw: PackedWeight, config: KernelConfig | None = N
 
 __all__ = ["PackedWeight", "KernelConfig", "check_format", "block_size", "padded_k", "pack", "pack_codes",
            "unpack_codes", "pack_groups", "unpack_groups", "unpack_asm", "reference_matmul", "kernels_available",
-           "default_config", "split_k", "wq_matmul"]
+           "default_config", "split_k", "wq_matmul", "wq_matmul_add_norm"]

@@ -1,0 +1,61 @@
+"""Residual adds and RMSNorms finished inside the quantized projections around them (decode and verification).
+
+Plain, per norm of a 27B step (129 of them): delta = proj_a(a); x, h = add_rms_norm(x, delta); y = proj_b(h), three
+launches. Folded, two: proj_a's launch writes the new residual x = x + delta, rows = x * (1 + w) and, per output
+tile, each row's sum of x^2 (`w4a16_triton.wq_matmul_add_norm`); proj_b's launch reads rows and scales its result by
+the row's 1 / rms = rsqrt(sum of the tiles' sums / width + eps). One number per row commutes with the matmul:
+proj_b(x / rms * (1 + w)) = proj_b(x * (1 + w)) / rms. The rounding differs from the plain path (rows are rounded
+before the 1 / rms scale, the sums are summed per tile), but every pass of <= 16 tokens (plain decoding's one,
+verification's 4-8) runs this same code row by row, so speculative decoding stays token-identical to plain decoding;
+longer passes (prefill) keep the plain path in every mode.
+
+A layer folds when every projection of it is a bias-free W4A16 module (`Int4Linear`, also int8) whose kernel runs on
+its device: an INT4 target on CUDA. The post-attention norm then folds into (o_proj or out_proj, its MLP's gate/up);
+the next layer's input norm into (down_proj, the next mixer's input projections) when that layer folds too. The
+first input norm and the final norm stay norm kernels. BLOCKSPEC_FOLD_NORMS=0 turns it off (comparison runs).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+MAX_ROWS = 16  # one W4A16 launch
+
+
+@dataclass
+class FoldedNorm:
+    """The input of a norm's projections, the norm begun: rows = x * (1 + w), partials [tiles, T] (fp32)."""
+    rows: torch.Tensor
+    partials: torch.Tensor
+    eps: float
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.rows.shape
+
+
+def foldable(layer: nn.Module) -> bool:
+    """Whether every projection of a decoder layer runs the W4A16 kernel without a bias."""
+    from ..quant import w4a16_triton as wq
+    from ..quant.int4 import Int4Linear
+
+    projections = [m for m in layer.modules() if isinstance(m, (nn.Linear, Int4Linear))]
+    return bool(projections) and all(
+        isinstance(m, Int4Linear) and m.bias is None and wq.kernels_available(m.qweight.device) for m in projections)
+
+
+def enable(model: nn.Module, on: bool | None = None) -> int:
+    """Marks which norms of `model` (a TargetModel) fold; returns their count. on None: unless BLOCKSPEC_FOLD_NORMS
+    is 0."""
+    if on is None:
+        on = os.environ.get("BLOCKSPEC_FOLD_NORMS", "1") != "0"
+    layers = list(model.layers)
+    for layer in layers:
+        layer.fold = on and foldable(layer)
+    for layer, nxt in zip(layers, layers[1:] + [None]):
+        layer.fold_into = nxt.input_layernorm if layer.fold and nxt is not None and nxt.fold else None
+    return sum(layer.fold for layer in layers) + sum(layer.fold_into is not None for layer in layers)

@@ -1,0 +1,128 @@
+"""Norms folded into the W4A16 projections around them (blockspec/layers/folded_norm.py): the two kernel epilogues
+against a plain PyTorch computation, and a quantized tiny model with and without folding, through the Triton
+interpreter (in a subprocess)."""
+
+import json
+import sys
+import tempfile
+
+import torch
+from helpers import patch_triton_interpreter, run_in_triton_interpreter
+
+from blockspec import kernels
+from blockspec.quant import w4a16_triton as wq
+from blockspec.quant.int4 import Int4Linear
+
+K = wq.KernelConfig
+
+
+def _kernel_cases():
+    # name, rows, hidden (the producer's N and the consumer's K), consumer N, producer K, producer config
+    return [
+        ("one row, split-K producer", 1, 640, 96, 1100, K(64, 8, 4, 2, True, 64)),
+        ("8 rows, odd hidden", 8, 650, 70, 512, K(64, 8, 4, 2, True, 1)),
+        ("16 rows, default configs", 16, 576, 130, 600, None),
+    ]
+
+
+def _plain_reference(x, residual, w_a, norm_weight, w_b, eps):
+    """residual + x @ A^T, then the zero-centred RMSNorm, then @ B^T, in fp64 (the folded path's exact value)."""
+    summed = residual.double() + x.double() @ w_a.double().t()
+    normed = summed * torch.rsqrt(summed.pow(2).mean(-1, keepdim=True) + eps) * (1 + norm_weight.double())
+    return summed, normed @ w_b.double().t()
+
+
+def _run_kernel_cases():  # executed in a subprocess with TRITON_INTERPRET=1
+    patch_triton_interpreter()
+    results = []
+    for name, m, hidden, n_out, k_in, cfg in _kernel_cases():
+        g = torch.Generator().manual_seed(m * 31 + hidden)
+        a = Int4Linear.from_float(torch.randn(hidden, k_in, generator=g) * 0.05)
+        b = Int4Linear.from_float(torch.randn(n_out, hidden, generator=g) * 0.05)
+        x, residual = torch.randn(m, k_in, generator=g), torch.randn(m, hidden, generator=g)
+        norm_weight, eps = 0.3 * torch.randn(hidden, generator=g), 1e-6
+        summed, rows, partials = wq.wq_matmul_add_norm(x, a.packed(), residual, norm_weight, cfg)
+        y = wq.wq_matmul(rows, b.packed(), rms=(partials, eps))
+        want_summed, want_y = _plain_reference(x, residual, a.dequantize(), norm_weight, b.dequantize(), eps)
+        one = wq.wq_matmul_add_norm(x[:1], a.packed(), residual[:1], norm_weight, cfg)
+        y_one = wq.wq_matmul(one[1], b.packed(), rms=(one[2], eps))
+        counters = kernels._COUNTERS.get(("cpu", None))
+        results.append({
+            "name": name,
+            "summed_err": float((summed.double() - want_summed).abs().max() / want_summed.abs().max()),
+            "rows_exact": bool(torch.equal(rows, summed * (1 + norm_weight))),
+            "partials_err": float((partials.double().sum(0) - want_summed.pow(2).sum(-1)).abs().max()
+                                  / want_summed.pow(2).sum(-1).max()),
+            "y_err": float((y.double() - want_y).abs().max() / want_y.abs().max()),
+            "row0": bool(torch.equal(one[0], summed[:1]) and torch.equal(y_one, y[:1])),
+            "partials_shape": list(partials.shape),
+            "counters_clean": counters is None or int(counters.abs().sum()) == 0})
+    print("RESULTS " + json.dumps(results))
+
+
+def test_fold_epilogues_match_plain_math_in_interpreter():
+    results = run_in_triton_interpreter(__file__)
+    assert [r["name"] for r in results] == [c[0] for c in _kernel_cases()]
+    for r in results:
+        assert r["summed_err"] < 1e-5 and r["partials_err"] < 1e-5 and r["y_err"] < 1e-5, r
+        assert r["rows_exact"], r     # rows = summed * (1 + w), rounded once
+        # a row does not depend on the others (plain decoding == verification rows) within one config: <= 8 rows
+        assert r["row0"] or r["name"].startswith("16 rows"), r
+        assert r["counters_clean"], r
+    assert results[1]["partials_shape"] == [11, 8]  # one sum per 64-column tile of the 650-wide output, per row
+
+
+def test_shape_errors_are_named():
+    a = Int4Linear.from_float(torch.randn(64, 128))
+    for bad in (torch.randn(2, 63), torch.randn(3, 64)):
+        try:
+            wq.wq_matmul_add_norm(torch.randn(2, 128), a.packed(), bad, torch.zeros(64))
+        except ValueError as exc:
+            assert "residual" in str(exc)
+        else:
+            raise AssertionError("a mismatched residual was accepted")
+    try:
+        wq.wq_matmul(torch.randn(17, 128), a.packed(), rms=(torch.zeros(2, 17), 1e-6))
+    except ValueError as exc:
+        assert "16 rows" in str(exc)
+    else:
+        raise AssertionError("17 rows were accepted in one launch")
+
+
+def _run_model_case():  # executed in a subprocess with TRITON_INTERPRET=1
+    from blockspec.engine.engine import Engine
+    from blockspec.layers import folded_norm
+    from blockspec.tiny import build_tiny_checkpoint
+
+    patch_triton_interpreter()
+    directory = build_tiny_checkpoint(tempfile.mkdtemp(), seed=0, planted=True)
+    kw = dict(device="cpu", compute_dtype="float32", context_length=256, target_quantization="int4")
+    plain, mtp = Engine.load(directory, **kw), Engine.load(directory, mode="mtp", **kw)
+    ids = plain.tokenizer.encode("hello world")
+    a, b = plain.generate(ids, 12, stop_at_eos=False), mtp.generate(ids, 12, stop_at_eos=False)
+
+    def logits():
+        plain.state.reset()
+        out = plain.model(torch.tensor(ids[:5]), plain.state)
+        plain.state.discard()
+        return out.logits.double()
+    folded = logits()
+    folded_norm.enable(plain.model, False)
+    unfolded = logits()
+    print("RESULTS " + json.dumps({
+        "folded_norms": [plain.folded_norms, mtp.folded_norms], "layers": len(plain.model.layers),
+        "same_tokens": a.tokens == b.tokens, "acceptance": b.stats["acceptance_rate"],
+        "logits_err": float((folded - unfolded).abs().max() / unfolded.abs().max())}))
+
+
+def test_folded_int4_model_in_interpreter():
+    """An INT4 tiny model on the CPU under the interpreter folds every norm but the first and the last; MTP decoding
+    with folded norms still equals plain greedy decoding with them; folding moves logits by rounding only."""
+    r = run_in_triton_interpreter(__file__, "model")
+    assert r["folded_norms"] == [2 * r["layers"] - 1] * 2, r
+    assert r["same_tokens"] and r["acceptance"] > 0.05, r
+    assert r["logits_err"] < 1e-4, r
+
+
+if __name__ == "__main__":
+    _run_model_case() if sys.argv[1:] == ["model"] else _run_kernel_cases()
