@@ -2,9 +2,10 @@
 1-token target step (what plain greedy decoding replays) and the graphed 8-token verification with its commit, for
 each setting of blockspec.kernels.pdl, in one process on one model so the ratios are read on one machine.
 
-Variants are "level:prefetch_MB" (levels 0-3 of `kernels.pdl.settings`; see
-kernels/pdl.py), optionally ":0" after it for norms left unfolded (BLOCKSPEC_FOLD_NORMS=0, layers/folded_norm.py). Each is timed in `--rounds` rounds, interleaved with the others (median of 40 replays per round), so
-clock or thermal drift shows as a round-to-round difference instead of a variant difference.
+Variants are "level:prefetch_MB" (levels 0-3 of `kernels.pdl.settings`; see kernels/pdl.py), optionally ":0" after
+it for norms left unfolded (BLOCKSPEC_FOLD_NORMS=0, layers/folded_norm.py). Each is timed in `--rounds` rounds,
+interleaved with the others (median of 40 replays per round), so clock or thermal drift shows as a round-to-round
+difference instead of a variant difference.
 
 Usage (GPU, repo root): python bench/pdl_variants.py [--variants 0:0,2:16,2:0,1:0] [--quant none,int4]
        [--mode none|dflash2]

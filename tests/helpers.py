@@ -85,8 +85,8 @@ def patch_triton_interpreter():
 
 
 def run_in_triton_interpreter(test_file, *args) -> list:
-    """Runs `python test_file *args` with TRITON_INTERPRET=1 (Triton kernels on CPU tensors, in numpy); the script prints
-    one line `RESULTS <json>`, returned parsed."""
+    """Runs `python test_file *args` with TRITON_INTERPRET=1 (Triton kernels on CPU tensors, in numpy); the script
+    prints one line `RESULTS <json>`, returned parsed."""
     import json
     import os
     from pathlib import Path

@@ -175,6 +175,46 @@ def test_small_kernels_bf16_on_gpu():
         assert close(activation_triton.gated(gu[:, 17408:], gu[:, :17408], "silu"), ref)
 
 
+def test_folded_norms_on_gpu(wide_margin_pair):
+    """INT4 on CUDA folds the norms into the projections (layers/folded_norm.py): the two epilogues at the 27B
+    hidden size against fp64 math (row 0 of 8 rows == one row, bitwise), and a pass's logits with and without
+    folding within bf16 rounding."""
+    from blockspec.layers import folded_norm
+    from blockspec.quant import w4a16_triton as wq
+    from blockspec.quant.int4 import Int4Linear
+
+    torch.manual_seed(0)
+    bf = dict(device="cuda", dtype=torch.bfloat16)
+    down = Int4Linear.from_float(torch.randn(5120, 17408, device="cuda") * 17408 ** -0.5)
+    gate_up = Int4Linear.from_float(torch.randn(34816, 5120, device="cuda") * 5120 ** -0.5)
+    x, residual, w = torch.randn(8, 17408, **bf), torch.randn(8, 5120, **bf), 0.3 * torch.randn(5120, **bf)
+    summed, rows, partials = wq.wq_matmul_add_norm(x, down.packed(), residual, w)
+    y = wq.wq_matmul(rows, gate_up.packed(), rms=(partials, 1e-6))
+    want = residual.double() + x.double() @ down.dequantize().double().t()
+    normed = want * torch.rsqrt(want.pow(2).mean(-1, keepdim=True) + 1e-6) * (1 + w.double())
+    want_y = normed @ gate_up.dequantize().double().t()
+    assert (summed.double() - want).abs().max() <= 0.01 * want.abs().max()
+    assert (y.double() - want_y).abs().max() <= 0.02 * want_y.abs().max()
+    one = wq.wq_matmul_add_norm(x[:1], down.packed(), residual[:1], w)
+    assert torch.equal(one[0], summed[:1]) and torch.equal(one[1], rows[:1])
+    assert torch.equal(wq.wq_matmul(one[1], gate_up.packed(), rms=(one[2], 1e-6)), y[:1])
+
+    target, _ = wide_margin_pair
+    e = engine(target, compile_mode=-1, compute_dtype="bfloat16", **QUANTIZED)
+    assert e.folded_norms == 2 * len(e.model.layers) - 1
+    ids = torch.tensor(e.tokenizer.encode("hello world, folded")[:12], device="cuda")
+
+    def logits():
+        e.state.reset()
+        out = e.model(ids, e.state)
+        e.state.discard()
+        return out.logits.float()
+    folded = logits()
+    folded_norm.enable(e.model, False)
+    plain = logits()
+    assert (folded - plain).abs().max() <= 0.05 * plain.abs().max()
+
+
 @pytest.mark.parametrize("rows", [1, 8])
 def test_dense_linear_kernel_bf16_on_gpu(rows):
     """The few-row Triton matmul at the 27B shapes it serves (kernels.linear's dispatch), against cuBLAS; and the

@@ -6,9 +6,9 @@ over N likely tokens reads N / vocab of it. The target's verification
 still scores the full vocabulary, so the output is unchanged (greedy, lossless); only acceptance falls, by how often
 the target's token lies outside the set (the idea of SGLang's speculative token map and of FR-Spec).
 
-Which ids (`draft_vocabulary`, modes mtp and dflash2): a number N takes ids 0..N-1 (byte-level BPE vocabularies such as Qwen's number
-tokens in merge order, frequent pieces first) plus the end-of-sequence ids; a path names a JSON list of ids (say,
-counted on one's own traffic).
+Which ids (`draft_vocabulary`, modes mtp and dflash2): a number N takes ids 0..N-1 (byte-level BPE vocabularies
+such as Qwen's number tokens in merge order, frequent pieces first) plus the end-of-sequence ids; a path names a JSON
+list of ids (say, counted on one's own traffic).
 """
 
 from __future__ import annotations
