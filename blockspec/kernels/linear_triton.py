@@ -3,7 +3,7 @@
 
 Why, beside cuBLAS: for the MLP's down projection (17408 -> 5120 on the 27B) cuBLAS picks a split-K kernel plus a
 memset and a reduction launch, ~51 us per call where the weight alone streams in ~44 us. Here split-K partial sums
-are added by the last program to finish a tile (`split_k_finish`, shared with the W4A16 kernel): one launch, no
+are added by the last program to finish a tile (`split_k_total`, shared with the W4A16 kernel): one launch, no
 memset. Programs: (BN output rows, a range of BK-wide input blocks); up to 8 rows an 8-row MMA tile (mma.sync), or
 for one row a CUDA-core dot (dot=False).
 

@@ -20,10 +20,13 @@ Kernel (design "tc" of the exploration, exact numerics)
   scales (prefetched one block ahead by hand), then per group i: A = (u_i - z) in x's dtype, exact;
   part[BN, BM] = A @ x_i^T (one MMA chain, fp32), acc += part * s_i (fp32). M <= 8 uses BM = 8 with mma.sync
   (`sync`: compiled under DISABLE_MMA_V3), M 9..16 BM = 16. Under split-K the last program to arrive at a tile adds
-  the fp32 partials in a fixed order (kernels/linear_triton.split_k_finish; no memset). Results are
+  the fp32 partials in a fixed order (kernels/linear_triton.split_k_total; no memset). Results are
   deterministic and a row does not depend on the other rows (row 0 of an M = 8 launch == the M = 1 launch), but
   the config (through BM and the split) sets the summation order: M <= 8 and M 9..16 may differ in the last bits.
   The counters are shared per device: launches on one stream at a time.
+  Epilogues (`wq_matmul_add_norm`, `wq_matmul(rms=...)`; why: layers/folded_norm.py): the program holding a
+  finished tile may add it to the residual stream, write rows * (1 + w) and the tile's per-row sums of squares, or
+  scale it by each row's 1 / rms from such sums; the main loop is the same in every case.
   Why it is fast: group i of a block is an ELEMENTWISE function of the loaded int16 tile (nibble/byte i of every
   halfword), so the MMA-operand layout conversion is hoisted up to the load (ldmatrix of the int16 tile) and one
   PTX block per 32-bit register makes the A fragment in place (int4: shift, LOP3 into the bf16 128 + u, one bf16x2
