@@ -460,13 +460,13 @@ def wq_matmul_add_norm(x: torch.Tensor, pw: PackedWeight, residual: torch.Tensor
     x2 = _rows(x, pw)
     cfg = _one_launch(x2, pw, config, "wq_matmul_add_norm")
     m = x2.shape[0]
-    if tuple(residual.shape[-2:] if residual.dim() > 1 else ()) != (m, pw.n) or norm_weight.shape != (pw.n,):
+    if tuple(residual.shape) != (m, pw.n) or tuple(norm_weight.shape) != (pw.n,):
         raise ValueError(f"residual {tuple(residual.shape)} / norm weight {tuple(norm_weight.shape)} do not match "
                          f"the output [{m}, {pw.n}]")
     out = torch.empty(m, pw.n, dtype=x.dtype, device=x.device)
     rows = torch.empty_like(out)
     partials = torch.empty(-(-pw.n // cfg.block_n), m, dtype=torch.float32, device=x.device)
-    _launch(x2, pw, cfg, out, Epilogue(1, partials, residual.reshape(m, pw.n).contiguous(), norm_weight, rows))
+    _launch(x2, pw, cfg, out, Epilogue(1, partials, residual.contiguous(), norm_weight, rows))
     return out, rows, partials
 
 
