@@ -42,7 +42,8 @@ PREFETCH_MB = 4  # what a projection prefetches in all (~1 us of HBM time; bench
 # 27B, packed; bench/pdl_variants.py, docs/benchmarks.md): INT4 target step 7.13 ms without PDL, 7.01 / 6.85 /
 # 6.71 ms at levels 1 / 2 / 3; bf16 step 13.79 ms without, 13.74 / 13.79 / 14.09 at levels 1 / 2 / 3: the bf16
 # projections, 4x longer, gain nothing from the overlap, and placing their programs early costs (level 3). Since the
-# W4A16 kernel's shallower pipelines (session 7) the INT4 levels are within the 2-3 % noise of no PDL (6.35-6.80 ms).
+# W4A16 kernel's shallower pipelines (session 7) the INT4 levels are within the 2-3 % noise of no PDL (6.35-6.80 ms);
+# with the norms folded into the projections (session 8) every level is 1-3 % ahead of none, within noise of each other.
 DEFAULT_LEVEL = {"level": 0}  # direct kernel users (kernel benches) launch as before unless they ask
 
 
