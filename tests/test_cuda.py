@@ -176,9 +176,10 @@ def test_small_kernels_bf16_on_gpu():
 
 
 def test_folded_norms_on_gpu(wide_margin_pair):
-    """INT4 on CUDA folds the norms into the projections (layers/folded_norm.py): the two epilogues at the 27B
-    hidden size against fp64 math (row 0 of 8 rows == one row, bitwise), and a pass's logits with and without
-    folding within bf16 rounding."""
+    """INT4 on CUDA folds the norms and activations into the projections (layers/folded_norm.py): the epilogues at
+    the 27B shapes against fp64 math or the two-launch path (row 0 of 8 rows == one row, bitwise), and a pass's
+    logits with and without folding within bf16 rounding."""
+    from blockspec.kernels.activation import silu_mul
     from blockspec.layers import folded_norm
     from blockspec.quant import w4a16_triton as wq
     from blockspec.quant.int4 import Int4Linear
@@ -198,10 +199,14 @@ def test_folded_norms_on_gpu(wide_margin_pair):
     one = wq.wq_matmul_add_norm(x[:1], down.packed(), residual[:1], w)
     assert torch.equal(one[0], summed[:1]) and torch.equal(one[1], rows[:1])
     assert torch.equal(wq.wq_matmul(one[1], gate_up.packed(), rms=(one[2], 1e-6)), y[:1])
+    act = wq.wq_matmul_swiglu(rows, gate_up.packed(), rms=(partials, 1e-6))  # the activation in gate_up's launch
+    two_launches = silu_mul(*y.split(17408, dim=-1))
+    assert (act.float() - two_launches.float()).abs().max() <= 0.01 * two_launches.float().abs().max()
+    assert torch.equal(wq.wq_matmul_swiglu(one[1], gate_up.packed(), rms=(one[2], 1e-6)), act[:1])
 
     target, _ = wide_margin_pair
     e = engine(target, compile_mode=-1, compute_dtype="bfloat16", **QUANTIZED)
-    assert e.folded_norms == 2 * len(e.model.layers) - 1
+    assert e.folded_norms == 2 * len(e.model.layers) - 1 and all(m.mlp.fold_activation for m in e.model.layers)
     ids = torch.tensor(e.tokenizer.encode("hello world, folded")[:12], device="cuda")
 
     def logits():

@@ -46,9 +46,19 @@ def _run_kernel_cases():  # executed in a subprocess with TRITON_INTERPRET=1
         want_summed, want_y = _plain_reference(x, residual, a.dequantize(), norm_weight, b.dequantize(), eps)
         one = wq.wq_matmul_add_norm(x[:1], a.packed(), residual[:1], norm_weight, cfg)
         y_one = wq.wq_matmul(one[1], b.packed(), rms=(one[2], eps))
+        # the packed [gate; up] consumer: silu(gate) * up in its launch == the projection, then the activation
+        gu = Int4Linear.from_float(torch.randn(2 * n_out, hidden, generator=g) * 0.05)
+        act = wq.wq_matmul_swiglu(rows, gu.packed(), rms=(partials, eps))
+        gate, up = wq.wq_matmul(rows, gu.packed(), rms=(partials, eps)).split(n_out, dim=-1)
+        want_act = torch.nn.functional.silu(gate) * up
+        act_one = wq.wq_matmul_swiglu(one[1], gu.packed(), rms=(one[2], eps))
+        plain_act = wq.wq_matmul_swiglu(x, Int4Linear.from_float(torch.randn(2 * n_out, k_in, generator=g)).packed())
         counters = kernels._COUNTERS.get(("cpu", None))
         results.append({
             "name": name,
+            "act_err": float((act - want_act).abs().max() / want_act.abs().max()),
+            "act_shape": list(act.shape) + list(plain_act.shape),
+            "act_row0": bool(torch.equal(act_one, act[:1])),
             "summed_err": float((summed.double() - want_summed).abs().max() / want_summed.abs().max()),
             "rows_exact": bool(torch.equal(rows, summed * (1 + norm_weight))),
             "partials_err": float((partials.double().sum(0) - want_summed.pow(2).sum(-1)).abs().max()
@@ -65,9 +75,10 @@ def test_fold_epilogues_match_plain_math_in_interpreter():
     assert [r["name"] for r in results] == [c[0] for c in _kernel_cases()]
     for r in results:
         assert r["summed_err"] < 1e-5 and r["partials_err"] < 1e-5 and r["y_err"] < 1e-5, r
+        assert r["act_err"] < 1e-6 and r["act_shape"][1] == r["act_shape"][3], r
         assert r["rows_exact"], r     # rows = summed * (1 + w), rounded once
         # a row does not depend on the others (plain decoding == verification rows) within one config: <= 8 rows
-        assert r["row0"] or r["name"].startswith("16 rows"), r
+        assert (r["row0"] and r["act_row0"]) or r["name"].startswith("16 rows"), r
         assert r["counters_clean"], r
     assert results[1]["partials_shape"] == [11, 8]  # one sum per 64-column tile of the 650-wide output, per row
 
@@ -96,7 +107,8 @@ def _run_model_case():  # executed in a subprocess with TRITON_INTERPRET=1
 
     patch_triton_interpreter()
     directory = build_tiny_checkpoint(tempfile.mkdtemp(), seed=0, planted=True)
-    kw = dict(device="cpu", compute_dtype="float32", context_length=256, target_quantization="int4")
+    kw = dict(device="cpu", compute_dtype="float32", context_length=256, target_quantization="int4", fuse_kvq=True,
+              fuse_gate=True)
     plain, mtp = Engine.load(directory, **kw), Engine.load(directory, mode="mtp", **kw)
     ids = plain.tokenizer.encode("hello world")
     a, b = plain.generate(ids, 12, stop_at_eos=False), mtp.generate(ids, 12, stop_at_eos=False)
@@ -111,15 +123,17 @@ def _run_model_case():  # executed in a subprocess with TRITON_INTERPRET=1
     unfolded = logits()
     print("RESULTS " + json.dumps({
         "folded_norms": [plain.folded_norms, mtp.folded_norms], "layers": len(plain.model.layers),
+        "folded_activations": sum(layer.mlp.fold_activation for layer in mtp.model.layers),
         "same_tokens": a.tokens == b.tokens, "acceptance": b.stats["acceptance_rate"],
         "logits_err": float((folded - unfolded).abs().max() / unfolded.abs().max())}))
 
 
 def test_folded_int4_model_in_interpreter():
-    """An INT4 tiny model on the CPU under the interpreter folds every norm but the first and the last; MTP decoding
+    """An INT4 tiny model (packed) on the CPU under the interpreter folds every norm but the first and the last, and
+    every MLP activation; MTP decoding
     with folded norms still equals plain greedy decoding with them; folding moves logits by rounding only."""
     r = run_in_triton_interpreter(__file__, "model")
-    assert r["folded_norms"] == [2 * r["layers"] - 1] * 2, r
+    assert r["folded_norms"] == [2 * r["layers"] - 1] * 2 and r["folded_activations"] == r["layers"], r
     assert r["same_tokens"] and r["acceptance"] > 0.05, r
     assert r["logits_err"] < 1e-4, r
 

@@ -12,7 +12,12 @@ longer passes (prefill) keep the plain path in every mode.
 A layer folds when every projection of it is a bias-free W4A16 module (`Int4Linear`, also int8) whose kernel runs on
 its device: an INT4 target on CUDA. The post-attention norm then folds into (o_proj or out_proj, its MLP's gate/up);
 the next layer's input norm into (down_proj, the next mixer's input projections) when that layer folds too. The
-first input norm and the final norm stay norm kernels. BLOCKSPEC_FOLD_NORMS=0 turns it off (comparison runs).
+first input norm and the final norm stay norm kernels.
+
+The same layers also fold SwiGLU's activation into a packed gate/up projection (`fuse_gate`, one quantized part):
+each program of that launch takes BN / 2 gate rows and the same up rows and stores silu(gate) * up, rounded as the
+activation kernel rounds it (`w4a16_triton.wq_matmul_swiglu`). BLOCKSPEC_FOLD_NORMS=0 turns both off, =norms keeps
+only the norms (comparison runs).
 """
 
 from __future__ import annotations
@@ -49,13 +54,17 @@ def foldable(layer: nn.Module) -> bool:
 
 
 def enable(model: nn.Module, on: bool | None = None) -> int:
-    """Marks which norms of `model` (a TargetModel) fold; returns their count. on None: unless BLOCKSPEC_FOLD_NORMS
-    is 0."""
+    """Marks which norms (and activations) of `model` (a TargetModel) fold; returns the number of norms. on None:
+    as BLOCKSPEC_FOLD_NORMS says (default on)."""
+    setting = os.environ.get("BLOCKSPEC_FOLD_NORMS", "1")
     if on is None:
-        on = os.environ.get("BLOCKSPEC_FOLD_NORMS", "1") != "0"
+        on = setting != "0"
     layers = list(model.layers)
     for layer in layers:
         layer.fold = on and foldable(layer)
+        packed = layer.mlp.gate_up_proj
+        layer.mlp.fold_activation = layer.fold and setting != "norms" and packed is not None and \
+            len(packed.parts) == 1 and packed.names == ("gate_proj", "up_proj")
     for layer, nxt in zip(layers, layers[1:] + [None]):
         layer.fold_into = nxt.input_layernorm if layer.fold and nxt is not None and nxt.fold else None
     return sum(layer.fold for layer in layers) + sum(layer.fold_into is not None for layer in layers)

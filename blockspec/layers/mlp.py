@@ -4,6 +4,7 @@ import torch
 from torch import nn
 
 from ..kernels.activation import silu_mul
+from .folded_norm import MAX_ROWS
 
 
 class SwiGLU(nn.Module):
@@ -15,9 +16,12 @@ class SwiGLU(nn.Module):
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False, dtype=dtype)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False, dtype=dtype)
         self.gate_up_proj = None
+        self.fold_activation = False  # silu(gate) * up inside the packed projection's launch (layers/folded_norm.py)
 
     def activate(self, x: torch.Tensor) -> torch.Tensor:
         """The down projection's input."""
+        if self.fold_activation and x.shape[0] <= MAX_ROWS:
+            return self.gate_up_proj.parts[0].swiglu(x)
         gate, up = self.gate_up_proj(x) if self.gate_up_proj is not None else (self.gate_proj(x), self.up_proj(x))
         return silu_mul(gate, up)
 

@@ -235,6 +235,14 @@ class Int4Linear(nn.Module):
         summed, rows, partials = wq.wq_matmul_add_norm(x, self.packed(), residual, norm.weight)
         return summed, FoldedNorm(rows, partials, norm.eps)
 
+    def swiglu(self, x: torch.Tensor | FoldedNorm) -> torch.Tensor:
+        """silu(gate) * up of this packed [gate; up] projection in one kernel launch (layers/folded_norm.py)."""
+        if self.bias is not None:
+            raise ValueError("swiglu takes a projection without bias")
+        if isinstance(x, FoldedNorm):
+            return wq.wq_matmul_swiglu(x.rows, self.packed(), rms=(x.partials, x.eps))
+        return wq.wq_matmul_swiglu(x, self.packed())
+
     def weight_bytes(self) -> int:
         return self.packed().nbytes()
 

@@ -24,9 +24,10 @@ Kernel (design "tc" of the exploration, exact numerics)
   deterministic and a row does not depend on the other rows (row 0 of an M = 8 launch == the M = 1 launch), but
   the config (through BM and the split) sets the summation order: M <= 8 and M 9..16 may differ in the last bits.
   The counters are shared per device: launches on one stream at a time.
-  Epilogues (`wq_matmul_add_norm`, `wq_matmul(rms=...)`; why: layers/folded_norm.py): the program holding a
-  finished tile may add it to the residual stream, write rows * (1 + w) and the tile's per-row sums of squares, or
-  scale it by each row's 1 / rms from such sums; the main loop is the same in every case.
+  Epilogues (`wq_matmul_add_norm`, `wq_matmul(rms=...)`, `wq_matmul_swiglu`; why: layers/folded_norm.py): the
+  program holding a finished tile may add it to the residual stream, write rows * (1 + w) and the tile's per-row
+  sums of squares; scale it by each row's 1 / rms from such sums; or store silu(gate) * up of a [gate; up]
+  projection (its programs then take BN / 2 gate rows and the same up rows). The main loop is the same in every case.
   Why it is fast: group i of a block is an ELEMENTWISE function of the loaded int16 tile (nibble/byte i of every
   halfword), so the MMA-operand layout conversion is hoisted up to the load (ldmatrix of the int16 tile) and one
   PTX block per 32-bit register makes the A fragment in place (int4: shift, LOP3 into the bf16 128 + u, one bf16x2
@@ -257,17 +258,26 @@ if triton is not None:
                    STAGES: tl.constexpr, HAS_ZP: tl.constexpr, EVEN_K: tl.constexpr, USE_ASM: tl.constexpr,
                    F32DOT: tl.constexpr, SYNC: tl.constexpr, U0: tl.constexpr, U1: tl.constexpr,
                    U2: tl.constexpr, U3: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr,
-                   EPI: tl.constexpr, PBLOCK: tl.constexpr):
+                   EPI: tl.constexpr, RMS: tl.constexpr, PBLOCK: tl.constexpr):
         """Program (pid_n, pid_k): rows [pid_n*BN, +BN), blocks [pid_k*BPS, +BPS); one block (C groups) per step.
-        SYNC only keys the compile cache (the launcher sets DISABLE_MMA_V3 while it compiles). EPI: the finished
-        tile is stored as is (0), added to a residual stream with the next norm begun (1, `_add_norm_epilogue`), or
-        scaled by its rows' 1 / rms (2: the input is the rows of an EPI 1 launch, its partials give the rms)."""
+        SYNC only keys the compile cache (the launcher sets DISABLE_MMA_V3 while it compiles). RMS: the finished tile
+        is first scaled by its rows' 1 / rms (the input is the rows of an EPI 1 launch, whose partials give the rms).
+        EPI: then stored as is (0), added to a residual stream with the next norm begun (1, `_add_norm_epilogue`),
+        or, for a [gate; up] projection, silu(gate) * up stored (2, `_swiglu_epilogue`: a program's first BN / 2
+        rows are gate rows, its last BN / 2 the up rows of the same channels)."""
         C: tl.constexpr = 16 // BITS
         ZB: tl.constexpr = 1 << (BITS - 1)
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
-        offs_n = pid_n * BN + tl.arange(0, BN)
-        n_ok = offs_n < N
+        if EPI == 2:
+            HALF: tl.constexpr = BN // 2
+            tile_rows = tl.arange(0, BN)
+            channels = pid_n * HALF + tile_rows % HALF
+            offs_n = channels + (tile_rows >= HALF).to(tl.int32) * (N // 2)
+            n_ok = channels < N // 2
+        else:
+            offs_n = pid_n * BN + tl.arange(0, BN)
+            n_ok = offs_n < N
         offs_m = tl.arange(0, BM)
         offs_c = tl.arange(0, G)
         q_rows = q_ptr + offs_n[:, None].to(tl.int64) * KH + offs_c[None, :]
@@ -279,7 +289,7 @@ if triton is not None:
         acc = tl.zeros([BN, BM], tl.float32)
         pdl.prefetch_rows(q_ptr, offs_n, KH, b_lo * G, N, KH, PREFETCH * G, 64, PDL)  # int16 codes: 64 per line
         pdl.wait(PDL)
-        if EPI == 2:  # issued before the loop, summed after it: its latency hides behind the weights
+        if RMS:  # issued before the loop, summed after it: its latency hides behind the weights
             p_rows = tl.arange(0, PBLOCK)
             sums = tl.load(part_ptr + p_rows[:, None] * M + offs_m[None, :],
                            mask=(p_rows < PARTS)[:, None] & (offs_m < M)[None, :], other=0.0)
@@ -311,20 +321,35 @@ if triton is not None:
         pdl.release(PDL)
         total, done = split_k_total(acc, ws_ptr, cnt_ptr, offs_n, offs_m, M, N, pid_n, pid_k, SPLIT)
         ok = n_ok[:, None] & (offs_m < M)[None, :] & done
+        if RMS:
+            total = total * tl.rsqrt(tl.sum(sums, 0) / K + eps)[None, :]
         if EPI == 1:
             _add_norm_epilogue(total, ok, done, res_ptr, nw_ptr, rows_ptr, part_ptr, out_ptr, offs_n, offs_m, M, N,
                                pid_n)
+        elif EPI == 2:
+            _swiglu_epilogue(total, done, out_ptr, stride_om, pid_n, offs_m, M, N, BN, BM)
         else:
-            if EPI == 2:
-                total = total * tl.rsqrt(tl.sum(sums, 0) / K + eps)[None, :]
             o_ptrs = out_ptr + offs_m[None, :] * stride_om + offs_n[:, None]
             tl.store(o_ptrs, total.to(out_ptr.dtype.element_ty), mask=ok)
+
+    @triton.jit
+    def _swiglu_epilogue(total, done, out_ptr, stride_om, pid_n, offs_m, M, N, BN: tl.constexpr, BM: tl.constexpr):
+        """A finished tile of a [gate; up] projection (rows: BN / 2 gate channels, then the same up channels) ->
+        silu(gate) * up [BN / 2 channels, BM], rounded as the activation kernel of two launches does."""
+        HALF: tl.constexpr = BN // 2
+        dtype = out_ptr.dtype.element_ty
+        halves = tl.permute(tl.reshape(total.to(dtype).to(tl.float32), [2, HALF, BM]), [1, 2, 0])
+        gate, up = tl.split(halves)
+        channels = pid_n * HALF + tl.arange(0, HALF)
+        ok = (channels < N // 2)[:, None] & (offs_m < M)[None, :] & done
+        tl.store(out_ptr + offs_m[None, :] * stride_om + channels[:, None],
+                 (up * (gate * tl.sigmoid(gate))).to(dtype), mask=ok)
 
     @triton.jit
     def _add_norm_epilogue(total, ok, done, res_ptr, nw_ptr, rows_ptr, part_ptr, out_ptr, offs_n, offs_m, M, N, pid_n):
         """A finished tile y [BN, BM] of a projection whose output joins the residual stream: out = r + y (rounded
         as the plain add), rows = out * (1 + w) for the next zero-centred RMSNorm's projections, and this tile's
-        sum of out^2 per row into part [tiles, M] (`_wq_kernel` EPI 2 turns the sums into 1/rms)."""
+        sum of out^2 per row into part [tiles, M] (`_wq_kernel` with RMS turns the sums into 1 / rms)."""
         off = offs_m[None, :] * N + offs_n[:, None]
         dtype = out_ptr.dtype.element_ty
         res = tl.load(res_ptr + off, mask=ok, other=0.0).to(tl.float32)
@@ -393,13 +418,14 @@ def split_k(cfg: KernelConfig, n: int, nblk: int, sms: int = 132) -> tuple[int, 
 
 @dataclass
 class Epilogue:
-    """What a launch does with its finished tiles besides storing them (`_wq_kernel`'s EPI): 1 `add_norm`, 2 `rms`."""
-    kind: int
-    partials: torch.Tensor                  # fp32 [tiles of the EPI 1 launch, M]: per-tile sums of out^2
+    """What a launch does with its finished tiles besides storing them (`_wq_kernel`'s RMS and EPI)."""
+    kind: int = 0                           # EPI: 0 store, 1 add_norm, 2 swiglu
+    partials: torch.Tensor | None = None    # fp32 [tiles of the EPI 1 launch, M]: its output (1) or the rms (rms)
+    rms: bool = False                       # scale by 1 / rms from `partials` first
+    eps: float = 0.0                        # rms: the norm's epsilon
     residual: torch.Tensor | None = None    # EPI 1: [M, N], the residual stream the output joins
     weight: torch.Tensor | None = None      # EPI 1: the next zero-centred norm's weight [N]
     rows: torch.Tensor | None = None        # EPI 1: [M, N], out * (1 + weight): the next projections' input
-    eps: float = 0.0                        # EPI 2: the norm's epsilon
 
 
 def _launch(x2: torch.Tensor, pw: PackedWeight, cfg: KernelConfig, out: torch.Tensor,
@@ -418,17 +444,17 @@ def _launch(x2: torch.Tensor, pw: PackedWeight, cfg: KernelConfig, out: torch.Te
     cnt = arrival_counters(x2.device, n_tiles)
     fp16 = x2.dtype == torch.float16
     unpack = [unpack_asm(pw.bits, i, fp16) if i < 16 // pw.bits else "" for i in range(4)]
-    epi = epilogue or Epilogue(0, ws)
+    epi = epilogue or Epilogue()
+    parts = ws if epi.partials is None else epi.partials  # (EPI 2 with an even N: as many tiles, of BN / 2 channels)
     args = (x2, pw.q, pw.s, pw.s if pw.z is None else pw.z, out, ws, cnt, m, pw.n, pw.k, pw.q.shape[1], nblk, bps,
             split, x2.stride(0), out.stride(0),
-            *(out if t is None else t for t in (epi.residual, epi.weight, epi.rows)), epi.partials,
-            epi.partials.shape[0], epi.eps)
+            *(out if t is None else t for t in (epi.residual, epi.weight, epi.rows)), parts, parts.shape[0], epi.eps)
     meta = dict(BITS=pw.bits, G=pw.group_size, BN=cfg.block_n, BM=cfg.block_m, STAGES=cfg.stages,
                 HAS_ZP=pw.z is not None, EVEN_K=pw.k % block_size(pw.bits, pw.group_size) == 0,
                 USE_ASM=cuda and cfg.asm, F32DOT=not cuda, SYNC=cuda and cfg.sync, U0=unpack[0], U1=unpack[1],
                 U2=unpack[2], U3=unpack[3], num_warps=cfg.warps, **pdl.options(x2),
                 PREFETCH=pdl.prefetch_blocks(cfg.block_n * pw.group_size * 2, n_tiles * split, bps, x2.device),
-                EPI=epi.kind, PBLOCK=triton.next_power_of_2(epi.partials.shape[0]) if epi.kind == 2 else 1)
+                EPI=epi.kind, RMS=epi.rms, PBLOCK=triton.next_power_of_2(parts.shape[0]) if epi.rms else 1)
     if meta["SYNC"]:
         os.environ["DISABLE_MMA_V3"] = "1"  # read by the compiler; only a first call per config compiles
     try:
@@ -466,8 +492,29 @@ def wq_matmul_add_norm(x: torch.Tensor, pw: PackedWeight, residual: torch.Tensor
     out = torch.empty(m, pw.n, dtype=x.dtype, device=x.device)
     rows = torch.empty_like(out)
     partials = torch.empty(-(-pw.n // cfg.block_n), m, dtype=torch.float32, device=x.device)
-    _launch(x2, pw, cfg, out, Epilogue(1, partials, residual.contiguous(), norm_weight, rows))
+    _launch(x2, pw, cfg, out, Epilogue(1, partials, residual=residual.contiguous(), weight=norm_weight, rows=rows))
     return out, rows, partials
+
+
+def _rms(rms: tuple[torch.Tensor, float] | None, m: int) -> dict:
+    if rms is None:
+        return {}
+    if rms[0].dim() != 2 or rms[0].shape[1] != m:
+        raise ValueError(f"rms partials {tuple(rms[0].shape)} do not match {m} rows")
+    return dict(partials=rms[0], rms=True, eps=float(rms[1]))
+
+
+def wq_matmul_swiglu(x: torch.Tensor, pw: PackedWeight, rms: tuple[torch.Tensor, float] | None = None,
+                     config: KernelConfig | None = None) -> torch.Tensor:
+    """silu(gate) * up [M, N / 2] of a packed [gate; up] projection (W's first N / 2 rows gate, the rest up) in one
+    launch (<= 16 rows), rounded as two launches (projection, then activation) round it; `rms` as in wq_matmul."""
+    x2 = _rows(x, pw)
+    cfg = _one_launch(x2, pw, config, "wq_matmul_swiglu")
+    if pw.n % 2:
+        raise ValueError(f"a [gate; up] projection has an even number of outputs, got {pw.n}")
+    out = torch.empty(x2.shape[0], pw.n // 2, dtype=x.dtype, device=x.device)
+    _launch(x2, pw, cfg, out, Epilogue(2, **_rms(rms, x2.shape[0])))
+    return out.reshape(*x.shape[:-1], pw.n // 2)
 
 
 def wq_matmul(x: torch.Tensor, pw: PackedWeight, config: KernelConfig | None = None,
@@ -483,10 +530,8 @@ def wq_matmul(x: torch.Tensor, pw: PackedWeight, config: KernelConfig | None = N
     m = x2.shape[0]
     if rms is not None:
         cfg = _one_launch(x2, pw, config, "wq_matmul with rms")
-        if rms[0].dim() != 2 or rms[0].shape[1] != m:
-            raise ValueError(f"rms partials {tuple(rms[0].shape)} do not match {m} rows")
         out = out if out is not None else torch.empty(m, pw.n, dtype=x.dtype, device=x.device)
-        _launch(x2, pw, cfg, out, Epilogue(2, rms[0], eps=float(rms[1])))
+        _launch(x2, pw, cfg, out, Epilogue(0, **_rms(rms, m)))
         return out.reshape(*lead, pw.n)
     if out is None:
         out = torch.empty(m, pw.n, dtype=x.dtype, device=x.device)
@@ -504,4 +549,4 @@ def wq_matmul(x: torch.Tensor, pw: PackedWeight, config: KernelConfig | None = N
 
 __all__ = ["PackedWeight", "KernelConfig", "check_format", "block_size", "padded_k", "pack", "pack_codes",
            "unpack_codes", "pack_groups", "unpack_groups", "unpack_asm", "reference_matmul", "kernels_available",
-           "default_config", "split_k", "wq_matmul", "wq_matmul_add_norm"]
+           "default_config", "split_k", "wq_matmul", "wq_matmul_add_norm", "wq_matmul_swiglu"]
