@@ -100,6 +100,19 @@ def test_shape_errors_are_named():
         raise AssertionError("17 rows were accepted in one launch")
 
 
+def test_fold_setting_refused_when_unknown(monkeypatch):
+    from blockspec.errors import BlockspecError
+    from blockspec.layers import folded_norm
+
+    monkeypatch.setenv("BLOCKSPEC_FOLD_NORMS", "yes")
+    try:
+        folded_norm.enable(torch.nn.Module())
+    except BlockspecError as exc:
+        assert "BLOCKSPEC_FOLD_NORMS='yes'" in str(exc)
+    else:
+        raise AssertionError("an unknown BLOCKSPEC_FOLD_NORMS was accepted")
+
+
 def _run_model_case():  # executed in a subprocess with TRITON_INTERPRET=1
     from blockspec.engine.engine import Engine
     from blockspec.layers import folded_norm

@@ -28,6 +28,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ..errors import BlockspecError
+
 MAX_ROWS = 16  # one W4A16 launch
 
 
@@ -57,6 +59,8 @@ def enable(model: nn.Module, on: bool | None = None) -> int:
     """Marks which norms (and activations) of `model` (a TargetModel) fold; returns the number of norms. on None:
     as BLOCKSPEC_FOLD_NORMS says (default on)."""
     setting = os.environ.get("BLOCKSPEC_FOLD_NORMS", "1")
+    if setting not in ("0", "1", "norms"):
+        raise BlockspecError(f"BLOCKSPEC_FOLD_NORMS={setting!r}: expected 0 (off), 1 (norms and activations) or norms")
     if on is None:
         on = setting != "0"
     layers = list(model.layers)
