@@ -3,7 +3,8 @@
 each setting of blockspec.kernels.pdl, in one process on one model so the ratios are read on one machine.
 
 Variants are "level:prefetch_MB" (levels 0-3 of `kernels.pdl.settings`; see kernels/pdl.py), optionally ":0" after
-it for norms left unfolded (BLOCKSPEC_FOLD_NORMS=0, layers/folded_norm.py). Each is timed in `--rounds` rounds,
+it for norms left unfolded (BLOCKSPEC_FOLD_NORMS=0, layers/folded_norm.py), then optionally "+NAME=VALUE" settings
+of the environment for that variant alone (e.g. "3:4+BLOCKSPEC_W4A16_L1=0"). Each is timed in `--rounds` rounds,
 interleaved with the others (median of 40 replays per round), so clock or thermal drift shows as a round-to-round
 difference instead of a variant difference.
 
@@ -66,12 +67,17 @@ def main():
         applied = quant
         for rnd in range(args.rounds):
             for variant in args.variants.split(","):
-                level, mb, *fold = variant.split(":")
+                spec, *env = variant.split("+")  # "+NAME=VALUE": an environment setting of this variant alone
+                level, mb, *fold = spec.split(":")
+                for name, _, value in (e.partition("=") for e in env):
+                    os.environ[name] = value
                 os.environ["BLOCKSPEC_PDL"], os.environ["BLOCKSPEC_PDL_PREFETCH_MB"] = level, mb
                 os.environ["BLOCKSPEC_FOLD_NORMS"] = fold[0] if fold else "1"
                 pdl.reset()
                 t0 = time.perf_counter()
                 times, step_bytes = measure(model, mtp, applied, args.mode)
+                for name, _, _ in (e.partition("=") for e in env):
+                    os.environ.pop(name)
                 applied = "none"
                 roof = step_bytes / (bandwidth * 1e9) * 1e3
                 row = {"quant": quant, "round": rnd, "variant": variant, "build_s": round(time.perf_counter() - t0, 1),

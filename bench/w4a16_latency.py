@@ -1,0 +1,181 @@
+"""What limits the W4A16 projections of the 27B layers (16-92 MB) at 1-16 rows? Experiments behind
+docs/benchmarks.md ("Session 9"), GPU only (inline PTX).
+
+`--experiment l1` (default): each shape's default config with the scales' L1 prefetch on and off
+(`KernelConfig.l1_scales`), cold (C weight copies, every byte from HBM) and hot (one copy C times: L2-resident
+where it fits), M = 1, 8, 16.
+
+`--experiment l2`:
+Per 27B projection shape and row count, CUDA graphs of C launches over C weight copies (> 200 MB, as
+bench/quant_kernels.py times them), median of 7 replays / C:
+  cold       kernel(w_i)                                   the usual figure: every byte from HBM
+  hot        kernel(w_0) C times                           weights L2-resident where they fit (50 MB L2)
+  spin       spin(S us)                                    a stand-in for a small kernel that leaves HBM idle
+  spin_cold  spin, kernel(w_i)
+  spin_pf    prefetch(w_i), spin, kernel(w_i)              the weights streamed into L2 while HBM is idle
+  next_pf<f> prefetch(first f of w_{i+1}), kernel(w_i)     the next weights streamed in under the current kernel
+The prefetch kernel issues `cp.async.bulk.prefetch.L2` (one instruction per CHUNK bytes: the copy engine does the
+rest) or, as `lines`, one `prefetch.global.L2` per 128-byte line. (spin_pf - spin) against cold says how much faster
+a projection runs from L2; next_pf against cold says whether the next weights can be streamed in under a kernel.
+
+Usage (GPU, repo root): python bench/w4a16_latency.py [--experiment l1|l2] [--shapes o,gdn_qkv,...] [--ms 1,8]
+"""
+
+import argparse
+import json
+import os
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+from blockspec.quant import w4a16_triton as wq  # noqa: E402
+from quant_kernels import SHAPES, random_weight  # noqa: E402
+from timing import replay_ms  # noqa: E402
+
+CHUNK = 16384
+
+
+@triton.jit
+def _bulk_prefetch(base, nbytes, CHUNK: tl.constexpr, PER: tl.constexpr):
+    """Program p: chunks [p * PER, +PER) of CHUNK bytes of [base, base + nbytes) into L2 (nbytes % 16 == 0)."""
+    offs = (tl.program_id(0) * PER + tl.arange(0, PER)).to(tl.int64) * CHUNK
+    size = tl.minimum(tl.maximum(nbytes - offs, 0), CHUNK).to(tl.int32)
+    tl.inline_asm_elementwise("{ .reg .pred p; setp.ne.b32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; "
+                              "mov.b32 $0, 0; }", "=r,l,r", [base + tl.where(size > 0, offs, 0), size],
+                              dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def _line_prefetch(base, nbytes, PER: tl.constexpr):
+    offs = (tl.program_id(0) * PER + tl.arange(0, PER)).to(tl.int64) * 128
+    ok = offs < nbytes
+    tl.inline_asm_elementwise("{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.b32 $0, 0; }",
+                              "=r,l,r", [base + tl.where(ok, offs, 0), ok.to(tl.int32)], dtype=tl.int32,
+                              is_pure=False, pack=1)
+
+
+@triton.jit
+def _spin(ns):
+    t0 = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)
+    t = t0
+    while t - t0 < ns:
+        t = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)
+
+
+def prefetch(t: torch.Tensor, fraction: float, how: str) -> None:
+    flat = t.view(-1).view(torch.uint8)
+    nbytes = int(flat.numel() * fraction) // 16 * 16
+    if nbytes == 0:
+        return
+    if how == "bulk":
+        per = 32
+        _bulk_prefetch[(triton.cdiv(nbytes, CHUNK * per),)](flat, nbytes, CHUNK=CHUNK, PER=per, num_warps=1)
+    else:
+        per = 1024
+        _line_prefetch[(triton.cdiv(nbytes, 128 * per),)](flat, nbytes, PER=per, num_warps=4)
+
+
+def prefetch_weight(w: wq.PackedWeight, fraction: float, how: str) -> None:
+    prefetch(w.q, fraction, how)
+    prefetch(w.s, fraction, how)
+
+
+def weights(n, k):
+    probe = random_weight(n, k, 4, 128)
+    copies = max(2, -(-int(200e6) // probe.nbytes()))
+    return [probe] + [random_weight(n, k, 4, 128) for _ in range(copies)], copies  # one spare: w_{i+1} of the last
+
+
+def l1_experiment(args):
+    dev, records = torch.device("cuda"), []
+    for name, n, k in [s for s in SHAPES if s[0] in args.shapes.split(",")]:
+        ws, copies = weights(n, k)
+        mb = ws[0].nbytes() / 1e6
+        for m in [int(v) for v in args.ms.split(",")]:
+            x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+            out = torch.empty(m, n, device=dev, dtype=x.dtype)
+            base = wq.default_config(m, n, k)
+            ref = wq.wq_matmul(x, ws[0], replace(base, l1_scales=False)).clone()
+            row = dict(shape=name, n=n, k=k, m=m, mb=round(mb, 1), cfg=base.short())
+            for l1 in (False, True):
+                cfg = replace(base, l1_scales=l1)
+                wq.wq_matmul(x, ws[0], cfg, out=out)
+                row[f"equal_l1_{int(l1)}"] = bool(torch.equal(out, ref))
+                for label, fn in (("cold", lambda: [wq.wq_matmul(x, ws[i], cfg, out=out) for i in range(copies)]),
+                                  ("hot", lambda: [wq.wq_matmul(x, ws[0], cfg, out=out) for _ in range(copies)])):
+                    us = replay_ms(fn, reps=7) * 1e3 / copies
+                    row[f"{label}_l1_{int(l1)}"] = round(us, 2)
+                    row[f"{label}_l1_{int(l1)}_pct"] = round(mb / us / 3.99 * 100, 1)
+            records.append(row)
+            print(f"{name:8s} M={m:2d} {mb:6.1f} MB {row['cfg']:30s} cold {row['cold_l1_0']:7.2f} -> "
+                  f"{row['cold_l1_1']:7.2f} us ({row['cold_l1_0_pct']:5.1f} -> {row['cold_l1_1_pct']:5.1f} %)  hot "
+                  f"{row['hot_l1_0']:7.2f} -> {row['hot_l1_1']:7.2f}  equal {row['equal_l1_0']} {row['equal_l1_1']}",
+                  flush=True)
+    return records
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--experiment", default="l1")
+    ap.add_argument("--shapes", default="o,gdn_z,gdn_qkv,q,down,gate_up,vocab")
+    ap.add_argument("--ms", default="1,8,16")
+    ap.add_argument("--spin-us", type=float, default=10.0)
+    ap.add_argument("--how", default="bulk,lines")
+    args = ap.parse_args()
+    if args.experiment == "l1":
+        records = l1_experiment(args)
+        if os.environ.get("OUT"):
+            Path(os.environ["OUT"], "w4a16_l1.json").write_text(json.dumps(records, indent=1))
+        return
+    dev = torch.device("cuda")
+    spin_ns = int(args.spin_us * 1000)
+    records = []
+    for name, n, k in [s for s in SHAPES if s[0] in args.shapes.split(",")]:
+        ws, copies = weights(n, k)
+        probe, nb = ws[0], ws[0].nbytes()
+        for m in [int(v) for v in args.ms.split(",")]:
+            x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+            out = torch.empty(m, n, device=dev, dtype=x.dtype)
+            ref = wq.wq_matmul(x, probe).clone()
+
+            def kern(w):
+                wq.wq_matmul(x, w, out=out)
+            variants = {
+                "cold": lambda: [kern(ws[i]) for i in range(copies)],
+                "hot": lambda: [kern(ws[0]) for _ in range(copies)],
+                "spin": lambda: [_spin[(1,)](spin_ns) for _ in range(copies)],
+                "spin_cold": lambda: [(_spin[(1,)](spin_ns), kern(ws[i])) for i in range(copies)],
+            }
+            for how in args.how.split(","):
+                variants[f"spin_pf_{how}"] = lambda how=how: [
+                    (prefetch_weight(ws[i], 1.0, how), _spin[(1,)](spin_ns), kern(ws[i])) for i in range(copies)]
+                for f in (0.25, 0.5, 1.0):
+                    variants[f"next_pf{f}_{how}"] = lambda f=f, how=how: [
+                        (prefetch_weight(ws[i + 1], f, how), kern(ws[i])) for i in range(copies)]
+            row = dict(shape=name, n=n, k=k, m=m, mb=round(nb / 1e6, 1), copies=copies)
+            for label, fn in variants.items():
+                row[label] = round(replay_ms(fn, reps=7) * 1e3 / copies, 2)
+            kern(probe)
+            row["ok"] = bool(torch.equal(out, ref))
+            row["spin_pf_bulk_net"] = round(row.get("spin_pf_bulk", 0) - row["spin"], 2)
+            records.append(row)
+            print(json.dumps(row), flush=True)
+    print("\nus per launch (net = with the spin's time taken off); % of 3990 GB/s for cold / hot / net")
+    for r in records:
+        pct = {key: r["mb"] / r[key] / 3.99 * 100 for key in ("cold", "hot")}
+        print(f"{r['shape']:8s} M={r['m']:2d} {r['mb']:6.1f} MB  cold {r['cold']:6.2f} ({pct['cold']:4.1f}%)  "
+              f"hot {r['hot']:6.2f} ({pct['hot']:4.1f}%)  spin {r['spin']:5.2f}  spin_cold-spin "
+              f"{r['spin_cold'] - r['spin']:6.2f}  " + "  ".join(
+                  f"{key} {r[key]:6.2f}" for key in r if key.startswith(("spin_pf", "next_pf"))) + f"  ok {r['ok']}")
+    if os.environ.get("OUT"):
+        Path(os.environ["OUT"], "w4a16_l2.json").write_text(json.dumps(records, indent=1))
+
+
+if __name__ == "__main__":
+    main()
