@@ -1,9 +1,8 @@
 """What limits the W4A16 projections of the 27B layers (16-92 MB) at 1-16 rows? Experiments behind
 docs/benchmarks.md ("Session 9"), GPU only (inline PTX).
 
-`--experiment l1` (default): each shape's default config with the scales' L1 prefetch on and off
-(`KernelConfig.l1_scales`), cold (C weight copies, every byte from HBM) and hot (one copy C times: L2-resident
-where it fits), M = 1, 8, 16.
+`--experiment parts` (default): an empty kernel's launch, then o / q rows with K cut to 1-12 blocks, split-K on and off
+(the fixed cost of a launch and the per-block cost of a program's loop).
 
 `--experiment l2`:
 Per 27B projection shape and row count, CUDA graphs of C launches over C weight copies (> 200 MB, as
@@ -18,7 +17,7 @@ The prefetch kernel issues `cp.async.bulk.prefetch.L2` (one instruction per CHUN
 rest) or, as `lines`, one `prefetch.global.L2` per 128-byte line. (spin_pf - spin) against cold says how much faster
 a projection runs from L2; next_pf against cold says whether the next weights can be streamed in under a kernel.
 
-Usage (GPU, repo root): python bench/w4a16_latency.py [--experiment l1|l2] [--shapes o,gdn_qkv,...] [--ms 1,8]
+Usage (GPU, repo root): python bench/w4a16_latency.py [--experiment parts|l2] [--shapes o,gdn_qkv,...] [--ms 1,8]
 """
 
 import argparse
@@ -92,46 +91,51 @@ def weights(n, k):
     return [probe] + [random_weight(n, k, 4, 128) for _ in range(copies)], copies  # one spare: w_{i+1} of the last
 
 
-def l1_experiment(args):
+@triton.jit
+def _empty(out):
+    tl.store(out + tl.program_id(0), 0)
+
+
+def parts_experiment(args):
+    """Where a mid-size launch's time goes: an empty kernel on the same grid, then the o / q projections' rows with
+    K cut to 1-12 blocks of 512 inputs, split-K off (waves 0) and default, cold; the slope over K is the per-block
+    cost of a program's serial loop, the intercept the launch's fixed cost."""
     dev, records = torch.device("cuda"), []
-    for name, n, k in [s for s in SHAPES if s[0] in args.shapes.split(",")]:
-        ws, copies = weights(n, k)
-        mb = ws[0].nbytes() / 1e6
-        for m in [int(v) for v in args.ms.split(",")]:
-            x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
-            out = torch.empty(m, n, device=dev, dtype=x.dtype)
-            base = wq.default_config(m, n, k)
-            ref = wq.wq_matmul(x, ws[0], replace(base, l1_scales=False)).clone()
-            row = dict(shape=name, n=n, k=k, m=m, mb=round(mb, 1), cfg=base.short())
-            for l1 in (False, True):
-                cfg = replace(base, l1_scales=l1)
-                wq.wq_matmul(x, ws[0], cfg, out=out)
-                row[f"equal_l1_{int(l1)}"] = bool(torch.equal(out, ref))
-                for label, fn in (("cold", lambda: [wq.wq_matmul(x, ws[i], cfg, out=out) for i in range(copies)]),
-                                  ("hot", lambda: [wq.wq_matmul(x, ws[0], cfg, out=out) for _ in range(copies)])):
-                    us = replay_ms(fn, reps=7) * 1e3 / copies
-                    row[f"{label}_l1_{int(l1)}"] = round(us, 2)
-                    row[f"{label}_l1_{int(l1)}_pct"] = round(mb / us / 3.99 * 100, 1)
-            records.append(row)
-            print(f"{name:8s} M={m:2d} {mb:6.1f} MB {row['cfg']:30s} cold {row['cold_l1_0']:7.2f} -> "
-                  f"{row['cold_l1_1']:7.2f} us ({row['cold_l1_0_pct']:5.1f} -> {row['cold_l1_1_pct']:5.1f} %)  hot "
-                  f"{row['hot_l1_0']:7.2f} -> {row['hot_l1_1']:7.2f}  equal {row['equal_l1_0']} {row['equal_l1_1']}",
-                  flush=True)
+    flag = torch.empty(1 << 16, device=dev, dtype=torch.int32)
+    for programs in (80, 240, 528):
+        us = replay_ms(lambda: [_empty[(programs,)](flag) for _ in range(50)], reps=7) * 1e3 / 50
+        records.append(dict(what="empty", programs=programs, us=round(us, 2)))
+        print(f"empty kernel, {programs} programs: {us:.2f} us per launch", flush=True)
+    for name, n in (("o", 5120), ("q", 12288)):
+        for blocks in (1, 2, 4, 8, 12):
+            k = 512 * blocks
+            ws, copies = weights(n, k)
+            x = torch.randn(1, k, device=dev, dtype=torch.bfloat16)
+            out = torch.empty(1, n, device=dev, dtype=x.dtype)
+            base = wq.default_config(1, n, k)
+            for label, cfg in (("default", base), ("split1", replace(base, waves=0))):
+                split = wq.split_k(cfg, n, k // 512)[0]
+                us = replay_ms(lambda: [wq.wq_matmul(x, ws[i], cfg, out=out) for i in range(copies)], reps=7) * 1e3 \
+                    / copies
+                records.append(dict(what=name, n=n, k=k, blocks=blocks, cfg=label, split=split, us=round(us, 2),
+                                    mb=round(ws[0].nbytes() / 1e6, 2)))
+                print(f"{name} N={n} K={k:5d} ({blocks:2d} blocks) {label:8s} split {split}: {us:6.2f} us "
+                      f"({ws[0].nbytes() / 1e6:5.1f} MB)", flush=True)
     return records
 
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--experiment", default="l1")
-    ap.add_argument("--shapes", default="o,gdn_z,gdn_qkv,q,down,gate_up,vocab")
-    ap.add_argument("--ms", default="1,8,16")
+    ap.add_argument("--experiment", default="parts")
+    ap.add_argument("--shapes", default="o,gdn_qkv,down,gate_up")
+    ap.add_argument("--ms", default="1,8")
     ap.add_argument("--spin-us", type=float, default=10.0)
     ap.add_argument("--how", default="bulk,lines")
     args = ap.parse_args()
-    if args.experiment == "l1":
-        records = l1_experiment(args)
+    if args.experiment == "parts":
+        records = parts_experiment(args)
         if os.environ.get("OUT"):
-            Path(os.environ["OUT"], "w4a16_l1.json").write_text(json.dumps(records, indent=1))
+            Path(os.environ["OUT"], f"w4a16_{args.experiment}.json").write_text(json.dumps(records, indent=1))
         return
     dev = torch.device("cuda")
     spin_ns = int(args.spin_us * 1000)

@@ -80,7 +80,6 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..errors import BlockspecError
 from ..kernels import arrival_counters, launch_fitting, pdl
 from ..kernels.linear_triton import split_blocks
 
@@ -259,7 +258,7 @@ if triton is not None:
                    STAGES: tl.constexpr, HAS_ZP: tl.constexpr, EVEN_K: tl.constexpr, USE_ASM: tl.constexpr,
                    F32DOT: tl.constexpr, SYNC: tl.constexpr, U0: tl.constexpr, U1: tl.constexpr,
                    U2: tl.constexpr, U3: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr,
-                   EPI: tl.constexpr, RMS: tl.constexpr, PBLOCK: tl.constexpr, L1_BLOCKS: tl.constexpr):
+                   EPI: tl.constexpr, RMS: tl.constexpr, PBLOCK: tl.constexpr):
         """Program (pid_n, pid_k): rows [pid_n*BN, +BN), blocks [pid_k*BPS, +BPS); one block (C groups) per step.
         SYNC only keys the compile cache (the launcher sets DISABLE_MMA_V3 while it compiles). RMS: the finished tile
         is first scaled by its rows' 1 / rms (the input is the rows of an EPI 1 launch, whose partials give the rms).
@@ -289,8 +288,6 @@ if triton is not None:
         b_hi = tl.minimum(b_lo + BPS, NBLK)
         acc = tl.zeros([BN, BM], tl.float32)
         pdl.prefetch_rows(q_ptr, offs_n, KH, b_lo * G, N, KH, PREFETCH * G, 64, PDL)  # int16 codes: 64 per line
-        if L1_BLOCKS > 0:  # read-only weights: allowed before the wait
-            _scales_to_l1(s_ptr, z_ptr, offs_n, n_ok, b_lo, b_hi, N, C, HAS_ZP, L1_BLOCKS)
         pdl.wait(PDL)
         if RMS:  # issued before the loop, summed after it: its latency hides behind the weights
             p_rows = tl.arange(0, PBLOCK)
@@ -334,22 +331,6 @@ if triton is not None:
         else:
             o_ptrs = out_ptr + offs_m[None, :] * stride_om + offs_n[:, None]
             tl.store(o_ptrs, total.to(out_ptr.dtype.element_ty), mask=ok)
-
-    @triton.jit
-    def _scales_to_l1(s_ptr, z_ptr, offs_n, n_ok, b_lo, b_hi, N, C: tl.constexpr, HAS_ZP: tl.constexpr,
-                      BLOCKS: tl.constexpr):
-        """L1 prefetch of the scales (and zero points) of a program's blocks [b_lo, b_hi) (at most BLOCKS): the
-        loop's scale load is a plain load (not in the dot's operand chain, so not pipelined); from L1 it no longer
-        stalls each step for an L2 / HBM round trip when few programs share an SM."""
-        blocks = b_lo + tl.arange(0, BLOCKS)
-        off = blocks[:, None].to(tl.int64) * N * C + offs_n[None, :] * C
-        ok = ((blocks < b_hi)[:, None] & n_ok[None, :]).to(tl.int32)
-        tl.inline_asm_elementwise("{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L1 [$1]; mov.b32 $0, 0; }",
-                                  "=r,l,r", [s_ptr + off, ok], dtype=tl.int32, is_pure=False, pack=1)
-        if HAS_ZP:
-            tl.inline_asm_elementwise("{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L1 [$1]; "
-                                      "mov.b32 $0, 0; }", "=r,l,r", [z_ptr + off, ok], dtype=tl.int32,
-                                      is_pure=False, pack=1)
 
     @triton.jit
     def _swiglu_epilogue(total, done, out_ptr, stride_om, pid_n, offs_m, M, N, BN: tl.constexpr, BM: tl.constexpr):
@@ -405,34 +386,24 @@ class KernelConfig:
     sync: bool = True     # mma.sync (compiled under DISABLE_MMA_V3); False: wgmma where Triton picks it
     waves: int = 2        # split K until about waves * SMs programs
     asm: bool = True      # PTX unpacking on CUDA (the interpreter always takes the plain path)
-    l1_scales: bool = True  # the program's scales prefetched into L1 before its loop (CUDA)
 
     def short(self) -> str:
         return (f"n{self.block_n} m{self.block_m} w{self.warps} s{self.stages}{' sync' if self.sync else ''} "
-                f"wv{self.waves}{'' if self.asm else ' noasm'}{'' if self.l1_scales else ' nol1'}")
+                f"wv{self.waves}{'' if self.asm else ' noasm'}")
 
 
 def default_config(m: int, n: int, k: int, bits: int = 4, group_size: int = 128) -> KernelConfig:
     """The config table of the module docstring (H200 winners of bench/quant_kernels.py --sweep)."""
     asm = True  # int8 too: PTX unpacking checked on the H200 and 9-48 % faster than plain Triton (quant_kernels.py)
-    l1 = _l1_scales()
     if group_size < 128:  # short groups (int8 g32: 64 B per row and step): 3 stages, 64-row tiles for wide outputs
         if m <= 8:
-            return KernelConfig(64 if n >= 16384 else 128, 8, 4, 3, True, 2, asm, l1)
-        return KernelConfig(128, 16, 4, 6, True, 4, asm, l1)
+            return KernelConfig(64 if n >= 16384 else 128, 8, 4, 3, True, 2, asm)
+        return KernelConfig(128, 16, 4, 6, True, 4, asm)
     if m <= 8:  # 64-row tiles, shallow pipelines: more programs resident per SM hide more latency than deeper ones
-        return KernelConfig(64, 8, 4, 3 if n * k > 80_000_000 else 2, True, 2, asm, l1)
+        return KernelConfig(64, 8, 4, 3 if n * k > 80_000_000 else 2, True, 2, asm)
     if n >= 131072:  # vocabulary-sized
-        return KernelConfig(128, 16, 4, 3, False, 4, asm, l1)
-    return KernelConfig(64, 16, 4, 3 if n * k > 150_000_000 else 2, False, 4, asm, l1)
-
-
-def _l1_scales() -> bool:
-    """BLOCKSPEC_W4A16_L1=0 turns the scales' L1 prefetch off (comparison runs); 1 (default) keeps it."""
-    value = os.environ.get("BLOCKSPEC_W4A16_L1", "1")
-    if value not in ("0", "1"):
-        raise BlockspecError(f"BLOCKSPEC_W4A16_L1={value!r}: expected 0 or 1")
-    return value == "1"
+        return KernelConfig(128, 16, 4, 3, False, 4, asm)
+    return KernelConfig(64, 16, 4, 3 if n * k > 150_000_000 else 2, False, 4, asm)
 
 
 @functools.lru_cache(maxsize=None)
@@ -483,8 +454,7 @@ def _launch(x2: torch.Tensor, pw: PackedWeight, cfg: KernelConfig, out: torch.Te
                 USE_ASM=cuda and cfg.asm, F32DOT=not cuda, SYNC=cuda and cfg.sync, U0=unpack[0], U1=unpack[1],
                 U2=unpack[2], U3=unpack[3], num_warps=cfg.warps, **pdl.options(x2),
                 PREFETCH=pdl.prefetch_blocks(cfg.block_n * pw.group_size * 2, n_tiles * split, bps, x2.device),
-                EPI=epi.kind, RMS=epi.rms, PBLOCK=triton.next_power_of_2(parts.shape[0]) if epi.rms else 1,
-                L1_BLOCKS=triton.next_power_of_2(bps) if cuda and cfg.l1_scales else 0)
+                EPI=epi.kind, RMS=epi.rms, PBLOCK=triton.next_power_of_2(parts.shape[0]) if epi.rms else 1)
     if meta["SYNC"]:
         os.environ["DISABLE_MMA_V3"] = "1"  # read by the compiler; only a first call per config compiles
     try:
