@@ -65,7 +65,9 @@ ones (3 per SM) by 1-16 %: more resident programs hide the memory latency better
 Measured and dropped in session 7: a stream-K schedule (resident programs walking the (tile, block) space in one
 flat loop; 1.3-1.9x slower, its time falling with every program added per SM, as if each step waited out a memory
 latency: likely its loop, with the tile-finishing branch inside, pipelined worse; not analysed) and scales loaded
-2-3 blocks ahead (1.1-1.7x slower).
+2-3 blocks ahead (1.1-1.7x slower). Session 9 (bench/w4a16_latency.py): the mid-size launches are not memory-bound
+(L2-resident weights save 1-1.3 us of 9-19) but bound per program: ~3 us fixed per launch, ~1 us per block of a
+program's loop at any pipeline depth; the scales prefetched into L1 before the loop changed nothing (dropped).
 M > 16 (prefill): up to 64 rows in 16-row launches; beyond, each slice of <= 16M weights is dequantized to x's dtype
 and multiplied with F.linear (the kernel's numerics are not kept there).
 The plain PyTorch functions here (pack / unpack / dequantize / reference_matmul) are the CPU path and the tests'
