@@ -15,10 +15,9 @@ CPU dry run of the harness (tiny shapes, Triton interpreter):      TRITON_INTERP
 Writes $OUT/quant_kernels.json when OUT is set.
 `--sweep`: instead, tile width / pipeline depth / warps / K splits / wgmma around the default config, every int4
 shape at M = 1, 8 and 16 and the int8 shapes at M = 1 and 8 (SWEEP_VARIANTS, INT8_SWEEP; SWEEP_SET=deep: deeper
-pipelines with fewer splits, DEEP_VARIANTS; SWEEP_SET=pairs: two blocks per step, PAIR_VARIANTS; SWEEP_SHAPES=o,q,...:
-those int4 shapes only); each config checked on 256 rows and once more after the timed graph replays (replayed
-output == an eager launch, bitwise). Session 7's runs chose today's `default_config` with it (docs/benchmarks.md,
-"Session 7").
+pipelines with fewer splits, DEEP_VARIANTS; SWEEP_SHAPES=o,q,...: those int4 shapes only); each config checked on 256
+rows and once more after the timed graph replays (replayed output == an eager launch, bitwise). Session 7's runs
+chose today's `default_config` with it (docs/benchmarks.md, "Session 7").
 Session 6's sweep of the grid itself (block_n 16-64, waves 1-4, stages 4/6) found nothing > 4 % better.
 Writes $OUT/quant_sweep.json.
 
@@ -197,9 +196,6 @@ SWEEP_VARIANTS = {  # label: changes to the default config; by activation rows (
 DEEP_VARIANTS = {8: {f"n64 s{s} wv{w}": dict(block_n=64, stages=s, waves=w) for w in (0, 1, 2) for s in (3, 4, 6)},
                  16: {f"n64 s{s} wg wv{w}": dict(block_n=64, stages=s, sync=False, waves=w)
                       for w in (0, 1, 2) for s in (3, 4, 6)}}
-# SWEEP_SET=pairs (session 9): two blocks per loop step with 8 warps (`_pair_loop`), M <= 8
-PAIR_VARIANTS = {8: {f"kb2 s{s} wv{w}": dict(block_n=64, warps=8, stages=s, waves=w, blocks_per_step=2)
-                     for w in (0, 1, 2, 4) for s in (2, 3)}, 16: {}}
 INT8_SWEEP = {"s4": dict(stages=4), "s3": dict(stages=3), "n64 s4": dict(block_n=64, stages=4),
               "n64 s3": dict(block_n=64, stages=3)}
 
@@ -208,13 +204,13 @@ def sweep() -> None:
     """Tile width, pipeline depth and K splits around the default config: every int4 shape at M = 1, 8 and 16,
     the int8 shapes at M = 1 and 8."""
     records = []
-    table = {"deep": DEEP_VARIANTS, "pairs": PAIR_VARIANTS}.get(os.environ.get("SWEEP_SET"), SWEEP_VARIANTS)
+    deep = os.environ.get("SWEEP_SET") == "deep"
     only = os.environ.get("SWEEP_SHAPES", "").split(",") if os.environ.get("SWEEP_SHAPES") else None
     for sname, n, k in [s for s in SHAPES if only is None or s[0] in only]:
         variants = [("default", lambda m: wq.default_config(m, n, k), [1, 8, 16])]
-        for bm, changes in table.items():
+        for bm, table in (DEEP_VARIANTS if deep else SWEEP_VARIANTS).items():
             variants += [(label, lambda m, v=v: replace(wq.default_config(m, n, k), **v), [1, 8] if bm == 8 else [16])
-                         for label, v in changes.items()]
+                         for label, v in table.items()]
         time_shape(records, sname, n, k, 4, 128, variants)
         torch.cuda.empty_cache() if not DRY else None
     for sname, n, k, gs in [] if only else INT8_SHAPES:

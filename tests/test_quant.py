@@ -315,10 +315,6 @@ def _kernel_cases():
         ("int8 g32 m1 split", 1, 33, 260, 8, 32, True, bf16, K(16, 8, 4, 2, True, 64)),
         ("int8 g32 m16", 16, 21, 100, 8, 32, True, f32, K(16, 16, 4, 2, True, 1)),
         ("int8 g128 m3 split", 3, 24, 700, 8, 128, True, f32, K(16, 8, 4, 2, True, 64)),
-        # two blocks per step (`_pair_loop`): odd block counts, a split whose last step has no second block
-        ("m1 pairs split", 1, 37, 1500, 4, 128, True, f32, K(16, 8, 8, 2, True, 64, True, 2)),
-        ("m5 asym pairs", 5, 50, 2100, 4, 128, False, bf16, K(16, 8, 8, 2, True, 0, True, 2)),
-        ("int8 g32 m8 pairs", 8, 21, 300, 8, 32, True, f32, K(16, 8, 8, 2, True, 0, True, 2)),
         ("m40 default: 16-row launches", 40, 20, 300, 4, 128, True, f32, None),
         ("m70 default: dequantize + linear", 70, 20, 300, 4, 128, True, f32, None),
     ]

@@ -67,7 +67,8 @@ flat loop; 1.3-1.9x slower, its time falling with every program added per SM, as
 latency: likely its loop, with the tile-finishing branch inside, pipelined worse; not analysed) and scales loaded
 2-3 blocks ahead (1.1-1.7x slower). Session 9 (bench/w4a16_latency.py): the mid-size launches are not memory-bound
 (L2-resident weights save 1-1.3 us of 9-19) but bound per program: ~3 us fixed per launch, ~1 us per block of a
-program's loop at any pipeline depth; the scales prefetched into L1 before the loop changed nothing (dropped).
+program's loop at any pipeline depth; the scales prefetched into L1 before the loop changed nothing, and two blocks
+per step in 8-warp programs (stacked codes, a [G, 2 BM] x^T tile) was 30-70 % slower: both dropped.
 M > 16 (prefill): up to 64 rows in 16-row launches; beyond, each slice of <= 16M weights is dequantized to x's dtype
 and multiplied with F.linear (the kernel's numerics are not kept there).
 The plain PyTorch functions here (pack / unpack / dequantize / reference_matmul) are the CPU path and the tests'
@@ -261,7 +262,7 @@ if triton is not None:
                    STAGES: tl.constexpr, HAS_ZP: tl.constexpr, EVEN_K: tl.constexpr, USE_ASM: tl.constexpr,
                    F32DOT: tl.constexpr, SYNC: tl.constexpr, U0: tl.constexpr, U1: tl.constexpr,
                    U2: tl.constexpr, U3: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr,
-                   EPI: tl.constexpr, RMS: tl.constexpr, PBLOCK: tl.constexpr, KB: tl.constexpr):
+                   EPI: tl.constexpr, RMS: tl.constexpr, PBLOCK: tl.constexpr):
         """Program (pid_n, pid_k): rows [pid_n*BN, +BN), blocks [pid_k*BPS, +BPS); one block (C groups) per step.
         SYNC only keys the compile cache (the launcher sets DISABLE_MMA_V3 while it compiles). RMS: the finished tile
         is first scaled by its rows' 1 / rms (the input is the rows of an EPI 1 launch, whose partials give the rms).
@@ -272,7 +273,15 @@ if triton is not None:
         ZB: tl.constexpr = 1 << (BITS - 1)
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
-        offs_n, n_ok = _tile_rows(pid_n, tl.arange(0, BN), N, BN, EPI)
+        if EPI == 2:
+            HALF: tl.constexpr = BN // 2
+            tile_rows = tl.arange(0, BN)
+            channels = pid_n * HALF + tile_rows % HALF
+            offs_n = channels + (tile_rows >= HALF).to(tl.int32) * (N // 2)
+            n_ok = channels < N // 2
+        else:
+            offs_n = pid_n * BN + tl.arange(0, BN)
+            n_ok = offs_n < N
         offs_m = tl.arange(0, BM)
         offs_c = tl.arange(0, G)
         q_rows = q_ptr + offs_n[:, None].to(tl.int64) * KH + offs_c[None, :]
@@ -288,11 +297,7 @@ if triton is not None:
             p_rows = tl.arange(0, PBLOCK)
             sums = tl.load(part_ptr + p_rows[:, None] * M + offs_m[None, :],
                            mask=(p_rows < PARTS)[:, None] & (offs_m < M)[None, :], other=0.0)
-        if KB == 2:
-            acc = _pair_loop(x_ptr, q_ptr, s_ptr, z_ptr, pid_n, offs_m, M, N, K, KH, b_lo, b_hi, stride_xm,
-                             BITS, G, BN, BM, STAGES, HAS_ZP, EVEN_K, USE_ASM, F32DOT, U0, U1, U2, U3, EPI)
-            b_hi = b_lo  # the single-block loop below runs no step
-        s_next = tl.load(s_ptr + b_lo * N * C + sz_off, mask=n_ok[:, None] & (b_lo < b_hi), other=0.0)
+        s_next = tl.load(s_ptr + b_lo * N * C + sz_off, mask=n_ok[:, None], other=0.0)
         for b in tl.range(b_lo, b_hi, num_stages=STAGES):
             s = s_next  # prefetched one block ahead by hand (not in the dot's operand chain: not pipelined)
             s_next = tl.load(s_ptr + (b + 1) * N * C + sz_off, mask=n_ok[:, None] & (b + 1 < b_hi), other=0.0)
@@ -330,73 +335,6 @@ if triton is not None:
         else:
             o_ptrs = out_ptr + offs_m[None, :] * stride_om + offs_n[:, None]
             tl.store(o_ptrs, total.to(out_ptr.dtype.element_ty), mask=ok)
-
-    @triton.jit
-    def _tile_rows(pid_n, rows, N, BN: tl.constexpr, EPI: tl.constexpr):
-        """(weight row, valid) of each of a program's tile rows `rows` (< BN): for EPI 2 ([gate; up]) the first
-        BN / 2 are gate rows, the last BN / 2 the up rows of the same channels."""
-        if EPI == 2:
-            channels = pid_n * (BN // 2) + rows % (BN // 2)
-            return channels + (rows >= BN // 2).to(tl.int32) * (N // 2), channels < N // 2
-        n = pid_n * BN + rows
-        return n, n < N
-
-    @triton.jit
-    def _pair_loop(x_ptr, q_ptr, s_ptr, z_ptr, pid_n, offs_m, M, N, K, KH, b_lo, b_hi, stride_xm,
-                   BITS: tl.constexpr, G: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr, STAGES: tl.constexpr,
-                   HAS_ZP: tl.constexpr, EVEN_K: tl.constexpr, USE_ASM: tl.constexpr, F32DOT: tl.constexpr,
-                   U0: tl.constexpr, U1: tl.constexpr, U2: tl.constexpr, U3: tl.constexpr, EPI: tl.constexpr):
-        """The main loop two blocks per step, for a program of twice the warps on the same rows: the step's tile
-        stacks block b's [BN, G] codes over block b + 1's, its x^T tile [G, 2 BM] holds block b's inputs in the
-        first BM columns and block b + 1's in the last, so the product's top-left and bottom-right quarters are the
-        two blocks' parts (the other two are never read). Even and odd blocks accumulate apart and are added at the
-        end. Why: a mid-size projection's time is its programs' serial loops (docs/benchmarks.md, session 9)."""
-        C: tl.constexpr = 16 // BITS
-        ZB: tl.constexpr = 1 << (BITS - 1)
-        R: tl.constexpr = 2 * BN
-        rows = tl.arange(0, R)
-        second = rows // BN  # 0: block b, 1: block b + 1
-        n, n_ok = _tile_rows(pid_n, rows % BN, N, BN, EPI)
-        offs_c = tl.arange(0, G)
-        cols = tl.arange(0, 2 * BM)
-        q_rows = q_ptr + n[:, None].to(tl.int64) * KH + (second * G)[:, None] + offs_c[None, :]
-        sz_off = (second * N * C + n * C)[:, None] + tl.arange(0, C)[None, :]
-        x_cols = x_ptr + ((cols % BM) * stride_xm + (cols // BM) * (C * G))[None, :] + offs_c[:, None]
-        m_ok = (cols % BM < M)[None, :]
-        acc = tl.zeros([R, 2 * BM], tl.float32)
-        s_next = tl.load(s_ptr + b_lo * N * C + sz_off, mask=(n_ok & (b_lo + second < b_hi))[:, None], other=0.0)
-        for b in tl.range(b_lo, b_hi, 2, num_stages=STAGES):
-            row_ok = n_ok & (b + second < b_hi)  # the second block of a program's last step may not be its own
-            s = s_next
-            s_next = tl.load(s_ptr + (b + 2) * N * C + sz_off, mask=(n_ok & (b + 2 + second < b_hi))[:, None],
-                             other=0.0)
-            s0, s1, s2, s3 = _cols(s, R, C)
-            if HAS_ZP:
-                zc = tl.load(z_ptr + b * N * C + sz_off, mask=row_ok[:, None], other=ZB).to(tl.float32) - ZB
-                z0, z1, z2, z3 = _cols(zc, R, C)
-            else:
-                z0, z1, z2, z3 = s0, s1, s2, s3  # unused
-            h = tl.load(q_rows + b * G, mask=row_ok[:, None], other=0)
-            xb = x_cols + b * (C * G)
-            xm = m_ok & (b + cols // BM < b_hi)[None, :]
-            if EVEN_K:
-                x0m, x1m, x2m, x3m = xm, xm, xm, xm
-            else:
-                kk = (b + cols // BM)[None, :] * (C * G) + offs_c[:, None]
-                x0m = xm & (kk < K)
-                x1m = xm & (kk + G < K)
-                x2m = xm & (kk + 2 * G < K)
-                x3m = xm & (kk + 3 * G < K)
-            acc = _group(acc, h, xb, x0m, s0, z0, 0, BITS, U0, R, 2 * BM, HAS_ZP, USE_ASM, F32DOT)
-            acc = _group(acc, h, xb + G, x1m, s1, z1, 1, BITS, U1, R, 2 * BM, HAS_ZP, USE_ASM, F32DOT)
-            if C == 4:
-                acc = _group(acc, h, xb + 2 * G, x2m, s2, z2, 2, BITS, U2, R, 2 * BM, HAS_ZP, USE_ASM, F32DOT)
-                acc = _group(acc, h, xb + 3 * G, x3m, s3, z3, 3, BITS, U3, R, 2 * BM, HAS_ZP, USE_ASM, F32DOT)
-        quarters = tl.permute(tl.reshape(acc, [2, BN, 2, BM]), [1, 3, 0, 2])  # [row, m, block half, column half]
-        left, right = tl.split(quarters)
-        top_left, _ = tl.split(left)
-        _, bottom_right = tl.split(right)
-        return top_left + bottom_right
 
     @triton.jit
     def _swiglu_epilogue(total, done, out_ptr, stride_om, pid_n, offs_m, M, N, BN: tl.constexpr, BM: tl.constexpr):
@@ -452,11 +390,10 @@ class KernelConfig:
     sync: bool = True     # mma.sync (compiled under DISABLE_MMA_V3); False: wgmma where Triton picks it
     waves: int = 2        # split K until about waves * SMs programs
     asm: bool = True      # PTX unpacking on CUDA (the interpreter always takes the plain path)
-    blocks_per_step: int = 1  # 2: two blocks per loop step (`_pair_loop`), give it 8 warps
 
     def short(self) -> str:
         return (f"n{self.block_n} m{self.block_m} w{self.warps} s{self.stages}{' sync' if self.sync else ''} "
-                f"wv{self.waves}{'' if self.asm else ' noasm'}{' kb2' if self.blocks_per_step == 2 else ''}")
+                f"wv{self.waves}{'' if self.asm else ' noasm'}")
 
 
 def default_config(m: int, n: int, k: int, bits: int = 4, group_size: int = 128) -> KernelConfig:
@@ -466,10 +403,6 @@ def default_config(m: int, n: int, k: int, bits: int = 4, group_size: int = 128)
         if m <= 8:
             return KernelConfig(64 if n >= 16384 else 128, 8, 4, 3, True, 2, asm)
         return KernelConfig(128, 16, 4, 6, True, 4, asm)
-    pairs = os.environ.get("BLOCKSPEC_W4A16_PAIRS")  # experiment (session 9): "waves:stages" of 2-block steps
-    if pairs and m <= 8 and n < 131072:
-        waves, stages = (int(v) for v in pairs.split(":"))
-        return KernelConfig(64, 8, 8, stages, True, waves, asm, 2)
     if m <= 8:  # 64-row tiles, shallow pipelines: more programs resident per SM hide more latency than deeper ones
         return KernelConfig(64, 8, 4, 3 if n * k > 80_000_000 else 2, True, 2, asm)
     if n >= 131072:  # vocabulary-sized
@@ -508,8 +441,6 @@ def _launch(x2: torch.Tensor, pw: PackedWeight, cfg: KernelConfig, out: torch.Te
         raise RuntimeError(f"the Triton kernel cannot run on {x2.device} here (CPU tensors need TRITON_INTERPRET=1)")
     if cuda and x2.dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(f"on CUDA the kernel takes bf16 or fp16 activations, got {x2.dtype}")
-    if cfg.blocks_per_step not in (1, 2):
-        raise ValueError(f"config {cfg.short()}: blocks_per_step is 1 or 2, got {cfg.blocks_per_step}")
     if m > cfg.block_m or cfg.block_m not in (8, 16):
         raise ValueError(f"config {cfg.short()} takes block_m 8 or 16 and at most block_m rows, got {m}")
     nblk = pw.q.shape[1] // pw.group_size
@@ -529,8 +460,7 @@ def _launch(x2: torch.Tensor, pw: PackedWeight, cfg: KernelConfig, out: torch.Te
                 USE_ASM=cuda and cfg.asm, F32DOT=not cuda, SYNC=cuda and cfg.sync, U0=unpack[0], U1=unpack[1],
                 U2=unpack[2], U3=unpack[3], num_warps=cfg.warps, **pdl.options(x2),
                 PREFETCH=pdl.prefetch_blocks(cfg.block_n * pw.group_size * 2, n_tiles * split, bps, x2.device),
-                EPI=epi.kind, RMS=epi.rms, PBLOCK=triton.next_power_of_2(parts.shape[0]) if epi.rms else 1,
-                KB=cfg.blocks_per_step)
+                EPI=epi.kind, RMS=epi.rms, PBLOCK=triton.next_power_of_2(parts.shape[0]) if epi.rms else 1)
     if meta["SYNC"]:
         os.environ["DISABLE_MMA_V3"] = "1"  # read by the compiler; only a first call per config compiles
     try:
