@@ -4,9 +4,9 @@ each setting of blockspec.kernels.pdl, in one process on one model so the ratios
 
 Variants are "level:prefetch_MB" (levels 0-3 of `kernels.pdl.settings`; see kernels/pdl.py), optionally ":0" after
 it for norms left unfolded (BLOCKSPEC_FOLD_NORMS=0, layers/folded_norm.py), then optionally "+NAME=VALUE" settings
-of the environment for that variant alone (e.g. "3:4+BLOCKSPEC_W4A16_L1=0"). Each is timed in `--rounds` rounds,
-interleaved with the others (median of 40 replays per round), so clock or thermal drift shows as a round-to-round
-difference instead of a variant difference.
+of the environment for that variant alone (session 9 compared kernel experiments so, e.g. "3:4+NAME=0"). Each is
+timed in `--rounds` rounds, interleaved with the others (median of 40 replays per round), so clock or thermal
+drift shows as a round-to-round difference instead of a variant difference.
 
 Usage (GPU, repo root): python bench/pdl_variants.py [--variants 0:0,2:16,2:0,1:0] [--quant none,int4]
        [--mode none|dflash2]

@@ -58,7 +58,7 @@ Configs: `default_config`, a fixed table (no autotuning: a timing-based choice w
 it the summation order, i.e. the numerics), from bench/quant_kernels.py --sweep (session 7):
   M <= 8:  n64 m8 w4 sync, split-K to ~2 waves of 132 SMs; 3 stages above 80M weights, else 2
   M 9..16: wgmma; vocabulary (N >= 131072) n128 s3, ~4 waves; K > 8192 (down) n64 s2, ~4 waves; else n64 s3, ~1 wave
-           (session 9's SWEEP_SET=deep: 0.5-11 % faster than the ~4-wave configs before)
+           (session 9's SWEEP_SET=deep: gdn_z / gdn_qkv / o / q 5-10 % faster than with ~4 waves)
   int8 group 32: M <= 8 n64 (N >= 16384) or n128, s3; M 9..16 n128 m16 s6 sync (by analogy, not re-measured)
 Shallow pipelines won: 64-row tiles with 2-3 stages (32-48 KB of shared memory, 4-7 programs per SM) beat 4-stage
 ones (3 per SM) by 1-16 %: more resident programs hide the memory latency better than a deeper pipeline per program.
@@ -409,7 +409,7 @@ def default_config(m: int, n: int, k: int, bits: int = 4, group_size: int = 128)
         return KernelConfig(128, 16, 4, 3, False, 4, asm)
     if k > 8192:  # long rows (down): K splits to ~4 waves
         return KernelConfig(64, 16, 4, 2, False, 4, asm)
-    return KernelConfig(64, 16, 4, 3, False, 1, asm)  # session 9: 1 wave, 3 stages (0.5-10 % faster than 4 / 2)
+    return KernelConfig(64, 16, 4, 3, False, 1, asm)  # session 9: one wave of 3-stage programs (5-10 % faster)
 
 
 @functools.lru_cache(maxsize=None)
