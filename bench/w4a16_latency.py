@@ -4,6 +4,9 @@ docs/benchmarks.md ("Session 9"), GPU only (inline PTX).
 `--experiment parts` (default): an empty kernel's launch, then o / q rows with K cut to 1-12 blocks, split-K on and off
 (the fixed cost of a launch and the per-block cost of a program's loop).
 
+`--experiment barrier`: per phase of a few MB, one launch per phase (a graph) against one persistent launch with
+a grid-wide barrier between phases, the next phase's weights loaded before the barrier or after it.
+
 `--experiment l2`:
 Per 27B projection shape and row count, CUDA graphs of C launches over C weight copies (> 200 MB, as
 bench/quant_kernels.py times them), median of 7 replays / C:
@@ -17,7 +20,7 @@ The prefetch kernel issues `cp.async.bulk.prefetch.L2` (one instruction per CHUN
 rest) or, as `lines`, one `prefetch.global.L2` per 128-byte line. (spin_pf - spin) against cold says how much faster
 a projection runs from L2; next_pf against cold says whether the next weights can be streamed in under a kernel.
 
-Usage (GPU, repo root): python bench/w4a16_latency.py [--experiment parts|l2] [--shapes o,gdn_qkv,...] [--ms 1,8]
+Usage (GPU, repo root): python bench/w4a16_latency.py [--experiment parts|barrier|l2] [--shapes o,q,...] [--ms 1,8]
 """
 
 import argparse
@@ -92,6 +95,65 @@ def weights(n, k):
 
 
 @triton.jit
+def _phase(w, out, ph, P, TILE: tl.constexpr):
+    """One phase as its own launch: program p sums its TILE int32 of phase ph."""
+    pid = tl.program_id(0)
+    v = tl.load(w + (ph * P + pid).to(tl.int64) * TILE + tl.arange(0, TILE))
+    tl.store(out + pid, tl.sum(v, 0))
+
+
+@triton.jit
+def _grid_barrier(counter, target):
+    tl.debug_barrier()  # this program's work of the phase is done
+    tl.atomic_add(counter, 1, sem="release")
+    seen = tl.atomic_add(counter, 0, sem="acquire")
+    while seen < target:
+        seen = tl.atomic_add(counter, 0, sem="acquire")
+
+
+@triton.jit
+def _persistent_phases(w, out, counter, P, PHASES, TILE: tl.constexpr, AHEAD: tl.constexpr):
+    """PHASES phases in one launch, a grid-wide barrier (atomic count, spin) after each; AHEAD: the next phase's
+    tile is loaded before the barrier (weights do not depend on the previous phase's output)."""
+    pid = tl.program_id(0)
+    acc = tl.zeros([TILE], tl.int32)
+    nxt = tl.load(w + pid.to(tl.int64) * TILE + tl.arange(0, TILE))
+    for ph in range(PHASES):
+        if AHEAD:
+            v = nxt
+            nxt = tl.load(w + ((ph + 1) % PHASES * P + pid).to(tl.int64) * TILE + tl.arange(0, TILE))
+        else:
+            v = tl.load(w + (ph * P + pid).to(tl.int64) * TILE + tl.arange(0, TILE))
+        acc += v
+        tl.store(out + pid, tl.sum(acc, 0))
+        _grid_barrier(counter, (ph + 1) * P)
+    tl.store(out + pid, tl.sum(acc + nxt * 0, 0))
+
+
+def barrier_experiment(args):
+    """What a persistent kernel over several projections would save: per phase (every program reads one TILE of
+    int32 weights), PHASES launches in a graph against one launch with a grid-wide barrier after each phase, with
+    and without the next phase's tile loaded before the barrier."""
+    dev, records, phases = torch.device("cuda"), [], 20
+    out = torch.empty(4096, device=dev, dtype=torch.int32)
+    counter = torch.zeros(1, device=dev, dtype=torch.int32)
+    for programs, tile in ((132, 4096), (264, 4096), (264, 1024), (528, 1024)):
+        w = torch.randint(0, 100, (phases * programs * tile,), device=dev, dtype=torch.int32)
+        row = dict(programs=programs, tile_kb=tile * 4 // 1024, mb_per_phase=round(programs * tile * 4 / 1e6, 2))
+        row["launches_us"] = replay_ms(lambda: [_phase[(programs,)](w, out, ph, programs, TILE=tile, num_warps=4)
+                                                for ph in range(phases)], reps=7) * 1e3 / phases
+        for ahead in (0, 1):
+            def persistent():
+                counter.zero_()
+                _persistent_phases[(programs,)](w, out, counter, programs, phases, TILE=tile, AHEAD=ahead,
+                                                num_warps=4)
+            row[f"barrier_ahead{ahead}_us"] = replay_ms(persistent, reps=7) * 1e3 / phases
+        records.append({k: round(v, 2) if isinstance(v, float) else v for k, v in row.items()})
+        print(json.dumps(records[-1]), flush=True)
+    return records
+
+
+@triton.jit
 def _empty(out):
     tl.store(out + tl.program_id(0), 0)
 
@@ -132,8 +194,8 @@ def main():
     ap.add_argument("--spin-us", type=float, default=10.0)
     ap.add_argument("--how", default="bulk,lines")
     args = ap.parse_args()
-    if args.experiment == "parts":
-        records = parts_experiment(args)
+    if args.experiment in ("parts", "barrier"):
+        records = (parts_experiment if args.experiment == "parts" else barrier_experiment)(args)
         if os.environ.get("OUT"):
             Path(os.environ["OUT"], f"w4a16_{args.experiment}.json").write_text(json.dumps(records, indent=1))
         return
