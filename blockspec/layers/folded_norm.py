@@ -44,6 +44,11 @@ class FoldedNorm:
     def shape(self) -> torch.Size:
         return self.rows.shape
 
+    @property
+    def rms(self) -> tuple[torch.Tensor, float]:
+        """What the W4A16 launches that complete the norm take (`rms=`)."""
+        return self.partials, self.eps
+
 
 def foldable(layer: nn.Module) -> bool:
     """Whether every projection of a decoder layer runs the W4A16 kernel without a bias."""

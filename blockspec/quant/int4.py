@@ -215,7 +215,7 @@ class Int4Linear(nn.Module):
 
     def forward(self, x: torch.Tensor | FoldedNorm) -> torch.Tensor:
         if isinstance(x, FoldedNorm):  # a norm begun by add_norm: the kernel scales the result by 1 / rms
-            y = wq.wq_matmul(x.rows, self.packed(), rms=(x.partials, x.eps))
+            y = wq.wq_matmul(x.rows, self.packed(), rms=x.rms)
             return y if self.bias is None else y + self.bias.to(y.dtype)
         if x.shape[-1] != self.in_features:
             raise ValueError(f"expected {self.in_features} input features, got {x.shape[-1]}")
@@ -240,7 +240,7 @@ class Int4Linear(nn.Module):
         if self.bias is not None:
             raise ValueError("swiglu takes a projection without bias")
         if isinstance(x, FoldedNorm):
-            return wq.wq_matmul_swiglu(x.rows, self.packed(), rms=(x.partials, x.eps))
+            return wq.wq_matmul_swiglu(x.rows, self.packed(), rms=x.rms)
         return wq.wq_matmul_swiglu(x, self.packed())
 
     def weight_bytes(self) -> int:

@@ -534,14 +534,11 @@ def wq_matmul(x: torch.Tensor, pw: PackedWeight, config: KernelConfig | None = N
     lead = x.shape[:-1]
     x2 = _rows(x, pw)
     m = x2.shape[0]
-    if rms is not None:
-        cfg = _one_launch(x2, pw, config, "wq_matmul with rms")
-        out = out if out is not None else torch.empty(m, pw.n, dtype=x.dtype, device=x.device)
-        _launch(x2, pw, cfg, out, Epilogue(0, **_rms(rms, m)))
-        return out.reshape(*lead, pw.n)
     if out is None:
         out = torch.empty(m, pw.n, dtype=x.dtype, device=x.device)
-    if m > CHUNKED_ROWS and config is None:
+    if rms is not None:
+        _launch(x2, pw, _one_launch(x2, pw, config, "wq_matmul with rms"), out, Epilogue(0, **_rms(rms, m)))
+    elif m > CHUNKED_ROWS and config is None:
         step = max(1, (1 << 24) // (pw.q.shape[1] * 16 // pw.bits))  # rows of <= 16M weights per slice
         for r0 in range(0, pw.n, step):
             out[:, r0:r0 + step] = F.linear(x2, pw.dequantize(x2.dtype, rows=slice(r0, r0 + step)))
