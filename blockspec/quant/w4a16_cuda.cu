@@ -1,0 +1,216 @@
+// W4A16 matmul for 1..16 activation rows on tensor cores (mma.sync m16n8k16, sm_80+), no headers (NVRTC).
+//   y[M, N] = x[M, K] @ dequant(W)[N, K]^T,  x / y bf16, fp32 accumulation, W int4 group 128.
+// The weight is the MMA's A operand (16 output features x 16 inputs), x^T its B operand (16 inputs x 8 rows), so
+// one MMA serves up to 8 rows (NT = 2 tiles for 9..16). Layout, numerics and configs: w4a16_cuda.py.
+//
+// Work: a warp owns one strip of 16 features and R consecutive 64-input chunks. It loads all R chunks of codes
+// (one 16-byte load per lane per chunk) and its scales before it waits on the previous kernel (PDL), so the weight
+// stream starts as early as possible and many bytes are in flight (the loads are independent: no pipeline to
+// fill). A block holds WS strips x KS chunk ranges; the KS partial sums meet in shared memory, the gridDim.y K
+// splits in a fp32 workspace, summed by the last block to arrive (fixed order: deterministic, and a row's result
+// does not depend on the other rows).
+
+#define DEVI __device__ __forceinline__
+
+DEVI uint4 ld_stream(const uint4* p) {  // codes are read once: keep them out of L1
+    uint4 v;
+    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+    return v;
+}
+
+DEVI unsigned ld_u32(const unsigned* p) {
+    unsigned v;
+    asm volatile("ld.global.nc.u32 %0, [%1];" : "=r"(v) : "l"(p));
+    return v;
+}
+
+DEVI uint4 ld_x(const unsigned short* p) {  // activations: read by every block, cached; a plain load so the
+    return *reinterpret_cast<const uint4*>(p);  // compiler may schedule it freely, but not above pdl_wait
+}
+
+// Nibbles i (low half) and i + 4 (high half) of w as bf16 (128 + u) + zc, i.e. u - z: exact.
+DEVI unsigned dequant_pair(unsigned w, unsigned zc) {
+    unsigned r, d;
+    asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(r) : "r"(w), "r"(0x000F000Fu), "r"(0x43004300u));  // (a & b) | c
+    asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(r), "r"(0x3F803F80u), "r"(zc));
+    return d;
+}
+
+DEVI void mma_bf16(float (&d)[4], unsigned a0, unsigned a1, unsigned a2, unsigned a3, unsigned b0, unsigned b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+DEVI unsigned short to_bf16(float v) {
+    unsigned short r;
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(v));
+    return r;
+}
+
+DEVI void pdl_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
+DEVI void pdl_launch_dependents() { asm volatile("griddepcontrol.launch_dependents;" :::); }
+
+#define W4A16_ARGS                                                                                              \
+    const unsigned short* __restrict__ x, int ldx, int M, const uint4* __restrict__ qw,                        \
+        const unsigned* __restrict__ sc, const unsigned* __restrict__ zc, unsigned short* __restrict__ out,    \
+        int ldo, float* __restrict__ ws, int* __restrict__ counters, int N, int K
+#define W4A16_PASS x, ldx, M, qw, sc, zc, out, ldo, ws, counters, N, K
+
+template <int R, int KS, int WS, int NT, bool ZP>
+DEVI void w4a16_body(W4A16_ARGS) {
+    static_assert(R % 2 == 0, "a warp's chunks are whole groups of 128 inputs");
+    __shared__ float red[KS > 1 ? (KS - 1) * WS * NT * 4 * 32 : 1];
+    __shared__ int is_last;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int wn = warp % WS, wk = warp / WS;
+    const int g = lane >> 2, t = lane & 3;
+    const int strips = N >> 4, nchunks = K >> 6, ngroups = K >> 7;
+    const int strip = blockIdx.x * WS + wn;
+    const int c0 = (blockIdx.y * KS + wk) * R;
+    const bool active = strip < strips && c0 < nchunks;
+
+    float acc[NT][4];
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) acc[nt][i] = 0.f;
+
+    uint4 wv[R];
+    unsigned sv[R / 2], zv[R / 2];
+    if (active) {
+        const uint4* wp = qw + ((size_t)strip * nchunks + c0) * 32 + lane;
+#pragma unroll
+        for (int r = 0; r < R; ++r)
+            if (c0 + r < nchunks) wv[r] = ld_stream(wp + r * 32);
+        const size_t sbase = ((size_t)strip * ngroups + (c0 >> 1)) * 8 + g;
+#pragma unroll
+        for (int q = 0; q < R / 2; ++q)
+            if (c0 + 2 * q < nchunks) {
+                sv[q] = ld_u32(sc + sbase + q * 8);
+                zv[q] = ZP ? ld_u32(zc + sbase + q * 8) : 0xC308C308u;  // bf16 -136 = -(128 + 8)
+            }
+    }
+    pdl_wait();  // x is the previous kernel's output
+    pdl_launch_dependents();
+
+    if (active) {
+        const unsigned short* xr[NT];
+        bool xok[NT];
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+            const int n = nt * 8 + g;
+            xok[nt] = n < M;
+            xr[nt] = x + (size_t)(xok[nt] ? n : 0) * ldx + 16 * t;
+        }
+#pragma unroll
+        for (int q = 0; q < R / 2; ++q) {
+            if (c0 + 2 * q >= nchunks) break;
+            const unsigned zlo = __byte_perm(zv[q], 0, 0x1010), zhi = __byte_perm(zv[q], 0, 0x3232);
+            float part[NT][4];
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                for (int i = 0; i < 4; ++i) part[nt][i] = 0.f;
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int r = 2 * q + h, c = c0 + r;
+                unsigned xw[NT][8];
+#pragma unroll
+                for (int nt = 0; nt < NT; ++nt) {
+                    uint4 a = make_uint4(0, 0, 0, 0), b = make_uint4(0, 0, 0, 0);
+                    if (xok[nt]) {
+                        a = ld_x(xr[nt] + 64 * c);
+                        b = ld_x(xr[nt] + 64 * c + 8);
+                    }
+                    xw[nt][0] = a.x; xw[nt][1] = a.y; xw[nt][2] = a.z; xw[nt][3] = a.w;
+                    xw[nt][4] = b.x; xw[nt][5] = b.y; xw[nt][6] = b.z; xw[nt][7] = b.w;
+                }
+                const unsigned wj[4] = {wv[r].x, wv[r].y, wv[r].z, wv[r].w};
+#pragma unroll
+                for (int j = 0; j < 4; ++j) {
+                    const unsigned w = wj[j];
+                    const unsigned a0 = dequant_pair(w, zlo), a1 = dequant_pair(w >> 4, zhi);
+                    const unsigned a2 = dequant_pair(w >> 8, zlo), a3 = dequant_pair(w >> 12, zhi);
+#pragma unroll
+                    for (int nt = 0; nt < NT; ++nt) mma_bf16(part[nt], a0, a1, a2, a3, xw[nt][2 * j], xw[nt][2 * j + 1]);
+                }
+            }
+            const float s_lo = __uint_as_float(sv[q] << 16), s_hi = __uint_as_float(sv[q] & 0xFFFF0000u);
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt) {
+                acc[nt][0] += part[nt][0] * s_lo;
+                acc[nt][1] += part[nt][1] * s_lo;
+                acc[nt][2] += part[nt][2] * s_hi;
+                acc[nt][3] += part[nt][3] * s_hi;
+            }
+        }
+    }
+
+    if (KS > 1) {  // chunk ranges of one block meet in shared memory, added in a fixed order
+        if (wk > 0)
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                for (int i = 0; i < 4; ++i) red[(((wk - 1) * WS + wn) * NT * 4 + nt * 4 + i) * 32 + lane] = acc[nt][i];
+        __syncthreads();
+        if (wk == 0)
+            for (int s = 1; s < KS; ++s)
+#pragma unroll
+                for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                    for (int i = 0; i < 4; ++i) acc[nt][i] += red[(((s - 1) * WS + wn) * NT * 4 + nt * 4 + i) * 32 + lane];
+    }
+    const bool owner = wk == 0 && strip < strips;
+    const int f = strip * 16 + g;  // features f (acc[.][0..1]) and f + 8 (acc[.][2..3]); rows nt*8 + 2t + e
+    if (gridDim.y > 1) {  // K splits: fp32 partials [split, M, N]; the last block to arrive adds them in order
+        if (owner)
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const int n = nt * 8 + 2 * t + e;
+                    if (n < M) {
+                        float* p = ws + ((size_t)blockIdx.y * M + n) * N + f;
+                        p[0] = acc[nt][e];
+                        p[8] = acc[nt][2 + e];
+                    }
+                }
+        __threadfence();
+        __syncthreads();
+        if (threadIdx.x == 0) is_last = atomicAdd(&counters[blockIdx.x], 1) == (int)gridDim.y - 1;
+        __syncthreads();
+        if (!is_last) return;
+        __threadfence();
+        if (owner)
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const int n = nt * 8 + 2 * t + e;
+                    float lo = 0.f, hi = 0.f;
+                    if (n < M)
+                        for (int y = 0; y < (int)gridDim.y; ++y) {
+                            const float* p = ws + ((size_t)y * M + n) * N + f;
+                            lo += __ldcg(p);
+                            hi += __ldcg(p + 8);
+                        }
+                    acc[nt][e] = lo;
+                    acc[nt][2 + e] = hi;
+                }
+        if (threadIdx.x == 0) counters[blockIdx.x] = 0;  // ready for the next launch (and graph replay)
+    }
+    if (owner)
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                const int n = nt * 8 + 2 * t + e;
+                if (n < M) {
+                    out[(size_t)n * ldo + f] = to_bf16(acc[nt][e]);
+                    out[(size_t)n * ldo + f + 8] = to_bf16(acc[nt][2 + e]);
+                }
+            }
+}

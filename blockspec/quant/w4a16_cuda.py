@@ -1,0 +1,261 @@
+"""W4A16 matmul for 1..16 activation rows as a CUDA kernel (w4a16_cuda.cu), compiled at first use with NVRTC.
+
+Why beside the Triton kernel (w4a16_triton): session 9 measured that kernel's mid-size launches bound per program
+(~1 us per 16 KB block of a program's serial loop at any pipeline depth), not by memory. Here a warp issues all its
+weight loads at once (no pipeline to fill: occupancy hides the latency), before it even waits on the previous kernel.
+
+Layout "mma" (`pack`; `unpack_codes` inverts it): int4 group 128, K a multiple of 128, N a multiple of 16.
+  qw int32 [N/16, K/64, 32, 4]: strip s (features 16s..16s+15), chunk c (inputs 64c..64c+63), lane l = 4*g + t,
+     word j; nibble p = i + 4e (i = hr + 2h) of the word holds the unsigned code u = q + 8 of
+        feature 16s + g + 8*hr,  input 64c + 16t + 4j + 2h + e.
+     Why: word j is lane l's A fragment of mma.m16n8k16 number j of the chunk (register i: row g + 8*(i&1),
+     columns 2t + 8*(i>>1) + {0, 1} of a permuted K order), so `lop3` of (w >> 4i) with 0x000F000F | 0x43004300
+     gives register i as bf16 128 + u, and lane l's B fragments (x) for the whole chunk are the 16 contiguous
+     inputs 64c + 16t .. +15 of its row: two 16-byte loads.
+  sc int32 [N/16, K/128, 8]: bf16 pairs (scale of feature 16s + g, scale of 16s + g + 8) for each group.
+  zc like sc or None: bf16 pairs -(128 + z), z the unsigned zero point (symmetric: z = 8, built into the kernel).
+Numerics: per group of 128 inputs, part = (u - z) @ x^T exactly in bf16 MMA operands with fp32 accumulation, then
+acc += part * scale (fp32): the Triton kernel's numerics (not its summation order). A row's result does not depend
+on the other rows, and the config is chosen by (M <= 8 or not, N, K), so row 0 of an 8-row launch == a 1-row launch.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..kernels import arrival_counters
+
+SOURCE = Path(__file__).with_name("w4a16_cuda.cu")
+GROUP = 128
+MAX_ROWS = 16
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Layout (pure PyTorch)
+# ----------------------------------------------------------------------------------------------------------
+
+@dataclass
+class MmaWeight:
+    qw: torch.Tensor                # int32 [N/16, K/64, 32, 4]
+    sc: torch.Tensor                # int32 [N/16, K/128, 8]
+    zc: torch.Tensor | None         # like sc, or None (symmetric)
+    n: int
+    k: int
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.qw, self.sc, self.zc) if t is not None)
+
+
+def supports(n: int, k: int, bits: int = 4, group_size: int = GROUP) -> str | None:
+    """None if the layout takes this weight, else why not."""
+    if bits != 4 or group_size != GROUP:
+        return f"int4 group {GROUP} only (got int{bits} group {group_size})"
+    if n % 16 or k % GROUP:
+        return f"N must be a multiple of 16 and K of {GROUP} (got N={n}, K={k})"
+    return None
+
+
+def _pairs(v: torch.Tensor) -> torch.Tensor:
+    """[N, K/128] bf16 -> int32 [N/16, K/128, 8]: (feature g, feature g + 8) of each strip in one word."""
+    n, groups = v.shape
+    bits = v.to(torch.bfloat16).view(torch.int16).to(torch.int32) & 0xFFFF
+    b = bits.view(n // 16, 2, 8, groups).permute(0, 3, 2, 1)  # [strip, group, g, hr]
+    return (b[..., 0] | (b[..., 1] << 16)).contiguous()
+
+
+def pack(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None = None) -> MmaWeight:
+    """Unsigned codes u [N, K] in 0..15, scales [N, K/128], unsigned zero points (same shape, or None) -> MmaWeight."""
+    n, k = codes.shape
+    why = supports(n, k)
+    if why:
+        raise ValueError(why)
+    u = codes.to(torch.int64).view(n // 16, 2, 8, k // 64, 4, 4, 2, 2)  # [s, hr, g, c, t, j, h, e]
+    u = u.permute(0, 3, 2, 4, 5, 7, 6, 1).reshape(n // 16, k // 64, 32, 4, 8)  # [s, c, l, j, p = hr + 2h + 4e]
+    words = (u << (4 * torch.arange(8, device=u.device))).sum(-1)
+    qw = torch.where(words >= 2 ** 31, words - 2 ** 32, words).to(torch.int32)
+    zc = None if zeros is None else _pairs(-(128.0 + zeros.to(torch.float32)))
+    return MmaWeight(qw.contiguous(), _pairs(scales), zc, n, k)
+
+
+def unpack_codes(mw: MmaWeight) -> torch.Tensor:
+    """Inverse of pack's code placement: unsigned codes [N, K]."""
+    w = mw.qw.to(torch.int64) & 0xFFFFFFFF
+    u = (w[..., None] >> (4 * torch.arange(8, device=w.device))) & 0xF  # [s, c, l, j, p]
+    u = u.view(mw.n // 16, mw.k // 64, 8, 4, 4, 2, 2, 2)  # [s, c, g, t, j, e, h, hr]
+    return u.permute(0, 7, 2, 1, 3, 4, 6, 5).reshape(mw.n, mw.k)
+
+
+def from_q16(pw) -> MmaWeight:
+    """A w4a16_triton.PackedWeight (q16 layout) in this layout."""
+    from . import w4a16_triton as wq
+    why = supports(pw.n, pw.k, pw.bits, pw.group_size)
+    if why:
+        raise ValueError(why)
+    codes = wq.unpack_codes(pw.q, pw.bits, pw.group_size, pw.k)
+    scales = wq.unpack_groups(pw.s, pw.k, pw.group_size)
+    zeros = None if pw.z is None else wq.unpack_groups(pw.z, pw.k, pw.group_size)
+    return pack(codes, scales, zeros)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Configs
+# ----------------------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class CudaConfig:
+    chunks: int = 8          # R: 64-input chunks per warp (all loaded at once)
+    k_warps: int = 1         # KS: warps of a block along K (summed in shared memory)
+    n_warps: int = 4         # WS: strips of 16 features per block
+
+    def short(self) -> str:
+        return f"r{self.chunks} k{self.k_warps} w{self.n_warps}"
+
+    def splits(self, k: int) -> int:
+        return math.ceil(k // 64 / (self.chunks * self.k_warps))
+
+
+def default_config(m: int, n: int, k: int) -> CudaConfig:
+    del m, n, k
+    return CudaConfig()
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Compile (NVRTC), load and launch (driver API)
+# ----------------------------------------------------------------------------------------------------------
+
+def kernel_name(cfg: CudaConfig, nt: int, zp: bool) -> str:
+    return f"w4a16_r{cfg.chunks}_k{cfg.k_warps}_w{cfg.n_warps}_t{nt}_z{int(zp)}"
+
+
+def source(kernels: list[tuple[CudaConfig, int, bool]]) -> str:
+    """The kernel template and one extern "C" entry point per (config, row tiles, zero points)."""
+    entries = [f'extern "C" __global__ void __launch_bounds__({32 * c.k_warps * c.n_warps}) '
+               f'{kernel_name(c, nt, zp)}(W4A16_ARGS) {{ '
+               f'w4a16_body<{c.chunks}, {c.k_warps}, {c.n_warps}, {nt}, {str(zp).lower()}>(W4A16_PASS); }}'
+               for c, nt, zp in kernels]
+    return SOURCE.read_text() + "\n" + "\n".join(entries) + "\n"
+
+
+def _nvrtc():
+    """libnvrtc: the one PyTorch's CUDA build depends on (found by torch), else the system's."""
+    try:
+        from torch.cuda._utils import _get_gpu_rtc_library
+        return _get_gpu_rtc_library()
+    except (ImportError, OSError, AttributeError):
+        pass
+    for name in ("libnvrtc.so", "libnvrtc.so.13", "libnvrtc.so.12"):
+        try:
+            return ctypes.CDLL(name)
+        except OSError:
+            continue
+    raise RuntimeError("libnvrtc not found: the CUDA W4A16 kernel is compiled at first use with NVRTC")
+
+
+def compile_cubin(src: str, arch: str) -> bytes:
+    """NVRTC: source -> cubin for `arch` (e.g. "sm_90")."""
+    lib = _nvrtc()
+    prog = ctypes.c_void_p()
+    _nvrtc_check(lib, lib.nvrtcCreateProgram(ctypes.byref(prog), src.encode(), b"w4a16_cuda.cu", 0, None, None))
+    opts = [f"--gpu-architecture={arch}".encode(), b"-std=c++17", b"--use_fast_math"]
+    rc = lib.nvrtcCompileProgram(prog, len(opts), (ctypes.c_char_p * len(opts))(*opts))
+    if rc != 0:
+        size = ctypes.c_size_t()
+        lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
+        log = ctypes.create_string_buffer(size.value)
+        lib.nvrtcGetProgramLog(prog, log)
+        raise RuntimeError(f"NVRTC failed to compile w4a16_cuda.cu:\n{log.value.decode(errors='replace')}")
+    size = ctypes.c_size_t()
+    _nvrtc_check(lib, lib.nvrtcGetCUBINSize(prog, ctypes.byref(size)))
+    buf = ctypes.create_string_buffer(size.value)
+    _nvrtc_check(lib, lib.nvrtcGetCUBIN(prog, buf))
+    lib.nvrtcDestroyProgram(ctypes.byref(prog))
+    return buf.raw
+
+
+def _nvrtc_check(lib, rc: int) -> None:
+    if rc != 0:
+        lib.nvrtcGetErrorString.restype = ctypes.c_char_p
+        raise RuntimeError(f"NVRTC error {rc}: {lib.nvrtcGetErrorString(rc).decode()}")
+
+
+@functools.lru_cache(maxsize=None)
+def _libcuda():
+    return ctypes.CDLL("libcuda.so.1")
+
+
+def _cu_check(rc: int, what: str) -> None:
+    if rc != 0:
+        raise RuntimeError(f"CUDA driver error {rc} in {what}")
+
+
+class Module:
+    """A loaded cubin and its entry points."""
+
+    def __init__(self, cubin: bytes):
+        torch.empty(1, device="cuda")  # a current CUDA context for the driver calls
+        self.handle = ctypes.c_void_p()
+        _cu_check(_libcuda().cuModuleLoadData(ctypes.byref(self.handle), cubin), "cuModuleLoadData")
+        self.funcs: dict[str, ctypes.c_void_p] = {}
+
+    def function(self, name: str) -> ctypes.c_void_p:
+        if name not in self.funcs:
+            f = ctypes.c_void_p()
+            _cu_check(_libcuda().cuModuleGetFunction(ctypes.byref(f), self.handle, name.encode()),
+                      f"cuModuleGetFunction({name})")
+            self.funcs[name] = f
+        return self.funcs[name]
+
+
+_MODULES: dict[tuple, Module] = {}
+
+
+def module_for(kernels: tuple, device: torch.device) -> Module:
+    """Compiled once per (kernel set, device capability)."""
+    major, minor = torch.cuda.get_device_capability(device)
+    key = (kernels, major, minor)
+    if key not in _MODULES:
+        _MODULES[key] = Module(compile_cubin(source(list(kernels)), f"sm_{major}{minor}"))
+    return _MODULES[key]
+
+
+def launch(module: Module, x2: torch.Tensor, mw: MmaWeight, cfg: CudaConfig, out: torch.Tensor) -> None:
+    m = x2.shape[0]
+    nt = 1 if m <= 8 else 2
+    name = kernel_name(cfg, nt, mw.zc is not None)
+    splits = cfg.splits(mw.k)
+    grid_x = -(-(mw.n // 16) // cfg.n_warps)
+    ws = torch.empty(splits * m * mw.n if splits > 1 else 1, dtype=torch.float32, device=x2.device)
+    cnt = arrival_counters(x2.device, grid_x)
+    ptrs = [ctypes.c_void_p(t.data_ptr()) for t in (x2, mw.qw, mw.sc, mw.sc if mw.zc is None else mw.zc, out, ws,
+                                                     cnt)]
+    ints = [ctypes.c_int(v) for v in (x2.stride(0), m, out.stride(0), mw.n, mw.k)]
+    order = [ptrs[0], ints[0], ints[1], ptrs[1], ptrs[2], ptrs[3], ptrs[4], ints[2], ptrs[5], ptrs[6], ints[3],
+             ints[4]]
+    params = (ctypes.c_void_p * len(order))(*[ctypes.cast(ctypes.byref(a), ctypes.c_void_p) for a in order])
+    stream = ctypes.c_void_p(torch.cuda.current_stream(x2.device).cuda_stream)
+    _cu_check(_libcuda().cuLaunchKernel(module.function(name), grid_x, splits, 1, 32 * cfg.k_warps * cfg.n_warps,
+                                        1, 1, 0, stream, params, None), f"cuLaunchKernel({name})")
+
+
+def matmul(x: torch.Tensor, mw: MmaWeight, cfg: CudaConfig | None = None, out: torch.Tensor | None = None,
+           module: Module | None = None) -> torch.Tensor:
+    """x [M <= 16, K] bf16 (CUDA) @ dequant(W)^T -> [M, N] bf16."""
+    if x.dim() != 2 or x.shape[1] != mw.k or not 1 <= x.shape[0] <= MAX_ROWS:
+        raise ValueError(f"x must be [1..{MAX_ROWS}, {mw.k}], got {tuple(x.shape)}")
+    if x.dtype != torch.bfloat16 or not x.is_cuda:
+        raise ValueError(f"the CUDA W4A16 kernel takes bf16 CUDA activations, got {x.dtype} on {x.device}")
+    if x.stride(1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16:
+        x = x.contiguous()
+    cfg = cfg or default_config(x.shape[0], mw.n, mw.k)
+    if out is None:
+        out = torch.empty(x.shape[0], mw.n, dtype=torch.bfloat16, device=x.device)
+    if module is None:
+        module = module_for(((cfg, 1 if x.shape[0] <= 8 else 2, mw.zc is not None),), x.device)
+    launch(module, x, mw, cfg, out)
+    return out
