@@ -93,7 +93,7 @@ def test_refuses_shapes_it_cannot_hold():
 
 
 def test_source_has_one_entry_per_kernel():
-    cfgs = [(wc.CudaConfig(8, 2, 2), 1, False), (wc.CudaConfig(4, 1, 4), 2, True)]
+    cfgs = [(wc.CudaConfig(8, 2, 2, 3), 1, False), (wc.CudaConfig(4, 1, 4), 2, True)]
     src = wc.source(cfgs)
     for c, nt, zp in cfgs:
         assert f"void __launch_bounds__({32 * c.k_warps * c.n_warps}) {wc.kernel_name(c, nt, zp)}(" in src

@@ -56,12 +56,55 @@ DEVI void pdl_launch_dependents() { asm volatile("griddepcontrol.launch_dependen
 #define W4A16_ARGS                                                                                              \
     const unsigned short* __restrict__ x, int ldx, int M, const uint4* __restrict__ qw,                        \
         const unsigned* __restrict__ sc, const unsigned* __restrict__ zc, unsigned short* __restrict__ out,    \
-        int ldo, float* __restrict__ ws, int* __restrict__ counters, int N, int K
-#define W4A16_PASS x, ldx, M, qw, sc, zc, out, ldo, ws, counters, N, K
+        int ldo, float* __restrict__ ws, int* __restrict__ counters, int N, int K, int per_warp
+#define W4A16_PASS x, ldx, M, qw, sc, zc, out, ldo, ws, counters, N, K, per_warp
 
-template <int R, int KS, int WS, int NT, bool ZP>
+// One group of 128 inputs (chunks c, c + 1) of a warp: part = (u - z) @ x^T on the MMAs, acc += part * scale.
+template <int NT>
+DEVI void group_mma(float (&acc)[NT][4], const uint4 (&w)[2], unsigned s, unsigned z, const unsigned short* const (&xr)[NT],
+                    const bool (&xok)[NT], int c) {
+    const unsigned zlo = __byte_perm(z, 0, 0x1010), zhi = __byte_perm(z, 0, 0x3232);
+    float part[NT][4];
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) part[nt][i] = 0.f;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        unsigned xw[NT][8];
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+            uint4 a = make_uint4(0, 0, 0, 0), b = make_uint4(0, 0, 0, 0);
+            if (xok[nt]) {
+                a = ld_x(xr[nt] + 64 * (c + h));
+                b = ld_x(xr[nt] + 64 * (c + h) + 8);
+            }
+            xw[nt][0] = a.x; xw[nt][1] = a.y; xw[nt][2] = a.z; xw[nt][3] = a.w;
+            xw[nt][4] = b.x; xw[nt][5] = b.y; xw[nt][6] = b.z; xw[nt][7] = b.w;
+        }
+        const unsigned wj[4] = {w[h].x, w[h].y, w[h].z, w[h].w};
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const unsigned a0 = dequant_pair(wj[j], zlo), a1 = dequant_pair(wj[j] >> 4, zhi);
+            const unsigned a2 = dequant_pair(wj[j] >> 8, zlo), a3 = dequant_pair(wj[j] >> 12, zhi);
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt) mma_bf16(part[nt], a0, a1, a2, a3, xw[nt][2 * j], xw[nt][2 * j + 1]);
+        }
+    }
+    const float s_lo = __uint_as_float(s << 16), s_hi = __uint_as_float(s & 0xFFFF0000u);
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+        acc[nt][0] += part[nt][0] * s_lo;
+        acc[nt][1] += part[nt][1] * s_lo;
+        acc[nt][2] += part[nt][2] * s_hi;
+        acc[nt][3] += part[nt][3] * s_hi;
+    }
+}
+
+// D: chunk loads a warp keeps in flight (a register ring, refilled as each chunk is consumed); per_warp: its chunks.
+template <int D, int KS, int WS, int NT, bool ZP>
 DEVI void w4a16_body(W4A16_ARGS) {
-    static_assert(R % 2 == 0, "a warp's chunks are whole groups of 128 inputs");
+    static_assert(D % 2 == 0, "the ring holds whole groups of 128 inputs");
     __shared__ float red[KS > 1 ? (KS - 1) * WS * NT * 4 * 32 : 1];
     __shared__ int is_last;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -69,8 +112,8 @@ DEVI void w4a16_body(W4A16_ARGS) {
     const int g = lane >> 2, t = lane & 3;
     const int strips = N >> 4, nchunks = K >> 6, ngroups = K >> 7;
     const int strip = blockIdx.x * WS + wn;
-    const int c0 = (blockIdx.y * KS + wk) * R;
-    const bool active = strip < strips && c0 < nchunks;
+    const int c0 = (blockIdx.y * KS + wk) * per_warp, c1 = min(c0 + per_warp, nchunks);  // both even
+    const bool active = strip < strips && c0 < c1;
 
     float acc[NT][4];
 #pragma unroll
@@ -78,19 +121,19 @@ DEVI void w4a16_body(W4A16_ARGS) {
 #pragma unroll
         for (int i = 0; i < 4; ++i) acc[nt][i] = 0.f;
 
-    uint4 wv[R];
-    unsigned sv[R / 2], zv[R / 2];
+    const uint4* wp = qw + (size_t)strip * nchunks * 32 + lane;
+    const size_t sp = (size_t)strip * ngroups * 8 + g;
+    uint4 wbuf[D];
+    unsigned sbuf[D / 2], zbuf[D / 2];
     if (active) {
-        const uint4* wp = qw + ((size_t)strip * nchunks + c0) * 32 + lane;
 #pragma unroll
-        for (int r = 0; r < R; ++r)
-            if (c0 + r < nchunks) wv[r] = ld_stream(wp + r * 32);
-        const size_t sbase = ((size_t)strip * ngroups + (c0 >> 1)) * 8 + g;
+        for (int i = 0; i < D; ++i)
+            if (c0 + i < c1) wbuf[i] = ld_stream(wp + (size_t)(c0 + i) * 32);
 #pragma unroll
-        for (int q = 0; q < R / 2; ++q)
-            if (c0 + 2 * q < nchunks) {
-                sv[q] = ld_u32(sc + sbase + q * 8);
-                zv[q] = ZP ? ld_u32(zc + sbase + q * 8) : 0xC308C308u;  // bf16 -136 = -(128 + 8)
+        for (int i = 0; i < D / 2; ++i)
+            if (c0 + 2 * i < c1) {
+                sbuf[i] = ld_u32(sc + sp + ((c0 >> 1) + i) * 8);
+                zbuf[i] = ZP ? ld_u32(zc + sp + ((c0 >> 1) + i) * 8) : 0xC308C308u;  // bf16 -136 = -(128 + 8)
             }
     }
     pdl_wait();  // x is the previous kernel's output
@@ -105,46 +148,20 @@ DEVI void w4a16_body(W4A16_ARGS) {
             xok[nt] = n < M;
             xr[nt] = x + (size_t)(xok[nt] ? n : 0) * ldx + 16 * t;
         }
+        for (int base = c0; base < c1; base += D) {
 #pragma unroll
-        for (int q = 0; q < R / 2; ++q) {
-            if (c0 + 2 * q >= nchunks) break;
-            const unsigned zlo = __byte_perm(zv[q], 0, 0x1010), zhi = __byte_perm(zv[q], 0, 0x3232);
-            float part[NT][4];
-#pragma unroll
-            for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-                for (int i = 0; i < 4; ++i) part[nt][i] = 0.f;
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                const int r = 2 * q + h, c = c0 + r;
-                unsigned xw[NT][8];
-#pragma unroll
-                for (int nt = 0; nt < NT; ++nt) {
-                    uint4 a = make_uint4(0, 0, 0, 0), b = make_uint4(0, 0, 0, 0);
-                    if (xok[nt]) {
-                        a = ld_x(xr[nt] + 64 * c);
-                        b = ld_x(xr[nt] + 64 * c + 8);
-                    }
-                    xw[nt][0] = a.x; xw[nt][1] = a.y; xw[nt][2] = a.z; xw[nt][3] = a.w;
-                    xw[nt][4] = b.x; xw[nt][5] = b.y; xw[nt][6] = b.z; xw[nt][7] = b.w;
+            for (int i = 0; i < D; i += 2) {
+                const int c = base + i;
+                if (c >= c1) break;
+                const uint4 w[2] = {wbuf[i], wbuf[i + 1]};
+                const unsigned s = sbuf[i / 2], z = zbuf[i / 2];
+                if (c + D < c1) {  // refill the ring: chunks c + D, c + D + 1 and their group's scales
+                    wbuf[i] = ld_stream(wp + (size_t)(c + D) * 32);
+                    wbuf[i + 1] = ld_stream(wp + (size_t)(c + D + 1) * 32);
+                    sbuf[i / 2] = ld_u32(sc + sp + ((c + D) >> 1) * 8);
+                    if (ZP) zbuf[i / 2] = ld_u32(zc + sp + ((c + D) >> 1) * 8);
                 }
-                const unsigned wj[4] = {wv[r].x, wv[r].y, wv[r].z, wv[r].w};
-#pragma unroll
-                for (int j = 0; j < 4; ++j) {
-                    const unsigned w = wj[j];
-                    const unsigned a0 = dequant_pair(w, zlo), a1 = dequant_pair(w >> 4, zhi);
-                    const unsigned a2 = dequant_pair(w >> 8, zlo), a3 = dequant_pair(w >> 12, zhi);
-#pragma unroll
-                    for (int nt = 0; nt < NT; ++nt) mma_bf16(part[nt], a0, a1, a2, a3, xw[nt][2 * j], xw[nt][2 * j + 1]);
-                }
-            }
-            const float s_lo = __uint_as_float(sv[q] << 16), s_hi = __uint_as_float(sv[q] & 0xFFFF0000u);
-#pragma unroll
-            for (int nt = 0; nt < NT; ++nt) {
-                acc[nt][0] += part[nt][0] * s_lo;
-                acc[nt][1] += part[nt][1] * s_lo;
-                acc[nt][2] += part[nt][2] * s_hi;
-                acc[nt][3] += part[nt][3] * s_hi;
+                group_mma<NT>(acc, w, s, z, xr, xok, c);
             }
         }
     }

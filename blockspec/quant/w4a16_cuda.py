@@ -109,15 +109,18 @@ def from_q16(pw) -> MmaWeight:
 
 @dataclass(frozen=True)
 class CudaConfig:
-    chunks: int = 8          # R: 64-input chunks per warp (all loaded at once)
+    ring: int = 8            # D: 64-input chunks a warp keeps in flight
     k_warps: int = 1         # KS: warps of a block along K (summed in shared memory)
     n_warps: int = 4         # WS: strips of 16 features per block
+    k_splits: int = 1        # blocks along K (summed through a fp32 workspace by the last to arrive)
 
     def short(self) -> str:
-        return f"r{self.chunks} k{self.k_warps} w{self.n_warps}"
+        return f"d{self.ring} k{self.k_warps} w{self.n_warps} s{self.k_splits}"
 
-    def splits(self, k: int) -> int:
-        return math.ceil(k // 64 / (self.chunks * self.k_warps))
+    def per_warp(self, k: int) -> int:
+        """Chunks per warp (even: whole groups)."""
+        per = math.ceil(k // 64 / (self.k_splits * self.k_warps))
+        return per + per % 2
 
 
 def default_config(m: int, n: int, k: int) -> CudaConfig:
@@ -130,14 +133,14 @@ def default_config(m: int, n: int, k: int) -> CudaConfig:
 # ----------------------------------------------------------------------------------------------------------
 
 def kernel_name(cfg: CudaConfig, nt: int, zp: bool) -> str:
-    return f"w4a16_r{cfg.chunks}_k{cfg.k_warps}_w{cfg.n_warps}_t{nt}_z{int(zp)}"
+    return f"w4a16_d{cfg.ring}_k{cfg.k_warps}_w{cfg.n_warps}_t{nt}_z{int(zp)}"
 
 
 def source(kernels: list[tuple[CudaConfig, int, bool]]) -> str:
     """The kernel template and one extern "C" entry point per (config, row tiles, zero points)."""
     entries = [f'extern "C" __global__ void __launch_bounds__({32 * c.k_warps * c.n_warps}) '
                f'{kernel_name(c, nt, zp)}(W4A16_ARGS) {{ '
-               f'w4a16_body<{c.chunks}, {c.k_warps}, {c.n_warps}, {nt}, {str(zp).lower()}>(W4A16_PASS); }}'
+               f'w4a16_body<{c.ring}, {c.k_warps}, {c.n_warps}, {nt}, {str(zp).lower()}>(W4A16_PASS); }}'
                for c, nt, zp in kernels]
     return SOURCE.read_text() + "\n" + "\n".join(entries) + "\n"
 
@@ -228,15 +231,15 @@ def launch(module: Module, x2: torch.Tensor, mw: MmaWeight, cfg: CudaConfig, out
     m = x2.shape[0]
     nt = 1 if m <= 8 else 2
     name = kernel_name(cfg, nt, mw.zc is not None)
-    splits = cfg.splits(mw.k)
+    splits = cfg.k_splits
     grid_x = -(-(mw.n // 16) // cfg.n_warps)
     ws = torch.empty(splits * m * mw.n if splits > 1 else 1, dtype=torch.float32, device=x2.device)
     cnt = arrival_counters(x2.device, grid_x)
     ptrs = [ctypes.c_void_p(t.data_ptr()) for t in (x2, mw.qw, mw.sc, mw.sc if mw.zc is None else mw.zc, out, ws,
                                                      cnt)]
-    ints = [ctypes.c_int(v) for v in (x2.stride(0), m, out.stride(0), mw.n, mw.k)]
+    ints = [ctypes.c_int(v) for v in (x2.stride(0), m, out.stride(0), mw.n, mw.k, cfg.per_warp(mw.k))]
     order = [ptrs[0], ints[0], ints[1], ptrs[1], ptrs[2], ptrs[3], ptrs[4], ints[2], ptrs[5], ptrs[6], ints[3],
-             ints[4]]
+             ints[4], ints[5]]
     params = (ctypes.c_void_p * len(order))(*[ctypes.cast(ctypes.byref(a), ctypes.c_void_p) for a in order])
     stream = ctypes.c_void_p(torch.cuda.current_stream(x2.device).cuda_stream)
     _cu_check(_libcuda().cuLaunchKernel(module.function(name), grid_x, splits, 1, 32 * cfg.k_warps * cfg.n_warps,
