@@ -32,9 +32,11 @@ DEV = torch.device("cuda")
 SHAPES = [("gate_up", 34816, 5120), ("gdn_qkv", 10240, 5120), ("q", 12288, 5120), ("gdn_z", 6144, 5120),
           ("down", 5120, 17408), ("o", 5120, 6144), ("vocab", 248320, 5120)]
 MS = [int(m) for m in os.environ.get("MS", "1,8,16").split(",")]
-CONFIGS = [wc.CudaConfig(d, ks, ws, sp) for d in (4, 8) for ks, ws in [(1, 4), (2, 2), (4, 1), (4, 2), (8, 1)]
-           for sp in (1, 2, 4)]
-KERNEL_CONFIGS = sorted({wc.CudaConfig(c.ring, c.k_warps, c.n_warps) for c in CONFIGS}, key=str)
+CONFIGS = [wc.CudaConfig(d, ks, ws, sp) for d in (4, 8) for ks, ws, sp in
+           [(4, 1, 1), (4, 2, 1), (8, 1, 1), (2, 2, 4), (4, 1, 2)]]
+CONFIGS += [wc.StreamKConfig(d, b, per_sm) for d in (4, 8) for b in (4, 8) for per_sm in (16 // b, 24 // b, 32 // b)]
+KERNEL_CONFIGS = sorted({wc.CudaConfig(c.ring, c.k_warps, c.n_warps) if isinstance(c, wc.CudaConfig) else
+                         wc.StreamKConfig(c.ring, c.warps) for c in CONFIGS}, key=str)
 KERNELS = tuple((c, nt, zp) for c in KERNEL_CONFIGS for nt in (1, 2) for zp in (False, True))
 
 
@@ -76,7 +78,7 @@ def checks(module, log) -> None:
                     err = rel_err(y, x.float() @ w.t())
                     if not err < 5e-3 or m == 16:
                         add(f"{cfg.short()} N={n} K={k} zp={zp} M={m}", err < 5e-3, rel_err=err,
-                            per_warp=cfg.per_warp(k))
+                            cfg=cfg.short())
                 x = torch.randn(8, k, generator=g).to(torch.bfloat16).to(DEV)
                 y8, y1 = wc.matmul(x, mw, cfg, module=module), wc.matmul(x[:1], mw, cfg, module=module)
                 if not torch.equal(y8[:1], y1):

@@ -64,14 +64,9 @@ template <int NT>
 DEVI void group_mma(float (&acc)[NT][4], const uint4 (&w)[2], unsigned s, unsigned z, const unsigned short* const (&xr)[NT],
                     const bool (&xok)[NT], int c) {
     const unsigned zlo = __byte_perm(z, 0, 0x1010), zhi = __byte_perm(z, 0, 0x3232);
-    float part[NT][4];
+    unsigned xw[2][NT][8];  // all of the group's x first: its loads overlap, not each before its MMA
 #pragma unroll
-    for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-        for (int i = 0; i < 4; ++i) part[nt][i] = 0.f;
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        unsigned xw[NT][8];
+    for (int h = 0; h < 2; ++h)
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt) {
             uint4 a = make_uint4(0, 0, 0, 0), b = make_uint4(0, 0, 0, 0);
@@ -79,25 +74,34 @@ DEVI void group_mma(float (&acc)[NT][4], const uint4 (&w)[2], unsigned s, unsign
                 a = ld_x(xr[nt] + 64 * (c + h));
                 b = ld_x(xr[nt] + 64 * (c + h) + 8);
             }
-            xw[nt][0] = a.x; xw[nt][1] = a.y; xw[nt][2] = a.z; xw[nt][3] = a.w;
-            xw[nt][4] = b.x; xw[nt][5] = b.y; xw[nt][6] = b.z; xw[nt][7] = b.w;
+            xw[h][nt][0] = a.x; xw[h][nt][1] = a.y; xw[h][nt][2] = a.z; xw[h][nt][3] = a.w;
+            xw[h][nt][4] = b.x; xw[h][nt][5] = b.y; xw[h][nt][6] = b.z; xw[h][nt][7] = b.w;
         }
-        const unsigned wj[4] = {w[h].x, w[h].y, w[h].z, w[h].w};
+    float part[2][NT][4];  // one MMA chain per chunk: two chains of 4 instead of one of 8
 #pragma unroll
-        for (int j = 0; j < 4; ++j) {
-            const unsigned a0 = dequant_pair(wj[j], zlo), a1 = dequant_pair(wj[j] >> 4, zhi);
-            const unsigned a2 = dequant_pair(wj[j] >> 8, zlo), a3 = dequant_pair(wj[j] >> 12, zhi);
+    for (int h = 0; h < 2; ++h)
 #pragma unroll
-            for (int nt = 0; nt < NT; ++nt) mma_bf16(part[nt], a0, a1, a2, a3, xw[nt][2 * j], xw[nt][2 * j + 1]);
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) part[h][nt][i] = 0.f;
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const unsigned wj = j == 0 ? w[h].x : j == 1 ? w[h].y : j == 2 ? w[h].z : w[h].w;
+            const unsigned a0 = dequant_pair(wj, zlo), a1 = dequant_pair(wj >> 4, zhi);
+            const unsigned a2 = dequant_pair(wj >> 8, zlo), a3 = dequant_pair(wj >> 12, zhi);
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt)
+                mma_bf16(part[h][nt], a0, a1, a2, a3, xw[h][nt][2 * j], xw[h][nt][2 * j + 1]);
         }
-    }
     const float s_lo = __uint_as_float(s << 16), s_hi = __uint_as_float(s & 0xFFFF0000u);
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) {
-        acc[nt][0] += part[nt][0] * s_lo;
-        acc[nt][1] += part[nt][1] * s_lo;
-        acc[nt][2] += part[nt][2] * s_hi;
-        acc[nt][3] += part[nt][3] * s_hi;
+        acc[nt][0] += (part[0][nt][0] + part[1][nt][0]) * s_lo;
+        acc[nt][1] += (part[0][nt][1] + part[1][nt][1]) * s_lo;
+        acc[nt][2] += (part[0][nt][2] + part[1][nt][2]) * s_hi;
+        acc[nt][3] += (part[0][nt][3] + part[1][nt][3]) * s_hi;
     }
 }
 
@@ -230,4 +234,134 @@ DEVI void w4a16_body(W4A16_ARGS) {
                     out[(size_t)n * ldo + f + 8] = to_bf16(acc[nt][2 + e]);
                 }
             }
+}
+
+// Stream-K form: the (strip, chunk) space flattened in memory order and cut into equal ranges of L chunks, one per
+// warp, so every warp streams one contiguous range (as a plain read does) and no wave is left part-empty. A strip
+// cut between warps is finished by the last of its warps to arrive, which adds the pieces in order.
+template <int NT>
+DEVI void finish_strip(const float (&acc)[NT][4], int s, int w, int L, int nchunks, int M, unsigned short* out,
+                       int ldo, float* ws, int* counters, int maxp) {
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3, f = s * 16 + g;
+    const long long first = (long long)s * nchunks;
+    const int wa = (int)(first / L), wb = (int)((first + nchunks - 1) / L);
+    float v[NT][4];
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) v[nt][i] = acc[nt][i];
+    if (wa != wb) {
+        float* slot = ws + ((size_t)s * maxp + (w - wa)) * M * 16;
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                const int n = nt * 8 + 2 * t + e;
+                if (n < M) {
+                    slot[n * 16 + g] = v[nt][e];
+                    slot[n * 16 + g + 8] = v[nt][2 + e];
+                }
+            }
+        __threadfence();
+        __syncwarp();
+        int last = 0;
+        if (lane == 0) last = atomicAdd(&counters[s], 1) == wb - wa;
+        last = __shfl_sync(0xffffffffu, last, 0);
+        if (!last) return;
+        __threadfence();
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                const int n = nt * 8 + 2 * t + e;
+                float lo = 0.f, hi = 0.f;
+                if (n < M)
+                    for (int p = 0; p <= wb - wa; ++p) {
+                        const float* q = ws + (((size_t)s * maxp + p) * M + n) * 16 + g;
+                        lo += __ldcg(q);
+                        hi += __ldcg(q + 8);
+                    }
+                v[nt][e] = lo;
+                v[nt][2 + e] = hi;
+            }
+        if (lane == 0) counters[s] = 0;
+    }
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+            const int n = nt * 8 + 2 * t + e;
+            if (n < M) {
+                out[(size_t)n * ldo + f] = to_bf16(v[nt][e]);
+                out[(size_t)n * ldo + f + 8] = to_bf16(v[nt][2 + e]);
+            }
+        }
+}
+
+template <int D, int NT, bool ZP>
+DEVI void w4a16_streamk_body(W4A16_ARGS, int maxp) {
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const int w = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    const int L = per_warp, nchunks = K >> 6;
+    const long long T = (long long)(N >> 4) * nchunks, f0 = (long long)w * L, f1 = min(f0 + L, T);
+    const bool active = f0 < T;
+    const uint4* wp = qw + lane;  // chunk f of the flattened space: wp + 32 f; its group's scales: sp + 8 (f / 2)
+    const unsigned* sp = sc + g;
+    const unsigned* zp = zc + g;
+    uint4 wbuf[D];
+    unsigned sbuf[D / 2], zbuf[D / 2];
+    if (active) {
+#pragma unroll
+        for (int i = 0; i < D; ++i)
+            if (f0 + i < f1) wbuf[i] = ld_stream(wp + (f0 + i) * 32);
+#pragma unroll
+        for (int i = 0; i < D / 2; ++i)
+            if (f0 + 2 * i < f1) {
+                sbuf[i] = ld_u32(sp + ((f0 >> 1) + i) * 8);
+                zbuf[i] = ZP ? ld_u32(zp + ((f0 >> 1) + i) * 8) : 0xC308C308u;
+            }
+    }
+    pdl_wait();
+    pdl_launch_dependents();
+    if (!active) return;
+    const unsigned short* xr[NT];
+    bool xok[NT];
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+        const int n = nt * 8 + g;
+        xok[nt] = n < M;
+        xr[nt] = x + (size_t)(xok[nt] ? n : 0) * ldx + 16 * t;
+    }
+    int s = (int)(f0 / nchunks), c = (int)(f0 - (long long)s * nchunks);
+    float acc[NT][4];
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) acc[nt][i] = 0.f;
+    for (long long base = f0; base < f1; base += D) {
+#pragma unroll
+        for (int i = 0; i < D; i += 2) {
+            const long long f = base + i;
+            if (f >= f1) break;
+            const uint4 wv[2] = {wbuf[i], wbuf[i + 1]};
+            const unsigned sv = sbuf[i / 2], zv = zbuf[i / 2];
+            if (f + D < f1) {
+                wbuf[i] = ld_stream(wp + (f + D) * 32);
+                wbuf[i + 1] = ld_stream(wp + (f + D + 1) * 32);
+                sbuf[i / 2] = ld_u32(sp + ((f + D) >> 1) * 8);
+                if (ZP) zbuf[i / 2] = ld_u32(zp + ((f + D) >> 1) * 8);
+            }
+            group_mma<NT>(acc, wv, sv, zv, xr, xok, c);
+            c += 2;
+            if (c == nchunks || f + 2 >= f1) {
+                finish_strip<NT>(acc, s, w, L, nchunks, M, out, ldo, ws, counters, maxp);
+                ++s;
+                c = 0;
+#pragma unroll
+                for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                    for (int i2 = 0; i2 < 4; ++i2) acc[nt][i2] = 0.f;
+            }
+        }
+    }
 }
