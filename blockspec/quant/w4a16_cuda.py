@@ -123,21 +123,6 @@ class CudaConfig:
         return per + per % 2
 
 
-@dataclass(frozen=True)
-class StreamKConfig:
-    """The stream-K form: grid = SMs x per_sm blocks of `warps` warps; every warp an equal range of chunks."""
-    ring: int = 4
-    warps: int = 4
-    per_sm: int = 8
-
-    def short(self) -> str:
-        return f"sk d{self.ring} b{self.warps} x{self.per_sm}"
-
-    def per_warp(self, n: int, k: int, sms: int) -> int:
-        per = math.ceil(n // 16 * (k // 64) / (sms * self.per_sm * self.warps))
-        return max(2, per + per % 2)
-
-
 def default_config(m: int, n: int, k: int) -> CudaConfig:
     del m, n, k
     return CudaConfig()
@@ -147,17 +132,11 @@ def default_config(m: int, n: int, k: int) -> CudaConfig:
 # Compile (NVRTC), load and launch (driver API)
 # ----------------------------------------------------------------------------------------------------------
 
-def kernel_name(cfg, nt: int, zp: bool) -> str:
-    if isinstance(cfg, StreamKConfig):
-        return f"w4a16sk_d{cfg.ring}_b{cfg.warps}_t{nt}_z{int(zp)}"
+def kernel_name(cfg: CudaConfig, nt: int, zp: bool) -> str:
     return f"w4a16_d{cfg.ring}_k{cfg.k_warps}_w{cfg.n_warps}_t{nt}_z{int(zp)}"
 
 
-def _entry(c, nt: int, zp: bool) -> str:
-    if isinstance(c, StreamKConfig):
-        return (f'extern "C" __global__ void __launch_bounds__({32 * c.warps}) {kernel_name(c, nt, zp)}'
-                f'(W4A16_ARGS, int maxp) {{ w4a16_streamk_body<{c.ring}, {nt}, {str(zp).lower()}>'
-                f'(W4A16_PASS, maxp); }}')
+def _entry(c: CudaConfig, nt: int, zp: bool) -> str:
     return (f'extern "C" __global__ void __launch_bounds__({32 * c.k_warps * c.n_warps}) {kernel_name(c, nt, zp)}'
             f'(W4A16_ARGS) {{ w4a16_body<{c.ring}, {c.k_warps}, {c.n_warps}, {nt}, {str(zp).lower()}>'
             f'(W4A16_PASS); }}')
@@ -251,37 +230,50 @@ def module_for(kernels: tuple, device: torch.device) -> Module:
     return _MODULES[key]
 
 
-def launch(module: Module, x2: torch.Tensor, mw: MmaWeight, cfg, out: torch.Tensor) -> None:
+class _LaunchAttr(ctypes.Structure):  # CUlaunchAttribute: id, padding, a 64-byte value union
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_int), ("rest", ctypes.c_char * 60)]
+
+
+class _LaunchConfig(ctypes.Structure):  # CUlaunchConfig
+    _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3), ("smem", ctypes.c_uint),
+                ("stream", ctypes.c_void_p), ("attrs", ctypes.POINTER(_LaunchAttr)), ("num_attrs", ctypes.c_uint)]
+
+
+PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+
+
+def cu_launch(func, grid: tuple, block: int, args: list, device: torch.device, pdl: bool = False) -> None:
+    """cuLaunchKernel on the current stream; with `pdl`, cuLaunchKernelEx with programmatic stream serialization
+    (the kernel may start before its predecessor finishes; it waits in griddepcontrol.wait)."""
+    params = (ctypes.c_void_p * len(args))(*[ctypes.cast(ctypes.byref(a), ctypes.c_void_p) for a in args])
+    stream = ctypes.c_void_p(torch.cuda.current_stream(device).cuda_stream)
+    gx, gy = grid
+    if not pdl:
+        _cu_check(_libcuda().cuLaunchKernel(func, gx, gy, 1, block, 1, 1, 0, stream, params, None), "cuLaunchKernel")
+        return
+    attr = _LaunchAttr(id=PROGRAMMATIC_STREAM_SERIALIZATION, value=1)
+    cfg = _LaunchConfig((ctypes.c_uint * 3)(gx, gy, 1), (ctypes.c_uint * 3)(block, 1, 1), 0, stream,
+                        ctypes.pointer(attr), 1)
+    _cu_check(_libcuda().cuLaunchKernelEx(ctypes.byref(cfg), func, params, None), "cuLaunchKernelEx")
+
+
+def launch(module: Module, x2: torch.Tensor, mw: MmaWeight, cfg: CudaConfig, out: torch.Tensor,
+           pdl: bool = False) -> None:
     m = x2.shape[0]
-    nt = 1 if m <= 8 else 2
-    name = kernel_name(cfg, nt, mw.zc is not None)
-    strips, nchunks = mw.n // 16, mw.k // 64
-    if isinstance(cfg, StreamKConfig):
-        sms = torch.cuda.get_device_properties(x2.device).multi_processor_count
-        per_warp = cfg.per_warp(mw.n, mw.k, sms)
-        maxp = -(-nchunks // per_warp) + 1
-        grid, block = (sms * cfg.per_sm, 1), 32 * cfg.warps
-        ws = torch.empty(strips * maxp * m * 16, dtype=torch.float32, device=x2.device)
-        extra = [ctypes.c_int(maxp)]
-    else:
-        per_warp = cfg.per_warp(mw.k)
-        grid, block = (-(-strips // cfg.n_warps), cfg.k_splits), 32 * cfg.k_warps * cfg.n_warps
-        ws = torch.empty(cfg.k_splits * m * mw.n if cfg.k_splits > 1 else 1, dtype=torch.float32, device=x2.device)
-        extra = []
-    cnt = arrival_counters(x2.device, max(grid[0], strips))
+    name = kernel_name(cfg, 1 if m <= 8 else 2, mw.zc is not None)
+    grid = (-(-(mw.n // 16) // cfg.n_warps), cfg.k_splits)
+    ws = torch.empty(cfg.k_splits * m * mw.n if cfg.k_splits > 1 else 1, dtype=torch.float32, device=x2.device)
+    cnt = arrival_counters(x2.device, grid[0])
     ptrs = [ctypes.c_void_p(t.data_ptr()) for t in (x2, mw.qw, mw.sc, mw.sc if mw.zc is None else mw.zc, out, ws,
                                                      cnt)]
-    ints = [ctypes.c_int(v) for v in (x2.stride(0), m, out.stride(0), mw.n, mw.k, per_warp)]
-    order = [ptrs[0], ints[0], ints[1], ptrs[1], ptrs[2], ptrs[3], ptrs[4], ints[2], ptrs[5], ptrs[6], ints[3],
-             ints[4], ints[5], *extra]
-    params = (ctypes.c_void_p * len(order))(*[ctypes.cast(ctypes.byref(a), ctypes.c_void_p) for a in order])
-    stream = ctypes.c_void_p(torch.cuda.current_stream(x2.device).cuda_stream)
-    _cu_check(_libcuda().cuLaunchKernel(module.function(name), grid[0], grid[1], 1, block, 1, 1, 0, stream, params,
-                                        None), f"cuLaunchKernel({name})")
+    ints = [ctypes.c_int(v) for v in (x2.stride(0), m, out.stride(0), mw.n, mw.k, cfg.per_warp(mw.k))]
+    args = [ptrs[0], ints[0], ints[1], ptrs[1], ptrs[2], ptrs[3], ptrs[4], ints[2], ptrs[5], ptrs[6], ints[3],
+            ints[4], ints[5]]
+    cu_launch(module.function(name), grid, 32 * cfg.k_warps * cfg.n_warps, args, x2.device, pdl)
 
 
 def matmul(x: torch.Tensor, mw: MmaWeight, cfg: CudaConfig | None = None, out: torch.Tensor | None = None,
-           module: Module | None = None) -> torch.Tensor:
+           module: Module | None = None, pdl: bool = False) -> torch.Tensor:
     """x [M <= 16, K] bf16 (CUDA) @ dequant(W)^T -> [M, N] bf16."""
     if x.dim() != 2 or x.shape[1] != mw.k or not 1 <= x.shape[0] <= MAX_ROWS:
         raise ValueError(f"x must be [1..{MAX_ROWS}, {mw.k}], got {tuple(x.shape)}")
@@ -294,5 +286,5 @@ def matmul(x: torch.Tensor, mw: MmaWeight, cfg: CudaConfig | None = None, out: t
         out = torch.empty(x.shape[0], mw.n, dtype=torch.bfloat16, device=x.device)
     if module is None:
         module = module_for(((cfg, 1 if x.shape[0] <= 8 else 2, mw.zc is not None),), x.device)
-    launch(module, x, mw, cfg, out)
+    launch(module, x, mw, cfg, out, pdl)
     return out
