@@ -1,12 +1,13 @@
 """What one launch that only READS a weight-sized buffer achieves on this GPU: the ceiling of any projection kernel.
 
 One command on a GPU machine (repo root, ~1 minute):   python bench/read_roofline.py
-A CUDA kernel (NVRTC) streams B bytes with 16-byte non-caching loads, U per thread in flight, and folds them into
-one word (so the loads stay); it releases its successor at its start and waits for its predecessor at its end (a
+A CUDA kernel (NVRTC) streams B bytes with 16-byte non-caching loads, U per thread in flight, and folds them into one
+word (so the loads stay); it releases its successor at its start and waits for its predecessor at its end (a
 projection under PDL: weights first, its input after). "grid": a grid-stride walk; "chunk": each block a contiguous
-range (as projection kernels read their weights). Timed as bench/quant_kernels.py times the W4A16 kernels: C buffers (> 200 MB together)
-read back to back in one CUDA graph, median of 7 replays / C. Prints the best config per size with % of 3990 GB/s,
-then that config launched with programmatic dependent launch (each read may start under its predecessor's tail).
+range (as projection kernels read their weights). Timed as bench/quant_kernels.py times the W4A16 kernels: C buffers
+(> 200 MB together) read back to back in one CUDA graph, median of 7 replays / C. Prints the best config per size with
+% of 3990 GB/s, then that config launched with programmatic dependent launch (each read may start under its
+predecessor's tail).
 Writes $OUT/read_roofline.json when OUT is set.
 """
 
