@@ -17,6 +17,7 @@ import json
 import os
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -35,7 +36,7 @@ SHAPES = [("gate_up", 34816, 5120), ("gdn_qkv", 10240, 5120), ("q", 12288, 5120)
 MS = [int(m) for m in os.environ.get("MS", "1,8,16").split(",")]
 CONFIGS = [wc.CudaConfig(d, ks, ws, sp) for d in (4, 8) for ks, ws, sp in
            [(4, 1, 1), (4, 2, 1), (8, 1, 1), (2, 2, 4), (4, 1, 2)]]
-KERNEL_CONFIGS = sorted({wc.CudaConfig(c.ring, c.k_warps, c.n_warps) for c in CONFIGS}, key=str)
+KERNEL_CONFIGS = sorted({wc.CudaConfig(d, c.k_warps, c.n_warps) for c in CONFIGS for d in (4, 8, 16)}, key=str)
 KERNELS = tuple((c, nt, zp) for c in KERNEL_CONFIGS for nt in (1, 2) for zp in (False, True))
 
 
@@ -133,19 +134,23 @@ def timing(module, records) -> None:
             if best:
                 print(f"  M={m:2d} BEST   {best['cfg']:24s} {best['us']:8.1f} us {best['pct']:5.1f}%  "
                       f"x{best['vs_triton']:.2f}", flush=True)
-                # with programmatic dependent launch: each launch may start under its predecessor's tail
+                # with programmatic dependent launch: each launch may start under its predecessor's tail, its
+                # successor released after its wait (late) or at its start (early); deeper rings preload more
                 cfg = next(c for c in CONFIGS if c.short() == best["cfg"])
-                us = replay_ms(lambda: [wc.matmul(x, w, cfg, out=out, module=module, pdl=True) for w in mws], 7)
-                us *= 1e3 / copies
+                for variant, c2, early in [("pdl late", cfg, False), ("pdl early", cfg, True)] + [
+                        (f"pdl early d{d}", replace(cfg, ring=d), True) for d in (8, 16) if d != cfg.ring]:
+                    us = replay_ms(lambda: [wc.matmul(x, w, c2, out=out, module=module, pdl=True,
+                                                      early_release=early) for w in mws], 7) * 1e3 / copies
+                    records.append(dict(shape=name, m=m, variant="cuda " + variant, cfg=c2.short(), us=us, bytes=nb,
+                                        pct=nb / us / 1e3 / PEAK_GBS * 100, vs_triton=t_us / us))
+                    print(f"  M={m:2d} PDL    cuda {variant:14s} {c2.short():16s} {us:8.1f} us "
+                          f"{records[-1]['pct']:5.1f}%", flush=True)
                 pdl.use_level(2)
                 tp_us = replay_ms(lambda: [wq.wq_matmul(x, w, tcfg, out=out) for w in pws], 7) * 1e3 / copies
                 pdl.use_level(0)
-                records.append(dict(shape=name, m=m, variant="cuda+pdl", cfg=cfg.short(), us=us, bytes=nb,
-                                    pct=nb / us / 1e3 / PEAK_GBS * 100, vs_triton=t_us / us))
                 records.append(dict(shape=name, m=m, variant="triton+pdl2", cfg=tcfg.short(), us=tp_us, bytes=t_nb,
                                     pct=t_nb / tp_us / 1e3 / PEAK_GBS * 100))
-                print(f"  M={m:2d} PDL    cuda {us:8.1f} us {records[-2]['pct']:5.1f}%   triton (level 2) "
-                      f"{tp_us:8.1f} us {records[-1]['pct']:5.1f}%", flush=True)
+                print(f"  M={m:2d} PDL    triton (level 2) {tp_us:8.1f} us {records[-1]['pct']:5.1f}%", flush=True)
 
 
 def main() -> None:

@@ -56,8 +56,8 @@ DEVI void pdl_launch_dependents() { asm volatile("griddepcontrol.launch_dependen
 #define W4A16_ARGS                                                                                              \
     const unsigned short* __restrict__ x, int ldx, int M, const uint4* __restrict__ qw,                        \
         const unsigned* __restrict__ sc, const unsigned* __restrict__ zc, unsigned short* __restrict__ out,    \
-        int ldo, float* __restrict__ ws, int* __restrict__ counters, int N, int K, int per_warp
-#define W4A16_PASS x, ldx, M, qw, sc, zc, out, ldo, ws, counters, N, K, per_warp
+        int ldo, float* __restrict__ ws, int* __restrict__ counters, int N, int K, int per_warp, int early_release
+#define W4A16_PASS x, ldx, M, qw, sc, zc, out, ldo, ws, counters, N, K, per_warp, early_release
 
 // One group of 128 inputs (chunks c, c + 1) of a warp: part = (u - z) @ x^T on the MMAs, acc += part * scale.
 template <int NT>
@@ -129,6 +129,7 @@ DEVI void w4a16_body(W4A16_ARGS) {
     const size_t sp = (size_t)strip * ngroups * 8 + g;
     uint4 wbuf[D];
     unsigned sbuf[D / 2], zbuf[D / 2];
+    if (early_release) pdl_launch_dependents();  // the next kernel may be placed (and load its weights) at once
     if (active) {
 #pragma unroll
         for (int i = 0; i < D; ++i)
@@ -141,7 +142,7 @@ DEVI void w4a16_body(W4A16_ARGS) {
             }
     }
     pdl_wait();  // x is the previous kernel's output
-    pdl_launch_dependents();
+    if (!early_release) pdl_launch_dependents();
 
     if (active) {
         const unsigned short* xr[NT];

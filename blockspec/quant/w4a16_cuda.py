@@ -258,7 +258,7 @@ def cu_launch(func, grid: tuple, block: int, args: list, device: torch.device, p
 
 
 def launch(module: Module, x2: torch.Tensor, mw: MmaWeight, cfg: CudaConfig, out: torch.Tensor,
-           pdl: bool = False) -> None:
+           pdl: bool = False, early_release: bool = False) -> None:
     m = x2.shape[0]
     name = kernel_name(cfg, 1 if m <= 8 else 2, mw.zc is not None)
     grid = (-(-(mw.n // 16) // cfg.n_warps), cfg.k_splits)
@@ -266,14 +266,15 @@ def launch(module: Module, x2: torch.Tensor, mw: MmaWeight, cfg: CudaConfig, out
     cnt = arrival_counters(x2.device, grid[0])
     ptrs = [ctypes.c_void_p(t.data_ptr()) for t in (x2, mw.qw, mw.sc, mw.sc if mw.zc is None else mw.zc, out, ws,
                                                      cnt)]
-    ints = [ctypes.c_int(v) for v in (x2.stride(0), m, out.stride(0), mw.n, mw.k, cfg.per_warp(mw.k))]
+    ints = [ctypes.c_int(v) for v in (x2.stride(0), m, out.stride(0), mw.n, mw.k, cfg.per_warp(mw.k),
+                                      int(early_release))]
     args = [ptrs[0], ints[0], ints[1], ptrs[1], ptrs[2], ptrs[3], ptrs[4], ints[2], ptrs[5], ptrs[6], ints[3],
-            ints[4], ints[5]]
+            ints[4], ints[5], ints[6]]
     cu_launch(module.function(name), grid, 32 * cfg.k_warps * cfg.n_warps, args, x2.device, pdl)
 
 
 def matmul(x: torch.Tensor, mw: MmaWeight, cfg: CudaConfig | None = None, out: torch.Tensor | None = None,
-           module: Module | None = None, pdl: bool = False) -> torch.Tensor:
+           module: Module | None = None, pdl: bool = False, early_release: bool = False) -> torch.Tensor:
     """x [M <= 16, K] bf16 (CUDA) @ dequant(W)^T -> [M, N] bf16."""
     if x.dim() != 2 or x.shape[1] != mw.k or not 1 <= x.shape[0] <= MAX_ROWS:
         raise ValueError(f"x must be [1..{MAX_ROWS}, {mw.k}], got {tuple(x.shape)}")
@@ -286,5 +287,5 @@ def matmul(x: torch.Tensor, mw: MmaWeight, cfg: CudaConfig | None = None, out: t
         out = torch.empty(x.shape[0], mw.n, dtype=torch.bfloat16, device=x.device)
     if module is None:
         module = module_for(((cfg, 1 if x.shape[0] <= 8 else 2, mw.zc is not None),), x.device)
-    launch(module, x, mw, cfg, out, pdl)
+    launch(module, x, mw, cfg, out, pdl, early_release)
     return out
