@@ -1,6 +1,7 @@
 """Check and time the CUDA W4A16 kernel (blockspec.quant.w4a16_cuda) against the Triton one, on the 27B shapes.
 
 One command on a GPU machine (repo root, ~3 minutes on an H200):   python bench/w4a16_cuda.py
+(SHAPES=o,gdn_in: those shapes only; MS=1,8: those row counts.)
 CUBIN=path loads a cubin built elsewhere (nvcc -cubin of wc.source(...)) instead of compiling with NVRTC here.
 1. Checks: every swept config (and row tiles 1 / 2, zero points or not) against the dequantized fp32 reference on
    odd strip counts and a K that does not fill the last warp; row 0 of an 8-row launch == the 1-row launch
@@ -32,8 +33,11 @@ from timing import replay_ms  # noqa: E402
 PEAK_GBS = 3990.0
 DEV = torch.device("cuda")
 SHAPES = [("gate_up", 34816, 5120), ("gdn_qkv", 10240, 5120), ("q", 12288, 5120), ("gdn_z", 6144, 5120),
-          ("down", 5120, 17408), ("o", 5120, 6144), ("vocab", 248320, 5120)]
+          ("down", 5120, 17408), ("o", 5120, 6144), ("vocab", 248320, 5120),
+          ("gdn_in", 16480, 5120), ("attn_qkv", 14336, 5120)]  # the packed projections of the INT4 table
 MS = [int(m) for m in os.environ.get("MS", "1,8,16").split(",")]
+if os.environ.get("SHAPES"):  # e.g. SHAPES=gdn_in,o: those only
+    SHAPES = [s for s in SHAPES if s[0] in os.environ["SHAPES"].split(",")]
 CONFIGS = [wc.CudaConfig(d, ks, ws, sp) for d in (4, 8) for ks, ws, sp in
            [(4, 1, 1), (4, 2, 1), (8, 1, 1), (2, 2, 4), (4, 1, 2)]]
 KERNEL_CONFIGS = sorted({wc.CudaConfig(d, c.k_warps, c.n_warps) for c in CONFIGS for d in (4, 8, 16)}, key=str)

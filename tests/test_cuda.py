@@ -375,3 +375,37 @@ def test_graphs_record_no_compiled_region(pair):
     assert FUSION["compiled_calls"] == before
     assert e.generate(ids, 60, stop_at_eos=False).tokens == first
     print(f"load times: {e.load_times}")
+
+
+@pytest.mark.parametrize("zp", [False, True])
+def test_w4a16_cuda_kernel_on_gpu(zp):
+    """The CUDA W4A16 kernel (compiled here by NVRTC) against the dequantized reference: in-block and K-split sums,
+    1-16 rows, row 0 of an 8-row launch == the 1-row launch, and a PDL-launched CUDA-graph replay == eager."""
+    from blockspec.quant import w4a16_cuda as wc
+    from blockspec.quant import w4a16_triton as wq
+
+    gen = torch.Generator().manual_seed(zp)
+    n, k = 1040, 3072
+    codes = torch.randint(0, 16, (n, k), generator=gen)
+    scales = (torch.rand(n, k // 128, generator=gen) * 0.015 + 0.005).to(torch.bfloat16)
+    zeros = torch.randint(0, 16, (n, k // 128), generator=gen).to(torch.bfloat16) if zp else None
+    pw = wq.pack(codes, scales, zeros, 4, 128)
+    mw = wc.from_q16(wq.PackedWeight(pw.q.cuda(), pw.s.cuda(), None if zeros is None else pw.z.cuda(), 4, 128, n,
+                                     k))
+    w = pw.dequantize().cuda()
+    for cfg in (wc.CudaConfig(4, 4, 1), wc.CudaConfig(8, 2, 2, 3)):
+        for m in (1, 5, 8, 12, 16):
+            x = torch.randn(m, k, generator=gen).to(torch.bfloat16).cuda()
+            ref = x.float() @ w.t()
+            err = float((wc.matmul(x, mw, cfg).float() - ref).abs().max() / ref.abs().max())
+            assert err < 5e-3, (cfg, m, err)
+        x = torch.randn(8, k, generator=gen).to(torch.bfloat16).cuda()
+        assert torch.equal(wc.matmul(x, mw, cfg)[:1], wc.matmul(x[:1], mw, cfg))
+        y0, out = wc.matmul(x, mw, cfg), torch.empty(8, n, dtype=torch.bfloat16, device="cuda")
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(3):  # a PDL chain: each launch may start under its predecessor
+                wc.matmul(x, mw, cfg, out=out, pdl=True, early_release=True)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, y0)
