@@ -1,14 +1,13 @@
 // W4A16 matmul for 1..16 activation rows on tensor cores (mma.sync m16n8k16, sm_80+), no headers (NVRTC).
 //   y[M, N] = x[M, K] @ dequant(W)[N, K]^T,  x / y bf16, fp32 accumulation, W int4 group 128.
 // The weight is the MMA's A operand (16 output features x 16 inputs), x^T its B operand (16 inputs x 8 rows), so
-// one MMA serves up to 8 rows (NT = 2 tiles for 9..16). Layout, numerics and configs: w4a16_cuda.py.
+// one MMA serves up to 8 rows (NT = 2 tiles for 9..16). Layout, numerics, configs and measurements: w4a16_cuda.py.
 //
-// Work: a warp owns one strip of 16 features and R consecutive 64-input chunks. It loads all R chunks of codes
-// (one 16-byte load per lane per chunk) and its scales before it waits on the previous kernel (PDL), so the weight
-// stream starts as early as possible and many bytes are in flight (the loads are independent: no pipeline to
-// fill). A block holds WS strips x KS chunk ranges; the KS partial sums meet in shared memory, the gridDim.y K
-// splits in a fp32 workspace, summed by the last block to arrive (fixed order: deterministic, and a row's result
-// does not depend on the other rows).
+// Work: a warp owns one strip of 16 features and per_warp consecutive 64-input chunks, D of them in flight in a
+// register ring (one 16-byte load per lane per chunk), the first D issued before it waits on the previous kernel
+// (PDL), so a chained launch streams weights under its predecessor's tail. A block holds WS strips x KS chunk
+// ranges; the KS partial sums meet in shared memory, the gridDim.y K splits in a fp32 workspace, summed by the last
+// block to arrive (fixed orders: deterministic, and a row's result does not depend on the other rows).
 
 #define DEVI __device__ __forceinline__
 

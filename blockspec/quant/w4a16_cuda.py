@@ -1,8 +1,22 @@
 """W4A16 matmul for 1..16 activation rows as a CUDA kernel (w4a16_cuda.cu), compiled at first use with NVRTC.
 
-Why beside the Triton kernel (w4a16_triton): session 9 measured that kernel's mid-size launches bound per program
-(~1 us per 16 KB block of a program's serial loop at any pipeline depth), not by memory. Here a warp issues all its
-weight loads at once (no pipeline to fill: occupancy hides the latency), before it even waits on the previous kernel.
+Status: a measured alternative, NOT used by the engine (Int4Linear runs w4a16_triton). Session 10 wrote it to test
+whether a hand-written kernel gets the mid-size projections nearer the bandwidth than Triton does (session 9: those
+launches are bound per program, not by memory). H200, bench/w4a16_cuda.py, docs/benchmarks.md "Session 10":
+  * 16 MB projections at 1-8 rows: 1.1-1.25x faster than the Triton kernel alone (o 9.2 vs 10.1 us, gdn_z 8.4 vs
+    10.6), 1.3-1.5x when chained with programmatic dependent launch (o 7.8 vs 9.9, gdn_z 7.0 vs 10.3 us), because
+    a warp's first chunk loads are issued before it waits on its predecessor;
+  * 38-92 MB projections: 0.92-1.03x Triton (1-8 rows); 16 rows (but for the 16 MB shapes) and the 656 MB
+    vocabulary head: slower (vocab 199 vs 170 us at 1 row; gate_up 49 vs 40 us at 16 rows).
+  In the INT4 step (packed projections) only out_proj / o_proj are 16 MB: ~0.15-0.18 ms (~2.5-3 %) to gain, once this
+  kernel has the add_norm epilogue those launches use (layers/folded_norm.py). Dropped forms: all of a warp's loads
+  at once (run 1), stream-K (equal contiguous ranges per warp, run 3: slower at every shape), rings of 8 / 16.
+
+Kernel: a warp owns a strip of 16 output features and a range of 64-input chunks; it keeps `ring` chunk loads in
+flight in registers (refilled as each is consumed; 4 measured best), issued before `griddepcontrol.wait`. A block
+holds `n_warps` strips x `k_warps` chunk ranges (summed in shared memory, fixed order); `k_splits` blocks along K
+are summed through a fp32 workspace by the last to arrive (fixed order). The weight is the MMA's A operand (16
+features x 16 inputs), x^T its B operand (16 inputs x 8 rows): one mma.m16n8k16 serves 8 rows, two serve 16.
 
 Layout "mma" (`pack`; `unpack_codes` inverts it): int4 group 128, K a multiple of 128, N a multiple of 16.
   qw int32 [N/16, K/64, 32, 4]: strip s (features 16s..16s+15), chunk c (inputs 64c..64c+63), lane l = 4*g + t,
@@ -109,9 +123,9 @@ def from_q16(pw) -> MmaWeight:
 
 @dataclass(frozen=True)
 class CudaConfig:
-    ring: int = 8            # D: 64-input chunks a warp keeps in flight
-    k_warps: int = 1         # KS: warps of a block along K (summed in shared memory)
-    n_warps: int = 4         # WS: strips of 16 features per block
+    ring: int = 4            # D: 64-input chunks a warp keeps in flight
+    k_warps: int = 4         # KS: warps of a block along K (summed in shared memory)
+    n_warps: int = 1         # WS: strips of 16 features per block
     k_splits: int = 1        # blocks along K (summed through a fp32 workspace by the last to arrive)
 
     def short(self) -> str:
@@ -124,8 +138,13 @@ class CudaConfig:
 
 
 def default_config(m: int, n: int, k: int) -> CudaConfig:
-    del m, n, k
-    return CudaConfig()
+    """The best of bench/w4a16_cuda.py's sweep on the H200 (session 10, runs 3-6): a ring of 4 and no K split at
+    1-8 rows, 8 warps along K for the 16 MB and the long-row (down) shapes, else 4; at 9-16 rows a ring of 8."""
+    if m <= 8:
+        return CudaConfig(4, 8 if n * k < 40_000_000 or k > 8192 else 4, 1)
+    if k > 8192:
+        return CudaConfig(4, 2, 2, 4)
+    return CudaConfig(8, 4, 2 if n >= 14336 else 1)
 
 
 # ----------------------------------------------------------------------------------------------------------
