@@ -62,6 +62,11 @@ DEVI void pdl_launch_dependents() { asm volatile("griddepcontrol.launch_dependen
 template <int NT>
 DEVI void group_mma(float (&acc)[NT][4], const uint4 (&w)[2], unsigned s, unsigned z, const unsigned short* const (&xr)[NT],
                     const bool (&xok)[NT], int c) {
+#ifdef W4A16_LOADS_ONLY  // diagnostic build (bench/w4a16_cuda.py LOADS_ONLY=1): the loads without the math
+    acc[0][0] += __uint_as_float((w[0].x ^ w[0].y ^ w[0].z ^ w[0].w ^ w[1].x ^ w[1].y ^ w[1].z ^ w[1].w ^ s ^ z ^
+                                  (unsigned)c) & 0x807FFFFFu);
+    return;
+#endif
     const unsigned zlo = __byte_perm(z, 0, 0x1010), zhi = __byte_perm(z, 0, 0x3232);
     unsigned xw[2][NT][8];  // all of the group's x first: its loads overlap, not each before its MMA
 #pragma unroll

@@ -182,12 +182,13 @@ def _nvrtc():
     raise RuntimeError("libnvrtc not found: the CUDA W4A16 kernel is compiled at first use with NVRTC")
 
 
-def compile_cubin(src: str, arch: str) -> bytes:
-    """NVRTC: source -> cubin for `arch` (e.g. "sm_90")."""
+def compile_cubin(src: str, arch: str, defines: tuple[str, ...] = ()) -> bytes:
+    """NVRTC: source -> cubin for `arch` (e.g. "sm_90"); `defines`: -D options (diagnostic builds)."""
     lib = _nvrtc()
     prog = ctypes.c_void_p()
     _nvrtc_check(lib, lib.nvrtcCreateProgram(ctypes.byref(prog), src.encode(), b"w4a16_cuda.cu", 0, None, None))
-    opts = [f"--gpu-architecture={arch}".encode(), b"-std=c++17", b"--use_fast_math"]
+    opts = [f"--gpu-architecture={arch}".encode(), b"-std=c++17", b"--use_fast_math",
+            *(f"-D{d}".encode() for d in defines)]
     rc = lib.nvrtcCompileProgram(prog, len(opts), (ctypes.c_char_p * len(opts))(*opts))
     if rc != 0:
         size = ctypes.c_size_t()
