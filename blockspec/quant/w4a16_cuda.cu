@@ -49,6 +49,14 @@ DEVI unsigned short to_bf16(float v) {
     return r;
 }
 
+DEVI void cp_async16(uint4* smem_dst, const uint4* src) {  // 16 bytes global -> shared, through L2 only
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;"
+                 :: "r"((unsigned)__cvta_generic_to_shared(smem_dst)), "l"(src) : "memory");
+}
+DEVI void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int N>
+DEVI void cp_async_wait() { asm volatile("cp.async.wait_group %0;" :: "n"(N) : "memory"); }
+
 DEVI void pdl_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
 DEVI void pdl_launch_dependents() { asm volatile("griddepcontrol.launch_dependents;" :::); }
 
@@ -109,8 +117,9 @@ DEVI void group_mma(float (&acc)[NT][4], const uint4 (&w)[2], unsigned s, unsign
     }
 }
 
-// D: chunk loads a warp keeps in flight (a register ring, refilled as each chunk is consumed); per_warp: its chunks.
-template <int D, int KS, int WS, int NT, bool ZP>
+// D: chunk loads a warp keeps in flight, refilled as each chunk is consumed: in registers, or (SMR) in a ring of
+// shared-memory slots filled by cp.async (no register cost, so deeper); per_warp: its chunks.
+template <int D, int KS, int WS, int NT, bool ZP, bool SMR>
 DEVI void w4a16_body(W4A16_ARGS) {
     static_assert(D % 2 == 0, "the ring holds whole groups of 128 inputs");
     __shared__ float red[KS > 1 ? (KS - 1) * WS * NT * 4 * 32 : 1];
@@ -131,13 +140,21 @@ DEVI void w4a16_body(W4A16_ARGS) {
 
     const uint4* wp = qw + (size_t)strip * nchunks * 32 + lane;
     const size_t sp = (size_t)strip * ngroups * 8 + g;
-    uint4 wbuf[D];
+    uint4 wbuf[SMR ? 1 : D];
+    extern __shared__ uint4 ring[];  // SMR: [warp][slot][lane], D slots of 512 bytes per warp
+    uint4* slot = ring + (size_t)warp * D * 32 + lane;  // a lane reads back only what it copied itself
     unsigned sbuf[D / 2], zbuf[D / 2];
     if (early_release) pdl_launch_dependents();  // the next kernel may be placed (and load its weights) at once
     if (active) {
 #pragma unroll
-        for (int i = 0; i < D; ++i)
-            if (c0 + i < c1) wbuf[i] = ld_stream(wp + (size_t)(c0 + i) * 32);
+        for (int i = 0; i < D; ++i) {
+            if (SMR) {
+                if (c0 + i < c1) cp_async16(slot + i * 32, wp + (size_t)(c0 + i) * 32);
+                cp_async_commit();  // one group per slot, empty past the end: the wait counts stay uniform
+            } else if (c0 + i < c1) {
+                wbuf[i] = ld_stream(wp + (size_t)(c0 + i) * 32);
+            }
+        }
 #pragma unroll
         for (int i = 0; i < D / 2; ++i)
             if (c0 + 2 * i < c1) {
@@ -162,15 +179,32 @@ DEVI void w4a16_body(W4A16_ARGS) {
             for (int i = 0; i < D; i += 2) {
                 const int c = base + i;
                 if (c >= c1) break;
-                const uint4 w[2] = {wbuf[i], wbuf[i + 1]};
+                uint4 w[2];
+                if (SMR) {
+                    cp_async_wait<D - 2>();  // chunks c, c + 1 have landed (the D - 2 newer may be in flight)
+                    w[0] = slot[i * 32];
+                    w[1] = slot[(i + 1) * 32];
+                } else {
+                    w[0] = wbuf[i];
+                    w[1] = wbuf[i + 1];
+                }
                 const unsigned s = sbuf[i / 2], z = zbuf[i / 2];
                 if (c + D < c1) {  // refill the ring: chunks c + D, c + D + 1 and their group's scales
-                    wbuf[i] = ld_stream(wp + (size_t)(c + D) * 32);
-                    wbuf[i + 1] = ld_stream(wp + (size_t)(c + D + 1) * 32);
+                    if (!SMR) {
+                        wbuf[i] = ld_stream(wp + (size_t)(c + D) * 32);
+                        wbuf[i + 1] = ld_stream(wp + (size_t)(c + D + 1) * 32);
+                    }
                     sbuf[i / 2] = ld_u32(sc + sp + ((c + D) >> 1) * 8);
                     if (ZP) zbuf[i / 2] = ld_u32(zc + sp + ((c + D) >> 1) * 8);
                 }
                 group_mma<NT>(acc, w, s, z, xr, xok, c);
+                if (SMR) {  // after the math has used the slots' values
+#pragma unroll
+                    for (int h = 0; h < 2; ++h) {
+                        if (c + D + h < c1) cp_async16(slot + (i + h) * 32, wp + (size_t)(c + D + h) * 32);
+                        cp_async_commit();
+                    }
+                }
             }
         }
     }
