@@ -41,8 +41,6 @@ if os.environ.get("SHAPES"):  # e.g. SHAPES=gdn_in,o: those only
     SHAPES = [s for s in SHAPES if s[0] in os.environ["SHAPES"].split(",")]
 CONFIGS = [wc.CudaConfig(d, ks, ws, sp) for d in (4, 8) for ks, ws, sp in
            [(4, 1, 1), (4, 2, 1), (8, 1, 1), (2, 2, 4), (4, 1, 2)]]
-CONFIGS += [wc.CudaConfig(d, ks, ws, sp, True) for d in (8, 16, 32) for ks, ws, sp in
-            [(4, 1, 1), (8, 1, 1), (2, 2, 4)]]  # the ring in shared memory
 KERNEL_CONFIGS = sorted({wc.CudaConfig(d, c.k_warps, c.n_warps, 1, c.smem_ring) for c in CONFIGS
                          for d in ((c.ring,) if c.smem_ring else (4, 8, 16))}, key=str)
 KERNELS = tuple((c, nt, zp) for c in KERNEL_CONFIGS for nt in (1, 2) for zp in (False, True))

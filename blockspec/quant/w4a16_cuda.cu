@@ -68,11 +68,11 @@ DEVI void pdl_launch_dependents() { asm volatile("griddepcontrol.launch_dependen
 
 // One group of 128 inputs (chunks c, c + 1) of a warp: part = (u - z) @ x^T on the MMAs, acc += part * scale.
 template <int NT>
-DEVI void group_mma(float (&acc)[NT][4], const uint4 (&w)[2], unsigned s, unsigned z, const unsigned short* const (&xr)[NT],
-                    const bool (&xok)[NT], int c) {
+DEVI void group_mma(float (&acc)[NT][4], const uint4 (&w)[2], unsigned s, unsigned z,
+                    const unsigned short* const (&xc)[NT]) {
 #ifdef W4A16_LOADS_ONLY  // diagnostic build (bench/w4a16_cuda.py LOADS_ONLY=1): the loads without the math
-    acc[0][0] += __uint_as_float((w[0].x ^ w[0].y ^ w[0].z ^ w[0].w ^ w[1].x ^ w[1].y ^ w[1].z ^ w[1].w ^ s ^ z ^
-                                  (unsigned)c) & 0x807FFFFFu);
+    acc[0][0] += __uint_as_float((w[0].x ^ w[0].y ^ w[0].z ^ w[0].w ^ w[1].x ^ w[1].y ^ w[1].z ^ w[1].w ^ s ^ z) &
+                                 0x807FFFFFu);
     return;
 #endif
     const unsigned zlo = __byte_perm(z, 0, 0x1010), zhi = __byte_perm(z, 0, 0x3232);
@@ -80,12 +80,8 @@ DEVI void group_mma(float (&acc)[NT][4], const uint4 (&w)[2], unsigned s, unsign
 #pragma unroll
     for (int h = 0; h < 2; ++h)
 #pragma unroll
-        for (int nt = 0; nt < NT; ++nt) {
-            uint4 a = make_uint4(0, 0, 0, 0), b = make_uint4(0, 0, 0, 0);
-            if (xok[nt]) {
-                a = ld_x(xr[nt] + 64 * (c + h));
-                b = ld_x(xr[nt] + 64 * (c + h) + 8);
-            }
+        for (int nt = 0; nt < NT; ++nt) {  // rows past M read row M - 1 again (L1 hits; never stored)
+            const uint4 a = ld_x(xc[nt] + 64 * h), b = ld_x(xc[nt] + 64 * h + 8);
             xw[h][nt][0] = a.x; xw[h][nt][1] = a.y; xw[h][nt][2] = a.z; xw[h][nt][3] = a.w;
             xw[h][nt][4] = b.x; xw[h][nt][5] = b.y; xw[h][nt][6] = b.z; xw[h][nt][7] = b.w;
         }
@@ -166,14 +162,11 @@ DEVI void w4a16_body(W4A16_ARGS) {
     if (!early_release) pdl_launch_dependents();
 
     if (active) {
-        const unsigned short* xr[NT];
-        bool xok[NT];
+        const unsigned short* xc[NT];  // this lane's 16 inputs of the current chunk, per row tile
 #pragma unroll
-        for (int nt = 0; nt < NT; ++nt) {
-            const int n = nt * 8 + g;
-            xok[nt] = n < M;
-            xr[nt] = x + (size_t)(xok[nt] ? n : 0) * ldx + 16 * t;
-        }
+        for (int nt = 0; nt < NT; ++nt) xc[nt] = x + (size_t)min(nt * 8 + g, M - 1) * ldx + 64 * c0 + 16 * t;
+        const uint4* wnext = wp + (size_t)(c0 + D) * 32;  // the next chunk into the ring, and its group's scales
+        size_t snext = sp + ((c0 + D) >> 1) * 8;
         for (int base = c0; base < c1; base += D) {
 #pragma unroll
             for (int i = 0; i < D; i += 2) {
@@ -189,22 +182,27 @@ DEVI void w4a16_body(W4A16_ARGS) {
                     w[1] = wbuf[i + 1];
                 }
                 const unsigned s = sbuf[i / 2], z = zbuf[i / 2];
-                if (c + D < c1) {  // refill the ring: chunks c + D, c + D + 1 and their group's scales
+                const bool refill = c + D < c1;  // the ring's next chunks: c + D, c + D + 1
+                if (refill) {
                     if (!SMR) {
-                        wbuf[i] = ld_stream(wp + (size_t)(c + D) * 32);
-                        wbuf[i + 1] = ld_stream(wp + (size_t)(c + D + 1) * 32);
+                        wbuf[i] = ld_stream(wnext);
+                        wbuf[i + 1] = ld_stream(wnext + 32);
                     }
-                    sbuf[i / 2] = ld_u32(sc + sp + ((c + D) >> 1) * 8);
-                    if (ZP) zbuf[i / 2] = ld_u32(zc + sp + ((c + D) >> 1) * 8);
+                    sbuf[i / 2] = ld_u32(sc + snext);
+                    if (ZP) zbuf[i / 2] = ld_u32(zc + snext);
                 }
-                group_mma<NT>(acc, w, s, z, xr, xok, c);
+                group_mma<NT>(acc, w, s, z, xc);
                 if (SMR) {  // after the math has used the slots' values
 #pragma unroll
                     for (int h = 0; h < 2; ++h) {
-                        if (c + D + h < c1) cp_async16(slot + (i + h) * 32, wp + (size_t)(c + D + h) * 32);
+                        if (refill) cp_async16(slot + (i + h) * 32, wnext + h * 32);
                         cp_async_commit();
                     }
                 }
+                wnext += 64;
+                snext += 8;
+#pragma unroll
+                for (int nt = 0; nt < NT; ++nt) xc[nt] += 128;
             }
         }
     }
