@@ -1,8 +1,8 @@
 """Check and time the CUDA W4A16 kernel (blockspec.quant.w4a16_cuda) against the Triton one, on the 27B shapes.
 
 One command on a GPU machine (repo root, ~3 minutes on an H200):   python bench/w4a16_cuda.py
-(SHAPES=o,gdn_in: those shapes only; MS=1,8: those row counts; LOADS_ONLY=1: each best config also built without
-its math, a diagnostic of where the time goes.)
+(SHAPES=o,gdn_in: those shapes only; MS=1,8: those row counts; DIAG=loads:a.cubin,hadd:b.cubin: each best config
+also timed from other builds of the kernels, e.g. nvcc -DW4A16_LOADS_ONLY (the loads without the math) or -DW4A16_HADD.)
 CUBIN=path loads a cubin built elsewhere (nvcc -cubin of wc.source(...)) instead of compiling with NVRTC here.
 1. Checks: every swept config (and row tiles 1 / 2, zero points or not) against the dequantized fp32 reference on
    odd strip counts and a K that does not fill the last warp; row 0 of an 8-row launch == the 1-row launch
@@ -102,7 +102,7 @@ def checks(module, log) -> None:
     add(f"graph replay of {cfg.short()} == eager", torch.equal(out, y0))
 
 
-def timing(module, records, loads_only=None) -> None:
+def timing(module, records, diag: dict) -> None:
     for name, n, k in SHAPES:
         probe = random_mma(n, k)
         nb = probe.nbytes()
@@ -151,9 +151,9 @@ def timing(module, records, loads_only=None) -> None:
                                         pct=nb / us / 1e3 / PEAK_GBS * 100, vs_triton=t_us / us))
                     print(f"  M={m:2d} PDL    cuda {variant:14s} {c2.short():16s} {us:8.1f} us "
                           f"{records[-1]['pct']:5.1f}%", flush=True)
-                if loads_only is not None:  # the same launches without the math (diagnostic build)
-                    for variant, pdl_on in (("loads only", False), ("loads only pdl", True)):
-                        us = replay_ms(lambda: [wc.matmul(x, w, cfg, out=out, module=loads_only, pdl=pdl_on)
+                for label, mod in diag.items():  # the same launches, other builds of the kernel
+                    for variant, pdl_on in ((label, False), (label + " pdl", True)):
+                        us = replay_ms(lambda: [wc.matmul(x, w, cfg, out=out, module=mod, pdl=pdl_on)
                                                 for w in mws], 7) * 1e3 / copies
                         records.append(dict(shape=name, m=m, variant="cuda " + variant, cfg=cfg.short(), us=us,
                                             bytes=nb, pct=nb / us / 1e3 / PEAK_GBS * 100))
@@ -181,13 +181,12 @@ def main() -> None:
     module = wc.Module(Path(cubin).read_bytes()) if cubin else wc.module_for(KERNELS, DEV)
     print(f"module loaded in {time.perf_counter() - t0:.1f} s", flush=True)
     checks(module, log)
-    loads_only = None
-    if os.environ.get("LOADS_ONLY") == "1":  # also time each best config built with W4A16_LOADS_ONLY
-        major, minor = torch.cuda.get_device_capability()
-        loads_only = wc.Module(wc.compile_cubin(wc.source(list(KERNELS)), f"sm_{major}{minor}",
-                                                ("W4A16_LOADS_ONLY",)))
+    diag = {}  # DIAG=label:cubin,...: other builds of the same kernels (e.g. -DW4A16_LOADS_ONLY), timed beside
+    for item in filter(None, os.environ.get("DIAG", "").split(",")):
+        label, path = item.split(":")
+        diag[label] = wc.Module(Path(path).read_bytes())
     if os.environ.get("CHECK_ONLY") != "1":
-        timing(module, records, loads_only)
+        timing(module, records, diag)
     if os.environ.get("OUT"):
         Path(os.environ["OUT"], "w4a16_cuda.json").write_text(json.dumps(dict(checks=log, timing=records), indent=1))
     bad = [c for c in log if not c["ok"]]

@@ -75,7 +75,6 @@ DEVI void group_mma(float (&acc)[NT][4], const uint4 (&w)[2], unsigned s, unsign
                                  0x807FFFFFu);
     return;
 #endif
-    const unsigned zlo = __byte_perm(z, 0, 0x1010), zhi = __byte_perm(z, 0, 0x3232);
     unsigned xw[2][NT][8];  // all of the group's x first: its loads overlap, not each before its MMA
 #pragma unroll
     for (int h = 0; h < 2; ++h)
@@ -85,6 +84,8 @@ DEVI void group_mma(float (&acc)[NT][4], const uint4 (&w)[2], unsigned s, unsign
             xw[h][nt][0] = a.x; xw[h][nt][1] = a.y; xw[h][nt][2] = a.z; xw[h][nt][3] = a.w;
             xw[h][nt][4] = b.x; xw[h][nt][5] = b.y; xw[h][nt][6] = b.z; xw[h][nt][7] = b.w;
         }
+#ifdef W4A16_HADD  // dequantize to u - z in the operands (one bf16x2 add per pair: exact, but an instruction more)
+    const unsigned zlo = __byte_perm(z, 0, 0x1010), zhi = __byte_perm(z, 0, 0x3232);
     float part[2][NT][4];  // one MMA chain per chunk: two chains of 4 instead of one of 8
 #pragma unroll
     for (int h = 0; h < 2; ++h)
@@ -111,6 +112,42 @@ DEVI void group_mma(float (&acc)[NT][4], const uint4 (&w)[2], unsigned s, unsign
         acc[nt][2] += (part[0][nt][2] + part[1][nt][2]) * s_hi;
         acc[nt][3] += (part[0][nt][3] + part[1][nt][3]) * s_hi;
     }
+#else
+    // The operands are 128 + u (one LOP3 per pair, no add): part = sum (128 + u) x, and one more MMA with an
+    // all-ones A gives the group's sum of x, so acc += scale * (part - (128 + z) * xsum). The 128 * xsum term
+    // cancels in fp32 (~1e-5 relative to the group's sum; the bf16 output keeps 8 bits).
+    float part[2][NT][4], xsum[NT][4];
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) part[0][nt][i] = part[1][nt][i] = xsum[nt][i] = 0.f;
+    const unsigned ONES = 0x3F803F80u, MASK = 0x000F000Fu, MAGIC = 0x43004300u;
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const unsigned wj = j == 0 ? w[h].x : j == 1 ? w[h].y : j == 2 ? w[h].z : w[h].w;
+            unsigned a0, a1, a2, a3;
+            asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(a0) : "r"(wj), "r"(MASK), "r"(MAGIC));
+            asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(a1) : "r"(wj >> 4), "r"(MASK), "r"(MAGIC));
+            asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(a2) : "r"(wj >> 8), "r"(MASK), "r"(MAGIC));
+            asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(a3) : "r"(wj >> 12), "r"(MASK), "r"(MAGIC));
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt) {
+                mma_bf16(part[h][nt], a0, a1, a2, a3, xw[h][nt][2 * j], xw[h][nt][2 * j + 1]);
+                mma_bf16(xsum[nt], ONES, ONES, ONES, ONES, xw[h][nt][2 * j], xw[h][nt][2 * j + 1]);
+            }
+        }
+    const float s_lo = __uint_as_float(s << 16), s_hi = __uint_as_float(s & 0xFFFF0000u);
+    const float z_lo = -__uint_as_float(z << 16), z_hi = -__uint_as_float(z & 0xFFFF0000u);  // 128 + z
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+        acc[nt][0] += (part[0][nt][0] + part[1][nt][0] - z_lo * xsum[nt][0]) * s_lo;
+        acc[nt][1] += (part[0][nt][1] + part[1][nt][1] - z_lo * xsum[nt][1]) * s_lo;
+        acc[nt][2] += (part[0][nt][2] + part[1][nt][2] - z_hi * xsum[nt][2]) * s_hi;
+        acc[nt][3] += (part[0][nt][3] + part[1][nt][3] - z_hi * xsum[nt][3]) * s_hi;
+    }
+#endif
 }
 
 // D: chunk loads a warp keeps in flight, refilled as each chunk is consumed: in registers, or (SMR) in a ring of
