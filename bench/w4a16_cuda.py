@@ -2,7 +2,7 @@
 
 One command on a GPU machine (repo root, ~3 minutes on an H200):   python bench/w4a16_cuda.py
 (SHAPES=o,gdn_in: those shapes only; MS=1,8: those row counts; DIAG=loads:a.cubin,hadd:b.cubin: each best config
-also timed from other builds of the kernels, e.g. nvcc -DW4A16_LOADS_ONLY (the loads without the math) or -DW4A16_HADD.)
+also timed from other builds of the kernels, e.g. nvcc -DW4A16_LOADS_ONLY: the loads without the math.)
 CUBIN=path loads a cubin built elsewhere (nvcc -cubin of wc.source(...)) instead of compiling with NVRTC here.
 1. Checks: every swept config (and row tiles 1 / 2, zero points or not) against the dequantized fp32 reference on
    odd strip counts and a K that does not fill the last warp; row 0 of an 8-row launch == the 1-row launch
@@ -41,8 +41,7 @@ if os.environ.get("SHAPES"):  # e.g. SHAPES=gdn_in,o: those only
     SHAPES = [s for s in SHAPES if s[0] in os.environ["SHAPES"].split(",")]
 CONFIGS = [wc.CudaConfig(d, ks, ws, sp) for d in (4, 8) for ks, ws, sp in
            [(4, 1, 1), (4, 2, 1), (8, 1, 1), (2, 2, 4), (4, 1, 2)]]
-KERNEL_CONFIGS = sorted({wc.CudaConfig(d, c.k_warps, c.n_warps, 1, c.smem_ring) for c in CONFIGS
-                         for d in ((c.ring,) if c.smem_ring else (4, 8, 16))}, key=str)
+KERNEL_CONFIGS = sorted({wc.CudaConfig(d, c.k_warps, c.n_warps) for c in CONFIGS for d in (4, 8, 16)}, key=str)
 KERNELS = tuple((c, nt, zp) for c in KERNEL_CONFIGS for nt in (1, 2) for zp in (False, True))
 
 

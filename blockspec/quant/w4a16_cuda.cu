@@ -49,14 +49,6 @@ DEVI unsigned short to_bf16(float v) {
     return r;
 }
 
-DEVI void cp_async16(uint4* smem_dst, const uint4* src) {  // 16 bytes global -> shared, through L2 only
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;"
-                 :: "r"((unsigned)__cvta_generic_to_shared(smem_dst)), "l"(src) : "memory");
-}
-DEVI void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-template <int N>
-DEVI void cp_async_wait() { asm volatile("cp.async.wait_group %0;" :: "n"(N) : "memory"); }
-
 DEVI void pdl_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
 DEVI void pdl_launch_dependents() { asm volatile("griddepcontrol.launch_dependents;" :::); }
 
@@ -84,7 +76,6 @@ DEVI void group_mma(float (&acc)[NT][4], const uint4 (&w)[2], unsigned s, unsign
             xw[h][nt][0] = a.x; xw[h][nt][1] = a.y; xw[h][nt][2] = a.z; xw[h][nt][3] = a.w;
             xw[h][nt][4] = b.x; xw[h][nt][5] = b.y; xw[h][nt][6] = b.z; xw[h][nt][7] = b.w;
         }
-#ifdef W4A16_HADD  // dequantize to u - z in the operands (one bf16x2 add per pair: exact, but an instruction more)
     const unsigned zlo = __byte_perm(z, 0, 0x1010), zhi = __byte_perm(z, 0, 0x3232);
     float part[2][NT][4];  // one MMA chain per chunk: two chains of 4 instead of one of 8
 #pragma unroll
@@ -112,47 +103,10 @@ DEVI void group_mma(float (&acc)[NT][4], const uint4 (&w)[2], unsigned s, unsign
         acc[nt][2] += (part[0][nt][2] + part[1][nt][2]) * s_hi;
         acc[nt][3] += (part[0][nt][3] + part[1][nt][3]) * s_hi;
     }
-#else
-    // The operands are 128 + u (one LOP3 per pair, no add): part = sum (128 + u) x, and one more MMA with an
-    // all-ones A gives the group's sum of x, so acc += scale * (part - (128 + z) * xsum). The 128 * xsum term
-    // cancels in fp32 (~1e-5 relative to the group's sum; the bf16 output keeps 8 bits).
-    float part[2][NT][4], xsum[NT][4];
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-        for (int i = 0; i < 4; ++i) part[0][nt][i] = part[1][nt][i] = xsum[nt][i] = 0.f;
-    const unsigned ONES = 0x3F803F80u, MASK = 0x000F000Fu, MAGIC = 0x43004300u;
-#pragma unroll
-    for (int j = 0; j < 4; ++j)
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            const unsigned wj = j == 0 ? w[h].x : j == 1 ? w[h].y : j == 2 ? w[h].z : w[h].w;
-            unsigned a0, a1, a2, a3;
-            asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(a0) : "r"(wj), "r"(MASK), "r"(MAGIC));
-            asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(a1) : "r"(wj >> 4), "r"(MASK), "r"(MAGIC));
-            asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(a2) : "r"(wj >> 8), "r"(MASK), "r"(MAGIC));
-            asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(a3) : "r"(wj >> 12), "r"(MASK), "r"(MAGIC));
-#pragma unroll
-            for (int nt = 0; nt < NT; ++nt) {
-                mma_bf16(part[h][nt], a0, a1, a2, a3, xw[h][nt][2 * j], xw[h][nt][2 * j + 1]);
-                mma_bf16(xsum[nt], ONES, ONES, ONES, ONES, xw[h][nt][2 * j], xw[h][nt][2 * j + 1]);
-            }
-        }
-    const float s_lo = __uint_as_float(s << 16), s_hi = __uint_as_float(s & 0xFFFF0000u);
-    const float z_lo = -__uint_as_float(z << 16), z_hi = -__uint_as_float(z & 0xFFFF0000u);  // 128 + z
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt) {
-        acc[nt][0] += (part[0][nt][0] + part[1][nt][0] - z_lo * xsum[nt][0]) * s_lo;
-        acc[nt][1] += (part[0][nt][1] + part[1][nt][1] - z_lo * xsum[nt][1]) * s_lo;
-        acc[nt][2] += (part[0][nt][2] + part[1][nt][2] - z_hi * xsum[nt][2]) * s_hi;
-        acc[nt][3] += (part[0][nt][3] + part[1][nt][3] - z_hi * xsum[nt][3]) * s_hi;
-    }
-#endif
 }
 
-// D: chunk loads a warp keeps in flight, refilled as each chunk is consumed: in registers, or (SMR) in a ring of
-// shared-memory slots filled by cp.async (no register cost, so deeper); per_warp: its chunks.
-template <int D, int KS, int WS, int NT, bool ZP, bool SMR>
+// D: chunk loads a warp keeps in flight in a register ring, refilled as each chunk is consumed; per_warp: its chunks.
+template <int D, int KS, int WS, int NT, bool ZP>
 DEVI void w4a16_body(W4A16_ARGS) {
     static_assert(D % 2 == 0, "the ring holds whole groups of 128 inputs");
     __shared__ float red[KS > 1 ? (KS - 1) * WS * NT * 4 * 32 : 1];
@@ -173,21 +127,13 @@ DEVI void w4a16_body(W4A16_ARGS) {
 
     const uint4* wp = qw + (size_t)strip * nchunks * 32 + lane;
     const size_t sp = (size_t)strip * ngroups * 8 + g;
-    uint4 wbuf[SMR ? 1 : D];
-    extern __shared__ uint4 ring[];  // SMR: [warp][slot][lane], D slots of 512 bytes per warp
-    uint4* slot = ring + (size_t)warp * D * 32 + lane;  // a lane reads back only what it copied itself
+    uint4 wbuf[D];
     unsigned sbuf[D / 2], zbuf[D / 2];
     if (early_release) pdl_launch_dependents();  // the next kernel may be placed (and load its weights) at once
     if (active) {
 #pragma unroll
-        for (int i = 0; i < D; ++i) {
-            if (SMR) {
-                if (c0 + i < c1) cp_async16(slot + i * 32, wp + (size_t)(c0 + i) * 32);
-                cp_async_commit();  // one group per slot, empty past the end: the wait counts stay uniform
-            } else if (c0 + i < c1) {
-                wbuf[i] = ld_stream(wp + (size_t)(c0 + i) * 32);
-            }
-        }
+        for (int i = 0; i < D; ++i)
+            if (c0 + i < c1) wbuf[i] = ld_stream(wp + (size_t)(c0 + i) * 32);
 #pragma unroll
         for (int i = 0; i < D / 2; ++i)
             if (c0 + 2 * i < c1) {
@@ -209,33 +155,16 @@ DEVI void w4a16_body(W4A16_ARGS) {
             for (int i = 0; i < D; i += 2) {
                 const int c = base + i;
                 if (c >= c1) break;
-                uint4 w[2];
-                if (SMR) {
-                    cp_async_wait<D - 2>();  // chunks c, c + 1 have landed (the D - 2 newer may be in flight)
-                    w[0] = slot[i * 32];
-                    w[1] = slot[(i + 1) * 32];
-                } else {
-                    w[0] = wbuf[i];
-                    w[1] = wbuf[i + 1];
-                }
+                const uint4 w[2] = {wbuf[i], wbuf[i + 1]};
                 const unsigned s = sbuf[i / 2], z = zbuf[i / 2];
                 const bool refill = c + D < c1;  // the ring's next chunks: c + D, c + D + 1
                 if (refill) {
-                    if (!SMR) {
-                        wbuf[i] = ld_stream(wnext);
-                        wbuf[i + 1] = ld_stream(wnext + 32);
-                    }
+                    wbuf[i] = ld_stream(wnext);
+                    wbuf[i + 1] = ld_stream(wnext + 32);
                     sbuf[i / 2] = ld_u32(sc + snext);
                     if (ZP) zbuf[i / 2] = ld_u32(zc + snext);
                 }
                 group_mma<NT>(acc, w, s, z, xc);
-                if (SMR) {  // after the math has used the slots' values
-#pragma unroll
-                    for (int h = 0; h < 2; ++h) {
-                        if (refill) cp_async16(slot + (i + h) * 32, wnext + h * 32);
-                        cp_async_commit();
-                    }
-                }
                 wnext += 64;
                 snext += 8;
 #pragma unroll

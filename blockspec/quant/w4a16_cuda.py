@@ -127,14 +127,9 @@ class CudaConfig:
     k_warps: int = 4         # KS: warps of a block along K (summed in shared memory)
     n_warps: int = 1         # WS: strips of 16 features per block
     k_splits: int = 1        # blocks along K (summed through a fp32 workspace by the last to arrive)
-    smem_ring: bool = False  # the ring in shared memory (cp.async) instead of registers
 
     def short(self) -> str:
-        return f"d{self.ring}{'s' if self.smem_ring else ''} k{self.k_warps} w{self.n_warps} s{self.k_splits}"
-
-    def ring_bytes(self) -> int:
-        """Dynamic shared memory of a block."""
-        return self.k_warps * self.n_warps * self.ring * 512 if self.smem_ring else 0
+        return f"d{self.ring} k{self.k_warps} w{self.n_warps} s{self.k_splits}"
 
     def per_warp(self, k: int) -> int:
         """Chunks per warp (even: whole groups)."""
@@ -157,13 +152,12 @@ def default_config(m: int, n: int, k: int) -> CudaConfig:
 # ----------------------------------------------------------------------------------------------------------
 
 def kernel_name(cfg: CudaConfig, nt: int, zp: bool) -> str:
-    return f"w4a16_d{cfg.ring}{'s' if cfg.smem_ring else ''}_k{cfg.k_warps}_w{cfg.n_warps}_t{nt}_z{int(zp)}"
+    return f"w4a16_d{cfg.ring}_k{cfg.k_warps}_w{cfg.n_warps}_t{nt}_z{int(zp)}"
 
 
 def _entry(c: CudaConfig, nt: int, zp: bool) -> str:
     return (f'extern "C" __global__ void __launch_bounds__({32 * c.k_warps * c.n_warps}) {kernel_name(c, nt, zp)}'
-            f'(W4A16_ARGS) {{ w4a16_body<{c.ring}, {c.k_warps}, {c.n_warps}, {nt}, {str(zp).lower()}, '
-            f'{str(c.smem_ring).lower()}>'
+            f'(W4A16_ARGS) {{ w4a16_body<{c.ring}, {c.k_warps}, {c.n_warps}, {nt}, {str(zp).lower()}>'
             f'(W4A16_PASS); }}')
 
 
@@ -268,22 +262,17 @@ class _LaunchConfig(ctypes.Structure):  # CUlaunchConfig
 PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
 
 
-def cu_launch(func, grid: tuple, block: int, args: list, device: torch.device, pdl: bool = False,
-              smem: int = 0) -> None:
-    """cuLaunchKernel on the current stream (`smem` bytes of dynamic shared memory); with `pdl`, cuLaunchKernelEx
-    with programmatic stream serialization (the kernel may start before its predecessor finishes; it waits in
-    griddepcontrol.wait)."""
+def cu_launch(func, grid: tuple, block: int, args: list, device: torch.device, pdl: bool = False) -> None:
+    """cuLaunchKernel on the current stream; with `pdl`, cuLaunchKernelEx with programmatic stream serialization
+    (the kernel may start before its predecessor finishes; it waits in griddepcontrol.wait)."""
     params = (ctypes.c_void_p * len(args))(*[ctypes.cast(ctypes.byref(a), ctypes.c_void_p) for a in args])
     stream = ctypes.c_void_p(torch.cuda.current_stream(device).cuda_stream)
     gx, gy = grid
-    if smem > 48 * 1024:  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
-        _cu_check(_libcuda().cuFuncSetAttribute(func, 8, smem), "cuFuncSetAttribute")
     if not pdl:
-        _cu_check(_libcuda().cuLaunchKernel(func, gx, gy, 1, block, 1, 1, smem, stream, params, None),
-                  "cuLaunchKernel")
+        _cu_check(_libcuda().cuLaunchKernel(func, gx, gy, 1, block, 1, 1, 0, stream, params, None), "cuLaunchKernel")
         return
     attr = _LaunchAttr(id=PROGRAMMATIC_STREAM_SERIALIZATION, value=1)
-    cfg = _LaunchConfig((ctypes.c_uint * 3)(gx, gy, 1), (ctypes.c_uint * 3)(block, 1, 1), smem, stream,
+    cfg = _LaunchConfig((ctypes.c_uint * 3)(gx, gy, 1), (ctypes.c_uint * 3)(block, 1, 1), 0, stream,
                         ctypes.pointer(attr), 1)
     _cu_check(_libcuda().cuLaunchKernelEx(ctypes.byref(cfg), func, params, None), "cuLaunchKernelEx")
 
@@ -301,7 +290,7 @@ def launch(module: Module, x2: torch.Tensor, mw: MmaWeight, cfg: CudaConfig, out
                                       int(early_release))]
     args = [ptrs[0], ints[0], ints[1], ptrs[1], ptrs[2], ptrs[3], ptrs[4], ints[2], ptrs[5], ptrs[6], ints[3],
             ints[4], ints[5], ints[6]]
-    cu_launch(module.function(name), grid, 32 * cfg.k_warps * cfg.n_warps, args, x2.device, pdl, cfg.ring_bytes())
+    cu_launch(module.function(name), grid, 32 * cfg.k_warps * cfg.n_warps, args, x2.device, pdl)
 
 
 def matmul(x: torch.Tensor, mw: MmaWeight, cfg: CudaConfig | None = None, out: torch.Tensor | None = None,
