@@ -170,7 +170,8 @@ def main() -> None:
     log, records = [], []
     t0 = time.perf_counter()
     try:
-        nv = wc.compile_cubin(wc.source([k for k in KERNELS if k[0] == wc.CudaConfig()]), "sm_90a")
+        major, minor = torch.cuda.get_device_capability()
+        nv = wc.compile_cubin(wc.source([k for k in KERNELS if k[0] == wc.CudaConfig()]), f"sm_{major}{minor}")
         log.append(dict(check="nvrtc compiles", ok=True, seconds=time.perf_counter() - t0, bytes=len(nv)))
     except Exception as exc:  # noqa: BLE001
         log.append(dict(check="nvrtc compiles", ok=False, error=str(exc)[:2000]))

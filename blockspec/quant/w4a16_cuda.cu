@@ -49,8 +49,13 @@ DEVI unsigned short to_bf16(float v) {
     return r;
 }
 
+#if __CUDA_ARCH__ >= 900  // programmatic dependent launch (no-ops unless launched with it)
 DEVI void pdl_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
 DEVI void pdl_launch_dependents() { asm volatile("griddepcontrol.launch_dependents;" :::); }
+#else
+DEVI void pdl_wait() {}
+DEVI void pdl_launch_dependents() {}
+#endif
 
 #define W4A16_ARGS                                                                                              \
     const unsigned short* __restrict__ x, int ldx, int M, const uint4* __restrict__ qw,                        \

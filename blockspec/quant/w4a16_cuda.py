@@ -1,16 +1,16 @@
 """W4A16 matmul for 1..16 activation rows as a CUDA kernel (w4a16_cuda.cu), compiled at first use with NVRTC.
 
-Status: a measured alternative, NOT used by the engine (Int4Linear runs w4a16_triton). Session 10 wrote it to test
-whether a hand-written kernel gets the mid-size projections nearer the bandwidth than Triton does (session 9: those
-launches are bound per program, not by memory). H200, bench/w4a16_cuda.py, docs/benchmarks.md "Session 10":
-  * 16 MB projections at 1-8 rows: 1.1-1.25x faster than the Triton kernel alone (o 9.2 vs 10.1 us, gdn_z 8.4 vs
-    10.6), 1.3-1.5x when chained with programmatic dependent launch (o 7.8 vs 9.9, gdn_z 7.0 vs 10.3 us), because
-    a warp's first chunk loads are issued before it waits on its predecessor;
-  * 38-92 MB projections: 0.92-1.03x Triton (1-8 rows); 16 rows (but for the 16 MB shapes) and the 656 MB
-    vocabulary head: slower (vocab 199 vs 170 us at 1 row; gate_up 49 vs 40 us at 16 rows).
-  In the INT4 step (packed projections) only out_proj / o_proj are 16 MB: ~0.15-0.18 ms (~2.5-3 %) to gain, once this
-  kernel has the add_norm epilogue those launches use (layers/folded_norm.py). Dropped forms: all of a warp's loads
-  at once (run 1), stream-K (equal contiguous ranges per warp, run 3: slower at every shape), rings of 8 / 16.
+Status: a measured alternative, NOT used by the engine (Int4Linear runs w4a16_triton): the step's projections run
+with epilogues (rms scaling, SwiGLU, add_norm: layers/folded_norm.py) that only the Triton kernel has so far.
+Session 10 wrote it to test whether a hand-written kernel gets the projections nearer the bandwidth than Triton
+(session 9: those launches are bound per program). H200, bench/w4a16_cuda.py run 12, docs/benchmarks.md "Session 10":
+  * 1-8 rows: 1.02-1.37x the Triton kernel on every per-layer shape (gate_up 31.1 vs 33.7 us, down 18.2 vs 20.0,
+    o 8.2 vs 10.1, gdn_z 7.8 vs 10.7), more when chained with programmatic dependent launch (PDL: a warp's first
+    chunk loads are issued before it waits on its predecessor; o 7.0 us, gate_up 30.2); the vocabulary head 0.97x;
+  * 16 rows: 0.72-0.90x, but for the 16 MB shapes (1.10-1.15x);
+  * its math costs 25-40 % over its loads alone (-DW4A16_LOADS_ONLY: gate_up 87-97 % of the bandwidth with PDL).
+  Dropped forms (measured slower): a warp's loads all at once (run 1), stream-K ranges (run 3), rings of 8-32 in
+  registers or in shared memory (runs 5, 9), 128 + u operands with an all-ones MMA for the x sums (run 11).
 
 Kernel: a warp owns a strip of 16 output features and a range of 64-input chunks; it keeps `ring` chunk loads in
 flight in registers (refilled as each is consumed; 4 measured best), issued before `griddepcontrol.wait`. A block
@@ -138,13 +138,12 @@ class CudaConfig:
 
 
 def default_config(m: int, n: int, k: int) -> CudaConfig:
-    """The best of bench/w4a16_cuda.py's sweep on the H200 (session 10, runs 3-6): a ring of 4 and no K split at
-    1-8 rows, 8 warps along K for the 16 MB and the long-row (down) shapes, else 4; at 9-16 rows a ring of 8."""
+    """The best of bench/w4a16_cuda.py's sweep on the H200 (session 10, runs 10-12): a ring of 4 and no K split;
+    at 1-8 rows 8 warps along K for the 16 MB and the long-row (down) shapes, else 4; at 9-16 rows 4 warps along K
+    and a ring of 8 for the 16 MB shapes."""
     if m <= 8:
         return CudaConfig(4, 8 if n * k < 40_000_000 or k > 8192 else 4, 1)
-    if k > 8192:
-        return CudaConfig(4, 2, 2, 4)
-    return CudaConfig(8, 4, 2 if n >= 14336 else 1)
+    return CudaConfig(8 if n * k < 40_000_000 else 4, 4, 1)
 
 
 # ----------------------------------------------------------------------------------------------------------
