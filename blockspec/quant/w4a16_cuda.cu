@@ -110,6 +110,19 @@ DEVI void group_mma(float (&acc)[NT][4], const uint4 (&w)[2], unsigned s, unsign
     }
 }
 
+// Calls f(nt, e, n) for each output row n = 8 nt + 2t + e (< M) whose sums this lane holds: acc[nt][e] (feature
+// 16 strip + g) and acc[nt][2 + e] (feature + 8), the MMA's C fragment.
+template <int NT, typename F>
+DEVI void for_lane_rows(int t, int M, F&& f) {
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+            const int n = nt * 8 + 2 * t + e;
+            if (n < M) f(nt, e, n);
+        }
+}
+
 // D: chunk loads a warp keeps in flight in a register ring, refilled as each chunk is consumed; per_warp: its chunks.
 template <int D, int KS, int WS, int NT, bool ZP>
 DEVI void w4a16_body(W4A16_ARGS) {
@@ -193,20 +206,14 @@ DEVI void w4a16_body(W4A16_ARGS) {
                     for (int i = 0; i < 4; ++i) acc[nt][i] += red[(((s - 1) * WS + wn) * NT * 4 + nt * 4 + i) * 32 + lane];
     }
     const bool owner = wk == 0 && strip < strips;
-    const int f = strip * 16 + g;  // features f (acc[.][0..1]) and f + 8 (acc[.][2..3]); rows nt*8 + 2t + e
+    const int f = strip * 16 + g;  // features f (acc[.][0..1]) and f + 8 (acc[.][2..3])
     if (gridDim.y > 1) {  // K splits: fp32 partials [split, M, N]; the last block to arrive adds them in order
         if (owner)
-#pragma unroll
-            for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                    const int n = nt * 8 + 2 * t + e;
-                    if (n < M) {
-                        float* p = ws + ((size_t)blockIdx.y * M + n) * N + f;
-                        p[0] = acc[nt][e];
-                        p[8] = acc[nt][2 + e];
-                    }
-                }
+            for_lane_rows<NT>(t, M, [&](int nt, int e, int n) {
+                float* p = ws + ((size_t)blockIdx.y * M + n) * N + f;
+                p[0] = acc[nt][e];
+                p[8] = acc[nt][2 + e];
+            });
         __threadfence();
         __syncthreads();
         if (threadIdx.x == 0) is_last = atomicAdd(&counters[blockIdx.x], 1) == (int)gridDim.y - 1;
@@ -214,33 +221,22 @@ DEVI void w4a16_body(W4A16_ARGS) {
         if (!is_last) return;
         __threadfence();
         if (owner)
-#pragma unroll
-            for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                    const int n = nt * 8 + 2 * t + e;
-                    float lo = 0.f, hi = 0.f;
-                    if (n < M)
-                        for (int y = 0; y < (int)gridDim.y; ++y) {
-                            const float* p = ws + ((size_t)y * M + n) * N + f;
-                            lo += __ldcg(p);
-                            hi += __ldcg(p + 8);
-                        }
-                    acc[nt][e] = lo;
-                    acc[nt][2 + e] = hi;
+            for_lane_rows<NT>(t, M, [&](int nt, int e, int n) {
+                float lo = 0.f, hi = 0.f;
+                for (int y = 0; y < (int)gridDim.y; ++y) {
+                    const float* p = ws + ((size_t)y * M + n) * N + f;
+                    lo += __ldcg(p);
+                    hi += __ldcg(p + 8);
                 }
+                acc[nt][e] = lo;
+                acc[nt][2 + e] = hi;
+            });
         if (threadIdx.x == 0) counters[blockIdx.x] = 0;  // ready for the next launch (and graph replay)
     }
     if (owner)
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-            for (int e = 0; e < 2; ++e) {
-                const int n = nt * 8 + 2 * t + e;
-                if (n < M) {
-                    out[(size_t)n * ldo + f] = to_bf16(acc[nt][e]);
-                    out[(size_t)n * ldo + f + 8] = to_bf16(acc[nt][2 + e]);
-                }
-            }
+        for_lane_rows<NT>(t, M, [&](int nt, int e, int n) {
+            out[(size_t)n * ldo + f] = to_bf16(acc[nt][e]);
+            out[(size_t)n * ldo + f + 8] = to_bf16(acc[nt][2 + e]);
+        });
 }
 
