@@ -186,8 +186,7 @@ def compile_cubin(src: str, arch: str, defines: tuple[str, ...] = ()) -> bytes:
     lib = _nvrtc()
     prog = ctypes.c_void_p()
     _nvrtc_check(lib, lib.nvrtcCreateProgram(ctypes.byref(prog), src.encode(), b"w4a16_cuda.cu", 0, None, None))
-    opts = [f"--gpu-architecture={arch}".encode(), b"-std=c++17", b"--use_fast_math",
-            *(f"-D{d}".encode() for d in defines)]
+    opts = [f"--gpu-architecture={arch}".encode(), b"-std=c++17", *(f"-D{d}".encode() for d in defines)]
     rc = lib.nvrtcCompileProgram(prog, len(opts), (ctypes.c_char_p * len(opts))(*opts))
     if rc != 0:
         size = ctypes.c_size_t()
@@ -299,11 +298,13 @@ def matmul(x: torch.Tensor, mw: MmaWeight, cfg: CudaConfig | None = None, out: t
         raise ValueError(f"x must be [1..{MAX_ROWS}, {mw.k}], got {tuple(x.shape)}")
     if x.dtype != torch.bfloat16 or not x.is_cuda:
         raise ValueError(f"the CUDA W4A16 kernel takes bf16 CUDA activations, got {x.dtype} on {x.device}")
-    if x.stride(1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16:
-        x = x.contiguous()
+    if x.stride(1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16:  # rows of 16-byte loads
+        x = x.clone(memory_format=torch.contiguous_format)
     cfg = cfg or default_config(x.shape[0], mw.n, mw.k)
     if out is None:
         out = torch.empty(x.shape[0], mw.n, dtype=torch.bfloat16, device=x.device)
+    elif tuple(out.shape) != (x.shape[0], mw.n) or out.dtype != torch.bfloat16 or out.stride(1) != 1:
+        raise ValueError(f"out must be a bf16 [{x.shape[0]}, {mw.n}] tensor with unit column stride")
     if module is None:
         module = module_for(((cfg, 1 if x.shape[0] <= 8 else 2, mw.zc is not None),), x.device)
     launch(module, x, mw, cfg, out, pdl, early_release)
