@@ -1,15 +1,16 @@
 """Check and time the CUDA W4A16 kernel (blockspec.quant.w4a16_cuda) against the Triton one, on the 27B shapes.
 
 One command on a GPU machine (repo root, ~3 minutes on an H200):   python bench/w4a16_cuda.py
-(SHAPES=o,gdn_in: those shapes only; MS=1,8: those row counts; DIAG=loads:a.cubin,hadd:b.cubin: each best config
-also timed from other builds of the kernels, e.g. nvcc -DW4A16_LOADS_ONLY: the loads without the math.)
+(SHAPES=o,gdn_in: those shapes only; MS=1,8: those row counts; DIAG=loads:build/loads.cubin: each best config also
+timed from other builds of the kernels, e.g. nvcc -DW4A16_LOADS_ONLY: the loads without the math.)
 CUBIN=path loads a cubin built elsewhere (nvcc -cubin of wc.source(...)) instead of compiling with NVRTC here.
 1. Checks: every swept config (and row tiles 1 / 2, zero points or not) against the dequantized fp32 reference on
    odd strip counts and a K that does not fill the last warp; row 0 of an 8-row launch == the 1-row launch
    (bitwise); a CUDA-graph replay of a K-split launch == eager (bitwise); NVRTC compiles the source here.
 2. Timing as bench/quant_kernels.py times: per (shape, M), C weight copies (> 200 MB together) back to back in one
    CUDA graph, median of 7 replays / C; the Triton kernel's default config on as many copies of its own layout in
-   the same run. % of 3990 GB/s over codes + scales.
+   the same run. % of 3990 GB/s over codes + scales. Then the best config per (shape, M) launched with PDL (its
+   successor released after its wait or at its start; rings of 8 / 16), and the Triton kernel at PDL level 2.
 Writes $OUT/w4a16_cuda.json when OUT is set.
 """
 
