@@ -67,7 +67,7 @@ DEVI void pdl_launch_dependents() {}
 template <int NT>
 DEVI void group_mma(float (&acc)[NT][4], const uint4 (&w)[2], unsigned s, unsigned z,
                     const unsigned short* const (&xc)[NT]) {
-#ifdef W4A16_LOADS_ONLY  // diagnostic build (bench/w4a16_cuda.py LOADS_ONLY=1): the loads without the math
+#ifdef W4A16_LOADS_ONLY  // diagnostic build (bench/w4a16_cuda.py DIAG=...): the loads without the math
     acc[0][0] += __uint_as_float((w[0].x ^ w[0].y ^ w[0].z ^ w[0].w ^ w[1].x ^ w[1].y ^ w[1].z ^ w[1].w ^ s ^ z) &
                                  0x807FFFFFu);
     return;
