@@ -409,3 +409,38 @@ def test_w4a16_cuda_kernel_on_gpu(zp):
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(out, y0)
+
+
+def test_w4a16_cuda_epilogues_on_gpu():
+    """The CUDA kernel's add_norm, rms and SwiGLU epilogues against the Triton kernel's (the engine's today), chained
+    as a folded layer runs them: add_norm -> [gate; up] with the norm completed and SwiGLU, and a plain rms launch."""
+    from blockspec.quant import w4a16_cuda as wc
+    from blockspec.quant import w4a16_triton as wq
+
+    gen = torch.Generator().manual_seed(3)
+
+    def weight(n, k):
+        codes = torch.randint(0, 16, (n, k), generator=gen)
+        scales = (torch.rand(n, k // 128, generator=gen) * 0.015 + 0.005).to(torch.bfloat16)
+        pw = wq.pack(codes, scales, None, 4, 128)
+        return wq.PackedWeight(pw.q.cuda(), pw.s.cuda(), None, 4, 128, n, k)
+
+    def close(a, b, tol=1e-2):
+        a, b = a.float(), b.float()
+        return float((a - b).abs().max() / b.abs().max()) < tol
+
+    k, hidden, inter = 1024, 1024, 1536
+    o_w, gu_w = weight(hidden, k), weight(2 * inter, hidden)
+    o_m, gu_m, gu_plain = wc.from_q16(o_w), wc.from_q16(gu_w, swiglu=True), wc.from_q16(gu_w)
+    norm_w = (torch.randn(hidden, generator=gen) * 0.1).to(torch.bfloat16).cuda()
+    for m in (1, 5, 8, 16):
+        x = torch.randn(m, k, generator=gen).to(torch.bfloat16).cuda()
+        res = torch.randn(m, hidden, generator=gen).to(torch.bfloat16).cuda()
+        t_out, t_rows, t_parts = wq.wq_matmul_add_norm(x, o_w, res, norm_w)
+        c_out, c_rows, c_sums = wc.matmul_add_norm(x, o_m, res, norm_w)
+        assert close(c_out, t_out) and close(c_rows, t_rows), m
+        assert c_sums.shape == (1, m) and close(c_sums[0], t_parts.sum(0), 1e-3), m
+        t_act = wq.wq_matmul_swiglu(t_rows, gu_w, rms=(t_parts, 1e-6))
+        c_act = wc.matmul_swiglu(c_rows, gu_m, rms=(c_sums, 1e-6))
+        assert c_act.shape == (m, inter) and close(c_act, t_act), m
+        assert close(wc.matmul(c_rows, gu_plain, rms=(c_sums, 1e-6)), wq.wq_matmul(t_rows, gu_w, rms=(t_parts, 1e-6)))

@@ -97,3 +97,13 @@ def test_source_has_one_entry_per_kernel():
     src = wc.source(cfgs)
     for c, nt, zp in cfgs:
         assert f"void __launch_bounds__({32 * c.k_warps * c.n_warps}) {wc.kernel_name(c, nt, zp)}(" in src
+
+
+def test_swiglu_order_puts_a_channels_gate_and_up_in_one_strip():
+    order = wc.swiglu_order(64)  # 32 channels: gate rows 0..31, up rows 32..63
+    strips = order.view(4, 16)
+    assert torch.equal(strips[:, :8], torch.arange(32).view(4, 8))
+    assert torch.equal(strips[:, 8:], 32 + torch.arange(32).view(4, 8))
+    assert sorted(order.tolist()) == list(range(64))
+    with pytest.raises(ValueError, match="multiple of 32"):
+        wc.swiglu_order(48)

@@ -57,11 +57,32 @@ DEVI void pdl_wait() {}
 DEVI void pdl_launch_dependents() {}
 #endif
 
+// What a launch does with its finished sums besides storing them (w4a16_cuda.py `Epilogue`; why:
+// layers/folded_norm.py). rms_sums: first scale each row by rsqrt(sum over rms_p rows of rms_sums [rms_p, M] / K +
+// eps). kind 1 (add_norm): out = residual + y (rounded as the plain add), rows = out * (1 + norm_weight), and the
+// rows' sums of out^2: per block into parts[block, M], then by the last block, in block order, into
+// parts[gridDim.x, M]. kind 2 (swiglu): the weight's strips hold 8 gate rows then the same 8 channels' up rows;
+// out[:, channel] = silu(gate) * up, each rounded as the activation kernel of two launches rounds it.
+struct Epilogue {
+    const float* rms_sums;
+    int rms_p;
+    float eps;
+    int kind;
+    const unsigned short* residual;
+    const float* norm_weight;
+    unsigned short* rows;
+    float* parts;
+};
+
 #define W4A16_ARGS                                                                                              \
     const unsigned short* __restrict__ x, int ldx, int M, const uint4* __restrict__ qw,                        \
         const unsigned* __restrict__ sc, const unsigned* __restrict__ zc, unsigned short* __restrict__ out,    \
-        int ldo, float* __restrict__ ws, int* __restrict__ counters, int N, int K, int per_warp, int early_release
-#define W4A16_PASS x, ldx, M, qw, sc, zc, out, ldo, ws, counters, N, K, per_warp, early_release
+        int ldo, float* __restrict__ ws, int* __restrict__ counters, int N, int K, int per_warp,                \
+        int early_release, const Epilogue epi
+#define W4A16_PASS x, ldx, M, qw, sc, zc, out, ldo, ws, counters, N, K, per_warp, early_release, epi
+
+DEVI float bf16_to_f32(unsigned short h) { return __uint_as_float((unsigned)h << 16); }
+DEVI float round_bf16(float v) { return bf16_to_f32(to_bf16(v)); }
 
 // One group of 128 inputs (chunks c, c + 1) of a warp: part = (u - z) @ x^T on the MMAs, acc += part * scale.
 template <int NT>
@@ -233,10 +254,76 @@ DEVI void w4a16_body(W4A16_ARGS) {
             });
         if (threadIdx.x == 0) counters[blockIdx.x] = 0;  // ready for the next launch (and graph replay)
     }
-    if (owner)
+    if (epi.rms_sums && owner)  // the norm its input began: each row's 1 / rms
         for_lane_rows<NT>(t, M, [&](int nt, int e, int n) {
-            out[(size_t)n * ldo + f] = to_bf16(acc[nt][e]);
-            out[(size_t)n * ldo + f + 8] = to_bf16(acc[nt][2 + e]);
+            float sum = 0.f;
+            for (int p = 0; p < epi.rms_p; ++p) sum += epi.rms_sums[(size_t)p * M + n];
+            const float r = rsqrtf(sum / K + epi.eps);
+            acc[nt][e] *= r;
+            acc[nt][2 + e] *= r;
         });
+    if (epi.kind == 2) {  // swiglu: gate (row g) and up (row g + 8) of channel 8 strip + g are this lane's
+        if (owner)
+            for_lane_rows<NT>(t, M, [&](int nt, int e, int n) {
+                const float gate = round_bf16(acc[nt][e]), up = round_bf16(acc[nt][2 + e]);
+                out[(size_t)n * ldo + strip * 8 + g] = to_bf16(up * (gate / (1.f + __expf(-gate))));
+            });
+        return;
+    }
+    if (epi.kind == 0) {
+        if (owner)
+            for_lane_rows<NT>(t, M, [&](int nt, int e, int n) {
+                out[(size_t)n * ldo + f] = to_bf16(acc[nt][e]);
+                out[(size_t)n * ldo + f + 8] = to_bf16(acc[nt][2 + e]);
+            });
+        return;
+    }
+    // add_norm: this lane's two features of each of its rows, then the rows' sums of squares over the block
+    float sq[NT][2];
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) sq[nt][0] = sq[nt][1] = 0.f;
+    if (owner) {
+        const float w_lo = 1.f + epi.norm_weight[f], w_hi = 1.f + epi.norm_weight[f + 8];
+        for_lane_rows<NT>(t, M, [&](int nt, int e, int n) {
+            const size_t o = (size_t)n * N + f;
+            const float v_lo = round_bf16(bf16_to_f32(epi.residual[o]) + round_bf16(acc[nt][e]));
+            const float v_hi = round_bf16(bf16_to_f32(epi.residual[o + 8]) + round_bf16(acc[nt][2 + e]));
+            out[o] = to_bf16(v_lo);
+            out[o + 8] = to_bf16(v_hi);
+            epi.rows[o] = to_bf16(v_lo * w_lo);
+            epi.rows[o + 8] = to_bf16(v_hi * w_hi);
+            sq[nt][e] = v_lo * v_lo + v_hi * v_hi;
+        });
+    }
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int e = 0; e < 2; ++e)
+#pragma unroll
+            for (int off = 4; off < 32; off <<= 1) sq[nt][e] += __shfl_xor_sync(0xffffffffu, sq[nt][e], off);
+    __shared__ float strip_sq[WS][NT * 8];  // the block's strips, summed in strip order
+    if (wk == 0 && g == 0)
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) strip_sq[wn][nt * 8 + 2 * t + e] = strip < strips ? sq[nt][e] : 0.f;
+    __syncthreads();
+    if (threadIdx.x < M) {
+        float total = 0.f;
+        for (int w = 0; w < WS; ++w) total += strip_sq[w][threadIdx.x];
+        epi.parts[(size_t)blockIdx.x * M + threadIdx.x] = total;
+    }
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) is_last = atomicAdd(&counters[gridDim.x], 1) == (int)gridDim.x - 1;
+    __syncthreads();
+    if (!is_last) return;
+    __threadfence();
+    if (threadIdx.x < M) {
+        float total = 0.f;
+        for (int b = 0; b < (int)gridDim.x; ++b) total += __ldcg(epi.parts + (size_t)b * M + threadIdx.x);
+        epi.parts[(size_t)gridDim.x * M + threadIdx.x] = total;
+    }
+    if (threadIdx.x == 0) counters[gridDim.x] = 0;
 }
 

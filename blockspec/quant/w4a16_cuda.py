@@ -1,7 +1,9 @@
 """W4A16 matmul for 1..16 activation rows as a CUDA kernel (w4a16_cuda.cu), compiled at first use with NVRTC.
 
-Status: a measured alternative, NOT used by the engine (Int4Linear runs w4a16_triton): the step's projections run
-with epilogues (rms scaling, SwiGLU, add_norm: layers/folded_norm.py) that only the Triton kernel has so far.
+Status: a measured alternative, NOT yet used by the engine (Int4Linear runs w4a16_triton). It has the epilogues the
+step's projections run with (rms scaling, SwiGLU, add_norm: layers/folded_norm.py; `matmul(rms=)`,
+`matmul_swiglu`, `matmul_add_norm`), checked against the Triton kernel's on the GPU (tests/test_cuda.py); wiring it
+into Int4Linear (one layout in memory) is the next step.
 Session 10 wrote it to test whether a hand-written kernel gets the projections nearer the bandwidth than Triton
 (session 9: those launches are bound per program). H200, bench/w4a16_cuda.py run 12, docs/benchmarks.md "Session 10":
   * 1-8 rows: 1.02-1.37x the Triton kernel on every per-layer shape (gate_up 31.1 vs 33.7 us, down 18.2 vs 20.0,
@@ -105,8 +107,17 @@ def unpack_codes(mw: MmaWeight) -> torch.Tensor:
     return u.permute(0, 7, 2, 1, 3, 4, 6, 5).reshape(mw.n, mw.k)
 
 
-def from_q16(pw) -> MmaWeight:
-    """A w4a16_triton.PackedWeight (q16 layout) in this layout."""
+def swiglu_order(n: int) -> torch.Tensor:
+    """Row order of a [gate; up] weight (n rows, n / 2 channels) for the swiglu epilogue: each 16-row strip holds 8
+    gate rows, then the up rows of the same 8 channels, so that one lane holds both halves of a channel."""
+    if n % 32:
+        raise ValueError(f"a [gate; up] weight for the swiglu epilogue needs a multiple of 32 rows, got {n}")
+    ch = torch.arange(n // 2).view(-1, 1, 8)
+    return torch.cat([ch, ch + n // 2], dim=1).reshape(-1)
+
+
+def from_q16(pw, swiglu: bool = False) -> MmaWeight:
+    """A w4a16_triton.PackedWeight (q16 layout) in this layout; `swiglu`: a [gate; up] weight in `swiglu_order`."""
     from . import w4a16_triton as wq
     why = supports(pw.n, pw.k, pw.bits, pw.group_size)
     if why:
@@ -114,6 +125,9 @@ def from_q16(pw) -> MmaWeight:
     codes = wq.unpack_codes(pw.q, pw.bits, pw.group_size, pw.k)
     scales = wq.unpack_groups(pw.s, pw.k, pw.group_size)
     zeros = None if pw.z is None else wq.unpack_groups(pw.z, pw.k, pw.group_size)
+    if swiglu:
+        order = swiglu_order(pw.n).to(codes.device)
+        codes, scales, zeros = codes[order], scales[order], None if zeros is None else zeros[order]
     return pack(codes, scales, zeros)
 
 
@@ -275,25 +289,38 @@ def cu_launch(func, grid: tuple, block: int, args: list, device: torch.device, p
     _cu_check(_libcuda().cuLaunchKernelEx(ctypes.byref(cfg), func, params, None), "cuLaunchKernelEx")
 
 
+class Epilogue(ctypes.Structure):  # the kernel's `Epilogue` (w4a16_cuda.cu says what each field does)
+    _fields_ = [("rms_sums", ctypes.c_void_p), ("rms_p", ctypes.c_int), ("eps", ctypes.c_float),
+                ("kind", ctypes.c_int), ("residual", ctypes.c_void_p), ("norm_weight", ctypes.c_void_p),
+                ("rows", ctypes.c_void_p), ("parts", ctypes.c_void_p)]
+
+
+def _rms_fields(rms: tuple[torch.Tensor, float] | None, m: int) -> dict:
+    if rms is None:
+        return {}
+    sums, eps = rms
+    if sums.dim() != 2 or sums.shape[1] != m or sums.dtype != torch.float32 or not sums.is_contiguous():
+        raise ValueError(f"rms sums must be a contiguous fp32 [P, {m}] tensor, got {tuple(sums.shape)} {sums.dtype}")
+    return dict(rms_sums=sums.data_ptr(), rms_p=sums.shape[0], eps=float(eps))
+
+
 def launch(module: Module, x2: torch.Tensor, mw: MmaWeight, cfg: CudaConfig, out: torch.Tensor,
-           pdl: bool = False, early_release: bool = False) -> None:
+           pdl: bool = False, early_release: bool = False, epi: Epilogue | None = None) -> None:
     m = x2.shape[0]
     name = kernel_name(cfg, 1 if m <= 8 else 2, mw.zc is not None)
     grid = (-(-(mw.n // 16) // cfg.n_warps), cfg.k_splits)
     ws = torch.empty(cfg.k_splits * m * mw.n if cfg.k_splits > 1 else 1, dtype=torch.float32, device=x2.device)
-    cnt = arrival_counters(x2.device, grid[0])
+    cnt = arrival_counters(x2.device, grid[0] + 1)  # per block column (K splits), then one for add_norm's sums
     ptrs = [ctypes.c_void_p(t.data_ptr()) for t in (x2, mw.qw, mw.sc, mw.sc if mw.zc is None else mw.zc, out, ws,
                                                      cnt)]
     ints = [ctypes.c_int(v) for v in (x2.stride(0), m, out.stride(0), mw.n, mw.k, cfg.per_warp(mw.k),
                                       int(early_release))]
     args = [ptrs[0], ints[0], ints[1], ptrs[1], ptrs[2], ptrs[3], ptrs[4], ints[2], ptrs[5], ptrs[6], ints[3],
-            ints[4], ints[5], ints[6]]
+            ints[4], ints[5], ints[6], epi or Epilogue()]
     cu_launch(module.function(name), grid, 32 * cfg.k_warps * cfg.n_warps, args, x2.device, pdl)
 
 
-def matmul(x: torch.Tensor, mw: MmaWeight, cfg: CudaConfig | None = None, out: torch.Tensor | None = None,
-           module: Module | None = None, pdl: bool = False, early_release: bool = False) -> torch.Tensor:
-    """x [M <= 16, K] bf16 (CUDA) @ dequant(W)^T -> [M, N] bf16."""
+def _prepare(x: torch.Tensor, mw: MmaWeight, cfg: CudaConfig | None, module: Module | None):
     if x.dim() != 2 or x.shape[1] != mw.k or not 1 <= x.shape[0] <= MAX_ROWS:
         raise ValueError(f"x must be [1..{MAX_ROWS}, {mw.k}], got {tuple(x.shape)}")
     if x.dtype != torch.bfloat16 or not x.is_cuda:
@@ -301,11 +328,48 @@ def matmul(x: torch.Tensor, mw: MmaWeight, cfg: CudaConfig | None = None, out: t
     if x.stride(1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16:  # rows of 16-byte loads
         x = x.clone(memory_format=torch.contiguous_format)
     cfg = cfg or default_config(x.shape[0], mw.n, mw.k)
+    if module is None:
+        module = module_for(((cfg, 1 if x.shape[0] <= 8 else 2, mw.zc is not None),), x.device)
+    return x, cfg, module
+
+
+def matmul(x: torch.Tensor, mw: MmaWeight, cfg: CudaConfig | None = None, out: torch.Tensor | None = None,
+           module: Module | None = None, pdl: bool = False, early_release: bool = False,
+           rms: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:
+    """x [M <= 16, K] bf16 (CUDA) @ dequant(W)^T -> [M, N] bf16; `rms` (sums [P, M], eps): each row scaled by
+    1 / rms, rms = sqrt(sum of its P sums / K + eps) (the norm an add_norm launch began)."""
+    x, cfg, module = _prepare(x, mw, cfg, module)
     if out is None:
         out = torch.empty(x.shape[0], mw.n, dtype=torch.bfloat16, device=x.device)
     elif tuple(out.shape) != (x.shape[0], mw.n) or out.dtype != torch.bfloat16 or out.stride(1) != 1:
         raise ValueError(f"out must be a bf16 [{x.shape[0]}, {mw.n}] tensor with unit column stride")
-    if module is None:
-        module = module_for(((cfg, 1 if x.shape[0] <= 8 else 2, mw.zc is not None),), x.device)
-    launch(module, x, mw, cfg, out, pdl, early_release)
+    launch(module, x, mw, cfg, out, pdl, early_release, Epilogue(**_rms_fields(rms, x.shape[0])))
     return out
+
+
+def matmul_swiglu(x: torch.Tensor, mw: MmaWeight, cfg: CudaConfig | None = None, module: Module | None = None,
+                  pdl: bool = False, rms: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:
+    """silu(gate) * up [M, N / 2] of a [gate; up] weight packed in `swiglu_order` (from_q16(..., swiglu=True))."""
+    x, cfg, module = _prepare(x, mw, cfg, module)
+    out = torch.empty(x.shape[0], mw.n // 2, dtype=torch.bfloat16, device=x.device)
+    launch(module, x, mw, cfg, out, pdl, False, Epilogue(kind=2, **_rms_fields(rms, x.shape[0])))
+    return out
+
+
+def matmul_add_norm(x: torch.Tensor, mw: MmaWeight, residual: torch.Tensor, norm_weight: torch.Tensor,
+                    cfg: CudaConfig | None = None, module: Module | None = None, pdl: bool = False):
+    """(out = residual + x @ W^T, rows = out * (1 + norm_weight), sums [1, M] of out^2 per row) in one launch: what
+    w4a16_triton.wq_matmul_add_norm returns, its per-tile sums already added (in block order)."""
+    x, cfg, module = _prepare(x, mw, cfg, module)
+    m = x.shape[0]
+    if tuple(residual.shape) != (m, mw.n) or residual.dtype != torch.bfloat16 or tuple(norm_weight.shape) != (mw.n,):
+        raise ValueError(f"residual {tuple(residual.shape)} {residual.dtype} / norm weight {tuple(norm_weight.shape)} "
+                         f"do not match the bf16 output [{m}, {mw.n}]")
+    out, rows = (torch.empty(m, mw.n, dtype=torch.bfloat16, device=x.device) for _ in range(2))
+    blocks = -(-(mw.n // 16) // cfg.n_warps)
+    parts = torch.empty(blocks + 1, m, dtype=torch.float32, device=x.device)
+    residual, weight = residual.contiguous(), norm_weight.to(torch.float32).contiguous()
+    epi = Epilogue(kind=1, residual=residual.data_ptr(), norm_weight=weight.data_ptr(), rows=rows.data_ptr(),
+                   parts=parts.data_ptr())
+    launch(module, x, mw, cfg, out, pdl, False, epi)
+    return out, rows, parts[blocks:]
