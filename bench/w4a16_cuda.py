@@ -2,7 +2,8 @@
 
 One command on a GPU machine (repo root, ~3 minutes on an H200):   python bench/w4a16_cuda.py
 (SHAPES=o,gdn_in: those shapes only; MS=1,8: those row counts; DIAG=loads:build/loads.cubin: each best config also
-timed from other builds of the kernels, e.g. nvcc -DW4A16_LOADS_ONLY: the loads without the math.)
+timed from other builds of the kernels, e.g. nvcc -DW4A16_LOADS_ONLY: the loads without the math; EPILOGUES=1: the
+folded layer's launches with their epilogues, CUDA vs Triton, instead of the table.)
 CUBIN=path loads a cubin built elsewhere (nvcc -cubin of wc.source(...)) instead of compiling with NVRTC here.
 1. Checks: every swept config (and row tiles 1 / 2, zero points or not) against the dequantized fp32 reference on
    odd strip counts and a K that does not fill the last warp; row 0 of an 8-row launch == the 1-row launch
@@ -167,6 +168,39 @@ def timing(module, records, diag: dict) -> None:
                 print(f"  M={m:2d} PDL    triton (level 2) {tp_us:8.1f} us {records[-1]['pct']:5.1f}%", flush=True)
 
 
+def epilogue_timing(records) -> None:
+    """The launches a folded layer runs (EPILOGUES=1): add_norm on out_proj / down, SwiGLU with the norm completed on
+    gate_up, rms on in_proj; CUDA (PDL, successor released at its start) vs Triton (PDL level 2), M = 1 and 8."""
+    cases = [("out add_norm", 5120, 6144, "add_norm"), ("down add_norm", 5120, 17408, "add_norm"),
+             ("gate_up swiglu+rms", 34816, 5120, "swiglu"), ("in_proj rms", 16480, 5120, "rms")]
+    for label, n, k, kind in cases:
+        pw, _ = random_pair(n, k)
+        mw = wc.from_q16(pw, swiglu=kind == "swiglu")
+        nb = mw.nbytes()
+        copies = max(2, -(-int(200e6) // nb))
+        pws, mws = [pw] * copies, [mw] * copies  # the same weight: L2 (50 MB) cannot hold >= 16 MB x C anyway
+        for m in (1, 8):
+            x = torch.randn(m, k, device=DEV).to(torch.bfloat16)
+            res = torch.randn(m, n, device=DEV).to(torch.bfloat16)
+            nw = torch.randn(n, device=DEV).to(torch.bfloat16)
+            sums = torch.rand(1, m, device=DEV) * k
+            if kind == "add_norm":
+                cuda = lambda: [wc.matmul_add_norm(x, w, res, nw, pdl=True) for w in mws]  # noqa: E731
+                trit = lambda: [wq.wq_matmul_add_norm(x, w, res, nw) for w in pws]  # noqa: E731
+            elif kind == "swiglu":
+                cuda = lambda: [wc.matmul_swiglu(x, w, pdl=True, rms=(sums, 1e-6)) for w in mws]  # noqa: E731
+                trit = lambda: [wq.wq_matmul_swiglu(x, w, rms=(sums, 1e-6)) for w in pws]  # noqa: E731
+            else:
+                cuda = lambda: [wc.matmul(x, w, pdl=True, early_release=True, rms=(sums, 1e-6)) for w in mws]  # noqa
+                trit = lambda: [wq.wq_matmul(x, w, rms=(sums, 1e-6)) for w in pws]  # noqa: E731
+            c_us = replay_ms(cuda, 7) * 1e3 / copies
+            pdl.use_level(2)
+            t_us = replay_ms(trit, 7) * 1e3 / copies
+            pdl.use_level(0)
+            records.append(dict(epilogue=label, m=m, cuda_us=c_us, triton_us=t_us, bytes=nb))
+            print(f"  {label:20s} M={m}: CUDA {c_us:7.1f} us  Triton {t_us:7.1f} us  x{t_us / c_us:.2f}", flush=True)
+
+
 def main() -> None:
     log, records = [], []
     t0 = time.perf_counter()
@@ -186,7 +220,9 @@ def main() -> None:
     for item in filter(None, os.environ.get("DIAG", "").split(",")):
         label, path = item.split(":")
         diag[label] = wc.Module(Path(path).read_bytes())
-    if os.environ.get("CHECK_ONLY") != "1":
+    if os.environ.get("EPILOGUES") == "1":
+        epilogue_timing(records)
+    elif os.environ.get("CHECK_ONLY") != "1":
         timing(module, records, diag)
     if os.environ.get("OUT"):
         Path(os.environ["OUT"], "w4a16_cuda.json").write_text(json.dumps(dict(checks=log, timing=records), indent=1))
