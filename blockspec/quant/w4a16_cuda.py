@@ -1,14 +1,15 @@
 """W4A16 matmul for 1..16 activation rows as a CUDA kernel (w4a16_cuda.cu), compiled at first use with NVRTC.
 
-Status: a measured alternative, NOT yet used by the engine (Int4Linear runs w4a16_triton). It has the epilogues the
-step's projections run with (rms scaling, SwiGLU, add_norm: layers/folded_norm.py; `matmul(rms=)`,
-`matmul_swiglu`, `matmul_add_norm`), checked against the Triton kernel's on the GPU (tests/test_cuda.py); wiring it
-into Int4Linear (one layout in memory) is the next step.
+Status: a measured alternative, NOT used by the engine (Int4Linear runs w4a16_triton). It has the epilogues the
+step's projections run with (rms scaling, SwiGLU, add_norm: layers/folded_norm.py; `matmul(rms=)`, `matmul_swiglu`,
+`matmul_add_norm`), correct against the Triton kernel's on the GPU (tests/test_cuda.py), but in this form slower
+than Triton's (run 15: the epilogue chosen at run time costs the main loop registers; see docs/benchmarks.md).
 Session 10 wrote it to test whether a hand-written kernel gets the projections nearer the bandwidth than Triton
 (session 9: those launches are bound per program). H200, bench/w4a16_cuda.py run 12, docs/benchmarks.md "Session 10":
-  * 1-8 rows: 1.02-1.37x the Triton kernel on every per-layer shape (gate_up 31.1 vs 33.7 us, down 18.2 vs 20.0,
-    o 8.2 vs 10.1, gdn_z 7.8 vs 10.7), more when chained with programmatic dependent launch (PDL: a warp's first
-    chunk loads are issued before it waits on its predecessor; o 7.0 us, gate_up 30.2); the vocabulary head 0.97x;
+  * 1-8 rows (nvcc builds of the kernel before the epilogues): 1.02-1.37x the Triton kernel on every per-layer
+    shape (gate_up 31.1 vs 33.7 us, down 18.2 vs 20.0, o 8.2 vs 10.1, gdn_z 7.8 vs 10.7), more when chained with
+    programmatic dependent launch (PDL: a warp's first chunk loads are issued before it waits on its predecessor;
+    o 7.0 us, gate_up 30.2); the vocabulary head 0.97x;
   * 16 rows: 0.72-0.90x, but for the 16 MB shapes (1.10-1.15x);
   * its math costs 25-40 % over its loads alone (-DW4A16_LOADS_ONLY: gate_up 87-97 % of the bandwidth with PDL).
   Dropped forms (measured slower): a warp's loads all at once (run 1), stream-K ranges (run 3), rings of 8-32 in
