@@ -93,10 +93,11 @@ def test_refuses_shapes_it_cannot_hold():
 
 
 def test_source_has_one_entry_per_kernel():
-    cfgs = [(wc.CudaConfig(8, 2, 2, 3), 1, False), (wc.CudaConfig(4, 1, 4), 2, True)]
+    cfgs = [(wc.CudaConfig(8, 2, 2, 3), 1, False, wc.STORE), (wc.CudaConfig(4, 1, 4), 2, True, wc.SWIGLU)]
     src = wc.source(cfgs)
-    for c, nt, zp in cfgs:
-        assert f"void __launch_bounds__({32 * c.k_warps * c.n_warps}) {wc.kernel_name(c, nt, zp)}(" in src
+    for c, nt, zp, epi in cfgs:
+        assert f"void __launch_bounds__({32 * c.k_warps * c.n_warps}) {wc.kernel_name(c, nt, zp, epi)}(" in src
+        assert f"w4a16_body<{c.ring}, {c.k_warps}, {c.n_warps}, {nt}, {str(zp).lower()}, {epi}>" in src
 
 
 def test_swiglu_order_puts_a_channels_gate_and_up_in_one_strip():

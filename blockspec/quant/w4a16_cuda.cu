@@ -59,7 +59,7 @@ DEVI void pdl_launch_dependents() {}
 
 // What a launch does with its finished sums besides storing them (w4a16_cuda.py `Epilogue`; why:
 // layers/folded_norm.py). rms_sums: first scale each row by rsqrt(sum over rms_p rows of rms_sums [rms_p, M] / K +
-// eps). kind 1 (add_norm): out = residual + y (rounded as the plain add), rows = out * (1 + norm_weight), and the
+// eps). kind 1 (add_norm; bf16 norm weight): out = residual + y (rounded as the plain add), rows = out * (1 + w), and the
 // rows' sums of out^2: per block into parts[block, M], then by the last block, in block order, into
 // parts[gridDim.x, M]. kind 2 (swiglu): the weight's strips hold 8 gate rows then the same 8 channels' up rows;
 // out[:, channel] = silu(gate) * up, each rounded as the activation kernel of two launches rounds it.
@@ -69,7 +69,7 @@ struct Epilogue {
     float eps;
     int kind;
     const unsigned short* residual;
-    const float* norm_weight;
+    const unsigned short* norm_weight;
     unsigned short* rows;
     float* parts;
 };
@@ -144,9 +144,13 @@ DEVI void for_lane_rows(int t, int M, F&& f) {
         }
 }
 
+template <int WS, int NT>
+DEVI void add_norm_epilogue(const float (&acc)[NT][4], bool owner, int strip, int strips, int wk, int wn, int f,
+                            int M, int N, unsigned short* out, const Epilogue& epi, int* counters, int& is_last);
+
 // D: chunk loads a warp keeps in flight in a register ring, refilled as each chunk is consumed; per_warp: its chunks.
-template <int D, int KS, int WS, int NT, bool ZP>
-DEVI void w4a16_body(W4A16_ARGS) {
+template <int D, int KS, int WS, int NT, bool ZP, int EPI>  // EPI: epi.kind (a template: no epilogue code, no
+DEVI void w4a16_body(W4A16_ARGS) {                                   // registers for it, in the other kernels)
     static_assert(D % 2 == 0, "the ring holds whole groups of 128 inputs");
     __shared__ float red[KS > 1 ? (KS - 1) * WS * NT * 4 * 32 : 1];
     __shared__ int is_last;
@@ -262,28 +266,34 @@ DEVI void w4a16_body(W4A16_ARGS) {
             acc[nt][e] *= r;
             acc[nt][2 + e] *= r;
         });
-    if (epi.kind == 2) {  // swiglu: gate (row g) and up (row g + 8) of channel 8 strip + g are this lane's
+    if constexpr (EPI == 2) {  // swiglu: gate (row g) and up (row g + 8) of channel 8 strip + g are this lane's
         if (owner)
             for_lane_rows<NT>(t, M, [&](int nt, int e, int n) {
                 const float gate = round_bf16(acc[nt][e]), up = round_bf16(acc[nt][2 + e]);
                 out[(size_t)n * ldo + strip * 8 + g] = to_bf16(up * (gate / (1.f + __expf(-gate))));
             });
-        return;
-    }
-    if (epi.kind == 0) {
+    } else if constexpr (EPI == 0) {
         if (owner)
             for_lane_rows<NT>(t, M, [&](int nt, int e, int n) {
                 out[(size_t)n * ldo + f] = to_bf16(acc[nt][e]);
                 out[(size_t)n * ldo + f + 8] = to_bf16(acc[nt][2 + e]);
             });
-        return;
+    } else {
+        add_norm_epilogue<WS, NT>(acc, owner, strip, strips, wk, wn, f, M, N, out, epi, counters, is_last);
     }
-    // add_norm: this lane's two features of each of its rows, then the rows' sums of squares over the block
+}
+
+// add_norm: this lane's two features of each of its rows, then the rows' sums of squares over the block, then over
+// the grid (the last block to arrive).
+template <int WS, int NT>
+DEVI void add_norm_epilogue(const float (&acc)[NT][4], bool owner, int strip, int strips, int wk, int wn, int f,
+                            int M, int N, unsigned short* out, const Epilogue& epi, int* counters, int& is_last) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
     float sq[NT][2];
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) sq[nt][0] = sq[nt][1] = 0.f;
     if (owner) {
-        const float w_lo = 1.f + epi.norm_weight[f], w_hi = 1.f + epi.norm_weight[f + 8];
+        const float w_lo = 1.f + bf16_to_f32(epi.norm_weight[f]), w_hi = 1.f + bf16_to_f32(epi.norm_weight[f + 8]);
         for_lane_rows<NT>(t, M, [&](int nt, int e, int n) {
             const size_t o = (size_t)n * N + f;
             const float v_lo = round_bf16(bf16_to_f32(epi.residual[o]) + round_bf16(acc[nt][e]));
@@ -319,10 +329,12 @@ DEVI void w4a16_body(W4A16_ARGS) {
     __syncthreads();
     if (!is_last) return;
     __threadfence();
-    if (threadIdx.x < M) {
+    for (int n = warp; n < M; n += blockDim.x >> 5) {  // a warp per row: lane l adds blocks l, l + 32, ...
         float total = 0.f;
-        for (int b = 0; b < (int)gridDim.x; ++b) total += __ldcg(epi.parts + (size_t)b * M + threadIdx.x);
-        epi.parts[(size_t)gridDim.x * M + threadIdx.x] = total;
+        for (int b = lane; b < (int)gridDim.x; b += 32) total += __ldcg(epi.parts + (size_t)b * M + n);
+#pragma unroll
+        for (int off = 16; off > 0; off >>= 1) total += __shfl_xor_sync(0xffffffffu, total, off);
+        if (lane == 0) epi.parts[(size_t)gridDim.x * M + n] = total;
     }
     if (threadIdx.x == 0) counters[gridDim.x] = 0;
 }

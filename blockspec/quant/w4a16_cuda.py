@@ -165,19 +165,22 @@ def default_config(m: int, n: int, k: int) -> CudaConfig:
 # Compile (NVRTC), load and launch (driver API)
 # ----------------------------------------------------------------------------------------------------------
 
-def kernel_name(cfg: CudaConfig, nt: int, zp: bool) -> str:
-    return f"w4a16_d{cfg.ring}_k{cfg.k_warps}_w{cfg.n_warps}_t{nt}_z{int(zp)}"
+STORE, ADD_NORM, SWIGLU = 0, 1, 2  # epilogue kinds (a template parameter of the kernel)
 
 
-def _entry(c: CudaConfig, nt: int, zp: bool) -> str:
-    return (f'extern "C" __global__ void __launch_bounds__({32 * c.k_warps * c.n_warps}) {kernel_name(c, nt, zp)}'
-            f'(W4A16_ARGS) {{ w4a16_body<{c.ring}, {c.k_warps}, {c.n_warps}, {nt}, {str(zp).lower()}>'
-            f'(W4A16_PASS); }}')
+def kernel_name(cfg: CudaConfig, nt: int, zp: bool, epi: int = STORE) -> str:
+    return f"w4a16_d{cfg.ring}_k{cfg.k_warps}_w{cfg.n_warps}_t{nt}_z{int(zp)}_e{epi}"
 
 
-def source(kernels: list[tuple[CudaConfig, int, bool]]) -> str:
-    """The kernel template and one extern "C" entry point per (config, row tiles, zero points)."""
-    entries = [_entry(c, nt, zp) for c, nt, zp in kernels]
+def _entry(c: CudaConfig, nt: int, zp: bool, epi: int = STORE) -> str:
+    return (f'extern "C" __global__ void __launch_bounds__({32 * c.k_warps * c.n_warps}) '
+            f'{kernel_name(c, nt, zp, epi)}(W4A16_ARGS) {{ w4a16_body<{c.ring}, {c.k_warps}, {c.n_warps}, {nt}, '
+            f'{str(zp).lower()}, {epi}>(W4A16_PASS); }}')
+
+
+def source(kernels: list[tuple]) -> str:
+    """The kernel template and one extern "C" entry point per (config, row tiles, zero points[, epilogue kind])."""
+    entries = [_entry(*kernel) for kernel in kernels]
     return SOURCE.read_text() + "\n" + "\n".join(entries) + "\n"
 
 
@@ -308,7 +311,8 @@ def _rms_fields(rms: tuple[torch.Tensor, float] | None, m: int) -> dict:
 def launch(module: Module, x2: torch.Tensor, mw: MmaWeight, cfg: CudaConfig, out: torch.Tensor,
            pdl: bool = False, early_release: bool = False, epi: Epilogue | None = None) -> None:
     m = x2.shape[0]
-    name = kernel_name(cfg, 1 if m <= 8 else 2, mw.zc is not None)
+    epi = epi or Epilogue()
+    name = kernel_name(cfg, 1 if m <= 8 else 2, mw.zc is not None, epi.kind)
     grid = (-(-(mw.n // 16) // cfg.n_warps), cfg.k_splits)
     ws = torch.empty(cfg.k_splits * m * mw.n if cfg.k_splits > 1 else 1, dtype=torch.float32, device=x2.device)
     cnt = arrival_counters(x2.device, grid[0] + 1)  # per block column (K splits), then one for add_norm's sums
@@ -317,11 +321,11 @@ def launch(module: Module, x2: torch.Tensor, mw: MmaWeight, cfg: CudaConfig, out
     ints = [ctypes.c_int(v) for v in (x2.stride(0), m, out.stride(0), mw.n, mw.k, cfg.per_warp(mw.k),
                                       int(early_release))]
     args = [ptrs[0], ints[0], ints[1], ptrs[1], ptrs[2], ptrs[3], ptrs[4], ints[2], ptrs[5], ptrs[6], ints[3],
-            ints[4], ints[5], ints[6], epi or Epilogue()]
+            ints[4], ints[5], ints[6], epi]
     cu_launch(module.function(name), grid, 32 * cfg.k_warps * cfg.n_warps, args, x2.device, pdl)
 
 
-def _prepare(x: torch.Tensor, mw: MmaWeight, cfg: CudaConfig | None, module: Module | None):
+def _prepare(x: torch.Tensor, mw: MmaWeight, cfg: CudaConfig | None, module: Module | None, epi: int = STORE):
     if x.dim() != 2 or x.shape[1] != mw.k or not 1 <= x.shape[0] <= MAX_ROWS:
         raise ValueError(f"x must be [1..{MAX_ROWS}, {mw.k}], got {tuple(x.shape)}")
     if x.dtype != torch.bfloat16 or not x.is_cuda:
@@ -330,7 +334,7 @@ def _prepare(x: torch.Tensor, mw: MmaWeight, cfg: CudaConfig | None, module: Mod
         x = x.clone(memory_format=torch.contiguous_format)
     cfg = cfg or default_config(x.shape[0], mw.n, mw.k)
     if module is None:
-        module = module_for(((cfg, 1 if x.shape[0] <= 8 else 2, mw.zc is not None),), x.device)
+        module = module_for(((cfg, 1 if x.shape[0] <= 8 else 2, mw.zc is not None, epi),), x.device)
     return x, cfg, module
 
 
@@ -351,9 +355,9 @@ def matmul(x: torch.Tensor, mw: MmaWeight, cfg: CudaConfig | None = None, out: t
 def matmul_swiglu(x: torch.Tensor, mw: MmaWeight, cfg: CudaConfig | None = None, module: Module | None = None,
                   pdl: bool = False, rms: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:
     """silu(gate) * up [M, N / 2] of a [gate; up] weight packed in `swiglu_order` (from_q16(..., swiglu=True))."""
-    x, cfg, module = _prepare(x, mw, cfg, module)
+    x, cfg, module = _prepare(x, mw, cfg, module, SWIGLU)
     out = torch.empty(x.shape[0], mw.n // 2, dtype=torch.bfloat16, device=x.device)
-    launch(module, x, mw, cfg, out, pdl, False, Epilogue(kind=2, **_rms_fields(rms, x.shape[0])))
+    launch(module, x, mw, cfg, out, pdl, False, Epilogue(kind=SWIGLU, **_rms_fields(rms, x.shape[0])))
     return out
 
 
@@ -361,16 +365,17 @@ def matmul_add_norm(x: torch.Tensor, mw: MmaWeight, residual: torch.Tensor, norm
                     cfg: CudaConfig | None = None, module: Module | None = None, pdl: bool = False):
     """(out = residual + x @ W^T, rows = out * (1 + norm_weight), sums [1, M] of out^2 per row) in one launch: what
     w4a16_triton.wq_matmul_add_norm returns, its per-tile sums already added (in block order)."""
-    x, cfg, module = _prepare(x, mw, cfg, module)
+    x, cfg, module = _prepare(x, mw, cfg, module, ADD_NORM)
     m = x.shape[0]
-    if tuple(residual.shape) != (m, mw.n) or residual.dtype != torch.bfloat16 or tuple(norm_weight.shape) != (mw.n,):
+    if (tuple(residual.shape) != (m, mw.n) or residual.dtype != torch.bfloat16 or tuple(norm_weight.shape) != (mw.n,)
+            or norm_weight.dtype != torch.bfloat16):
         raise ValueError(f"residual {tuple(residual.shape)} {residual.dtype} / norm weight {tuple(norm_weight.shape)} "
-                         f"do not match the bf16 output [{m}, {mw.n}]")
+                         f"{norm_weight.dtype} do not match the bf16 output [{m}, {mw.n}]")
     out, rows = (torch.empty(m, mw.n, dtype=torch.bfloat16, device=x.device) for _ in range(2))
     blocks = -(-(mw.n // 16) // cfg.n_warps)
     parts = torch.empty(blocks + 1, m, dtype=torch.float32, device=x.device)
-    residual, weight = residual.contiguous(), norm_weight.to(torch.float32).contiguous()
-    epi = Epilogue(kind=1, residual=residual.data_ptr(), norm_weight=weight.data_ptr(), rows=rows.data_ptr(),
+    residual, weight = residual.contiguous(), norm_weight.contiguous()
+    epi = Epilogue(kind=ADD_NORM, residual=residual.data_ptr(), norm_weight=weight.data_ptr(), rows=rows.data_ptr(),
                    parts=parts.data_ptr())
     launch(module, x, mw, cfg, out, pdl, False, epi)
     return out, rows, parts[blocks:]
