@@ -172,7 +172,9 @@ def epilogue_timing(records) -> None:
     """The launches a folded layer runs (EPILOGUES=1): add_norm on out_proj / down, SwiGLU with the norm completed on
     gate_up, rms on in_proj; CUDA (PDL, successor released at its start) vs Triton (PDL level 2), M = 1 and 8."""
     cases = [("out add_norm", 5120, 6144, "add_norm"), ("down add_norm", 5120, 17408, "add_norm"),
-             ("gate_up swiglu+rms", 34816, 5120, "swiglu"), ("in_proj rms", 16480, 5120, "rms")]
+             ("gate_up swiglu+rms", 34816, 5120, "swiglu"), ("in_proj rms", 16480, 5120, "rms"),
+             ("gate_up plain", 34816, 5120, "plain")]
+    kinds = dict(add_norm=wc.ADD_NORM, swiglu=wc.SWIGLU, rms=wc.STORE, plain=wc.STORE)
     for label, n, k, kind in cases:
         pw, _ = random_pair(n, k)
         mw = wc.from_q16(pw, swiglu=kind == "swiglu")
@@ -180,7 +182,7 @@ def epilogue_timing(records) -> None:
         copies = max(2, -(-int(200e6) // nb))
         pws = [wq.PackedWeight(pw.q.clone(), pw.s.clone(), None, 4, 128, n, k) for _ in range(copies)]  # distinct:
         mws = [wc.MmaWeight(mw.qw.clone(), mw.sc.clone(), None, n, k) for _ in range(copies)]  # no L2 reuse
-        for m in (1, 8):
+        for m in MS:
             x = torch.randn(m, k, device=DEV).to(torch.bfloat16)
             res = torch.randn(m, n, device=DEV).to(torch.bfloat16)
             nw = torch.randn(n, device=DEV).to(torch.bfloat16)
@@ -192,14 +194,20 @@ def epilogue_timing(records) -> None:
                 cuda = lambda: [wc.matmul_swiglu(x, w, pdl=True, rms=(sums, 1e-6)) for w in mws]  # noqa: E731
                 trit = lambda: [wq.wq_matmul_swiglu(x, w, rms=(sums, 1e-6)) for w in pws]  # noqa: E731
             else:
-                cuda = lambda: [wc.matmul(x, w, pdl=True, early_release=True, rms=(sums, 1e-6)) for w in mws]  # noqa
-                trit = lambda: [wq.wq_matmul(x, w, rms=(sums, 1e-6)) for w in pws]  # noqa: E731
+                rms = (sums, 1e-6) if kind == "rms" else None
+                cuda = lambda: [wc.matmul(x, w, pdl=True, early_release=True, rms=rms) for w in mws]  # noqa: E731
+                trit = lambda: [wq.wq_matmul(x, w, rms=rms) for w in pws]  # noqa: E731
             c_us = replay_ms(cuda, 7) * 1e3 / copies
             pdl.use_level(2)
             t_us = replay_ms(trit, 7) * 1e3 / copies
             pdl.use_level(0)
-            records.append(dict(epilogue=label, m=m, cuda_us=c_us, triton_us=t_us, bytes=nb))
-            print(f"  {label:20s} M={m}: CUDA {c_us:7.1f} us  Triton {t_us:7.1f} us  x{t_us / c_us:.2f}", flush=True)
+            cfg = wc.default_config(m, n, k)
+            kernel = (cfg, 1 if m <= 8 else 2, False, kinds[kind])
+            regs = wc.module_for((kernel,), DEV).registers(wc.kernel_name(*kernel))
+            records.append(dict(epilogue=label, m=m, cuda_us=c_us, triton_us=t_us, bytes=nb, registers=regs))
+            print(f"  {label:20s} M={m}: CUDA {c_us:7.1f} us  Triton {t_us:7.1f} us  x{t_us / c_us:.2f}  "
+                  f"({nb / c_us / 1e3 / PEAK_GBS * 100:.0f} % vs {nb / t_us / 1e3 / PEAK_GBS * 100:.0f} %; "
+                  f"{regs} registers)", flush=True)
 
 
 def main() -> None:

@@ -144,16 +144,31 @@ DEVI void for_lane_rows(int t, int M, F&& f) {
         }
 }
 
+// Arrival protocol of the cross-block sums: each block writes its partials, then calls this; true in the last block
+// of `expected` to arrive at *counter, which then sees every partial (fences on both sides) and resets the counter
+// for the next launch (and graph replay).
+DEVI bool last_to_arrive(int* counter, int expected) {
+    __shared__ int is_last;
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        is_last = atomicAdd(counter, 1) == expected - 1;
+        if (is_last) *counter = 0;
+    }
+    __syncthreads();
+    if (is_last) __threadfence();
+    return is_last;
+}
+
 template <int WS, int NT>
 DEVI void add_norm_epilogue(const float (&acc)[NT][4], bool owner, int strip, int strips, int wk, int wn, int f,
-                            int M, int N, unsigned short* out, const Epilogue& epi, int* counters, int& is_last);
+                            int M, int N, unsigned short* out, const Epilogue& epi, int* counters);
 
 // D: chunk loads a warp keeps in flight in a register ring, refilled as each chunk is consumed; per_warp: its chunks.
 template <int D, int KS, int WS, int NT, bool ZP, int EPI>  // EPI: epi.kind (a template: no epilogue code, no
 DEVI void w4a16_body(W4A16_ARGS) {                                   // registers for it, in the other kernels)
     static_assert(D % 2 == 0, "the ring holds whole groups of 128 inputs");
     __shared__ float red[KS > 1 ? (KS - 1) * WS * NT * 4 * 32 : 1];
-    __shared__ int is_last;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int wn = warp % WS, wk = warp / WS;
     const int g = lane >> 2, t = lane & 3;
@@ -239,12 +254,7 @@ DEVI void w4a16_body(W4A16_ARGS) {                                   // register
                 p[0] = acc[nt][e];
                 p[8] = acc[nt][2 + e];
             });
-        __threadfence();
-        __syncthreads();
-        if (threadIdx.x == 0) is_last = atomicAdd(&counters[blockIdx.x], 1) == (int)gridDim.y - 1;
-        __syncthreads();
-        if (!is_last) return;
-        __threadfence();
+        if (!last_to_arrive(&counters[blockIdx.x], gridDim.y)) return;
         if (owner)
             for_lane_rows<NT>(t, M, [&](int nt, int e, int n) {
                 float lo = 0.f, hi = 0.f;
@@ -256,7 +266,6 @@ DEVI void w4a16_body(W4A16_ARGS) {                                   // register
                 acc[nt][e] = lo;
                 acc[nt][2 + e] = hi;
             });
-        if (threadIdx.x == 0) counters[blockIdx.x] = 0;  // ready for the next launch (and graph replay)
     }
     if (epi.rms_sums && owner)  // the norm its input began: each row's 1 / rms
         for_lane_rows<NT>(t, M, [&](int nt, int e, int n) {
@@ -279,7 +288,7 @@ DEVI void w4a16_body(W4A16_ARGS) {                                   // register
                 out[(size_t)n * ldo + f + 8] = to_bf16(acc[nt][2 + e]);
             });
     } else {
-        add_norm_epilogue<WS, NT>(acc, owner, strip, strips, wk, wn, f, M, N, out, epi, counters, is_last);
+        add_norm_epilogue<WS, NT>(acc, owner, strip, strips, wk, wn, f, M, N, out, epi, counters);
     }
 }
 
@@ -287,7 +296,7 @@ DEVI void w4a16_body(W4A16_ARGS) {                                   // register
 // the grid (the last block to arrive).
 template <int WS, int NT>
 DEVI void add_norm_epilogue(const float (&acc)[NT][4], bool owner, int strip, int strips, int wk, int wn, int f,
-                            int M, int N, unsigned short* out, const Epilogue& epi, int* counters, int& is_last) {
+                            int M, int N, unsigned short* out, const Epilogue& epi, int* counters) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
     float sq[NT][2];
 #pragma unroll
@@ -323,12 +332,7 @@ DEVI void add_norm_epilogue(const float (&acc)[NT][4], bool owner, int strip, in
         for (int w = 0; w < WS; ++w) total += strip_sq[w][threadIdx.x];
         epi.parts[(size_t)blockIdx.x * M + threadIdx.x] = total;
     }
-    __threadfence();
-    __syncthreads();
-    if (threadIdx.x == 0) is_last = atomicAdd(&counters[gridDim.x], 1) == (int)gridDim.x - 1;
-    __syncthreads();
-    if (!is_last) return;
-    __threadfence();
+    if (!last_to_arrive(&counters[gridDim.x], gridDim.x)) return;
     for (int n = warp; n < M; n += blockDim.x >> 5) {  // a warp per row: lane l adds blocks l, l + 32, ...
         float total = 0.f;
         for (int b = lane; b < (int)gridDim.x; b += 32) total += __ldcg(epi.parts + (size_t)b * M + n);
@@ -336,6 +340,5 @@ DEVI void add_norm_epilogue(const float (&acc)[NT][4], bool owner, int strip, in
         for (int off = 16; off > 0; off >>= 1) total += __shfl_xor_sync(0xffffffffu, total, off);
         if (lane == 0) epi.parts[(size_t)gridDim.x * M + n] = total;
     }
-    if (threadIdx.x == 0) counters[gridDim.x] = 0;
 }
 

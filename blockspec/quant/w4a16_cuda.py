@@ -253,6 +253,12 @@ class Module:
             self.funcs[name] = f
         return self.funcs[name]
 
+    def registers(self, name: str) -> int:
+        """Registers per thread of an entry point (CU_FUNC_ATTRIBUTE_NUM_REGS)."""
+        v = ctypes.c_int()
+        _cu_check(_libcuda().cuFuncGetAttribute(ctypes.byref(v), 4, self.function(name)), "cuFuncGetAttribute")
+        return v.value
+
 
 _MODULES: dict[tuple, Module] = {}
 
