@@ -1,0 +1,115 @@
+"""What the INT4 plain step would take if every projection were a perfect reader: the ceiling of any design that
+keeps one launch per projection (docs/benchmarks.md, "Session 11").
+
+One command on a GPU machine (repo root; ~4 minutes on an H200):   python bench/step_floor.py [--rounds 2]
+The synthetic Qwen3.5-27B target, INT4 with the int8 head, packed projections, norms folded, default PDL; the
+graphed 1-token step (bench/pdl_variants.py `measure`) with every W4A16 / W8A16 launch (`w4a16_triton._launch`)
+replaced by, in turn:
+  triton      the real kernel (the step as it is);
+  read        a kernel that only reads the launch's codes, scales and zero points (16-byte non-caching loads, the
+              best launch shape of bench/read_roofline.py), its outputs left unwritten;
+  read+pdl    the same launched with programmatic dependent launch (successor released at its start, waiting for
+              its predecessor at its end): each read may stream under the previous kernel's tail;
+  none        nothing: the step's other kernels alone (DeltaNet mixers, attention, norms, embedding, argmax).
+Every variant re-captures the engine's graphs; rounds interleave the variants. % = bytes of the step / 3990 GB/s / time.
+Writes $OUT/step_floor.json when OUT is set.
+"""
+
+import argparse
+import ctypes
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+
+from blockspec.quant import w4a16_cuda as wc
+from blockspec.quant import w4a16_triton as wq
+from blockspec.synthetic import synthetic_target
+from pdl_variants import measure  # bench/, beside this script
+
+PEAK_GBS = 3990.0
+READ_SOURCE = r"""
+__device__ __forceinline__ uint4 ld_nc(const uint4* p) {
+    uint4 v;
+    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+    return v;
+}
+__device__ __forceinline__ unsigned read_range(const uint4* p, long long n16) {  // grid-stride, 2 loads in flight
+    unsigned acc = 0;
+    const long long stride = (long long)gridDim.x * blockDim.x;
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    for (; i + stride < n16; i += 2 * stride) {
+        const uint4 a = ld_nc(p + i), b = ld_nc(p + i + stride);
+        acc ^= a.x ^ a.y ^ a.z ^ a.w ^ b.x ^ b.y ^ b.z ^ b.w;
+    }
+    for (; i < n16; i += stride) { const uint4 a = ld_nc(p + i); acc ^= a.x ^ a.y ^ a.z ^ a.w; }
+    return acc;
+}
+extern "C" __global__ void __launch_bounds__(512) read3(const uint4* a, long long na, const uint4* b, long long nb,
+                                                         const uint4* c, long long nc, unsigned* out) {
+    asm volatile("griddepcontrol.launch_dependents;" :::);
+    const unsigned acc = read_range(a, na) ^ read_range(b, nb) ^ read_range(c, nc);
+    asm volatile("griddepcontrol.wait;" ::: "memory");  // a projection would wait here before its first store
+    if (acc == 0x9E3779B9u) out[0] = acc;  // practically never: keeps the loads
+}
+"""
+
+
+class Replacement:
+    """A stand-in for w4a16_triton._launch: reads the launch's weight bytes (or nothing)."""
+
+    def __init__(self, kind: str):
+        self.kind = kind
+        major, minor = torch.cuda.get_device_capability()
+        self.func = wc.Module(wc.compile_cubin(READ_SOURCE, f"sm_{major}{minor}")).function("read3")
+        self.blocks = 4 * torch.cuda.get_device_properties(0).multi_processor_count
+        self.sink = torch.zeros(1, dtype=torch.int32, device="cuda")
+        self.weights: dict[int, int] = {}  # the distinct weights read: codes' address -> bytes
+
+    def __call__(self, x2, pw, cfg, out, epilogue=None):
+        if self.kind == "none":
+            return
+        args = []
+        for t in (pw.q, pw.s, pw.z if pw.z is not None else pw.s[:0]):
+            args += [ctypes.c_void_p(t.data_ptr()), ctypes.c_longlong(t.numel() * t.element_size() // 16)]
+        self.weights[pw.q.data_ptr()] = pw.nbytes()
+        wc.cu_launch(self.func, (self.blocks, 1), 512, args + [ctypes.c_void_p(self.sink.data_ptr())],
+                     x2.device, pdl=self.kind == "read+pdl")
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--variants", default="triton,read,read+pdl,none")
+    args = ap.parse_args()
+    model, head = synthetic_target("qwen3.5-27b", torch.device("cuda"), torch.bfloat16)
+    mtp = {"mtp." + k: v for k, v in head.state_dict().items()}
+    real_launch, applied, rows = wq._launch, "int4", []
+    for rnd in range(args.rounds):
+        for variant in args.variants.split(","):
+            rep = None if variant == "triton" else Replacement(variant)
+            wq._launch = rep or real_launch
+            t0 = time.perf_counter()
+            try:
+                times, step_bytes = measure(model, mtp, applied, "none")
+            finally:
+                wq._launch = real_launch
+            applied = "none"  # quantization and packing are in place: once
+            step = times[1]
+            row = dict(round=rnd, variant=variant, step_ms=round(step, 4), step_bytes=step_bytes,
+                       pct_of_roofline=round(100 * step_bytes / (PEAK_GBS * 1e9) / (step * 1e-3), 1),
+                       build_s=round(time.perf_counter() - t0, 1))
+            if rep is not None and rep.kind != "none":  # the distinct weights the stand-in read
+                row.update(weights_read=len(rep.weights), weight_bytes=sum(rep.weights.values()))
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    if os.environ.get("OUT"):
+        Path(os.environ["OUT"], "step_floor.json").write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    with torch.no_grad():
+        main()
