@@ -10,6 +10,8 @@ replaced by, in turn:
               best launch shape of bench/read_roofline.py), its outputs left unwritten;
   read+pdl    the same launched with programmatic dependent launch (successor released at its start, waiting for
               its predecessor at its end): each read may stream under the previous kernel's tail;
+  read+pdl@B  read+pdl with B blocks of 512 threads per SM instead of 4 (fewer: room for the next kernels to be
+              placed beside it while it streams);
   none        nothing: the step's other kernels alone (DeltaNet mixers, attention, norms, embedding, argmax).
 Every variant re-captures the engine's graphs; rounds interleave the variants. % = bytes of the step / 3990 GB/s / time.
 Writes $OUT/step_floor.json when OUT is set.
@@ -61,11 +63,11 @@ extern "C" __global__ void __launch_bounds__(512) read3(const uint4* a, long lon
 class Replacement:
     """A stand-in for w4a16_triton._launch: reads the launch's weight bytes (or nothing)."""
 
-    def __init__(self, kind: str):
-        self.kind = kind
+    def __init__(self, variant: str):
+        self.kind, _, per_sm = variant.partition("@")
         major, minor = torch.cuda.get_device_capability()
         self.func = wc.Module(wc.compile_cubin(READ_SOURCE, f"sm_{major}{minor}")).function("read3")
-        self.blocks = 4 * torch.cuda.get_device_properties(0).multi_processor_count
+        self.blocks = int(per_sm or 4) * torch.cuda.get_device_properties(0).multi_processor_count
         self.sink = torch.zeros(1, dtype=torch.int32, device="cuda")
         self.weights: dict[int, int] = {}  # the distinct weights read: codes' address -> bytes
 
