@@ -2,8 +2,10 @@
 
 Status: a measured alternative, NOT used by the engine (Int4Linear runs w4a16_triton). It has the epilogues the
 step's projections run with (rms scaling, SwiGLU, add_norm: layers/folded_norm.py; `matmul(rms=)`, `matmul_swiglu`,
-`matmul_add_norm`), correct against the Triton kernel's on the GPU (tests/test_cuda.py), but in this form slower
-than Triton's (run 15: the epilogue chosen at run time costs the main loop registers; see docs/benchmarks.md).
+`matmul_add_norm`; the kind a template parameter), correct against the Triton kernel's on the GPU
+(tests/test_cuda.py). Session 11 (docs/benchmarks.md): with them, 1-8 rows, it is 1.03-1.09x Triton on out_proj
+add_norm and gate_up SwiGLU, ~1.0x on down and in_proj, 0.74-0.85x at 16 rows: ~3 % of the INT4 step at best, not
+worth a second weight layout and an NVRTC build in the engine.
 Session 10 wrote it to test whether a hand-written kernel gets the projections nearer the bandwidth than Triton
 (session 9: those launches are bound per program). H200, bench/w4a16_cuda.py run 12, docs/benchmarks.md "Session 10":
   * 1-8 rows (nvcc builds of the kernel before the epilogues): 1.02-1.37x the Triton kernel on every per-layer
