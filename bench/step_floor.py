@@ -1,7 +1,7 @@
 """What the INT4 plain step would take if every projection were a perfect reader: the ceiling of any design that
 keeps one launch per projection (docs/benchmarks.md, "Session 11").
 
-One command on a GPU machine (repo root; ~4 minutes on an H200):   python bench/step_floor.py [--rounds 2]
+One command on a GPU machine (repo root; ~2 minutes on an H200):   python bench/step_floor.py [--rounds 2]
 The synthetic Qwen3.5-27B target, INT4 with the int8 head, packed projections, norms folded, default PDL; the
 graphed 1-token step (bench/pdl_variants.py `measure`) with every W4A16 / W8A16 launch (`w4a16_triton._launch`)
 replaced by, in turn:

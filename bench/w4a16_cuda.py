@@ -170,7 +170,8 @@ def timing(module, records, diag: dict) -> None:
 
 def epilogue_timing(records) -> None:
     """The launches a folded layer runs (EPILOGUES=1): add_norm on out_proj / down, SwiGLU with the norm completed on
-    gate_up, rms on in_proj; CUDA (PDL, successor released at its start) vs Triton (PDL level 2), M = 1 and 8."""
+    gate_up, rms on in_proj, and gate_up plain; CUDA (PDL, successor released at its start) vs Triton (PDL level 2),
+    at the MS row counts, with each CUDA kernel's registers."""
     cases = [("out add_norm", 5120, 6144, "add_norm"), ("down add_norm", 5120, 17408, "add_norm"),
              ("gate_up swiglu+rms", 34816, 5120, "swiglu"), ("in_proj rms", 16480, 5120, "rms"),
              ("gate_up plain", 34816, 5120, "plain")]
