@@ -71,7 +71,8 @@ program's loop at any pipeline depth; the scales prefetched into L1 before the l
 per step in 8-warp programs (stacked codes, a [G, 2 BM] x^T tile) was 30-70 % slower: both dropped.
 Session 10: a hand-written CUDA kernel of the same numerics (w4a16_cuda.py) is 1.02-1.37x faster at 1-8 rows on
 every per-layer shape and 0.72-0.90x at 16 rows (mid shapes excepted); not wired in: with the epilogues (rms, SwiGLU,
-add_norm) it is 0.98-1.09x this kernel at 1-8 rows, ~3 % of the INT4 step at best (docs/benchmarks.md, "Session 11").
+add_norm) it is 0.98-1.09x this kernel at 1-8 rows (out, down, gate_up; in_proj 0.84x), ~3 % of the INT4 step at
+best (docs/benchmarks.md, "Session 11").
 M > 16 (prefill): up to 64 rows in 16-row launches; beyond, each slice of <= 16M weights is dequantized to x's dtype
 and multiplied with F.linear (the kernel's numerics are not kept there).
 The plain PyTorch functions here (pack / unpack / dequantize / reference_matmul) are the CPU path and the tests'
