@@ -27,8 +27,9 @@ from blockspec.synthetic import synthetic_target
 from timing import event_ms  # bench/timing.py, beside this script
 
 
-def measure(model, mtp, quant, mode):
-    """quant: what the engine applies to the model (in place: "none" once it is quantized)."""
+def measure(model, mtp, quant, mode, inspect=None):
+    """quant: what the engine applies to the model (in place: "none" once it is quantized); `inspect`, if given, is
+    called with the 1-token step function before the engine is released (e.g. to profile it)."""
     config = PredictConfig.build({"mode": mode, "device": "cuda", "compile_mode": 0, "context_length": 4096,
                                   "fuse_kvq": True, "fuse_gate": True, "target_quantization": quant,
                                   "vocabulary_quantization": "int8" if quant == "int4" else "none"})
@@ -43,6 +44,8 @@ def measure(model, mtp, quant, mode):
         target.commit(t)
         state.length -= t  # stay at the same position
     result = {t: event_ms(lambda t=t: step(t), reps=40, warmup=5) for t in sorted(target.passes)}
+    if inspect is not None:
+        inspect(lambda: step(1))
     step_bytes = bytes_per_plain_step(engine)
     del engine
     torch.cuda.empty_cache()

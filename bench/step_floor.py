@@ -14,6 +14,8 @@ replaced by, in turn:
               placed beside it while it streams);
   none        nothing: the step's other kernels alone (DeltaNet mixers, attention, norms, embedding, argmax).
 Every variant re-captures the engine's graphs; rounds interleave the variants. % = bytes of the step / 3990 GB/s / time.
+`--profile none,triton`: then those variants once more without PDL (so each kernel's time is its own, not its wait
+too), with the kernels of the step by total time (bench/profile_cycle.py `kernel_table`).
 Writes $OUT/step_floor.json when OUT is set.
 """
 
@@ -29,7 +31,9 @@ import torch
 from blockspec.quant import w4a16_cuda as wc
 from blockspec.quant import w4a16_triton as wq
 from blockspec.synthetic import synthetic_target
+from blockspec.kernels import pdl
 from pdl_variants import measure  # bench/, beside this script
+from profile_cycle import kernel_table
 
 PEAK_GBS = 3990.0
 READ_SOURCE = r"""
@@ -86,6 +90,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--variants", default="triton,read,read+pdl,none")
+    ap.add_argument("--profile", default="", help="variants to profile without PDL after the timing, e.g. none")
     args = ap.parse_args()
     model, head = synthetic_target("qwen3.5-27b", torch.device("cuda"), torch.bfloat16)
     mtp = {"mtp." + k: v for k, v in head.state_dict().items()}
@@ -108,8 +113,25 @@ def main():
                 row.update(weights_read=len(rep.weights), weight_bytes=sum(rep.weights.values()))
             rows.append(row)
             print(json.dumps(row), flush=True)
+    profiles = {}
+    if args.profile:
+        os.environ["BLOCKSPEC_PDL"] = "0"
+        pdl.reset()
+    for variant in filter(None, args.profile.split(",")):
+        rep = None if variant == "triton" else Replacement(variant)
+        wq._launch = rep or real_launch
+        try:
+            measure(model, mtp, "none", "none",
+                    inspect=lambda step: profiles.update({variant: kernel_table(step, top=24)}))
+        finally:
+            wq._launch = real_launch
+        table = profiles[variant]
+        print(f"\n{variant} without PDL: {table['total_kernel_us']} us of kernels, {table['kernels_per_call']} "
+              "per step")
+        for name, calls, us in table["top"]:
+            print(f"  {us:8.1f} us  {calls:5.0f} x  {name}")
     if os.environ.get("OUT"):
-        Path(os.environ["OUT"], "step_floor.json").write_text(json.dumps(rows, indent=1))
+        Path(os.environ["OUT"], "step_floor.json").write_text(json.dumps(dict(rows=rows, profiles=profiles), indent=1))
 
 
 if __name__ == "__main__":
