@@ -17,10 +17,12 @@ from pathlib import Path
 
 import torch
 
+from .cli_common import add_weight_args, weight_overrides
 from .config import PredictConfig
 from .engine.decode import Proposer
 from .errors import BlockspecError
 from .kernels import pdl
+from .kernels.settings import use
 
 WARMUP_TOKENS = 128
 DEFAULT_FIXTURES = Path(__file__).parent / "data" / "fixtures.json"  # code, English mystery, zh->en translation
@@ -122,13 +124,12 @@ def bytes_per_plain_step(engine) -> int:
 
 
 def build_engine(args, mode: str):
-    from .cli import weight_overrides
     from .engine.engine import Engine
 
-    overrides = {"mode": mode, "device": args.device, "compute_dtype": args.dtype,
-                 "context_length": args.context_length, "compile_mode": args.compile_mode,
-                 "dflash2_model": args.drafter if mode == "dflash2" else None,
-                 **weight_overrides(args)}
+    overrides = {**weight_overrides(args), "mode": mode, "device": args.device, "compute_dtype": args.dtype,
+                 "context_length": args.context_length, "dflash2_model": args.drafter if mode == "dflash2" else None}
+    if args.compile_mode is not None:
+        overrides["compile_mode"] = args.compile_mode
     if mode != "dflash2":
         overrides.pop("dflash2_quantization")  # applies to the dflash2 rows only
     if mode == "none":
@@ -137,7 +138,7 @@ def build_engine(args, mode: str):
     if not args.synthetic:
         return Engine(PredictConfig.build({"model": args.model, **overrides}, source="bench"))
     from .engine.engine import resolve_device
-    from .synthetic import synthetic_target
+    from .synthetic import synthetic_drafter, synthetic_target
     from .tiny import build_tiny_checkpoint
     from .tokenizer import Tokenizer
 
@@ -145,20 +146,21 @@ def build_engine(args, mode: str):
     device = resolve_device(config.device)
     model, head = synthetic_target(args.synthetic, device, config.torch_dtype, seed=args.seed)
     mtp = {"mtp." + k: v for k, v in head.state_dict().items()} if head is not None else {}
-    tok_dir = tempfile.mkdtemp(prefix="blockspec-synthetic-tok-")
-    build_tiny_checkpoint(tok_dir)  # only its byte-level tokenizer and chat template are used
-    return Engine(config, model=model, mtp_tensors=mtp, tokenizer=Tokenizer(tok_dir), synthetic_drafter=args.seed)
+    drafter = synthetic_drafter(model, args.seed) if mode == "dflash2" else None
+    with tempfile.TemporaryDirectory(prefix="blockspec-synthetic-tok-") as tok_dir:
+        build_tiny_checkpoint(tok_dir)  # only its byte-level tokenizer and chat template are used
+        tokenizer = Tokenizer(tok_dir)
+    return Engine(config, model=model, mtp_tensors=mtp, drafter=drafter, tokenizer=tokenizer)
 
 
 def run_fixture(engine, ids, args, trajectory, rate):
+    proposer = None
     if rate is not None and engine.mode != "none":
-        forced = engine.proposer if isinstance(engine.proposer, ForcedAcceptance) else None
-        if forced is None:
-            forced = engine.proposer = ForcedAcceptance(engine.proposer, rate, engine.vocab_size)
-        forced.trajectory, forced.rate = trajectory, rate
-    engine.generate(ids, min(WARMUP_TOKENS, args.max_tokens), stop_at_eos=False)  # warm-up
-    runs = [engine.generate(ids, args.max_tokens, stop_at_eos=not args.synthetic) for _ in range(args.repeats)]
-    return runs
+        proposer = ForcedAcceptance(engine.proposer, rate, engine.vocab_size)
+        proposer.trajectory = trajectory
+    engine.generate(ids, min(WARMUP_TOKENS, args.max_tokens), stop_at_eos=False, proposer=proposer)  # warm-up
+    return [engine.generate(ids, args.max_tokens, stop_at_eos=not args.synthetic, proposer=proposer)
+            for _ in range(args.repeats)]
 
 
 def bench(args) -> dict:
@@ -172,7 +174,6 @@ def bench(args) -> dict:
     rates = parse_rates(args.forced_acceptance, len(fixtures))
     label = ("SYNTHETIC weights " + args.synthetic if args.synthetic else "model " + str(args.model)) + (
         ", FORCED acceptance " + "/".join(f"{r:.1%}" for r in rates) if rates else "")
-    from .cli import weight_overrides
     label += "".join(f", {k} {v}" for k, v in weight_overrides(args).items() if v not in (None, "none"))
     results = {"label": label, "rows": [], "max_tokens": args.max_tokens, "repeats": args.repeats,
                "context_length": args.context_length, "torch": torch.__version__}
@@ -189,7 +190,10 @@ def bench(args) -> dict:
             results["device"] = torch.cuda.get_device_name() if engine.device.type == "cuda" else "cpu"
             results["read_bandwidth_gb_s"] = args.bandwidth or measure_read_bandwidth(engine.device)
             results["bytes_per_plain_step"] = bytes_per_plain_step(engine)
-            level = pdl.settings(engine.device)[0]
+            results["execution"] = engine.target.execution
+            results["label"] += f", {engine.target.execution}"
+            with use(engine.kernels):
+                level = pdl.settings(engine.device)[0]
             results["pdl_level"] = level  # programmatic dependent launch (kernels/pdl.py); 0 = off
             if level:
                 results["label"] += f", PDL level {level}"
@@ -295,11 +299,11 @@ def add_bench_parser(sub):
                    "fixture, e.g. 0.553,0.297,0.516 (the published DFlash2 rates for code, English, translation)")
     p.add_argument("--device", choices=["cpu", "cuda", "auto"], default="auto")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="bfloat16")
-    p.add_argument("--compile-mode", type=int, choices=[-1, 0], default=None)
+    p.add_argument("--compile-mode", type=int, choices=[-1, 0], default=None,
+                   help="0: CUDA graphs (the default on CUDA), -1: eager (as --eager)")
     p.add_argument("--bandwidth", type=float, help="card read bandwidth in GB/s (default: measured now)")
     p.add_argument("--seed", type=int, default=0)
-    from .cli import add_weight_args  # --target-quantization, --fuse-kvq, ... as for generate
-    add_weight_args(p)
+    add_weight_args(p)  # --target-quantization, --fuse-kvq, --eager ... as for generate
     p.add_argument("--json-out")
     p.add_argument("--png-out")
     p.set_defaults(func=cmd_bench)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import sys
 
-from .cli import format_stats, stream_text
+from .cli_common import format_stats, stream_text
 from .errors import BlockspecError
 
 COMMANDS = "/reset (forget the conversation), /exit (or end of input) to leave"

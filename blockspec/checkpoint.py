@@ -15,13 +15,15 @@ from safetensors import safe_open
 
 from .config import TargetConfig
 from .errors import BlockspecError
+from .layers.packed import pack_projections
+from .models.mtp import MTPHead
 from .models.qwen3_5 import TargetModel
 from .quant.int4 import check_quantization_config, from_compressed_tensors
 
 TEXT_PREFIXES = ("model.language_model.", "language_model.model.", "model.")
 SKIPPED_PREFIXES = ("model.visual.", "visual.", "model.vision_tower.")
 FLOAT32_SUFFIXES = ("A_log", "dt_bias", "norm.weight", "layernorm.weight")  # small; kept exact in float32
-# parts of a compressed-tensors pack-quantized projection (blockspec.quant.int4, /work/notes/int4-format.md)
+# parts of a compressed-tensors pack-quantized projection (blockspec.quant.int4)
 COMPRESSED_SUFFIXES = (".weight_packed", ".weight_scale", ".weight_shape", ".weight_zero_point", ".weight_g_idx")
 
 
@@ -129,7 +131,7 @@ def swap_in(root: torch.nn.Module, name: str, module: torch.nn.Module, where: st
 
 
 def load_target(directory: str | Path, device="cpu", dtype=torch.float32):
-    """Returns (model, mtp): mtp maps `mtp.*` tensor names to tensors and, for a compressed-tensors checkpoint, the
+    """Returns (model, mtp), the model's projections packed (layers/packed.py): mtp maps `mtp.*` tensor names to tensors and, for a compressed-tensors checkpoint, the
     names of quantized MTP projections to their Int4Linear. `model.checkpoint_quantization` is "int4" for a
     compressed-tensors checkpoint (its ignore list stays dense), else None."""
     directory = Path(directory)
@@ -179,9 +181,36 @@ def load_target(directory: str | Path, device="cpu", dtype=torch.float32):
                              + (f" and {len(missing) - 1} more" if len(missing) > 1 else ""))
     model.load_state_dict(loaded, assign=True, strict=False)  # the quantized projections were swapped in whole
     model.checkpoint_quantization = None if qc is None else "int4"
+    pack_projections(model)
     model.requires_grad_(False).eval()
     return model, mtp
 
 
 def config_label(config: TargetConfig) -> str:
     return f"{config.num_hidden_layers}-layer Qwen3.5 model of hidden size {config.hidden_size}"
+
+
+def load_mtp_head(model: TargetModel, tensors: dict, dtype, device) -> MTPHead:
+    """The native MTP head from the `mtp.*` tensors load_target returned, its projections packed."""
+    if not tensors:
+        raise BlockspecError("mode mtp needs the checkpoint's native MTP head, but it has no mtp.* tensors "
+                             "(use --mode none, or a DFlash2 drafter with --mode dflash2)")
+    with torch.device("meta"):
+        head = MTPHead(model.config)
+    for name, module in tensors.items():
+        if isinstance(module, torch.nn.Module):  # a projection stored quantized (compressed-tensors)
+            swap_in(head, name[len("mtp."):], module, "MTP head")
+    expected = {"mtp." + k: p for k, p in head.named_parameters()}
+    loaded = {}
+    for name, param in expected.items():
+        if name not in tensors:
+            raise BlockspecError(f"MTP head: missing tensor {name} (shape {tuple(param.shape)})")
+        t = tensors[name]
+        if tuple(t.shape) != tuple(param.shape):
+            raise BlockspecError(f"MTP head: tensor {name} has shape {tuple(t.shape)}, expected {tuple(param.shape)}")
+        keep_fp32 = name.endswith("norm.weight")
+        loaded[name[4:]] = torch.nn.Parameter(t.to(device=device, dtype=torch.float32 if keep_fp32 else dtype),
+                                              requires_grad=False)
+    head.load_state_dict(loaded, assign=True, strict=False)  # quantized projections were swapped in whole
+    pack_projections(head)
+    return head.requires_grad_(False).eval()

@@ -17,7 +17,8 @@ SUPPORTED_ARCHITECTURES = {"Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneratio
 
 
 class PredictConfig(BaseModel):
-    """Everything a run needs besides the prompt. Unknown keys are refused (typos must not pass silently)."""
+    """Everything a run needs besides the prompt. Unknown keys are refused (typos must not pass silently).
+    No environment variable changes any of these: a setting lives here or nowhere."""
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
@@ -39,9 +40,17 @@ class PredictConfig(BaseModel):
     dflash2_quantization: Literal["none", "int8"] = "none"
     target_quantization: Literal["none", "int4"] = "none"
     vocabulary_quantization: Literal["none", "int8", "int4"] = "none"
-    fuse_kvq: bool = False
-    fuse_gate: bool = False
-    compile_mode: Literal[-1, 0] = -1  # -1 eager (debugging, CPU); 0 = full CUDA graphs
+    # Projections that share an input are always packed at load (layers/packed.py): these two keys stay accepted
+    # (recipes set them) and read true; false is noted on stderr, not honoured.
+    fuse_kvq: bool = True
+    fuse_gate: bool = True
+    # 0: the step recorded as CUDA graphs (the default; the CPU always runs eagerly); -1: eager (debugging, --eager)
+    compile_mode: Literal[-1, 0] = 0
+    fold_norms: bool = True  # INT4 target on CUDA: norms and SwiGLU inside the W4A16 launches (layers/folded_norm.py)
+    # programmatic dependent launch (kernels/pdl.py), 0 (off) to 3; None: what the target's weights measured best
+    # with on the H200 (3 for an INT4 target, 0 for bf16: docs/benchmarks.md)
+    pdl_level: int | None = Field(None, ge=0, le=3)
+    pdl_prefetch_mb: float = Field(4.0, ge=0)  # weight bytes each projection prefetches into L2 while it waits
 
     @field_validator("draft_vocabulary")
     @classmethod

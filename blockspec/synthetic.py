@@ -8,6 +8,7 @@ import math
 import torch
 
 from .config import TargetConfig
+from .layers.packed import pack_projections
 
 QWEN35_27B = dict(
     vocab_size=248320, hidden_size=5120, intermediate_size=17408, num_hidden_layers=64, num_attention_heads=24,
@@ -72,7 +73,21 @@ def synthetic_target(name: str, device, dtype, seed: int = 0):
             randomize_(module, seed)
             module.requires_grad_(False).eval()
     plant_permutation_(model, seed)
+    pack_projections(model)  # as load_target leaves a model; the head is returned unpacked, as checkpoint tensors
     return model, head
+
+
+def synthetic_drafter(model, seed: int = 0):
+    """The published DFlash2 drafter's shapes around `model` (a TargetModel), random weights, packed."""
+    from .drafter.config import DrafterConfig
+    from .drafter.model import DFlash2Drafter
+
+    weight = model.embed_tokens.weight
+    drafter = DFlash2Drafter(DrafterConfig.from_dict(synthetic_drafter_config(model.config)), embed=model.embed,
+                             lm_head=model.logits, device=weight.device, dtype=weight.dtype)
+    randomize_(drafter, seed)
+    pack_projections(drafter)
+    return drafter
 
 
 @torch.no_grad()

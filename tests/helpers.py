@@ -101,3 +101,10 @@ def run_in_triton_interpreter(test_file, *args) -> list:
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULTS ")]
     assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-3000:]
     return json.loads(lines[-1][len("RESULTS "):])
+
+
+def run_pass(model, state, ids, capture=()):
+    """One pass of ids on top of state's committed tokens, left pending for commit / discard (as the engine runs it)."""
+    from blockspec.engine.target import EagerTarget
+
+    return EagerTarget(model, state, capture).forward(ids)

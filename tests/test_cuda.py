@@ -11,6 +11,7 @@ from blockspec.kernels.gdn import (
     l2_normalize,
 )
 from blockspec.tiny import build_tiny_checkpoint, build_tiny_drafter
+from helpers import run_pass
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -45,10 +46,12 @@ def test_fla_matches_reference(t):
 def test_graph_replay_equals_eager(pair, mode):
     target, drafter = pair
     kw = dict(mode=mode, compute_dtype="float32", dflash2_model=str(drafter) if mode == "dflash2" else None)
-    eager, graphed = engine(target, **kw), engine(target, compile_mode=0, **kw)
+    eager, graphed = engine(target, compile_mode=-1, **kw), engine(target, **kw)  # graphs: the CUDA default
+    assert (eager.execution, graphed.execution) == ("eager", "cuda-graphs")
     ids = eager.tokenizer.encode("hello world")
     a, b = eager.generate(ids, 120, stop_at_eos=False), graphed.generate(ids, 120, stop_at_eos=False)
     assert a.tokens == b.tokens
+    assert (a.stats["execution"], b.stats["execution"]) == ("eager", "cuda-graphs")
     if mode != "none":
         assert a.stats["accepted_per_cycle"] == b.stats["accepted_per_cycle"]
 
@@ -61,7 +64,7 @@ def test_graphed_verifier_logits_equal_eager(pair):
     block = [5, 6, 7, 8]
     graphed_out, graphed_pred = e.target.verify(block)
     graphed_logits = graphed_out.logits.clone()
-    e.target.discard()
+    e.state.discard()
     from blockspec.engine.target import EagerTarget
     eager_out, eager_pred = EagerTarget(e.model, e.state).verify(block)
     e.state.discard()
@@ -91,7 +94,7 @@ def test_dflash2_equals_plain_bf16(wide_margin_pair, compile_mode):
     assert 0.02 < b.stats["acceptance_rate"] < 0.98
 
 
-QUANTIZED = dict(target_quantization="int4", vocabulary_quantization="int8", fuse_kvq=True, fuse_gate=True)
+QUANTIZED = dict(target_quantization="int4", vocabulary_quantization="int8")
 
 
 @pytest.mark.parametrize("mode", ["mtp", "dflash2"])
@@ -211,7 +214,7 @@ def test_folded_norms_on_gpu(wide_margin_pair):
 
     def logits():
         e.state.reset()
-        out = e.model(ids, e.state)
+        out = run_pass(e.model, e.state, ids)
         e.state.discard()
         return out.logits.float()
     folded = logits()
@@ -258,13 +261,14 @@ def test_dense_linear_kernel_bf16_on_gpu(rows):
 
 
 @pytest.mark.parametrize("rows", [1, 8])
-def test_pdl_chain_in_graph_equals_serial_launches(rows, monkeypatch):
+def test_pdl_chain_in_graph_equals_serial_launches(rows):
     """Programmatic dependent launch (kernels.pdl) changes when kernels start, never what they compute: a chain of
     norm -> projection -> activation -> split-K projection -> norm -> W4A16 projection at 27B shapes, captured in a
     CUDA graph with PDL and replayed on fresh inputs, is bitwise equal to the same kernels launched one after
     another without it (a kernel reading its input before the previous one wrote it would differ)."""
     from blockspec.kernels import activation_triton, norm_triton, pdl
     from blockspec.kernels.linear import linear
+    from blockspec.kernels.settings import KernelSettings, use
     from blockspec.quant.w4a16_triton import pack, wq_matmul
 
     torch.manual_seed(rows)
@@ -281,24 +285,19 @@ def test_pdl_chain_in_graph_equals_serial_launches(rows, monkeypatch):
         return wq_matmul(norm_triton.add_rms_norm_rows(summed, down, norm_w, 1e-6)[1], packed)
 
     inputs = [(torch.randn(rows, 5120, **bf), torch.randn(rows, 5120, **bf)) for _ in range(3)]
-    monkeypatch.setenv("BLOCKSPEC_PDL", "0")
-    pdl.reset()
-    serial = [chain(*pair) for pair in inputs]
-    monkeypatch.setenv("BLOCKSPEC_PDL", "3")
-    pdl.reset()
-    assert pdl.enabled(w_up) == (torch.cuda.get_device_capability()[0] >= 9)
-    x, delta = (t.clone() for t in inputs[0])
-    chain(x, delta)  # compiles the PDL variants outside the capture
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = chain(x, delta)
+    serial = [chain(*pair) for pair in inputs]  # the default settings: no PDL
+    with use(KernelSettings(pdl_level=3)):
+        assert pdl.enabled(w_up) == (torch.cuda.get_device_capability()[0] >= 9)
+        x, delta = (t.clone() for t in inputs[0])
+        chain(x, delta)  # compiles the PDL variants outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = chain(x, delta)
     for (xi, di), expected in zip(inputs[::-1], serial[::-1]):
         x.copy_(xi)
         delta.copy_(di)
         graph.replay()
         assert torch.equal(out, expected)
-    monkeypatch.delenv("BLOCKSPEC_PDL")
-    pdl.reset()
 
 
 def test_draft_vocabulary_graphed_bf16(wide_margin_pair):
@@ -362,17 +361,18 @@ def test_graphs_record_no_compiled_region(pair):
     """A start traces nothing with torch.compile (issue 5: the drafter's graphs ready in <= 1 s, a second start in
     seconds): the target's and the drafter's graphs record Triton kernels only, so no `fused` op takes its compiled
     path while an engine loads, and re-captured drafter graphs still give plain greedy's output."""
-    from blockspec.kernels import FUSION
+    from blockspec.kernels import COMPILED_CALLS
+    from blockspec.kernels.settings import use
 
     target, drafter = pair
-    before = FUSION["compiled_calls"]
-    e = engine(target, compute_dtype="bfloat16", compile_mode=0, mode="dflash2", dflash2_model=str(drafter),
-               fuse_kvq=True, fuse_gate=True)
-    assert FUSION["compiled_calls"] == before
+    before = sum(COMPILED_CALLS.values())
+    e = engine(target, compute_dtype="bfloat16", mode="dflash2", dflash2_model=str(drafter))
+    assert sum(COMPILED_CALLS.values()) == before
     ids = e.tokenizer.encode("hello world")
     first = e.generate(ids, 60, stop_at_eos=False).tokens
-    e.proposer.capture_graphs(e.target.pool)
-    assert FUSION["compiled_calls"] == before
+    with use(e.kernels):
+        e.proposer.capture_graphs(e.target.pool)
+    assert sum(COMPILED_CALLS.values()) == before
     assert e.generate(ids, 60, stop_at_eos=False).tokens == first
     print(f"load times: {e.load_times}")
 

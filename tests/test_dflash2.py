@@ -5,7 +5,7 @@ import json
 
 import pytest
 import torch
-from helpers import cli
+from helpers import cli, run_pass
 from test_verification import plain_greedy, run_forced
 
 from blockspec.cli import main
@@ -65,7 +65,7 @@ def test_forced_verification_keeps_target_and_drafter_context_exact(pair, wrong_
         assert proposer.drafter.context.length == length
         fresh = load(target, drafter_dir).proposer.drafter
         state = DecodeState(model, 256, 16, "cpu", torch.float32)
-        features = model(torch.tensor(trajectory[:length]), state, proposer.capture_layers).features
+        features = run_pass(model, state, torch.tensor(trajectory[:length]), proposer.capture_layers).features
         fresh.append_context(features, 0)
         ours, ref = proposer.drafter.context, fresh.context
         order, ref_order = ours.positions.argsort(), ref.positions.argsort()

@@ -7,7 +7,7 @@ import sys
 import tempfile
 
 import torch
-from helpers import patch_triton_interpreter, run_in_triton_interpreter
+from helpers import patch_triton_interpreter, run_in_triton_interpreter, run_pass
 
 from blockspec import kernels
 from blockspec.quant import w4a16_triton as wq
@@ -100,17 +100,17 @@ def test_shape_errors_are_named():
         raise AssertionError("17 rows were accepted in one launch")
 
 
-def test_fold_setting_refused_when_unknown(monkeypatch):
+def test_fold_setting_is_a_config_key():
+    from blockspec.config import PredictConfig
     from blockspec.errors import BlockspecError
-    from blockspec.layers import folded_norm
 
-    monkeypatch.setenv("BLOCKSPEC_FOLD_NORMS", "yes")
+    assert PredictConfig().fold_norms is True and PredictConfig(fold_norms=False).fold_norms is False
     try:
-        folded_norm.enable(torch.nn.Module())
+        PredictConfig.build({"fold_norms": "sometimes"})
     except BlockspecError as exc:
-        assert "BLOCKSPEC_FOLD_NORMS='yes'" in str(exc)
+        assert "'fold_norms'" in str(exc) and "\n" not in str(exc)
     else:
-        raise AssertionError("an unknown BLOCKSPEC_FOLD_NORMS was accepted")
+        raise AssertionError("an invalid fold_norms was accepted")
 
 
 def _run_model_case():  # executed in a subprocess with TRITON_INTERPRET=1
@@ -120,15 +120,14 @@ def _run_model_case():  # executed in a subprocess with TRITON_INTERPRET=1
 
     patch_triton_interpreter()
     directory = build_tiny_checkpoint(tempfile.mkdtemp(), seed=0, planted=True)
-    kw = dict(device="cpu", compute_dtype="float32", context_length=256, target_quantization="int4", fuse_kvq=True,
-              fuse_gate=True)
+    kw = dict(device="cpu", compute_dtype="float32", context_length=256, target_quantization="int4")
     plain, mtp = Engine.load(directory, **kw), Engine.load(directory, mode="mtp", **kw)
     ids = plain.tokenizer.encode("hello world")
     a, b = plain.generate(ids, 12, stop_at_eos=False), mtp.generate(ids, 12, stop_at_eos=False)
 
     def logits():
         plain.state.reset()
-        out = plain.model(torch.tensor(ids[:5]), plain.state)
+        out = run_pass(plain.model, plain.state, torch.tensor(ids[:5]))
         plain.state.discard()
         return out.logits.double()
     folded = logits()

@@ -13,6 +13,7 @@ from blockspec.cli import main
 from blockspec.engine.engine import Engine
 from blockspec.engine.state import DecodeState
 from blockspec.tiny import build_tiny_checkpoint
+from helpers import run_pass
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +70,7 @@ def test_mtp_head_matches_independent_computation(tmp_path):
     engine = load(directory)
     prompt = torch.randint(0, 259, (12,), generator=torch.Generator().manual_seed(0))
     state = DecodeState(engine.model, 64, 16, "cpu", torch.float32)
-    out = engine.model(prompt, state)
+    out = run_pass(engine.model, state, prompt)
     next_tokens = torch.cat([prompt[1:], torch.tensor([17])])
     proposer = engine.proposer
     normed = engine.model.norm(out.hidden)
@@ -92,7 +93,7 @@ def test_forced_verification_keeps_target_and_mtp_cache_exact(planted, wrong_fro
     def mtp_cache_check(trajectory, length):
         """Committed MTP rows 0..length-1 equal one MTP pass over the plain trajectory."""
         reference = DecodeState(model, 256, 16, "cpu", torch.float32)
-        hidden = model(torch.tensor(trajectory[:length]), reference).hidden
+        hidden = run_pass(model, reference, torch.tensor(trajectory[:length])).hidden
         fresh = load(planted).proposer
         fresh.step_at(model.norm(hidden), torch.tensor(trajectory[1:length + 1]), 0)
         for ours, ref in zip(proposer.caches, fresh.caches):

@@ -25,14 +25,20 @@ def test_no_pdl_off_cuda():
     assert pdl.prefetch_blocks(4096, 100, 8, torch.device("cpu")) == 0
 
 
-def test_bad_environment_is_one_line(monkeypatch):
+def test_settings_are_scoped_and_come_from_the_config(monkeypatch):
+    """The launch settings an engine chooses hold only around its own work; nothing global, no environment."""
+    from blockspec.config import PredictConfig
     from blockspec.errors import BlockspecError
+    from blockspec.kernels.settings import KernelSettings, active, use
 
-    monkeypatch.setenv("BLOCKSPEC_PDL", "fast")
-    pdl.reset()
-    try:
-        with pytest.raises(BlockspecError, match="BLOCKSPEC_PDL='fast'"):
-            pdl.settings(torch.device("cpu"))
-    finally:
-        monkeypatch.delenv("BLOCKSPEC_PDL")
-        pdl.reset()
+    monkeypatch.setenv("BLOCKSPEC_PDL", "3")  # no longer read by anything
+    assert active() == KernelSettings()
+    with use(KernelSettings(pdl_level=3, fusion=True)) as chosen:
+        assert active() is chosen
+        with use(KernelSettings()):
+            assert active().pdl_level == 0
+        assert active() is chosen
+        assert pdl.settings(torch.device("cpu")) == (0, 0)  # never on the CPU, whatever is asked
+    assert active() == KernelSettings()
+    with pytest.raises(BlockspecError, match="'pdl_level'"):
+        PredictConfig.build({"pdl_level": 4})

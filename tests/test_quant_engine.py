@@ -10,7 +10,7 @@ import weakref
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import cli
+from helpers import cli, run_pass
 from safetensors.torch import load_file, save_file
 from torch import nn
 
@@ -34,7 +34,7 @@ def load(target, drafter=None, **kw):
 def forward(engine, ids, capture=()):
     """One pass of the target over ids from an empty state (left uncommitted)."""
     engine.state.reset()
-    out = engine.model(torch.tensor(ids), engine.state, list(capture))
+    out = run_pass(engine.model, engine.state, torch.tensor(ids), capture)
     engine.state.discard()
     return out
 
@@ -69,7 +69,8 @@ def test_int4_target_close_to_dense(planted):
     dense_modules = dict(dense.model.named_modules())
     projections = [n for n, m in dense_modules.items() if isinstance(m, nn.Linear) and n.startswith("layers.")]
     swapped = {n: m for n, m in quant.model.named_modules() if isinstance(m, Int4Linear)}
-    assert sorted(swapped) == sorted(projections) and len(projections) == 3 * 8 + 7  # 3 DeltaNet + 1 attention layers
+    # 4 layers (3 DeltaNet + 1 attention), each: packed input projection, output projection, packed gate/up, down
+    assert sorted(swapped) == sorted(projections) and len(projections) == 4 * 4
     # every weight within half a step of its group's scale: the RTN error bound; eps = worst relative error
     eps = 0.0
     for name, module in swapped.items():
@@ -80,7 +81,7 @@ def test_int4_target_close_to_dense(planted):
         eps = max(eps, float(err.norm() / w.norm()))
     # untouched: head, embeddings, norms, conv1d, decays
     for name, p in dense.model.named_parameters():
-        if not name.endswith("proj.weight") and not re.search(r"proj_\w+\.weight$", name):
+        if "proj" not in name:
             torch.testing.assert_close(dict(quant.model.named_parameters())[name], p, rtol=0, atol=0)
     assert type(quant.model.lm_head) is nn.Linear
 
@@ -205,7 +206,8 @@ def test_compressed_tensors_checkpoint_matches_dequantized_reference(compressed)
     quantized = {n: m for n, m in engine.model.named_modules() if isinstance(m, Int4Linear)}
     assert quantized and all(m.symmetric == symmetric for m in quantized.values())
     assert type(engine.model.lm_head) is nn.Linear  # ignored: stays dense
-    assert any(n.endswith("in_proj_a") for n in quantized) == symmetric  # the ignore list is honoured
+    in_proj_parts = engine.model.layers[0].linear_attn.in_proj.parts  # b / a ignored: a dense part of their own
+    assert all(isinstance(part, Int4Linear) for part in in_proj_parts) == symmetric  # the ignore list is honoured
     assert engine.model.layers[0].mlp.down_proj.in_features == 320  # a partial last group
     ids = engine.tokenizer.encode(PROMPT)
     assert_close(forward(engine, ids).logits, forward(reference, ids).logits, 1e-4)
@@ -220,10 +222,8 @@ def test_compressed_tensors_checkpoint_matches_dequantized_reference(compressed)
     # the MTP head's proposals match the reference head's: same acceptance, cycle by cycle
     assert spec.stats["accepted_per_cycle"] == mtp_reference.generate(ids, 40, stop_at_eos=False).stats[
         "accepted_per_cycle"]
-    # packing already quantized projections (and, asymmetric, dense b/a beside int4 qkv/z: two matmuls)
-    packed = load(ct, fuse_kvq=True, fuse_gate=True)
-    assert_close(forward(packed, ids).logits, forward(engine, ids).logits, 1e-5)
-    in_proj = packed.model.layers[0].linear_attn.in_proj
+    # already quantized projections are packed code for code (asymmetric: dense b/a beside int4 qkv/z, two matmuls)
+    in_proj = engine.model.layers[0].linear_attn.in_proj
     assert len(in_proj.parts) == (1 if symmetric else 2)
     assert isinstance(in_proj.parts[0], Int4Linear)
 
@@ -266,8 +266,7 @@ def test_int8_drafter_proposals_agree(pair):
     d = int8.proposer.drafter
     quantized = sorted(n for n, m in d.named_modules() if isinstance(m, Int8Linear))
     assert quantized == sorted(["fc"] + [f"layers.{i}.{p}" for i in range(2) for p in (
-        "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
-        "mlp.up_proj", "mlp.down_proj")])
+        "self_attn.qkv_proj.parts.0", "self_attn.o_proj", "mlp.gate_up_proj.parts.0", "mlp.down_proj")])
     assert all(d.get_submodule(n).group_size == 32 for n in quantized)
     assert type(d.layers[0].attention_conv.kernel_projection) is nn.Linear  # convolution controls stay native
     assert type(d.candidate_selector.hidden_projection) is nn.Linear  # the selector too
@@ -301,8 +300,8 @@ def test_int8_drafter_proposals_agree(pair):
 
 
 @pytest.mark.parametrize("settings", [
-    {}, {"vocabulary_quantization": "int8", "target_quantization": "int4", "fuse_kvq": True, "fuse_gate": True},
-], ids=["dense", "int8-head-int4-target-packed"])
+    {}, {"vocabulary_quantization": "int8", "target_quantization": "int4"},
+], ids=["dense", "int8-head-int4-target"])
 def test_int8_drafter_output_equals_plain_greedy(pair, settings):
     target, drafter = pair
     plain = load(target, **settings)
@@ -315,62 +314,64 @@ def test_int8_drafter_output_equals_plain_greedy(pair, settings):
 
 
 # ----------------------------------------------------------------------------------------------------------
-# fuse_kvq / fuse_gate: projection packing
+# projection packing (always at load; fuse_kvq / fuse_gate accepted, false noted)
 # ----------------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("quantization", ["none", "int4"])
-def test_packed_target_matches_unpacked(planted, quantization):
-    ids = load(planted).tokenizer.encode(PROMPT)
-    plain = load(planted, target_quantization=quantization)
-    packed = load(planted, target_quantization=quantization, fuse_kvq=True, fuse_gate=True)
-    assert_close(forward(packed, ids).logits, forward(plain, ids).logits, 1e-5)
+def test_target_is_packed_at_load(planted, quantization, capsys):
+    packed = load(planted, target_quantization=quantization)
     for layer in packed.model.layers:  # mixed layer types: 3 DeltaNet + 1 attention
         mixer = layer.self_attn if layer.is_attention else layer.linear_attn
         packed_name = "qkv_proj" if layer.is_attention else "in_proj"
         assert isinstance(getattr(mixer, packed_name), PackedLinear)
         assert isinstance(layer.mlp.gate_up_proj, PackedLinear)
-        for name in list(type(mixer).PACKS["fuse_kvq"][1]) + ["mlp.gate_proj", "mlp.up_proj"]:
+        for name in list(type(mixer).PACKS[packed_name]) + ["mlp.gate_proj", "mlp.up_proj"]:
             owner = layer if name.startswith("mlp.") else mixer
             assert not hasattr(owner, name.split(".")[-1]), name
     names = [n for n, _ in list(packed.model.named_parameters()) + list(packed.model.named_buffers())]
     assert not any(re.search(r"\.(q_proj|k_proj|v_proj|in_proj_\w+|gate_proj|up_proj)\.", n) for n in names)
     memory = packed.memory["target"]
     assert memory["packed_bytes"] == memory["loaded_bytes"]  # the originals are released, nothing is duplicated
-    mtp = load(planted, mode="mtp", target_quantization=quantization, fuse_kvq=True, fuse_gate=True)
+    ids = packed.tokenizer.encode(PROMPT)
+    mtp = load(planted, mode="mtp", target_quantization=quantization)
     assert isinstance(mtp.proposer.head.layers[0].self_attn.qkv_proj, PackedLinear)
-    assert mtp.generate(ids, 40, stop_at_eos=False).tokens == plain.generate(ids, 40, stop_at_eos=False).tokens
+    assert mtp.generate(ids, 40, stop_at_eos=False).tokens == packed.generate(ids, 40, stop_at_eos=False).tokens
+    capsys.readouterr()
+    off = load(planted, target_quantization=quantization, fuse_kvq=False, fuse_gate=False)  # accepted, noted
+    notes = capsys.readouterr().err.strip().splitlines()
+    assert len(notes) == 2 and all("always packed" in n and n.startswith("blockspec: note: fuse_") for n in notes)
+    assert isinstance(off.model.layers[0].mlp.gate_up_proj, PackedLinear)
+    assert torch.equal(forward(off, ids).logits, forward(packed, ids).logits)
 
 
 def test_packing_releases_the_original_weights(planted):
-    model, _ = load_target(planted)
+    from blockspec.config import TargetConfig
+    from blockspec.models.qwen3_5 import TargetModel
+
+    model = TargetModel(TargetConfig.from_file(planted / "config.json"))  # as constructed, before the loader packs
     originals = [weakref.ref(getattr(m, n).weight) for m in model.modules()
                  for n in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "q_proj", "k_proj", "v_proj",
                            "gate_proj", "up_proj") if hasattr(m, n)]
     assert len(originals) == 3 * 4 + 3 + 4 * 2
-    packed = pack_projections(model, {"fuse_kvq", "fuse_gate"})
+    packed = pack_projections(model)
     assert len(packed) == 4 + 4
+    assert pack_projections(model) == []  # packing twice is a no-op
     gc.collect()
     assert all(ref() is None for ref in originals)
 
 
 @pytest.mark.parametrize("quantization", ["none", "int8"])
-def test_packed_drafter_matches_unpacked(pair, quantization):
+def test_drafter_is_packed_at_load(pair, quantization):
     target, drafter = pair
-    engines = [load(target, drafter, dflash2_quantization=quantization, **kw)
-               for kw in ({}, {"fuse_kvq": True, "fuse_gate": True})]
+    engines = [load(target, drafter, dflash2_quantization=quantization)]
     ids = engines[0].tokenizer.encode(PROMPT)
-    hidden = []
-    for engine in engines:
-        first = engine.generate(ids, 1).tokens[0]  # prefill: the drafter's context holds the prompt
-        hidden.append(engine.proposer.drafter.forward_block(first, len(ids)))
-    assert_close(hidden[1], hidden[0], 1e-5)
-    d = engines[1].proposer.drafter
+    d = engines[0].proposer.drafter
     assert isinstance(d.layers[0].self_attn.qkv_proj, PackedLinear) and isinstance(d.layers[0].mlp.gate_up_proj,
                                                                                    PackedLinear)
     assert not any(hasattr(layer.self_attn, "q_proj") or hasattr(layer.mlp, "gate_proj") for layer in d.layers)
     if quantization == "int8":
         assert isinstance(d.layers[0].self_attn.qkv_proj.parts[0], Int8Linear)
-    out = engines[1].generate(ids, 60, stop_at_eos=False).tokens
+    out = engines[0].generate(ids, 60, stop_at_eos=False).tokens
     assert out == load(target).generate(ids, 60, stop_at_eos=False).tokens
 
 

@@ -2,11 +2,12 @@
 
 import pytest
 import torch
-from helpers import LAYER_MIXES, save_hf_target
+from helpers import LAYER_MIXES, run_pass, save_hf_target
 
 from blockspec.checkpoint import load_target
 from blockspec.engine.decode import Proposer, prefill
 from blockspec.engine.state import DecodeState
+from blockspec.engine.target import EagerTarget
 
 
 @pytest.fixture(scope="module", params=["mixed", "gdn", "attention"])
@@ -21,7 +22,7 @@ def new_state(model):
 
 
 def run(model, state, ids):
-    out = model(ids, state)
+    out = run_pass(model, state, ids)
     state.commit(ids.shape[0])
     return out.logits
 
@@ -45,7 +46,7 @@ def test_commit_every_n_matches_plain_run(model):
         for n in range(1, k + 1):
             state = new_state(model)
             run(model, state, prompt)
-            model(block, state)
+            run_pass(model, state, block)
             state.commit(n)
             assert state.length == 11 + n
             continued = run(model, state, after)
@@ -59,7 +60,7 @@ def test_discard_leaves_state_untouched(model):
     state = new_state(model)
     run(model, state, prompt)
     before = snapshot(state)
-    model(block, state)
+    run_pass(model, state, block)
     state.discard()
     assert state.length == 9
     for a, b in zip(before, snapshot(state)):
@@ -76,7 +77,7 @@ def test_partial_commit_changes_state_differently_per_n(model):
     for n in (2, 5):
         state = new_state(model)
         run(model, state, prompt)
-        model(block, state)
+        run_pass(model, state, block)
         state.commit(n)
         results.append(run(model, state, torch.tensor([7])))
     assert (results[0] - results[1]).abs().max() > 1e-3
@@ -86,8 +87,8 @@ def test_partial_commit_changes_state_differently_per_n(model):
 def test_chunked_prefill_equals_one_shot(model, chunk):
     prompt = torch.randint(0, 300, (20,), generator=torch.Generator().manual_seed(3))
     one_shot, chunked = new_state(model), new_state(model)
-    first = prefill(model, one_shot, prompt, 64, Proposer())
-    assert prefill(model, chunked, prompt, chunk, Proposer()) == first
+    first = prefill(EagerTarget(model, one_shot), prompt, 64, Proposer())
+    assert prefill(EagerTarget(model, chunked), prompt, chunk, Proposer()) == first
     for a, b in zip(snapshot(one_shot), snapshot(chunked)):
         assert (a - b).abs().max() <= 1e-4
     nxt = torch.tensor([first])
@@ -111,7 +112,7 @@ def snapshot_tensors(state):
 
 def test_commit_bounds_are_checked(model):
     state = new_state(model)
-    model(torch.tensor([1, 2, 3]), state)
+    run_pass(model, state, torch.tensor([1, 2, 3]))
     with pytest.raises(ValueError):
         state.commit(4)
     with pytest.raises(ValueError):
@@ -133,6 +134,6 @@ def test_in_place_state_equals_transactional_and_refuses_partial_commits(model):
     if states[1].gdn:  # one-token in-place passes shift the history themselves: their commit is bookkeeping only
         assert not states[1].commit_moves_data(1, 1) and states[1].commit_moves_data(3, 3)
         assert states[0].commit_moves_data(1, 1)
-        model(tokens[:3], states[1])
+        run_pass(model, states[1], tokens[:3])
         with pytest.raises(RuntimeError, match="in-place"):
             states[1].commit(2)

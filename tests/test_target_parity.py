@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from helpers import LAYER_MIXES, save_hf_target
+from helpers import LAYER_MIXES, run_pass, save_hf_target
 from safetensors.torch import load_file, save_file
 
 from blockspec.checkpoint import load_target
@@ -14,11 +14,11 @@ CASES = [("mixed", False), ("mixed", True), ("attention", False), ("gdn", True),
 def engine_logits_stepwise(model, prompt, continuation):
     """Prompt logits, then one decode step per continuation token (1-token passes, committed)."""
     state = DecodeState(model, 256, 16, "cpu", torch.float32)
-    out = model(prompt, state)
+    out = run_pass(model, state, prompt)
     state.commit(prompt.shape[0])
     steps = []
     for token in continuation:
-        step = model(token.view(1), state)
+        step = run_pass(model, state, token.view(1))
         state.commit(1)
         steps.append(step.logits[0])
     return out.logits, torch.stack(steps)
@@ -95,5 +95,5 @@ def test_multimodal_layout_loads(tmp_path):
     assert set(mtp) == {"mtp.fc.weight"}
     prompt = torch.arange(5)
     state = DecodeState(model, 32, 16, "cpu", torch.float32)
-    ours = model(prompt, state).logits
+    ours = run_pass(model, state, prompt).logits
     assert (ours - ref(prompt[None]).logits[0]).abs().max() <= 1e-4

@@ -3,7 +3,7 @@ committed target state (and the proposer's own committed cache) must equal a pla
 
 import pytest
 import torch
-from helpers import LAYER_MIXES, save_hf_target
+from helpers import LAYER_MIXES, run_pass, save_hf_target
 
 from blockspec.checkpoint import load_target
 from blockspec.engine.decode import DecodeStats, Proposer, decode
@@ -24,7 +24,7 @@ def committed_state(state):
 
 def plain_state(model, tokens):
     state = DecodeState(model, 256, 16, "cpu", torch.float32)
-    model(torch.tensor(tokens), state)
+    run_pass(model, state, torch.tensor(tokens))
     state.commit(len(tokens))
     return state
 

@@ -58,6 +58,12 @@ class DrafterContext:
             return
         positions = torch.arange(start_position, start_position + rows, device=self.positions.device)
         self.write_rows(keys, values, positions)
+        self.commit(start_position, rows)
+
+    def commit(self, start_position: int, rows: int) -> None:
+        """Positions start_position .. + rows - 1 are now written (the one place the committed length moves)."""
+        if start_position < self.length:
+            raise ValueError(f"context position {start_position} was already written (length {self.length})")
         self.length = start_position + rows
 
     def write_rows(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> None:

@@ -10,6 +10,7 @@ into proposals.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Callable
 
@@ -25,8 +26,10 @@ from blockspec.kernels.attention import masked_attention, prepare_attention_inpu
 from blockspec.kernels.rope import rope_tables
 from blockspec.layers.mlp import SwiGLU
 from blockspec.layers.norm import PlainRMSNorm as RMSNorm
+from blockspec.layers.packed import pack_projections
 
 WEIGHTS_FILE = "model.safetensors"
+QUANTIZED_PROJECTIONS = re.compile(r"fc$|layers\.\d+\.(self_attn|mlp)\.")  # what dflash2_quantization quantizes
 # Some checkpoints store the codebooks as bare tensors rather than Embedding weights.
 _BARE_TENSOR_NAMES = {
     "candidate_selector.predecessor_codebook": "candidate_selector.predecessor_codebook.weight",
@@ -35,7 +38,7 @@ _BARE_TENSOR_NAMES = {
 
 
 class DrafterAttention(nn.Module):
-    PACKS = {"fuse_kvq": ("qkv_proj", ("q_proj", "k_proj", "v_proj"))}  # see blockspec.layers.packed
+    PACKS = {"qkv_proj": ("q_proj", "k_proj", "v_proj")}  # packed at load (layers/packed.py): forward uses qkv_proj
 
     def __init__(self, config: DrafterConfig, dtype: torch.dtype):
         super().__init__()
@@ -53,10 +56,7 @@ class DrafterAttention(nn.Module):
         """K (normed, rotated) and V of context rows x [T, hidden] into this layer's buffers [slots, kv_heads,
         head_dim] at `slots`."""
         rows = x.shape[0]
-        if self.qkv_proj is not None:
-            _, k, v = self.qkv_proj(x)
-        else:
-            k, v = self.k_proj(x), self.v_proj(x)
+        _, k, v = self.qkv_proj(x)  # q's rows are unused here: one matmul still beats two
         kv_shape = (rows, self.num_kv_heads, self.head_dim)
         prepare_attention_inputs(None, k.view(kv_shape), v.view(kv_shape), None, self.k_norm.weight,
                                  self.k_norm.eps, cos, sin, slots, keys, values, zero_centred=False)
@@ -65,7 +65,7 @@ class DrafterAttention(nn.Module):
         """keys / values: this layer's context buffers; the block's own K/V go to their `block_slots`, and `visible`
         [T, slots] says which slots each row sees."""
         rows = x.shape[0]
-        q, k, v = self.qkv_proj(x) if self.qkv_proj is not None else (self.q_proj(x), self.k_proj(x), self.v_proj(x))
+        q, k, v = self.qkv_proj(x)
         kv_shape = (rows, self.num_kv_heads, self.head_dim)
         q = prepare_attention_inputs(q.view(rows, self.num_heads, self.head_dim), k.view(kv_shape), v.view(kv_shape),
                                      self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, cos, sin, block_slots,
@@ -161,6 +161,7 @@ class DFlash2Drafter(nn.Module):
 
     @torch.no_grad()
     def load_weights(self, path: str | Path) -> None:
+        """Fill the weights from a checkpoint file (its names), then pack the projections (layers/packed.py)."""
         from safetensors import safe_open
 
         path = Path(path)
@@ -188,6 +189,7 @@ class DFlash2Drafter(nn.Module):
             raise
         except Exception as exc:  # safetensors reports corrupt files with its own exception types
             raise BlockspecError(f"drafter weights {path} cannot be read: {exc}") from None
+        pack_projections(self)
 
     # ---------------------------------------------------------------- context
 
@@ -209,7 +211,7 @@ class DFlash2Drafter(nn.Module):
             return
         first = start_position + rows - kept
         self.encode_context(features[rows - kept:], torch.arange(first, first + kept, device=self.device))
-        self.context.length = start_position + rows
+        self.context.commit(start_position, rows)
 
     @torch.no_grad()
     def encode_context(self, features: torch.Tensor, positions: torch.Tensor) -> None:

@@ -60,12 +60,12 @@ def _sync(device):
         torch.cuda.synchronize(device)
 
 
-def prefill(model, state, prompt: torch.Tensor, chunk: int, proposer: Proposer) -> int:
+def prefill(target, prompt: torch.Tensor, chunk: int, proposer: Proposer) -> int:
     """Chunked prefill of the prompt; returns the first generated token (greedy)."""
     for begin in range(0, prompt.shape[0], chunk):
         ids = prompt[begin:begin + chunk]
-        out = model(ids, state, proposer.capture_layers, all_logits=False)
-        state.commit(ids.shape[0])
+        out = target.forward(ids, all_logits=False)
+        target.state.commit(ids.shape[0])
         last = begin + ids.shape[0] >= prompt.shape[0]
         first_token = int(out.logits[-1].argmax()) if last else None
         following = prompt[begin + 1:begin + ids.shape[0] + 1].tolist() + ([first_token] if last else [])
@@ -76,12 +76,11 @@ def prefill(model, state, prompt: torch.Tensor, chunk: int, proposer: Proposer) 
 def decode(target, proposer: Proposer, prompt: list[int], max_tokens: int, eos: set[int], chunk: int,
            stats: DecodeStats):
     """Generator of greedy tokens; `target` is an EagerTarget or GraphedTarget; `stats` is filled as it goes."""
-    model, state = target.model, target.state
-    device = model.embed_tokens.weight.device
+    state, device = target.state, target.device
     state.reset()
     proposer.reset()
     start = time.perf_counter()
-    anchor = prefill(model, state, torch.tensor(prompt, device=device), chunk, proposer)
+    anchor = prefill(target, torch.tensor(prompt, device=device), chunk, proposer)
     _sync(device)
     stats.prefill_s = time.perf_counter() - start
     stats.generated = 1
@@ -100,7 +99,7 @@ def decode(target, proposer: Proposer, prompt: list[int], max_tokens: int, eos: 
             accepted = 0
             while accepted < len(proposals) and proposals[accepted] == predicted[accepted]:
                 accepted += 1
-            target.commit(accepted + 1)
+            state.commit(accepted + 1)
             emitted = predicted[:accepted + 1]
             proposer.observe(out, position, [anchor] + proposals[:accepted], emitted)
             if proposer.max_proposals:

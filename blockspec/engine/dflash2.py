@@ -7,48 +7,26 @@ The proposal length comes from the drafter checkpoint's block size (self_specula
 
 from __future__ import annotations
 
-import re
-
 import torch
 
-from ..drafter.config import DrafterConfig
 from ..drafter.model import DFlash2Drafter
-from ..quant.apply import prepare, rtn
 from . import graphs
 from .decode import Proposer
-
-DRAFTER_PROJECTIONS = re.compile(r"fc$|layers\.\d+\.(self_attn|mlp)\.")  # what dflash2_quantization quantizes
 
 
 class DFlash2Proposer(Proposer):
     name = "dflash2"
 
     def __init__(self, drafter: DFlash2Drafter, draft_head=None):
+        """`drafter`: loaded, packed (and quantized) around the target's embedding and head; `draft_head`: the
+        shared head over a draft vocabulary the drafter proposes over (None: the full head)."""
         self.drafter = drafter
-        self.draft_head = draft_head  # proposals over a draft vocabulary (None: the full shared head)
-        self.capture_layers = tuple(drafter.target_layer_ids)
-        self.max_proposals = drafter.block_size - 1
-        self.graph, self.append_graphs = None, {}  # compile_mode 0 only
-
-    @classmethod
-    def build(cls, engine) -> "DFlash2Proposer":
-        model = engine.model
-        shared = dict(embed=model.embed, lm_head=model.logits, device=engine.device, dtype=engine.dtype)
-        if engine.config.dflash2_model:
-            drafter = DFlash2Drafter.from_pretrained(
-                engine.config.dflash2_model, target_hidden_size=model.config.hidden_size,
-                target_vocab_size=model.config.vocab_size, target_num_layers=model.config.num_hidden_layers, **shared)
-        else:  # synthetic benchmark: the published drafter's shapes around this target, random weights
-            from ..synthetic import synthetic_drafter_config, randomize_
-            drafter = DFlash2Drafter(DrafterConfig.from_dict(synthetic_drafter_config(model.config)), **shared)
-            randomize_(drafter, engine.synthetic_drafter)
-        # norms, convolution controls and the selector stay native: only fc and the layers' projections
-        quantizer = rtn(engine.config.dflash2_quantization, 32, engine.dtype)
-        engine.memory["drafter"] = prepare(drafter, engine.packs, quantizer, DRAFTER_PROJECTIONS.match)
-        draft_head = engine.draft_head()
+        self.draft_head = draft_head
         if draft_head is not None:
             drafter.set_head(draft_head.logits, draft_head.ids)
-        return cls(drafter, draft_head)
+        self.capture_layers = tuple(drafter.target_layer_ids)
+        self.max_proposals = drafter.block_size - 1
+        self.graph, self.append_graphs = None, {}  # CUDA graphs only
 
     def reset(self):
         self.drafter.reset()
@@ -58,13 +36,12 @@ class DFlash2Proposer(Proposer):
         if rows not in self.append_graphs:  # prefill chunks (and eager mode)
             self.drafter.append_context(out.features[:rows], first)
             return
-        context = self.drafter.context
-        if first != context.length:
-            raise ValueError(f"context append at {first}, but {context.length} positions are committed")
+        if first != self.drafter.context.length:
+            raise ValueError(f"context append at {first}, but {self.drafter.context.length} positions are committed")
         self.features_in[:rows].copy_(out.features[:rows])
         self.append_start.fill_(first)
         self.append_graphs[rows].replay()
-        context.length = first + rows
+        self.drafter.context.commit(first, rows)
 
     def propose(self, anchor, position, k):
         if self.graph is None:
@@ -75,7 +52,7 @@ class DFlash2Proposer(Proposer):
         return self.proposals[:k].tolist()
 
     def capture_graphs(self, pool=None, warmup: int = 2):
-        """compile_mode 0, at load time: the whole proposal (embedding, layers, convolutions, logits, selector walk)
+        """With CUDA graphs, at load time: the whole proposal (embedding, layers, convolutions, logits, selector walk)
         as one CUDA graph over a static anchor and position, and the context append of each verification length
         (1..block_size committed rows) as one graph each."""
         drafter, device = self.drafter, self.drafter.device

@@ -2,21 +2,25 @@
 
 from __future__ import annotations
 
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from ..checkpoint import load_target
+from ..checkpoint import load_mtp_head, load_target
 from ..config import PredictConfig
+from ..drafter.model import QUANTIZED_PROJECTIONS, DFlash2Drafter
 from ..errors import BlockspecError, UnsupportedRequest
-from ..kernels import enable_fusion, pdl
+from ..kernels.settings import KernelSettings, use
 from ..layers import folded_norm
 from ..layers.draft_head import DraftHead, draft_ids
 from ..quant.apply import prepare, quantize_head, resident_bytes, rtn
 from ..tokenizer import Tokenizer
 from .decode import DecodeStats, Proposer, decode
+from .dflash2 import DFlash2Proposer
+from .mtp import MTPProposer
 from .state import DecodeState
 from .target import EagerTarget, GraphedTarget
 
@@ -38,19 +42,32 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def resolve_execution(config: PredictConfig, device: torch.device) -> str:
+    """"cuda-graphs" (the default on CUDA) or "eager" (compile_mode -1, and always on the CPU)."""
+    if config.compile_mode == -1:
+        return "eager"
+    if device.type == "cuda":
+        return "cuda-graphs"
+    if "compile_mode" in config.model_fields_set:  # asked for by name: refused, never silently dropped
+        raise BlockspecError("compile_mode 0 (CUDA graphs) needs a CUDA device; the CPU always runs eagerly: "
+                             "remove compile_mode or set it to -1")
+    return "eager"
+
+
 class Engine:
-    def __init__(self, config: PredictConfig, *, model=None, mtp_tensors=None, tokenizer=None,
-                 synthetic_drafter: int | None = None):
-        """Loads config.model, unless `model` (a TargetModel already on the device, e.g. synthetic weights),
-        its `mtp_tensors` and a `tokenizer` are given. `synthetic_drafter` (a seed) makes mode dflash2 use a
-        random drafter of the published shapes instead of loading dflash2_model (benchmarks only)."""
-        self.synthetic_drafter = synthetic_drafter
+    def __init__(self, config: PredictConfig, *, model=None, mtp_tensors=None, drafter: DFlash2Drafter | None = None,
+                 tokenizer=None):
+        """Loads config.model, unless `model` (a packed TargetModel already on the device, e.g. synthetic weights),
+        its `mtp_tensors` and a `tokenizer` are given; mode dflash2 loads config.dflash2_model unless `drafter` (a
+        packed DFlash2Drafter around this model) is given."""
         if not config.model and model is None:
             raise BlockspecError("no model given: set 'model' in the config or pass --model DIR")
         self.config = config
         self.mode = config.decode_mode
-        self.check_config()
+        self.check_config(drafter_given=drafter is not None)
         self.device = resolve_device(config.device)
+        self.execution = resolve_execution(config, self.device)
+        self.note_ignored_settings()
         if self.device.type == "cuda":
             torch.cuda.set_device(config.gpu_ranks[0])
         self.dtype = config.torch_dtype
@@ -63,10 +80,11 @@ class Engine:
         self.prepare_target()
         self.tokenizer = tokenizer or Tokenizer(config.model, self.model.config.eos_token_ids)
         self.context_length = config.context_length
-        self.proposer = self.build_proposer(mtp_tensors)
-        self.state = DecodeState(self.model, config.context_length, MAX_VERIFY_TOKENS, self.device, self.dtype,
-                                 in_place=self.proposer.max_proposals == 0)
-        self.target = self.build_target()
+        with use(self.kernels):
+            self.proposer = self.build_proposer(mtp_tensors, drafter)
+            self.state = DecodeState(self.model, config.context_length, MAX_VERIFY_TOKENS, self.device, self.dtype,
+                                     in_place=self.proposer.max_proposals == 0)
+            self.target = self.build_target()
         self.last_stats: dict = {}
 
     @classmethod
@@ -81,14 +99,14 @@ class Engine:
     def vocab_size(self) -> int:
         return self.model.config.vocab_size
 
-    def check_config(self):
+    def check_config(self, drafter_given: bool = False):
         """Refuse, before any model work, settings the chosen mode cannot serve exactly."""
         c = self.config
         if c.temperature > 0:
             raise UnsupportedRequest(f"temperature {c.temperature}: blockspec decodes greedily only "
                                      "(set temperature: 0)" + self._unset_drafter_hint())
         if self.mode == "dflash2":
-            if not c.dflash2_model and self.synthetic_drafter is None:
+            if not c.dflash2_model and not drafter_given:
                 raise BlockspecError("mode dflash2 needs a drafter: set dflash2_model or pass --drafter DIR")
             reasons = [(c.top_k != 1, f"top_k {c.top_k} (sampling)"), (c.batch_size > 1, f"batch_size {c.batch_size}"),
                        (c.beam_size > 1, f"beam_size {c.beam_size}")]
@@ -112,49 +130,66 @@ class Engine:
     def _unset_drafter_hint(self) -> str:
         return "; unset dflash2_model to leave DFlash2 decoding" if self.mode == "dflash2" else ""
 
+    def note_ignored_settings(self):
+        """Settings that are accepted but cannot be honoured: one line each on stderr, never an error."""
+        for key in ("fuse_kvq", "fuse_gate"):
+            if not getattr(self.config, key):
+                print(f"blockspec: note: {key}: false is ignored: projections are always packed at load",
+                      file=sys.stderr)
+
     def prepare_target(self):
-        """Pack and quantize the target's projections and its head as configured (see blockspec.quant.apply)."""
+        """Quantize the target's (packed) projections and its head as configured (see blockspec.quant.apply), and
+        choose how the kernels launch."""
         c, start = self.config, time.perf_counter()
         stored = self.model.checkpoint_quantization
         if stored and c.target_quantization == "none" and "target_quantization" in c.model_fields_set:
             raise BlockspecError(f"target_quantization: 'none', but {c.model} is a {stored} compressed-tensors "
                                  f"checkpoint: leave target_quantization unset or set it to {stored!r}")
         self.target_quantization = stored or c.target_quantization
-        pdl.use_level(3 if self.target_quantization == "int4" else 0)  # what each measured best with (kernels/pdl.py)
-        self.packs = [key for key in ("fuse_kvq", "fuse_gate") if getattr(c, key)]
+        # PDL where it measured a gain: the INT4 step (kernels/pdl.py); fusion is what graphs record
+        pdl_level = c.pdl_level if c.pdl_level is not None else (3 if self.target_quantization == "int4" else 0)
+        self.kernels = KernelSettings(fusion=self.execution == "cuda-graphs", pdl_level=pdl_level,
+                                      pdl_prefetch_mb=c.pdl_prefetch_mb)
         # a compressed-tensors checkpoint is used as stored: its ignore list stays dense
         self.target_quantizer = rtn(c.target_quantization if not stored else "none", 128, self.dtype)
-        self.memory["target"] = prepare(self.model, self.packs, self.target_quantizer,
-                                        lambda name: name.startswith("layers."))
+        self.memory["target"] = prepare(self.model, self.target_quantizer, lambda name: name.startswith("layers."))
         quantize_head(self.model, c.vocabulary_quantization, self.dtype)
-        self.folded_norms = folded_norm.enable(self.model)  # INT4 on CUDA: norms inside the projections
+        self.folded_norms = folded_norm.enable(self.model, c.fold_norms)  # INT4 on CUDA: norms in the projections
         self.memory["target"]["final_bytes"] = resident_bytes(self.model)
         self.load_times["prepare_target_s"] = round(time.perf_counter() - start, 3)
 
     def build_target(self):
         capture = self.proposer.capture_layers
-        if self.config.compile_mode == 0:
-            if self.device.type != "cuda":
-                raise BlockspecError("compile_mode 0 (CUDA graphs) needs --device cuda; use compile_mode -1 on the CPU")
-            enable_fusion()  # torch.compile the elementwise ops before anything is captured
+        if self.execution == "eager":
+            return EagerTarget(self.model, self.state, capture)
+        start = time.perf_counter()
+        target = GraphedTarget(self.model, self.state, capture, lengths=(1, 1 + self.proposer.max_proposals))
+        self.load_times["target_graphs_s"] = round(time.perf_counter() - start, 3)
+        if hasattr(self.proposer, "capture_graphs"):
             start = time.perf_counter()
-            target = GraphedTarget(self.model, self.state, capture, lengths=(1, 1 + self.proposer.max_proposals))
-            self.load_times["target_graphs_s"] = round(time.perf_counter() - start, 3)
-            if hasattr(self.proposer, "capture_graphs"):
-                start = time.perf_counter()
-                self.proposer.capture_graphs(target.pool)
-                self.load_times["proposer_graphs_s"] = round(time.perf_counter() - start, 3)
-            return target
-        return EagerTarget(self.model, self.state, capture)
+            self.proposer.capture_graphs(target.pool)
+            self.load_times["proposer_graphs_s"] = round(time.perf_counter() - start, 3)
+        return target
 
-    def build_proposer(self, mtp_tensors) -> Proposer:
+    def build_proposer(self, mtp_tensors, drafter) -> Proposer:
+        c, model = self.config, self.model
         if self.mode == "none":
             return Proposer()
+        draft_head = self.draft_head()
         if self.mode == "mtp":
-            from .mtp import MTPProposer
-            return MTPProposer.build(self, mtp_tensors)
-        from .dflash2 import DFlash2Proposer
-        return DFlash2Proposer.build(self)
+            head = load_mtp_head(model, mtp_tensors, self.dtype, self.device)
+            self.memory["mtp"] = prepare(head, self.target_quantizer)  # quantized as the target's projections
+            return MTPProposer(model, head, c.self_speculative_num_tokens, self.context_length, self.device,
+                               self.dtype, draft_head)
+        if drafter is None:
+            drafter = DFlash2Drafter.from_pretrained(
+                c.dflash2_model, target_hidden_size=model.config.hidden_size, target_vocab_size=model.config.vocab_size,
+                target_num_layers=model.config.num_hidden_layers, embed=model.embed, lm_head=model.logits,
+                device=self.device, dtype=self.dtype)
+        # norms, convolution controls and the selector stay native: only fc and the layers' projections
+        self.memory["drafter"] = prepare(drafter, rtn(c.dflash2_quantization, 32, self.dtype),
+                                         QUANTIZED_PROJECTIONS.match)
+        return DFlash2Proposer(drafter, draft_head)
 
     def check_request(self, prompt_ids, max_tokens: int, *, temperature: float = 0.0, top_k: int = 1, n: int = 1,
                       beam_size: int = 1, logprobs: bool = False, images: bool = False, stop=None,
@@ -188,22 +223,35 @@ class Engine:
             raise BlockspecError(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({max_tokens}) exceeds "
                                  f"context_length {self.context_length}")
 
-    def stream(self, prompt_ids: list[int], max_tokens: int, stop_at_eos: bool = True):
-        """Yield greedy tokens one by one; closing the generator stops the work. Stats land in last_stats."""
+    def stream(self, prompt_ids: list[int], max_tokens: int, stop_at_eos: bool = True, proposer: Proposer = None):
+        """Yield greedy tokens one by one; closing the generator stops the work. Stats land in last_stats.
+        `proposer` replaces the engine's own for this request (one reading the same target features: the bench's
+        forced acceptance)."""
         self.check_request(prompt_ids, max_tokens)
+        proposer = proposer or self.proposer
         stats = DecodeStats()
         eos = self.tokenizer.eos_token_ids if stop_at_eos else set()
+        # parameters never require grad, so no autograd graph is built; the kernel settings are this engine's only
+        # while it works (between yields the caller may run another engine)
+        steps = decode(self.target, proposer, [int(t) for t in prompt_ids], max_tokens, eos,
+                       self.config.prefill_chunk_size, stats)
         try:
-            # parameters never require grad, so no autograd graph is built (no global mode held across yields)
-            yield from decode(self.target, self.proposer, [int(t) for t in prompt_ids], max_tokens,
-                              eos, self.config.prefill_chunk_size, stats)
+            while True:
+                with use(self.kernels):
+                    token = next(steps, None)
+                if token is None:
+                    return
+                yield token
         finally:
+            with use(self.kernels):
+                steps.close()
             if self.state.pending:
                 self.state.discard()
             self.last_stats = stats.as_dict(self.mode != "none")
-            self.last_stats.update(mode=self.mode, target_quantization=self.target_quantization,
+            self.last_stats.update(mode=self.mode, execution=self.target.execution,
+                                   target_quantization=self.target_quantization,
                                    vocabulary_quantization=self.config.vocabulary_quantization)
-            draft_head = getattr(self.proposer, "draft_head", None)
+            draft_head = getattr(proposer, "draft_head", None)
             if draft_head is not None:  # proposals only: acceptance, not output, depends on it
                 self.last_stats["draft_vocabulary"] = draft_head.ids.numel()
 
@@ -218,6 +266,7 @@ class Engine:
         self.memory["draft_head_bytes"] = head.nbytes()
         return head
 
-    def generate(self, prompt_ids: list[int], max_tokens: int, stop_at_eos: bool = True) -> GenerationResult:
-        tokens = list(self.stream(prompt_ids, max_tokens, stop_at_eos))
+    def generate(self, prompt_ids: list[int], max_tokens: int, stop_at_eos: bool = True,
+                 proposer: Proposer = None) -> GenerationResult:
+        tokens = list(self.stream(prompt_ids, max_tokens, stop_at_eos, proposer))
         return GenerationResult(tokens, self.tokenizer.decode(tokens), dict(self.last_stats))

@@ -10,39 +10,11 @@ from __future__ import annotations
 
 import torch
 
-from ..checkpoint import swap_in
-from ..errors import BlockspecError
 from ..layers.attention import KVCache
 from ..layers.draft_head import DraftHead
 from ..models.mtp import MTPHead
-from ..quant.apply import prepare
 from . import graphs
 from .decode import Proposer
-
-
-def load_mtp_head(model, tensors: dict, dtype, device) -> MTPHead:
-    config = model.config
-    if not tensors:
-        raise BlockspecError("mode mtp needs the checkpoint's native MTP head, but it has no mtp.* tensors "
-                             "(use --mode none, or a DFlash2 drafter with --mode dflash2)")
-    with torch.device("meta"):
-        head = MTPHead(config)
-    for name, module in tensors.items():
-        if isinstance(module, torch.nn.Module):  # a projection stored quantized (compressed-tensors)
-            swap_in(head, name[len("mtp."):], module, "MTP head")
-    expected = {"mtp." + k: p for k, p in head.named_parameters()}
-    loaded = {}
-    for name, param in expected.items():
-        if name not in tensors:
-            raise BlockspecError(f"MTP head: missing tensor {name} (shape {tuple(param.shape)})")
-        t = tensors[name]
-        if tuple(t.shape) != tuple(param.shape):
-            raise BlockspecError(f"MTP head: tensor {name} has shape {tuple(t.shape)}, expected {tuple(param.shape)}")
-        keep_fp32 = name.endswith("norm.weight")
-        loaded[name[4:]] = torch.nn.Parameter(t.to(device=device, dtype=torch.float32 if keep_fp32 else dtype),
-                                              requires_grad=False)
-    head.load_state_dict(loaded, assign=True, strict=False)  # quantized projections were swapped in whole
-    return head.requires_grad_(False).eval()
 
 
 class MTPProposer(Proposer):
@@ -55,15 +27,8 @@ class MTPProposer(Proposer):
         self.draft_head = draft_head  # drafts over a subset of the vocabulary (None: the full shared head)
         self.max_proposals = num_drafts
         self.caches = [KVCache(capacity, c.num_key_value_heads, c.head_dim, device, dtype) for _ in head.layers]
-        self.graphs = {}  # rows observed -> (graph, drafts): compile_mode 0 only
+        self.graphs = {}  # rows observed -> (graph, drafts): CUDA graphs only
         self.reset()
-
-    @classmethod
-    def build(cls, engine, mtp_tensors) -> "MTPProposer":
-        head = load_mtp_head(engine.model, mtp_tensors, engine.dtype, engine.device)
-        engine.memory["mtp"] = prepare(head, engine.packs, engine.target_quantizer)  # as the target's projections
-        return cls(engine.model, head, engine.config.self_speculative_num_tokens, engine.context_length,
-                   engine.device, engine.dtype, engine.draft_head())
 
     def reset(self):
         self.first_draft = None   # the head's guess for the token after the anchor
@@ -114,7 +79,7 @@ class MTPProposer(Proposer):
         return drafts
 
     def capture_graphs(self, pool=None, warmup: int = 2):
-        """compile_mode 0: for each verification length n (1..k+1 committed rows), one CUDA graph that observes
+        """With CUDA graphs: for each verification length n (1..k+1 committed rows), one CUDA graph that observes
         the n rows and chains all k drafts on the device, so a cycle costs one replay and one host sync."""
         device, rows_max = self.caches[0].k.device, self.max_proposals + 1
         hidden, dtype = self.model.config.hidden_size, self.caches[0].k.dtype

@@ -1,9 +1,12 @@
-"""The decode state transaction shared by every decoding mode.
+"""The decode state transaction shared by every decoding mode, and its only owner.
 
-A forward pass of k tokens runs on top of the committed state and is left pending. Then exactly one of:
+A forward pass of k tokens is opened with begin(k) (its first position), runs on top of the committed state and is
+left pending. Then exactly one of:
   commit(n)  keep the first n tokens (1 <= n <= k): attention caches move their length, DeltaNet layers end
              exactly at the boundary after token n;
   discard()  forget the pass; the committed state is untouched.
+The counters (`length`, `pending`) change here and nowhere else. With CUDA graphs the buffer updates of each
+commit(n) are captured once (`capture_commits`) and commit replays them; the bookkeeping stays plain Python.
 Buffers are allocated once per engine; reset() starts a new request without reallocating.
 
 `in_place` (plain decoding, where every pass is committed whole): DeltaNet passes write their final state over the
@@ -16,6 +19,7 @@ from __future__ import annotations
 
 from ..errors import BlockspecError
 from ..layers.attention import KVCache
+from . import graphs
 
 
 class DecodeState:
@@ -31,6 +35,7 @@ class DecodeState:
         if in_place:
             for s in self.gdn:
                 s.write_in_place()
+        self.commit_graphs = {}  # (pass length, n) -> the captured buffer updates of commit(n)
         self.length = 0    # committed tokens
         self.pending = 0   # tokens of the pass awaiting commit/discard
 
@@ -46,23 +51,35 @@ class DecodeState:
         if self.length + k > self.capacity:
             raise BlockspecError(f"context_length {self.capacity} exceeded ({self.length} + {k} tokens)")
         self.pending = k
-        for s in self.gdn:
-            s.pending_len = k
         return self.length
+
+    def commit(self, n: int):
+        t = self.pending
+        if not 1 <= n <= t:
+            raise ValueError(f"commit({n}) of a {t}-token pass")
+        graph = self.commit_graphs.get((t, n))
+        if graph is not None:
+            graph.replay()
+        else:
+            self._move(t, n)
+        self.length += n
+        self.pending = 0
+
+    def discard(self):
+        self.pending = 0
 
     def commit_moves_data(self, t: int, n: int) -> bool:
         """Whether commit(n) of a t-token pass touches any buffer (attention caches only move their length)."""
         return any(s.commit_moves_data(t, n) for s in self.gdn)
 
-    def commit(self, n: int):
-        if not 1 <= n <= self.pending:
-            raise ValueError(f"commit({n}) of a {self.pending}-token pass")
+    def _move(self, t: int, n: int):
         for s in self.gdn:
-            s.commit(n)
-        self.length += n
-        self.pending = 0
+            s.commit(t, n)
 
-    def discard(self):
-        for s in self.gdn:
-            s.discard()
-        self.pending = 0
+    def capture_commits(self, lengths, pool, warmup: int = 2):
+        """Capture, for each pass length, the buffer updates of every commit(n) that has any (attention caches and
+        in-place one-token passes only move the length). Warm-ups run on scratch data: reset() before use."""
+        for t in sorted(set(lengths)):
+            for n in range(1, t + 1):
+                if self.commit_moves_data(t, n):
+                    self.commit_graphs[t, n] = graphs.capture(lambda t=t, n=n: self._move(t, n), warmup, pool)[0]

@@ -1,10 +1,11 @@
-"""How the decode loop runs the target: eagerly, or as CUDA graphs replayed over static buffers (compile_mode 0).
+"""How the decode loop runs the target on the decode state: eagerly, or as CUDA graphs replayed over static buffers.
 
-Both expose the same three calls: verify(block) -> (out, greedy tokens), commit(n), discard(). A graph is captured
-for each pass length the mode uses (1 for plain decoding, k+1 for MTP, the block size for DFlash2) and for each
-commit(n) of it, once at load time while the state is empty; other lengths (the last cycles near max_tokens) run
-eagerly. The captured pass gets the whole KV cache with the position as data; the attention kernel reads only
-the filled part (blockspec.kernels.attention).
+Both expose forward(ids) (a pass of any length, e.g. a prefill chunk) and verify(block) -> (out, greedy tokens);
+every pass opens the state's transaction (DecodeState.begin) and the caller commits or discards it. A graph is
+captured for each pass length the mode uses (1 for plain decoding, k+1 for MTP, the block size for DFlash2), and the
+state captures each commit(n) of those lengths, once at load time while the state is empty; other lengths (the last
+cycles near max_tokens, prefill) run eagerly. The captured pass gets the whole KV cache with the position as data;
+the attention kernel reads only the filled part (blockspec.kernels.attention).
 """
 
 from __future__ import annotations
@@ -15,53 +16,41 @@ from . import graphs
 
 
 class EagerTarget:
+    execution = "eager"
+
     def __init__(self, model, state, capture=()):
         self.model, self.state, self.capture = model, state, tuple(capture)
+        self.device = model.embed_tokens.weight.device
+
+    def forward(self, ids: torch.Tensor, all_logits: bool = True):
+        start = self.state.begin(ids.shape[0])
+        return self.model(ids, self.state.layers, start=start, capture=self.capture, all_logits=all_logits)
 
     def verify(self, block: list[int]):
-        out = self.model(torch.tensor(block, device=self.model.embed_tokens.weight.device), self.state, self.capture)
+        out = self.forward(torch.tensor(block, device=self.device))
         return out, out.logits.argmax(-1).tolist()
-
-    def commit(self, n: int):
-        self.state.commit(n)
-
-    def discard(self):
-        self.state.discard()
 
 
 class GraphedTarget(EagerTarget):
+    execution = "cuda-graphs"
+
     def __init__(self, model, state, capture=(), lengths=(1,), warmup=2):
         super().__init__(model, state, capture)
-        self.device = model.embed_tokens.weight.device
         self.pool = torch.cuda.graph_pool_handle()
-        self.passes, self.commits = {}, {}
-        for t in sorted(set(lengths)):
-            self.passes[t] = self._capture_pass(t, warmup)
-            for n in range(1, t + 1):
-                if state.commit_moves_data(t, n):  # else commit is bookkeeping only: nothing to capture
-                    self.commits[t, n] = self._capture_commit(t, n, warmup)
+        self.passes = {t: self._capture_pass(t, warmup) for t in sorted(set(lengths))}
+        state.capture_commits(lengths, self.pool, warmup)
         state.reset()  # warm-ups ran on scratch data
-
-    def _scratch_positions(self, t):
-        return torch.arange(self.state.capacity - t, self.state.capacity, device=self.device)
 
     def _capture_pass(self, t, warmup):
         ids = torch.zeros(t, dtype=torch.long, device=self.device)
-        positions = self._scratch_positions(t)  # warm-ups write only cache slots no request has reached
+        # warm-ups write only cache slots no request has reached
+        positions = torch.arange(self.state.capacity - t, self.state.capacity, device=self.device)
 
         def run():
-            out = self.model(ids, self.state, self.capture, positions=positions)
-            self.state.discard()  # bookkeeping only: the replayed pass is opened by verify()
+            out = self.model(ids, self.state.layers, positions=positions, capture=self.capture)
             return out, out.logits.argmax(-1)
         graph, (out, predicted) = graphs.capture(run, warmup, self.pool)
         return graph, ids, positions, out, predicted
-
-    def _capture_commit(self, t, n, warmup):
-        def run():
-            self.state.begin(t)
-            self.state.commit(n)
-            self.state.length -= n  # bookkeeping is replayed by hand; only the buffer updates are captured
-        return graphs.capture(run, warmup, self.pool)[0]
 
     def verify(self, block):
         captured = self.passes.get(len(block))
@@ -73,13 +62,3 @@ class GraphedTarget(EagerTarget):
         positions.copy_(torch.arange(start, start + len(block)), non_blocking=True)
         graph.replay()
         return out, predicted.tolist()
-
-    def commit(self, n):
-        graph = self.commits.get((self.state.pending, n))
-        if graph is None:
-            return super().commit(n)
-        graph.replay()
-        self.state.length += n
-        self.state.pending = 0
-        for s in self.state.gdn:
-            s.pending_len = 0

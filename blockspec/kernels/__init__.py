@@ -3,21 +3,24 @@ beside it in `<op>_triton.py`, the fast GPU kernel that replaces it on CUDA (tes
 Triton's CPU interpreter): attention, attention inputs, norms, DeltaNet conv and recurrence, gated activations.
 
 `fused` marks the elementwise-heavy ops that have no kernel of their own (DeltaNet prefill input preparation; the
-references of the kernels above where Triton cannot take the input): on CUDA with fusion enabled (compile_mode 0)
-they run through torch.compile, which turns each into one or a few kernels. The undecorated function stays the
-reference. The DFlash2 drafter's ops have Triton kernels instead: torch.compile traces again at every start (1.2-1.6
-s of the drafter's graph preparation on the H200, against issue 5's 1 s), a Triton kernel loads from its disk cache.
+references of the kernels above where Triton cannot take the input): on CUDA with fusion on (the graphed path,
+kernels/settings.py) they run through torch.compile, which turns each into one or a few kernels. The undecorated
+function stays the reference. The DFlash2 drafter's ops have Triton kernels instead: torch.compile traces again at
+every start (1.2-1.6 s of the drafter's graph preparation on the H200), a Triton kernel loads from its disk cache.
 """
 
+import collections
 import functools
 import importlib.util
 import os
 
 import torch
 
+from .settings import active
+
 TRITON_INSTALLED = importlib.util.find_spec("triton") is not None
 
-FUSION = {"enabled": False, "compiled_calls": 0}  # calls that took the compiled path (tests: graphs record none)
+COMPILED_CALLS = collections.Counter()  # calls that took a compiled path, per op (tests: graphs record none)
 
 
 def triton_runs_on(x: torch.Tensor) -> bool:
@@ -64,15 +67,13 @@ def launch_fitting(kernel, grid, *args, stages_key: str = "num_stages", **meta):
         return result
 
 
-def enable_fusion(enabled: bool = True):
-    FUSION["enabled"] = enabled
-    if enabled:
-        # compiled kernels are cached on disk (inductor's FX-graph cache and Triton's), so a second start skips
-        # compilation; keep them under the user's cache rather than inductor's default in /tmp
-        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR",
-                              os.path.join(os.path.expanduser("~"), ".cache", "blockspec", "inductor"))
-        # each op sees a handful of shapes (pass lengths, head layouts): keep them all compiled
-        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+def prepare_compilation():
+    """Before the first compiled call: the compiled kernels are cached on disk (inductor's FX-graph cache and
+    Triton's), so a second start skips compilation; keep them under the user's cache rather than inductor's default
+    in /tmp. Each op sees a handful of shapes (pass lengths, head layouts): keep them all compiled."""
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR",
+                          os.path.join(os.path.expanduser("~"), ".cache", "blockspec", "inductor"))
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
 
 
 def fused(fn):
@@ -81,9 +82,10 @@ def fused(fn):
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         nonlocal compiled
-        if FUSION["enabled"] and args[0].is_cuda:
-            FUSION["compiled_calls"] += 1
+        if active().fusion and args[0].is_cuda:
+            COMPILED_CALLS[fn.__qualname__] += 1
             if compiled is None:
+                prepare_compilation()
                 compiled = torch.compile(fn, fullgraph=True)
             return compiled(*args, **kwargs)
         return fn(*args, **kwargs)

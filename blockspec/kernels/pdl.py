@@ -15,19 +15,18 @@ The rules every kernel launched with PDL follows here:
     (`release`): a successor released earlier would prefetch weights that this kernel's own stream evicts from L2
     again, and at most one projection's programs wait for their turn at any time.
 The chain is transitive (a kernel past its wait implies every earlier kernel completed). Kernels without PDL (cuBLAS,
-torch ops) are ordinary launches and serialize as always. Those releases are levels (`settings`); the engine picks
-the one its target's weights measured best with (`DEFAULT_LEVEL`: all of it for an INT4 target, none for bf16).
-Off on older GPUs and under the interpreter; BLOCKSPEC_PDL=<level> overrides (debugging, comparison runs).
+torch ops) are ordinary launches and serialize as always. Those releases are levels (`settings`), chosen by
+PredictConfig.pdl_level (the engine's default: what its target's weights measured best with, docs/benchmarks.md) and
+active around the engine's work (kernels/settings.py). Off on older GPUs and under the interpreter.
 """
 
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 
-from ..errors import BlockspecError
+from .settings import active
 
 try:
     import triton
@@ -35,46 +34,25 @@ try:
 except ImportError:  # pragma: no cover - CPU-only installs run no Triton kernel
     triton = None
 
-PREFETCH_MB = 4  # what a projection prefetches in all (~1 us of HBM time; bench/pdl_variants.py compares)
 
-
-# The level an engine asks for (`use_level`) unless BLOCKSPEC_PDL says otherwise. Measured on the H200 (synthetic
-# 27B, packed; bench/pdl_variants.py, docs/benchmarks.md): INT4 target step 7.13 ms without PDL, 7.01 / 6.85 /
-# 6.71 ms at levels 1 / 2 / 3; bf16 step 13.79 ms without, 13.74 / 13.79 / 14.09 at levels 1 / 2 / 3: the bf16
-# projections, 4x longer, gain nothing from the overlap, and placing their programs early costs (level 3). Since the
-# W4A16 kernel's shallower pipelines (session 7) the INT4 levels are within the 2-3 % noise of no PDL (6.35-6.80 ms);
-# with the norms folded into the projections (session 8) every level is 1-3 % ahead of none, within noise of each other.
-DEFAULT_LEVEL = {"level": 0}  # direct kernel users (kernel benches) launch as before unless they ask
-
-
-def use_level(level: int):
-    """The level an engine's weights measured best with (see DEFAULT_LEVEL); BLOCKSPEC_PDL still overrides it."""
-    DEFAULT_LEVEL["level"] = level
-    reset()
+def settings(device: torch.device) -> tuple[int, int]:
+    """(level, prefetch bytes) of the active kernel settings on `device`: level 0 = no PDL, 1 = launched with PDL but
+    each kernel lets its successor start only when it exits (hides the launch alone), 2 = projections release after
+    their main loop, 3 = small kernels also release at their start."""
+    chosen = active()
+    if chosen.pdl_level == 0 or not _supports_pdl(device):
+        return 0, 0
+    return chosen.pdl_level, min(int(chosen.pdl_prefetch_mb * (1 << 20)), _l2_bytes(device) // 3)  # a third of L2
 
 
 @functools.cache
-def settings(device: torch.device) -> tuple[int, int]:
-    """(level, prefetch bytes) on `device`: level 0 = no PDL, 1 = launched with PDL but each kernel lets its
-    successor start only when it exits (hides the launch alone), 2 = projections release after their main loop,
-    3 = small kernels also release at their start. BLOCKSPEC_PDL (a level) and BLOCKSPEC_PDL_PREFETCH_MB override
-    the defaults; `reset` re-reads them."""
-    level, megabytes = os.environ.get("BLOCKSPEC_PDL", DEFAULT_LEVEL["level"]), \
-        os.environ.get("BLOCKSPEC_PDL_PREFETCH_MB", PREFETCH_MB)
-    try:
-        level, budget = int(level), int(float(megabytes) * (1 << 20))
-    except ValueError:
-        raise BlockspecError(f"BLOCKSPEC_PDL={level!r} / BLOCKSPEC_PDL_PREFETCH_MB={megabytes!r}: expected a level "
-                             "0-3 and a number of MB") from None
-    if triton is None or device.type != "cuda" or torch.cuda.get_device_capability(device)[0] < 9:
-        level = 0
-    if device.type == "cuda":  # a third of L2 at most
-        budget = min(budget, getattr(torch.cuda.get_device_properties(device), "L2_cache_size", budget) // 3)
-    return level, budget if level else 0
+def _supports_pdl(device: torch.device) -> bool:
+    return triton is not None and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
 
 
-def reset():
-    settings.cache_clear()
+@functools.cache
+def _l2_bytes(device: torch.device) -> int:
+    return getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 1 << 30)
 
 
 def enabled(x: torch.Tensor) -> bool:

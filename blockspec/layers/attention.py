@@ -20,7 +20,7 @@ class KVCache:
 class GatedAttention(nn.Module):
     """q_proj yields query and an output gate per head; q/k RMSNorm; partial RoPE; grouped KV heads."""
 
-    PACKS = {"fuse_kvq": ("qkv_proj", ("q_proj", "k_proj", "v_proj"))}  # see blockspec.layers.packed
+    PACKS = {"qkv_proj": ("q_proj", "k_proj", "v_proj")}  # packed at load (layers/packed.py): forward uses qkv_proj
 
     def __init__(self, hidden_size: int, heads: int, kv_heads: int, head_dim: int, eps: float):
         super().__init__()
@@ -41,7 +41,7 @@ class GatedAttention(nn.Module):
         filled prefix); None under CUDA-graph capture, where the position is data and the whole cache is passed
         (the fast kernels read only its filled part)."""
         t = x.shape[0]
-        q, k, v = self.qkv_proj(x) if self.qkv_proj is not None else (self.q_proj(x), self.k_proj(x), self.v_proj(x))
+        q, k, v = self.qkv_proj(x)
         query, gate = q.view(t, self.heads, 2 * self.head_dim).chunk(2, dim=-1)
         kv_shape = (t, self.kv_heads, self.head_dim)
         query = prepare_attention_inputs(query, k.view(kv_shape), v.view(kv_shape), self.q_norm.weight,

@@ -16,64 +16,34 @@ first input norm and the final norm stay norm kernels.
 
 The same layers also fold SwiGLU's activation into a packed gate/up projection (`fuse_gate`, one quantized part):
 each program of that launch takes BN / 2 gate rows and the same up rows and stores silu(gate) * up, rounded as the
-activation kernel rounds it (`w4a16_triton.wq_matmul_swiglu`). BLOCKSPEC_FOLD_NORMS=0 turns both off, =norms keeps
-only the norms (comparison runs).
+activation kernel rounds it (`w4a16_triton.wq_matmul_swiglu`). PredictConfig.fold_norms: false turns both off
+(comparison runs).
 """
 
 from __future__ import annotations
 
-import os
-from dataclasses import dataclass
-
-import torch
 from torch import nn
 
-from ..errors import BlockspecError
+from ..quant import w4a16_triton as wq
+from ..quant.int4 import MAX_FOLDED_ROWS, FoldedNorm, Int4Linear
 
-MAX_ROWS = 16  # one W4A16 launch
-
-
-@dataclass
-class FoldedNorm:
-    """The input of a norm's projections, the norm begun: rows = x * (1 + w), partials [tiles, T] (fp32)."""
-    rows: torch.Tensor
-    partials: torch.Tensor
-    eps: float
-
-    @property
-    def shape(self) -> torch.Size:
-        return self.rows.shape
-
-    @property
-    def rms(self) -> tuple[torch.Tensor, float]:
-        """What the W4A16 launches that complete the norm take (`rms=`)."""
-        return self.partials, self.eps
+__all__ = ["MAX_FOLDED_ROWS", "FoldedNorm", "foldable", "enable"]
 
 
 def foldable(layer: nn.Module) -> bool:
     """Whether every projection of a decoder layer runs the W4A16 kernel without a bias."""
-    from ..quant import w4a16_triton as wq
-    from ..quant.int4 import Int4Linear
-
     projections = [m for m in layer.modules() if isinstance(m, (nn.Linear, Int4Linear))]
     return bool(projections) and all(
         isinstance(m, Int4Linear) and m.bias is None and wq.kernels_available(m.qweight.device) for m in projections)
 
 
-def enable(model: nn.Module, on: bool | None = None) -> int:
-    """Marks which norms (and activations) of `model` (a TargetModel) fold; returns the number of norms. on None:
-    as BLOCKSPEC_FOLD_NORMS says (default on)."""
-    setting = os.environ.get("BLOCKSPEC_FOLD_NORMS", "1")
-    if setting not in ("0", "1", "norms"):
-        raise BlockspecError(f"BLOCKSPEC_FOLD_NORMS={setting!r}: expected 0 (off), 1 (norms and activations) or norms")
-    if on is None:
-        on = setting != "0"
+def enable(model: nn.Module, on: bool = True) -> int:
+    """Marks which norms (and activations) of `model` (a TargetModel) fold; returns the number of norms."""
     layers = list(model.layers)
     for layer in layers:
         layer.fold = on and foldable(layer)
         packed = layer.mlp.gate_up_proj
-        layer.mlp.fold_activation = layer.fold and setting != "norms" and packed is not None and \
-            len(packed.parts) == 1 and packed.names == ("gate_proj", "up_proj")
+        layer.mlp.fold_activation = layer.fold and len(packed.parts) == 1 and packed.names == ("gate_proj", "up_proj")
     for layer, nxt in zip(layers, layers[1:] + [None]):
         layer.fold_into = nxt.input_layernorm if layer.fold and nxt is not None and nxt.fold else None
     return sum(layer.fold for layer in layers) + sum(layer.fold_into is not None for layer in layers)

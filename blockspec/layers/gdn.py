@@ -25,7 +25,6 @@ class GDNState:
         self.recurrent = torch.zeros(value_heads, key_dim, value_dim, **f32)
         self.max_partial = max_partial
         self.in_place = False  # see DecodeState
-        self.pending_len = 0
         self.pending_history = torch.zeros_like(self.history)
         self.pending_recurrent = torch.zeros_like(self.recurrent)  # the pass writes its final state here
         # inputs of a short pass (<= max_partial tokens), enough to recompute the state after any n of them
@@ -50,7 +49,6 @@ class GDNState:
     def reset(self):
         self.history.zero_()
         self.recurrent.zero_()
-        self.pending_len = 0
 
     def short_pass_buffers(self, t: int):
         """Where a pass of t <= max_partial tokens writes its conv window, conv output and gates, so that any
@@ -62,36 +60,33 @@ class GDNState:
             (self.pending_g[:t], self.pending_beta[:t])
 
     def record(self, t: int, window):
-        """Bookkeeping after a t-token pass (window: None when the pass shifted the history in place)."""
-        self.pending_len = t
-        if t > self.max_partial and window is not None:  # only the whole pass can be committed: the new history
+        """After a t-token pass (window: None when the pass shifted the history in place): a pass too long for a
+        partial commit keeps only its new history."""
+        if t > self.max_partial and window is not None:
             self.pending_history.copy_(window[t:])
 
-    def commit(self, n: int):
+    def commit(self, t: int, n: int):
+        """Keep the first n tokens of the pending t-token pass (DecodeState keeps the counts)."""
         keep = self.history.shape[0]
-        if n == self.pending_len:
+        if n == t:
             if not self.history_in_place(n):
                 history = self.pending_history if n > self.max_partial else self.pending_window[n:n + keep]
                 self.history.copy_(history)
             if not self.in_place:
                 self.recurrent.copy_(self.pending_recurrent)
-        else:
-            if self.in_place:
-                raise RuntimeError(f"partial commit of an in-place pass ({n} of {self.pending_len} tokens)")
-            if self.pending_len > self.max_partial:
-                raise RuntimeError(f"partial commit of a {self.pending_len}-token pass (max {self.max_partial})")
-            # the recurrence alone over the first n tokens, in place, from the recorded inputs
-            gates = ("given", self.pending_g[:n], self.pending_beta[:n])
-            gated_delta(self.pending_mixed[:n], gates, self.recurrent, self.recurrent, self.shape)
-            self.history.copy_(self.pending_window[n:n + keep])
-        self.pending_len = 0
-
-    def discard(self):
-        self.pending_len = 0
+            return
+        if self.in_place:
+            raise RuntimeError(f"partial commit of an in-place pass ({n} of {t} tokens)")
+        if t > self.max_partial:
+            raise RuntimeError(f"partial commit of a {t}-token pass (max {self.max_partial})")
+        # the recurrence alone over the first n tokens, in place, from the recorded inputs
+        gates = ("given", self.pending_g[:n], self.pending_beta[:n])
+        gated_delta(self.pending_mixed[:n], gates, self.recurrent, self.recurrent, self.shape)
+        self.history.copy_(self.pending_window[n:n + keep])
 
 
 class GatedDeltaNet(nn.Module):
-    PACKS = {"fuse_kvq": ("in_proj", ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"))}  # layers/packed.py
+    PACKS = {"in_proj": ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")}  # packed at load (layers/packed.py)
 
     def __init__(self, hidden_size: int, key_heads: int, value_heads: int, key_dim: int, value_dim: int,
                  conv_kernel: int, eps: float):
@@ -123,8 +118,7 @@ class GatedDeltaNet(nn.Module):
     def mix(self, x: torch.Tensor, state: GDNState) -> torch.Tensor:
         """The gated, normed DeltaNet output [T, value heads * value dim], out_proj's input."""
         t = x.shape[0]
-        qkv, z, b, a = self.in_proj(x) if self.in_proj is not None else (
-            self.in_proj_qkv(x), self.in_proj_z(x), self.in_proj_b(x), self.in_proj_a(x))
+        qkv, z, b, a = self.in_proj(x)
         window_buffer, mixed_buffer, gate_buffers = state.short_pass_buffers(t)
         gates = ("ab", b, a, self.A_log, self.dt_bias)
         z = z.view(t, self.value_heads, self.value_dim)

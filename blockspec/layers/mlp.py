@@ -4,11 +4,14 @@ import torch
 from torch import nn
 
 from ..kernels.activation import silu_mul
-from .folded_norm import MAX_ROWS
+from .folded_norm import MAX_FOLDED_ROWS
 
 
 class SwiGLU(nn.Module):
-    PACKS = {"fuse_gate": ("gate_up_proj", ("gate_proj", "up_proj"))}  # see blockspec.layers.packed
+    """gate_proj and up_proj as loaded; packed into gate_up_proj at load (layers/packed.py), the only one forward
+    uses."""
+
+    PACKS = {"gate_up_proj": ("gate_proj", "up_proj")}
 
     def __init__(self, hidden_size: int, intermediate_size: int, dtype: torch.dtype | None = None):
         super().__init__()
@@ -20,10 +23,9 @@ class SwiGLU(nn.Module):
 
     def activate(self, x: torch.Tensor) -> torch.Tensor:
         """The down projection's input."""
-        if self.fold_activation and x.shape[0] <= MAX_ROWS:
+        if self.fold_activation and x.shape[0] <= MAX_FOLDED_ROWS:
             return self.gate_up_proj.parts[0].swiglu(x)
-        gate, up = self.gate_up_proj(x) if self.gate_up_proj is not None else (self.gate_proj(x), self.up_proj(x))
-        return silu_mul(gate, up)
+        return silu_mul(*self.gate_up_proj(x))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.activate(x))

@@ -1,8 +1,9 @@
-"""Projection packing (`fuse_kvq`, `fuse_gate`): projections that read the same input run as one matmul.
+"""Projection packing: projections that read the same input run as one matmul, always (the checkpoint's names are
+loaded as they are, then packed once at load, as nano-vllm's packed_modules_mapping does).
 
-A module that can pack declares `PACKS = {option: (packed_name, (projection names...))}` and a `packed_name`
-attribute that is None until packed; its forward calls the packed projection when present. `pack_projections`
-builds one `PackedLinear` per declared pack and deletes the original projections (their weights are released).
+A module that packs declares `PACKS = {packed_name: (projection names...)}` and a `packed_name` attribute that is
+None until packed; its forward calls only the packed projection. `pack_projections` builds one `PackedLinear` per
+declared pack and deletes the original projections (their weights are released).
 Dense weights are concatenated (pack before quantizing: group-wise quantization is per output row, so quantizing
 the packed weight gives exactly the codes of quantizing each part); already quantized projections (a
 compressed-tensors checkpoint) are concatenated code for code. Projections stored in different formats (e.g. some
@@ -59,13 +60,13 @@ class PackedLinear(nn.Module):
         return f"names={self.names}"
 
 
-def pack_projections(root: nn.Module, options) -> list[str]:
-    """Pack, in every submodule of `root` that declares PACKS, the packs named by `options` (e.g. {"fuse_kvq"});
-    the original projections are deleted. Returns the qualified names of the packed projections."""
+def pack_projections(root: nn.Module) -> list[str]:
+    """Pack, in every submodule of `root` that declares PACKS, its packs; the original projections are deleted.
+    Returns the qualified names of the packed projections (none when root is already packed)."""
     packed = []
     for prefix, module in list(root.named_modules()):
-        for option, (packed_name, names) in getattr(module, "PACKS", {}).items():
-            if option not in options or getattr(module, packed_name) is not None:
+        for packed_name, names in getattr(module, "PACKS", {}).items():
+            if getattr(module, packed_name) is not None:
                 continue
             setattr(module, packed_name, PackedLinear([getattr(module, n) for n in names], names))
             for name in names:

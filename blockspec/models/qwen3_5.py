@@ -14,7 +14,7 @@ from torch import nn
 from ..config import TargetConfig
 from ..kernels.rope import rope_tables
 from ..layers.attention import GatedAttention
-from ..layers.folded_norm import MAX_ROWS, FoldedNorm
+from ..layers.folded_norm import MAX_FOLDED_ROWS, FoldedNorm
 from ..layers.gdn import GatedDeltaNet
 from ..layers.mlp import SwiGLU
 from ..layers.norm import RMSNorm
@@ -49,7 +49,7 @@ class DecoderLayer(nn.Module):
             mixed, out_proj = self.self_attn.attend(h, layer_state, positions, rope, visible), self.self_attn.o_proj
         else:
             mixed, out_proj = self.linear_attn.mix(h, layer_state), self.linear_attn.out_proj
-        fold = self.fold and x.shape[0] <= MAX_ROWS
+        fold = self.fold and x.shape[0] <= MAX_FOLDED_ROWS
         if fold:
             x, h = out_proj.add_norm(mixed, x, self.post_attention_layernorm)
         else:
@@ -90,11 +90,12 @@ class TargetModel(nn.Module):
     def rope(self, positions: torch.Tensor, dtype: torch.dtype):
         return rope_tables(positions, self.config.rotary_dim, self.config.rope_theta, dtype)
 
-    def forward(self, ids: torch.Tensor, state, capture: list[int] | tuple[int, ...] | None = None,
-                all_logits: bool = True, positions: torch.Tensor | None = None) -> TargetOutput:
-        """Run ids [T] on top of state's committed tokens; the pass is left pending (see DecodeState).
-        `positions` is given only under CUDA-graph capture (a static buffer the caller fills before replay)."""
-        start = state.begin(ids.shape[0])
+    def forward(self, ids: torch.Tensor, caches: list, *, start: int | None = None,
+                positions: torch.Tensor | None = None, capture: tuple[int, ...] = (),
+                all_logits: bool = True) -> TargetOutput:
+        """Run ids [T] at positions start.. on the per-layer caches (DecodeState.layers, whose transaction the caller
+        opened). `positions` replaces `start` under CUDA-graph capture: a static buffer the caller fills before each
+        replay, the whole KV cache passed and the position as data."""
         visible = None
         if positions is None:
             positions = torch.arange(start, start + ids.shape[0], device=ids.device)
@@ -103,8 +104,8 @@ class TargetModel(nn.Module):
         rope = self.rope(positions, x.dtype)
         captured, delta = {}, None
         for i, layer in enumerate(self.layers):
-            x, delta = layer(x, delta, state.layers[i], positions, rope, visible)
-            if capture and i in capture:
+            x, delta = layer(x, delta, caches[i], positions, rope, visible)
+            if i in capture:
                 captured[i] = x if isinstance(delta, FoldedNorm) else x + delta
         features = torch.cat([captured[i] for i in capture], dim=-1) if capture else None
         x, normed = self.norm.add_forward(x, delta)

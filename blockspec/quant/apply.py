@@ -49,13 +49,12 @@ def resident_bytes(root: nn.Module) -> int:
     return sum(storages.values())
 
 
-def prepare(root: nn.Module, packs=(), quantize: Quantizer | None = None,
+def prepare(root: nn.Module, quantize: Quantizer | None = None,
             include: Callable[[str], bool] = lambda name: True) -> dict:
-    """Pack the projections named by `packs` ("fuse_kvq", "fuse_gate"), then quantize the Linear layers `include`
-    accepts (or, left dense, run them through blockspec.kernels.linear). Returns the resident weight bytes at each
-    step."""
+    """Pack the projections (if the loader has not), then quantize the Linear layers `include` accepts (or, left
+    dense, run them through blockspec.kernels.linear). Returns the resident weight bytes at each step."""
     memory = {"loaded_bytes": resident_bytes(root)}
-    pack_projections(root, set(packs))
+    pack_projections(root)
     memory["packed_bytes"] = resident_bytes(root)
     if quantize is not None:
         replace_linears(root, quantize, include)

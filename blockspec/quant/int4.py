@@ -1,6 +1,6 @@
 """W4A16 weight-only quantization with groups of 128 along the input dimension.
 
-Conventions (those of compressed-tensors; see /work/notes/int4-format.md):
+Conventions (those of compressed-tensors' pack-quantized format):
   signed code q in [-8, 7];  w ~= (q - zp) * scale  per group of `group_size` consecutive inputs of one output row;
   symmetric: zp = 0, scale = max|w| / 7.5 (the 15 steps of the signed range over 2 * max|w|), q = clamp(round(w/s));
   asymmetric: min <= 0 <= max forced, scale = (max - min) / 15, zp = round(clamp(-8 - min/scale, -8, 7)),
@@ -18,18 +18,37 @@ matmul elsewhere.
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from ..errors import BlockspecError
-from ..layers.folded_norm import FoldedNorm
 from . import w4a16_triton as wq
 
 BITS = 4
 QMIN, QMAX = -8, 7
 DEFAULT_GROUP_SIZE = 128
+MAX_FOLDED_ROWS = 16  # the rows one W4A16 launch with a norm epilogue takes (layers/folded_norm.py)
+
+
+@dataclass
+class FoldedNorm:
+    """The input of a norm's projections, the norm begun by `Int4Linear.add_norm` (layers/folded_norm.py):
+    rows = x * (1 + w), partials [tiles, T] (fp32) the per-tile sums of x^2 that finish it."""
+    rows: torch.Tensor
+    partials: torch.Tensor
+    eps: float
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.rows.shape
+
+    @property
+    def rms(self) -> tuple[torch.Tensor, float]:
+        """What the W4A16 launches that complete the norm take (`rms=`)."""
+        return self.partials, self.eps
 
 
 # ----------------------------------------------------------------------------------------------------------

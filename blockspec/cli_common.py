@@ -1,0 +1,91 @@
+"""Helpers shared by the command-line entry points (cli, bench, chat): engine flags and the config they build,
+streamed text, the stats line. None of those entry points imports another."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from .config import PredictConfig
+from .errors import BlockspecError
+
+DTYPES = ["float32", "bfloat16", "float16"]
+
+
+class OneLineParser(argparse.ArgumentParser):
+    def error(self, message):
+        raise BlockspecError(f"{self.prog}: {message}")
+
+
+def add_engine_args(p: argparse.ArgumentParser, model_required=True):
+    p.add_argument("--model", required=model_required and False, help="Hugging Face checkpoint directory")
+    p.add_argument("--config", help="PredictConfig YAML file (command-line flags override it)")
+    p.add_argument("--mode", choices=["none", "mtp", "dflash2"], help="decoding mode (default: none, or dflash2 "
+                   "when a drafter is given)")
+    p.add_argument("--drafter", help="DFlash2 drafter directory (sets dflash2_model)")
+    p.add_argument("--device", choices=["cpu", "cuda", "auto"])
+    p.add_argument("--dtype", choices=DTYPES, help="compute dtype")
+    p.add_argument("--context-length", type=int)
+    p.add_argument("--prefill-chunk-size", type=int)
+    p.add_argument("--max-tokens", type=int)
+    add_weight_args(p)
+
+
+def add_weight_args(p: argparse.ArgumentParser):
+    """Quantization, packing, draft-head and execution flags (values are checked by PredictConfig, which names the
+    key)."""
+    p.add_argument("--target-quantization", help="none | int4 (RTN group 128 at load)")
+    p.add_argument("--vocabulary-quantization", help="none | int8 | int4: the shared head (group 128)")
+    p.add_argument("--dflash2-quantization", help="none | int8: the drafter's projections (group 32)")
+    p.add_argument("--fuse-kvq", action="store_true", default=None,
+                   help="pack q/k/v (and DeltaNet in_proj_*): always on, accepted for existing recipes")
+    p.add_argument("--fuse-gate", action="store_true", default=None,
+                   help="pack MLP gate/up projections: always on, accepted for existing recipes")
+    p.add_argument("--eager", action="store_true", default=None,
+                   help="run eagerly instead of replaying CUDA graphs (compile_mode -1; debugging). Default on CUDA: "
+                        "graphs; the CPU always runs eagerly")
+    p.add_argument("--draft-vocabulary", type=_count_or_path, metavar="N|FILE",
+                   help="proposals (mtp, dflash2) over token ids 0..N-1 (+ EOS) or a JSON list of ids; 0: all")
+
+
+def weight_overrides(args) -> dict:
+    return {"target_quantization": args.target_quantization, "vocabulary_quantization": args.vocabulary_quantization,
+            "dflash2_quantization": args.dflash2_quantization, "fuse_kvq": args.fuse_kvq, "fuse_gate": args.fuse_gate,
+            "draft_vocabulary": args.draft_vocabulary, "compile_mode": -1 if args.eager else None}
+
+
+def _count_or_path(text: str) -> int | str:
+    return int(text) if text.lstrip("-").isdigit() else text
+
+
+def engine_config(args) -> PredictConfig:
+    overrides = {"model": args.model, "mode": args.mode, "dflash2_model": args.drafter, "device": args.device,
+                 "compute_dtype": args.dtype, "context_length": args.context_length,
+                 "prefill_chunk_size": args.prefill_chunk_size, "max_tokens": args.max_tokens,
+                 **weight_overrides(args)}
+    overrides = {k: v for k, v in overrides.items() if v is not None}
+    if args.config:
+        return PredictConfig.from_yaml(args.config, **overrides)
+    return PredictConfig.build(overrides, source="command line")
+
+
+def stream_text(engine, tokens_iter, out=sys.stdout) -> list[int]:
+    """Print text as tokens arrive (decoding the whole tail so multi-byte characters come out whole)."""
+    tokens, shown = [], ""
+    for token in tokens_iter:
+        tokens.append(token)
+        text = engine.tokenizer.decode(tokens)
+        if not text.endswith("\ufffd"):
+            out.write(text[len(shown):])
+            out.flush()
+            shown = text
+    return tokens
+
+
+def format_stats(stats: dict) -> str:
+    line = (f"[{stats.get('mode', 'none')}] generated {stats['generated']} tokens, prefill {stats['prefill_s']:.3f} s, "
+            f"decode {stats['decode_tokens_per_s']:.1f} tokens/s")
+    if "acceptance_rate" in stats:
+        line += (f", {stats['cycles']} cycles, mean accepted length {stats['mean_accepted_length']:.2f}, "
+                 f"acceptance {100 * stats['acceptance_rate']:.1f}%")
+    return line
