@@ -19,7 +19,7 @@ export PYTHONUNBUFFERED=1 TORCHINDUCTOR_CACHE_DIR=/tmp/blockspec-inductor-cache 
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
   python3 -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__)"
   } > "$OUT/machine.txt" 2>&1
-BENCH="python3 -m blockspec.cli bench --synthetic qwen3.5-27b --compile-mode 0 --context-length 4096 --fuse-kvq --fuse-gate"
+BENCH="python3 -m blockspec.cli bench --synthetic qwen3.5-27b --context-length 4096"
 FORCED="--forced-acceptance 0.553,0.297,0.516 --max-tokens ${MAX_TOKENS:-200} --repeats ${REPEATS:-2}"
 Q="--target-quantization int4 --vocabulary-quantization int8"
 run() { local limit=$1; shift; echo "## $*" >> "$LOG"
@@ -33,14 +33,14 @@ for part in ${PARTS:-bf16 warm int4 vocab}; do
     int4) run 180 $BENCH $Q --mode none,mtp,dflash2 $FORCED --json-out "$OUT/bench_int4.json" --png-out "$OUT/bench_int4.png"
           run 150 $BENCH $Q --dflash2-quantization int8 --mode dflash2 $FORCED --json-out "$OUT/bench_int4_drafter_int8.json" ;;
     startprof) run 90 python3 -m cProfile -o "$OUT/start.prof" -m blockspec.cli bench --synthetic qwen3.5-27b \
-                 --compile-mode 0 --context-length 4096 --fuse-kvq --fuse-gate --mode none --max-tokens 16 --repeats 1 \
+                 --context-length 4096 --mode none --max-tokens 16 --repeats 1 \
                  --prompt "warm start" --json-out "$OUT/start_profile.json"
                python3 -c "import pstats, sys; s = pstats.Stats('$OUT/start.prof', stream=sys.stdout); \
                  s.sort_stats('cumulative').print_stats(60); s.sort_stats('tottime').print_stats(30)" \
                  > "$OUT/start_profile.txt" 2>&1; rm -f "$OUT/start.prof" ;;
     compiles) for start in first warm; do
-                run 120 python3 bench/start_compiles.py bench --synthetic qwen3.5-27b --compile-mode 0 \
-                  --context-length 4096 --fuse-kvq --fuse-gate --mode dflash2 --max-tokens 16 --repeats 1 \
+                run 120 python3 bench/start_compiles.py bench --synthetic qwen3.5-27b \
+                  --context-length 4096 --mode dflash2 --max-tokens 16 --repeats 1 \
                   --prompt "$start start" --json-out "$OUT/start_$start.json"
               done ;;
     sweep) timeout ${SWEEP_S:-240} python3 bench/quant_kernels.py --sweep > "$OUT/quant_sweep.txt" 2>&1

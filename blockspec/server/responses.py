@@ -8,13 +8,14 @@ from fastapi.responses import StreamingResponse
 
 from .worker import Job, Worker
 
-STATS_KEYS = ("mode", "prefill_s", "decode_s", "decode_tokens_per_s", "generated", "cycles",
+STATS_KEYS = ("mode", "execution", "prefill_s", "decode_s", "decode_tokens_per_s", "generated", "cycles",
               "mean_accepted_length", "acceptance_rate")
 
 
 def stats_extension(stats: dict, engine) -> dict:
     out = {k: stats[k] for k in STATS_KEYS if k in stats}
     out.setdefault("mode", engine.mode)
+    out.setdefault("execution", engine.target.execution)
     if "queue_s" in stats:
         out["queue_s"] = stats["queue_s"]
     return out
