@@ -22,7 +22,7 @@ from .config import PredictConfig
 from .engine.decode import Proposer
 from .errors import BlockspecError
 from .kernels import pdl
-from .kernels.settings import use
+from .kernels import use
 
 WARMUP_TOKENS = 128
 DEFAULT_FIXTURES = Path(__file__).parent / "data" / "fixtures.json"  # code, English mystery, zh->en translation

@@ -15,7 +15,7 @@ from safetensors import safe_open
 
 from .config import TargetConfig
 from .errors import BlockspecError
-from .layers.packed import pack_projections
+from .layers.linear import pack_projections
 from .models.mtp import MTPHead
 from .models.qwen3_5 import TargetModel
 from .quant.int4 import check_quantization_config, from_compressed_tensors
@@ -131,7 +131,7 @@ def swap_in(root: torch.nn.Module, name: str, module: torch.nn.Module, where: st
 
 
 def load_target(directory: str | Path, device="cpu", dtype=torch.float32):
-    """Returns (model, mtp), the model's projections packed (layers/packed.py): mtp maps `mtp.*` tensor names to tensors and, for a compressed-tensors checkpoint, the
+    """Returns (model, mtp), the model's projections packed (layers/linear.py): mtp maps `mtp.*` tensor names to tensors and, for a compressed-tensors checkpoint, the
     names of quantized MTP projections to their Int4Linear. `model.checkpoint_quantization` is "int4" for a
     compressed-tensors checkpoint (its ignore list stays dense), else None."""
     directory = Path(directory)

@@ -40,7 +40,7 @@ class PredictConfig(BaseModel):
     dflash2_quantization: Literal["none", "int8"] = "none"
     target_quantization: Literal["none", "int4"] = "none"
     vocabulary_quantization: Literal["none", "int8", "int4"] = "none"
-    # Projections that share an input are always packed at load (layers/packed.py): these two keys stay accepted
+    # Projections that share an input are always packed at load (layers/linear.py): these two keys stay accepted
     # (recipes set them) and read true; false is noted on stderr, not honoured.
     fuse_kvq: bool = True
     fuse_gate: bool = True

@@ -8,7 +8,7 @@ import math
 import torch
 
 from .config import TargetConfig
-from .layers.packed import pack_projections
+from .layers.linear import pack_projections
 
 QWEN35_27B = dict(
     vocab_size=248320, hidden_size=5120, intermediate_size=17408, num_hidden_layers=64, num_attention_heads=24,

@@ -268,7 +268,7 @@ def test_pdl_chain_in_graph_equals_serial_launches(rows):
     another without it (a kernel reading its input before the previous one wrote it would differ)."""
     from blockspec.kernels import activation_triton, norm_triton, pdl
     from blockspec.kernels.linear import linear
-    from blockspec.kernels.settings import KernelSettings, use
+    from blockspec.kernels import KernelSettings, use
     from blockspec.quant.w4a16_triton import pack, wq_matmul
 
     torch.manual_seed(rows)
@@ -322,7 +322,7 @@ def test_drafter_kernels_bf16_on_gpu():
     from blockspec.drafter.selector import greedy_walk_reference
     from blockspec.kernels import attention_inputs_triton, attention_triton
     from blockspec.kernels.attention import masked_attention_sdpa, prepare_attention_inputs_reference
-    from blockspec.kernels.rope import rope_tables
+    from blockspec.kernels.attention import rope_tables
 
     def close(got, ref):
         return (got.float() - ref.float()).abs().max() <= 0.02 * ref.float().abs().max()
@@ -362,7 +362,7 @@ def test_graphs_record_no_compiled_region(pair):
     seconds): the target's and the drafter's graphs record Triton kernels only, so no `fused` op takes its compiled
     path while an engine loads, and re-captured drafter graphs still give plain greedy's output."""
     from blockspec.kernels import COMPILED_CALLS
-    from blockspec.kernels.settings import use
+    from blockspec.kernels import use
 
     target, drafter = pair
     before = sum(COMPILED_CALLS.values())

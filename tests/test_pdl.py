@@ -29,7 +29,7 @@ def test_settings_are_scoped_and_come_from_the_config(monkeypatch):
     """The launch settings an engine chooses hold only around its own work; nothing global, no environment."""
     from blockspec.config import PredictConfig
     from blockspec.errors import BlockspecError
-    from blockspec.kernels.settings import KernelSettings, active, use
+    from blockspec.kernels import KernelSettings, active, use
 
     monkeypatch.setenv("BLOCKSPEC_PDL", "3")  # no longer read by anything
     assert active() == KernelSettings()

@@ -17,7 +17,7 @@ from torch import nn
 from blockspec.checkpoint import load_target
 from blockspec.cli import main
 from blockspec.engine.engine import Engine
-from blockspec.layers.packed import PackedLinear, pack_projections
+from blockspec.layers.linear import PackedLinear, pack_projections
 from blockspec.quant import Int4Linear, Int8Linear
 from blockspec.quant.w4a16_triton import unpack_groups
 from blockspec.tiny import build_tiny_checkpoint, build_tiny_drafter

@@ -17,7 +17,7 @@ from blockspec.kernels.attention import prepare_attention_inputs_reference
 from blockspec.kernels.gdn import causal_conv1d_reference
 from blockspec.kernels.norm import (add_rms_norm_reference, gated_rms_norm_reference, rms_norm_plain,
                                     rms_norm_reference)
-from blockspec.kernels.rope import rope_tables
+from blockspec.kernels.attention import rope_tables
 
 NORM_CASES = [(1, 64), (3, 100), (8, 5120)]               # rows, width
 ATTENTION_CASES = [(1, 4, 2, 32, 8), (5, 6, 2, 64, 16), (8, 24, 4, 256, 64)]  # tokens, heads, kv heads, dim, rotary

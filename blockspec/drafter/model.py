@@ -23,10 +23,10 @@ from blockspec.drafter.conv import DynamicCausalConv
 from blockspec.drafter.selector import CandidateSelector
 from blockspec.errors import BlockspecError
 from blockspec.kernels.attention import masked_attention, prepare_attention_inputs
-from blockspec.kernels.rope import rope_tables
+from blockspec.kernels.attention import rope_tables
 from blockspec.layers.mlp import SwiGLU
 from blockspec.layers.norm import PlainRMSNorm as RMSNorm
-from blockspec.layers.packed import pack_projections
+from blockspec.layers.linear import pack_projections
 
 WEIGHTS_FILE = "model.safetensors"
 QUANTIZED_PROJECTIONS = re.compile(r"fc$|layers\.\d+\.(self_attn|mlp)\.")  # what dflash2_quantization quantizes
@@ -38,7 +38,7 @@ _BARE_TENSOR_NAMES = {
 
 
 class DrafterAttention(nn.Module):
-    PACKS = {"qkv_proj": ("q_proj", "k_proj", "v_proj")}  # packed at load (layers/packed.py): forward uses qkv_proj
+    PACKS = {"qkv_proj": ("q_proj", "k_proj", "v_proj")}  # packed at load (layers/linear.py): forward uses qkv_proj
 
     def __init__(self, config: DrafterConfig, dtype: torch.dtype):
         super().__init__()
@@ -161,7 +161,7 @@ class DFlash2Drafter(nn.Module):
 
     @torch.no_grad()
     def load_weights(self, path: str | Path) -> None:
-        """Fill the weights from a checkpoint file (its names), then pack the projections (layers/packed.py)."""
+        """Fill the weights from a checkpoint file (its names), then pack the projections (layers/linear.py)."""
         from safetensors import safe_open
 
         path = Path(path)

@@ -13,7 +13,7 @@ from ..checkpoint import load_mtp_head, load_target
 from ..config import PredictConfig
 from ..drafter.model import QUANTIZED_PROJECTIONS, DFlash2Drafter
 from ..errors import BlockspecError, UnsupportedRequest
-from ..kernels.settings import KernelSettings, use
+from ..kernels import KernelSettings, use
 from ..layers import folded_norm
 from ..layers.draft_head import DraftHead, draft_ids
 from ..quant.apply import prepare, quantize_head, resident_bytes, rtn

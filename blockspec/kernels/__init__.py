@@ -4,21 +4,50 @@ Triton's CPU interpreter): attention, attention inputs, norms, DeltaNet conv and
 
 `fused` marks the elementwise-heavy ops that have no kernel of their own (DeltaNet prefill input preparation; the
 references of the kernels above where Triton cannot take the input): on CUDA with fusion on (the graphed path,
-kernels/settings.py) they run through torch.compile, which turns each into one or a few kernels. The undecorated
+`KernelSettings`) they run through torch.compile, which turns each into one or a few kernels. The undecorated
 function stays the reference. The DFlash2 drafter's ops have Triton kernels instead: torch.compile traces again at
 every start (1.2-1.6 s of the drafter's graph preparation on the H200), a Triton kernel loads from its disk cache.
 """
 
 import collections
+import contextvars
 import functools
 import importlib.util
 import os
+from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 
-from .settings import active
-
 TRITON_INSTALLED = importlib.util.find_spec("triton") is not None
+
+
+# How the kernels launch: one immutable settings object, built by the engine from PredictConfig (fusion on with CUDA
+# graphs, `pdl_level`, `pdl_prefetch_mb`) and active only around that engine's own work (`use`). Scoped rather than
+# global: two engines in one process (the bench builds one per mode) may want different settings, and benches or
+# tests that call kernels directly get the defaults (no PDL, no compilation).
+@dataclass(frozen=True)
+class KernelSettings:
+    fusion: bool = False          # torch.compile the elementwise ops that have no kernel of their own (`fused`)
+    pdl_level: int = 0            # programmatic dependent launch (kernels/pdl.py): 0 off .. 3
+    pdl_prefetch_mb: float = 4.0  # weight bytes the projections prefetch into L2 while they wait (PDL only)
+
+
+_ACTIVE: contextvars.ContextVar[KernelSettings] = contextvars.ContextVar("blockspec_kernels",
+                                                                         default=KernelSettings())
+
+
+def active() -> KernelSettings:
+    return _ACTIVE.get()
+
+
+@contextmanager
+def use(settings: KernelSettings):
+    token = _ACTIVE.set(settings)
+    try:
+        yield settings
+    finally:
+        _ACTIVE.reset(token)
 
 COMPILED_CALLS = collections.Counter()  # calls that took a compiled path, per op (tests: graphs record none)
 

@@ -17,7 +17,7 @@ The rules every kernel launched with PDL follows here:
 The chain is transitive (a kernel past its wait implies every earlier kernel completed). Kernels without PDL (cuBLAS,
 torch ops) are ordinary launches and serialize as always. Those releases are levels (`settings`), chosen by
 PredictConfig.pdl_level (the engine's default: what its target's weights measured best with, docs/benchmarks.md) and
-active around the engine's work (kernels/settings.py). Off on older GPUs and under the interpreter.
+active around the engine's work (`kernels.use`). Off on older GPUs and under the interpreter.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import functools
 
 import torch
 
-from .settings import active
+from . import active
 
 try:
     import triton

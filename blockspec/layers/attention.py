@@ -20,7 +20,7 @@ class KVCache:
 class GatedAttention(nn.Module):
     """q_proj yields query and an output gate per head; q/k RMSNorm; partial RoPE; grouped KV heads."""
 
-    PACKS = {"qkv_proj": ("q_proj", "k_proj", "v_proj")}  # packed at load (layers/packed.py): forward uses qkv_proj
+    PACKS = {"qkv_proj": ("q_proj", "k_proj", "v_proj")}  # packed at load (layers/linear.py): forward uses qkv_proj
 
     def __init__(self, hidden_size: int, heads: int, kv_heads: int, head_dim: int, eps: float):
         super().__init__()

@@ -86,7 +86,7 @@ class GDNState:
 
 
 class GatedDeltaNet(nn.Module):
-    PACKS = {"in_proj": ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")}  # packed at load (layers/packed.py)
+    PACKS = {"in_proj": ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")}  # packed at load (layers/linear.py)
 
     def __init__(self, hidden_size: int, key_heads: int, value_heads: int, key_dim: int, value_dim: int,
                  conv_kernel: int, eps: float):

@@ -8,7 +8,7 @@ from .folded_norm import MAX_FOLDED_ROWS
 
 
 class SwiGLU(nn.Module):
-    """gate_proj and up_proj as loaded; packed into gate_up_proj at load (layers/packed.py), the only one forward
+    """gate_proj and up_proj as loaded; packed into gate_up_proj at load (layers/linear.py), the only one forward
     uses."""
 
     PACKS = {"gate_up_proj": ("gate_proj", "up_proj")}

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from ..config import TargetConfig
-from ..kernels.rope import rope_tables
+from ..kernels.attention import rope_tables
 from ..layers.attention import GatedAttention
 from ..layers.folded_norm import MAX_FOLDED_ROWS, FoldedNorm
 from ..layers.gdn import GatedDeltaNet

@@ -1,6 +1,6 @@
 """Applying packing and weight-only quantization to loaded modules (target, MTP head, DFlash2 drafter, shared head).
 
-One mechanism for all of them: `prepare` packs the projections the options ask for (blockspec.layers.packed), then
+One mechanism for all of them: `prepare` packs the projections the options ask for (blockspec.layers.linear), then
 swaps every `nn.Linear` whose qualified name passes a filter for its round-to-nearest quantized version
 (`replace_linears`). Embeddings, norms, convolutions and other parameters are never touched.
 """
@@ -14,7 +14,7 @@ from torch import nn
 
 from ..errors import BlockspecError
 from ..layers.linear import DenseLinear
-from ..layers.packed import pack_projections
+from ..layers.linear import pack_projections
 from .int4 import Int4Linear
 from .int8 import Int8Linear
 
