@@ -3,7 +3,7 @@ heads, head_dim 256, bf16), as a CUDA-graphed pass reads it (the whole cache is 
 SDPA under PyTorch's backend choice (the reference path, it must read the whole cache under a mask) against the
 split-KV Triton kernel blockspec uses for 1..16 queries (reads only the filled prefix). Two capacities, two fills.
 Prints microseconds per layer (16 layers back-to-back in one CUDA graph, median of replays); JSON to $OUT.
-Usage (GPU): python bench/attention_kernels.py
+Usage (GPU; under a minute on an H200): python bench/attention_kernels.py
 """
 
 import json

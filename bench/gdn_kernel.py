@@ -4,7 +4,8 @@ in one CUDA graph, median of replays):
   - the recurrence alone for each (BLOCK_V, num_warps), against the state's bytes (read + write);
   - the layer's mixer as three launches (conv, recurrence, gated norm) against one (`short_pass`) per config;
   - the conv kernel alone for each channel block (BLOCK_C) and num_warps.
-Usage (GPU): python bench/gdn_kernel.py [--parts recurrence,mixer,conv]; JSON to $OUT/gdn_kernel.json.
+Usage (GPU; under a minute on an H200): python bench/gdn_kernel.py [--parts recurrence,mixer,conv]; JSON to
+$OUT/gdn_kernel.json.
 """
 
 import json

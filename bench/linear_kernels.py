@@ -1,7 +1,7 @@
 """Few-row bf16 matmuls on the 27B's projection shapes: cuBLAS (F.linear) against the Triton kernel of
 blockspec/kernels/linear_triton.py for a sweep of configs, at 1 and 8 rows. Weight copies > 400 MB in one CUDA
-graph (no L2 reuse), median of replays; GB/s of weight bytes. Usage (GPU): python bench/linear_kernels.py [--quick: the
-table's configs only]; JSON to $OUT/linear_kernels.json.
+graph (no L2 reuse), median of replays; GB/s of weight bytes. Usage (GPU; ~2 minutes on an H200, --quick ~20 s):
+python bench/linear_kernels.py [--quick: the configs default_config chooses only]; JSON to $OUT/linear_kernels.json.
 """
 
 import itertools

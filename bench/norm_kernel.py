@@ -1,6 +1,6 @@
 """The residual add + RMSNorm kernel (blockspec/kernels/norm_triton.py) at the 27B width (5120, bf16): microseconds
 per call for each num_warps at 1 and 8 rows (129 calls back to back in one CUDA graph, as in one decode step;
-median of replays). Usage (GPU): python bench/norm_kernel.py; JSON to $OUT/norm_kernel.json.
+median of replays). Usage (GPU; ~20 s on an H200): python bench/norm_kernel.py; JSON to $OUT/norm_kernel.json.
 """
 
 import json

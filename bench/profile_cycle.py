@@ -1,26 +1,40 @@
-"""Where a speculative cycle's time goes, on synthetic Qwen3.5-27B weights (H200 run behind docs/benchmarks.md).
+"""Where a decode step's and a speculative cycle's time goes, on synthetic Qwen3.5-27B weights (packed projections,
+as every engine runs them).
 
-For each target variant (projections as stored, then packed with fuse_kvq + fuse_gate), times each piece alone
-with CUDA events (median of 20 after warm-up): the graphed 1-token step (and its share of the bandwidth roofline),
-the graphed 4- and 8-token verification passes with their commits, the DFlash2 proposal graph, the graphed drafter
-context append, and the graphed MTP observe + chain of 3 drafts. Then a kernel table of one graphed step and one
-8-token verification (torch.profiler: which kernels take the time). Prints it all; JSON to $OUT/profile_cycle.json.
+For each mode (one engine each, on a fresh synthetic target, after a 512-token prefill), times each piece alone with
+CUDA events (median of 20 after warm-up): the graphed 1-token step with its commit (and its share of the bandwidth
+roofline), the graphed verification pass of the mode with a full and a 1-token commit, the DFlash2 proposal graph,
+the graphed drafter context append of 4 rows, the graphed MTP observe + chain of 3 drafts, and the head on one row.
+Then a kernel table of each graphed piece (torch.profiler: which kernels take the time, and the first kernels of a
+step in launch order). `--pdl-level 0` gives each kernel's own duration (with PDL a kernel's time includes its wait
+for the previous one); `--no-fold-norms` the INT4 step with its norms as kernels of their own. Prints it all; JSON to
+$OUT/profile_cycle.json.
 
-Usage (GPU, repo root): python bench/profile_cycle.py [--variants plain,packed] [--quant int4]
+Usage (GPU, repo root; ~2-3 minutes on an H200 for the three modes):
+  python bench/profile_cycle.py [--modes none,mtp,dflash2] [--quant int4 --vocab-quant int8] [--pdl-level 0]
 """
 
 import argparse
 import json
 import os
+import sys
 import time
+from pathlib import Path
 
 import torch
 
-from blockspec.bench import bytes_per_plain_step, measure_read_bandwidth
-from blockspec.config import PredictConfig
-from blockspec.engine.engine import Engine
-from blockspec.synthetic import synthetic_target
-from timing import event_ms  # bench/timing.py, beside this script
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from blockspec.bench import bytes_per_plain_step, measure_read_bandwidth  # noqa: E402
+from blockspec.config import PredictConfig  # noqa: E402
+from blockspec.engine.decode import prefill  # noqa: E402
+from blockspec.engine.engine import Engine  # noqa: E402
+from blockspec.kernels.settings import use  # noqa: E402
+from blockspec.models.qwen3_5 import TargetOutput  # noqa: E402
+from blockspec.synthetic import synthetic_drafter, synthetic_target  # noqa: E402
+from timing import event_ms  # noqa: E402  (bench/timing.py, beside this script)
+
+PROMPT_TOKENS = 512
 
 
 def kernel_table(fn, top=18, sequence=0):
@@ -39,95 +53,101 @@ def kernel_table(fn, top=18, sequence=0):
             calls, total = rows.get(e.name, (0, 0.0))
             rows[e.name] = (calls + 1, total + e.device_time)
     table = sorted(((n[:90], c / reps, t / reps) for n, (c, t) in rows.items()), key=lambda r: -r[2])
-    total_us = sum(r[2] for r in table)
-    kernels = sum(r[1] for r in table)
     ordered = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
                      key=lambda e: e.time_range.start)
-    return {"total_kernel_us": round(total_us, 1), "kernels_per_call": kernels,
+    return {"total_kernel_us": round(sum(r[2] for r in table), 1), "kernels_per_call": sum(r[1] for r in table),
             "top": [(n, c, round(t, 1)) for n, c, t in table[:top]],
             "sequence": [(e.name[:70], round(e.device_time, 1)) for e in ordered[:sequence]]}
 
 
-def profile_engine(engine, mode_label, bandwidth, results, kernels):
-    target, state = engine.target, engine.state
-    model = engine.model
-    prompt = torch.randint(0, model.config.vocab_size, (512,), device="cuda")
-    state.reset()
-    engine.proposer.reset()
-    out = model(prompt, state, engine.proposer.capture_layers, all_logits=False)
-    state.commit(512)
-    if hasattr(engine.proposer, "drafter"):
-        engine.proposer.drafter.append_context(out.features, 0)
+def build_engine(mode, args):
+    """An engine on a fresh synthetic target (quantization and norm folding change the model in place)."""
+    overrides = {"mode": mode, "device": "cuda", "context_length": args.context_length,
+                 "target_quantization": args.quant, "vocabulary_quantization": args.vocab_quant,
+                 "fold_norms": not args.no_fold_norms}
+    if args.pdl_level is not None:
+        overrides["pdl_level"] = args.pdl_level
+    config = PredictConfig.build(overrides, source="profile_cycle")
+    model, head = synthetic_target("qwen3.5-27b", torch.device("cuda"), config.torch_dtype)
+    mtp = {"mtp." + k: v for k, v in head.state_dict().items()}
+    drafter = synthetic_drafter(model) if mode == "dflash2" else None
+    return Engine(config, model=model, mtp_tensors=mtp, drafter=drafter, tokenizer=object())
+
+
+def profile_engine(engine, bandwidth, kernels) -> dict:
+    target, state, proposer, model = engine.target, engine.state, engine.proposer, engine.model
+    device, dtype = engine.device, engine.dtype
+    prompt = torch.randint(0, model.config.vocab_size, (PROMPT_TOKENS,), device=device)
+    hidden_size = model.config.hidden_size
+
+    def prime():
+        """Every piece is timed from the same point: a fresh request after the prompt's prefill."""
+        state.reset()
+        proposer.reset()
+        prefill(target, prompt, PROMPT_TOKENS, proposer)
 
     def step(t, n):
         target.verify(list(range(t)))
-        target.commit(n)
-        state.length -= n  # stay at the same position
-    r = {}
-    if 1 in target.passes:
-        r["step_1_ms"] = event_ms(lambda: step(1, 1))
-        step_bytes = bytes_per_plain_step(engine)
-        r["step_bytes_gb"] = round(step_bytes / 1e9, 3)
-        r["step_roofline_ms"] = round(step_bytes / (bandwidth * 1e9) * 1e3, 3)
-        r["step_pct_roofline"] = round(100 * r["step_roofline_ms"] / r["step_1_ms"], 1)
-        kernels[f"{mode_label} step_1"] = kernel_table(lambda: step(1, 1), sequence=70)
-    for t in sorted(target.passes):
-        if t > 1:
-            r[f"verify_{t}_commit_{t}_ms"] = event_ms(lambda: step(t, t))
-            r[f"verify_{t}_commit_1_ms"] = event_ms(lambda: step(t, 1))
-            kernels[f"{mode_label} verify_{t}"] = kernel_table(lambda: step(t, t))
-    proposer = engine.proposer
-    if proposer.name == "dflash2":
-        r["dflash2_propose_graph_ms"] = event_ms(lambda: proposer.propose(5, state.length, 7))
-        kernels[f"{mode_label} dflash2 propose"] = kernel_table(lambda: proposer.propose(5, state.length, 7))
-        features = out.features[:4]
+        state.commit(n)
 
-        def append():
-            proposer.observe(type(out)(None, None, features), state.length, [0] * 4, [0] * 4)
-            proposer.drafter.context.length -= 4
-        r["drafter_append_4_graph_ms"] = event_ms(append)
+    def timed(label, fn, sequence=0):
+        prime()
+        r[label] = event_ms(fn)
+        prime()
+        kernels[f"{engine.mode} {label}"] = kernel_table(fn, sequence=sequence)
+
+    r = {}
+    timed("step_1_commit_1_ms", lambda: step(1, 1), sequence=70)
+    step_bytes = bytes_per_plain_step(engine)
+    r["step_bytes_gb"] = round(step_bytes / 1e9, 3)
+    r["step_roofline_ms"] = round(step_bytes / (bandwidth * 1e9) * 1e3, 3)
+    r["step_pct_roofline"] = round(100 * r["step_roofline_ms"] / r["step_1_commit_1_ms"], 1)
+    t = 1 + proposer.max_proposals
+    if t > 1:
+        timed(f"verify_{t}_commit_{t}_ms", lambda: step(t, t))
+        prime()
+        r[f"verify_{t}_commit_1_ms"] = event_ms(lambda: step(t, 1))
+    if proposer.name == "dflash2":
+        timed("dflash2_propose_graph_ms", lambda: proposer.propose(5, state.length, 7))
+        rows = TargetOutput(None, None, torch.zeros(4, len(proposer.capture_layers) * hidden_size, device=device,
+                                                    dtype=dtype))
+        timed("drafter_append_4_graph_ms",
+              lambda: proposer.observe(rows, proposer.drafter.context.length, [0] * 4, [0] * 4))
     if proposer.name == "mtp":
-        hidden = type(out)(None, out.hidden[:4], None)
+        rows = TargetOutput(None, torch.zeros(4, hidden_size, device=device, dtype=dtype), None)
 
         def observe_and_propose():
-            proposer.observe(hidden, 100, [0] * 4, [1, 2, 3, 4])
-            return proposer.propose(4, 104, 3)
-        r["mtp_observe_4_chain_3_graph_ms"] = event_ms(observe_and_propose)
-        kernels[f"{mode_label} mtp observe+chain"] = kernel_table(observe_and_propose)
-    r["lm_head_1_row_ms"] = event_ms(lambda: model.logits(out.hidden[:1]))
-    results[mode_label] = {**engine.load_times, **r}
-    for k, v in results[mode_label].items():
-        print(f"{mode_label:24s} {k:32s} {v}", flush=True)
+            proposer.observe(rows, state.length, [0] * 4, [1, 2, 3, 4])
+            return proposer.propose(4, state.length + 4, 3)
+        timed("mtp_observe_4_chain_3_graph_ms", observe_and_propose)
+    hidden = torch.zeros(1, hidden_size, device=device, dtype=dtype)
+    r["head_1_row_ms"] = event_ms(lambda: model.logits(hidden))
+    return r
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--variants", default="plain,packed")
-    ap.add_argument("--modes", default="dflash2,mtp")
-    ap.add_argument("--quant", default="none", help="target_quantization (int4) for every variant")
-    ap.add_argument("--vocab-quant", default="none")
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--modes", default="none,mtp,dflash2")
+    ap.add_argument("--quant", default="none", help="target_quantization: none | int4")
+    ap.add_argument("--vocab-quant", default="none", help="vocabulary_quantization: none | int8 | int4")
+    ap.add_argument("--pdl-level", type=int, help="pdl_level (default: the engine's choice for the target)")
+    ap.add_argument("--no-fold-norms", action="store_true",
+                    help="INT4: residual adds, norms and SwiGLU as kernels of their own (fold_norms: false)")
+    ap.add_argument("--context-length", type=int, default=4096)
     args = ap.parse_args()
-    t0 = time.perf_counter()
     bandwidth = measure_read_bandwidth(torch.device("cuda"))  # GB/s
-    model, head = synthetic_target("qwen3.5-27b", torch.device("cuda"), torch.bfloat16)
-    mtp = {"mtp." + k: v for k, v in head.state_dict().items()}
-    results = {"bandwidth_gbs": round(bandwidth, 1), "synthetic_s": round(time.perf_counter() - t0, 1),
-               "quant": args.quant}
+    results = {"bandwidth_gbs": round(bandwidth, 1), "quant": args.quant, "vocab_quant": args.vocab_quant}
     kernels = {}
-    variants = args.variants.split(",")
-    for variant in variants:
-        fuse = variant == "packed"  # packing is in place and cannot be undone: keep "plain" first
-        modes = args.modes.split(",") if variant == variants[-1] else args.modes.split(",")[:1]
-        for mode in modes:
-            config = PredictConfig.build({"mode": mode, "device": "cuda", "compile_mode": 0, "context_length": 4096,
-                                          "fuse_kvq": fuse, "fuse_gate": fuse, "target_quantization": args.quant,
-                                          "vocabulary_quantization": args.vocab_quant})
-            t1 = time.perf_counter()
-            engine = Engine(config, model=model, mtp_tensors=mtp, tokenizer=object(), synthetic_drafter=0)
-            engine.load_times["engine_s"] = round(time.perf_counter() - t1, 1)
-            profile_engine(engine, f"{variant}/{mode}", bandwidth, results, kernels)
-            del engine
-            torch.cuda.empty_cache()
+    for mode in args.modes.split(","):
+        start = time.perf_counter()
+        engine = build_engine(mode, args)
+        with use(engine.kernels):
+            r = profile_engine(engine, bandwidth, kernels)
+        results[mode] = {"engine_s": round(time.perf_counter() - start, 1), **engine.load_times, **r}
+        for key, value in results[mode].items():
+            print(f"{mode:8s} {key:32s} {value}", flush=True)
+        del engine
+        torch.cuda.empty_cache()
     for label, table in kernels.items():
         print(f"\n== {label}: {table['kernels_per_call']:.0f} kernels, {table['total_kernel_us']:.0f} us of kernels")
         for name, calls, us in table["top"]:
@@ -136,8 +156,7 @@ def main():
             print("  -- first kernels of one call, in order:")
             for name, us in table["sequence"]:
                 print(f"  {us:9.1f} us  {name}")
-    out_dir = os.environ.get("OUT", ".")
-    with open(os.path.join(out_dir, "profile_cycle.json"), "w") as f:
+    with open(os.path.join(os.environ.get("OUT", "."), "profile_cycle.json"), "w") as f:
         json.dump({"results": results, "kernels": kernels}, f, indent=2)
 
 

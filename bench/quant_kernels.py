@@ -1,4 +1,5 @@
-"""Check and time the production W4A16 / W8A16 Triton kernel (blockspec.quant.w4a16_triton) on the 27B shapes.
+"""Check and time the W4A16 / W8A16 Triton kernel (blockspec.quant.w4a16_triton) on the 27B projections the engine
+runs (packed: gate_up, GDN in_proj, attention qkv; down, o / out_proj, the vocabulary head).
 
 One command on a GPU machine (repo root; ~2 minutes on an H200):   python bench/quant_kernels.py
 CPU dry run of the harness (tiny shapes, Triton interpreter):      TRITON_INTERPRET=1 python bench/quant_kernels.py
@@ -7,24 +8,17 @@ CPU dry run of the harness (tiny shapes, Triton interpreter):      TRITON_INTERP
    reference with zero points, odd N and K, bf16 and fp16 activations; Int4Linear / Int8Linear (RTN) at M = 1, 3, 12,
    40 (16-row launches) and 100 (dequantize + F.linear); row 0 of an M = 8 launch == the M = 1 launch (bitwise); a
    CUDA-graph replay of a split-K launch == the eager result.
-2. Timing like the exploration that chose the kernel: per (shape, M), C weight copies (> 200 MB together, so L2
-   never hits) run back to back in one CUDA graph, replayed 7 times between CUDA events, median / C. Every timed
-   config is first checked on 256 rows. int4 group 128: the 7 shapes, M = 1, 2, 4, 8, 16, against bf16 F.linear
-   (its own 4x larger weight) and the best tc time of the exploration ("explored"); M = 1 also with waves = 4.
-   int8 (drafter group 32, vocabulary head group 128): M = 1 and 8, PTX (default) and plain-Triton unpacking.
+2. Timing: per (shape, M), C weight copies (> 200 MB together, so L2 never hits) run back to back in one CUDA
+   graph, replayed 7 times between CUDA events, median / C; % of 3990 GB/s of packed bytes. Every timed config is
+   first checked on 256 rows. int4 group 128: each shape at M = 1, 2, 4, 8, 16 against bf16 F.linear (its own 4x
+   larger weight); M = 1 also with waves = 4. int8 (drafter group 32, vocabulary head group 128): M = 1 and 8, PTX
+   (default) and plain-Triton unpacking.
 Writes $OUT/quant_kernels.json when OUT is set.
-`--sweep`: instead, tile width / pipeline depth / warps / K splits / wgmma around the default config, every int4
-shape at M = 1, 8 and 16 and the int8 shapes at M = 1 and 8 (SWEEP_VARIANTS, INT8_SWEEP; SWEEP_SET=deep: deeper
-pipelines with fewer splits, DEEP_VARIANTS; SWEEP_SHAPES=o,q,...: those int4 shapes only); each config checked on 256
-rows and once more after the timed graph replays (replayed output == an eager launch, bitwise). Session 7's runs
-chose today's `default_config` with it (docs/benchmarks.md, "Session 7").
-Session 6's sweep of the grid itself (block_n 16-64, waves 1-4, stages 4/6) found nothing > 4 % better.
-Writes $OUT/quant_sweep.json.
-
-Alternatives measured in the exploration (bench/w4a16_variants.py, removed; its results are summarised in the
-w4a16_triton docstring): "tcf" (scale folded into a bf16 tile: not exact, no faster up to M = 8), the previous
-planar kernels (dot with a shared-memory round trip of the dequantized tile, CUDA-core fma: 28-48% of peak at M >= 2
-on the large shapes), a CUDA-core GEMV on the q16 layout (4.2 instructions per weight, over the issue limit for 85%).
+`--sweep` (~4 minutes): instead, tile width / pipeline depth / warps / K splits / wgmma around the default config,
+every int4 shape at M = 1, 8 and 16 and the int8 shapes at M = 1 and 8 (SWEEP_VARIANTS, INT8_SWEEP; SWEEP_SET=deep:
+deeper pipelines with fewer splits, DEEP_VARIANTS; SWEEP_SHAPES=o,down,...: those int4 shapes only); each config
+checked on 256 rows and once more after the timed graph replays (replayed output == an eager launch, bitwise).
+`default_config` holds the winners of this sweep. Writes $OUT/quant_sweep.json.
 """
 
 from __future__ import annotations
@@ -49,12 +43,8 @@ from timing import replay_ms  # noqa: E402  (bench/timing.py, beside this script
 DRY = os.environ.get("TRITON_INTERPRET", "0") == "1"
 PEAK_GBS = 3990.0
 MS = [1, 2, 4, 8, 16]
-SHAPES = [("gate_up", 34816, 5120), ("gdn_qkv", 10240, 5120), ("q", 12288, 5120), ("gdn_z", 6144, 5120),
-          ("down", 5120, 17408), ("o", 5120, 6144), ("vocab", 248320, 5120)]
-EXPLORED = {"gate_up": [34.9, 35.0, 35.2, 35.4, 47.9], "gdn_qkv": [17.5, 17.6, 17.2, 15.7, 21.2],  # us, tc, M in MS
-            "q": [18.6, 18.9, 18.6, 16.7, 23.5], "gdn_z": [12.6, 12.5, 12.6, 11.5, 13.8],
-            "down": [23.1, 23.2, 23.4, 21.0, 29.9], "o": [12.6, 12.6, 12.7, 11.5, 13.8],
-            "vocab": [181.7, 179.5, 180.1, 182.1, 209.9]}
+SHAPES = [("gate_up", 34816, 5120), ("gdn_in", 16480, 5120), ("attn_qkv", 14336, 5120), ("down", 5120, 17408),
+          ("o", 5120, 6144), ("vocab", 248320, 5120)]
 INT8_SHAPES = [("d_qkv", 6144, 5120, 32), ("d_gate_up", 34816, 5120, 32), ("d_down", 5120, 17408, 32),
                ("vocab", 248320, 5120, 128)]
 if DRY:
@@ -145,7 +135,7 @@ def time_shape(records, name, n, k, bits, gs, variants) -> None:
             cfg = cfg_of(m)
             rec = dict(shape=name, n=n, k=k, m=m, bits=bits, group=gs, variant=label, copies=copies, bytes=nb,
                        cfg=asdict(cfg), cfg_str=cfg.short(), split=wq.split_k(cfg, n, probe.q.shape[1] // gs,
-                                                                             132 if DRY else wq._sm_count(DEV))[0])
+                                                                             132 if DRY else wq.sm_count(DEV))[0])
             try:
                 wq.wq_matmul(x, probe, cfg, out=out)
                 rec["rel_err"] = rel_err(out[:, rows], x.float() @ w_rows.t())
@@ -156,12 +146,10 @@ def time_shape(records, name, n, k, bits, gs, variants) -> None:
                 rec.update(gbs=nb / rec["us"] / 1e3, pct=nb / rec["us"] / 1e3 / PEAK_GBS * 100)
             except Exception as exc:  # noqa: BLE001  (recorded; a production config failing fails the run)
                 rec["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
-            exp = EXPLORED.get(name, [None] * len(MS))[MS.index(m)] if bits == 4 and m in MS and not DRY else None
-            records.append(dict(rec, explored_us=exp))
+            records.append(rec)
             res = f"{rec['us']:8.1f} us {rec['pct']:5.1f}%" if "us" in rec else f"FAILED {rec['error'][:150]}"
             print(f"  M={m:2d} {label:10s} {cfg.short():28s} split {rec['split']:2d} {res} "
-                  f"err {rec.get('rel_err', float('nan')):.1e}" + (f"  (explored {exp} us)" if exp else ""),
-                  flush=True)
+                  f"err {rec.get('rel_err', float('nan')):.1e}", flush=True)
 
 
 def time_bf16(records, name, n, k, ms) -> None:
@@ -191,8 +179,7 @@ SWEEP_VARIANTS = {  # label: changes to the default config; by activation rows (
          "n128 s4 wg": dict(block_n=128, stages=4, sync=False), "n128 s3 wg w8": dict(block_n=128, warps=8, sync=False),
          "n256 s3 wg w8": dict(block_n=256, stages=3, warps=8, sync=False)},
 }
-# SWEEP_SET=deep (session 9): deeper pipelines with fewer K splits, so that a mid-size projection's programs all fit
-# at once (one program's loop waits out a memory latency per block at 2 stages: bench/w4a16_latency.py, parts)
+# SWEEP_SET=deep: deeper pipelines with fewer K splits, so that a mid-size projection's programs all fit at once
 DEEP_VARIANTS = {8: {f"n64 s{s} wv{w}": dict(block_n=64, stages=s, waves=w) for w in (0, 1, 2) for s in (3, 4, 6)},
                  16: {f"n64 s{s} wg wv{w}": dict(block_n=64, stages=s, sync=False, waves=w)
                       for w in (0, 1, 2) for s in (3, 4, 6)}}
@@ -272,13 +259,13 @@ def main() -> None:
          and r["variant"] == "default"]
     alt_fail = [f"{r['shape']} int{r['bits']} M={r['m']} {r['variant']}" for r in records if "error" in r
                 and r["variant"] != "default"]
-    print("\nsummary: int4 % of 3990 GB/s, us (explored tc us; bf16 F.linear us); M=1 with waves=4; int8:")
+    print("\nsummary: int4 % of 3990 GB/s, us (bf16 F.linear us); M=1 with waves=4; int8:")
     for r in records:
         b = [x["us"] for x in records if x["variant"] == "bf16" and x["shape"] == r["shape"] and x["m"] == r["m"]]
         if r["variant"] != "bf16":
             res = f"{r['pct']:5.1f}% {r['us']:7.1f} us" if "us" in r else "FAILED"
             print(f"  int{r['bits']} g{r['group']} {r['shape']:9s} M={r['m']:2d} {r['variant']:8s} {res}"
-                  + (f" ({r['explored_us']}; {b[0]:.1f})" if r.get("explored_us") and b else ""))
+                  + (f" ({b[0]:.1f})" if b else ""))
     verdict = "PASS" if not prod_fail else f"FAIL: {prod_fail}"
     print(f"\nproduction configs: {verdict}; alternatives failed: {alt_fail or 'none'}; total {time.time() - t0:.0f}s")
     if os.environ.get("OUT"):

@@ -1,5 +1,6 @@
-"""Timing GPU work with CUDA events: a piece recorded once as a CUDA graph and replayed (`replay_ms`), or a host
-function that launches work, e.g. replays the engine's own graphs (`event_ms`)."""
+"""The benches' timing helper (measures nothing by itself): GPU work timed with CUDA events, either a piece recorded
+once as a CUDA graph and replayed (`replay_ms`), or a host function that launches work, e.g. replays the engine's own
+graphs (`event_ms`)."""
 
 import statistics
 

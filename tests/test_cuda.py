@@ -358,9 +358,9 @@ def test_drafter_kernels_bf16_on_gpu():
 
 
 def test_graphs_record_no_compiled_region(pair):
-    """A start traces nothing with torch.compile (issue 5: the drafter's graphs ready in <= 1 s, a second start in
-    seconds): the target's and the drafter's graphs record Triton kernels only, so no `fused` op takes its compiled
-    path while an engine loads, and re-captured drafter graphs still give plain greedy's output."""
+    """A start traces nothing with torch.compile (so the drafter's graphs are ready in well under a second and a
+    second start takes seconds): the target's and the drafter's graphs record Triton kernels only, so no `fused` op
+    takes its compiled path while an engine loads, and re-captured drafter graphs still give plain greedy's output."""
     from blockspec.kernels import COMPILED_CALLS
     from blockspec.kernels import use
 
@@ -375,72 +375,3 @@ def test_graphs_record_no_compiled_region(pair):
     assert sum(COMPILED_CALLS.values()) == before
     assert e.generate(ids, 60, stop_at_eos=False).tokens == first
     print(f"load times: {e.load_times}")
-
-
-@pytest.mark.parametrize("zp", [False, True])
-def test_w4a16_cuda_kernel_on_gpu(zp):
-    """The CUDA W4A16 kernel (compiled here by NVRTC) against the dequantized reference: in-block and K-split sums,
-    1-16 rows, row 0 of an 8-row launch == the 1-row launch, and a PDL-launched CUDA-graph replay == eager."""
-    from blockspec.quant import w4a16_cuda as wc
-    from blockspec.quant import w4a16_triton as wq
-
-    gen = torch.Generator().manual_seed(int(zp))
-    n, k = 1040, 3072
-    codes = torch.randint(0, 16, (n, k), generator=gen)
-    scales = (torch.rand(n, k // 128, generator=gen) * 0.015 + 0.005).to(torch.bfloat16)
-    zeros = torch.randint(0, 16, (n, k // 128), generator=gen).to(torch.bfloat16) if zp else None
-    pw = wq.pack(codes, scales, zeros, 4, 128)
-    mw = wc.from_q16(wq.PackedWeight(pw.q.cuda(), pw.s.cuda(), None if zeros is None else pw.z.cuda(), 4, 128, n,
-                                     k))
-    w = pw.dequantize().cuda()
-    for cfg in (None, wc.CudaConfig(8, 2, 2, 3)):  # None: default_config (by row count)
-        for m in (1, 5, 8, 12, 16):
-            x = torch.randn(m, k, generator=gen).to(torch.bfloat16).cuda()
-            ref = x.float() @ w.t()
-            err = float((wc.matmul(x, mw, cfg).float() - ref).abs().max() / ref.abs().max())
-            assert err < 5e-3, (cfg, m, err)
-        x = torch.randn(8, k, generator=gen).to(torch.bfloat16).cuda()
-        assert torch.equal(wc.matmul(x, mw, cfg)[:1], wc.matmul(x[:1], mw, cfg))
-        y0, out = wc.matmul(x, mw, cfg), torch.empty(8, n, dtype=torch.bfloat16, device="cuda")
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for _ in range(3):  # a PDL chain: each launch may start under its predecessor
-                wc.matmul(x, mw, cfg, out=out, pdl=True, early_release=True)
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(out, y0)
-
-
-def test_w4a16_cuda_epilogues_on_gpu():
-    """The CUDA kernel's add_norm, rms and SwiGLU epilogues against the Triton kernel's (the engine's today), chained
-    as a folded layer runs them: add_norm -> [gate; up] with the norm completed and SwiGLU, and a plain rms launch."""
-    from blockspec.quant import w4a16_cuda as wc
-    from blockspec.quant import w4a16_triton as wq
-
-    gen = torch.Generator().manual_seed(3)
-
-    def weight(n, k):
-        codes = torch.randint(0, 16, (n, k), generator=gen)
-        scales = (torch.rand(n, k // 128, generator=gen) * 0.015 + 0.005).to(torch.bfloat16)
-        pw = wq.pack(codes, scales, None, 4, 128)
-        return wq.PackedWeight(pw.q.cuda(), pw.s.cuda(), None, 4, 128, n, k)
-
-    def close(a, b, tol=1e-2):
-        a, b = a.float(), b.float()
-        return float((a - b).abs().max() / b.abs().max()) < tol
-
-    k, hidden, inter = 1024, 1024, 1536
-    o_w, gu_w = weight(hidden, k), weight(2 * inter, hidden)
-    o_m, gu_m, gu_plain = wc.from_q16(o_w), wc.from_q16(gu_w, swiglu=True), wc.from_q16(gu_w)
-    norm_w = (torch.randn(hidden, generator=gen) * 0.1).to(torch.bfloat16).cuda()
-    for m in (1, 5, 8, 16):
-        x = torch.randn(m, k, generator=gen).to(torch.bfloat16).cuda()
-        res = torch.randn(m, hidden, generator=gen).to(torch.bfloat16).cuda()
-        t_out, t_rows, t_parts = wq.wq_matmul_add_norm(x, o_w, res, norm_w)
-        c_out, c_rows, c_sums = wc.matmul_add_norm(x, o_m, res, norm_w)
-        assert close(c_out, t_out) and close(c_rows, t_rows), m
-        assert c_sums.shape == (1, m) and close(c_sums[0], t_parts.sum(0), 1e-3), m
-        t_act = wq.wq_matmul_swiglu(t_rows, gu_w, rms=(t_parts, 1e-6))
-        c_act = wc.matmul_swiglu(c_rows, gu_m, rms=(c_sums, 1e-6))
-        assert c_act.shape == (m, inter) and close(c_act, t_act), m
-        assert close(wc.matmul(c_rows, gu_plain, rms=(c_sums, 1e-6)), wq.wq_matmul(t_rows, gu_w, rms=(t_parts, 1e-6)))

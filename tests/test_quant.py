@@ -294,7 +294,7 @@ def test_default_configs():
     assert wq.split_k(wq.default_config(8, 5120, 17408), 5120, 34) == (4, 9)
     cfg = wq.default_config(16, 248320, 5120)
     assert (cfg.block_n, cfg.stages, cfg.sync) == (128, 3, False)
-    cfg = wq.default_config(16, 5120, 6144)  # mid-size rows at 9-16 rows: one wave of 3-stage programs (session 9)
+    cfg = wq.default_config(16, 5120, 6144)  # mid-size rows at 9-16 rows: one wave of 3-stage programs
     assert (cfg.stages, cfg.sync, wq.split_k(cfg, 5120, 12)) == (3, False, (2, 6))
     assert wq.split_k(wq.default_config(16, 5120, 17408), 5120, 34) == (7, 5)  # down keeps ~4 waves
     assert wq.default_config(1, 34816, 5120, 8, 32).block_n == 64  # int8 drafter gate_up; its qkv: 128

@@ -1,9 +1,9 @@
 """The candidate selector's greedy walk in one Triton program, the fast path beside `greedy_walk_reference`
 (blockspec.drafter.selector).
 
-Why: the walk is n dependent steps of a few tiny ops each; torch.compile made it a few kernels but traced it again
-at every start (part of the drafter's graph preparation, issue 5: <= 1 s), while a Triton kernel loads from
-Triton's disk cache. One program walks all rows: each step gathers the previous pick's predecessor code and the K
+Why: the walk is n dependent steps of a few tiny ops each; torch.compile makes it a few kernels but traces it
+again at every start (time the drafter's graph preparation would pay), while a Triton kernel loads from Triton's
+disk cache. One program walks all rows: each step gathers the previous pick's predecessor code and the K
 candidates' successor codes (K x rank values, L2-resident after the first proposal).
 Rounding as the reference: the query and the dot products are rounded to the codebooks' dtype (a matmul's output),
 and so is their sum with the unary logits; exact ties go to the first candidate, as argmax does.

@@ -2,9 +2,10 @@
 `blockspec.kernels.attention.cached_attention` on CUDA; `cached_attention_sdpa` there is its reference.
 
 Why: under a CUDA graph the position is data, so SDPA must read the whole cache under a mask (cost grows with
-context_length, not with the tokens actually held) and cuDNN took 10 us per 27B layer at one query and 216 us at
-eight (docs/h200/attention_kernels.json); this kernel 10.7 / 15.2 us (docs/h200/session3/run1). The filled length
-is read from `positions` on the device, so a replay reads only the filled prefix, whatever the capacity.
+context_length, not with the tokens actually held): on the H200 at 4096 slots SDPA (cuDNN) takes 23.7 us per 27B
+layer at one query and 219 us at eight, this kernel 10.7 / 15.2 us (bench/attention_kernels.py; at 32768 slots
+66 / 1731 us against 21 / 33). The filled length is read from `positions` on the device, so a replay reads only the
+filled prefix, whatever the capacity.
 
 Layout: the T queries of the KV heads' G grouped query heads are stacked as the M = T*G rows of one tile (row
 r: token r // G, head kv*G + r % G), so each key/value tile is loaded once per KV head. Programs (kv head, split)

@@ -15,7 +15,7 @@ graph; us per call, cuBLAS -> this kernel):
   o / gdn out 5120 x 6144 M=1 18.53 -> 17.96 (n8 k256 fma s5: 640 programs spread evenly over 132 SMs, where
   16-row tiles leave 2 or 3 per SM; another machine's run); M=8 cuBLAS 18.6 vs 19.9 (kept)
   attention qkv 14336 x 5120: cuBLAS within 2 % (kept).
-Dropped after measuring: SwiGLU's activation computed on the down projection's input load (every program re-reads
+Not done, because slower: SwiGLU's activation computed on the down projection's input load (every program re-reads
 and re-activates the whole input): 51.4 vs 46.2 us (activation launch + this kernel) at one row, 71.6 vs 48.7 at 8.
 """
 

@@ -13,8 +13,8 @@ Layout "q16" (`pack`; `unpack_codes` / `dequantize` invert it)
   z: the same shape as s, or None.
   int4 group 128: q [N, Kp/4], blocks of 512 inputs, s [Kp/512, N, 4]. int8 group 32: blocks of 64 inputs.
 
-Kernel (design "tc" of the exploration, exact numerics)
--------------------------------------------------------
+Kernel (tensor cores, exact numerics)
+-------------------------------------
   Program (pid_n, pid_k): BN output rows, a range of blocks (split-K when N alone does not fill the GPU). Each step
   loads one [BN, G] int16 tile (Triton's pipeliner: cp.async into shared memory, num_stages deep) and the block's
   scales (prefetched one block ahead by hand), then per group i: A = (u_i - z) in x's dtype, exact;
@@ -31,48 +31,40 @@ Kernel (design "tc" of the exploration, exact numerics)
   Why it is fast: group i of a block is an ELEMENTWISE function of the loaded int16 tile (nibble/byte i of every
   halfword), so the MMA-operand layout conversion is hoisted up to the load (ldmatrix of the int16 tile) and one
   PTX block per 32-bit register makes the A fragment in place (int4: shift, LOP3 into the bf16 128 + u, one bf16x2
-  FMA = u - 8). No shared-memory round trip of a dequantized tile (the previous kernels stored and re-read it:
-  ~4 B/weight of smem traffic, ~125 of an SM's 128 B/clk at 4 TB/s), 1.9-2.4 SASS instructions per weight in the
+  FMA = u - 8). No shared-memory round trip of a dequantized tile (storing and re-reading it would
+  cost ~4 B/weight of smem traffic, ~125 of an SM's 128 B/clk at 4 TB/s), 1.9-2.4 SASS instructions per weight in the
   main loop (sm_90a) instead of 2.9, and a cp.async pipeline 2-3 tiles deep keeps enough bytes in flight.
 
-Measured with the session 7 configs (docs/benchmarks.md, W4A16 table): vocab M=1 166 us (99 %), M=8 172 (96 %),
-M=16 200 (82 %); gate_up M=1 34.0 us (68 %); o M=1 10.0 us (41 %). The exploration that chose the kernel (below,
-4-stage configs) measured (H200, triton 3.6; C weight copies > 200 MB in one CUDA graph, as bench/quant_kernels.py
-times; int4 group 128; "old" = the previous planar kernels with their best candidate config; % of 3990 GB/s):
-  gate_up 34816x5120  M=1 34.9 us (66%) vs old 48.1 (48%);  M=8 35.4 (65%) vs 83.3 (28%);  bf16 F.linear 92 us
-  vocab 248320x5120   M=1 181.7 us (90%) vs 230.2 (71%);    M=8 182.1 (90%) vs 452 (36%);  bf16 690 us
-  o 5120x6144         M=1 12.6 us (32%) vs 12.5 (33%);      M=8 11.5 (35%) vs 21.2 (19%);  bf16 19 us
-  M=16: gate_up 48%, vocab 78% (old 27%, 36%). The smaller shapes (16-46 MB) reach 30-55%: latency-bound.
-Dropped after measuring: "tcf" (scale folded into the bf16 tile, one accumulator): up to M=8 slower on most shapes
-(gate_up 39.8 vs 34.9 us), at M=16 3-19% faster on five shapes, but it rounds every dequantized weight to bf16
-(rel err 2e-3 even with an fp32 output; tc: 3e-7). The old planar kernels (dot: the smem round trip above; fma
-CUDA-core: 4.1 instr/weight). A CUDA-core GEMV on this layout (4.2 instr/weight, while the issue limit at 4 TB/s is
-~4.1: no CUDA-core design reaches 85% in Triton). Plain Triton unpacking instead of PTX (2x slower: vocab 422 us).
-BN = 256, and wgmma with 8 warps (slower at every shape).
+Measured on the H200 (bench/quant_kernels.py: weight copies > 200 MB back to back in one CUDA graph; us per launch
+and % of 3990 GB/s of packed bytes at 1 / 8 / 16 rows; bf16 F.linear of the same shape at 1 row for scale):
+  vocabulary 248320x5120 (656 MB)   172 / 177 / 200 us (96 / 93 / 82 %)     bf16 690 us
+  gate_up 34816x5120 (92 MB)        33.7 / 34.6 / 40.2 us (68 / 67 / 57 %)  bf16 92 us
+  GDN in_proj 16480x5120 (44 MB)    18.5 / 18.9 / 18.1 us (59 / 58 / 60 %)
+  down 5120x17408 (46 MB)           20.0 / 20.1 / 26.3 us (58 / 57 / 44 %)
+  o / out_proj 5120x6144 (16 MB)    10.1 / 10.2 / 13.1 us (40 / 40 / 31 %)  bf16 19 us
+The head streams at the read bandwidth. The per-layer projections are bound per launch and per program, not by
+memory: ~3 us of fixed cost per launch and ~1 us per block of a program's serial loop at any pipeline depth (weights
+already resident in L2 save only 1-1.3 us of 9-19).
+Rejected because they measured slower or are inexact: the scale folded into a bf16 tile (rounds every dequantized
+weight to bf16: rel err 2e-3 against 3e-7); a shared-memory round trip of a dequantized tile (28-48 % at M >= 2 on
+the large shapes); CUDA-core GEMVs (4.1-4.2 SASS instructions per weight, over the ~4.1 issue limit at 4 TB/s); plain
+Triton unpacking (2x slower); BN = 256 and 8-warp wgmma; a stream-K schedule (1.3-1.9x slower); scales loaded 2-3
+blocks ahead (1.1-1.7x slower) or prefetched into L1 (no change); two blocks per loop step in 8-warp programs
+(30-70 % slower); a hand-written CUDA kernel of the same numerics (with the engine's epilogues 0.83-1.09x this one at
+1-8 rows and slower at 16: ~3 % of the INT4 step at best, not worth a second weight layout and a run-time compiler).
 int8 (byte i of each halfword): plain Triton unpacking takes ~4.3 / 5.6 SASS instr per weight at group 128 / 32
 (budget ~8 for 1-byte weights at 4 TB/s), the PTX one (`asm=True`: PRMT into the fp32 2**23 + u, FADD, F2FP to
 bf16x2) 3.2 / 4.4 and measured 9-48 % faster on the H200, so it is the default. The int8 group-32 M 9..16 entry of
 the table below is by analogy (not measured).
 
 Configs: `default_config`, a fixed table (no autotuning: a timing-based choice would vary between runs, and with
-it the summation order, i.e. the numerics), from bench/quant_kernels.py --sweep (session 7):
+it the summation order, i.e. the numerics), the H200 winners of bench/quant_kernels.py --sweep:
   M <= 8:  n64 m8 w4 sync, split-K to ~2 waves of 132 SMs; 3 stages above 80M weights, else 2
   M 9..16: wgmma; vocabulary (N >= 131072) n128 s3, ~4 waves; K > 8192 (down) n64 s2, ~4 waves; else n64 s3, ~1 wave
-           (session 9's SWEEP_SET=deep: gdn_z / gdn_qkv / o / q 5-10 % faster than with ~4 waves)
-  int8 group 32: M <= 8 n64 (N >= 16384) or n128, s3; M 9..16 n128 m16 s6 sync (by analogy, not re-measured)
-Shallow pipelines won: 64-row tiles with 2-3 stages (32-48 KB of shared memory, 4-7 programs per SM) beat 4-stage
+           (one wave of 3-stage programs: the mid-size projections 5-10 % faster than ~4 waves)
+  int8 group 32: M <= 8 n64 (N >= 16384) or n128, s3; M 9..16 n128 m16 s6 sync (by analogy, not measured)
+Shallow pipelines win: 64-row tiles with 2-3 stages (32-48 KB of shared memory, 4-7 programs per SM) beat 4-stage
 ones (3 per SM) by 1-16 %: more resident programs hide the memory latency better than a deeper pipeline per program.
-Measured and dropped in session 7: a stream-K schedule (resident programs walking the (tile, block) space in one
-flat loop; 1.3-1.9x slower, its time falling with every program added per SM, as if each step waited out a memory
-latency: likely its loop, with the tile-finishing branch inside, pipelined worse; not analysed) and scales loaded
-2-3 blocks ahead (1.1-1.7x slower). Session 9 (bench/w4a16_latency.py): the mid-size launches are not memory-bound
-(L2-resident weights save 1-1.3 us of 9-19) but bound per program: ~3 us fixed per launch, ~1 us per block of a
-program's loop at any pipeline depth; the scales prefetched into L1 before the loop changed nothing, and two blocks
-per step in 8-warp programs (stacked codes, a [G, 2 BM] x^T tile) was 30-70 % slower: both dropped.
-Session 10: a hand-written CUDA kernel of the same numerics (w4a16_cuda.py) is 1.02-1.37x faster at 1-8 rows on
-every per-layer shape and 0.72-0.90x at 16 rows (mid shapes excepted); not wired in: with the epilogues (rms, SwiGLU,
-add_norm) it is 0.98-1.09x this kernel at 1-8 rows (out, down, gate_up; in_proj 0.84x), ~3 % of the INT4 step at
-best (docs/benchmarks.md, "Session 11").
 M > 16 (prefill): up to 64 rows in 16-row launches; beyond, each slice of <= 16M weights is dequantized to x's dtype
 and multiplied with F.linear (the kernel's numerics are not kept there).
 The plain PyTorch functions here (pack / unpack / dequantize / reference_matmul) are the CPU path and the tests'
@@ -413,11 +405,11 @@ def default_config(m: int, n: int, k: int, bits: int = 4, group_size: int = 128)
         return KernelConfig(128, 16, 4, 3, False, 4, asm)
     if k > 8192:  # long rows (down): K splits to ~4 waves
         return KernelConfig(64, 16, 4, 2, False, 4, asm)
-    return KernelConfig(64, 16, 4, 3, False, 1, asm)  # session 9: one wave of 3-stage programs (5-10 % faster)
+    return KernelConfig(64, 16, 4, 3, False, 1, asm)  # one wave of 3-stage programs: 5-10 % faster than ~4
 
 
 @functools.lru_cache(maxsize=None)
-def _sm_count(device: torch.device) -> int:
+def sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
 
 
@@ -448,7 +440,7 @@ def _launch(x2: torch.Tensor, pw: PackedWeight, cfg: KernelConfig, out: torch.Te
     if m > cfg.block_m or cfg.block_m not in (8, 16):
         raise ValueError(f"config {cfg.short()} takes block_m 8 or 16 and at most block_m rows, got {m}")
     nblk = pw.q.shape[1] // pw.group_size
-    split, bps = split_k(cfg, pw.n, nblk, _sm_count(x2.device))
+    split, bps = split_k(cfg, pw.n, nblk, sm_count(x2.device))
     n_tiles = -(-pw.n // cfg.block_n)
     ws = torch.empty(split * m * pw.n if split > 1 else 1, dtype=torch.float32, device=x2.device)
     cnt = arrival_counters(x2.device, n_tiles)
