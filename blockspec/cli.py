@@ -125,6 +125,53 @@ def cmd_draft_vocabulary(args):
           f"{100 * coverage(prefix, token_lists):.1f}%)")
 
 
+def cmd_train_drafter(args):
+    from .train.drafter import DrafterTraining, train_drafter
+
+    layer_ids = None
+    if args.target_layer_ids:
+        try:
+            layer_ids = [int(i) for i in args.target_layer_ids.split(",")]
+        except ValueError:
+            raise BlockspecError(f"--target-layer-ids must be comma-separated integers (got "
+                                 f"{args.target_layer_ids!r})") from None
+    fields = {k: v for k, v in vars(args).items() if k in DrafterTraining.__dataclass_fields__ and v is not None}
+    train_drafter(DrafterTraining(**{**fields, "target_layer_ids": layer_ids}))
+
+
+def add_train_drafter_parser(sub):
+    from .train.drafter import DrafterTraining as D
+
+    p = sub.add_parser("train-drafter", help="train a DFlash2 drafter for a target on your text",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--target", required=True, help="the target's checkpoint directory (frozen; its tokenizer too)")
+    p.add_argument("--data", required=True, nargs="+", help="text files or directories of them")
+    p.add_argument("--out", required=True, help="drafter directory to write (config.json, model.safetensors)")
+    p.add_argument("--layers", type=int, default=D.layers, help="drafter layers")
+    p.add_argument("--block-size", type=int, default=D.block_size, help="tokens per block (proposals + 1)")
+    p.add_argument("--window", type=int, default=D.window, help="sliding window over the target's features")
+    p.add_argument("--target-layer-ids", help="comma-separated target layers the drafter reads (default: five, "
+                   "spread evenly)")
+    p.add_argument("--heads", type=int, help="attention heads (default: the target's)")
+    p.add_argument("--intermediate-size", type=int, help="MLP width (default: the target's)")
+    p.add_argument("--selector-rank", type=int, default=D.selector_rank, help="candidate selector rank")
+    p.add_argument("--selector-top-k", type=int, default=D.selector_top_k, help="candidates per row")
+    p.add_argument("--steps", type=int, default=D.steps, help="optimizer steps")
+    p.add_argument("--tokens", type=int, help="train on this many block tokens instead of --steps")
+    p.add_argument("--lr", type=float, default=D.lr, help="peak learning rate (linear warm-up, cosine decay)")
+    p.add_argument("--batch-tokens", type=int, default=D.batch_tokens, help="block tokens per step")
+    p.add_argument("--seq-len", type=int, default=D.seq_len, help="tokens per training sequence")
+    p.add_argument("--loss-decay", type=float, default=D.loss_decay, help="row j weighs exp(-(j-1)/decay)")
+    p.add_argument("--heldout", type=float, default=D.heldout, help="share of the texts held out for evaluation")
+    p.add_argument("--checkpoint-every", type=int, default=D.checkpoint_every, help="steps between checkpoints")
+    p.add_argument("--eval-cuts", type=int, default=D.eval_cuts,
+                   help="held-out contexts for the final one-cycle acceptance (0: none)")
+    p.add_argument("--seed", type=int, default=D.seed, help="seed of sampling and initialisation")
+    p.add_argument("--resume", action="store_true", help="continue the run saved in --out")
+    p.add_argument("--device", choices=["cpu", "cuda", "auto"], default=D.device, help="auto: the GPU if there is one")
+    p.set_defaults(func=cmd_train_drafter)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineParser(prog="blockspec", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
@@ -150,6 +197,8 @@ def build_parser() -> argparse.ArgumentParser:
     vocab.add_argument("--size", type=int, default=32768, help="ids to keep (the EOS ids are added)")
     vocab.add_argument("--out", required=True, help="JSON file to write (pass it as --draft-vocabulary)")
     vocab.set_defaults(func=cmd_draft_vocabulary)
+
+    add_train_drafter_parser(sub)
 
     chat = sub.add_parser("chat", help="interactive chat in the terminal (chat template, streamed replies)")
     add_engine_args(chat)

@@ -42,6 +42,10 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size()
 
+    def token_id(self, token: str) -> int | None:
+        """The id of a token written as it is in the vocabulary (a special token, say), or None."""
+        return self._tok.token_to_id(token)
+
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
 

@@ -1,0 +1,1 @@
+"""Training what blockspec decodes with: DFlash2 drafters for a target (`blockspec train-drafter`)."""

@@ -1,0 +1,143 @@
+"""`blockspec train-drafter` on a tiny target: a few steps lower the loss, the drafter it writes loads in blockspec
+and in the `dflash` reference with identical proposals, speculative output stays plain greedy's, resume continues,
+and bad input is refused in one line before any training."""
+
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from blockspec.checkpoint import load_target
+from blockspec.cli import main
+from blockspec.drafter import DFlash2Drafter
+from blockspec.engine.engine import Engine
+from blockspec.tiny import build_tiny_checkpoint
+from blockspec.train.drafter import DrafterTraining, TargetFeatures, attention_mask, sample_blocks, train_drafter
+
+reference = pytest.importorskip("dflash.model")
+
+WORDS = "the quick brown fox jumps over a lazy dog while seven small birds sing in the old tree".split()
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("train")
+    target = build_tiny_checkpoint(root / "target", seed=0, planted=True)
+    data = root / "data"
+    data.mkdir()
+    rng = random.Random(0)
+    for i in range(10):
+        (data / f"part{i}.txt").write_text(" ".join(rng.choice(WORDS) for _ in range(300)))
+    return root, target, data
+
+
+def run_config(root, target, data, out="out", **kw):
+    settings = dict(target=str(target), data=[str(data)], out=str(root / out), layers=1, window=32, seq_len=96,
+                    batch_tokens=128, steps=16, lr=3e-3, selector_rank=16, selector_top_k=8, checkpoint_every=8,
+                    eval_cuts=4, heldout=0.2, device="cpu")
+    return DrafterTraining(**{**settings, **kw})
+
+
+@pytest.fixture(scope="module")
+def trained(setup):
+    root, target, data = setup
+    summary = train_drafter(run_config(root, target, data), log=lambda *_: None)
+    return root, target, data, summary
+
+
+def test_training_lowers_the_loss_and_evaluates(trained):
+    _, _, _, summary = trained
+    losses = [h["loss"] for h in summary["history"]]
+    assert len(losses) == 16
+    assert sum(losses[-4:]) / 4 < 0.5 * sum(losses[:4]) / 4, losses
+    evaluation = summary["evaluation"]
+    assert evaluation["cuts"] == 4 and 1 <= evaluation["mean_accepted_length"] <= 8
+    assert summary["training_tokens_per_s"] > 0
+
+
+def test_drafter_loads_in_blockspec_and_dflash_with_identical_proposals(trained):
+    root, target, data, _ = trained
+    model, _ = load_target(target)
+    ours = DFlash2Drafter.from_pretrained(root / "out", target_hidden_size=64, target_vocab_size=259,
+                                          target_num_layers=4, embed=model.embed, lm_head=model.logits)
+    theirs = reference.DFlash2DraftModel.from_pretrained(root / "out").eval()
+    layer_ids = ours.target_layer_ids
+    tokens = torch.tensor(Engine.load(target, device="cpu").tokenizer.encode("the quick brown fox jumps over " * 4))
+    features, _ = TargetFeatures(model, layer_ids, len(tokens), "cpu", torch.float32)(tokens)
+    compared = 0
+    for start in (5, 20, 40, 70):  # within and past the 32-token window
+        anchor = int(tokens[start])
+        ours.reset()
+        ours.append_context(features[:start], 0)
+        proposals = ours.propose(anchor, start)
+        block_ids = torch.tensor([[anchor] + [ours.mask_token_id] * 7])
+        with torch.no_grad():
+            hidden = theirs(target_hidden=features[None, :start], noise_embedding=F.embedding(
+                block_ids, model.embed_tokens.weight), position_ids=torch.arange(start + 8)[None])[0]
+            expected = theirs.propose(hidden[None, 1:], block_ids[:, 0], model.logits, 0.0)[0][0]
+        assert torch.equal(proposals, expected), (start, proposals, expected)
+        compared += 1
+    assert compared == 4
+
+
+def test_trained_drafter_is_lossless(trained):
+    root, target, _, _ = trained
+    plain = Engine.load(target, device="cpu", compute_dtype="float32")
+    spec = Engine.load(target, device="cpu", compute_dtype="float32", mode="dflash2", dflash2_model=str(root / "out"))
+    ids = plain.tokenizer.encode("a lazy dog while seven")
+    expected = plain.generate(ids, 40, stop_at_eos=False)
+    result = spec.generate(ids, 40, stop_at_eos=False)
+    assert result.tokens == expected.tokens and result.stats["cycles"] > 0
+
+
+def test_resume_continues_the_run(setup):
+    root, target, data = setup
+    first = train_drafter(run_config(root, target, data, out="resumed", steps=8), log=lambda *_: None)
+    resumed = train_drafter(run_config(root, target, data, out="resumed", steps=12, resume=True, eval_cuts=0),
+                            log=lambda *_: None)
+    assert [h["step"] for h in resumed["history"]] == list(range(1, 13))
+    assert resumed["history"][:8] == first["history"]
+
+
+def test_blocks_see_the_window_of_committed_features_only():
+    features, tokens = torch.arange(40.0)[:, None].repeat(1, 3), torch.arange(40)
+    ctx, valid, ids, positions, labels, anchors = sample_blocks(features, tokens, tokens + 100, 6, 4, 8, 999,
+                                                                random.Random(1))
+    for row, a in enumerate(anchors.tolist()):
+        assert ids[row].tolist() == [a, 999, 999, 999] and labels[row].tolist() == [100 + a, 101 + a, 102 + a]
+        kept = ctx[row, valid[row], 0].tolist()
+        assert kept == [float(p) for p in range(max(0, a - 7), a)]  # positions a - 7 .. a - 1, never a itself
+        assert positions[row, -4:].tolist() == [a, a + 1, a + 2, a + 3]
+    mask = attention_mask(valid, 4, 8)[:, 0]
+    context = valid.shape[1]
+    assert mask[:, :, context:].all()  # the block is not causal
+    for row in range(len(anchors)):  # row i sees context position p only when a + i - p < 8
+        for i in range(4):
+            seen = mask[row, i, :context] & valid[row]
+            assert int(seen.sum()) == min(8 - 1 - i, int(anchors[row]))
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--data", "/no/such/dir"], "--data /no/such/dir: no such file or directory"),
+    (["--target-layer-ids", "0,9"], "layer 9 is outside the target's 4 layers"),
+    (["--block-size", "1"], "--block-size must be 2..16"),
+    (["--target", "/no/target"], "/no/target/config.json: file not found"),
+])
+def test_bad_input_is_one_line_before_training(setup, capsys, args, message):
+    root, target, data = setup
+    base = {"--target": str(target), "--data": str(data), "--out": str(root / "refused")}
+    for flag, value in zip(args[::2], args[1::2]):
+        base[flag] = value
+    argv = ["train-drafter", "--device", "cpu"] + [x for kv in base.items() for x in kv]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and "\n" not in err and err.startswith("blockspec: error:")
+    assert not (root / "refused").exists()  # nothing written
+
+
+def test_non_empty_out_needs_resume(trained, capsys):
+    root, target, data, _ = trained
+    assert main(["train-drafter", "--target", str(target), "--data", str(data), "--out", str(root / "out"),
+                 "--device", "cpu"]) == 2
+    assert "is not empty" in capsys.readouterr().err
