@@ -126,7 +126,7 @@ def cmd_draft_vocabulary(args):
 
 
 def cmd_train_drafter(args):
-    from .train.drafter import DrafterTraining, train_drafter
+    from .train.run import DrafterTraining, train
 
     layer_ids = None
     if args.target_layer_ids:
@@ -136,17 +136,19 @@ def cmd_train_drafter(args):
             raise BlockspecError(f"--target-layer-ids must be comma-separated integers (got "
                                  f"{args.target_layer_ids!r})") from None
     fields = {k: v for k, v in vars(args).items() if k in DrafterTraining.__dataclass_fields__ and v is not None}
-    train_drafter(DrafterTraining(**{**fields, "target_layer_ids": layer_ids}))
+    train(DrafterTraining(**{**fields, "target_layer_ids": layer_ids}))
 
 
 def add_train_drafter_parser(sub):
-    from .train.drafter import DrafterTraining as D
+    from .train.run import DrafterTraining as D
 
-    p = sub.add_parser("train-drafter", help="train a DFlash2 drafter for a target on your text",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = sub.add_parser("train-drafter", help="train a DFlash2 drafter (or the native MTP head) for a target on your "
+                       "text", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--target", required=True, help="the target's checkpoint directory (frozen; its tokenizer too)")
     p.add_argument("--data", required=True, nargs="+", help="text files or directories of them")
-    p.add_argument("--out", required=True, help="drafter directory to write (config.json, model.safetensors)")
+    p.add_argument("--out", required=True, help="directory to write: the drafter (config.json, model.safetensors), "
+                   "or for --kind mtp a copy of the target with its mtp.* tensors")
+    p.add_argument("--kind", choices=["dflash2", "mtp"], default=D.kind, help="what to train")
     p.add_argument("--layers", type=int, default=D.layers, help="drafter layers")
     p.add_argument("--block-size", type=int, default=D.block_size, help="tokens per block (proposals + 1)")
     p.add_argument("--window", type=int, default=D.window, help="sliding window over the target's features")

@@ -7,13 +7,15 @@ import random
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import run_pass
 
 from blockspec.checkpoint import load_target
 from blockspec.cli import main
 from blockspec.drafter import DFlash2Drafter
 from blockspec.engine.engine import Engine
 from blockspec.tiny import build_tiny_checkpoint
-from blockspec.train.drafter import DrafterTraining, TargetFeatures, attention_mask, sample_blocks, train_drafter
+from blockspec.train.dflash2 import attention_mask, sample_blocks
+from blockspec.train.run import DrafterTraining, TargetFeatures, train
 
 reference = pytest.importorskip("dflash.model")
 
@@ -42,7 +44,7 @@ def run_config(root, target, data, out="out", **kw):
 @pytest.fixture(scope="module")
 def trained(setup):
     root, target, data = setup
-    summary = train_drafter(run_config(root, target, data), log=lambda *_: None)
+    summary = train(run_config(root, target, data), log=lambda *_: None)
     return root, target, data, summary
 
 
@@ -93,8 +95,8 @@ def test_trained_drafter_is_lossless(trained):
 
 def test_resume_continues_the_run(setup):
     root, target, data = setup
-    first = train_drafter(run_config(root, target, data, out="resumed", steps=8), log=lambda *_: None)
-    resumed = train_drafter(run_config(root, target, data, out="resumed", steps=12, resume=True, eval_cuts=0),
+    first = train(run_config(root, target, data, out="resumed", steps=8), log=lambda *_: None)
+    resumed = train(run_config(root, target, data, out="resumed", steps=12, resume=True, eval_cuts=0),
                             log=lambda *_: None)
     assert [h["step"] for h in resumed["history"]] == list(range(1, 13))
     assert resumed["history"][:8] == first["history"]
@@ -141,3 +143,49 @@ def test_non_empty_out_needs_resume(trained, capsys):
     assert main(["train-drafter", "--target", str(target), "--data", str(data), "--out", str(root / "out"),
                  "--device", "cpu"]) == 2
     assert "is not empty" in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def trained_mtp(setup):
+    root, target, data = setup
+    summary = train(run_config(root, target, data, out="with_mtp", kind="mtp", batch_tokens=192, lr=2e-3),
+                    log=lambda *_: None)
+    return root, target, summary
+
+
+def test_mtp_head_training_lowers_the_loss_and_writes_a_loadable_copy(trained_mtp):
+    root, target, summary = trained_mtp
+    losses = [h["loss"] for h in summary["history"]]
+    assert sum(losses[-4:]) / 4 < 0.7 * sum(losses[:4]) / 4, losses
+    assert summary["evaluation"]["cuts"] == 4
+    out = root / "with_mtp"
+    assert (out / "mtp.safetensors").is_file() and (out / "tokenizer.json").is_file()
+    plain = Engine.load(target, device="cpu", compute_dtype="float32")
+    mtp = Engine.load(out, device="cpu", compute_dtype="float32", mode="mtp")
+    ids = plain.tokenizer.encode("the old tree")
+    assert mtp.generate(ids, 40, stop_at_eos=False).tokens == plain.generate(ids, 40, stop_at_eos=False).tokens
+
+
+def test_mtp_training_module_equals_blockspec_mtp_head(trained_mtp):
+    """The head as trained (transformers' layer) and as blockspec runs it give the same logits on the same rows."""
+    from safetensors.torch import load_file
+
+    from blockspec.train.mtp import MTPModule, text_config
+
+    root, target, _ = trained_mtp
+    engine = Engine.load(root / "with_mtp", device="cpu", compute_dtype="float32", mode="mtp")
+    module = MTPModule(text_config(root / "with_mtp"))
+    module.load_state_dict({k[len("mtp."):]: v for k, v in load_file(root / "with_mtp" / "mtp.safetensors").items()})
+    module.eval()
+    model = engine.model
+    tokens = torch.tensor(engine.tokenizer.encode("seven small birds sing in the old tree"))
+    state = engine.state
+    state.reset()
+    hidden = model.norm(run_pass(model, state, tokens).hidden)
+    state.discard()
+    next_tokens = tokens[1:]
+    ours, _ = engine.proposer.step_at(hidden[:-1], next_tokens, 0)
+    with torch.no_grad():
+        theirs = module(model.embed(next_tokens)[None], hidden[None, :-1], torch.arange(len(next_tokens))[None])[0]
+    assert (model.logits(ours) - model.logits(theirs)).abs().max() <= 1e-4
+

@@ -1,0 +1,150 @@
+"""`blockspec train-drafter`: train a DFlash2 drafter for a target blockspec loads, on the user's text.
+
+What it learns: the target's own greedy choices. Each training sequence runs once through the frozen target
+(blockspec's own model, as at inference), which gives the features of `target_layer_ids` and the target's argmax at
+every position. The text is teacher-forced: the label of block row j after anchor a is the target's argmax at
+position a + j - 1 given the real text before it. That costs one target pass per sequence instead of one generation
+per anchor, and equals the target's greedy continuation wherever the text follows it (exactly so on text the target
+generated itself, as drafter recipes usually train on).
+
+One step: anchors a are sampled across the sequences; block = [token a, mask x (block - 1)] at positions a..a+block-1
+reads the features of positions < a inside the sliding window; the loss is the cross-entropy of rows 1.. against the
+labels, weighted toward early rows (row j by exp(-(j - 1) / loss_decay): a late row only counts if the earlier ones
+were accepted), plus the same weighted cross-entropy of the candidate selector's scores over its top-k candidates
+(predecessor: the previous label; rows whose label is not among the candidates are skipped). Embeddings and head
+are the target's, frozen. The trainable module is the `dflash` package's DFlash2DraftModel (the published
+architecture), so what is saved is its HF directory: blockspec and `dflash` load it as it is.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..config import TargetConfig
+from ..errors import BlockspecError
+
+
+def spread_layer_ids(num_layers: int, count: int) -> list[int]:
+    """`count` target layers spread evenly from the second to the fourth-last (as the published drafters read)."""
+    if num_layers <= 4:
+        return sorted({round(i * (num_layers - 1) / max(count - 1, 1)) for i in range(count)})
+    first, last = 1, num_layers - 3
+    return sorted({round(first + i * (last - first) / max(count - 1, 1)) for i in range(count)})
+
+
+def drafter_config(target: TargetConfig, run, mask_token_id: int) -> dict:
+    """The HF config.json of the drafter to train (what DrafterConfig and dflash's DFlash2DraftModel read)."""
+    layer_ids = run.target_layer_ids or spread_layer_ids(target.num_hidden_layers, 5)
+    heads = run.heads or target.num_attention_heads
+    kv_heads = target.num_key_value_heads if heads % target.num_key_value_heads == 0 else heads
+    return {
+        "architectures": ["DFlash2DraftModel"], "model_type": "qwen3", "hidden_size": target.hidden_size,
+        "intermediate_size": run.intermediate_size or target.intermediate_size, "num_hidden_layers": run.layers,
+        "num_attention_heads": heads, "num_key_value_heads": kv_heads, "head_dim": target.head_dim,
+        "vocab_size": target.vocab_size, "rms_norm_eps": target.rms_norm_eps, "rope_theta": target.rope_theta,
+        "max_position_embeddings": target.max_position_embeddings, "sliding_window": run.window,
+        "use_sliding_window": True, "layer_types": ["sliding_attention"] * run.layers, "is_causal": False,
+        "attention_bias": False, "hidden_act": "silu", "tie_word_embeddings": False,
+        "num_target_layers": target.num_hidden_layers,
+        "dflash_config": {"block_size": run.block_size, "mask_token_id": mask_token_id,
+                          "target_layer_ids": layer_ids, "conv_kernel_size": 2, "conv_group_size": 16,
+                          "selector_rank": run.selector_rank, "selector_top_k": run.selector_top_k}}
+
+
+def mask_token(tokenizer, vocab_size: int) -> int:
+    """A token the drafter embeds as 'to be predicted': an end-of-text special token when the tokenizer has one."""
+    for name in ("<|endoftext|>", "<|fim_pad|>", "<|im_end|>"):
+        token = tokenizer.token_id(name)
+        if token is not None and token < vocab_size:
+            return token
+    return vocab_size - 1
+
+
+def sample_blocks(features, tokens, labels, count: int, block: int, window: int, mask_id: int, rng):
+    """`count` anchor blocks of one sequence: (context features [n, L, F], its validity [n, L], block ids [n, block],
+    positions [n, L + block], labels [n, block - 1], anchor positions [n])."""
+    length = tokens.shape[0]
+    anchors = torch.tensor(sorted(rng.sample(range(1, length - block + 2), min(count, length - block + 1))))
+    context = int(min(window - 1, anchors.max()))  # the block's first row sees window - 1 earlier positions
+    offsets = torch.arange(-context, 0)
+    source = anchors[:, None] + offsets[None, :]
+    valid = source >= 0
+    ctx = features[source.clamp_min(0)]
+    ids = torch.full((anchors.shape[0], block), mask_id, dtype=torch.long)
+    ids[:, 0] = tokens[anchors]
+    positions = torch.cat([source, anchors[:, None] + torch.arange(block)[None, :]], dim=1).clamp_min(0)
+    targets = labels[anchors[:, None] + torch.arange(block - 1)[None, :]]
+    return ctx, valid, ids, positions, targets, anchors
+
+
+def attention_mask(valid: torch.Tensor, block: int, window: int) -> torch.Tensor:
+    """Bool [n, 1, block, L + block]: block row i (position a + i) sees context row j (position a - L + j) when it
+    holds a real position inside the window, and every row of its own block (DFlash2's block is not causal)."""
+    n, context = valid.shape
+    distance = torch.arange(block)[:, None] + context - torch.arange(context)[None, :]
+    sees_context = valid[:, None, :] & (distance < window)[None]
+    return torch.cat([sees_context, torch.ones(n, block, block, dtype=torch.bool)], dim=-1)[:, None]
+
+
+def block_losses(model, head, embed, batch, decay: float):
+    """(block cross-entropy, selector cross-entropy, per-row accuracy [block - 1]) of one batch of anchor blocks."""
+    ctx, valid, ids, positions, targets, _ = batch
+    block = ids.shape[1]
+    noise = embed(ids) * float(model.config.dflash_config.get("input_embedding_scale", 1.0))
+    mask = attention_mask(valid, block, model.config.sliding_window).to(ctx.device)
+    hidden = model(target_hidden=ctx, noise_embedding=noise, position_ids=positions, attention_mask=mask)[:, 1:]
+    logits = model.compute_logits(hidden, head).float()
+    weights = torch.exp(-torch.arange(block - 1, device=ctx.device) / decay)
+    weights = weights / weights.sum()
+    row_ce = F.cross_entropy(logits.transpose(1, 2), targets, reduction="none").mean(0)
+    selector = model.candidate_selector
+    unary, candidates = torch.topk(logits, selector.top_k, dim=-1)
+    previous = torch.cat([ids[:, :1], targets[:, :-1]], dim=1)
+    query = selector.predecessor_codebook(previous) * selector.hidden_projection(hidden)
+    scores = unary + torch.einsum("nbr,nbkr->nbk", query.float(), selector.successor_codebook(candidates).float())
+    hit = candidates == targets[..., None]
+    present = hit.any(-1)
+    picked = F.cross_entropy(scores.transpose(1, 2), hit.float().argmax(-1), reduction="none") * present
+    selector_ce = picked.sum(0) / present.sum(0).clamp_min(1)
+    accuracy = (logits.argmax(-1) == targets).float().mean(0)
+    return (weights * row_ce).sum(), (weights * selector_ce).sum(), accuracy
+
+
+def new_drafter(config: dict, seed: int, device, dtype):
+    """dflash's DFlash2DraftModel with initial weights: Qwen3's init, the convolutions starting as the identity."""
+    try:
+        from dflash.model import DFlash2DraftModel
+        from transformers import Qwen3Config
+    except ImportError:
+        raise BlockspecError("train-drafter needs the 'train' extra: pip install 'blockspec[train]'") from None
+    torch.manual_seed(seed)
+    model = DFlash2DraftModel(Qwen3Config(**config))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("base_kernel"):
+                p.zero_()
+                p[:, 0] = 1.0  # tap 0 is the row itself: the convolution starts as the identity
+            elif name.endswith("kernel_projection.weight"):
+                p.zero_()
+    return model.to(device=device, dtype=dtype)
+
+
+def dflash2_step(drafter, model, features, sequences, run, mask_id: int):
+    """step_loss for the Trainer: one training sequence through the frozen target, then a batch of its anchor
+    blocks through the drafter."""
+    per_step = max(1, run.batch_tokens // run.block_size)
+    device = model.embed_tokens.weight.device
+
+    def step_loss(rng):
+        sequence = torch.tensor(sequences[rng.randrange(len(sequences))], device=device)
+        feats, labels = features(sequence)
+        batch = sample_blocks(feats.cpu(), sequence.cpu(), labels.cpu(), per_step, run.block_size, run.window,
+                              mask_id, rng)
+        batch = tuple(t.to(device) for t in batch)
+        block_ce, selector_ce, accuracy = block_losses(drafter, model.logits, model.embed,
+                                                       (batch[0].to(feats.dtype),) + batch[1:], run.loss_decay)
+        figures = {"block_ce": block_ce.item(), "selector_ce": selector_ce.item(),
+                   "first_row_accuracy": accuracy[0].item()}
+        return block_ce + selector_ce, figures, batch[2].numel()
+    return step_loss

@@ -1,0 +1,151 @@
+"""`train-drafter --kind mtp`: the native MTP head of a target, trained on the target's own greedy choices.
+
+MTP row p reads the embedding of token p + 1 and the target's final-normed hidden state at p, and predicts the
+target's token for p + 2 (its argmax at p + 1, teacher-forced on the text, as for the DFlash2 drafter). All rows of a
+sequence train at once under a causal mask. The trainable module is built from `transformers`' Qwen3.5 decoder
+layer (the reference blockspec's own layers are tested against), with the checkpoint's `mtp.*` names, so the head
+it writes into a copy of the target checkpoint is what blockspec's MTP mode loads.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..errors import BlockspecError
+
+MTP_FILE = "mtp.safetensors"
+
+
+def text_config(target_dir: Path):
+    """transformers' Qwen3_5TextConfig of the target, made for one full-attention layer (the MTP layer)."""
+    try:
+        from transformers import Qwen3_5TextConfig
+    except ImportError:
+        raise BlockspecError("train-drafter needs the 'train' extra: pip install 'blockspec[train]'") from None
+    raw = json.loads((target_dir / "config.json").read_text())
+    text = dict(raw.get("text_config", raw) if raw.get("model_type") == "qwen3_5" else raw)
+    for key in ("architectures", "model_type", "transformers_version", "auto_map", "quantization_config"):
+        text.pop(key, None)
+    text.update(num_hidden_layers=1, layer_types=["full_attention"])
+    config = Qwen3_5TextConfig(**text)
+    config._attn_implementation = "sdpa"
+    return config
+
+
+class MTPModule(nn.Module):
+    """The MTP head for training; parameter names as in the checkpoint (minus `mtp.`)."""
+
+    def __init__(self, config, seed: int = 0):
+        from transformers.models.qwen3_5.modeling_qwen3_5 import (Qwen3_5DecoderLayer, Qwen3_5RMSNorm,
+                                                                  Qwen3_5TextRotaryEmbedding)
+        super().__init__()
+        h, eps = config.hidden_size, config.rms_norm_eps
+        torch.manual_seed(seed)
+        self.pre_fc_norm_embedding = Qwen3_5RMSNorm(h, eps=eps)
+        self.pre_fc_norm_hidden = Qwen3_5RMSNorm(h, eps=eps)
+        self.fc = nn.Linear(2 * h, h, bias=False)
+        self.layers = nn.ModuleList([Qwen3_5DecoderLayer(config, 0)])
+        self.norm = Qwen3_5RMSNorm(h, eps=eps)
+        self.rotary = Qwen3_5TextRotaryEmbedding(config)
+        with torch.no_grad():
+            for name, p in self.named_parameters():
+                if p.dim() == 2:
+                    p.normal_(0.0, 0.02)
+                else:
+                    p.zero_()  # zero-centred norms: scale 1
+
+    def forward(self, embedded: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """embedded, hidden [B, T, h] (hidden final-normed), positions [B, T] -> final-normed outputs [B, T, h]."""
+        x = self.fc(torch.cat([self.pre_fc_norm_embedding(embedded), self.pre_fc_norm_hidden(hidden)], dim=-1))
+        rope = self.rotary(x, positions)
+        for layer in self.layers:
+            x = layer(x, position_embeddings=rope, attention_mask=None, position_ids=positions)
+        return self.norm(x)
+
+    def checkpoint_tensors(self, dtype) -> dict[str, torch.Tensor]:
+        return {"mtp." + k: v.detach().to(dtype).contiguous() for k, v in self.state_dict().items()}
+
+
+def copy_target(source: Path, out: Path) -> torch.dtype:
+    """Copy the target checkpoint to `out` without any MTP head it has (shards holding mtp.* tensors are written
+    again without them), declare one MTP layer in its config; returns the dtype its weights are stored in."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    out.mkdir(parents=True, exist_ok=True)
+    dtype = torch.bfloat16
+    for path in sorted(source.iterdir()):
+        if not path.is_file() or path.name in (MTP_FILE, "training_state.pt", "training.json"):
+            continue
+        if path.suffix != ".safetensors":
+            shutil.copy2(path, out / path.name)
+            continue
+        with safe_open(str(path), framework="pt") as f:
+            names = list(f.keys())
+            kept = [n for n in names if not n.startswith("mtp.")]
+            embedding = next((n for n in names if n.endswith("embed_tokens.weight")), None)
+            if embedding is not None:  # the head is stored like the target's weights
+                dtype = f.get_slice(embedding).get_dtype()
+            if len(kept) == len(names):
+                shutil.copy2(path, out / path.name)
+            else:
+                save_file({n: f.get_tensor(n) for n in kept}, str(out / path.name), metadata=f.metadata())
+    config = json.loads((out / "config.json").read_text())
+    text = config.get("text_config", config) if config.get("model_type") == "qwen3_5" else config
+    text["mtp_num_hidden_layers"] = 1
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    index = out / "model.safetensors.index.json"
+    if index.exists():
+        raw = json.loads(index.read_text())
+        raw["weight_map"] = {k: v for k, v in raw["weight_map"].items() if not k.startswith("mtp.")}
+        index.write_text(json.dumps(raw, indent=2))
+    if isinstance(dtype, str):  # safetensors names it: "F32", "BF16", "F16"
+        dtype = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}.get(dtype, torch.bfloat16)
+    return dtype
+
+
+def save_head(head: MTPModule, out: Path, dtype: torch.dtype):
+    """The head's tensors into the copy (its own file, listed in the index when the copy has one)."""
+    from safetensors.torch import save_file
+
+    tensors = head.checkpoint_tensors(dtype)
+    save_file(tensors, str(out / (MTP_FILE + ".tmp")), metadata={"format": "pt"})
+    (out / (MTP_FILE + ".tmp")).replace(out / MTP_FILE)
+    index = out / "model.safetensors.index.json"
+    if index.exists():
+        raw = json.loads(index.read_text())
+        raw["weight_map"].update({name: MTP_FILE for name in tensors})
+        index.write_text(json.dumps(raw, indent=2))
+
+
+def mtp_step(head: MTPModule, model, target, sequences, batch_tokens: int):
+    """step_loss for the Trainer: a few training sequences through the frozen target, then every MTP row of them
+    (row p: embedding of token p + 1, target hidden p; label: the target's argmax at p + 1)."""
+    device = model.embed_tokens.weight.device
+    per_step = max(1, batch_tokens // len(sequences[0]))
+
+    def step_loss(rng):
+        embedded, hidden, labels = [], [], []
+        for _ in range(per_step):
+            sequence = torch.tensor(sequences[rng.randrange(len(sequences))], device=device)
+            with torch.no_grad():
+                target.state.reset()
+                out = target.forward(sequence)
+                target.state.discard()
+                normed = model.norm(out.hidden)
+            embedded.append(model.embed(sequence[1:-1]))
+            hidden.append(normed[:-2])
+            labels.append(out.logits.argmax(-1)[1:-1])
+        embedded, hidden, labels = torch.stack(embedded), torch.stack(hidden), torch.stack(labels)
+        positions = torch.arange(embedded.shape[1], device=device)[None].expand(embedded.shape[0], -1)
+        logits = model.logits(head(embedded.to(hidden.dtype), hidden, positions)).float()
+        loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten())
+        accuracy = (logits.argmax(-1) == labels).float().mean()
+        return loss, {"accuracy": accuracy.item()}, labels.numel()
+    return step_loss

@@ -1,0 +1,176 @@
+"""Running `blockspec train-drafter`: checks, the frozen target and the text, the kind's training loop, the
+end-of-run evaluation. The kinds: `dflash2` (train/dflash2.py) and `mtp` (train/mtp.py); the shared optimisation:
+train/loop.py."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..checkpoint import load_target
+from ..config import TargetConfig
+from ..engine.state import DecodeState
+from ..engine.target import EagerTarget
+from ..errors import BlockspecError
+from ..tokenizer import Tokenizer
+from .data import split_corpus
+from .loop import STATE_FILE, Trainer
+
+
+@dataclass
+class DrafterTraining:
+    """One training run: the `train-drafter` flags (see blockspec/cli.py for their meaning)."""
+
+    target: str
+    data: list[str]
+    out: str
+    kind: str = "dflash2"                       # or "mtp": the target's native MTP head
+    layers: int = 1
+    block_size: int = 8
+    window: int = 2048
+    target_layer_ids: list[int] | None = None  # None: spread evenly over the target's depth
+    heads: int | None = None                    # None: the target's attention heads (and its kv heads, head_dim)
+    intermediate_size: int | None = None        # None: the target's
+    selector_rank: int = 256
+    selector_top_k: int = 16
+    steps: int = 1000
+    tokens: int | None = None                   # stop after this many anchor-block tokens instead of `steps`
+    lr: float = 6e-4
+    batch_tokens: int = 4096                    # block rows per step (anchors = batch_tokens / block_size)
+    seq_len: int = 2048
+    loss_decay: float = 4.0
+    heldout: float = 0.05
+    checkpoint_every: int = 200
+    eval_cuts: int = 200
+    seed: int = 0
+    resume: bool = False
+    device: str = "auto"
+
+
+def check_run(run: DrafterTraining) -> TargetConfig:
+    """Refuse, in one line and before any work, what cannot be trained."""
+    target = TargetConfig.from_file(Path(run.target) / "config.json")
+    checks = [
+        (run.kind not in ("dflash2", "mtp"), f"--kind must be dflash2 or mtp (got {run.kind!r})"),
+        (run.kind == "mtp" and Path(run.out).resolve() == Path(run.target).resolve(),
+         "--out must not be the target directory (the MTP head is written into a copy of it)"),
+        (run.layers < 1, f"--layers must be at least 1 (got {run.layers})"),
+        (not 2 <= run.block_size <= 16, f"--block-size must be 2..16 (got {run.block_size})"),
+        (run.window < run.block_size, f"--window {run.window} is shorter than the block ({run.block_size})"),
+        (run.steps < 1 or (run.tokens is not None and run.tokens < 1), "--steps and --tokens must be at least 1"),
+        (run.batch_tokens < run.block_size, f"--batch-tokens must hold one block ({run.block_size} tokens)"),
+        (run.seq_len < 2 * run.block_size, f"--seq-len must be at least twice the block ({2 * run.block_size})"),
+        (not run.lr > 0, f"--lr must be positive (got {run.lr})"),
+        (not 0 <= run.heldout < 1, f"--heldout must be in [0, 1) (got {run.heldout})"),
+        (run.kind == "dflash2" and target.hidden_size % 16 != 0, f"target hidden_size {target.hidden_size} is not a multiple of 16 "
+                                       "(the drafter's convolution groups)"),
+        (run.heads is not None and run.heads < 1, f"--heads must be at least 1 (got {run.heads})"),
+        (run.selector_top_k > target.vocab_size, f"--selector-top-k {run.selector_top_k} exceeds the vocabulary"),
+    ]
+    for bad, why in checks:
+        if bad:
+            raise BlockspecError(why)
+    bad_ids = [i for i in run.target_layer_ids or [] if not 0 <= i < target.num_hidden_layers]
+    if bad_ids:
+        raise BlockspecError(f"--target-layer-ids {run.target_layer_ids}: layer {bad_ids[0]} is outside the target's "
+                             f"{target.num_hidden_layers} layers (0..{target.num_hidden_layers - 1})")
+    out = Path(run.out)
+    if out.exists() and not out.is_dir():
+        raise BlockspecError(f"--out {out} exists and is not a directory")
+    if run.resume and not (out / STATE_FILE).is_file():
+        raise BlockspecError(f"--resume: {out / STATE_FILE} does not exist (nothing to resume)")
+    if not run.resume and out.is_dir() and any(out.iterdir()):
+        raise BlockspecError(f"--out {out} is not empty: choose a new directory or pass --resume")
+    return target
+
+
+class TargetFeatures:
+    """The frozen target run over whole sequences: the captured layers' outputs and its greedy labels."""
+
+    def __init__(self, model, layer_ids, seq_len: int, device, dtype):
+        self.state = DecodeState(model, seq_len, 16, device, dtype)
+        self.target = EagerTarget(model, self.state, layer_ids)
+
+    @torch.no_grad()
+    def __call__(self, ids: torch.Tensor):
+        self.state.reset()
+        out = self.target.forward(ids)
+        self.state.discard()
+        return out.features, out.logits.argmax(-1)  # argmax[p]: the target's token for position p + 1
+
+
+def train(run: DrafterTraining, log=print) -> dict:
+    """Train, checkpoint, evaluate; returns the summary (also written to OUT/training.json)."""
+    target_config = check_run(run)
+    from ..engine.engine import resolve_device
+
+    device = resolve_device(run.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    tokenizer = Tokenizer(run.target, target_config.eos_token_ids)
+    eos = min(tokenizer.eos_token_ids) if tokenizer.eos_token_ids else None
+    sequences, heldout = split_corpus(run.data, tokenizer, run.seq_len, run.heldout, run.seed, eos)
+    model, _ = load_target(run.target, device, dtype)
+    out = Path(run.out)
+    if run.kind == "dflash2":
+        from .dflash2 import dflash2_step, drafter_config, mask_token, new_drafter
+
+        config = drafter_config(target_config, run, mask_token(tokenizer, target_config.vocab_size))
+        layer_ids = config["dflash_config"]["target_layer_ids"]
+        module = new_drafter(config, run.seed, device, torch.float32)  # fp32 master weights; autocast runs bf16
+        features = TargetFeatures(model, layer_ids, run.seq_len, device, dtype)
+        step_loss = dflash2_step(module, model, features, sequences, run, config["dflash_config"]["mask_token_id"])
+        save, rows = module.save_pretrained, max(1, run.batch_tokens // run.block_size) * run.block_size
+        what = f"DFlash2 drafter reading target layers {layer_ids}"
+    else:
+        from .mtp import MTPModule, copy_target, mtp_step, save_head, text_config
+
+        module = MTPModule(text_config(Path(run.target)), run.seed).to(device)
+        stored = copy_target(Path(run.target), out)  # again on --resume: the copy's files are rewritten as they were
+        target = EagerTarget(model, DecodeState(model, run.seq_len, 16, device, dtype))
+        step_loss = mtp_step(module, model, target, sequences, run.batch_tokens)
+        save, rows = (lambda directory: save_head(module, directory, stored)), \
+            max(1, run.batch_tokens // run.seq_len) * (run.seq_len - 2)
+        what = "MTP head"
+    trainer = Trainer(module, out, run.lr, device, save, run.checkpoint_every, run.seed)
+    if run.resume:
+        trainer.resume()
+    steps = run.steps if run.tokens is None else math.ceil(run.tokens / rows)
+    log(f"train-drafter: {len(sequences)} training / {len(heldout)} held-out sequences of {run.seq_len} tokens; "
+        f"{sum(p.numel() for p in module.parameters()) / 1e6:.1f}M parameters of a {what}; {steps} steps of "
+        f"{rows} tokens on {device}")
+    summary = {"kind": run.kind, "steps": steps, "training_tokens_per_s": round(trainer.fit(steps, step_loss), 1)}
+    summary["history"] = trainer.history
+    if run.eval_cuts and heldout:
+        summary["evaluation"] = one_cycle_acceptance(run.target if run.kind == "dflash2" else out, out, heldout,
+                                                     run.eval_cuts, run.block_size, run.seed, str(device), run.kind)
+        log(f"held-out: mean accepted length {summary['evaluation']['mean_accepted_length']:.3f} per cycle over "
+            f"{summary['evaluation']['cuts']} contexts")
+    (out / "training.json").write_text(json.dumps({k: v for k, v in summary.items() if k != "history"}, indent=2))
+    return summary
+
+
+def one_cycle_acceptance(target: str | Path, drafter: str | Path, sequences: list[list[int]], cuts: int, block: int,
+                         seed: int, device: str = "auto", mode: str = "dflash2") -> dict:
+    """One speculative cycle from each of `cuts` real prefixes (random cut points of held-out sequences): prefill
+    the prefix, propose a full block (DFlash2) or chain the MTP drafts, verify. Returns the mean accepted length
+    (accepted + 1) and its histogram."""
+    from ..engine.engine import Engine
+
+    engine = Engine.load(target, mode=mode, dflash2_model=str(drafter) if mode == "dflash2" else None, device=device,
+                         compute_dtype="float32" if device == "cpu" else "bfloat16",
+                         context_length=max(len(s) for s in sequences) + 2 * block)
+    emitted = engine.proposer.max_proposals + 1
+    rng = random.Random(seed)
+    lengths = []
+    for _ in range(cuts):
+        sequence = sequences[rng.randrange(len(sequences))]
+        cut = rng.randrange(1, len(sequence))
+        stats = engine.generate(sequence[:cut], emitted + 1, stop_at_eos=False).stats
+        lengths.append(stats["accepted_per_cycle"][0] + 1)
+    return {"cuts": len(lengths), "mean_accepted_length": round(sum(lengths) / len(lengths), 4),
+            "histogram": {n: lengths.count(n) for n in sorted(set(lengths))}}
