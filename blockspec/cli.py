@@ -174,6 +174,40 @@ def add_train_drafter_parser(sub):
     p.set_defaults(func=cmd_train_drafter)
 
 
+def cmd_train_target(args):
+    from .train.target import TargetTraining, train_target
+
+    train_target(TargetTraining(**{k: v for k, v in vars(args).items()
+                                   if k in TargetTraining.__dataclass_fields__ and v is not None}))
+
+
+def add_train_target_parser(sub):
+    from .train.target import TargetTraining as T
+
+    p = sub.add_parser("train-target", help="train a small Qwen3.5-architecture target (and its tokenizer) from "
+                       "scratch on your text", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--data", required=True, nargs="+", help="text files or directories of them")
+    p.add_argument("--suffixes", nargs="+", help="file suffixes taken from directories (default: common text and "
+                   "source suffixes)")
+    p.add_argument("--out", required=True, help="checkpoint directory to write")
+    p.add_argument("--vocab", type=int, default=T.vocab, help="byte-level BPE vocabulary size")
+    p.add_argument("--hidden", type=int, default=T.hidden, help="hidden size")
+    p.add_argument("--layers", type=int, default=T.layers, help="layers (a multiple of 4: 3 DeltaNet + 1 attention)")
+    p.add_argument("--heads", type=int, default=T.heads, help="attention heads (2 key/value heads)")
+    p.add_argument("--intermediate", type=int, default=T.intermediate, help="MLP width")
+    p.add_argument("--seq-len", type=int, default=T.seq_len, help="tokens per training sequence")
+    p.add_argument("--batch-tokens", type=int, default=T.batch_tokens, help="tokens per step")
+    p.add_argument("--steps", type=int, default=T.steps, help="optimizer steps")
+    p.add_argument("--tokens", type=int, help="train on this many tokens instead of --steps")
+    p.add_argument("--lr", type=float, default=T.lr, help="peak learning rate (linear warm-up, cosine decay)")
+    p.add_argument("--heldout", type=float, default=T.heldout, help="share of the texts held out for evaluation")
+    p.add_argument("--checkpoint-every", type=int, default=T.checkpoint_every, help="steps between checkpoints")
+    p.add_argument("--seed", type=int, default=T.seed, help="seed of tokenizer order, sampling and initialisation")
+    p.add_argument("--resume", action="store_true", help="continue the run saved in --out")
+    p.add_argument("--device", choices=["cpu", "cuda", "auto"], default=T.device, help="auto: the GPU if there is one")
+    p.set_defaults(func=cmd_train_target)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineParser(prog="blockspec", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
@@ -201,6 +235,7 @@ def build_parser() -> argparse.ArgumentParser:
     vocab.set_defaults(func=cmd_draft_vocabulary)
 
     add_train_drafter_parser(sub)
+    add_train_target_parser(sub)
 
     chat = sub.add_parser("chat", help="interactive chat in the terminal (chat template, streamed replies)")
     add_engine_args(chat)

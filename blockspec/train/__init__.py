@@ -1,1 +1,2 @@
-"""Training what blockspec decodes with: DFlash2 drafters for a target (`blockspec train-drafter`)."""
+"""Training what blockspec decodes with: a small target from scratch (`blockspec train-target`), DFlash2
+drafters and MTP heads for a target (`blockspec train-drafter`)."""

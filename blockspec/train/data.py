@@ -12,21 +12,21 @@ TEXT_SUFFIXES = {".txt", ".md", ".py", ".rst", ".json", ".jsonl", ".c", ".h", ".
                  ".java", ".sh", ".toml", ".yaml", ".yml", ".html", ".css", ".tex"}
 
 
-def text_files(paths: list[str]) -> list[Path]:
-    """Every text file the paths name (a directory: the files under it with a text suffix), sorted, deduplicated;
-    a missing path, or paths that hold no text file, refused in one line."""
+def text_files(paths: list[str], suffixes=None) -> list[Path]:
+    """Every text file the paths name (a directory: the files under it with one of `suffixes`, default
+    TEXT_SUFFIXES), sorted; a missing path, or paths that hold no text file, refused in one line."""
+    suffixes = set(suffixes or TEXT_SUFFIXES)
     files = set()
     for name in paths:
         path = Path(name)
         if path.is_file():
             files.add(path.resolve())
         elif path.is_dir():
-            files |= {p.resolve() for p in path.rglob("*") if p.is_file() and p.suffix in TEXT_SUFFIXES}
+            files |= {p.resolve() for p in path.rglob("*") if p.is_file() and p.suffix in suffixes}
         else:
             raise BlockspecError(f"--data {name}: no such file or directory")
     if not files:
-        raise BlockspecError(f"--data {' '.join(paths)}: no text files found (suffixes: "
-                             f"{', '.join(sorted(TEXT_SUFFIXES))})")
+        raise BlockspecError(f"--data {' '.join(paths)}: no text files found (suffixes: {', '.join(sorted(suffixes))})")
     return sorted(files)
 
 

@@ -1,4 +1,4 @@
-"""`blockspec train-drafter` on a tiny target: a few steps lower the loss, the drafter it writes loads in blockspec
+"""`blockspec train-drafter` and `train-target` on tiny targets: a few steps lower the loss, the drafter it writes loads in blockspec
 and in the `dflash` reference with identical proposals, speculative output stays plain greedy's, resume continues,
 and bad input is refused in one line before any training."""
 
@@ -189,3 +189,30 @@ def test_mtp_training_module_equals_blockspec_mtp_head(trained_mtp):
         theirs = module(model.embed(next_tokens)[None], hidden[None, :-1], torch.arange(len(next_tokens))[None])[0]
     assert (model.logits(ours) - model.logits(theirs)).abs().max() <= 1e-4
 
+
+
+def test_train_target_writes_a_checkpoint_blockspec_and_transformers_agree_on(tmp_path, capsys):
+    from transformers import Qwen3_5ForCausalLM
+
+    data = tmp_path / "src"
+    data.mkdir()
+    rng = random.Random(1)
+    for i in range(6):
+        (data / f"m{i}.py").write_text("\n".join(" ".join(rng.choice(WORDS) for _ in range(8)) for _ in range(40)))
+    (data / "notes.txt").write_text("not python: skipped by --suffixes .py")
+    assert main(["train-target", "--data", str(data), "--suffixes", ".py", "--out", str(tmp_path / "t"), "--vocab",
+                 "300", "--hidden", "64", "--layers", "4", "--heads", "2", "--intermediate", "128", "--seq-len", "32",
+                 "--batch-tokens", "128", "--steps", "8", "--lr", "3e-3", "--heldout", "0.2", "--device", "cpu"]) == 0
+    summary = __import__("json").loads((tmp_path / "t" / "training.json").read_text())
+    assert summary["vocab"] <= 300 and summary["heldout_bits_per_token"] > 0
+    engine = Engine.load(tmp_path / "t", device="cpu", compute_dtype="float32")
+    reference_model = Qwen3_5ForCausalLM.from_pretrained(tmp_path / "t").eval()
+    ids = torch.tensor(engine.tokenizer.encode("the quick brown fox"))
+    with torch.no_grad():
+        expected = reference_model(input_ids=ids[None]).logits[0]
+    engine.state.reset()
+    ours = run_pass(engine.model, engine.state, ids).logits
+    engine.state.discard()
+    assert (ours - expected).abs().max() <= 1e-4 * max(1.0, float(expected.abs().max()))
+    assert main(["train-target", "--data", str(data), "--out", str(tmp_path / "t"), "--device", "cpu"]) == 2
+    assert "is not empty" in capsys.readouterr().err

@@ -1,0 +1,178 @@
+"""`blockspec train-target`: a small target of the real hybrid architecture trained from scratch on the user's text,
+for trying blockspec with real (if small) weights: Gated DeltaNet and gated attention layers in the 3:1 pattern,
+partial RoPE, tied embeddings, one MTP layer declared (train it afterwards with `train-drafter --kind mtp`).
+
+The tokenizer is a byte-level BPE trained on the same text (`tokenizers`), with the chat special tokens. The model is
+`transformers`' Qwen3_5ForCausalLM (the reference blockspec's own layers are tested against); its DeltaNet layers
+train through transformers' chunked PyTorch form when fla-core is not installed (fla-core's backward refuses to run on
+Hopper with Triton < 3.7.1). The output directory is an ordinary checkpoint: config.json, model.safetensors,
+tokenizer.json, tokenizer_config.json. Deterministic given the seed and the data; --resume continues a run.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..errors import BlockspecError
+from .data import read_texts, text_files
+from .loop import STATE_FILE, Trainer
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+
+@dataclass
+class TargetTraining:
+    """One run: the `train-target` flags (see blockspec/cli.py for their meaning)."""
+
+    data: list[str]
+    out: str
+    suffixes: list[str] | None = None  # of the files taken from directories (None: data.TEXT_SUFFIXES)
+    vocab: int = 8192
+    hidden: int = 512
+    layers: int = 8                 # a multiple of 4: three DeltaNet layers, then one attention layer
+    heads: int = 8                  # attention heads (head_dim = hidden / heads); 2 key/value heads
+    intermediate: int = 1536
+    seq_len: int = 1024
+    batch_tokens: int = 65536
+    steps: int = 2000
+    tokens: int | None = None
+    lr: float = 3e-3
+    heldout: float = 0.02
+    checkpoint_every: int = 200
+    seed: int = 0
+    resume: bool = False
+    device: str = "auto"
+
+
+def check_run(run: TargetTraining):
+    checks = [
+        (run.layers < 4 or run.layers % 4, f"--layers must be a positive multiple of 4 (got {run.layers})"),
+        (run.hidden % run.heads or (run.hidden // run.heads) % 4,
+         f"--hidden {run.hidden} must split into --heads {run.heads} heads of a multiple of 4"),
+        (run.heads % 2, f"--heads must be even (2 key/value heads; got {run.heads})"),
+        (run.hidden % 64, f"--hidden must be a multiple of 64 (got {run.hidden})"),
+        (run.vocab < 256 + len(SPECIAL_TOKENS), f"--vocab must hold the 256 bytes and the special tokens"),
+        (run.seq_len < 16 or run.batch_tokens < run.seq_len, "--seq-len must be >= 16 and <= --batch-tokens"),
+        (run.steps < 1 or (run.tokens is not None and run.tokens < 1), "--steps and --tokens must be at least 1"),
+        (not run.lr > 0, f"--lr must be positive (got {run.lr})"),
+    ]
+    for bad, why in checks:
+        if bad:
+            raise BlockspecError(why)
+    out = Path(run.out)
+    if out.exists() and not out.is_dir():
+        raise BlockspecError(f"--out {out} exists and is not a directory")
+    if run.resume and not (out / STATE_FILE).is_file():
+        raise BlockspecError(f"--resume: {out / STATE_FILE} does not exist (nothing to resume)")
+    if not run.resume and out.is_dir() and any(out.iterdir()):
+        raise BlockspecError(f"--out {out} is not empty: choose a new directory or pass --resume")
+
+
+def train_tokenizer(texts: list[str], vocab: int):
+    """A byte-level BPE of `vocab` ids over the texts (the 256 bytes always in it), plus the chat special tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=SPECIAL_TOKENS, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tokenizer.train_from_iterator(texts, trainer)
+    return tokenizer
+
+
+def model_config(run: TargetTraining, vocab: int, eos: int) -> dict:
+    head_dim = run.hidden // run.heads
+    return {
+        "architectures": ["Qwen3_5ForCausalLM"], "model_type": "qwen3_5_text", "vocab_size": vocab,
+        "hidden_size": run.hidden, "intermediate_size": run.intermediate, "num_hidden_layers": run.layers,
+        "num_attention_heads": run.heads, "num_key_value_heads": 2, "head_dim": head_dim,
+        "linear_num_key_heads": max(1, run.heads // 2), "linear_num_value_heads": run.heads,
+        "linear_key_head_dim": head_dim, "linear_value_head_dim": head_dim, "linear_conv_kernel_dim": 4,
+        "layer_types": ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(run.layers)],
+        "rms_norm_eps": 1e-6, "tie_word_embeddings": True, "mtp_num_hidden_layers": 1,
+        "max_position_embeddings": max(4096, 4 * run.seq_len), "eos_token_id": eos, "torch_dtype": "float32",
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25,
+                            "mrope_section": [head_dim // 16, head_dim // 32, head_dim // 32],
+                            "mrope_interleaved": True}}
+
+
+def train_target(run: TargetTraining, log=print) -> dict:
+    check_run(run)
+    try:
+        from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+    except ImportError:
+        raise BlockspecError("train-target needs the 'train' extra: pip install 'blockspec[train]'") from None
+    from ..engine.engine import resolve_device
+    from ..tiny import CHAT_TEMPLATE
+
+    device = resolve_device(run.device)
+    out = Path(run.out)
+    texts = read_texts(text_files(run.data, run.suffixes))
+    held = max(1, round(run.heldout * len(texts))) if run.heldout > 0 and len(texts) > 1 else 0
+    generator = torch.Generator().manual_seed(run.seed)
+    order = torch.randperm(len(texts), generator=generator).tolist()
+    train_texts, heldout_texts = [texts[i] for i in order[held:]], [texts[i] for i in order[:held]]
+    out.mkdir(parents=True, exist_ok=True)
+    if run.resume:
+        from tokenizers import Tokenizer
+
+        tokenizer = Tokenizer.from_file(str(out / "tokenizer.json"))
+    else:
+        tokenizer = train_tokenizer(train_texts, run.vocab)
+        tokenizer.save(str(out / "tokenizer.json"))
+        (out / "tokenizer_config.json").write_text(json.dumps(
+            {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "chat_template": CHAT_TEMPLATE}, indent=2))
+    vocab, eos, separator = tokenizer.get_vocab_size(), tokenizer.token_to_id("<|im_end|>"), \
+        tokenizer.token_to_id("<|endoftext|>")
+    config = model_config(run, vocab, eos)
+    stream = torch.tensor([t for text in train_texts for t in tokenizer.encode(text).ids + [separator]])
+    if stream.numel() < run.seq_len:
+        raise BlockspecError(f"--data: {stream.numel()} tokens of training text, fewer than one sequence "
+                             f"({run.seq_len})")
+    torch.manual_seed(run.seed)
+    model = Qwen3_5ForCausalLM(Qwen3_5TextConfig(**{k: v for k, v in config.items()
+                                                    if k not in ("architectures", "model_type")})).to(device)
+    rows = max(1, run.batch_tokens // run.seq_len)
+    stream = stream.to(device)
+
+    def step_loss(rng):
+        starts = [rng.randrange(stream.numel() - run.seq_len + 1) for _ in range(rows)]
+        batch = torch.stack([stream[s:s + run.seq_len] for s in starts])
+        loss = model(input_ids=batch, labels=batch).loss  # transformers shifts the labels
+        return loss, {"bits_per_token": loss.item() / math.log(2)}, rows * run.seq_len
+
+    def save(directory: Path):
+        model.save_pretrained(directory)
+        raw = json.loads((directory / "config.json").read_text())
+        raw.update({k: config[k] for k in ("mtp_num_hidden_layers", "eos_token_id", "layer_types")})
+        (directory / "config.json").write_text(json.dumps(raw, indent=2))
+
+    trainer = Trainer(model, out, run.lr, device, save, run.checkpoint_every, run.seed)
+    if run.resume:
+        trainer.resume()
+    steps = run.steps if run.tokens is None else math.ceil(run.tokens / (rows * run.seq_len))
+    log(f"train-target: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters, vocabulary {vocab}, "
+        f"{stream.numel() / 1e6:.1f}M training tokens from {len(train_texts)} texts ({len(heldout_texts)} held out); "
+        f"{steps} steps of {rows} x {run.seq_len} tokens on {device}")
+    summary = {"steps": steps, "training_tokens_per_s": round(trainer.fit(steps, step_loss), 1),
+               "parameters": sum(p.numel() for p in model.parameters()), "vocab": vocab}
+    summary["history"] = trainer.history
+    if heldout_texts:
+        summary["heldout_bits_per_token"] = heldout_loss(model, tokenizer, heldout_texts, run.seq_len, device)
+        log(f"held-out: {summary['heldout_bits_per_token']:.3f} bits per token")
+    (out / "training.json").write_text(json.dumps({k: v for k, v in summary.items() if k != "history"}, indent=2))
+    return summary
+
+
+@torch.no_grad()
+def heldout_loss(model, tokenizer, texts: list[str], seq_len: int, device) -> float:
+    ids = torch.tensor([t for text in texts for t in tokenizer.encode(text).ids], device=device)
+    windows = [ids[i:i + seq_len] for i in range(0, max(ids.numel() - seq_len, 0) + 1, seq_len)][:64]
+    losses = [model(input_ids=w[None], labels=w[None]).loss.item() for w in windows if w.numel() > 1]
+    return round(sum(losses) / len(losses) / math.log(2), 4)
