@@ -17,6 +17,9 @@
 #              configs only)
 #   profile    where a step / cycle goes, kernel tables (bench/profile_cycle.py $PROFILE_ARGS, e.g.
 #              "--modes none --quant int4 --vocab-quant int8 --pdl-level 0")
+#   train      training throughput: a small target (train-target) on the machine's installed packages' .py files,
+#              TARGET_STEPS steps, then a DFlash2 drafter and the MTP head for it (train-drafter, DRAFTER_STEPS
+#              each) on part of that code, with their held-out one-cycle acceptance (~5 minutes at the defaults)
 # Usage (device machine, repo root, wheels in .whl): PARTS="tests bf16 int4" bash bench/h200.sh  (writes to $OUT)
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"; export OUT=$(cd "$OUT" && pwd); LOG="$OUT/bench_log.txt"  # the benches' JSON too
@@ -49,6 +52,18 @@ for part in ${PARTS:-bf16 warm int4 vocab}; do
     norm) kernel_bench norm_kernel 40 norm_kernel ;;
     linear) kernel_bench linear_kernels 150 linear_kernels ${LINEAR_ARGS:-} ;;
     profile) kernel_bench profile_cycle ${PROFILE_S:-300} profile_cycle ${PROFILE_ARGS:-} ;;
+    train) SITE=$(python3 -c "import site; print(' '.join(site.getsitepackages()))")
+           CODE=$(python3 -c "import os, torch; print(os.path.dirname(torch.__file__))")  # held-out text: not stdlib
+           export TQDM_DISABLE=1
+           run ${TRAIN_S:-240} python3 -m blockspec.cli train-target --data $SITE --suffixes .py --out /tmp/bs-target \
+             --hidden 384 --layers 8 --heads 6 --intermediate 1024 --steps ${TARGET_STEPS:-60} --checkpoint-every 1000
+           cp /tmp/bs-target/training.json "$OUT/train_target.json"
+           run 150 python3 -m blockspec.cli train-drafter --target /tmp/bs-target --data $CODE --out /tmp/bs-drafter \
+             --layers 1 --window 1024 --seq-len 1024 --selector-rank 64 --steps ${DRAFTER_STEPS:-60} --eval-cuts 100
+           cp /tmp/bs-drafter/training.json "$OUT/train_drafter.json"
+           run 150 python3 -m blockspec.cli train-drafter --kind mtp --target /tmp/bs-target --data $CODE \
+             --out /tmp/bs-mtp --seq-len 1024 --batch-tokens 16384 --steps ${DRAFTER_STEPS:-60} --eval-cuts 100
+           cp /tmp/bs-mtp/training.json "$OUT/train_mtp.json" ;;
     *) echo "## unknown part $part" >> "$LOG" ;;
   esac
 done

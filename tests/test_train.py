@@ -1,6 +1,6 @@
-"""`blockspec train-drafter` and `train-target` on tiny targets: a few steps lower the loss, the drafter it writes loads in blockspec
-and in the `dflash` reference with identical proposals, speculative output stays plain greedy's, resume continues,
-and bad input is refused in one line before any training."""
+"""`blockspec train-drafter` and `train-target` on tiny targets: a few steps lower the loss, the drafter written
+loads in blockspec and in the `dflash` reference with identical proposals, speculative output stays plain greedy's,
+resume continues, and bad input is refused in one line before any training."""
 
 import random
 

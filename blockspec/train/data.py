@@ -50,8 +50,8 @@ def read_texts(files: list[Path]) -> list[str]:
 def sequences(texts: list[str], tokenizer, length: int, eos: int | None) -> list[list[int]]:
     """The texts' tokens, each text followed by `eos`, concatenated and cut into sequences of `length` tokens."""
     stream: list[int] = []
-    for text in texts:
-        stream += tokenizer.encode(text) + ([eos] if eos is not None else [])
+    for ids in tokenizer.encode_batch(texts):
+        stream += ids + ([eos] if eos is not None else [])
     return [stream[i:i + length] for i in range(0, len(stream) - length + 1, length)]
 
 

@@ -23,6 +23,7 @@ from .data import read_texts, text_files
 from .loop import STATE_FILE, Trainer
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+TOKENIZER_SAMPLE_BYTES = 64 << 20  # the BPE merges are learnt on this much of the text (more changes them little)
 
 
 @dataclass
@@ -82,7 +83,13 @@ def train_tokenizer(texts: list[str], vocab: int):
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=SPECIAL_TOKENS, show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tokenizer.train_from_iterator(texts, trainer)
+    sample, size = [], 0
+    for text in texts:
+        if size >= TOKENIZER_SAMPLE_BYTES:
+            break
+        sample.append(text)
+        size += len(text)
+    tokenizer.train_from_iterator(sample, trainer)
     return tokenizer
 
 
@@ -131,7 +138,7 @@ def train_target(run: TargetTraining, log=print) -> dict:
     vocab, eos, separator = tokenizer.get_vocab_size(), tokenizer.token_to_id("<|im_end|>"), \
         tokenizer.token_to_id("<|endoftext|>")
     config = model_config(run, vocab, eos)
-    stream = torch.tensor([t for text in train_texts for t in tokenizer.encode(text).ids + [separator]])
+    stream = torch.tensor([t for encoded in tokenizer.encode_batch(train_texts) for t in encoded.ids + [separator]])
     if stream.numel() < run.seq_len:
         raise BlockspecError(f"--data: {stream.numel()} tokens of training text, fewer than one sequence "
                              f"({run.seq_len})")
@@ -172,7 +179,7 @@ def train_target(run: TargetTraining, log=print) -> dict:
 
 @torch.no_grad()
 def heldout_loss(model, tokenizer, texts: list[str], seq_len: int, device) -> float:
-    ids = torch.tensor([t for text in texts for t in tokenizer.encode(text).ids], device=device)
+    ids = torch.tensor([t for encoded in tokenizer.encode_batch(texts) for t in encoded.ids], device=device)
     windows = [ids[i:i + seq_len] for i in range(0, max(ids.numel() - seq_len, 0) + 1, seq_len)][:64]
     losses = [model(input_ids=w[None], labels=w[None]).loss.item() for w in windows if w.numel() > 1]
     return round(sum(losses) / len(losses) / math.log(2), 4)
