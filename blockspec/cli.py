@@ -90,11 +90,19 @@ def cmd_chat(args):
 
 
 def cmd_serve(args):
-    from .server import serve  # fails with a one-line hint when the 'serve' extras are missing
+    if not 0 <= args.port <= 65535:
+        raise BlockspecError(f"--port must be between 0 and 65535 (got {args.port})")
+    if args.queue_size < 0:
+        raise BlockspecError(f"--queue-size must be 0 or more (got {args.queue_size})")
+    from .server import bind_socket, serve  # fails with a one-line hint when the 'serve' extras are missing
     from .engine.engine import Engine
 
     config = engine_config(args)
-    serve(Engine(config), host=args.host, port=args.port, queue_size=args.queue_size)
+    sock = bind_socket(args.host, args.port)  # a busy port is refused now, not after the model has loaded
+    try:
+        serve(Engine(config), host=args.host, port=args.port, queue_size=args.queue_size, sock=sock)
+    finally:
+        sock.close()
 
 
 def cmd_draft_vocabulary(args):
