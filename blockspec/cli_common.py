@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from .config import PredictConfig
 from .errors import BlockspecError
@@ -67,6 +68,31 @@ def engine_config(args) -> PredictConfig:
     if args.config:
         return PredictConfig.from_yaml(args.config, **overrides)
     return PredictConfig.build(overrides, source="command line")
+
+
+def check_output_path(flag: str, path: str) -> Path:
+    """Before long work, make sure a file can be written at `path`: missing parent folders are created; a folder,
+    or a place that cannot be written, is refused in one line naming the flag. Leaves no new file behind."""
+    path = Path(path)
+    if path.is_dir():
+        raise BlockspecError(f"{flag} {path}: is a folder; give a file name")
+    existing = next(folder for folder in [path.parent, *path.parent.parents] if folder.exists())
+    if not existing.is_dir():
+        raise BlockspecError(f"{flag} {path}: {existing} is a file, not a folder")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise BlockspecError(f"{flag} {path}: cannot create the folder {path.parent} "
+                             f"({exc.strerror or exc})") from None
+    existed = path.exists()
+    try:
+        with open(path, "a"):
+            pass
+    except OSError as exc:
+        raise BlockspecError(f"{flag} {path}: cannot write there ({exc.strerror or exc})") from None
+    if not existed:
+        path.unlink(missing_ok=True)
+    return path
 
 
 def stream_text(engine, tokens_iter, out=sys.stdout) -> list[int]:
