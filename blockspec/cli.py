@@ -182,8 +182,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     gen = sub.add_parser("generate", help="greedy generation from a prompt")
     add_engine_args(gen)
-    gen.add_argument("--prompt")
-    gen.add_argument("--prompt-ids", help="comma-separated token ids")
+    gen.add_argument("--prompt", metavar="TEXT", help="the prompt text (or --prompt-ids)")
+    gen.add_argument("--prompt-ids", metavar="IDS", help="the prompt as comma-separated token ids, e.g. 1,2,3")
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the checkpoint's chat template")
     gen.add_argument("--json", action="store_true", help="print one JSON object: tokens, text, stats")
     gen.set_defaults(func=cmd_generate)
@@ -201,22 +201,25 @@ def build_parser() -> argparse.ArgumentParser:
     demo.set_defaults(func=cmd_demo)
 
     vocab = sub.add_parser("draft-vocabulary", help="write the ids most frequent in your texts, for draft_vocabulary")
-    vocab.add_argument("--model", required=True, help="checkpoint directory (its tokenizer and config.json)")
-    vocab.add_argument("--texts", nargs="+", required=True, help="UTF-8 text files like your traffic")
-    vocab.add_argument("--size", type=int, default=32768, help="ids to keep (the EOS ids are added)")
-    vocab.add_argument("--out", required=True, help="JSON file to write (pass it as --draft-vocabulary)")
+    vocab.add_argument("--model", required=True, metavar="DIR",
+                       help="checkpoint directory (its tokenizer and config.json)")
+    vocab.add_argument("--texts", nargs="+", required=True, metavar="FILE", help="UTF-8 text files like your traffic")
+    vocab.add_argument("--size", type=int, default=32768, metavar="N", help="ids to keep (the EOS ids are added)")
+    vocab.add_argument("--out", required=True, metavar="FILE",
+                       help="JSON file to write (pass it as --draft-vocabulary)")
     vocab.set_defaults(func=cmd_draft_vocabulary)
 
     chat = sub.add_parser("chat", help="interactive chat in the terminal (chat template, streamed replies)")
     add_engine_args(chat)
-    chat.add_argument("--system", help="system prompt")
+    chat.add_argument("--system", metavar="TEXT", help="system prompt (default: none)")
     chat.set_defaults(func=cmd_chat)
 
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/chat/completions, /v1/completions)")
     add_engine_args(serve)
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--queue-size", type=int, default=8, help="requests that may wait for the engine (more: 429)")
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
+    serve.add_argument("--port", type=int, default=8000, help="TCP port to listen on (0: any free port)")
+    serve.add_argument("--queue-size", type=int, default=8, metavar="N",
+                       help="requests that may wait for the engine (more: HTTP 429)")
     serve.set_defaults(func=cmd_serve)
     return parser
 

@@ -153,6 +153,52 @@ def test_config_yaml_values_are_used(tiny, tmp_path):
     assert json.loads(out)["stats"]["generated"] == 5
 
 
+# ----------------------------------------------------------------------------------- parser: errors and help
+
+
+def test_parse_errors_have_one_prefix(capsys):
+    for argv, needle in [(["generate", "--mode", "fast"], "argument --mode: invalid choice: 'fast'"),
+                         ([], "the following arguments are required: command"),
+                         (["serve", "--port", "http"], "argument --port: invalid int value: 'http'")]:
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"blockspec: error: {needle}"), err
+        assert err.count("error") == 1 and err.count("\n") == 1, err  # one prefix, one line
+
+
+def test_every_option_has_help_and_shows_its_default():
+    import argparse
+
+    from blockspec.cli import build_parser
+    from blockspec.config import PredictConfig
+
+    parser = build_parser()
+    subparsers = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
+    assert {"generate", "demo", "bench", "chat", "serve", "draft-vocabulary"} <= set(subparsers)
+    from_config = {"device": "device", "dtype": "compute_dtype", "context_length": "context_length",
+                   "prefill_chunk_size": "prefill_chunk_size", "max_tokens": "max_tokens"}
+    missing, no_default = [], []
+    for name, sub in subparsers.items():
+        assert sub.format_help()  # every help string formats (no stray %)
+        formatter = sub._get_formatter()
+        for action in sub._actions:
+            if not action.option_strings:
+                continue
+            option = f"{name} {action.option_strings[-1]}"
+            if not (action.help or "").strip():
+                missing.append(option)
+                continue
+            shown = formatter._expand_help(action)
+            if action.default not in (None, False, argparse.SUPPRESS) and f"default: {action.default}" not in shown:
+                no_default.append(option)
+            # engine flags default to None (PredictConfig decides): their help names the config's default
+            if action.default is None and action.dest in from_config and name in ("generate", "chat", "serve"):
+                if f"default: {PredictConfig.model_fields[from_config[action.dest]].default}" not in shown:
+                    no_default.append(option)
+    assert missing == [], f"options without help: {missing}"
+    assert no_default == [], f"options whose help does not show the default: {no_default}"
+
+
 # ----------------------------------------------------------------------------------------- demo
 
 
