@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from .cli_common import add_weight_args, weight_overrides
+from .cli_common import add_weight_args, check_output_path, weight_overrides
 from .config import PredictConfig
 from .engine.decode import Proposer
 from .errors import BlockspecError
@@ -163,7 +163,17 @@ def run_fixture(engine, ids, args, trajectory, rate):
             for _ in range(args.repeats)]
 
 
-def bench(args) -> dict:
+RANDOM_ACCEPTANCE_NOTE = ("note: synthetic weights are random, so their speculative proposals are random too and "
+                          "acceptance is ~0; pass --forced-acceptance R to measure the cycle at a chosen acceptance")
+
+
+def check_arguments(args) -> tuple[list[str], list[dict], list[float] | None]:
+    """Everything the run needs from its flags, checked before any model work: modes, fixtures, forced rates, and
+    that the result files can be written (see cli_common.check_output_path) and drawn."""
+    if not args.synthetic and not args.model:
+        raise BlockspecError("give --model DIR or --synthetic PRESET")
+    if args.repeats < 1 or args.max_tokens < 1:
+        raise BlockspecError("--repeats and --max-tokens must be at least 1")
     modes = args.mode.split(",")
     fixtures = load_fixtures(args.fixtures, args.prompt)
     bad = [m for m in modes if m not in ("none", "mtp", "dflash2")]
@@ -172,6 +182,21 @@ def bench(args) -> dict:
     if args.forced_acceptance is not None and not args.synthetic:
         raise BlockspecError("--forced-acceptance needs --synthetic weights (it replaces real proposals)")
     rates = parse_rates(args.forced_acceptance, len(fixtures))
+    if args.png_out:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise BlockspecError("--png-out needs matplotlib, which is not installed: pip install 'blockspec[plot]'") \
+                from None
+    for flag, path in (("--json-out", args.json_out), ("--png-out", args.png_out)):
+        if path:
+            check_output_path(flag, path)
+    return modes, fixtures, rates
+
+
+def bench(args) -> dict:
+    """Run the benchmark and print its table as it goes: the label, a header, then one row per mode and fixture."""
+    modes, fixtures, rates = check_arguments(args)
     label = ("SYNTHETIC weights " + args.synthetic if args.synthetic else "model " + str(args.model)) + (
         ", FORCED acceptance " + "/".join(f"{r:.1%}" for r in rates) if rates else "")
     label += "".join(f", {k} {v}" for k, v in weight_overrides(args).items() if v not in (None, "none"))
@@ -197,6 +222,11 @@ def bench(args) -> dict:
             results["pdl_level"] = level  # programmatic dependent launch (kernels/pdl.py); 0 = off
             if level:
                 results["label"] += f", PDL level {level}"
+            print(results["label"])  # complete once the first engine is built: before the rows it describes
+            if args.synthetic and rates is None and any(m != "none" for m in modes):
+                results["note"] = RANDOM_ACCEPTANCE_NOTE
+                print(RANDOM_ACCEPTANCE_NOTE)
+            print(format_header(), flush=True)
         for fixture in fixtures:
             chat = [{"role": "user", "content": fixture["prompt"]}]
             ids = engine.tokenizer.encode(engine.tokenizer.chat_prompt(chat))
@@ -236,23 +266,40 @@ def summarize(mode, fixture, runs, results) -> dict:
     return row
 
 
+COLUMNS = [  # header, width, how a row's value is shown ("-" when the row has none)
+    ("mode", -8, lambda r: r["mode"]),
+    ("fixture", -12, lambda r: r["fixture"]),
+    ("tok/s", 9, lambda r: f"{r['decode_tokens_per_s']:.2f}"),
+    ("GB/s", 8, lambda r: f"{r['weight_gb_s']:.1f}"),
+    ("roofline", 9, lambda r: None if r["roofline_pct"] is None else f"{r['roofline_pct']:.1f}%"),
+    ("accept", 7, lambda r: None if r["acceptance_rate"] is None else f"{100 * r['acceptance_rate']:.1f}%"),
+    ("cycle ms", 9, lambda r: f"{r['cycle_ms']:.2f}" if r.get("cycle_vs_plain_step") else None),
+    ("x plain", 8, lambda r: f"{r['cycle_vs_plain_step']:.3f}" if r.get("cycle_vs_plain_step") else None),
+    ("generated", 10, lambda r: str(r["generated"])),
+    ("prefill s", 10, lambda r: f"{r['prefill_s']:.3f}"),
+]
+# tok/s: median decode tokens/s; GB/s: the weight bandwidth that speed implies (plain-step bytes x tokens/s);
+# roofline: % of the read bandwidth measured in the same run; accept: accepted / proposed; cycle ms, x plain: one
+# speculative cycle and its cost in plain decode steps
+
+
+def _cells(values) -> str:
+    return "  ".join(f"{v:<{-w}}" if w < 0 else f"{v:>{w}}" for v, (_, w, _) in zip(values, COLUMNS)).rstrip()
+
+
+def format_header() -> str:
+    return _cells([name for name, _, _ in COLUMNS])
+
+
 def format_row(row) -> str:
-    acc = "" if row["acceptance_rate"] is None else f"  acceptance {100 * row['acceptance_rate']:5.1f}%"
-    if row.get("cycle_vs_plain_step"):
-        acc += f"  cycle {row['cycle_ms']:.2f} ms = {row['cycle_vs_plain_step']:.3f}x plain step"
-    roof = "" if row["roofline_pct"] is None else f" ({row['roofline_pct']:.1f}% of measured read bandwidth)"
-    return (f"{row['mode']:8s} {row['fixture']:12s} {row['decode_tokens_per_s']:8.2f} tok/s  "
-            f"{row['weight_gb_s']:8.1f} GB/s{roof}{acc}  generated {row['generated']}  "
-            f"prefill {row['prefill_s']:.3f} s")
+    return _cells([(show(row) or "-") for _, _, show in COLUMNS])
 
 
 def draw_chart(results, path):
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return False
+    import matplotlib  # there: check_arguments refused --png-out without it
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
     fixtures = list(dict.fromkeys(r["fixture"] for r in results["rows"]))
     modes = list(dict.fromkeys(r["mode"] for r in results["rows"]))
     fig, ax = plt.subplots(figsize=(7, 4))
@@ -267,43 +314,66 @@ def draw_chart(results, path):
     ax.legend()
     fig.tight_layout()
     fig.savefig(path)
-    return True
+    plt.close(fig)
 
 
 def cmd_bench(args):
-    if not args.synthetic and not args.model:
-        raise BlockspecError("give --model DIR or --synthetic PRESET")
-    if args.repeats < 1 or args.max_tokens < 1:
-        raise BlockspecError("--repeats and --max-tokens must be at least 1")
     results = bench(args)
-    print(results["label"])
-    if args.json_out:
-        Path(args.json_out).write_text(json.dumps(results, indent=2))
-    if args.png_out and not draw_chart(results, args.png_out):
-        print("(matplotlib is not installed: no chart drawn)")
+    save_results(results, args)
     return results
+
+
+def save_results(results, args):
+    """Write --json-out and --png-out. Their paths were checked before the run; should a write still fail (a full
+    disk), the results are saved to a temporary file, named in the one-line error, rather than lost."""
+    saved = None
+    if args.json_out:
+        try:
+            Path(args.json_out).write_text(json.dumps(results, indent=2))
+            saved = args.json_out
+        except OSError as exc:
+            raise BlockspecError(f"--json-out {args.json_out}: {exc.strerror or exc}; the results were saved to "
+                                 f"{rescue(results)}") from None
+    if args.png_out:
+        try:
+            draw_chart(results, args.png_out)
+        except OSError as exc:
+            raise BlockspecError(f"--png-out {args.png_out}: {exc.strerror or exc}; the results are in "
+                                 f"{saved or rescue(results)}") from None
+
+
+def rescue(results) -> str:
+    handle, name = tempfile.mkstemp(prefix="blockspec-bench-", suffix=".json")
+    with open(handle, "w") as out:
+        out.write(json.dumps(results, indent=2))
+    return name
 
 
 def add_bench_parser(sub):
     p = sub.add_parser("bench", help="benchmark decoding modes on fixtures (tokens/s vs the roofline)")
-    p.add_argument("--model")
-    p.add_argument("--drafter")
-    p.add_argument("--synthetic", help="random weights with real shapes: qwen3.5-27b or tiny")
+    p.add_argument("--model", metavar="DIR", help="checkpoint directory (or --synthetic)")
+    p.add_argument("--drafter", metavar="DIR", help="DFlash2 drafter directory, for mode dflash2 (default: none)")
+    p.add_argument("--synthetic", metavar="PRESET", help="random weights with real shapes: qwen3.5-27b or tiny")
     p.add_argument("--mode", default="none", help="none, mtp, dflash2, or several comma-separated")
-    p.add_argument("--max-tokens", type=int, default=256)
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--context-length", type=int, default=4096)
-    p.add_argument("--prompt")
-    p.add_argument("--fixtures")
+    p.add_argument("--max-tokens", type=int, default=256, metavar="N", help="tokens generated per measured run")
+    p.add_argument("--repeats", type=int, default=3, metavar="R", help="measured runs per fixture (the median is "
+                   "reported)")
+    p.add_argument("--context-length", type=int, default=4096, metavar="N", help="tokens the KV cache holds")
+    p.add_argument("--prompt", metavar="TEXT", help="one prompt instead of the fixtures")
+    p.add_argument("--fixtures", metavar="FILE", help="JSON list of {\"name\", \"prompt\"} objects (default: the "
+                   "packaged code, English and translation prompts)")
     p.add_argument("--forced-acceptance", help="synthetic only: accepted fraction of proposals, one rate or one per "
                    "fixture, e.g. 0.553,0.297,0.516 (the published DFlash2 rates for code, English, translation)")
-    p.add_argument("--device", choices=["cpu", "cuda", "auto"], default="auto")
-    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="bfloat16")
+    p.add_argument("--device", choices=["cpu", "cuda", "auto"], default="auto", help="where to run; auto: cuda when "
+                   "available")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="bfloat16", help="compute dtype")
     p.add_argument("--compile-mode", type=int, choices=[-1, 0], default=None,
                    help="0: CUDA graphs (the default on CUDA), -1: eager (as --eager)")
     p.add_argument("--bandwidth", type=float, help="card read bandwidth in GB/s (default: measured now)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the synthetic weights")
     add_weight_args(p)  # --target-quantization, --fuse-kvq, --eager ... as for generate
-    p.add_argument("--json-out")
-    p.add_argument("--png-out")
+    p.add_argument("--json-out", metavar="FILE", help="write the results as JSON (missing folders are created; "
+                   "checked before the run)")
+    p.add_argument("--png-out", metavar="FILE", help="draw tokens/s per fixture and mode (needs matplotlib: pip "
+                   "install 'blockspec[plot]'; missing folders are created; checked before the run)")
     p.set_defaults(func=cmd_bench)

@@ -93,7 +93,8 @@ def read_message(stdin, interactive: bool) -> str | None:
         if interactive:
             try:
                 line = input("you> " if not lines else "...> ")
-            except EOFError:
+            except EOFError:  # Ctrl-D: end the prompt's line, so the shell's prompt starts on a line of its own
+                print(flush=True)
                 return "\n".join(lines) if lines else None
         else:
             line = stdin.readline()

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
 import tempfile
 from pathlib import Path
@@ -53,24 +54,39 @@ def cmd_generate(args):
         print(format_stats(engine.last_stats), file=sys.stderr)
 
 
+DEMO_PROMPT = "Recite the alphabet, please."
+
+
 def cmd_demo(args):
+    if args.max_tokens < 1:
+        raise BlockspecError(f"--max-tokens must be at least 1 (got {args.max_tokens})")
+    if args.context_length is not None and args.context_length < 2:
+        raise BlockspecError(f"--context-length must be at least 2 (got {args.context_length})")
+    if args.save is not None:
+        return save_demo(args)
     from .engine.engine import Engine
     from .tiny import build_tiny_checkpoint, build_tiny_drafter
+    from .tokenizer import Tokenizer
 
-    print("blockspec demo: a tiny Qwen3.5-architecture model (4 layers: 3 Gated DeltaNet + 1 gated attention, "
-          "hidden 64, one MTP layer, byte-level tokenizer) and a tiny DFlash2 drafter, built on the spot from seeded "
-          "RANDOM weights, planted so that greedy text mostly walks the alphabet. The text means nothing; the point "
-          "is the engine running end to end on the CPU, and every speculative mode giving plain greedy's tokens.\n")
     with tempfile.TemporaryDirectory(prefix="blockspec-demo-") as directory:
         target = build_tiny_checkpoint(f"{directory}/target", seed=0, planted=True)
+        tokenizer = Tokenizer(target)
+        ids = tokenizer.encode(tokenizer.chat_prompt([{"role": "user", "content": DEMO_PROMPT}]))
+        context_length = args.context_length or max(512, len(ids) + args.max_tokens)
+        if len(ids) + args.max_tokens > context_length:
+            raise BlockspecError(f"--context-length {context_length}: the demo's prompt ({len(ids)} tokens) + "
+                                 f"--max-tokens {args.max_tokens} need at least {len(ids) + args.max_tokens}")
+        print("blockspec demo: a tiny Qwen3.5-architecture model (4 layers: 3 Gated DeltaNet + 1 gated attention, "
+              "hidden 64, one MTP layer, byte-level tokenizer) and a tiny DFlash2 drafter, built on the spot from "
+              "seeded RANDOM weights, planted so that greedy text mostly walks the alphabet. The text means nothing; "
+              "the point is the engine running end to end on the CPU, and every speculative mode giving plain "
+              "greedy's tokens.\n")
         drafter = build_tiny_drafter(f"{directory}/drafter", target)
         outputs = {}
         for mode in ("none", "mtp", "dflash2"):
             engine = Engine(PredictConfig.build({"model": str(target), "mode": mode, "device": "cpu",
-                                                 "compute_dtype": "float32", "context_length": 512,
+                                                 "compute_dtype": "float32", "context_length": context_length,
                                                  "dflash2_model": str(drafter) if mode == "dflash2" else None}))
-            ids = engine.tokenizer.encode(engine.tokenizer.chat_prompt(
-                [{"role": "user", "content": "Recite the alphabet, please."}]))
             print(f"--- mode {mode} ---")
             outputs[mode] = stream_text(engine, engine.stream(ids, args.max_tokens, stop_at_eos=False))
             print()
@@ -79,6 +95,33 @@ def cmd_demo(args):
         print(f"\nmtp and dflash2 outputs identical to plain greedy: {'yes' if same else 'NO'}")
         if not same:
             raise SystemExit(1)
+
+
+def save_demo(args):
+    """Write the demo's model to DIR/target and its DFlash2 drafter to DIR/drafter; print commands that use them."""
+    from .tiny import build_tiny_checkpoint, build_tiny_drafter
+
+    directory = Path(args.save)
+    if directory.exists() and not directory.is_dir():
+        raise BlockspecError(f"--save {directory}: exists and is not a folder; give a new or empty folder")
+    if directory.is_dir() and any(directory.iterdir()):
+        raise BlockspecError(f"--save {directory}: the folder is not empty; give a new or empty folder")
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise BlockspecError(f"--save {directory}: cannot create it ({exc.strerror or exc})") from None
+    target = build_tiny_checkpoint(directory / "target", seed=0, planted=True)
+    drafter = build_tiny_drafter(directory / "drafter", target)
+    model = f"--model {shlex.quote(str(target.resolve()))} --drafter {shlex.quote(str(drafter.resolve()))}"
+    cpu = "--device cpu --dtype float32"
+    context = f" --context-length {args.context_length}" if args.context_length else ""
+    print(f"saved the demo's tiny model to {target} and its DFlash2 drafter to {drafter} (seeded random weights, "
+          "planted so that greedy text mostly walks the alphabet: the text means nothing). Try them:\n"
+          f"  blockspec generate {model} --prompt {shlex.quote(DEMO_PROMPT)} --chat --max-tokens {args.max_tokens}"
+          f"{context} {cpu}\n"
+          f"  blockspec chat {model}{context} {cpu}\n"
+          f"  blockspec serve {model}{context} {cpu}    # needs pip install 'blockspec[serve]'\n"
+          "Without --drafter they decode plainly; --mode mtp (without --drafter) uses the model's own MTP head.")
 
 
 def cmd_chat(args):
@@ -90,11 +133,19 @@ def cmd_chat(args):
 
 
 def cmd_serve(args):
-    from .server import serve  # fails with a one-line hint when the 'serve' extras are missing
+    if not 0 <= args.port <= 65535:
+        raise BlockspecError(f"--port must be between 0 and 65535 (got {args.port})")
+    if args.queue_size < 0:
+        raise BlockspecError(f"--queue-size must be 0 or more (got {args.queue_size})")
+    from .server import bind_socket, serve  # fails with a one-line hint when the 'serve' extras are missing
     from .engine.engine import Engine
 
     config = engine_config(args)
-    serve(Engine(config), host=args.host, port=args.port, queue_size=args.queue_size)
+    sock = bind_socket(args.host, args.port)  # a busy port is refused now, not after the model has loaded
+    try:
+        serve(Engine(config), host=args.host, port=args.port, queue_size=args.queue_size, sock=sock)
+    finally:
+        sock.close()
 
 
 def cmd_draft_vocabulary(args):
@@ -214,8 +265,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     gen = sub.add_parser("generate", help="greedy generation from a prompt")
     add_engine_args(gen)
-    gen.add_argument("--prompt")
-    gen.add_argument("--prompt-ids", help="comma-separated token ids")
+    gen.add_argument("--prompt", metavar="TEXT", help="the prompt text (or --prompt-ids)")
+    gen.add_argument("--prompt-ids", metavar="IDS", help="the prompt as comma-separated token ids, e.g. 1,2,3")
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the checkpoint's chat template")
     gen.add_argument("--json", action="store_true", help="print one JSON object: tokens, text, stats")
     gen.set_defaults(func=cmd_generate)
@@ -224,14 +275,21 @@ def build_parser() -> argparse.ArgumentParser:
     add_bench_parser(sub)
 
     demo = sub.add_parser("demo", help="run end to end on a tiny built-in random model (CPU)")
-    demo.add_argument("--max-tokens", type=int, default=120)
+    demo.add_argument("--max-tokens", type=int, default=120, metavar="N", help="tokens each mode generates")
+    demo.add_argument("--context-length", type=int, metavar="N",
+                      help="tokens the KV cache holds (default: max(512, prompt + max-tokens))")
+    demo.add_argument("--save", metavar="DIR", help="instead of running the demo, write its model to DIR/target "
+                      "and its DFlash2 drafter to DIR/drafter (DIR new or empty), and print generate / chat / serve "
+                      "commands that use them")
     demo.set_defaults(func=cmd_demo)
 
     vocab = sub.add_parser("draft-vocabulary", help="write the ids most frequent in your texts, for draft_vocabulary")
-    vocab.add_argument("--model", required=True, help="checkpoint directory (its tokenizer and config.json)")
-    vocab.add_argument("--texts", nargs="+", required=True, help="UTF-8 text files like your traffic")
-    vocab.add_argument("--size", type=int, default=32768, help="ids to keep (the EOS ids are added)")
-    vocab.add_argument("--out", required=True, help="JSON file to write (pass it as --draft-vocabulary)")
+    vocab.add_argument("--model", required=True, metavar="DIR",
+                       help="checkpoint directory (its tokenizer and config.json)")
+    vocab.add_argument("--texts", nargs="+", required=True, metavar="FILE", help="UTF-8 text files like your traffic")
+    vocab.add_argument("--size", type=int, default=32768, metavar="N", help="ids to keep (the EOS ids are added)")
+    vocab.add_argument("--out", required=True, metavar="FILE",
+                       help="JSON file to write (pass it as --draft-vocabulary)")
     vocab.set_defaults(func=cmd_draft_vocabulary)
 
     add_train_drafter_parser(sub)
@@ -239,14 +297,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     chat = sub.add_parser("chat", help="interactive chat in the terminal (chat template, streamed replies)")
     add_engine_args(chat)
-    chat.add_argument("--system", help="system prompt")
+    chat.add_argument("--system", metavar="TEXT", help="system prompt (default: none)")
     chat.set_defaults(func=cmd_chat)
 
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/chat/completions, /v1/completions)")
     add_engine_args(serve)
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--queue-size", type=int, default=8, help="requests that may wait for the engine (more: 429)")
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
+    serve.add_argument("--port", type=int, default=8000, help="TCP port to listen on (0: any free port)")
+    serve.add_argument("--queue-size", type=int, default=8, metavar="N",
+                       help="requests that may wait for the engine (more: HTTP 429)")
     serve.set_defaults(func=cmd_serve)
     return parser
 

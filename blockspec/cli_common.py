@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from .config import PredictConfig
 from .errors import BlockspecError
@@ -12,31 +13,64 @@ from .errors import BlockspecError
 DTYPES = ["float32", "bfloat16", "float16"]
 
 
+class DefaultsHelpFormatter(argparse.HelpFormatter):
+    """Every option's help ends with its default: argparse's own when it has a value (flags that are off by default
+    and options without a value show none), unless the help text already says it."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if (not action.option_strings or "default" in text.lower()
+                or action.default in (None, False, argparse.SUPPRESS)):
+            return text
+        return f"{text} (default: %(default)s)"
+
+
 class OneLineParser(argparse.ArgumentParser):
+    """Parse errors become one BlockspecError line (main prints it after its one 'blockspec: error:' prefix)."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", DefaultsHelpFormatter)
+        super().__init__(*args, **kwargs)
+
     def error(self, message):
-        raise BlockspecError(f"{self.prog}: {message}")
+        raise BlockspecError(f"{message} (see {self.prog} --help)")
+
+
+def config_default(key: str) -> str:
+    """'(default: VALUE, config key KEY)': the default of a flag that overrides a PredictConfig key."""
+    value = PredictConfig.model_fields[key].default
+    return f"(default: {value}, config key {key})"
 
 
 def add_engine_args(p: argparse.ArgumentParser, model_required=True):
-    p.add_argument("--model", required=model_required and False, help="Hugging Face checkpoint directory")
-    p.add_argument("--config", help="PredictConfig YAML file (command-line flags override it)")
+    p.add_argument("--model", required=model_required and False, metavar="DIR",
+                   help="Hugging Face checkpoint directory (config key model)")
+    p.add_argument("--config", metavar="YAML", help="PredictConfig YAML file (command-line flags override it)")
     p.add_argument("--mode", choices=["none", "mtp", "dflash2"], help="decoding mode (default: none, or dflash2 "
-                   "when a drafter is given)")
-    p.add_argument("--drafter", help="DFlash2 drafter directory (sets dflash2_model)")
-    p.add_argument("--device", choices=["cpu", "cuda", "auto"])
-    p.add_argument("--dtype", choices=DTYPES, help="compute dtype")
-    p.add_argument("--context-length", type=int)
-    p.add_argument("--prefill-chunk-size", type=int)
-    p.add_argument("--max-tokens", type=int)
+                   "when a drafter is given; config key mode)")
+    p.add_argument("--drafter", metavar="DIR", help="DFlash2 drafter directory (default: none, config key "
+                   "dflash2_model)")
+    p.add_argument("--device", choices=["cpu", "cuda", "auto"], help="where to run; auto: cuda when available "
+                   + config_default("device"))
+    p.add_argument("--dtype", choices=DTYPES, help="compute dtype " + config_default("compute_dtype"))
+    p.add_argument("--context-length", type=int, metavar="N", help="tokens the KV cache holds: prompt + reply must "
+                   "fit " + config_default("context_length"))
+    p.add_argument("--prefill-chunk-size", type=int, metavar="N", help="prompt tokens per prefill pass "
+                   + config_default("prefill_chunk_size"))
+    p.add_argument("--max-tokens", type=int, metavar="N", help="most tokens to generate (chat: per reply; serve: "
+                   "the cap of a request without max_tokens) " + config_default("max_tokens"))
     add_weight_args(p)
 
 
 def add_weight_args(p: argparse.ArgumentParser):
     """Quantization, packing, draft-head and execution flags (values are checked by PredictConfig, which names the
     key)."""
-    p.add_argument("--target-quantization", help="none | int4 (RTN group 128 at load)")
-    p.add_argument("--vocabulary-quantization", help="none | int8 | int4: the shared head (group 128)")
-    p.add_argument("--dflash2-quantization", help="none | int8: the drafter's projections (group 32)")
+    p.add_argument("--target-quantization", metavar="none|int4",
+                   help="int4: RTN group 128 at load " + config_default("target_quantization"))
+    p.add_argument("--vocabulary-quantization", metavar="none|int8|int4",
+                   help="the shared head (group 128) " + config_default("vocabulary_quantization"))
+    p.add_argument("--dflash2-quantization", metavar="none|int8",
+                   help="the drafter's projections (group 32) " + config_default("dflash2_quantization"))
     p.add_argument("--fuse-kvq", action="store_true", default=None,
                    help="pack q/k/v (and DeltaNet in_proj_*): always on, accepted for existing recipes")
     p.add_argument("--fuse-gate", action="store_true", default=None,
@@ -45,7 +79,8 @@ def add_weight_args(p: argparse.ArgumentParser):
                    help="run eagerly instead of replaying CUDA graphs (compile_mode -1; debugging). Default on CUDA: "
                         "graphs; the CPU always runs eagerly")
     p.add_argument("--draft-vocabulary", type=_count_or_path, metavar="N|FILE",
-                   help="proposals (mtp, dflash2) over token ids 0..N-1 (+ EOS) or a JSON list of ids; 0: all")
+                   help="proposals (mtp, dflash2) over token ids 0..N-1 (+ EOS) or a JSON list of ids; 0: all "
+                   + config_default("draft_vocabulary"))
 
 
 def weight_overrides(args) -> dict:
@@ -67,6 +102,31 @@ def engine_config(args) -> PredictConfig:
     if args.config:
         return PredictConfig.from_yaml(args.config, **overrides)
     return PredictConfig.build(overrides, source="command line")
+
+
+def check_output_path(flag: str, path: str) -> Path:
+    """Before long work, make sure a file can be written at `path`: missing parent folders are created; a folder,
+    or a place that cannot be written, is refused in one line naming the flag. Leaves no new file behind."""
+    path = Path(path)
+    if path.is_dir():
+        raise BlockspecError(f"{flag} {path}: is a folder; give a file name")
+    existing = next(folder for folder in [path.parent, *path.parent.parents] if folder.exists())
+    if not existing.is_dir():
+        raise BlockspecError(f"{flag} {path}: {existing} is a file, not a folder")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise BlockspecError(f"{flag} {path}: cannot create the folder {path.parent} "
+                             f"({exc.strerror or exc})") from None
+    existed = path.exists()
+    try:
+        with open(path, "a"):
+            pass
+    except OSError as exc:
+        raise BlockspecError(f"{flag} {path}: cannot write there ({exc.strerror or exc})") from None
+    if not existed:
+        path.unlink(missing_ok=True)
+    return path
 
 
 def stream_text(engine, tokens_iter, out=sys.stdout) -> list[int]:

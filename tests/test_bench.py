@@ -3,6 +3,7 @@
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -60,3 +61,83 @@ def test_bad_bench_arguments(capsys, args, needle):
     code = main(["bench", "--device", "cpu", "--max-tokens", "4", "--repeats", "1", *args])
     err = capsys.readouterr().err
     assert code == 2 and needle in err and err.count("\n") == 1, err
+
+
+def test_table_label_first_then_header_then_rows(tmp_path):
+    result, stdout = bench(tmp_path, "--prompt", "hello", "--mode", "none,mtp", "--max-tokens", 12, "--repeats", 1)
+    lines = stdout.splitlines()
+    assert lines[0] == result["label"] and lines[0].startswith("SYNTHETIC")
+    # synthetic weights, a speculative mode, no forced acceptance: said once why acceptance is ~0
+    assert lines[1] == result["note"] and "--forced-acceptance" in lines[1] and stdout.count("note:") == 1
+    header = lines[2].split()
+    assert header[:3] == ["mode", "fixture", "tok/s"] and "accept" in header
+    rows = lines[3:]
+    assert [r.split()[:2] for r in rows] == [["none", "prompt"], ["mtp", "prompt"]]
+    assert len(rows) == len(result["rows"])
+    accept = lines[2].index("accept")  # each value sits under its column
+    assert rows[0][accept:accept + 6].strip() == "-" and rows[1][accept:accept + 7].strip().endswith("%")
+    forced, stdout = bench(tmp_path, "--prompt", "hello", "--mode", "mtp", "--max-tokens", 12, "--repeats", 1,
+                           "--forced-acceptance", 0.5)
+    assert "note:" not in stdout and "note" not in forced  # forced acceptance: nothing to explain
+
+
+@pytest.fixture
+def no_model_work(monkeypatch):
+    """Fails the test if the benchmark gets as far as building an engine."""
+    import blockspec.bench
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the benchmark started although its arguments were bad")
+    monkeypatch.setattr(blockspec.bench, "build_engine", refuse)
+
+
+QUICK = ["bench", "--synthetic", "tiny", "--device", "cpu", "--dtype", "float32", "--prompt", "hi", "--max-tokens",
+         "4", "--repeats", "1"]
+
+
+def test_output_paths_checked_before_the_run(tmp_path, capsys, monkeypatch, no_model_work):
+    import types
+
+    monkeypatch.setitem(sys.modules, "matplotlib", types.ModuleType("matplotlib"))  # installed or not: the paths
+    (tmp_path / "file").write_text("")
+    for flag, path, needle in [("--json-out", tmp_path, "is a folder"),
+                               ("--json-out", tmp_path / "file" / "r.json", "is a file, not a folder"),
+                               ("--png-out", tmp_path / "file" / "sub" / "r.png", "is a file, not a folder")]:
+        assert main([*QUICK, flag, str(path)]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"blockspec: error: {flag} {path}: ") and needle in err and err.count("\n") == 1, err
+
+
+def test_json_out_into_missing_folders(tmp_path, capsys):
+    out = tmp_path / "new" / "deeper" / "bench.json"
+    assert main([*QUICK, "--json-out", str(out)]) == 0, capsys.readouterr().err
+    assert json.loads(out.read_text())["rows"][0]["fixture"] == "prompt"
+
+
+def test_png_out_without_matplotlib_is_refused_before_the_run(tmp_path, capsys, monkeypatch, no_model_work):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if it were not installed
+    assert main([*QUICK, "--png-out", str(tmp_path / "charts" / "b.png")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--png-out needs matplotlib" in err and "pip install 'blockspec[plot]'" in err
+    assert not (tmp_path / "charts").exists()  # refused before anything was made
+
+
+def test_results_survive_a_write_that_fails_after_the_run(tmp_path):
+    """Should --json-out fail after all (the folder went away during the run), the results go to a temporary file
+    named in the one-line error."""
+    import argparse
+    import re
+
+    from blockspec.bench import save_results
+    from blockspec.errors import BlockspecError
+
+    (tmp_path / "gone").write_text("")  # a file where the folder was
+    results = {"label": "x", "rows": [{"mode": "none"}]}
+    args = argparse.Namespace(json_out=str(tmp_path / "gone" / "r.json"), png_out=None)
+    with pytest.raises(BlockspecError) as info:
+        save_results(results, args)
+    message = str(info.value)
+    assert message.startswith(f"--json-out {args.json_out}: ") and "\n" not in message
+    rescued = re.search(r"saved to (\S+\.json)$", message).group(1)
+    assert json.loads(Path(rescued).read_text()) == results
+    Path(rescued).unlink()

@@ -93,3 +93,57 @@ def test_chat_exit_and_eof(tiny, engine):
 def test_chat_bad_model_is_one_line_error(tmp_path):
     code, out, err = chat(tmp_path / "missing", ["hi"])
     assert code == 2 and err.startswith("blockspec: error:") and "Traceback" not in err
+
+
+def test_end_of_input_at_the_prompt_ends_its_line(monkeypatch, capsys):
+    """Ctrl-D at `you> ` (input() raises EOFError): a newline, so the shell's prompt does not land on that line."""
+    from blockspec.chat import read_message
+
+    answers = iter(["first line\\", EOFError])
+
+    def fake_input(prompt):
+        print(prompt, end="")
+        answer = next(answers)
+        if answer is EOFError:
+            raise EOFError
+        return answer
+    monkeypatch.setattr("builtins.input", fake_input)
+    assert read_message(None, interactive=True) == "first line"  # continued message, then Ctrl-D
+    assert capsys.readouterr().out == "you> ...> \n"
+    answers = iter([EOFError])
+    assert read_message(None, interactive=True) is None
+    assert capsys.readouterr().out == "you> \n"
+
+
+def test_ctrl_d_in_a_terminal(tiny):
+    """The real thing on a pseudo-terminal: Ctrl-D at the prompt leaves the session and ends the prompt's line."""
+    import pty
+    import select
+
+    leader, follower = pty.openpty()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "blockspec.cli", "chat", "--model", str(tiny), "--device", "cpu", "--dtype", "float32",
+         "--context-length", str(CONTEXT)], stdin=follower, stdout=follower, stderr=subprocess.PIPE,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "TERM": "dumb"})
+    os.close(follower)
+    shown = b""
+    try:
+        while b"you> " not in shown:
+            ready, _, _ = select.select([leader], [], [], 120)
+            assert ready and proc.poll() is None, shown + proc.stderr.read()
+            shown += os.read(leader, 1024)
+        os.write(leader, b"\x04")  # Ctrl-D
+        assert proc.wait(60) == 0
+        while select.select([leader], [], [], 1)[0]:
+            try:
+                chunk = os.read(leader, 1024)
+            except OSError:  # the terminal's other end is closed
+                break
+            if not chunk:
+                break
+            shown += chunk
+    finally:
+        proc.kill()
+        os.close(leader)
+        proc.stderr.close()
+    assert shown.endswith(b"you> \r\n"), shown

@@ -151,3 +151,121 @@ def test_config_yaml_values_are_used(tiny, tmp_path):
     code, out, err = cli("generate", "--config", path, "--prompt", "hello", "--json")
     assert code == 0, err
     assert json.loads(out)["stats"]["generated"] == 5
+
+
+# ----------------------------------------------------------------------------------- parser: errors and help
+
+
+def test_parse_errors_have_one_prefix(capsys):
+    for argv, needle in [(["generate", "--mode", "fast"], "argument --mode: invalid choice: 'fast'"),
+                         ([], "the following arguments are required: command"),
+                         (["serve", "--port", "http"], "argument --port: invalid int value: 'http'")]:
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"blockspec: error: {needle}"), err
+        assert err.count("error") == 1 and err.count("\n") == 1, err  # one prefix, one line
+
+
+def test_every_option_has_help_and_shows_its_default():
+    import argparse
+
+    from blockspec.cli import build_parser
+    from blockspec.config import PredictConfig
+
+    parser = build_parser()
+    subparsers = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
+    assert {"generate", "demo", "bench", "chat", "serve", "draft-vocabulary"} <= set(subparsers)
+    from_config = {"device": "device", "dtype": "compute_dtype", "context_length": "context_length",
+                   "prefill_chunk_size": "prefill_chunk_size", "max_tokens": "max_tokens"}
+    missing, no_default = [], []
+    for name, sub in subparsers.items():
+        assert sub.format_help()  # every help string formats (no stray %)
+        formatter = sub._get_formatter()
+        for action in sub._actions:
+            if not action.option_strings:
+                continue
+            option = f"{name} {action.option_strings[-1]}"
+            if not (action.help or "").strip():
+                missing.append(option)
+                continue
+            shown = formatter._expand_help(action)
+            if action.default not in (None, False, argparse.SUPPRESS) and f"default: {action.default}" not in shown:
+                no_default.append(option)
+            # engine flags default to None (PredictConfig decides): their help names the config's default
+            if action.default is None and action.dest in from_config and name in ("generate", "chat", "serve"):
+                if f"default: {PredictConfig.model_fields[from_config[action.dest]].default}" not in shown:
+                    no_default.append(option)
+    assert missing == [], f"options without help: {missing}"
+    assert no_default == [], f"options whose help does not show the default: {no_default}"
+
+
+# ----------------------------------------------------------------------------------------- demo
+
+
+@pytest.mark.parametrize("args,message", [(("--max-tokens", 0), "--max-tokens must be at least 1"),
+                                          (("--max-tokens", 30, "--context-length", 50),
+                                           "--context-length 50: the demo's prompt (62 tokens) + --max-tokens 30")])
+def test_demo_refuses_bad_arguments_before_printing(args, message):
+    code, out, err = cli("demo", *args)
+    assert code == 2 and out == "", out  # no banner, no mode header
+    assert err.count("\n") == 1 and message in err, err
+
+
+def test_demo_context_length_fits_max_tokens(monkeypatch, capsys):
+    """A long demo gets a context long enough by default (it used to be fixed at 512), or the one given."""
+    import blockspec.engine.engine as engine_module
+    from blockspec.tokenizer import Tokenizer
+
+    seen = []
+
+    class Recorder:  # stands in for the engine: records the config, generates nothing
+        def __init__(self, config):
+            seen.append(config)
+            self.tokenizer = Tokenizer(config.model)
+            self.last_stats = {"mode": config.mode, "generated": 0, "prefill_s": 0.0, "decode_tokens_per_s": 0.0}
+
+        def stream(self, ids, max_tokens, stop_at_eos=True):
+            assert len(ids) + max_tokens <= seen[-1].context_length
+            return iter(())
+
+    monkeypatch.setattr(engine_module, "Engine", Recorder)
+    assert main(["demo", "--max-tokens", "5000"]) == 0
+    assert [c.context_length for c in seen] == [62 + 5000] * 3
+    assert main(["demo", "--max-tokens", "10"]) == 0
+    assert seen[-1].context_length == 512
+    assert main(["demo", "--max-tokens", "10", "--context-length", "100"]) == 0
+    assert seen[-1].context_length == 100
+    assert "identical to plain greedy: yes" in capsys.readouterr().out
+
+
+def test_demo_save_writes_a_pair_the_commands_use(tmp_path):
+    import shlex
+
+    directory = tmp_path / "pair"
+    code, out, err = cli("demo", "--save", directory, "--max-tokens", 8)
+    assert code == 0, err
+    assert (directory / "target" / "config.json").exists() and (directory / "drafter" / "model.safetensors").exists()
+    commands = [line.strip() for line in out.splitlines() if line.strip().startswith("blockspec ")]
+    assert [c.split()[1] for c in commands] == ["generate", "chat", "serve"]
+    for command in commands:
+        assert f"--model {directory / 'target'}" in command and f"--drafter {directory / 'drafter'}" in command
+        assert "--device cpu --dtype float32" in command
+    # the printed generate command runs (as printed, plus --json), and so does the plain form with the pair
+    generate = shlex.split(commands[0].split("#")[0])[1:]
+    code, out, err = cli(*generate, "--json")
+    assert code == 0, err
+    result = json.loads(out)
+    assert result["stats"]["mode"] == "dflash2" and result["stats"]["generated"] == 8
+    code, out, err = cli("generate", "--model", directory / "target", "--drafter", directory / "drafter", "--prompt",
+                         "hi", "--max-tokens", 8, "--json", *BASE)
+    assert code == 0 and json.loads(out)["stats"]["generated"] >= 1, err
+
+
+def test_demo_save_refuses_a_folder_that_is_not_empty(tmp_path):
+    (tmp_path / "keep.txt").write_text("mine")
+    code, out, err = cli("demo", "--save", tmp_path)
+    assert code == 2 and err.count("\n") == 1 and f"--save {tmp_path}: the folder is not empty" in err, err
+    assert [p.name for p in tmp_path.iterdir()] == ["keep.txt"]
+    (tmp_path / "file").write_text("")
+    code, out, err = cli("demo", "--save", tmp_path / "file")
+    assert code == 2 and "is not a folder" in err

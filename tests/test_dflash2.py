@@ -127,22 +127,30 @@ def test_cli_dflash2_json_stats(pair):
                                                           / stats["cycles"], abs=1e-3)
 
 
-REFUSALS = [
-    ("temperature: 0.7\n", "temperature 0.7"),
-    ("top_k: 40\n", "top_k 40"),
-    ("batch_size: 2\n", "batch_size 2"),
-    ("beam_size: 4\n", "beam_size 4"),
+REFUSALS = [  # (setting, what the message names, whether leaving DFlash2 decoding would help)
+    ("temperature: 0.7\n", "temperature 0.7", False),
+    ("top_k: 40\n", "top_k 40", True),
+    ("batch_size: 2\n", "batch_size 2", False),
+    ("beam_size: 4\n", "beam_size 4", False),
 ]
 
 
-@pytest.mark.parametrize("yaml_text,needle", REFUSALS, ids=[n for _, n in REFUSALS])
-def test_unsupported_requests_refused_before_model_work(tmp_path, capsys, yaml_text, needle):
-    """The model path does not even exist: the refusal must come first, and tell the user to unset the drafter."""
+@pytest.mark.parametrize("yaml_text,needle,drafter_specific", REFUSALS, ids=[n for _, n, _ in REFUSALS])
+def test_unsupported_requests_refused_before_model_work(tmp_path, capsys, yaml_text, needle, drafter_specific):
+    """The model path does not even exist: the refusal must come first, and be true: it suggests unsetting the
+    drafter only where the other modes accept the setting."""
     path = tmp_path / "c.yaml"
     path.write_text(f"model: {tmp_path / 'no-such-model'}\ndflash2_model: {tmp_path / 'no-drafter'}\n" + yaml_text)
     code = main(["generate", "--config", str(path), "--prompt", "a"])
     err = capsys.readouterr().err
-    assert code == 2 and needle in err and "dflash2_model" in err and err.count("\n") == 1, err
+    assert code == 2 and needle in err and err.count("\n") == 1, err
+    assert ("unset dflash2_model" in err) == drafter_specific, err
+    if not drafter_specific:
+        assert "in every mode" in err or "in any mode" in err, err
+        without_drafter = tmp_path / "plain.yaml"  # the same refusal without a drafter: the message holds there too
+        without_drafter.write_text(f"model: {tmp_path / 'no-such-model'}\n" + yaml_text)
+        assert main(["generate", "--config", str(without_drafter), "--prompt", "a"]) == 2
+        assert needle in capsys.readouterr().err
 
 
 def test_request_level_refusals(pair):
@@ -154,7 +162,8 @@ def test_request_level_refusals(pair):
                            ({"logprobs": True}, "logprobs")]:
         with pytest.raises(Exception) as info:
             engine.check_request([1, 2], 4, **kwargs)
-        assert needle in str(info.value) and "unset dflash2_model" in str(info.value)
+        # only top_k is refused by DFlash2 decoding alone: only its message suggests leaving it
+        assert needle in str(info.value) and ("unset dflash2_model" in str(info.value)) == ("top_k" in kwargs)
     # a refused request leaves the engine usable and exact
     ids = engine.tokenizer.encode("abc")
     assert engine.generate(ids, 30, stop_at_eos=False).tokens == load(target).generate(ids, 30,

@@ -416,3 +416,35 @@ def test_eos_and_multibyte_text_in_process(tiny):
         assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
         short = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2}).json()
         assert short["choices"][0]["finish_reason"] == "length"
+
+
+# --------------------------------------------------------------------------------- arguments checked before loading
+
+
+def test_busy_port_refused_before_the_model_loads(tmp_path, capsys):
+    """Another server holds the port: one line naming it, exit 2, and before the model loads (the model path does
+    not even exist, and that is not what is reported)."""
+    from blockspec.cli import main
+
+    with socket.socket() as other:
+        other.bind(("127.0.0.1", 0))
+        other.listen()
+        port = other.getsockname()[1]
+        code = main(["serve", "--model", str(tmp_path / "no-such-model"), "--port", str(port)])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and "Traceback" not in err, err
+    assert f"--port {port}: 127.0.0.1:{port} is already in use" in err and "no-such-model" not in err, err
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--port", "99999"], "--port must be between 0 and 65535 (got 99999)"),
+    (["--port", "-1"], "--port must be between 0 and 65535 (got -1)"),
+    (["--queue-size", "-1"], "--queue-size must be 0 or more (got -1)"),
+    (["--host", "no-such-host.invalid"], "--host no-such-host.invalid: not a known address"),
+])
+def test_serve_arguments_checked_before_the_model_loads(tmp_path, capsys, args, message):
+    from blockspec.cli import main
+
+    code = main(["serve", "--model", str(tmp_path / "no-such-model"), *args])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and message in err and "no-such-model" not in err, err

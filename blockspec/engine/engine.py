@@ -103,17 +103,20 @@ class Engine:
         """Refuse, before any model work, settings the chosen mode cannot serve exactly."""
         c = self.config
         if c.temperature > 0:
-            raise UnsupportedRequest(f"temperature {c.temperature}: blockspec decodes greedily only "
-                                     "(set temperature: 0)" + self._unset_drafter_hint())
+            raise UnsupportedRequest(f"temperature {c.temperature}: blockspec decodes greedily only, in every mode "
+                                     "(set temperature: 0)")
         if self.mode == "dflash2":
             if not c.dflash2_model and not drafter_given:
                 raise BlockspecError("mode dflash2 needs a drafter: set dflash2_model or pass --drafter DIR")
-            reasons = [(c.top_k != 1, f"top_k {c.top_k} (sampling)"), (c.batch_size > 1, f"batch_size {c.batch_size}"),
-                       (c.beam_size > 1, f"beam_size {c.beam_size}")]
-            for bad, what in reasons:
+            reasons = [(c.top_k != 1, f"top_k {c.top_k}: DFlash2 decoding is greedy only"
+                        + self._unset_drafter_hint()),
+                       (c.batch_size > 1, f"batch_size {c.batch_size}: blockspec decodes one sequence at a time, in "
+                        "every mode (set batch_size: 1)"),
+                       (c.beam_size > 1, f"beam_size {c.beam_size}: beam search is not supported, in any mode "
+                        "(set beam_size: 1)")]
+            for bad, why in reasons:
                 if bad:
-                    raise UnsupportedRequest(f"DFlash2 decoding cannot serve {what}: it supports batch-one greedy "
-                                             "decoding only; unset dflash2_model to use it")
+                    raise UnsupportedRequest(why)
         elif c.dflash2_model:
             raise BlockspecError(f"dflash2_model is set but mode is {self.mode!r}: unset dflash2_model or use "
                                  "mode dflash2 (the drafter is never loaded silently unused)")
@@ -125,10 +128,15 @@ class Engine:
                                  f"mode is {self.mode!r}: set dflash2_model (mode dflash2) or unset "
                                  "dflash2_quantization")
         if c.batch_size > 1 or c.beam_size > 1:
-            raise UnsupportedRequest("blockspec decodes one sequence at a time: batch_size and beam_size must be 1")
+            raise UnsupportedRequest(f"batch_size {c.batch_size}: blockspec decodes one sequence at a time, in every "
+                                     "mode (set batch_size: 1)" if c.batch_size > 1 else
+                                     f"beam_size {c.beam_size}: beam search is not supported, in any mode "
+                                     "(set beam_size: 1)")
 
     def _unset_drafter_hint(self) -> str:
-        return "; unset dflash2_model to leave DFlash2 decoding" if self.mode == "dflash2" else ""
+        """For refusals of DFlash2 decoding only (top_k): the other modes accept what it refuses."""
+        return ("; set top_k 1, or unset dflash2_model to leave DFlash2 decoding (the other modes accept any top_k "
+                "and decode greedily)") if self.mode == "dflash2" else ""
 
     def note_ignored_settings(self):
         """Settings that are accepted but cannot be honoured: one line each on stderr, never an error."""
@@ -195,19 +203,20 @@ class Engine:
                       beam_size: int = 1, logprobs: bool = False, images: bool = False, stop=None,
                       attention_output: bool = False, prefix: bool = False, constraints: bool = False):
         """Raise BlockspecError / UnsupportedRequest naming the field a request gets wrong; do nothing else."""
-        who = "DFlash2 decoding" if self.mode == "dflash2" else "blockspec"
-        hint = self._unset_drafter_hint()
+        # every refusal but top_k's holds in every mode: only top_k's suggests leaving DFlash2 decoding
         refusals = [
-            (temperature and temperature > 0, f"temperature={temperature}: {who} decodes greedily only{hint}"),
-            (self.mode == "dflash2" and top_k not in (1, None), f"top_k={top_k}: {who} decodes greedily only{hint}"),
-            (n != 1, f"n={n}: {who} generates one sequence per request{hint}"),
-            (beam_size != 1, f"beam_size={beam_size}: beam search is not supported by {who}{hint}"),
-            (logprobs, f"logprobs: not supported by {who}{hint}"),
-            (images, f"image inputs: {who} serves text only{hint}"),
-            (stop, f"stop sequences: not supported by {who} (EOS ends generation){hint}"),
-            (attention_output, f"attention output: not supported by {who}{hint}"),
-            (prefix, f"target prefixes: not supported by {who}{hint}"),
-            (constraints, f"decode constraints: not supported by {who}{hint}"),
+            (temperature and temperature > 0, f"temperature={temperature}: blockspec decodes greedily only, in every "
+                                              "mode"),
+            (self.mode == "dflash2" and top_k not in (1, None),
+             f"top_k={top_k}: DFlash2 decoding is greedy only{self._unset_drafter_hint()}"),
+            (n != 1, f"n={n}: blockspec generates one sequence per request, in every mode"),
+            (beam_size != 1, f"beam_size={beam_size}: beam search is not supported, in any mode"),
+            (logprobs, "logprobs: not supported by blockspec, in any mode"),
+            (images, "image inputs: blockspec serves text only, in every mode"),
+            (stop, "stop sequences: not supported by blockspec, in any mode (EOS ends generation)"),
+            (attention_output, "attention output: not supported by blockspec, in any mode"),
+            (prefix, "target prefixes: not supported by blockspec, in any mode"),
+            (constraints, "decode constraints: not supported by blockspec, in any mode"),
         ]
         for bad, why in refusals:
             if bad:

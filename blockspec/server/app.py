@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import json
+import socket
 import time
 import uuid
 
@@ -173,13 +175,47 @@ def create_app(engine, queue_size: int = 8) -> FastAPI:
     return app
 
 
-def serve(engine, host: str = "127.0.0.1", port: int = 8000, queue_size: int = 8, log_level: str = "info"):
-    """Run the server until interrupted (blocking)."""
-    if queue_size < 0:
-        raise BlockspecError(f"--queue-size must be 0 or more (got {queue_size})")
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to host:port (not yet listening; uvicorn listens on it), or a one-line BlockspecError naming
+    why not: bind it before loading the model so that a busy port is reported at once."""
     if not 0 <= port <= 65535:
         raise BlockspecError(f"--port must be between 0 and 65535 (got {port})")
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                             flags=socket.AI_PASSIVE)[0]
+    except (socket.gaierror, UnicodeError) as exc:
+        raise BlockspecError(f"--host {host}: not a known address ({getattr(exc, 'strerror', None) or exc})") \
+            from None
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does: a restart is not held up
+    try:
+        sock.bind(address)
+    except OSError as exc:
+        sock.close()
+        if exc.errno == errno.EADDRINUSE:
+            why = f"--port {port}: {host}:{port} is already in use (another server?); stop it or choose another --port"
+        elif exc.errno == errno.EACCES:
+            why = f"--port {port}: permission denied to listen on {host}:{port}; choose a port above 1023"
+        elif exc.errno == errno.EADDRNOTAVAIL:
+            why = f"--host {host}: not an address of this machine ({exc.strerror})"
+        else:
+            why = f"--host {host} --port {port}: cannot listen there ({exc.strerror or exc})"
+        raise BlockspecError(why) from None
+    return sock
+
+
+def serve(engine, host: str = "127.0.0.1", port: int = 8000, queue_size: int = 8, log_level: str = "info",
+          sock: socket.socket | None = None):
+    """Run the server until interrupted (blocking), on `sock` (from bind_socket) or on host:port."""
+    if queue_size < 0:
+        raise BlockspecError(f"--queue-size must be 0 or more (got {queue_size})")
+    sock = sock or bind_socket(host, port)
+    port = sock.getsockname()[1]  # the port the OS chose for --port 0
     app = create_app(engine, queue_size)
     print(f"blockspec: serving '{engine.model_name}' (mode {engine.mode}, context {engine.context_length}) at "
           f"http://{host}:{port}/v1 - one request at a time, up to {queue_size} waiting", flush=True)
-    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=3)
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=3)
+    try:
+        uvicorn.Server(config).run(sockets=[sock])
+    except KeyboardInterrupt:  # Ctrl-C ends the server normally (as uvicorn.run does)
+        pass
