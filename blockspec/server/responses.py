@@ -15,7 +15,6 @@ STATS_KEYS = ("mode", "execution", "prefill_s", "decode_s", "decode_tokens_per_s
 def stats_extension(stats: dict, engine) -> dict:
     out = {k: stats[k] for k in STATS_KEYS if k in stats}
     out.setdefault("mode", engine.mode)
-    out.setdefault("execution", engine.target.execution)
     if "queue_s" in stats:
         out["queue_s"] = stats["queue_s"]
     return out
