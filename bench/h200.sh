@@ -52,9 +52,9 @@ for part in ${PARTS:-bf16 warm int4 vocab}; do
     norm) kernel_bench norm_kernel 40 norm_kernel ;;
     linear) kernel_bench linear_kernels 150 linear_kernels ${LINEAR_ARGS:-} ;;
     profile) kernel_bench profile_cycle ${PROFILE_S:-300} profile_cycle ${PROFILE_ARGS:-} ;;
-    train) SITE=$(python3 -c "import site; print(' '.join(site.getsitepackages()))")
+    train) SITE=$(python3 -c "import os, site; print(' '.join(p for p in site.getsitepackages() if os.path.isdir(p)))")
            CODE=$(python3 -c "import os, torch; print(os.path.dirname(torch.__file__))")  # held-out text: not stdlib
-           export TQDM_DISABLE=1
+           export TQDM_DISABLE=1; rm -rf /tmp/bs-target /tmp/bs-drafter /tmp/bs-mtp  # a fresh run each time
            run ${TRAIN_S:-240} python3 -m blockspec.cli train-target --data $SITE --suffixes .py --out /tmp/bs-target \
              --hidden 384 --layers 8 --heads 6 --intermediate 1024 --steps ${TARGET_STEPS:-60} --checkpoint-every 1000
            cp /tmp/bs-target/training.json "$OUT/train_target.json"

@@ -82,9 +82,10 @@ def attention_mask(valid: torch.Tensor, block: int, window: int) -> torch.Tensor
     """Bool [n, 1, block, L + block]: block row i (position a + i) sees context row j (position a - L + j) when it
     holds a real position inside the window, and every row of its own block (DFlash2's block is not causal)."""
     n, context = valid.shape
-    distance = torch.arange(block)[:, None] + context - torch.arange(context)[None, :]
+    rows, columns = torch.arange(block, device=valid.device), torch.arange(context, device=valid.device)
+    distance = rows[:, None] + context - columns[None, :]
     sees_context = valid[:, None, :] & (distance < window)[None]
-    return torch.cat([sees_context, torch.ones(n, block, block, dtype=torch.bool)], dim=-1)[:, None]
+    return torch.cat([sees_context, torch.ones(n, block, block, dtype=torch.bool, device=valid.device)], dim=-1)[:, None]
 
 
 def block_losses(model, head, embed, batch, decay: float):
@@ -92,7 +93,7 @@ def block_losses(model, head, embed, batch, decay: float):
     ctx, valid, ids, positions, targets, _ = batch
     block = ids.shape[1]
     noise = embed(ids) * float(model.config.dflash_config.get("input_embedding_scale", 1.0))
-    mask = attention_mask(valid, block, model.config.sliding_window).to(ctx.device)
+    mask = attention_mask(valid, block, model.config.sliding_window)
     hidden = model(target_hidden=ctx, noise_embedding=noise, position_ids=positions, attention_mask=mask)[:, 1:]
     logits = model.compute_logits(hidden, head).float()
     weights = torch.exp(-torch.arange(block - 1, device=ctx.device) / decay)

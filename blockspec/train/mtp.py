@@ -63,7 +63,7 @@ class MTPModule(nn.Module):
     def forward(self, embedded: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """embedded, hidden [B, T, h] (hidden final-normed), positions [B, T] -> final-normed outputs [B, T, h]."""
         x = self.fc(torch.cat([self.pre_fc_norm_embedding(embedded), self.pre_fc_norm_hidden(hidden)], dim=-1))
-        rope = self.rotary(x, positions)
+        rope = self.rotary(x, positions[None].expand(3, -1, -1))  # the text's three rotary sections share positions
         for layer in self.layers:
             x = layer(x, position_embeddings=rope, attention_mask=None, position_ids=positions)
         return self.norm(x)

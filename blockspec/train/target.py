@@ -109,16 +109,35 @@ def model_config(run: TargetTraining, vocab: int, eos: int) -> dict:
                             "mrope_interleaved": True}}
 
 
+def hide_fla_where_its_backward_refuses(device: torch.device):
+    """fla-core's chunked gated-delta-rule backward refuses to run on Hopper with Triton < 3.7.1 (the forward, what
+    inference uses, is fine). transformers picks fla when it imports its Qwen3.5 model, so before that import fla is
+    hidden and the DeltaNet layers train through transformers' PyTorch chunked form."""
+    import sys
+
+    if device.type != "cuda" or torch.cuda.get_device_capability(device)[0] != 9:
+        return
+    try:
+        import triton
+        if tuple(int(x) for x in triton.__version__.split(".")[:3]) >= (3, 7, 1):
+            return
+    except (ImportError, ValueError):
+        return
+    sys.modules.setdefault("fla", None)
+
+
 def train_target(run: TargetTraining, log=print) -> dict:
     check_run(run)
+    from ..engine.engine import resolve_device
+
+    device = resolve_device(run.device)
+    hide_fla_where_its_backward_refuses(device)
     try:
         from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
     except ImportError:
         raise BlockspecError("train-target needs the 'train' extra: pip install 'blockspec[train]'") from None
-    from ..engine.engine import resolve_device
     from ..tiny import CHAT_TEMPLATE
 
-    device = resolve_device(run.device)
     out = Path(run.out)
     texts = read_texts(text_files(run.data, run.suffixes))
     held = max(1, round(run.heldout * len(texts))) if run.heldout > 0 and len(texts) > 1 else 0
