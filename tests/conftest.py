@@ -17,6 +17,36 @@ sys.path.insert(0, str(Path(__file__).parent))
 torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"].split(",")[0]))
 
 
+# Under pytest-xdist (-n N, its default --dist load): the tests of these modules share a module fixture too costly to
+# build on every worker (test_server.py's two server processes, test_folded_norm.py's interpreter subprocess), so each
+# module goes to one worker whole; every other test is scheduled on its own. (xdist's --dist loadgroup would say it
+# with marks, but it groups nothing under pytest >= 9.2: pytest-xdist issue 1386.)
+WHOLE_MODULES = ("test_server.py", "test_folded_norm.py")
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    if config.getoption("dist") != "load":
+        return None  # another --dist asked for: xdist's own scheduler
+    from xdist.scheduler import LoadScopeScheduling
+
+    class Scheduling(LoadScopeScheduling):
+        """One work unit per test, or per module of WHOLE_MODULES; the larger units first, then collection order."""
+
+        def _split_scope(self, nodeid):
+            module = nodeid.split("::", 1)[0]
+            return module if module.rsplit("/", 1)[-1] in WHOLE_MODULES else nodeid
+
+    return Scheduling(config, log)
+
+
+def pytest_collection_modifyitems(config, items):
+    """In an xdist worker (whose collection order the scheduler follows): the slow tests first, so that no long test
+    starts last on one worker while the others idle."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+
+
 @pytest.fixture(autouse=True)
 def _no_grad():
     with torch.no_grad():

@@ -5,6 +5,7 @@ accepted lengths in every mode, through passes, partial commits and rollbacks.""
 import json
 import sys
 
+import pytest
 import torch
 from helpers import patch_triton_interpreter, run_in_triton_interpreter
 
@@ -23,6 +24,7 @@ def generate_all(target, drafter) -> dict:
     return runs
 
 
+@pytest.mark.slow
 def test_engine_on_triton_kernels_equals_reference(tiny_checkpoint, tiny_drafter):
     from blockspec.kernels import attention_triton, gdn_triton
 

@@ -147,6 +147,7 @@ def _run_model_case(directory):  # executed in a subprocess with TRITON_INTERPRE
         "logits_err": float((folded - unfolded).abs().max() / unfolded.abs().max())}
 
 
+@pytest.mark.slow
 def test_folded_int4_model_in_interpreter(interpreted):
     """An INT4 tiny model (packed) on the CPU under the interpreter folds every norm but the first and the last, and
     every MLP activation; MTP decoding
