@@ -103,6 +103,37 @@ def run_in_triton_interpreter(test_file, *args) -> list:
     return json.loads(lines[-1][len("RESULTS "):])
 
 
+def selected_parts(request, parts) -> list:
+    """For one interpreter subprocess serving several tests of a module: of `parts` (a test function's name -> the
+    name of its part of the subprocess's work), the parts of the tests this session runs (after -k / -m)."""
+    names = {item.originalname for item in request.session.items if item.module is request.module}
+    return [part for test, part in parts.items() if test in names]
+
+
+def report_parts(parts, names):
+    """In an interpreter subprocess: runs each part named in `names` (parts: name -> a callable returning
+    JSON-serializable results) and prints one line `RESULTS <json>` mapping each name to its results, or to
+    {"error": traceback} where it raised: one start of Python, torch and Triton serves several tests, and each test
+    fails alone on its own part (`interpreter_part`)."""
+    import json
+    import traceback
+
+    results = {}
+    for name in names:
+        try:
+            results[name] = parts[name]()
+        except Exception:  # reported to the test that asserts on this part
+            results[name] = {"error": traceback.format_exc()}
+    print("RESULTS " + json.dumps(results))
+
+
+def interpreter_part(results, name):
+    """The results of part `name` of a `report_parts` run; fails with the subprocess's traceback where it raised."""
+    part = results[name]
+    assert not (isinstance(part, dict) and "error" in part), part["error"]
+    return part
+
+
 def run_pass(model, state, ids, capture=()):
     """One pass of ids on top of state's committed tokens, left pending for commit / discard (as the engine runs it)."""
     from blockspec.engine.target import EagerTarget

@@ -11,15 +11,14 @@ import pytest
 import torch
 
 from blockspec.engine.engine import Engine
-from blockspec.tiny import build_tiny_checkpoint
 
 CONTEXT = 128
 MAX_TOKENS = 6
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return build_tiny_checkpoint(tmp_path_factory.mktemp("tinychat"), seed=0, planted=True)
+def tiny(tiny_checkpoint):
+    return tiny_checkpoint(seed=0, planted=True)
 
 
 @pytest.fixture(scope="module")

@@ -7,12 +7,11 @@ import pytest
 from helpers import cli
 
 from blockspec.cli import main
-from blockspec.tiny import build_tiny_checkpoint
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return build_tiny_checkpoint(tmp_path_factory.mktemp("tiny"), seed=0)
+def tiny(tiny_checkpoint):
+    return tiny_checkpoint(seed=0)
 
 
 BASE = ("--device", "cpu", "--dtype", "float32")

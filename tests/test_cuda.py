@@ -10,16 +10,15 @@ from blockspec.kernels.gdn import (
     gated_delta_rule_reference,
     l2_normalize,
 )
-from blockspec.tiny import build_tiny_checkpoint, build_tiny_drafter
 from helpers import run_pass
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
 @pytest.fixture(scope="module")
-def pair(tmp_path_factory):
-    target = build_tiny_checkpoint(tmp_path_factory.mktemp("t"), seed=0, planted=True)
-    return target, build_tiny_drafter(tmp_path_factory.mktemp("d"), target)
+def pair(tiny_checkpoint, tiny_drafter):
+    target = tiny_checkpoint(seed=0, planted=True)
+    return target, tiny_drafter(target)
 
 
 def engine(directory, **kw):
@@ -73,12 +72,12 @@ def test_graphed_verifier_logits_equal_eager(pair):
 
 
 @pytest.fixture(scope="module")
-def wide_margin_pair(tmp_path_factory):
+def wide_margin_pair(tiny_checkpoint, tiny_drafter):
     """bf16 greedy is not batch-invariant (a token's logits round differently in a 1-token and an 8-token pass),
     so bf16 equality is checked on a planted pair whose logit margins are wide: a less noisy target and a drafter
     whose codebook noise makes acceptance partial."""
-    target = build_tiny_checkpoint(tmp_path_factory.mktemp("t"), seed=1, planted=True, target_noise=1.0)
-    return target, build_tiny_drafter(tmp_path_factory.mktemp("d"), target, noise=0.5)
+    target = tiny_checkpoint(seed=1, planted=True, target_noise=1.0)
+    return target, tiny_drafter(target, noise=0.5)
 
 
 @pytest.mark.parametrize("compile_mode", [-1, 0])

@@ -11,13 +11,12 @@ from test_verification import plain_greedy, run_forced
 from blockspec.cli import main
 from blockspec.engine.engine import Engine
 from blockspec.engine.state import DecodeState
-from blockspec.tiny import build_tiny_checkpoint, build_tiny_drafter
 
 
 @pytest.fixture(scope="module")
-def pair(tmp_path_factory):
-    target = build_tiny_checkpoint(tmp_path_factory.mktemp("target"), seed=0, planted=True)
-    return target, build_tiny_drafter(tmp_path_factory.mktemp("drafter"), target, window=16)
+def pair(tiny_checkpoint, tiny_drafter):
+    target = tiny_checkpoint(seed=0, planted=True)
+    return target, tiny_drafter(target, window=16)
 
 
 def load(target, drafter=None, **kw):
@@ -26,9 +25,9 @@ def load(target, drafter=None, **kw):
 
 
 @pytest.mark.parametrize("seed,prompt", [(0, "hello world"), (1, "the quick brown fox"), (2, "zebra")])
-def test_dflash2_equals_plain_greedy(tmp_path, seed, prompt):
-    target = build_tiny_checkpoint(tmp_path / "t", seed=seed, planted=True)
-    drafter = build_tiny_drafter(tmp_path / "d", target, seed=seed, window=16)
+def test_dflash2_equals_plain_greedy(tiny_checkpoint, tiny_drafter, seed, prompt):
+    target = tiny_checkpoint(seed=seed, planted=True)
+    drafter = tiny_drafter(target, seed=seed, window=16)
     plain_engine = load(target)
     ids = plain_engine.tokenizer.encode(prompt)
     plain = plain_engine.generate(ids, 220, stop_at_eos=False)
@@ -43,10 +42,10 @@ def test_dflash2_equals_plain_greedy(tmp_path, seed, prompt):
     assert len(ids) + 220 > 16  # the drafter's 16-token window is exceeded
 
 
-def test_unplanted_drafter_is_still_exact(tmp_path, pair):
+def test_unplanted_drafter_is_still_exact(tiny_drafter, pair):
     """A random drafter (proposals almost always wrong) changes nothing but speed."""
     target, _ = pair
-    drafter = build_tiny_drafter(tmp_path / "d", target, noise=5.0)
+    drafter = tiny_drafter(target, noise=5.0)
     ids = load(target).tokenizer.encode("abc")
     assert load(target, drafter).generate(ids, 80, stop_at_eos=False).tokens == \
         load(target).generate(ids, 80, stop_at_eos=False).tokens

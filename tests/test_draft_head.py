@@ -11,17 +11,16 @@ from blockspec.cli import main
 from blockspec.engine.engine import Engine
 from blockspec.errors import BlockspecError
 from blockspec.layers.draft_head import DraftHead, draft_ids, head_rows
-from blockspec.tiny import build_tiny_checkpoint, build_tiny_drafter
 
 
 @pytest.fixture(scope="module")
-def planted(tmp_path_factory):
-    return build_tiny_checkpoint(tmp_path_factory.mktemp("planted"), seed=0, planted=True)
+def planted(tiny_checkpoint):
+    return tiny_checkpoint(seed=0, planted=True)
 
 
 @pytest.fixture(scope="module")
-def drafter(planted, tmp_path_factory):
-    return build_tiny_drafter(tmp_path_factory.mktemp("drafter"), planted, window=16)
+def drafter(planted, tiny_drafter):
+    return tiny_drafter(planted, window=16)
 
 
 def load(directory, mode="mtp", **kw):

@@ -5,18 +5,16 @@ accepted lengths in every mode, through passes, partial commits and rollbacks.""
 import json
 import sys
 
+import pytest
 import torch
 from helpers import patch_triton_interpreter, run_in_triton_interpreter
 
 from blockspec.engine.engine import Engine
-from blockspec.tiny import build_tiny_checkpoint, build_tiny_drafter
 
 MODES = ("none", "mtp", "dflash2")
 
 
-def generate_all(directory) -> dict:
-    target = build_tiny_checkpoint(directory / "t", seed=0, planted=True)
-    drafter = build_tiny_drafter(directory / "d", target)
+def generate_all(target, drafter) -> dict:
     runs = {}
     for mode in MODES:
         e = Engine.load(target, device="cpu", context_length=128, mode=mode, compute_dtype="float32",
@@ -26,22 +24,22 @@ def generate_all(directory) -> dict:
     return runs
 
 
-def test_engine_on_triton_kernels_equals_reference(tmp_path):
+@pytest.mark.slow
+def test_engine_on_triton_kernels_equals_reference(tiny_checkpoint, tiny_drafter):
     from blockspec.kernels import attention_triton, gdn_triton
 
     assert not attention_triton.available(torch.zeros(1, 1, 32)) and not gdn_triton.available(torch.zeros(1))
-    reference = generate_all(tmp_path / "ref")
-    fast = run_in_triton_interpreter(__file__)
+    target = tiny_checkpoint(seed=0, planted=True)
+    drafter = tiny_drafter(target)
+    reference = generate_all(target, drafter)
+    fast = run_in_triton_interpreter(__file__, target, drafter)
     assert fast == reference
     assert any(sum(r["accepted"] or []) for r in reference.values())  # speculation accepted (and rolled back)
 
 
-if __name__ == "__main__":
-    import tempfile
-    from pathlib import Path
-
+if __name__ == "__main__":  # python test_fast_paths.py TARGET DRAFTER, with TRITON_INTERPRET=1
     patch_triton_interpreter()
     from blockspec.kernels import attention_triton, gdn_triton
 
     assert attention_triton.available(torch.zeros(1, 1, 32)) and gdn_triton.available(torch.zeros(1))
-    print("RESULTS " + json.dumps(generate_all(Path(tempfile.mkdtemp()))), file=sys.stdout)
+    print("RESULTS " + json.dumps(generate_all(*sys.argv[1:3])), file=sys.stdout)

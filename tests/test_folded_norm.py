@@ -2,12 +2,12 @@
 against a plain PyTorch computation, and a quantized tiny model with and without folding, through the Triton
 interpreter (in a subprocess)."""
 
-import json
 import sys
-import tempfile
 
+import pytest
 import torch
-from helpers import patch_triton_interpreter, run_in_triton_interpreter, run_pass
+from helpers import (interpreter_part, patch_triton_interpreter, report_parts, run_in_triton_interpreter, run_pass,
+                     selected_parts)
 
 from blockspec import kernels
 from blockspec.quant import w4a16_triton as wq
@@ -33,7 +33,6 @@ def _plain_reference(x, residual, w_a, norm_weight, w_b, eps):
 
 
 def _run_kernel_cases():  # executed in a subprocess with TRITON_INTERPRET=1
-    patch_triton_interpreter()
     results = []
     for name, m, hidden, n_out, k_in, cfg in _kernel_cases():
         g = torch.Generator().manual_seed(m * 31 + hidden)
@@ -67,11 +66,22 @@ def _run_kernel_cases():  # executed in a subprocess with TRITON_INTERPRET=1
             "row0": bool(torch.equal(one[0], summed[:1]) and torch.equal(y_one, y[:1])),
             "partials_shape": list(partials.shape),
             "counters_clean": counters is None or int(counters.abs().sum()) == 0})
-    print("RESULTS " + json.dumps(results))
+    return results
 
 
-def test_fold_epilogues_match_plain_math_in_interpreter():
-    results = run_in_triton_interpreter(__file__)
+PARTS = {"test_fold_epilogues_match_plain_math_in_interpreter": "kernels",
+         "test_folded_int4_model_in_interpreter": "model"}
+
+
+@pytest.fixture(scope="module")
+def interpreted(request, tiny_checkpoint):
+    """The kernel cases and the model case (those of the tests selected), run in one interpreter subprocess: one
+    start of Python, torch and Triton for both tests, each failing alone on its own part."""
+    return run_in_triton_interpreter(__file__, tiny_checkpoint(seed=0, planted=True), *selected_parts(request, PARTS))
+
+
+def test_fold_epilogues_match_plain_math_in_interpreter(interpreted):
+    results = interpreter_part(interpreted, "kernels")
     assert [r["name"] for r in results] == [c[0] for c in _kernel_cases()]
     for r in results:
         assert r["summed_err"] < 1e-5 and r["partials_err"] < 1e-5 and r["y_err"] < 1e-5, r
@@ -113,13 +123,10 @@ def test_fold_setting_is_a_config_key():
         raise AssertionError("an invalid fold_norms was accepted")
 
 
-def _run_model_case():  # executed in a subprocess with TRITON_INTERPRET=1
+def _run_model_case(directory):  # executed in a subprocess with TRITON_INTERPRET=1
     from blockspec.engine.engine import Engine
     from blockspec.layers import folded_norm
-    from blockspec.tiny import build_tiny_checkpoint
 
-    patch_triton_interpreter()
-    directory = build_tiny_checkpoint(tempfile.mkdtemp(), seed=0, planted=True)
     kw = dict(device="cpu", compute_dtype="float32", context_length=256, target_quantization="int4")
     plain, mtp = Engine.load(directory, **kw), Engine.load(directory, mode="mtp", **kw)
     ids = plain.tokenizer.encode("hello world")
@@ -133,22 +140,24 @@ def _run_model_case():  # executed in a subprocess with TRITON_INTERPRET=1
     folded = logits()
     folded_norm.enable(plain.model, False)
     unfolded = logits()
-    print("RESULTS " + json.dumps({
+    return {
         "folded_norms": [plain.folded_norms, mtp.folded_norms], "layers": len(plain.model.layers),
         "folded_activations": sum(layer.mlp.fold_activation for layer in mtp.model.layers),
         "same_tokens": a.tokens == b.tokens, "acceptance": b.stats["acceptance_rate"],
-        "logits_err": float((folded - unfolded).abs().max() / unfolded.abs().max())}))
+        "logits_err": float((folded - unfolded).abs().max() / unfolded.abs().max())}
 
 
-def test_folded_int4_model_in_interpreter():
+@pytest.mark.slow
+def test_folded_int4_model_in_interpreter(interpreted):
     """An INT4 tiny model (packed) on the CPU under the interpreter folds every norm but the first and the last, and
     every MLP activation; MTP decoding
     with folded norms still equals plain greedy decoding with them; folding moves logits by rounding only."""
-    r = run_in_triton_interpreter(__file__, "model")
+    r = interpreter_part(interpreted, "model")
     assert r["folded_norms"] == [2 * r["layers"] - 1] * 2 and r["folded_activations"] == r["layers"], r
     assert r["same_tokens"] and r["acceptance"] > 0.05, r
     assert r["logits_err"] < 1e-4, r
 
 
-if __name__ == "__main__":
-    _run_model_case() if sys.argv[1:] == ["model"] else _run_kernel_cases()
+if __name__ == "__main__":  # python test_folded_norm.py CHECKPOINT PART..., with TRITON_INTERPRET=1
+    patch_triton_interpreter()
+    report_parts({"kernels": _run_kernel_cases, "model": lambda: _run_model_case(sys.argv[1])}, sys.argv[2:])

@@ -6,6 +6,7 @@ recurrence + gated output norm, `short_pass`) against the reference chain, also 
 
 import json
 
+import pytest
 import torch
 from helpers import patch_triton_interpreter, run_in_triton_interpreter
 
@@ -94,6 +95,7 @@ def _mixer_cases():
     return results
 
 
+@pytest.mark.slow
 def test_short_pass_kernel_matches_reference_in_interpreter():
     results = run_in_triton_interpreter(__file__)
     assert len(results["recurrence"]) == len(CASES)

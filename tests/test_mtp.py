@@ -17,8 +17,8 @@ from helpers import run_pass
 
 
 @pytest.fixture(scope="module")
-def planted(tmp_path_factory):
-    return build_tiny_checkpoint(tmp_path_factory.mktemp("planted"), seed=0, planted=True)
+def planted(tiny_checkpoint):
+    return tiny_checkpoint(seed=0, planted=True)
 
 
 def load(directory, mode="mtp", **kw):
@@ -64,8 +64,8 @@ def reference_mtp_logits(w, cfg, hidden, next_tokens):
     return norm(x, w["mtp.norm.weight"]) @ w["lm_head.weight"].t()
 
 
-def test_mtp_head_matches_independent_computation(tmp_path):
-    directory = build_tiny_checkpoint(tmp_path, seed=3)  # random (not planted) weights
+def test_mtp_head_matches_independent_computation(tiny_checkpoint):
+    directory = tiny_checkpoint(seed=3)  # random (not planted) weights
     w, cfg = load_file(str(directory / "model.safetensors")), json.loads((directory / "config.json").read_text())
     engine = load(directory)
     prompt = torch.randint(0, 259, (12,), generator=torch.Generator().manual_seed(0))
@@ -104,8 +104,8 @@ def test_forced_verification_keeps_target_and_mtp_cache_exact(planted, wrong_fro
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_mtp_equals_plain_greedy(tmp_path, seed):
-    directory = build_tiny_checkpoint(tmp_path, seed=seed, planted=True)
+def test_mtp_equals_plain_greedy(tiny_checkpoint, seed):
+    directory = tiny_checkpoint(seed=seed, planted=True)
     prompt = load(directory, "none").tokenizer.encode(["hello world", "the quick brown fox", "zebra"][seed])
     plain = load(directory, "none").generate(prompt, 220, stop_at_eos=False)
     spec = load(directory, "mtp").generate(prompt, 220, stop_at_eos=False)

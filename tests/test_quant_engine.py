@@ -20,7 +20,6 @@ from blockspec.engine.engine import Engine
 from blockspec.layers.linear import PackedLinear, pack_projections
 from blockspec.quant import Int4Linear, Int8Linear
 from blockspec.quant.w4a16_triton import unpack_groups
-from blockspec.tiny import build_tiny_checkpoint, build_tiny_drafter
 
 PROMPT = "hello world, the quick brown fox jumps over"
 
@@ -51,13 +50,13 @@ def group_scales(module, k):
 
 
 @pytest.fixture(scope="module")
-def planted(tmp_path_factory):
-    return build_tiny_checkpoint(tmp_path_factory.mktemp("planted"), seed=0, planted=True)
+def planted(tiny_checkpoint):
+    return tiny_checkpoint(seed=0, planted=True)
 
 
 @pytest.fixture(scope="module")
-def pair(planted, tmp_path_factory):
-    return planted, build_tiny_drafter(tmp_path_factory.mktemp("drafter"), planted, window=16)
+def pair(planted, tiny_drafter):
+    return planted, tiny_drafter(planted, window=16)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -193,9 +192,9 @@ CT_CASES = {  # symmetric with the MTP head quantized; asymmetric with MTP and t
 
 
 @pytest.fixture(scope="module", params=list(CT_CASES))
-def compressed(request, tmp_path_factory):
+def compressed(request, tmp_path_factory, tiny_checkpoint):
     directory = tmp_path_factory.mktemp(request.param)
-    source = build_tiny_checkpoint(directory / "source", seed=3, planted=True, intermediate_size=320)
+    source = tiny_checkpoint(seed=3, planted=True, intermediate_size=320)
     symmetric, ignore = CT_CASES[request.param]
     return (*write_compressed(source, directory, symmetric, ignore), symmetric, ignore)
 
@@ -234,8 +233,8 @@ def test_compressed_tensors_checkpoint_matches_dequantized_reference(compressed)
 
 @pytest.mark.parametrize("kind,cls", [("int8", Int8Linear), ("int4", Int4Linear)])
 @pytest.mark.parametrize("tie", [False, True], ids=["untied", "tied"])
-def test_vocabulary_quantization(tmp_path, kind, cls, tie):
-    target = build_tiny_checkpoint(tmp_path, seed=1, tie_word_embeddings=tie)
+def test_vocabulary_quantization(tiny_checkpoint, kind, cls, tie):
+    target = tiny_checkpoint(seed=1, tie_word_embeddings=tie)
     dense, quant = load(target), load(target, vocabulary_quantization=kind)
     head = quant.model.lm_head
     assert isinstance(head, cls) and type(head) is cls and head.group_size == 128

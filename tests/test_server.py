@@ -23,7 +23,6 @@ openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 
 from blockspec.engine.engine import Engine  # noqa: E402
-from blockspec.tiny import build_tiny_checkpoint  # noqa: E402
 
 CONTEXT = 1024
 DEFAULT_MAX = 12          # the main server's --max-tokens: the default reply length
@@ -77,8 +76,8 @@ class Server:
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return build_tiny_checkpoint(tmp_path_factory.mktemp("tinysrv"), seed=0, planted=True)
+def tiny(tiny_checkpoint):
+    return tiny_checkpoint(seed=0, planted=True)
 
 
 @pytest.fixture(scope="module")
