@@ -209,20 +209,27 @@ def add_train_drafter_parser(sub):
     p.add_argument("--intermediate-size", type=int, help="MLP width (default: the target's)")
     p.add_argument("--selector-rank", type=int, default=D.selector_rank, help="candidate selector rank")
     p.add_argument("--selector-top-k", type=int, default=D.selector_top_k, help="candidates per row")
-    p.add_argument("--steps", type=int, default=D.steps, help="optimizer steps")
-    p.add_argument("--tokens", type=int, help="train on this many block tokens instead of --steps")
-    p.add_argument("--lr", type=float, default=D.lr, help="peak learning rate (linear warm-up, cosine decay)")
-    p.add_argument("--batch-tokens", type=int, default=D.batch_tokens, help="block tokens per step")
-    p.add_argument("--seq-len", type=int, default=D.seq_len, help="tokens per training sequence")
     p.add_argument("--loss-decay", type=float, default=D.loss_decay, help="row j weighs exp(-(j-1)/decay)")
-    p.add_argument("--heldout", type=float, default=D.heldout, help="share of the texts held out for evaluation")
-    p.add_argument("--checkpoint-every", type=int, default=D.checkpoint_every, help="steps between checkpoints")
     p.add_argument("--eval-cuts", type=int, default=D.eval_cuts,
                    help="held-out contexts for the final one-cycle acceptance (0: none)")
-    p.add_argument("--seed", type=int, default=D.seed, help="seed of sampling and initialisation")
-    p.add_argument("--resume", action="store_true", help="continue the run saved in --out")
-    p.add_argument("--device", choices=["cpu", "cuda", "auto"], default=D.device, help="auto: the GPU if there is one")
+    add_training_args(p, D, "block tokens")
     p.set_defaults(func=cmd_train_drafter)
+
+
+def add_training_args(p, defaults, unit: str):
+    """The optimisation flags every training command takes (train/loop.py)."""
+    p.add_argument("--steps", type=int, default=defaults.steps, help="optimizer steps")
+    p.add_argument("--tokens", type=int, help=f"train on this many {unit} instead of --steps")
+    p.add_argument("--lr", type=float, default=defaults.lr, help="peak learning rate (linear warm-up, cosine decay)")
+    p.add_argument("--batch-tokens", type=int, default=defaults.batch_tokens, help=f"{unit} per step")
+    p.add_argument("--seq-len", type=int, default=defaults.seq_len, help="tokens per training sequence")
+    p.add_argument("--heldout", type=float, default=defaults.heldout, help="share of the texts held out for evaluation")
+    p.add_argument("--checkpoint-every", type=int, default=defaults.checkpoint_every,
+                   help="steps between checkpoints")
+    p.add_argument("--seed", type=int, default=defaults.seed, help="seed of sampling and initialisation")
+    p.add_argument("--resume", action="store_true", help="continue the run saved in --out")
+    p.add_argument("--device", choices=["cpu", "cuda", "auto"], default=defaults.device,
+                   help="auto: the GPU if there is one")
 
 
 def cmd_train_target(args):
@@ -246,16 +253,7 @@ def add_train_target_parser(sub):
     p.add_argument("--layers", type=int, default=T.layers, help="layers (a multiple of 4: 3 DeltaNet + 1 attention)")
     p.add_argument("--heads", type=int, default=T.heads, help="attention heads (2 key/value heads)")
     p.add_argument("--intermediate", type=int, default=T.intermediate, help="MLP width")
-    p.add_argument("--seq-len", type=int, default=T.seq_len, help="tokens per training sequence")
-    p.add_argument("--batch-tokens", type=int, default=T.batch_tokens, help="tokens per step")
-    p.add_argument("--steps", type=int, default=T.steps, help="optimizer steps")
-    p.add_argument("--tokens", type=int, help="train on this many tokens instead of --steps")
-    p.add_argument("--lr", type=float, default=T.lr, help="peak learning rate (linear warm-up, cosine decay)")
-    p.add_argument("--heldout", type=float, default=T.heldout, help="share of the texts held out for evaluation")
-    p.add_argument("--checkpoint-every", type=int, default=T.checkpoint_every, help="steps between checkpoints")
-    p.add_argument("--seed", type=int, default=T.seed, help="seed of tokenizer order, sampling and initialisation")
-    p.add_argument("--resume", action="store_true", help="continue the run saved in --out")
-    p.add_argument("--device", choices=["cpu", "cuda", "auto"], default=T.device, help="auto: the GPU if there is one")
+    add_training_args(p, T, "tokens")
     p.set_defaults(func=cmd_train_target)
 
 

@@ -15,6 +15,18 @@ import torch
 STATE_FILE = "training_state.pt"
 
 
+def check_output(out: Path, resume: bool):
+    """A run writes into a new or empty directory, or continues the one saved there (--resume)."""
+    from ..errors import BlockspecError
+
+    if out.exists() and not out.is_dir():
+        raise BlockspecError(f"--out {out} exists and is not a directory")
+    if resume and not (out / STATE_FILE).is_file():
+        raise BlockspecError(f"--resume: {out / STATE_FILE} does not exist (nothing to resume)")
+    if not resume and out.is_dir() and any(out.iterdir()):
+        raise BlockspecError(f"--out {out} is not empty: choose a new directory or pass --resume")
+
+
 def learning_rate(step: int, steps: int, peak: float) -> float:
     warmup = max(1, steps // 20)
     if step < warmup:

@@ -19,7 +19,7 @@ from ..engine.target import EagerTarget
 from ..errors import BlockspecError
 from ..tokenizer import Tokenizer
 from .data import split_corpus
-from .loop import STATE_FILE, Trainer
+from .loop import Trainer, check_output
 
 
 @dataclass
@@ -79,13 +79,7 @@ def check_run(run: DrafterTraining) -> TargetConfig:
     if bad_ids:
         raise BlockspecError(f"--target-layer-ids {run.target_layer_ids}: layer {bad_ids[0]} is outside the target's "
                              f"{target.num_hidden_layers} layers (0..{target.num_hidden_layers - 1})")
-    out = Path(run.out)
-    if out.exists() and not out.is_dir():
-        raise BlockspecError(f"--out {out} exists and is not a directory")
-    if run.resume and not (out / STATE_FILE).is_file():
-        raise BlockspecError(f"--resume: {out / STATE_FILE} does not exist (nothing to resume)")
-    if not run.resume and out.is_dir() and any(out.iterdir()):
-        raise BlockspecError(f"--out {out} is not empty: choose a new directory or pass --resume")
+    check_output(Path(run.out), run.resume)
     return target
 
 

@@ -20,7 +20,7 @@ import torch
 
 from ..errors import BlockspecError
 from .data import read_texts, text_files
-from .loop import STATE_FILE, Trainer
+from .loop import Trainer, check_output
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 TOKENIZER_SAMPLE_BYTES = 64 << 20  # the BPE merges are learnt on this much of the text (more changes them little)
@@ -65,13 +65,7 @@ def check_run(run: TargetTraining):
     for bad, why in checks:
         if bad:
             raise BlockspecError(why)
-    out = Path(run.out)
-    if out.exists() and not out.is_dir():
-        raise BlockspecError(f"--out {out} exists and is not a directory")
-    if run.resume and not (out / STATE_FILE).is_file():
-        raise BlockspecError(f"--resume: {out / STATE_FILE} does not exist (nothing to resume)")
-    if not run.resume and out.is_dir() and any(out.iterdir()):
-        raise BlockspecError(f"--out {out} is not empty: choose a new directory or pass --resume")
+    check_output(Path(run.out), run.resume)
 
 
 def train_tokenizer(texts: list[str], vocab: int):
