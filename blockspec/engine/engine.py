@@ -16,7 +16,7 @@ from ..errors import BlockspecError, UnsupportedRequest
 from ..kernels import KernelSettings, use
 from ..layers import folded_norm
 from ..layers.draft_head import DraftHead, draft_ids
-from ..quant.apply import prepare, quantize_head, resident_bytes, rtn
+from .weights import prepare, quantize_head, resident_bytes, rtn
 from ..tokenizer import Tokenizer
 from .decode import DecodeStats, Proposer, decode
 from .dflash2 import DFlash2Proposer
@@ -146,7 +146,7 @@ class Engine:
                       file=sys.stderr)
 
     def prepare_target(self):
-        """Quantize the target's (packed) projections and its head as configured (see blockspec.quant.apply), and
+        """Quantize the target's (packed) projections and its head as configured (engine/weights.py), and
         choose how the kernels launch."""
         c, start = self.config, time.perf_counter()
         stored = self.model.checkpoint_quantization

@@ -1,6 +1,6 @@
 """Applying packing and weight-only quantization to loaded modules (target, MTP head, DFlash2 drafter, shared head).
 
-One mechanism for all of them: `prepare` packs the projections the options ask for (blockspec.layers.linear), then
+One mechanism for all of them: `prepare` packs the projections (blockspec.layers.linear, if the loader has not), then
 swaps every `nn.Linear` whose qualified name passes a filter for its round-to-nearest quantized version
 (`replace_linears`). Embeddings, norms, convolutions and other parameters are never touched.
 """
@@ -13,10 +13,9 @@ import torch
 from torch import nn
 
 from ..errors import BlockspecError
-from ..layers.linear import DenseLinear
-from ..layers.linear import pack_projections
-from .int4 import Int4Linear
-from .int8 import Int8Linear
+from ..layers.linear import DenseLinear, pack_projections
+from ..quant.int4 import Int4Linear
+from ..quant.int8 import Int8Linear
 
 KINDS = {"int4": Int4Linear, "int8": Int8Linear}
 Quantizer = Callable[[nn.Linear], nn.Module]
