@@ -11,10 +11,11 @@ from helpers import run_pass
 
 from blockspec.checkpoint import load_target
 from blockspec.cli import main
+from blockspec.config import TargetConfig
 from blockspec.drafter import DFlash2Drafter
 from blockspec.engine.engine import Engine
 from blockspec.tiny import build_tiny_checkpoint
-from blockspec.train.dflash2 import attention_mask, sample_blocks
+from blockspec.train.dflash2 import drafter_config, drafter_hidden, new_drafter, sample_anchors
 from blockspec.train.run import DrafterTraining, TargetFeatures, train
 
 reference = pytest.importorskip("dflash.model")
@@ -102,22 +103,30 @@ def test_resume_continues_the_run(setup):
     assert resumed["history"][:8] == first["history"]
 
 
-def test_blocks_see_the_window_of_committed_features_only():
-    features, tokens = torch.arange(40.0)[:, None].repeat(1, 3), torch.arange(40)
-    ctx, valid, ids, positions, labels, anchors = sample_blocks(features, tokens, tokens + 100, 6, 4, 8, 999,
-                                                                random.Random(1))
-    for row, a in enumerate(anchors.tolist()):
-        assert ids[row].tolist() == [a, 999, 999, 999] and labels[row].tolist() == [100 + a, 101 + a, 102 + a]
-        kept = ctx[row, valid[row], 0].tolist()
-        assert kept == [float(p) for p in range(max(0, a - 7), a)]  # positions a - 7 .. a - 1, never a itself
-        assert positions[row, -4:].tolist() == [a, a + 1, a + 2, a + 3]
-    mask = attention_mask(valid, 4, 8)[:, 0]
-    context = valid.shape[1]
-    assert mask[:, :, context:].all()  # the block is not causal
-    for row in range(len(anchors)):  # row i sees context position p only when a + i - p < 8
-        for i in range(4):
-            seen = mask[row, i, :context] & valid[row]
-            assert int(seen.sum()) == min(8 - 1 - i, int(anchors[row]))
+def test_shared_context_forward_equals_dflash_block_by_block(setup):
+    """Training runs every anchor block of a sequence in one masked pass over features projected once; each block's
+    rows must equal dflash's own forward on that anchor's context alone (its sliding-window mask, its positions)."""
+    root, target, data = setup
+    model, _ = load_target(target)
+    run = run_config(root, target, data, window=16, heads=2)
+    config = drafter_config(TargetConfig.from_file(target / "config.json"), run, mask_token_id=3)
+    drafter = new_drafter(config, seed=1, device="cpu", dtype=torch.float32).eval()
+    with torch.no_grad():  # a non-identity convolution and selector, so every path carries signal
+        for p in drafter.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    length, block = 40, drafter.block_size
+    features = torch.randn(length, drafter.fc.in_features)
+    anchors = sample_anchors(length, 9, block, random.Random(2))
+    assert anchors[0] < 16 < anchors[-1]  # anchors inside and past the window
+    ids = torch.full((len(anchors), block), 3)
+    ids[:, 0] = torch.randint(0, 200, (len(anchors),))
+    noise = F.embedding(ids, model.embed_tokens.weight)
+    with torch.no_grad():
+        shared = drafter_hidden(drafter, features, noise, torch.tensor(anchors))
+        for row, a in enumerate(anchors):
+            alone = drafter(target_hidden=features[None, :a], noise_embedding=noise[row:row + 1],
+                            position_ids=torch.arange(a + block)[None])[0]
+            torch.testing.assert_close(shared[row], alone, rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize("args,message", [

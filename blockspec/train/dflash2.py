@@ -61,42 +61,75 @@ def mask_token(tokenizer, vocab_size: int) -> int:
     return vocab_size - 1
 
 
-def sample_blocks(features, tokens, labels, count: int, block: int, window: int, mask_id: int, rng):
-    """`count` anchor blocks of one sequence: (context features [n, L, F], its validity [n, L], block ids [n, block],
-    positions [n, L + block], labels [n, block - 1], anchor positions [n])."""
-    length = tokens.shape[0]
-    anchors = torch.tensor(sorted(rng.sample(range(1, length - block + 2), min(count, length - block + 1))))
-    context = int(min(window - 1, anchors.max()))  # the block's first row sees window - 1 earlier positions
-    offsets = torch.arange(-context, 0)
-    source = anchors[:, None] + offsets[None, :]
-    valid = source >= 0
-    ctx = features[source.clamp_min(0)]
-    ids = torch.full((anchors.shape[0], block), mask_id, dtype=torch.long)
+def sample_anchors(length: int, count: int, block: int, rng) -> list[int]:
+    """`count` distinct anchor positions of a sequence of `length` tokens, each with a whole block after it."""
+    return sorted(rng.sample(range(1, length - block + 2), min(count, length - block + 1)))
+
+
+def context_mask(anchors: torch.Tensor, block: int, length: int, window: int) -> torch.Tensor:
+    """Bool [n * block, length + n * block]: block row i after anchor a (position a + i) sees the sequence's
+    position p when p < a and a + i - p < window (what the drafter reads at inference: committed features inside
+    its window), and every row of its own block (DFlash2's block is not causal), no other block."""
+    rows = (anchors[:, None] + torch.arange(block, device=anchors.device)).reshape(-1)
+    anchor = anchors.repeat_interleave(block)
+    p = torch.arange(length, device=anchors.device)
+    sees_context = (p[None] < anchor[:, None]) & (rows[:, None] - p[None] < window)
+    owner = torch.arange(anchors.shape[0], device=anchors.device).repeat_interleave(block)
+    return torch.cat([sees_context, owner[:, None] == owner[None, :]], dim=1)
+
+
+def _rotate(x, cos, sin):
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
+
+
+def drafter_hidden(model, features: torch.Tensor, noise: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
+    """The drafter's output rows [n, block, H] for n anchor blocks of one sequence: `features` [S, F] are the
+    target's captured features of the whole sequence, `noise` [n, block, H] the embedded blocks.
+
+    Equals dflash's own forward run block by block on each anchor's context (tests/test_train.py checks it), but
+    projects the sequence's features (fc, keys, values) once instead of once per anchor, and runs every block's
+    attention in one masked call: per step the drafter costs S + n * block rows instead of n * (window + block)."""
+    n, block, _ = noise.shape
+    length = features.shape[0]
+    context = model.hidden_norm(model.fc(features))[None]
+    positions = (anchors[:, None] + torch.arange(block, device=anchors.device))[None].reshape(1, -1)
+    cos_c, sin_c = model.rotary_emb(context, torch.arange(length, device=anchors.device)[None])
+    cos_b, sin_b = model.rotary_emb(noise, positions)
+    mask = context_mask(anchors, block, length, model.config.sliding_window)
+    hidden = noise
+    for layer in model.layers:
+        attn = layer.self_attn
+        d = attn.head_dim
+        x, attention_kernel = layer.attention_conv.prepare(layer.input_layernorm(hidden))
+        rows = x.reshape(1, n * block, -1)
+        q = _rotate(attn.q_norm(attn.q_proj(rows).view(1, n * block, -1, d)), cos_b[:, :, None], sin_b[:, :, None])
+        k = torch.cat([_rotate(attn.k_norm(attn.k_proj(context).view(1, length, -1, d)), cos_c[:, :, None],
+                               sin_c[:, :, None]),
+                       _rotate(attn.k_norm(attn.k_proj(rows).view(1, n * block, -1, d)), cos_b[:, :, None],
+                               sin_b[:, :, None])], dim=1)
+        v = torch.cat([attn.v_proj(context), attn.v_proj(rows)], dim=1).view(1, length + n * block, -1, d)
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                             attn_mask=mask, scale=attn.scaling, enable_gqa=True)
+        out = attn.o_proj(out.transpose(1, 2).reshape(n, block, -1))
+        hidden = hidden + layer.attention_conv.finish(out, attention_kernel)
+        x, mlp_kernel = layer.mlp_conv.prepare(layer.post_attention_layernorm(hidden))
+        hidden = hidden + layer.mlp_conv.finish(layer.mlp(x), mlp_kernel)
+    return model.norm(hidden)
+
+
+def block_losses(model, head, embed, features, tokens, labels, anchors, decay: float):
+    """(block cross-entropy, selector cross-entropy, per-row accuracy [block - 1]) of the anchor blocks of one
+    sequence: `tokens` [S] its ids, `labels` [S] the target's greedy token after each position, `anchors` [n]."""
+    block = model.block_size
+    offsets = torch.arange(block, device=tokens.device)
+    ids = torch.full((anchors.shape[0], block), model.mask_token_id, dtype=torch.long, device=tokens.device)
     ids[:, 0] = tokens[anchors]
-    positions = torch.cat([source, anchors[:, None] + torch.arange(block)[None, :]], dim=1).clamp_min(0)
-    targets = labels[anchors[:, None] + torch.arange(block - 1)[None, :]]
-    return ctx, valid, ids, positions, targets, anchors
-
-
-def attention_mask(valid: torch.Tensor, block: int, window: int) -> torch.Tensor:
-    """Bool [n, 1, block, L + block]: block row i (position a + i) sees context row j (position a - L + j) when it
-    holds a real position inside the window, and every row of its own block (DFlash2's block is not causal)."""
-    n, context = valid.shape
-    rows, columns = torch.arange(block, device=valid.device), torch.arange(context, device=valid.device)
-    distance = rows[:, None] + context - columns[None, :]
-    sees_context = valid[:, None, :] & (distance < window)[None]
-    return torch.cat([sees_context, torch.ones(n, block, block, dtype=torch.bool, device=valid.device)], dim=-1)[:, None]
-
-
-def block_losses(model, head, embed, batch, decay: float):
-    """(block cross-entropy, selector cross-entropy, per-row accuracy [block - 1]) of one batch of anchor blocks."""
-    ctx, valid, ids, positions, targets, _ = batch
-    block = ids.shape[1]
+    targets = labels[anchors[:, None] + offsets[None, :-1]]
     noise = embed(ids) * float(model.config.dflash_config.get("input_embedding_scale", 1.0))
-    mask = attention_mask(valid, block, model.config.sliding_window)
-    hidden = model(target_hidden=ctx, noise_embedding=noise, position_ids=positions, attention_mask=mask)[:, 1:]
+    hidden = drafter_hidden(model, features, noise.to(features.dtype), anchors)[:, 1:]
     logits = model.compute_logits(hidden, head).float()
-    weights = torch.exp(-torch.arange(block - 1, device=ctx.device) / decay)
+    weights = torch.exp(-torch.arange(block - 1, device=tokens.device) / decay)
     weights = weights / weights.sum()
     row_ce = F.cross_entropy(logits.transpose(1, 2), targets, reduction="none").mean(0)
     selector = model.candidate_selector
@@ -131,21 +164,20 @@ def new_drafter(config: dict, seed: int, device, dtype):
     return model.to(device=device, dtype=dtype)
 
 
-def dflash2_step(drafter, model, features, sequences, run, mask_id: int):
+def dflash2_step(drafter, model, features, sequences, run):
     """step_loss for the Trainer: one training sequence through the frozen target, then a batch of its anchor
     blocks through the drafter."""
     per_step = max(1, run.batch_tokens // run.block_size)
     device = model.embed_tokens.weight.device
 
     def step_loss(rng):
-        sequence = torch.tensor(sequences[rng.randrange(len(sequences))], device=device)
-        feats, labels = features(sequence)
-        batch = sample_blocks(feats.cpu(), sequence.cpu(), labels.cpu(), per_step, run.block_size, run.window,
-                              mask_id, rng)
-        batch = tuple(t.to(device) for t in batch)
-        block_ce, selector_ce, accuracy = block_losses(drafter, model.logits, model.embed,
-                                                       (batch[0].to(feats.dtype),) + batch[1:], run.loss_decay)
+        sequence = sequences[rng.randrange(len(sequences))]
+        tokens = torch.tensor(sequence, device=device)
+        feats, labels = features(tokens)
+        anchors = torch.tensor(sample_anchors(len(sequence), per_step, run.block_size, rng), device=device)
+        block_ce, selector_ce, accuracy = block_losses(drafter, model.logits, model.embed, feats, tokens, labels,
+                                                       anchors, run.loss_decay)
         figures = {"block_ce": block_ce.item(), "selector_ce": selector_ce.item(),
                    "first_row_accuracy": accuracy[0].item()}
-        return block_ce + selector_ce, figures, batch[2].numel()
+        return block_ce + selector_ce, figures, anchors.numel() * run.block_size
     return step_loss

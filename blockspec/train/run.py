@@ -117,7 +117,7 @@ def train(run: DrafterTraining, log=print) -> dict:
         layer_ids = config["dflash_config"]["target_layer_ids"]
         module = new_drafter(config, run.seed, device, torch.float32)  # fp32 master weights; autocast runs bf16
         features = TargetFeatures(model, layer_ids, run.seq_len, device, dtype)
-        step_loss = dflash2_step(module, model, features, sequences, run, config["dflash_config"]["mask_token_id"])
+        step_loss = dflash2_step(module, model, features, sequences, run)
         save, rows = module.save_pretrained, max(1, run.batch_tokens // run.block_size) * run.block_size
         what = f"DFlash2 drafter reading target layers {layer_ids}"
     else:
