@@ -17,14 +17,18 @@
 #              configs only)
 #   profile    where a step / cycle goes, kernel tables (bench/profile_cycle.py $PROFILE_ARGS, e.g.
 #              "--modes none --quant int4 --vocab-quant int8 --pdl-level 0")
-#   train      training throughput: a small target (train-target) on the machine's installed packages' .py files,
-#              TARGET_STEPS steps, then a DFlash2 drafter and the MTP head for it (train-drafter, DRAFTER_STEPS
-#              each) on part of that code, with their held-out one-cycle acceptance (~5 minutes at the defaults)
+#   pair_target    the demo pair's target (train-target on the machine's installed packages' .py files, 78M tokens,
+#                  ~7.5 minutes) into .pair/target, kept for the next parts while the machine is held
+#   pair_drafters  its DFlash2 drafter and MTP head (train-drafter; both at once on the one GPU, ~5.5 minutes) into
+#                  .pair/drafter and .pair/mtp (the target with its head); archives in $OUT
+#   pair_bench     the pair on standard-library code: tokens/s of the three modes, acceptance over whole
+#                  generations and from 500 real contexts (bench --fixtures stdlib --one-cycle 500)
+#   drafter_train  train-drafter's step on the synthetic 27B with the published drafter (bench/drafter_training.py)
 # Usage (device machine, repo root, wheels in .whl): PARTS="tests bf16 int4" bash bench/h200.sh  (writes to $OUT)
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"; export OUT=$(cd "$OUT" && pwd); LOG="$OUT/bench_log.txt"  # the benches' JSON too
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD
-export PYTHONUNBUFFERED=1 TORCHINDUCTOR_CACHE_DIR=/tmp/blockspec-inductor-cache  # starts empty: a cold first start
+export TQDM_DISABLE=1 PYTHONUNBUFFERED=1 TORCHINDUCTOR_CACHE_DIR=/tmp/blockspec-inductor-cache  # starts empty: a cold first start
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
   python3 -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__)"
   } > "$OUT/machine.txt" 2>&1
@@ -52,18 +56,20 @@ for part in ${PARTS:-bf16 warm int4 vocab}; do
     norm) kernel_bench norm_kernel 40 norm_kernel ;;
     linear) kernel_bench linear_kernels 150 linear_kernels ${LINEAR_ARGS:-} ;;
     profile) kernel_bench profile_cycle ${PROFILE_S:-300} profile_cycle ${PROFILE_ARGS:-} ;;
-    train) SITE=$(python3 -c "import os, site; print(' '.join(p for p in site.getsitepackages() if os.path.isdir(p)))")
-           CODE=$(python3 -c "import os, torch; print(os.path.dirname(torch.__file__))")  # held-out text: not stdlib
-           export TQDM_DISABLE=1; rm -rf /tmp/bs-target /tmp/bs-drafter /tmp/bs-mtp  # a fresh run each time
-           run ${TRAIN_S:-240} python3 -m blockspec.cli train-target --data $SITE --suffixes .py --out /tmp/bs-target \
-             --hidden 384 --layers 8 --heads 6 --intermediate 1024 --steps ${TARGET_STEPS:-60} --checkpoint-every 1000
-           cp /tmp/bs-target/training.json "$OUT/train_target.json"
-           run 150 python3 -m blockspec.cli train-drafter --target /tmp/bs-target --data $CODE --out /tmp/bs-drafter \
-             --layers 1 --window 1024 --seq-len 1024 --selector-rank 64 --steps ${DRAFTER_STEPS:-60} --eval-cuts 100
-           cp /tmp/bs-drafter/training.json "$OUT/train_drafter.json"
-           run 150 python3 -m blockspec.cli train-drafter --kind mtp --target /tmp/bs-target --data $CODE \
-             --out /tmp/bs-mtp --seq-len 1024 --batch-tokens 16384 --steps ${DRAFTER_STEPS:-60} --eval-cuts 100
-           cp /tmp/bs-mtp/training.json "$OUT/train_mtp.json" ;;
+    pair_target) SITE=$(python3 -c "import os, site; print(' '.join(p for p in site.getsitepackages() if os.path.isdir(p)))")
+           run 560 python3 -m blockspec.cli train-target --data $SITE --suffixes .py --out .pair/target --hidden 384 \
+             --layers 8 --heads 6 --intermediate 1024 --seq-len 1024 --batch-tokens 65536 --tokens 78000000 --seed 0
+           cp .pair/target/training.json "$OUT/train_target.json" ;;
+    pair_drafters) SP=$(python3 -c "import os, site; print([p for p in site.getsitepackages() if os.path.isdir(p)][0])")
+           TD="python3 -m blockspec.cli train-drafter --target .pair/target --data $SP/torch $SP/transformers --seq-len 1024"
+           run 330 $TD --kind mtp --out .pair/mtp --batch-tokens 8192 --steps 1000 --eval-cuts 300 &
+           run 330 $TD --out .pair/drafter --layers 1 --window 1024 --selector-rank 64 --intermediate-size 1024 \
+             --lr 1e-3 --batch-tokens 8192 --steps 2000 --eval-cuts 300; wait
+           tar cf "$OUT/pair_drafter.tar" -C .pair --exclude training_state.pt drafter
+           tar cf "$OUT/pair_mtp.tar" -C .pair/mtp mtp.safetensors training.json ;;
+    pair_bench) run 150 python3 -m blockspec.cli bench --model .pair/mtp --drafter .pair/drafter --mode none,mtp,dflash2 \
+             --fixtures stdlib --one-cycle 500 --max-tokens 256 --repeats 2 --json-out "$OUT/pair_bench.json" ;;
+    drafter_train) kernel_bench drafter_training 110 drafter_training --json-out "$OUT/drafter_training.json" ;;
     *) echo "## unknown part $part" >> "$LOG" ;;
   esac
 done

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import gc
 import json
+import random
 import statistics
 import tempfile
 import time
@@ -23,14 +24,39 @@ from .engine.decode import Proposer
 from .errors import BlockspecError
 from .kernels import pdl
 from .kernels import use
+from .train.evaluate import one_cycle_acceptance, repeat_split, summarize_generations
 
 WARMUP_TOKENS = 128
 DEFAULT_FIXTURES = Path(__file__).parent / "data" / "fixtures.json"  # code, English mystery, zh->en translation
 
 
+CODE_FIXTURE_FILES = 10     # source files taken as fixtures from a directory (or the standard library)
+CODE_PROMPT_CHARS = 1500    # each one's prompt: its beginning, as raw text
+
+
+def code_fixtures(path: str) -> list[dict]:
+    """Source files as raw-text fixtures (no chat template): `stdlib` (the running interpreter's standard library,
+    code no blockspec model was trained on) or a directory; 10 of its files chosen by a fixed seed."""
+    from .train.data import text_files
+    from .train.evaluate import standard_library_files
+
+    if path == "stdlib":
+        files = standard_library_files(CODE_FIXTURE_FILES)
+    else:
+        files = text_files([path])
+        files = sorted(random.Random(0).sample(files, min(CODE_FIXTURE_FILES, len(files))))
+    fixtures = []
+    for file in files:
+        text = file.read_text(encoding="utf-8", errors="replace")
+        fixtures.append({"name": file.stem[:12], "prompt": text[:CODE_PROMPT_CHARS], "text": text, "chat": False})
+    return fixtures
+
+
 def load_fixtures(path: str | None, prompt: str | None) -> list[dict]:
     if prompt is not None:
         return [{"name": "prompt", "prompt": prompt}]
+    if path is not None and (path == "stdlib" or Path(path).is_dir()):
+        return code_fixtures(path)
     try:
         text = Path(path or DEFAULT_FIXTURES).read_text()
         fixtures = json.loads(text)
@@ -179,6 +205,10 @@ def check_arguments(args) -> tuple[list[str], list[dict], list[float] | None]:
     bad = [m for m in modes if m not in ("none", "mtp", "dflash2")]
     if bad:
         raise BlockspecError(f"--mode {bad[0]!r}: choose none, mtp or dflash2 (comma-separated for several)")
+    if args.one_cycle < 0:
+        raise BlockspecError(f"--one-cycle must be 0 or more (got {args.one_cycle})")
+    if args.one_cycle and args.synthetic:
+        raise BlockspecError("--one-cycle measures real acceptance: it needs --model (and --drafter), not --synthetic")
     if args.forced_acceptance is not None and not args.synthetic:
         raise BlockspecError("--forced-acceptance needs --synthetic weights (it replaces real proposals)")
     rates = parse_rates(args.forced_acceptance, len(fixtures))
@@ -228,8 +258,8 @@ def bench(args) -> dict:
                 print(RANDOM_ACCEPTANCE_NOTE)
             print(format_header(), flush=True)
         for fixture in fixtures:
-            chat = [{"role": "user", "content": fixture["prompt"]}]
-            ids = engine.tokenizer.encode(engine.tokenizer.chat_prompt(chat))
+            ids = engine.tokenizer.encode(fixture["prompt"] if fixture.get("chat") is False else
+                                          engine.tokenizer.chat_prompt([{"role": "user", "content": fixture["prompt"]}]))
             rate = rates[fixtures.index(fixture)] if rates else None
             runs = run_fixture(engine, ids, args, trajectories.get(fixture["name"]), rate)
             if mode == "none":
@@ -237,8 +267,17 @@ def bench(args) -> dict:
             if mode not in modes:
                 continue
             row = summarize(mode, fixture["name"], runs, results)
+            if mode != "none" and rate is None:
+                row["repeats_split"] = summarize_generations([repeat_split(ids, runs[0].tokens,
+                                                                           runs[0].stats["accepted_per_cycle"])])
             results["rows"].append(row)
             print(format_row(row), flush=True)
+        if args.one_cycle and mode != "none" and mode in modes:
+            sequences = [engine.tokenizer.encode(f.get("text", f["prompt"])) for f in fixtures]
+            measured = results.setdefault("one_cycle", {})[mode] = one_cycle_acceptance(engine, sequences,
+                                                                                         args.one_cycle, args.seed)
+            print(f"{mode}: one cycle from {measured['cuts']} real contexts: mean accepted length "
+                  f"{measured['mean_accepted_length']:.3f}, acceptance {measured['acceptance_rate']:.1%}", flush=True)
         del engine
         gc.collect()
         if torch.cuda.is_available():
@@ -361,7 +400,10 @@ def add_bench_parser(sub):
     p.add_argument("--context-length", type=int, default=4096, metavar="N", help="tokens the KV cache holds")
     p.add_argument("--prompt", metavar="TEXT", help="one prompt instead of the fixtures")
     p.add_argument("--fixtures", metavar="FILE", help="JSON list of {\"name\", \"prompt\"} objects (default: the "
-                   "packaged code, English and translation prompts)")
+                   "packaged code, English and translation prompts), or a directory of source files, or 'stdlib' (the "
+                   "interpreter's standard library): 10 files, each one's first 1500 characters as a raw prompt")
+    p.add_argument("--one-cycle", type=int, default=0, metavar="CUTS", help="also measure real acceptance: one "
+                   "speculative cycle from each of CUTS random prefixes of the fixtures' texts (e.g. 500)")
     p.add_argument("--forced-acceptance", help="synthetic only: accepted fraction of proposals, one rate or one per "
                    "fixture, e.g. 0.553,0.297,0.516 (the published DFlash2 rates for code, English, translation)")
     p.add_argument("--device", choices=["cpu", "cuda", "auto"], default="auto", help="where to run; auto: cuda when "

@@ -47,6 +47,20 @@ def checkpoint_files(directory: Path) -> list[Path]:
     return files
 
 
+SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+
+
+def stored_dtype(directory: Path) -> torch.dtype:
+    """The dtype the checkpoint stores its embedding table in (bfloat16 when it cannot tell): what weights trained
+    for it are written in."""
+    for path in checkpoint_files(directory):
+        with safe_open(str(path), framework="pt") as f:
+            name = next((n for n in f.keys() if n.endswith("embed_tokens.weight")), None)
+            if name is not None:
+                return SAFETENSORS_DTYPES.get(f.get_slice(name).get_dtype(), torch.bfloat16)
+    return torch.bfloat16
+
+
 def read_tensors(files: list[Path], device: str | torch.device = "cpu"):
     """Yield (name, tensor) from every file, refusing unreadable files with their name."""
     for path in files:

@@ -141,3 +141,44 @@ def test_results_survive_a_write_that_fails_after_the_run(tmp_path):
     rescued = re.search(r"saved to (\S+\.json)$", message).group(1)
     assert json.loads(Path(rescued).read_text()) == results
     Path(rescued).unlink()
+
+
+def test_code_fixtures_and_one_cycle_acceptance(tmp_path, tiny_checkpoint, tiny_drafter):
+    """A directory of source files as raw-text fixtures, and the one-cycle measure over cuts of their texts."""
+    target = tiny_checkpoint(planted=True)
+    code = tmp_path / "code"
+    code.mkdir()
+    for i in range(3):
+        (code / f"m{i}.py").write_text("".join(f"def f{j}(x):\n    return x + {j}\n" for j in range(40 * (i + 1))))
+    out = tmp_path / "bench.json"
+    code_ = main(["bench", "--model", str(target), "--drafter", str(tiny_drafter(target)), "--mode", "mtp,dflash2",
+                  "--fixtures", str(code), "--one-cycle", "6", "--max-tokens", "16", "--repeats", "1", "--device",
+                  "cpu", "--dtype", "float32", "--json-out", str(out)])
+    assert code_ == 0
+    result = json.loads(out.read_text())
+    assert sorted({r["fixture"] for r in result["rows"]}) == ["m0", "m1", "m2"]
+    for mode in ("mtp", "dflash2"):
+        measured = result["one_cycle"][mode]
+        assert measured["cuts"] == 6 and sum(measured["histogram"].values()) == 6
+        assert 1 <= measured["mean_accepted_length"] <= (4 if mode == "mtp" else 8)
+    split = result["rows"][0]["repeats_split"]
+    assert split["cycles"] == split["cycles_in_repeats"] + (split["cycles"] - split["cycles_in_repeats"]) > 0
+
+
+def test_one_cycle_needs_real_weights(capsys):
+    code = main(["bench", "--synthetic", "tiny", "--one-cycle", "5", "--device", "cpu"])
+    err = capsys.readouterr().err
+    assert code == 2 and "--one-cycle" in err and err.count("\n") == 1, err
+
+
+def test_repeat_split_counts_cycles_that_start_inside_a_repeat():
+    from blockspec.train.evaluate import repeat_split, summarize_generations
+
+    prompt = list(range(10))
+    tokens = list(range(10)) * 2  # the generation repeats the prompt twice
+    split = repeat_split(prompt, tokens, [0] * 9 + [9, 9])  # 9 single-token cycles, then two long ones
+    # from the 8th single-token cycle on, the 8 tokens before a cycle repeat the prompt's
+    assert split["elsewhere"] == [1] * 7 and split["in_repeats"] == [1, 1, 10, 10]
+    assert split["distinct_8grams"] == 10 and split["8grams"] == 13
+    summary = summarize_generations([split])
+    assert summary["cycles"] == 11 and summary["mean_accepted_length_in_repeats"] == 5.5

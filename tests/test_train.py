@@ -225,3 +225,11 @@ def test_train_target_writes_a_checkpoint_blockspec_and_transformers_agree_on(tm
     assert (ours - expected).abs().max() <= 1e-4 * max(1.0, float(expected.abs().max()))
     assert main(["train-target", "--data", str(data), "--out", str(tmp_path / "t"), "--device", "cpu"]) == 2
     assert "is not empty" in capsys.readouterr().err
+
+
+def test_default_feature_layers_sit_at_the_published_drafters_depths():
+    from blockspec.synthetic import DFLASH2_27B
+    from blockspec.train.dflash2 import spread_layer_ids
+
+    assert spread_layer_ids(64, 5) == DFLASH2_27B["dflash_config"]["target_layer_ids"]
+    assert spread_layer_ids(8, 5)[-1] == 7 and spread_layer_ids(8, 5)[0] == 1  # a shallow target's top layer is read

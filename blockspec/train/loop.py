@@ -4,6 +4,7 @@ and at the end, and `--resume` from the last one (weights, optimizer, step, hist
 
 from __future__ import annotations
 
+import json
 import math
 import random
 import time
@@ -25,6 +26,16 @@ def check_output(out: Path, resume: bool):
         raise BlockspecError(f"--resume: {out / STATE_FILE} does not exist (nothing to resume)")
     if not resume and out.is_dir() and any(out.iterdir()):
         raise BlockspecError(f"--out {out} is not empty: choose a new directory or pass --resume")
+
+
+def write_summary(out: Path, summary: dict, points: int = 100):
+    """OUT/training.json: the run's summary with its learning curve (every step's figures, thinned to `points`
+    rows, the last step always kept)."""
+    history = summary.get("history", [])
+    stride = max(1, math.ceil(len(history) / points))
+    curve = history[::stride] + ([history[-1]] if history and (len(history) - 1) % stride else [])
+    record = {**{k: v for k, v in summary.items() if k != "history"}, "learning_curve": curve}
+    (out / "training.json").write_text(json.dumps(record, indent=2))
 
 
 def learning_rate(step: int, steps: int, peak: float) -> float:

@@ -72,14 +72,13 @@ class MTPModule(nn.Module):
         return {"mtp." + k: v.detach().to(dtype).contiguous() for k, v in self.state_dict().items()}
 
 
-def copy_target(source: Path, out: Path) -> torch.dtype:
+def copy_target(source: Path, out: Path):
     """Copy the target checkpoint to `out` without any MTP head it has (shards holding mtp.* tensors are written
-    again without them), declare one MTP layer in its config; returns the dtype its weights are stored in."""
+    again without them), declare one MTP layer in its config."""
     from safetensors import safe_open
     from safetensors.torch import save_file
 
     out.mkdir(parents=True, exist_ok=True)
-    dtype = torch.bfloat16
     for path in sorted(source.iterdir()):
         if not path.is_file() or path.name in (MTP_FILE, "training_state.pt", "training.json"):
             continue
@@ -89,9 +88,6 @@ def copy_target(source: Path, out: Path) -> torch.dtype:
         with safe_open(str(path), framework="pt") as f:
             names = list(f.keys())
             kept = [n for n in names if not n.startswith("mtp.")]
-            embedding = next((n for n in names if n.endswith("embed_tokens.weight")), None)
-            if embedding is not None:  # the head is stored like the target's weights
-                dtype = f.get_slice(embedding).get_dtype()
             if len(kept) == len(names):
                 shutil.copy2(path, out / path.name)
             else:
@@ -105,9 +101,6 @@ def copy_target(source: Path, out: Path) -> torch.dtype:
         raw = json.loads(index.read_text())
         raw["weight_map"] = {k: v for k, v in raw["weight_map"].items() if not k.startswith("mtp.")}
         index.write_text(json.dumps(raw, indent=2))
-    if isinstance(dtype, str):  # safetensors names it: "F32", "BF16", "F16"
-        dtype = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}.get(dtype, torch.bfloat16)
-    return dtype
 
 
 def save_head(head: MTPModule, out: Path, dtype: torch.dtype):

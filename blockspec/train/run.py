@@ -4,22 +4,21 @@ train/loop.py."""
 
 from __future__ import annotations
 
-import json
 import math
-import random
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from ..checkpoint import load_target
+from ..checkpoint import load_target, stored_dtype
 from ..config import TargetConfig
 from ..engine.state import DecodeState
 from ..engine.target import EagerTarget
 from ..errors import BlockspecError
 from ..tokenizer import Tokenizer
 from .data import split_corpus
-from .loop import Trainer, check_output
+from .evaluate import one_cycle_acceptance
+from .loop import Trainer, check_output, write_summary
 
 
 @dataclass
@@ -110,6 +109,7 @@ def train(run: DrafterTraining, log=print) -> dict:
     sequences, heldout = split_corpus(run.data, tokenizer, run.seq_len, run.heldout, run.seed, eos)
     model, _ = load_target(run.target, device, dtype)
     out = Path(run.out)
+    stored = stored_dtype(Path(run.target))  # trained weights are written in the target's own dtype
     if run.kind == "dflash2":
         from .dflash2 import dflash2_step, drafter_config, mask_token, new_drafter
 
@@ -118,13 +118,15 @@ def train(run: DrafterTraining, log=print) -> dict:
         module = new_drafter(config, run.seed, device, torch.float32)  # fp32 master weights; autocast runs bf16
         features = TargetFeatures(model, layer_ids, run.seq_len, device, dtype)
         step_loss = dflash2_step(module, model, features, sequences, run)
-        save, rows = module.save_pretrained, max(1, run.batch_tokens // run.block_size) * run.block_size
+        def save(directory):
+            module.save_pretrained(directory, state_dict={k: v.to(stored) for k, v in module.state_dict().items()})
+        rows = max(1, run.batch_tokens // run.block_size) * run.block_size
         what = f"DFlash2 drafter reading target layers {layer_ids}"
     else:
         from .mtp import MTPModule, copy_target, mtp_step, save_head, text_config
 
         module = MTPModule(text_config(Path(run.target)), run.seed).to(device)
-        stored = copy_target(Path(run.target), out)  # again on --resume: the copy's files are rewritten as they were
+        copy_target(Path(run.target), out)  # again on --resume: the copy's files are rewritten as they were
         target = EagerTarget(model, DecodeState(model, run.seq_len, 16, device, dtype))
         step_loss = mtp_step(module, model, target, sequences, run.batch_tokens)
         save, rows = (lambda directory: save_head(module, directory, stored)), \
@@ -140,31 +142,19 @@ def train(run: DrafterTraining, log=print) -> dict:
     summary = {"kind": run.kind, "steps": steps, "training_tokens_per_s": round(trainer.fit(steps, step_loss), 1)}
     summary["history"] = trainer.history
     if run.eval_cuts and heldout:
-        summary["evaluation"] = one_cycle_acceptance(run.target if run.kind == "dflash2" else out, out, heldout,
-                                                     run.eval_cuts, run.block_size, run.seed, str(device), run.kind)
+        summary["evaluation"] = evaluate(run, out, heldout, device)
         log(f"held-out: mean accepted length {summary['evaluation']['mean_accepted_length']:.3f} per cycle over "
             f"{summary['evaluation']['cuts']} contexts")
-    (out / "training.json").write_text(json.dumps({k: v for k, v in summary.items() if k != "history"}, indent=2))
+    write_summary(out, summary)
     return summary
 
 
-def one_cycle_acceptance(target: str | Path, drafter: str | Path, sequences: list[list[int]], cuts: int, block: int,
-                         seed: int, device: str = "auto", mode: str = "dflash2") -> dict:
-    """One speculative cycle from each of `cuts` real prefixes (random cut points of held-out sequences): prefill
-    the prefix, propose a full block (DFlash2) or chain the MTP drafts, verify. Returns the mean accepted length
-    (accepted + 1) and its histogram."""
+def evaluate(run: DrafterTraining, out: Path, heldout: list[list[int]], device: torch.device) -> dict:
+    """One-cycle acceptance of what was just written, on the held-out sequences (train/evaluate.py)."""
     from ..engine.engine import Engine
 
-    engine = Engine.load(target, mode=mode, dflash2_model=str(drafter) if mode == "dflash2" else None, device=device,
-                         compute_dtype="float32" if device == "cpu" else "bfloat16",
-                         context_length=max(len(s) for s in sequences) + 2 * block)
-    emitted = engine.proposer.max_proposals + 1
-    rng = random.Random(seed)
-    lengths = []
-    for _ in range(cuts):
-        sequence = sequences[rng.randrange(len(sequences))]
-        cut = rng.randrange(1, len(sequence))
-        stats = engine.generate(sequence[:cut], emitted + 1, stop_at_eos=False).stats
-        lengths.append(stats["accepted_per_cycle"][0] + 1)
-    return {"cuts": len(lengths), "mean_accepted_length": round(sum(lengths) / len(lengths), 4),
-            "histogram": {n: lengths.count(n) for n in sorted(set(lengths))}}
+    engine = Engine.load(out if run.kind == "mtp" else run.target, mode=run.kind, device=str(device),
+                         dflash2_model=str(out) if run.kind == "dflash2" else None,
+                         compute_dtype="float32" if device.type == "cpu" else "bfloat16",
+                         context_length=run.seq_len + 4 * run.block_size)
+    return one_cycle_acceptance(engine, heldout, run.eval_cuts, run.seed)

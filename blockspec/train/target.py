@@ -20,7 +20,7 @@ import torch
 
 from ..errors import BlockspecError
 from .data import read_texts, text_files
-from .loop import Trainer, check_output
+from .loop import Trainer, check_output, write_summary
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 TOKENIZER_SAMPLE_BYTES = 64 << 20  # the BPE merges are learnt on this much of the text (more changes them little)
@@ -186,7 +186,7 @@ def train_target(run: TargetTraining, log=print) -> dict:
     if heldout_texts:
         summary["heldout_bits_per_token"] = heldout_loss(model, tokenizer, heldout_texts, run.seq_len, device)
         log(f"held-out: {summary['heldout_bits_per_token']:.3f} bits per token")
-    (out / "training.json").write_text(json.dumps({k: v for k, v in summary.items() if k != "history"}, indent=2))
+    write_summary(out, summary)
     return summary
 
 

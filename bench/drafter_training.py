@@ -1,0 +1,88 @@
+"""What one GPU does with `blockspec train-drafter` on a big target: the DFlash2 training step (frozen target pass
+over one sequence, then every anchor block of it through the drafter, backward, AdamW) on a synthetic target of real
+shapes (default: Qwen3.5-27B in bf16) with the published drafter's layout (5 layers, hidden 5120, fp32 master
+weights, bf16 autocast). Random weights: the figures are speed and memory, not learning.
+
+Bytes and flops of one step (27B, 2048-token sequence, 4096 block rows): the target pass reads 54 GB of weights and
+does ~2 x 27e9 x 2048 = 110 TFLOP (a prefill: compute-bound, ~8k tokens/s measured for inference, so ~0.25 s); the
+drafter (1.9e9 parameters, 4096 block rows + 2048 context rows through its projections) ~6 x 1.9e9 x 6144 = 70 TFLOP
+forward and backward (~0.15 s at a few hundred TFLOP/s); AdamW touches 16 bytes per drafter parameter (30 GB, ~10 ms).
+Prediction: ~0.4-0.5 s per step, ~9k block tokens/s; memory ~54 GB target + 30 GB drafter state + ~15 GB activations.
+
+Usage (GPU, repo root): python bench/drafter_training.py [--preset qwen3.5-27b] [--steps 10] [--json-out FILE]
+"""
+
+import argparse
+import json
+import random
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from blockspec.synthetic import synthetic_drafter_config, synthetic_target  # noqa: E402
+from blockspec.train.dflash2 import dflash2_step, new_drafter  # noqa: E402
+from blockspec.train.run import TargetFeatures  # noqa: E402
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--preset", default="qwen3.5-27b", help="synthetic target preset (qwen3.5-27b or tiny)")
+    p.add_argument("--seq-len", type=int, default=2048, help="tokens per training sequence")
+    p.add_argument("--batch-tokens", type=int, default=4096, help="block rows per step")
+    p.add_argument("--steps", type=int, default=10, help="timed steps (after 2 warm-up steps)")
+    p.add_argument("--json-out", help="write the figures as JSON")
+    args = p.parse_args()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    model, _ = synthetic_target(args.preset, device, dtype)
+    config = dict(synthetic_drafter_config(model.config), num_target_layers=model.config.num_hidden_layers)
+    drafter = new_drafter(config, seed=0, device=device, dtype=torch.float32)
+    layer_ids = config["dflash_config"]["target_layer_ids"]
+    features = TargetFeatures(model, layer_ids, args.seq_len, device, dtype)
+    run = SimpleNamespace(batch_tokens=args.batch_tokens, block_size=config["dflash_config"]["block_size"],
+                          loss_decay=4.0)
+    rng = random.Random(0)
+    sequences = [[rng.randrange(model.config.vocab_size) for _ in range(args.seq_len)] for _ in range(4)]
+    step_loss = dflash2_step(drafter, model, features, sequences, run)
+    optimizer = torch.optim.AdamW(drafter.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.01)
+
+    def step():
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+            loss, _, rows = step_loss(rng)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
+        optimizer.step()
+        return rows
+
+    for _ in range(2):
+        step()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    start, rows = time.perf_counter(), 0
+    for _ in range(args.steps):
+        rows += step()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    elapsed = time.perf_counter() - start
+    figures = {"preset": args.preset, "drafter_parameters": sum(p.numel() for p in drafter.parameters()),
+               "seq_len": args.seq_len, "block_rows_per_step": rows // args.steps, "steps": args.steps,
+               "step_s": round(elapsed / args.steps, 4), "block_tokens_per_s": round(rows / elapsed, 1),
+               "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu"}
+    if device.type == "cuda":
+        figures["peak_allocated_gb"] = round(torch.cuda.max_memory_allocated() / 1e9, 2)
+        free, total = torch.cuda.mem_get_info()
+        figures["process_held_gb"] = round((total - free) / 1e9, 2)
+    print(json.dumps(figures, indent=2))
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps(figures, indent=2))
+
+
+if __name__ == "__main__":
+    main()
