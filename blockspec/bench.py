@@ -229,7 +229,7 @@ def bench(args) -> dict:
             print(format_header(), flush=True)
         for fixture in fixtures:
             chat = [{"role": "user", "content": fixture["prompt"]}]
-            ids = engine.tokenizer.encode(engine.tokenizer.chat_prompt(chat))
+            ids = engine.tokenizer.chat_prompt_ids(chat)
             rate = rates[fixtures.index(fixture)] if rates else None
             runs = run_fixture(engine, ids, args, trajectories.get(fixture["name"]), rate)
             if mode == "none":

@@ -26,10 +26,9 @@ def parse_prompt_ids(text: str) -> list[int]:
 def prompt_tokens(engine, args) -> list[int]:
     if args.prompt_ids is not None:
         return parse_prompt_ids(args.prompt_ids)
-    text = args.prompt
     if args.chat:
-        text = engine.tokenizer.chat_prompt([{"role": "user", "content": text}])
-    return engine.tokenizer.encode(text)
+        return engine.tokenizer.chat_prompt_ids([{"role": "user", "content": args.prompt}])
+    return engine.tokenizer.encode(args.prompt)
 
 
 def cmd_generate(args):
@@ -71,7 +70,7 @@ def cmd_demo(args):
     with tempfile.TemporaryDirectory(prefix="blockspec-demo-") as directory:
         target = build_tiny_checkpoint(f"{directory}/target", seed=0, planted=True)
         tokenizer = Tokenizer(target)
-        ids = tokenizer.encode(tokenizer.chat_prompt([{"role": "user", "content": DEMO_PROMPT}]))
+        ids = tokenizer.chat_prompt_ids([{"role": "user", "content": DEMO_PROMPT}])
         context_length = args.context_length or max(512, len(ids) + args.max_tokens)
         if len(ids) + args.max_tokens > context_length:
             raise BlockspecError(f"--context-length {context_length}: the demo's prompt ({len(ids)} tokens) + "
