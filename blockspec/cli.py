@@ -132,9 +132,10 @@ def cmd_chat(args):
 
 
 def cmd_serve(args):
-    settings = ServerSettings(
-        host=args.host, port=args.port, queue_size=args.queue_size, max_body_mb=args.max_body_mb,
-        receive_timeout_s=args.receive_timeout, shutdown_grace_s=args.shutdown_grace)
+    values = {"host": args.host, "port": args.port, "queue_size": args.queue_size, "max_body_mb": args.max_body_mb,
+              "receive_timeout_s": args.receive_timeout, "shutdown_grace_s": args.shutdown_grace,
+              "allowed_hosts": args.allowed_hosts, "allowed_origins": args.allowed_origins, "api_key": args.api_key}
+    settings = ServerSettings(**{k: v for k, v in values.items() if v is not None})
     settings.check()
     from .server import bind_socket, serve  # fails with a one-line hint when the 'serve' extras are missing
     from .engine.engine import Engine
@@ -145,6 +146,10 @@ def cmd_serve(args):
         serve(Engine(config), settings, sock=sock)
     finally:
         sock.close()
+
+
+def comma_list(text: str) -> tuple[str, ...]:
+    return tuple(part.strip() for part in text.split(",") if part.strip())
 
 
 def cmd_draft_vocabulary(args):
@@ -270,6 +275,15 @@ def add_serve_parser(sub):
                             "connection is closed), the body after them (then HTTP 408)")
     serve.add_argument("--shutdown-grace", type=float, default=ServerSettings.shutdown_grace_s, metavar="S",
                        help="on SIGTERM, seconds the running request may go on before it is stopped")
+    serve.add_argument("--allowed-hosts", type=comma_list, metavar="NAMES",
+                       help="comma-separated Host header names accepted besides loopback addresses, localhost and "
+                            "--host; bound to a loopback address the Host header is always checked, elsewhere only "
+                            "when this is given (*: any) (default: none)")
+    serve.add_argument("--allowed-origins", type=comma_list, metavar="ORIGINS",
+                       help="comma-separated web page origins (scheme://host:port) allowed to call the server "
+                            "from a browser (*: any) (default: none, same-origin only)")
+    serve.add_argument("--api-key", metavar="KEY",
+                       help="require 'Authorization: Bearer KEY' on every /v1 request (default: none)")
     serve.set_defaults(func=cmd_serve)
 
 

@@ -409,6 +409,8 @@ def test_busy_port_refused_before_the_model_loads(tmp_path, capsys):
     (["--max-body-mb", "0"], "--max-body-mb must be a number above 0 (got 0)"),
     (["--receive-timeout", "nan"], "--receive-timeout must be a number above 0 (got nan)"),
     (["--shutdown-grace", "-1"], "--shutdown-grace must be 0 or more seconds (got -1)"),
+    (["--allowed-origins", "example.com"], "--allowed-origins: 'example.com' is not an origin"),
+    (["--api-key", " "], "--api-key must not be empty"),
 ])
 def test_serve_arguments_checked_before_the_model_loads(tmp_path, capsys, args, message):
     from blockspec.cli import main

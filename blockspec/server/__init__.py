@@ -5,8 +5,8 @@ events or not). The engine decodes one request at a time on a single worker thre
 queue and are refused with HTTP 429 when it is full. A request the engine cannot serve exactly (sampling,
 n > 1, logprobs, stop sequences, images, ...) or that is malformed is refused with HTTP 400 naming the field,
 before it touches the engine. A client that goes away gives its place up at once and stops its generation at the
-next token. Bodies are limited in size and time and parsed off the event loop; SIGTERM drains the server within a
-grace period (ServerSettings holds every limit).
+next token. Bodies are limited in size and time, parsed off the event loop; Host, Origin and an optional API key
+are checked first; SIGTERM drains the server within a grace period (ServerSettings holds every limit).
 """
 
 from ..errors import BlockspecError

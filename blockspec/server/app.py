@@ -22,6 +22,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..config import ServerSettings
 from ..errors import BlockspecError
+from .access import AccessGuard
 from .connection import ClientLeft, TimedH11Protocol, read_body, shutting_down, until_disconnected
 from .requests import ApiError, Prepared, RequestParser
 from .responses import JobStreamingResponse, sse, stats_extension, usage
@@ -35,7 +36,8 @@ LOG_CONFIG = copy.deepcopy(uvicorn.config.LOGGING_CONFIG)
 LOG_CONFIG["loggers"]["blockspec"] = {"handlers": ["default"], "level": "INFO", "propagate": False}
 
 
-def create_app(engine, settings: ServerSettings = ServerSettings()) -> FastAPI:
+def create_app(engine, settings: ServerSettings = ServerSettings(), bound_address: str | None = None) -> FastAPI:
+    """The app; bound_address (the listening socket's address, default settings.host) decides the Host check."""
     worker = Worker(engine, settings.queue_size)
     # JSON parsing, validation and tokenization run here, never on the event loop: a multi-megabyte body leaves
     # /health and the running stream answering
@@ -49,6 +51,7 @@ def create_app(engine, settings: ServerSettings = ServerSettings()) -> FastAPI:
         parsing.shutdown(wait=False)
 
     app = FastAPI(title="blockspec", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
+    app.add_middleware(AccessGuard, settings=settings, bound_address=bound_address or settings.host)
     parser = RequestParser(engine)
     started_at = int(time.time())
     eos = engine.tokenizer.eos_token_ids
@@ -258,8 +261,8 @@ def serve(engine, settings: ServerSettings = ServerSettings(), log_level: str = 
     """Run the server until SIGTERM or Ctrl-C (blocking), on `sock` (from bind_socket) or on settings' address."""
     settings.check()
     sock = sock or bind_socket(settings.host, settings.port)
-    port = sock.getsockname()[1]  # the port the OS chose for --port 0
-    app = create_app(engine, settings)
+    address, port = sock.getsockname()[:2]  # port: the one the OS chose for --port 0
+    app = create_app(engine, settings, bound_address=address)
     print(f"blockspec: serving '{engine.model_name}' (mode {engine.mode}, context {engine.context_length}) at "
           f"http://{settings.host}:{port}/v1 - one request at a time, up to {settings.queue_size} waiting", flush=True)
     # uvicorn waits this long for the requests to end, past the grace period the app gives the running one
