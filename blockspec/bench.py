@@ -258,8 +258,8 @@ def bench(args) -> dict:
                 print(RANDOM_ACCEPTANCE_NOTE)
             print(format_header(), flush=True)
         for fixture in fixtures:
-            ids = engine.tokenizer.encode(fixture["prompt"] if fixture.get("chat") is False else
-                                          engine.tokenizer.chat_prompt([{"role": "user", "content": fixture["prompt"]}]))
+            ids = (engine.tokenizer.encode(fixture["prompt"]) if fixture.get("chat") is False else
+                   engine.tokenizer.chat_prompt_ids([{"role": "user", "content": fixture["prompt"]}]))
             rate = rates[fixtures.index(fixture)] if rates else None
             runs = run_fixture(engine, ids, args, trajectories.get(fixture["name"]), rate)
             if mode == "none":

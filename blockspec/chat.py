@@ -28,8 +28,7 @@ class ChatSession:
         print(f"[{text}]", file=self.err, flush=True)
 
     def encode(self, messages: list[dict]) -> list[int]:
-        tok = self.engine.tokenizer
-        return tok.encode(tok.chat_prompt(messages))
+        return self.engine.tokenizer.chat_prompt_ids(messages)
 
     def reset(self):
         self.turns.clear()

@@ -13,7 +13,7 @@ import tempfile
 from pathlib import Path
 
 from .cli_common import OneLineParser, add_engine_args, engine_config, format_stats, stream_text
-from .config import PredictConfig
+from .config import PredictConfig, ServerSettings
 from .errors import BlockspecError
 
 def parse_prompt_ids(text: str) -> list[int]:
@@ -26,10 +26,9 @@ def parse_prompt_ids(text: str) -> list[int]:
 def prompt_tokens(engine, args) -> list[int]:
     if args.prompt_ids is not None:
         return parse_prompt_ids(args.prompt_ids)
-    text = args.prompt
     if args.chat:
-        text = engine.tokenizer.chat_prompt([{"role": "user", "content": text}])
-    return engine.tokenizer.encode(text)
+        return engine.tokenizer.chat_prompt_ids([{"role": "user", "content": args.prompt}])
+    return engine.tokenizer.encode(args.prompt)
 
 
 def cmd_generate(args):
@@ -71,7 +70,7 @@ def cmd_demo(args):
     with tempfile.TemporaryDirectory(prefix="blockspec-demo-") as directory:
         target = build_tiny_checkpoint(f"{directory}/target", seed=0, planted=True)
         tokenizer = Tokenizer(target)
-        ids = tokenizer.encode(tokenizer.chat_prompt([{"role": "user", "content": DEMO_PROMPT}]))
+        ids = tokenizer.chat_prompt_ids([{"role": "user", "content": DEMO_PROMPT}])
         context_length = args.context_length or max(512, len(ids) + args.max_tokens)
         if len(ids) + args.max_tokens > context_length:
             raise BlockspecError(f"--context-length {context_length}: the demo's prompt ({len(ids)} tokens) + "
@@ -133,19 +132,24 @@ def cmd_chat(args):
 
 
 def cmd_serve(args):
-    if not 0 <= args.port <= 65535:
-        raise BlockspecError(f"--port must be between 0 and 65535 (got {args.port})")
-    if args.queue_size < 0:
-        raise BlockspecError(f"--queue-size must be 0 or more (got {args.queue_size})")
+    values = {"host": args.host, "port": args.port, "queue_size": args.queue_size, "max_body_mb": args.max_body_mb,
+              "receive_timeout_s": args.receive_timeout, "shutdown_grace_s": args.shutdown_grace,
+              "allowed_hosts": args.allowed_hosts, "allowed_origins": args.allowed_origins, "api_key": args.api_key}
+    settings = ServerSettings(**{k: v for k, v in values.items() if v is not None})
+    settings.check()
     from .server import bind_socket, serve  # fails with a one-line hint when the 'serve' extras are missing
     from .engine.engine import Engine
 
     config = engine_config(args)
-    sock = bind_socket(args.host, args.port)  # a busy port is refused now, not after the model has loaded
+    sock = bind_socket(settings.host, settings.port)  # a busy port is refused now, not after the model has loaded
     try:
-        serve(Engine(config), host=args.host, port=args.port, queue_size=args.queue_size, sock=sock)
+        serve(Engine(config), settings, sock=sock)
     finally:
         sock.close()
+
+
+def comma_list(text: str) -> tuple[str, ...]:
+    return tuple(part.strip() for part in text.split(",") if part.strip())
 
 
 def cmd_draft_vocabulary(args):
@@ -257,6 +261,32 @@ def add_train_target_parser(sub):
     p.set_defaults(func=cmd_train_target)
 
 
+def add_serve_parser(sub):
+    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/chat/completions, /v1/completions)")
+    add_engine_args(serve)
+    serve.add_argument("--host", default=ServerSettings.host, help="address to listen on (0.0.0.0: every interface)")
+    serve.add_argument("--port", type=int, default=ServerSettings.port, help="TCP port to listen on (0: any free port)")
+    serve.add_argument("--queue-size", type=int, default=ServerSettings.queue_size, metavar="N",
+                       help="requests that may wait for the engine (more: HTTP 429)")
+    serve.add_argument("--max-body-mb", type=float, default=ServerSettings.max_body_mb, metavar="MB",
+                       help="largest request body; larger ones are refused (HTTP 413) before they are read")
+    serve.add_argument("--receive-timeout", type=float, default=ServerSettings.receive_timeout_s, metavar="S",
+                       help="seconds a client has to send its request: the headers from connecting (then the "
+                            "connection is closed), the body after them (then HTTP 408)")
+    serve.add_argument("--shutdown-grace", type=float, default=ServerSettings.shutdown_grace_s, metavar="S",
+                       help="on SIGTERM, seconds the running request may go on before it is stopped")
+    serve.add_argument("--allowed-hosts", type=comma_list, metavar="NAMES",
+                       help="comma-separated Host header names accepted besides loopback addresses, localhost and "
+                            "--host; bound to a loopback address the Host header is always checked, elsewhere only "
+                            "when this is given (*: any) (default: none)")
+    serve.add_argument("--allowed-origins", type=comma_list, metavar="ORIGINS",
+                       help="comma-separated web page origins (scheme://host:port) allowed to call the server "
+                            "from a browser (*: any) (default: none, same-origin only)")
+    serve.add_argument("--api-key", metavar="KEY",
+                       help="require 'Authorization: Bearer KEY' on every /v1 request (default: none)")
+    serve.set_defaults(func=cmd_serve)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineParser(prog="blockspec", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
@@ -298,13 +328,7 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--system", metavar="TEXT", help="system prompt (default: none)")
     chat.set_defaults(func=cmd_chat)
 
-    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/chat/completions, /v1/completions)")
-    add_engine_args(serve)
-    serve.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
-    serve.add_argument("--port", type=int, default=8000, help="TCP port to listen on (0: any free port)")
-    serve.add_argument("--queue-size", type=int, default=8, metavar="N",
-                       help="requests that may wait for the engine (more: HTTP 429)")
-    serve.set_defaults(func=cmd_serve)
+    add_serve_parser(sub)
     return parser
 
 

@@ -1,8 +1,10 @@
-"""Configuration: the user's `PredictConfig` (YAML) and the target architecture read from config.json."""
+"""Configuration: the user's `PredictConfig` (YAML), the server's `ServerSettings` (`blockspec serve` flags) and the
+target architecture read from config.json."""
 
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -108,6 +110,44 @@ def describe_validation_error(exc: ValidationError) -> str:
     if err["type"] == "extra_forbidden":
         return f"unknown config key '{key}'"
     return f"invalid value for '{key}': {err['msg']} (got {err.get('input')!r})"
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    """`blockspec serve`'s settings: where it listens, how many requests may wait, the limits on what a request may
+    carry and how long it may take, shutdown, and who may call it. Each is a flag (none is read from the
+    environment); check() refuses a bad value in one line naming the flag."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    queue_size: int = 8                 # requests that may wait for the engine besides the running one (more: 429)
+    max_body_mb: float = 4.0            # a larger request body is refused (413) before it is read
+    receive_timeout_s: float = 30.0     # to send the request headers (else the connection closes), then the body (408)
+    shutdown_grace_s: float = 10.0      # on SIGTERM, how long the running request may go on before it is stopped
+    allowed_hosts: tuple[str, ...] = ()     # Host header names accepted besides loopback ones and host ('*': any)
+    allowed_origins: tuple[str, ...] = ()   # web page origins allowed to call the server ('*': any)
+    api_key: str | None = None          # when set, /v1 requests need 'Authorization: Bearer <api_key>'
+
+    @property
+    def max_body_bytes(self) -> int:
+        return int(self.max_body_mb * 1024 * 1024)
+
+    def check(self):
+        if not 0 <= self.port <= 65535:
+            raise BlockspecError(f"--port must be between 0 and 65535 (got {self.port})")
+        if self.queue_size < 0:
+            raise BlockspecError(f"--queue-size must be 0 or more (got {self.queue_size})")
+        for flag, value in (("--max-body-mb", self.max_body_mb), ("--receive-timeout", self.receive_timeout_s)):
+            if not (math.isfinite(value) and value > 0):
+                raise BlockspecError(f"{flag} must be a number above 0 (got {value:g})")
+        if not (math.isfinite(self.shutdown_grace_s) and self.shutdown_grace_s >= 0):
+            raise BlockspecError(f"--shutdown-grace must be 0 or more seconds (got {self.shutdown_grace_s:g})")
+        for origin in self.allowed_origins:
+            if origin not in ("*", "null") and "://" not in origin:
+                raise BlockspecError(f"--allowed-origins: '{origin}' is not an origin (scheme://host[:port], e.g. "
+                                     "http://localhost:3000, or *)")
+        if self.api_key is not None and not self.api_key.strip():
+            raise BlockspecError("--api-key must not be empty")
 
 
 @dataclass(frozen=True)

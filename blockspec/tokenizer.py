@@ -3,14 +3,21 @@
 from __future__ import annotations
 
 import json
+import re
+import secrets
+import threading
 from datetime import datetime
+from functools import cached_property
 from pathlib import Path
 
-import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 
 from .errors import BlockspecError
+
+
+class TooManyTokens(BlockspecError):
+    """A text certainly longer than the tokens allowed for it, found without tokenizing it."""
 
 
 class Tokenizer:
@@ -37,6 +44,8 @@ class Tokenizer:
         if eos_token and self._tok.token_to_id(eos_token) is not None:
             eos.add(self._tok.token_to_id(eos_token))
         self.eos_token_ids = eos
+        # encode_special_tokens is a setting of the shared tokenizer object: each encoding sets it under this lock
+        self._encoding = threading.Lock()
 
     @property
     def vocab_size(self) -> int:
@@ -46,15 +55,92 @@ class Tokenizer:
         """The id of a token written as it is in the vocabulary (a special token, say), or None."""
         return self._tok.token_to_id(token)
 
-    def encode(self, text: str) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=False).ids
+    def encode(self, text: str, split_special_tokens: bool = False, max_tokens: int | None = None) -> list[int]:
+        """Token ids of text. split_special_tokens: a special token's text (`<|im_end|>`) is encoded as the
+        ordinary text it is, never as the control token. max_tokens: a text certainly longer than that raises
+        TooManyTokens before any tokenizing (a multi-megabyte text costs no tokenization)."""
+        if max_tokens is not None:
+            self._check_length(text, max_tokens)
+        return self._encode([text], split_special_tokens)[0]
+
+    def _encode(self, texts: list[str], split_special_tokens: bool) -> list[list[int]]:
+        # encode_batch_fast releases the GIL while it works (encode holds it): a long text does not stop the
+        # caller's other threads (the server's event loop)
+        with self._encoding:
+            self._tok.encode_special_tokens = split_special_tokens
+            return [e.ids for e in self._tok.encode_batch_fast(texts, add_special_tokens=False)]
+
+    @cached_property
+    def _longest_token(self) -> int | None:
+        """The most characters of (normalized) text one token covers, where the tokenizer guarantees a bound:
+        byte-level BPE covers every character and no token covers more than its vocabulary entry's length (one
+        character per byte). None for other tokenizers (an unknown word may become one token)."""
+        pre_tokenizer = self._tok.pre_tokenizer
+        byte_level = pre_tokenizer is not None and '"ByteLevel"' in pre_tokenizer.__getstate__().decode()
+        return max(map(len, self._tok.get_vocab())) if byte_level else None
+
+    def _check_length(self, text: str, max_tokens: int):
+        longest = self._longest_token
+        if longest is None or len(text) <= max_tokens * longest:
+            return
+        normalizer = self._tok.normalizer  # composing normalizers (NFC) may shorten the text first
+        chars = len(normalizer.normalize_str(text)) if normalizer is not None else len(text)
+        fewest = -(-chars // longest)
+        if fewest > max_tokens:
+            raise TooManyTokens(f"the prompt is at least {fewest} tokens long ({len(text)} characters), more than "
+                                f"the {max_tokens} that fit")
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         """encode() of many texts at once, on all cores (corpora for training)."""
-        return [e.ids for e in self._tok.encode_batch(texts, add_special_tokens=False)]
+        return self._encode(texts, split_special_tokens=False)
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=True)
+
+    def chat_prompt_ids(self, messages: list[dict], max_tokens: int | None = None) -> list[int]:
+        """The chat prompt's token ids (generation prompt added), its control tokens coming from the template alone:
+        a special token's text inside a message (a user typing `<|im_end|>`) is encoded as ordinary text, so that no
+        message can forge a turn boundary. max_tokens: as for encode."""
+        control, control_text = self._control_tokens
+        if not control:
+            return self.encode(self.chat_prompt(messages), max_tokens=max_tokens)
+        names = list(control)
+        # a random private-use marker: no client can guess it, and one that did would only have text put back as
+        # text (never a control token)
+        marker = f"\ue000{secrets.token_hex(8)}:"
+        hidden = self._map_strings(messages, lambda s: control_text.sub(
+            lambda m: f"{marker}{names.index(m.group())}\ue001", s))
+        text = self.chat_prompt(hidden)
+        # the tokenizer encodes the text between special tokens piece by piece: so do we, with the template's own
+        # special tokens as the only boundaries, each piece's hidden text put back and encoded as text
+        shown = re.compile(re.escape(marker) + "([0-9]+)\ue001")
+        pieces = [shown.sub(lambda m: names[int(m.group(1))], piece) for piece in control_text.split(text)]
+        if max_tokens is not None:
+            self._check_length("".join(pieces), max_tokens)
+        encoded = self._encode(pieces, True)
+        ids = encoded[0]
+        for token, piece in zip(control_text.findall(text), encoded[1:]):
+            ids += [control[token], *piece]
+        return ids
+
+    @cached_property
+    def _control_tokens(self) -> tuple[dict[str, int], re.Pattern]:
+        """The special tokens (text -> id) and a pattern finding them in text, the longest first (as the tokenizer
+        matches them)."""
+        control = {t.content: i for i, t in self._tok.get_added_tokens_decoder().items() if t.special}
+        longest_first = sorted(control, key=len, reverse=True)
+        return control, re.compile("|".join(map(re.escape, longest_first)))
+
+    @classmethod
+    def _map_strings(cls, value, change):
+        """value with change() applied to every string in it, however deep (dict keys and roles left as they are)."""
+        if isinstance(value, str):
+            return change(value)
+        if isinstance(value, list):
+            return [cls._map_strings(v, change) for v in value]
+        if isinstance(value, dict):
+            return {k: v if k == "role" else cls._map_strings(v, change) for k, v in value.items()}
+        return value
 
     def chat_prompt(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         """Render the checkpoint's chat template with thinking disabled (templates that know `enable_thinking`)."""
@@ -73,8 +159,11 @@ class Tokenizer:
             return env.from_string(self.chat_template).render(
                 messages=messages, add_generation_prompt=add_generation_prompt, enable_thinking=False,
                 bos_token=self._special("bos_token"), eos_token=self._special("eos_token"))
-        except jinja2.TemplateError as exc:
-            raise BlockspecError(f"chat template failed to render: {exc}") from None
+        except BlockspecError:
+            raise
+        except Exception as exc:  # checkpoint code run on the caller's messages: any failure refuses the messages
+            raise BlockspecError(f"chat template failed to render these messages: {type(exc).__name__}: {exc}") \
+                from None
 
     def _special(self, key: str) -> str:
         value = self.config.get(key) or ""

@@ -8,12 +8,10 @@ planted tiny model never does (EOS -> finish_reason 'stop', multi-byte character
 from __future__ import annotations
 
 import json
-import os
 import socket
-import subprocess
-import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -23,56 +21,11 @@ openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 
 from blockspec.engine.engine import Engine  # noqa: E402
+from live_server import Server  # noqa: E402
 
 CONTEXT = 1024
 DEFAULT_MAX = 12          # the main server's --max-tokens: the default reply length
 LONG = 900                # a generation long enough to still be running when we act on it
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    def __init__(self, model, log_path, *args):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = log_path
-        env = {**os.environ, "OMP_NUM_THREADS": "1"}  # two servers + the tests share two cores
-        self.log = open(log_path, "w")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "blockspec.cli", "serve", "--model", str(model), "--device", "cpu", "--dtype",
-             "float32", "--context-length", str(CONTEXT), "--port", str(self.port), *map(str, args)],
-            stdout=self.log, stderr=subprocess.STDOUT, env=env)
-
-    def wait_ready(self, timeout=120):
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{open(self.log_path).read()}")
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        raise RuntimeError(f"server not ready after {timeout} s:\n{open(self.log_path).read()}")
-
-    def health(self) -> dict:
-        return httpx.get(self.url + "/health", timeout=10).json()
-
-    def client(self):
-        return openai.OpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0, timeout=60)
-
-    def stop(self):
-        self.proc.terminate()
-        try:
-            self.proc.wait(10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-        self.log.close()
 
 
 @pytest.fixture(scope="module")
@@ -273,27 +226,38 @@ def test_client_leaving_mid_stream_frees_engine(server, tiny, reference):
     assert reply.choices[0].text == reference(reference.engine.tokenizer.encode("next"), 8).text
 
 
+def wait_until(condition, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.02)
+
+
 def test_queue_limit_answers_429(servers, tiny, reference):
     small = servers[1]
     body = {"model": model_name(tiny), "prompt": "go", "max_tokens": LONG, "stream": True}
-    with httpx.Client(timeout=60) as a, httpx.Client(timeout=60) as b:
+
+    def wait_turn(http):
+        """A streamed request that waits: its answer (headers included) starts when the engine takes it up."""
+        with http.stream("POST", small.url + "/v1/completions", json=body) as waiting:
+            first_content(waiting.iter_lines())
+            return waiting.status_code
+
+    with httpx.Client(timeout=60) as a, httpx.Client(timeout=60) as b, ThreadPoolExecutor(1) as pool:
         with a.stream("POST", small.url + "/v1/completions", json=body) as running:
-            running_lines = running.iter_lines()
+            running_lines = running.iter_lines()       # kept: dropping it would close the connection
             first_content(running_lines)                # A holds the engine
-            with b.stream("POST", small.url + "/v1/completions", json=body) as waiting:
-                assert waiting.status_code == 200       # B is admitted and waits (queue-size 1)
-                assert small.health()["waiting"] == 1, str(small.health())
-                waiting_lines = waiting.iter_lines()
-                start = time.monotonic()
-                refused = httpx.post(small.url + "/v1/completions", json={**body, "stream": False}, timeout=30)
-                assert refused.status_code == 429 and time.monotonic() - start < 5
-                error = refused.json()["error"]
-                assert "busy" in error["message"] and "queue-size 1" in error["message"]
-                with pytest.raises(openai.RateLimitError):
-                    small.client().chat.completions.create(model=model_name(tiny), messages=user("x"), max_tokens=2)
-                running.close()                         # A leaves: B gets the engine
-                first_content(waiting_lines)
-        # both left
+            turn = pool.submit(wait_turn, b)
+            wait_until(lambda: small.health()["waiting"] == 1)  # B is admitted and waits (queue-size 1)
+            start = time.monotonic()
+            refused = httpx.post(small.url + "/v1/completions", json={**body, "stream": False}, timeout=30)
+            assert refused.status_code == 429 and time.monotonic() - start < 5
+            error = refused.json()["error"]
+            assert "busy" in error["message"] and "queue-size 1" in error["message"]
+            with pytest.raises(openai.RateLimitError):
+                small.client().chat.completions.create(model=model_name(tiny), messages=user("x"), max_tokens=2)
+        # A left: B gets the engine, and then leaves too
+        assert turn.result(timeout=30) == 200
     wait_idle(small)
     ids = reference.engine.tokenizer.encode("after")
     reply = small.client().completions.create(model=model_name(tiny), prompt="after", max_tokens=6)
@@ -390,6 +354,7 @@ class FakeEngine:
 def test_eos_and_multibyte_text_in_process(tiny):
     from starlette.testclient import TestClient
 
+    from blockspec.config import ServerSettings
     from blockspec.server import IncrementalText, create_app
     from blockspec.tokenizer import Tokenizer
 
@@ -402,7 +367,8 @@ def test_eos_and_multibyte_text_in_process(tiny):
     assert "".join(pieces) == reply and not any("\ufffd" in p for p in pieces)
     assert len(tok.encode(reply)) > len(reply)  # some characters really were split across tokens
 
-    with TestClient(create_app(FakeEngine(tok, reply), queue_size=2)) as http:
+    app = create_app(FakeEngine(tok, reply), ServerSettings(queue_size=2))
+    with TestClient(app, base_url="http://localhost") as http:
         r = http.post("/v1/chat/completions", json={"messages": user("hi")})
         answer = r.json()
         assert answer["choices"][0]["message"]["content"] == reply
@@ -440,6 +406,11 @@ def test_busy_port_refused_before_the_model_loads(tmp_path, capsys):
     (["--port", "-1"], "--port must be between 0 and 65535 (got -1)"),
     (["--queue-size", "-1"], "--queue-size must be 0 or more (got -1)"),
     (["--host", "no-such-host.invalid"], "--host no-such-host.invalid: not a known address"),
+    (["--max-body-mb", "0"], "--max-body-mb must be a number above 0 (got 0)"),
+    (["--receive-timeout", "nan"], "--receive-timeout must be a number above 0 (got nan)"),
+    (["--shutdown-grace", "-1"], "--shutdown-grace must be 0 or more seconds (got -1)"),
+    (["--allowed-origins", "example.com"], "--allowed-origins: 'example.com' is not an origin"),
+    (["--api-key", " "], "--api-key must not be empty"),
 ])
 def test_serve_arguments_checked_before_the_model_loads(tmp_path, capsys, args, message):
     from blockspec.cli import main

@@ -4,41 +4,85 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import errno
-import json
+import functools
+import gc
+import logging
+import signal
 import socket
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from ..config import ServerSettings
 from ..errors import BlockspecError
-from .requests import ApiError, Prepared, RequestParser, bad
+from .access import AccessGuard
+from .connection import ClientLeft, TimedH11Protocol, read_body, shutting_down, until_disconnected
+from .requests import ApiError, Prepared, RequestParser
 from .responses import JobStreamingResponse, sse, stats_extension, usage
 from .text import IncrementalText
-from .worker import Job, QueueFull, Worker, job_events
+from .worker import Closed, Job, QueueFull, Worker, job_events, wait_started
+
+log = logging.getLogger("blockspec.server")
+
+# uvicorn's logging, with the server's own one-line notes (a client leaving, shutdown) beside its access lines
+LOG_CONFIG = copy.deepcopy(uvicorn.config.LOGGING_CONFIG)
+LOG_CONFIG["loggers"]["blockspec"] = {"handlers": ["default"], "level": "INFO", "propagate": False}
 
 
-def create_app(engine, queue_size: int = 8) -> FastAPI:
-    worker = Worker(engine, queue_size)
+def create_app(engine, settings: ServerSettings = ServerSettings(), bound_address: str | None = None) -> FastAPI:
+    """The app; bound_address (the listening socket's address, default settings.host) decides the Host check."""
+    worker = Worker(engine, settings.queue_size)
+    # JSON parsing, validation and tokenization run here, never on the event loop: a multi-megabyte body leaves
+    # /health and the running stream answering
+    parsing = ThreadPoolExecutor(max_workers=2, thread_name_prefix="blockspec-parse")
+    closing = asyncio.Event()
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
         yield
         worker.stop()
+        parsing.shutdown(wait=False)
 
     app = FastAPI(title="blockspec", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
+    app.add_middleware(AccessGuard, settings=settings, bound_address=bound_address or settings.host)
     parser = RequestParser(engine)
     started_at = int(time.time())
     eos = engine.tokenizer.eos_token_ids
     app.state.worker = worker
 
+    def begin_shutdown():
+        """Stop taking work: waiting requests are answered 503 now, the running one may go on for the grace period."""
+        waiting = worker.load()["waiting"]
+        closing.set()
+        worker.close(shutting_down())
+        grace = settings.shutdown_grace_s
+        asyncio.get_running_loop().call_later(grace, worker.interrupt, ApiError(
+            503, f"the server is shutting down: this generation was stopped after the {grace:g} s grace period "
+            "(--shutdown-grace)", type_="server_error", code="shutting_down"))
+        log.info("shutting down: %d waiting request(s) answered 503; a running one may go on for %g s", waiting,
+                 grace)
+
+    app.state.begin_shutdown = begin_shutdown
+
     @app.exception_handler(ApiError)
     async def api_error(request, exc: ApiError):
         return exc.response()
+
+    @app.exception_handler(ClientLeft)
+    async def client_left(request, exc: ClientLeft):
+        log.info("client left %s", exc)
+        return Response(status_code=499)  # nobody reads it: the connection is closed
+
+    @app.exception_handler(Exception)
+    async def server_error(request, exc: Exception):  # a bug: uvicorn logs its traceback, the client gets JSON
+        return ApiError(500, f"internal error: {type(exc).__name__}", type_="server_error").response()
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request, exc):
@@ -47,8 +91,9 @@ def create_app(engine, queue_size: int = 8) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        return {"status": "ok", "model": engine.model_name, "mode": engine.mode,
-                "context_length": engine.context_length, **worker.load()}
+        state = {"status": "shutting_down" if closing.is_set() else "ok", "model": engine.model_name,
+                 "mode": engine.mode, "context_length": engine.context_length, **worker.load()}
+        return JSONResponse(state, status_code=503 if closing.is_set() else 200)
 
     def model_card() -> dict:
         return {"id": engine.model_name, "object": "model", "created": started_at, "owned_by": "blockspec",
@@ -60,19 +105,10 @@ def create_app(engine, queue_size: int = 8) -> FastAPI:
 
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str):
-        if model_id not in parser.model_ids:
+        if model_id != engine.model_name:
             raise ApiError(404, f"model '{model_id}' is not served here; this server serves '{engine.model_name}'",
                            "model", code="model_not_found")
         return model_card()
-
-    async def read_body(request: Request):
-        raw = await request.body()
-        if not raw.strip():
-            raise bad("the request body is empty: send a JSON object")
-        try:
-            return json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise bad(f"the request body is not valid JSON: {exc}") from None
 
     def submit(prepared: Prepared) -> Job:
         job = Job(prepared.prompt_ids, prepared.max_tokens, asyncio.get_running_loop())
@@ -82,40 +118,44 @@ def create_app(engine, queue_size: int = 8) -> FastAPI:
             raise ApiError(429, f"server busy: {full.args[0]} request(s) already waiting for the engine "
                            f"(queue-size {worker.queue_size}); retry later", type_="rate_limit_error",
                            code="queue_full", headers={"Retry-After": "1"}) from None
+        except Closed:
+            raise shutting_down() from None
         return job
 
     def finish_reason(tokens: list[int]) -> str:
         return "stop" if tokens and tokens[-1] in eos else "length"
 
-    async def handle(request: Request, kind: str):
-        prepared = parser.parse(await read_body(request), kind)
-        job = submit(prepared)
-        if prepared.stream:
-            return JobStreamingResponse(stream_events(prepared, job), worker, job)
-        try:
-            return await complete(request, prepared, job)
-        finally:
-            worker.cancel(job)
+    def on_disconnect(watcher: asyncio.Future, job: Job):
+        """The client closed its connection: its job gives its place up at once and stops at its next token (a
+        queued one's handler notes it, answering ClientLeft)."""
+        if not watcher.cancelled() and watcher.exception() is None and worker.cancel(job) == "running":
+            log.info("client left during its generation: stopped at the next token")
 
-    async def complete(request: Request, prepared: Prepared, job: Job):
+    async def handle(request: Request, kind: str):
+        raw = await read_body(request, settings.max_body_bytes, settings.receive_timeout_s, closing)
+        prepared = await asyncio.get_running_loop().run_in_executor(parsing, parser.parse, raw, kind)
+        job = submit(prepared)
+        watcher = asyncio.ensure_future(until_disconnected(request))
+        watcher.add_done_callback(lambda _: on_disconnect(watcher, job))
+        streaming = False
+        try:
+            await wait_started(job)  # headers wait for the engine, so that a request refused meanwhile gets its status
+            if prepared.stream:
+                streaming = True
+                return JobStreamingResponse(stream_events(prepared, job), worker, job, watcher)
+            return await complete(prepared, job)
+        finally:
+            if not streaming:
+                watcher.cancel()
+                worker.cancel(job)
+
+    async def complete(prepared: Prepared, job: Job):
         tokens, final = [], None
-        events = job_events(job)
-        pending = asyncio.ensure_future(events.__anext__())
-        while final is None:
-            done, _ = await asyncio.wait({pending}, timeout=0.5)
-            if not done:
-                if await request.is_disconnected():
-                    pending.cancel()
-                    worker.cancel(job)
-                    return JSONResponse({}, status_code=499)
-                continue
-            batch, final = pending.result()
+        async for batch, final in job_events(job):
             tokens += batch
-            if final is None:
-                pending = asyncio.ensure_future(events.__anext__())
         if final[0] == "error":
             raise final[1]
-        text = engine.tokenizer.decode(tokens)
+        text = await asyncio.get_running_loop().run_in_executor(parsing, engine.tokenizer.decode, tokens)
         created, reason = int(time.time()), finish_reason(tokens)
         if prepared.kind == "chat":
             choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
@@ -177,9 +217,8 @@ def create_app(engine, queue_size: int = 8) -> FastAPI:
 
 def bind_socket(host: str, port: int) -> socket.socket:
     """A TCP socket bound to host:port (not yet listening; uvicorn listens on it), or a one-line BlockspecError naming
-    why not: bind it before loading the model so that a busy port is reported at once."""
-    if not 0 <= port <= 65535:
-        raise BlockspecError(f"--port must be between 0 and 65535 (got {port})")
+    why not: bind it before loading the model so that a busy port is reported at once. The port is checked to be in
+    range already (ServerSettings.check)."""
     try:
         family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
                                                              flags=socket.AI_PASSIVE)[0]
@@ -204,18 +243,41 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def serve(engine, host: str = "127.0.0.1", port: int = 8000, queue_size: int = 8, log_level: str = "info",
+class DrainingServer(uvicorn.Server):
+    """uvicorn's server, which on SIGTERM or Ctrl-C first has the app stop taking work (begin_shutdown), then stops
+    accepting connections and waits for the running requests (uvicorn's own shutdown)."""
+
+    def __init__(self, config: uvicorn.Config, begin_shutdown):
+        super().__init__(config)
+        self.begin_shutdown = begin_shutdown
+
+    async def shutdown(self, sockets=None):
+        self.begin_shutdown()
+        await super().shutdown(sockets)
+
+
+def serve(engine, settings: ServerSettings = ServerSettings(), log_level: str = "info",
           sock: socket.socket | None = None):
-    """Run the server until interrupted (blocking), on `sock` (from bind_socket) or on host:port."""
-    if queue_size < 0:
-        raise BlockspecError(f"--queue-size must be 0 or more (got {queue_size})")
-    sock = sock or bind_socket(host, port)
-    port = sock.getsockname()[1]  # the port the OS chose for --port 0
-    app = create_app(engine, queue_size)
+    """Run the server until SIGTERM or Ctrl-C (blocking), on `sock` (from bind_socket) or on settings' address."""
+    settings.check()
+    sock = sock or bind_socket(settings.host, settings.port)
+    address, port = sock.getsockname()[:2]  # port: the one the OS chose for --port 0
+    app = create_app(engine, settings, bound_address=address)
     print(f"blockspec: serving '{engine.model_name}' (mode {engine.mode}, context {engine.context_length}) at "
-          f"http://{host}:{port}/v1 - one request at a time, up to {queue_size} waiting", flush=True)
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=3)
+          f"http://{settings.host}:{port}/v1 - one request at a time, up to {settings.queue_size} waiting", flush=True)
+    # uvicorn waits this long for the requests to end, past the grace period the app gives the running one
+    protocol = functools.partial(TimedH11Protocol, receive_timeout_s=settings.receive_timeout_s)
+    config = uvicorn.Config(app, host=settings.host, port=port, http=protocol, log_level=log_level,
+                            log_config=LOG_CONFIG, timeout_graceful_shutdown=settings.shutdown_grace_s + 5)
+    # uvicorn raises the signal that stopped it again once it is done: SIGTERM's default action would then kill the
+    # process (status 143) after a clean shutdown, so a handler that does nothing takes its place meanwhile
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: None)
+    # what is loaded by now (torch, the model) lives until exit: the garbage collector's full passes skip it, rather
+    # than walk it for ~0.3 s holding the GIL (stalling the event loop) when a large request makes many objects
+    gc.freeze()
     try:
-        uvicorn.Server(config).run(sockets=[sock])
+        DrainingServer(config, app.state.begin_shutdown).run(sockets=[sock])
     except KeyboardInterrupt:  # Ctrl-C ends the server normally (as uvicorn.run does)
         pass
+    finally:
+        signal.signal(signal.SIGTERM, previous)

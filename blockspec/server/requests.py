@@ -2,14 +2,21 @@
 
 from __future__ import annotations
 
+import json
+import math
+import re
 from dataclasses import dataclass
 
 from fastapi.responses import JSONResponse
 
 from ..errors import BlockspecError
+from ..tokenizer import TooManyTokens
 
 CHAT_ROLES = {"system", "user", "assistant", "tool", "developer"}
 IMAGE_PART_TYPES = {"image_url", "input_image", "image"}
+MESSAGE_EXTRAS = {"name": str, "tool_calls": list, "tool_call_id": str, "reasoning_content": str}  # for the template
+MAX_DEPTH = 32                               # arrays and objects inside one another in a request body
+LONE_SURROGATE = re.compile("[\ud800-\udfff]")  # what a JSON \ud800 escape without its pair decodes to
 
 
 class ApiError(Exception):
@@ -32,6 +39,65 @@ def bad(message: str, param: str | None = None) -> ApiError:
     return ApiError(400, message, param)
 
 
+def parse_json(raw: bytes):
+    """The request body as JSON, or ApiError 400 naming where it goes wrong: UTF-8, standard JSON (NaN and Infinity
+    are not JSON), at most MAX_DEPTH levels deep, every string and key made of Unicode scalar values (a lone
+    surrogate escape such as \\ud800 is refused: no tokenizer or answer could carry it)."""
+    if not raw.strip():
+        raise bad("the request body is empty: send a JSON object")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise bad(f"the request body is not valid UTF-8 (byte {exc.start})") from None
+    try:
+        body = json.loads(text, parse_constant=_refuse_constant)
+    except RecursionError:
+        raise bad(f"the request body nests arrays and objects deeper than {MAX_DEPTH} levels") from None
+    except ValueError as exc:  # not JSON, NaN / Infinity, an integer of more than 4300 digits (Python's advice cut)
+        raise bad(f"the request body is not valid JSON: {str(exc).split(';')[0]}") from None
+    _check_nesting_and_text(body)
+    return body
+
+
+def _refuse_constant(name: str):
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _check_nesting_and_text(body):
+    # iterative: a deep body must not exhaust the stack; paths are built only for the error message
+    stack = [(body, (), 1)]
+    while stack:
+        value, where, depth = stack.pop()
+        if isinstance(value, str):
+            if found := LONE_SURROGATE.search(value):
+                raise bad(f"{_path(where)}: the text holds a lone surrogate (U+{ord(found.group()):04X}) at character "
+                          f"{found.start()}: text must be valid Unicode", where[0] if where else None)
+            continue
+        if depth > MAX_DEPTH:
+            raise bad(f"{_path(where)}: the request body nests arrays and objects deeper than {MAX_DEPTH} levels",
+                      where[0] if where else None)
+        if isinstance(value, dict):
+            for key, item in value.items():
+                if LONE_SURROGATE.search(key):
+                    raise bad(f"{_path(where)}: a key holds a lone surrogate: text must be valid Unicode",
+                              where[0] if where else None)
+                stack.append((item, (*where, key), depth + 1))
+        elif isinstance(value, list):
+            stack.extend((item, (*where, i), depth + 1) for i, item in enumerate(value)
+                         if isinstance(item, (str, list, dict)))
+
+
+def _path(where: tuple) -> str:
+    """('messages', 0, 'content') -> 'messages[0].content' (a long key cut short)."""
+    text = "".join(f"[{part}]" if isinstance(part, int) else f".{part[:40]}" for part in where).lstrip(".")
+    return text or "the request body"
+
+
+def shown(text: str, limit: int = 60) -> str:
+    """A client's string quoted in a message, cut short."""
+    return repr(text if len(text) <= limit else text[:limit] + "...")
+
+
 def _json_type(value) -> str:
     return {bool: "a boolean", int: "an integer", float: "a number", str: "a string", list: "an array",
             dict: "an object", type(None): "null"}.get(type(value), type(value).__name__)
@@ -46,13 +112,17 @@ def get_int(body: dict, name: str, default=None):
     return value
 
 
-def get_number(body: dict, name: str, default=None):
+def get_number(body: dict, name: str, default=None, bounds: tuple[float, float] | None = None):
+    """The number `name` (default when absent); with bounds (low, high) it must be finite and within them."""
     value = body.get(name)
     if value is None:
         return default
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise bad(f"'{name}' must be a number (got {_json_type(value)})", name)
-    return float(value)
+    value = float(value)
+    if bounds is not None and not (math.isfinite(value) and bounds[0] <= value <= bounds[1]):
+        raise bad(f"'{name}' must be a finite number within [{bounds[0]:g}, {bounds[1]:g}] (got {value:g})", name)
+    return value
 
 
 def get_bool(body: dict, name: str, default=False):
@@ -89,7 +159,6 @@ class RequestParser:
 
     def __init__(self, engine):
         self.engine = engine
-        self.model_ids = {engine.model_name, str(engine.config.model)}
 
     def refuse_unless(self, param: str, hint: str = "", **request):
         """Ask the engine whether it serves this one field (on a trivially valid prompt) and name the field."""
@@ -102,9 +171,9 @@ class RequestParser:
         model = body.get("model")
         if model is not None and not isinstance(model, str):
             raise bad(f"'model' must be a string (got {_json_type(model)})", "model")
-        if model and model not in self.model_ids:
-            raise ApiError(404, f"model '{model}' is not served here; this server serves '{self.engine.model_name}' "
-                           "(see GET /v1/models)", "model", code="model_not_found")
+        if model and model != self.engine.model_name:
+            raise ApiError(404, f"model {shown(model)} is not served here; this server serves "
+                           f"'{self.engine.model_name}' (see GET /v1/models)", "model", code="model_not_found")
         # OpenAI's default temperature is 1.0; absent means greedy here, an explicit temperature > 0 is refused
         temperature = get_number(body, "temperature", 0.0)
         self.refuse_unless("temperature", " (omit temperature or set it to 0)", temperature=temperature)
@@ -129,8 +198,9 @@ class RequestParser:
             raise bad(f"'stop' must be a string or an array of strings (got {_json_type(stop)})", "stop")
         if stop:
             self.refuse_unless("stop", stop=stop)
-        for name, neutral in (("frequency_penalty", 0.0), ("presence_penalty", 0.0), ("repetition_penalty", 1.0)):
-            value = get_number(body, name, neutral)
+        for name, neutral, bounds in (("frequency_penalty", 0.0, (-2.0, 2.0)), ("presence_penalty", 0.0, (-2.0, 2.0)),
+                                      ("repetition_penalty", 1.0, (0.0, math.inf))):
+            value = get_number(body, name, neutral, bounds)
             if value != neutral:
                 raise bad(f"{name}={body[name]}: penalties change the greedy choice; blockspec decodes plain greedy "
                           f"only (omit {name})", name)
@@ -171,8 +241,9 @@ class RequestParser:
                 raise bad(f"{where} must be an object with 'role' and 'content' (got {_json_type(message)})",
                           "messages")
             role = message.get("role")
-            if role not in CHAT_ROLES:
-                raise bad(f"{where}.role must be one of {', '.join(sorted(CHAT_ROLES))} (got {role!r})", "messages")
+            if not isinstance(role, str) or role not in CHAT_ROLES:
+                got = shown(role) if isinstance(role, str) else _json_type(role)
+                raise bad(f"{where}.role must be one of {', '.join(sorted(CHAT_ROLES))} (got {got})", "messages")
             content = message.get("content")
             if content is None:
                 content = ""
@@ -182,9 +253,14 @@ class RequestParser:
                 raise bad(f"{where}.content must be a string or an array of content parts "
                           f"(got {_json_type(content)})", "messages")
             item = {"role": "system" if role == "developer" else role, "content": content}
-            for key in ("name", "tool_calls", "tool_call_id", "reasoning_content"):
-                if message.get(key) is not None:
-                    item[key] = message[key]
+            for key, kind in MESSAGE_EXTRAS.items():
+                value = message.get(key)
+                if value is None:
+                    continue
+                if not isinstance(value, kind) or (kind is list and not all(isinstance(v, dict) for v in value)):
+                    wanted = "an array of objects" if kind is list else "a string"
+                    raise bad(f"{where}.{key} must be {wanted} (got {_json_type(value)})", "messages")
+                item[key] = value
             out.append(item)
         return out
 
@@ -192,6 +268,9 @@ class RequestParser:
         texts = []
         for j, part in enumerate(parts):
             kind = part.get("type") if isinstance(part, dict) else None
+            if not isinstance(kind, str):
+                raise bad(f"{where}.content[{j}] must be an object with a string 'type' (a text part: "
+                          "{\"type\": \"text\", \"text\": ...})", "messages")
             if kind == "text":
                 text = part.get("text")
                 if not isinstance(text, str):
@@ -204,32 +283,47 @@ class RequestParser:
                     raise bad(f"{where}.content[{j}]: {exc}", "messages") from None
                 raise bad(f"{where}.content[{j}]: image inputs are not supported", "messages")
             else:
-                raise bad(f"{where}.content[{j}]: content part type {kind!r} is not supported "
+                raise bad(f"{where}.content[{j}]: content part type {shown(kind)} is not supported "
                           "(blockspec serves text parts only)", "messages")
         return "".join(texts)
 
     def completion_prompt(self, body: dict) -> list[int]:
+        split_special_tokens = get_bool(body, "split_special_tokens", True)
         prompt = body.get("prompt")
         if prompt is None:
             raise bad("'prompt' is required: a string or an array of token ids", "prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
             prompt = prompt[0]  # a batch of one
         if isinstance(prompt, str):
-            return self.engine.tokenizer.encode(prompt)
+            try:
+                return self.engine.tokenizer.encode(prompt, split_special_tokens, self.most_prompt_tokens)
+            except TooManyTokens as exc:
+                raise bad(f"{exc} (context_length {self.engine.context_length})", "prompt") from None
         if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             return list(prompt)
         if isinstance(prompt, list) and all(isinstance(p, (str, list)) for p in prompt):
             raise bad(f"'prompt' holds {len(prompt)} prompts: blockspec serves one prompt per request", "prompt")
         raise bad("'prompt' must be a string or an array of token ids", "prompt")
 
-    def parse(self, body, kind: str) -> Prepared:
+    @property
+    def most_prompt_tokens(self) -> int:
+        return self.engine.context_length - 1  # room for one generated token
+
+    def parse(self, raw: bytes, kind: str) -> Prepared:
+        """The request body (bytes) as a Prepared job. CPU-heavy (JSON, tokenization): run off the event loop."""
+        body = parse_json(raw)
         if not isinstance(body, dict):
             raise bad(f"the request body must be a JSON object (got {_json_type(body)})")
         stream, include_usage, model = self.common(body, kind)
         if kind == "chat":
+            if not get_bool(body, "split_special_tokens", True):
+                raise bad("split_special_tokens: message text never becomes control tokens; send raw special tokens "
+                          "to /v1/completions", "split_special_tokens")
             messages = self.chat_messages(body)
             try:
-                prompt_ids = self.engine.tokenizer.encode(self.engine.tokenizer.chat_prompt(messages))
+                prompt_ids = self.engine.tokenizer.chat_prompt_ids(messages, self.most_prompt_tokens)
+            except TooManyTokens as exc:
+                raise bad(f"{exc} (context_length {self.engine.context_length})", "messages") from None
             except BlockspecError as exc:
                 raise bad(str(exc), "messages") from None
             prompt_param = "messages"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 from fastapi.responses import StreamingResponse
@@ -26,17 +27,19 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
 
 
 class JobStreamingResponse(StreamingResponse):
-    """A streamed answer that stops its job however the stream ends (finished, client gone, server stopping)."""
+    """A streamed answer that stops its job however the stream ends (finished, client gone, server stopping), and
+    then the task watching for its client to leave."""
 
-    def __init__(self, content, worker: Worker, job: Job):
+    def __init__(self, content, worker: Worker, job: Job, watcher: asyncio.Future):
         super().__init__(content, media_type="text/event-stream",
                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        self.worker, self.job = worker, job
+        self.worker, self.job, self.watcher = worker, job, watcher
 
     async def __call__(self, scope, receive, send):
         try:
             await super().__call__(scope, receive, send)
         finally:
+            self.watcher.cancel()
             self.worker.cancel(self.job)
 
 

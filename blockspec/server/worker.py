@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import queue
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 from ..errors import BlockspecError
+from .connection import ClientLeft
 from .requests import ApiError
 
 log = logging.getLogger("blockspec.server")
@@ -19,6 +20,10 @@ class QueueFull(Exception):
     pass
 
 
+class Closed(Exception):
+    """The worker takes no new jobs: the server is shutting down."""
+
+
 @dataclass(eq=False)
 class Job:
     prompt_ids: list[int]
@@ -26,7 +31,9 @@ class Job:
     loop: asyncio.AbstractEventLoop
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
-    state: str = "queued"        # queued -> running -> finished, or queued -> abandoned
+    # queued -> running -> finished; running -> stopping (its client left) -> finished; queued -> abandoned
+    state: str = "queued"
+    interruption: ApiError | None = None  # the answer of a job stopped before its end (the server shutting down)
     submitted: float = field(default_factory=time.perf_counter)
     started: float | None = None
 
@@ -39,51 +46,84 @@ class Job:
 
 
 class Worker:
-    """The only thread that runs the engine: jobs run one after another, in arrival order."""
+    """The only thread that runs the engine: jobs run one after another, in arrival order. At most queue_size jobs
+    wait besides the running one; a job whose client left stops counting at once, before the engine has stopped it."""
 
     def __init__(self, engine, queue_size: int):
         self.engine = engine
         self.queue_size = queue_size
-        self.jobs: queue.Queue = queue.Queue()
         self.lock = threading.Lock()
-        self.outstanding = 0     # jobs admitted and not finished (the running one included)
+        self.wakeup = threading.Condition(self.lock)
+        self.waiting: deque[Job] = deque()
         self.running: Job | None = None
         self.served = 0
+        self.closed = False
+        self.stopped = False
         self.thread = threading.Thread(target=self.loop, name="blockspec-engine", daemon=True)
         self.thread.start()
 
     def submit(self, job: Job):
         with self.lock:
-            if self.outstanding > self.queue_size:
-                raise QueueFull(self.outstanding - (1 if self.running else 0))
-            self.outstanding += 1
-        self.jobs.put(job)
+            if self.closed:
+                raise Closed()
+            live = len(self.waiting) + (1 if self.running is not None and self.running.state == "running" else 0)
+            if live > self.queue_size:
+                raise QueueFull(len(self.waiting))
+            self.waiting.append(job)
+            self.wakeup.notify()
 
-    def cancel(self, job: Job):
-        """Stop a job: a queued one gives its place up at once, a running one stops at its next token."""
+    def cancel(self, job: Job) -> str | None:
+        """Stop a job whose client left: a queued one leaves the queue at once, a running one gives its place up at
+        once and stops at its next token. Returns the state the job was in when it still had work, else None."""
         job.cancelled.set()
         with self.lock:
             if job.state == "queued":
+                self.waiting.remove(job)
                 job.state = "abandoned"
-                self.outstanding -= 1
+                job.emit("error", ClientLeft("while its request waited for the engine"))
+                return "queued"
+            if job.state == "running":
+                job.state = "stopping"
+                return "running"
+        return None
+
+    def close(self, answer: ApiError):
+        """Take no new jobs and answer every waiting one with `answer`; the running job goes on."""
+        with self.lock:
+            self.closed = True
+            for job in self.waiting:
+                job.state = "abandoned"
+                job.emit("error", answer)
+            self.waiting.clear()
+
+    def interrupt(self, answer: ApiError):
+        """Stop the running job at its next token and end it with `answer`."""
+        with self.lock:
+            job = self.running
+            if job is not None and job.state == "running":
+                job.interruption = answer
+                job.cancelled.set()
 
     def load(self) -> dict:
         with self.lock:
-            running = 1 if self.running else 0
-            return {"running": running, "waiting": self.outstanding - running, "queue_size": self.queue_size,
+            return {"running": 1 if self.running else 0, "waiting": len(self.waiting), "queue_size": self.queue_size,
                     "served": self.served}
+
+    def next_job(self) -> Job | None:
+        with self.lock:
+            while not self.waiting and not self.stopped:
+                self.wakeup.wait()
+            if self.stopped:
+                return None
+            job = self.waiting.popleft()
+            job.state, self.running = "running", job
+            return job
 
     def loop(self):
         import torch
 
-        while True:
-            job = self.jobs.get()
-            if job is None:
-                return
-            with self.lock:
-                if job.state != "queued":
-                    continue  # its client left while it waited
-                job.state, self.running = "running", job
+        while (job := self.next_job()) is not None:
+            job.emit("start")
             final = ("error", ApiError(500, "generation did not finish", type_="server_error"))
             try:
                 with torch.no_grad():
@@ -91,7 +131,6 @@ class Worker:
             finally:
                 with self.lock:  # free the engine before answering, so a client's next request is never refused
                     job.state, self.running = "finished", None
-                    self.outstanding -= 1
                     self.served += 1
                 job.emit(*final)
 
@@ -105,6 +144,8 @@ class Worker:
                 if job.cancelled.is_set():
                     break
             tokens.close()  # runs the engine's cleanup now, so last_stats is this request's
+            if job.interruption is not None:
+                return "error", job.interruption
             stats = dict(self.engine.last_stats)
             stats["queue_s"] = round(job.started - job.submitted, 6)
             return "done", stats
@@ -117,12 +158,21 @@ class Worker:
             tokens.close()
 
     def stop(self):
-        self.jobs.put(None)
+        with self.lock:
+            self.stopped = True
+            self.wakeup.notify()
+
+
+async def wait_started(job: Job):
+    """Wait until the engine takes the job up; raises its answer (ApiError, ClientLeft) when it never will."""
+    kind, value = await job.events.get()
+    if kind == "error":
+        raise value
 
 
 async def job_events(job: Job):
-    """Async iterator over (tokens, final) batches: every token already available comes at once; `final` is
-    ("done", stats) or ("error", ApiError) on the last batch."""
+    """Async iterator over (tokens, final) batches of a started job: every token already available comes at once;
+    `final` is ("done", stats) or ("error", ApiError) on the last batch."""
     while True:
         items = [await job.events.get()]
         while not job.events.empty():
