@@ -6,7 +6,8 @@ again at every start (time the drafter's graph preparation would pay), while a T
 disk cache. One program walks all rows: each step gathers the previous pick's predecessor code and the K
 candidates' successor codes (K x rank values, L2-resident after the first proposal).
 Rounding as the reference: the query and the dot products are rounded to the codebooks' dtype (a matmul's output),
-and so is their sum with the unary logits; exact ties go to the first candidate, as argmax does.
+and their sum with the unary logits to the logits' dtype (float32 from the engine's head: not rounded); exact ties go
+to the first candidate, as argmax does.
 """
 
 from __future__ import annotations
@@ -62,7 +63,7 @@ if triton is not None:
                             other=0.0)
             dots = tl.sum(codes.to(tl.float32) * query.to(tl.float32)[None, :], 1).to(dtype)
             scores = (tl.load(unary + row * TOP_K + ks, mask=k_ok, other=0.0).to(tl.float32)
-                      + dots.to(tl.float32)).to(dtype).to(tl.float32)
+                      + dots.to(tl.float32)).to(unary.dtype.element_ty).to(tl.float32)
             scores = tl.where(k_ok, scores, float("-inf"))
             best = tl.argmax(scores, 0, tie_break_left=True)
             previous = tl.sum(tl.where(ks == best, cand, 0), 0)

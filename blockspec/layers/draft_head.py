@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from ..errors import BlockspecError
-from ..kernels.linear import linear
+from ..kernels.linear import linear_float32
 
 
 def draft_ids(spec: int | str, vocab_size: int, eos_ids=()) -> torch.Tensor:
@@ -87,8 +87,8 @@ class DraftHead(nn.Module):
         return cls(ids, head_rows(model, ids, dtype))
 
     def logits(self, normed: torch.Tensor) -> torch.Tensor:
-        """Logits of the draft vocabulary's ids, in their (ascending) order."""
-        return linear(normed, self.weight)
+        """Float32 logits of the draft vocabulary's ids, in their (ascending) order, as the full head's."""
+        return linear_float32(normed, self.weight)
 
     def forward(self, normed: torch.Tensor) -> torch.Tensor:
         return self.ids[self.logits(normed).argmax(-1)]
