@@ -75,7 +75,7 @@ def create_app(engine, queue_size: int = 8) -> FastAPI:
             raise bad(f"the request body is not valid JSON: {exc}") from None
 
     def submit(prepared: Prepared) -> Job:
-        job = Job(prepared.prompt_ids, prepared.max_tokens, asyncio.get_running_loop())
+        job = Job(prepared.prompt_ids, prepared.max_tokens, asyncio.get_running_loop(), prepared.sampling)
         try:
             worker.submit(job)
         except QueueFull as full:
