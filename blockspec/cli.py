@@ -12,7 +12,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from .cli_common import OneLineParser, add_engine_args, engine_config, format_stats, stream_text
+from .cli_common import OneLineParser, add_engine_args, describe_sampling, engine_config, format_stats, stream_text
 from .config import PredictConfig
 from .errors import BlockspecError
 
@@ -143,7 +143,10 @@ def cmd_serve(args):
     config = engine_config(args)
     sock = bind_socket(args.host, args.port)  # a busy port is refused now, not after the model has loaded
     try:
-        serve(Engine(config), host=args.host, port=args.port, queue_size=args.queue_size, sock=sock)
+        engine = Engine(config)
+        print(f"blockspec: requests that leave out the sampling fields: {describe_sampling(engine.serving_defaults())}",
+              flush=True)
+        serve(engine, host=args.host, port=args.port, queue_size=args.queue_size, sock=sock)
     finally:
         sock.close()
 
@@ -261,7 +264,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = OneLineParser(prog="blockspec", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
 
-    gen = sub.add_parser("generate", help="greedy generation from a prompt")
+    gen = sub.add_parser("generate", help="generation from a prompt (greedy, or sampled)")
     add_engine_args(gen)
     gen.add_argument("--prompt", metavar="TEXT", help="the prompt text (or --prompt-ids)")
     gen.add_argument("--prompt-ids", metavar="IDS", help="the prompt as comma-separated token ids, e.g. 1,2,3")
@@ -299,7 +302,8 @@ def build_parser() -> argparse.ArgumentParser:
     chat.set_defaults(func=cmd_chat)
 
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/chat/completions, /v1/completions)")
-    add_engine_args(serve)
+    add_engine_args(serve, sampling_scope="the defaults of requests that leave them out; unset: the checkpoint's "
+                    "generation_config.json, else greedy")
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     serve.add_argument("--port", type=int, default=8000, help="TCP port to listen on (0: any free port)")
     serve.add_argument("--queue-size", type=int, default=8, metavar="N",

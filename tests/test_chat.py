@@ -146,3 +146,16 @@ def test_ctrl_d_in_a_terminal(tiny):
         os.close(leader)
         proc.stderr.close()
     assert shown.endswith(b"you> \r\n"), shown
+
+
+def test_chat_shows_and_uses_its_sampling_settings(tiny, engine):
+    code, out, err = chat(tiny, ["hi"], "--temperature", "0.7", "--top-k", "20", "--seed", "3")
+    assert code == 0, err
+    assert "sampling: temperature 0.7, top-k 20, seed 3" in err.splitlines()[0]
+    tok = engine.tokenizer
+    ids = tok.encode(tok.chat_prompt([{"role": "user", "content": "hi"}]))
+    with torch.no_grad():
+        reply = engine.generate(ids, MAX_TOKENS, temperature=0.7, top_k=20, seed=3).text
+    assert out == reply + "\n"
+    code, _, err = chat(tiny, [])
+    assert "sampling: greedy" in err.splitlines()[0]

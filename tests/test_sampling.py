@@ -12,7 +12,7 @@ from collections import Counter
 
 import pytest
 import torch
-from helpers import run_pass
+from helpers import cli, run_pass
 from safetensors.torch import load_file, save_file
 
 from blockspec.drafter import selector
@@ -294,3 +294,20 @@ def test_bad_sampling_values_are_refused_naming_the_field(engines, field, value)
     with pytest.raises(BlockspecError, match=f"'{field}'"):
         engine.generate([1, 2], 4, **{"temperature": 0.7, field: value})
 
+
+def test_cli_sampling_flags(soft_pair):
+    target, drafter = soft_pair
+    common = ("generate", "--model", target, "--prompt", "a", "--max-tokens", 12, "--device", "cpu", "--dtype",
+              "float32", "--json", "--temperature", 0.9, "--top-k", 20, "--top-p", 0.95, "--min-p", 0.01)
+    runs = [cli(*common, "--seed", seed, *extra) for seed, extra in [(3, ()), (3, ()), (4, ()),
+                                                                      (3, ("--drafter", drafter))]]
+    import json
+
+    assert all(code == 0 for code, _, _ in runs), runs
+    outputs = [json.loads(out) for _, out, _ in runs]
+    assert outputs[0]["tokens"] == outputs[1]["tokens"] != outputs[2]["tokens"]
+    assert outputs[0]["stats"]["sampling"] == {"temperature": 0.9, "top_k": 20, "top_p": 0.95, "min_p": 0.01,
+                                               "seed": 3}
+    assert outputs[3]["stats"]["mode"] == "dflash2" and outputs[3]["stats"]["cycles"] > 0
+    code, _, err = cli("generate", "--model", target, "--prompt", "a", "--device", "cpu", "--top-p", "1.5")
+    assert code == 2 and "'top_p'" in err and err.count("\n") == 1 and "Traceback" not in err, err
