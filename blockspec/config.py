@@ -16,6 +16,17 @@ SUPPORTED_MODEL_TYPES = {"qwen3_5", "qwen3_5_text"}
 SUPPORTED_ARCHITECTURES = {"Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration"}
 
 
+class CheckedSettings(BaseModel):
+    """Settings whose build() refuses a bad value in one line naming its key."""
+
+    @classmethod
+    def build(cls, data: dict, source: str = "config"):
+        try:
+            return cls(**data)
+        except ValidationError as exc:
+            raise BlockspecError(f"{source}: {describe_validation_error(exc)}") from None
+
+
 # The sampling settings' ranges, shared by PredictConfig and the per-request SamplingSettings.
 Temperature = Annotated[float, Field(ge=0.0, allow_inf_nan=False)]  # 0: greedy
 TopK = Annotated[int, Field(ge=0)]                                  # 0: no limit
@@ -24,7 +35,7 @@ MinP = Annotated[float, Field(ge=0.0, le=1.0)]                      # 0: no limi
 SAMPLING_KEYS = ("temperature", "top_k", "top_p", "min_p", "seed")
 
 
-class SamplingSettings(BaseModel):
+class SamplingSettings(CheckedSettings):
     """How a request chooses its tokens. Temperature 0 is greedy (the filters then play no part); above 0 each token
     is drawn from the target's float32 logits processed in the order vLLM and transformers use: temperature, then
     top-k (the k most likely tokens, ties with the k-th kept), top-p (the most likely tokens until their probability
@@ -43,15 +54,8 @@ class SamplingSettings(BaseModel):
     def greedy(self) -> bool:
         return self.temperature == 0
 
-    @classmethod
-    def build(cls, values: dict, source: str = "sampling") -> "SamplingSettings":
-        try:
-            return cls(**values)
-        except ValidationError as exc:
-            raise BlockspecError(f"{source}: {describe_validation_error(exc)}") from None
 
-
-class PredictConfig(BaseModel):
+class PredictConfig(CheckedSettings):
     """Everything a run needs besides the prompt. Unknown keys are refused (typos must not pass silently).
     No environment variable changes any of these: a setting lives here or nowhere."""
 
@@ -134,13 +138,6 @@ class PredictConfig(BaseModel):
             raise BlockspecError(f"config file {path}: expected a mapping of keys to values")
         data.update({k: v for k, v in overrides.items() if v is not None})
         return cls.build(data, source=str(path))
-
-    @classmethod
-    def build(cls, data: dict, source: str = "config") -> "PredictConfig":
-        try:
-            return cls(**data)
-        except ValidationError as exc:
-            raise BlockspecError(f"{source}: {describe_validation_error(exc)}") from None
 
 
 def describe_validation_error(exc: ValidationError) -> str:
