@@ -311,3 +311,21 @@ def test_cli_sampling_flags(soft_pair):
     assert outputs[3]["stats"]["mode"] == "dflash2" and outputs[3]["stats"]["cycles"] > 0
     code, _, err = cli("generate", "--model", target, "--prompt", "a", "--device", "cpu", "--top-p", "1.5")
     assert code == 2 and "'top_p'" in err and err.count("\n") == 1 and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize("mode", ["mtp", "dflash2"])
+def test_sampled_proposals_over_a_draft_vocabulary(soft_pair, mode):
+    """Proposals (and their q) over a draft vocabulary: the request runs, repeats with its seed, and every accepted
+    proposal lies in the set, while the target still emits tokens outside it."""
+    target, drafter = soft_pair
+    engine = Engine.load(target, device="cpu", compute_dtype="float32", context_length=256, mode=mode,
+                         draft_vocabulary=80, dflash2_model=str(drafter) if mode == "dflash2" else None)
+    allowed = set(engine.proposer.draft_head.ids.tolist())
+    proposed = []
+    propose = engine.proposer.propose
+    engine.proposer.propose = lambda *args: proposed.extend(propose(*args)) or proposed[-args[2]:]
+    prompt = engine.tokenizer.encode("a")
+    result = engine.generate(prompt, 120, stop_at_eos=False, temperature=1.0, seed=2)
+    assert set(proposed) <= allowed and set(result.tokens) - allowed
+    assert result.stats["acceptance_rate"] > 0.05 and result.stats["draft_vocabulary"] == len(allowed)
+    assert engine.generate(prompt, 120, stop_at_eos=False, temperature=1.0, seed=2).tokens == result.tokens
