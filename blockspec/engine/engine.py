@@ -87,6 +87,7 @@ class Engine:
             self.state = DecodeState(self.model, config.context_length, MAX_VERIFY_TOKENS, self.device, self.dtype,
                                      in_place=self.proposer.max_proposals == 0)
             self.target = self.build_target()
+        self.sampler.begin(config.sampling)  # the device's values follow the settings until a request begins its own
         self.last_stats: dict = {}
 
     @classmethod

@@ -114,7 +114,8 @@ class Sampler:
         self.settings = SamplingSettings()
         self.seed: int | None = None   # the request's seed (drawn fresh when it gave none); None when greedy
         self.generator = torch.Generator()
-        # the filter values of the request; temperature 1 until the first request, so that graph warm-ups are finite
+        # the filter values of the request; temperature 1 until the engine's first begin(), so that the warm-ups of
+        # the graphs that sample stay finite
         self.temperature = torch.ones((), device=self.device)
         self.top_k = torch.zeros((), dtype=torch.long, device=self.device)
         self.top_p = torch.ones((), device=self.device)
