@@ -8,6 +8,10 @@
 #   warm       a second DFlash2 start on the warm disk caches (load_times: the drafter's graphs)
 #   int4       the INT4 table (INT4 target + int8 head; DFlash2 with the bf16 drafter, then the int8 one)
 #   vocab      the bf16 speculative modes (VOCAB_MODES, default mtp,dflash2) over a 32768-id draft vocabulary
+#   sampling   the cost of sampling (SAMPLING_MODES, default none,dflash2; bf16): each mode greedy, then at
+#              temperature 1, top-k 20, top-p 0.95 (the published DFlash2 acceptance's settings), both at the forced
+#              rates; column "x greedy" / JSON cost_vs_greedy: a sampled DFlash2 cycle's (plain: step's) cost over
+#              the greedy one's (~4 minutes)
 #   kernels    the W4A16 / W8A16 kernel's checks and table (bench/quant_kernels.py)
 #   sweep      the W4A16 config sweep (bench/quant_kernels.py --sweep; SWEEP_S seconds at most)
 #   attention  split-KV attention against SDPA (bench/attention_kernels.py)
@@ -49,6 +53,8 @@ for part in ${PARTS:-bf16 warm int4 vocab}; do
     int4) run 180 $BENCH $Q --mode none,mtp,dflash2 $FORCED --json-out "$OUT/bench_int4.json" --png-out "$OUT/bench_int4.png"
           run 150 $BENCH $Q --dflash2-quantization int8 --mode dflash2 $FORCED --json-out "$OUT/bench_int4_drafter_int8.json" ;;
     vocab) run 200 $BENCH --draft-vocabulary 32768 --mode ${VOCAB_MODES:-mtp,dflash2} $FORCED --json-out "$OUT/bench_draft_vocabulary.json" ;;
+    sampling) run 420 $BENCH --mode ${SAMPLING_MODES:-none,dflash2} $FORCED --temperature 1 --top-k 20 --top-p 0.95 \
+                --seed 0 --compare-greedy --json-out "$OUT/bench_sampling.json" ;;
     kernels) kernel_bench quant_kernels ${KERNELS_S:-240} quant_kernels ;;
     sweep) kernel_bench quant_sweep ${SWEEP_S:-300} quant_kernels --sweep ;;
     attention) kernel_bench attention_kernels 60 attention_kernels ;;

@@ -1,4 +1,5 @@
-"""blockspec: fast batch-one greedy decoding of Qwen3.5-family hybrid models (plain, native MTP, DFlash2)."""
+"""blockspec: fast batch-one decoding, greedy or sampled, of Qwen3.5-family hybrid models (plain, native MTP,
+DFlash2)."""
 
 from .config import PredictConfig
 from .errors import BlockspecError, UnsupportedRequest

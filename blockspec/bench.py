@@ -4,6 +4,11 @@ median decode tokens/s (first token, prefill and warm-up excluded) beside the we
 With synthetic weights, `--forced-acceptance R` teacher-forces proposals from the plain-greedy trajectory so that a
 fraction R of proposals is accepted while the proposer still runs at full cost: it measures the real cycle cost at a
 chosen acceptance. Synthetic and forced results are labelled as such everywhere they are printed.
+
+`--temperature` (with `--top-k`, `--top-p`, `--min-p`, `--seed`) samples every run; `--compare-greedy` runs each mode
+greedily too and gives each sampled row its cost relative to the greedy one: a plain step's, or a speculative
+cycle's (with forced acceptance both decode the same trajectory, the planted synthetic target being all but
+certain of its next token, so the cycles compared do the same work).
 """
 
 from __future__ import annotations
@@ -18,8 +23,9 @@ from pathlib import Path
 
 import torch
 
-from .cli_common import add_weight_args, check_output_path, weight_overrides
-from .config import PredictConfig
+from .cli_common import add_sampling_args, add_weight_args, check_output_path, describe_sampling, sampling_overrides, \
+    weight_overrides
+from .config import PredictConfig, SamplingSettings
 from .engine.decode import Proposer
 from .errors import BlockspecError
 from .kernels import pdl
@@ -94,7 +100,16 @@ class ForcedAcceptance(Proposer):
         m = max(0, min(n, round(self.rate * (self.proposed + n) - self.accepted)))
         self.proposed += n
         self.accepted += m
-        return truth[:m] + [(t + 1) % self.vocab for t in truth[m:]] + real[n:]
+        self.proposals = truth[:m] + [(t + 1) % self.vocab for t in truth[m:]] + real[n:]
+        return self.proposals
+
+    def draft(self):
+        """Under sampling: each forced proposal drawn from a point mass on it (q = 1), which keeps the rule exact;
+        the target then accepts a proposal with its own probability of it (~1 for the trajectory's token on the
+        planted synthetic target, ~0 for the wrong ones). Shaped as the real proposer's, which it also reads."""
+        ids, probs = self.inner.draft()
+        forced = torch.tensor(self.proposals, device=ids.device)[:, None].expand_as(ids)
+        return forced, torch.zeros_like(probs).index_fill_(1, torch.tensor([0], device=probs.device), 1.0)
 
 
 def parse_rates(text: str | None, n_fixtures: int) -> list[float] | None:
@@ -170,23 +185,36 @@ def build_engine(args, mode: str):
 
     config = PredictConfig.build(overrides, source="bench")
     device = resolve_device(config.device)
-    model, head = synthetic_target(args.synthetic, device, config.torch_dtype, seed=args.seed)
+    seed = args.seed or 0
+    model, head = synthetic_target(args.synthetic, device, config.torch_dtype, seed=seed)
     mtp = {"mtp." + k: v for k, v in head.state_dict().items()} if head is not None else {}
-    drafter = synthetic_drafter(model, args.seed) if mode == "dflash2" else None
+    drafter = synthetic_drafter(model, seed) if mode == "dflash2" else None
     with tempfile.TemporaryDirectory(prefix="blockspec-synthetic-tok-") as tok_dir:
         build_tiny_checkpoint(tok_dir)  # only its byte-level tokenizer and chat template are used
         tokenizer = Tokenizer(tok_dir)
     return Engine(config, model=model, mtp_tensors=mtp, drafter=drafter, tokenizer=tokenizer)
 
 
-def run_fixture(engine, ids, args, trajectory, rate):
+def run_fixture(engine, ids, args, trajectory, rate, sampling: dict):
     proposer = None
     if rate is not None and engine.mode != "none":
         proposer = ForcedAcceptance(engine.proposer, rate, engine.vocab_size)
         proposer.trajectory = trajectory
-    engine.generate(ids, min(WARMUP_TOKENS, args.max_tokens), stop_at_eos=False, proposer=proposer)  # warm-up
-    return [engine.generate(ids, args.max_tokens, stop_at_eos=not args.synthetic, proposer=proposer)
+    engine.generate(ids, min(WARMUP_TOKENS, args.max_tokens), stop_at_eos=False, proposer=proposer,
+                    **sampling)  # warm-up
+    return [engine.generate(ids, args.max_tokens, stop_at_eos=not args.synthetic, proposer=proposer, **sampling)
             for _ in range(args.repeats)]
+
+
+def sampling_variants(args) -> list[dict]:
+    """The sampling of each run of a fixture: greedy ({}), the flags' settings, or both (--compare-greedy)."""
+    given = {k: v for k, v in sampling_overrides(args).items() if v is not None}
+    settings = SamplingSettings.build(given, source="bench")  # a value out of range: one line naming it
+    if args.compare_greedy and settings.greedy:
+        raise BlockspecError("--compare-greedy compares sampling with greedy decoding: give --temperature above 0")
+    if settings.greedy:
+        return [{}]
+    return ([{}] if args.compare_greedy else []) + [given]
 
 
 RANDOM_ACCEPTANCE_NOTE = ("note: synthetic weights are random, so their speculative proposals are random too and "
@@ -212,6 +240,7 @@ def check_arguments(args) -> tuple[list[str], list[dict], list[float] | None]:
     if args.forced_acceptance is not None and not args.synthetic:
         raise BlockspecError("--forced-acceptance needs --synthetic weights (it replaces real proposals)")
     rates = parse_rates(args.forced_acceptance, len(fixtures))
+    sampling_variants(args)
     if args.png_out:
         try:
             import matplotlib  # noqa: F401
@@ -227,9 +256,11 @@ def check_arguments(args) -> tuple[list[str], list[dict], list[float] | None]:
 def bench(args) -> dict:
     """Run the benchmark and print its table as it goes: the label, a header, then one row per mode and fixture."""
     modes, fixtures, rates = check_arguments(args)
+    variants = sampling_variants(args)
     label = ("SYNTHETIC weights " + args.synthetic if args.synthetic else "model " + str(args.model)) + (
         ", FORCED acceptance " + "/".join(f"{r:.1%}" for r in rates) if rates else "")
     label += "".join(f", {k} {v}" for k, v in weight_overrides(args).items() if v not in (None, "none"))
+    label += "".join(f", sampling {describe_sampling(v)}" for v in variants if v)
     results = {"label": label, "rows": [], "max_tokens": args.max_tokens, "repeats": args.repeats,
                "context_length": args.context_length, "torch": torch.__version__}
     trajectories = {}
@@ -261,17 +292,18 @@ def bench(args) -> dict:
             ids = (engine.tokenizer.encode(fixture["prompt"]) if fixture.get("chat") is False else
                    engine.tokenizer.chat_prompt_ids([{"role": "user", "content": fixture["prompt"]}]))
             rate = rates[fixtures.index(fixture)] if rates else None
-            runs = run_fixture(engine, ids, args, trajectories.get(fixture["name"]), rate)
-            if mode == "none":
-                trajectories[fixture["name"]] = ids + runs[0].tokens
-            if mode not in modes:
-                continue
-            row = summarize(mode, fixture["name"], runs, results)
-            if mode != "none" and rate is None:
-                row["repeats_split"] = summarize_generations([repeat_split(ids, runs[0].tokens,
-                                                                           runs[0].stats["accepted_per_cycle"])])
-            results["rows"].append(row)
-            print(format_row(row), flush=True)
+            for sampling in variants:
+                runs = run_fixture(engine, ids, args, trajectories.get(fixture["name"]), rate, sampling)
+                if mode == "none" and fixture["name"] not in trajectories:
+                    trajectories[fixture["name"]] = ids + runs[0].tokens
+                if mode not in modes:
+                    continue
+                row = summarize(mode, fixture["name"], runs, results)
+                if mode != "none" and rate is None:
+                    row["repeats_split"] = summarize_generations([repeat_split(ids, runs[0].tokens,
+                                                                               runs[0].stats["accepted_per_cycle"])])
+                results["rows"].append(row)
+                print(format_row(row), flush=True)
         if args.one_cycle and mode != "none" and mode in modes:
             sequences = [engine.tokenizer.encode(f.get("text", f["prompt"])) for f in fixtures]
             measured = results.setdefault("one_cycle", {})[mode] = one_cycle_acceptance(engine, sequences,
@@ -294,10 +326,16 @@ def summarize(mode, fixture, runs, results) -> dict:
            "acceptance_rate": runs[0].stats.get("acceptance_rate"),
            "mean_accepted_length": runs[0].stats.get("mean_accepted_length"),
            "cycle_ms": round(statistics.median(cycles), 3) if cycles else None,
-           "step_ms": round(1e3 / tps, 3) if tps else None}
-    plain = next((r for r in results["rows"] if r["mode"] == "none" and r["fixture"] == fixture), None)
+           "step_ms": round(1e3 / tps, 3) if tps else None, "sampling": runs[0].stats["sampling"]}
+    greedy = row["sampling"]["temperature"] == 0
+    earlier = [r for r in results["rows"] if r["fixture"] == fixture]
+    plain = next((r for r in earlier if r["mode"] == "none" and (r["sampling"]["temperature"] == 0) == greedy), None)
     if row["cycle_ms"] and plain:  # one speculative cycle relative to one plain decode step, same run
         row["cycle_vs_plain_step"] = round(row["cycle_ms"] / plain["step_ms"], 3)
+    same_greedy = next((r for r in earlier if r["mode"] == mode and r["sampling"]["temperature"] == 0), None)
+    if not greedy and same_greedy:  # --compare-greedy: this sampled cycle (plain: step) against the greedy one
+        key = "cycle_ms" if row["cycle_ms"] else "step_ms"
+        row["cost_vs_greedy"] = round(row[key] / same_greedy[key], 4)
     bandwidth = results.get("read_bandwidth_gb_s")
     gb_s = tps * results["bytes_per_plain_step"] / 1e9
     row["weight_gb_s"] = round(gb_s, 3)  # plain-step bytes x tokens/s (for speculative modes: effective)
@@ -316,10 +354,13 @@ COLUMNS = [  # header, width, how a row's value is shown ("-" when the row has n
     ("x plain", 8, lambda r: f"{r['cycle_vs_plain_step']:.3f}" if r.get("cycle_vs_plain_step") else None),
     ("generated", 10, lambda r: str(r["generated"])),
     ("prefill s", 10, lambda r: f"{r['prefill_s']:.3f}"),
+    ("sampling", -8, lambda r: "greedy" if r["sampling"]["temperature"] == 0 else "sampled"),
+    ("x greedy", 9, lambda r: f"{r['cost_vs_greedy']:.4f}" if "cost_vs_greedy" in r else None),
 ]
 # tok/s: median decode tokens/s; GB/s: the weight bandwidth that speed implies (plain-step bytes x tokens/s);
 # roofline: % of the read bandwidth measured in the same run; accept: accepted / proposed; cycle ms, x plain: one
-# speculative cycle and its cost in plain decode steps
+# speculative cycle and its cost in plain decode steps (of the same sampling); x greedy (--compare-greedy): a sampled
+# cycle's (plain: step's) cost relative to the greedy one of the same mode and fixture
 
 
 def _cells(values) -> str:
@@ -412,7 +453,9 @@ def add_bench_parser(sub):
     p.add_argument("--compile-mode", type=int, choices=[-1, 0], default=None,
                    help="0: CUDA graphs (the default on CUDA), -1: eager (as --eager)")
     p.add_argument("--bandwidth", type=float, help="card read bandwidth in GB/s (default: measured now)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the synthetic weights")
+    add_sampling_args(p, "every run; --seed also seeds the synthetic weights, 0 when not given")
+    p.add_argument("--compare-greedy", action="store_true", help="with --temperature above 0: run each mode greedily "
+                   "too, and report each sampled cycle's (plain: step's) cost relative to the greedy one")
     add_weight_args(p)  # --target-quantization, --fuse-kvq, --eager ... as for generate
     p.add_argument("--json-out", metavar="FILE", help="write the results as JSON (missing folders are created; "
                    "checked before the run)")

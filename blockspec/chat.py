@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import sys
 
-from .cli_common import format_stats, stream_text
+from .cli_common import describe_sampling, format_stats, stream_text
 from .errors import BlockspecError
 
 COMMANDS = "/reset (forget the conversation), /exit (or end of input) to leave"
@@ -117,8 +117,9 @@ def run_chat(engine, max_tokens: int, system: str | None = None, stdin=None) -> 
             pass
     session = ChatSession(engine, max_tokens, system)
     speculative = f", mode {engine.mode}" if engine.mode != "none" else ""
+    sampling = describe_sampling(engine.config.sampling.model_dump())
     print(f"blockspec chat: {engine.model_name}{speculative}, context {engine.context_length} tokens, up to "
-          f"{max_tokens} tokens per reply. Commands: {COMMANDS}.", file=sys.stderr, flush=True)
+          f"{max_tokens} tokens per reply, sampling: {sampling}. Commands: {COMMANDS}.", file=sys.stderr, flush=True)
     while True:
         try:
             text = read_message(stdin, interactive)

@@ -8,12 +8,13 @@ vision tower skipped), one `*.safetensors` file or several with `model.safetenso
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 
-from .config import TargetConfig
+from .config import SamplingSettings, TargetConfig
 from .errors import BlockspecError
 from .layers.linear import pack_projections
 from .models.mtp import MTPHead
@@ -25,6 +26,32 @@ SKIPPED_PREFIXES = ("model.visual.", "visual.", "model.vision_tower.")
 FLOAT32_SUFFIXES = ("A_log", "dt_bias", "norm.weight", "layernorm.weight")  # small; kept exact in float32
 # parts of a compressed-tensors pack-quantized projection (blockspec.quant.int4)
 COMPRESSED_SUFFIXES = (".weight_packed", ".weight_scale", ".weight_shape", ".weight_zero_point", ".weight_g_idx")
+
+
+GENERATION_SAMPLING_KEYS = ("temperature", "top_k", "top_p", "min_p")  # what vLLM takes from generation_config.json
+
+
+def generation_defaults(directory: str | Path) -> dict:
+    """The sampling values of the checkpoint's generation_config.json that blockspec applies ({} without the file);
+    a value out of range is left out, said in one line on stderr. Like vLLM, `do_sample` is not read."""
+    path = Path(directory) / "generation_config.json"
+    if not path.is_file():
+        return {}
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        print(f"blockspec: note: {path} is not readable JSON ({exc}); its sampling values are not used",
+              file=sys.stderr)
+        return {}
+    values = {}
+    for key in GENERATION_SAMPLING_KEYS:
+        if isinstance(raw, dict) and raw.get(key) is not None:
+            try:
+                SamplingSettings.build({key: raw[key]}, source=str(path))
+                values[key] = raw[key]
+            except BlockspecError as exc:
+                print(f"blockspec: note: {exc}; left out", file=sys.stderr)
+    return values
 
 
 def checkpoint_files(directory: Path) -> list[Path]:

@@ -12,7 +12,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from .cli_common import OneLineParser, add_engine_args, engine_config, format_stats, stream_text
+from .cli_common import OneLineParser, add_engine_args, describe_sampling, engine_config, format_stats, stream_text
 from .config import PredictConfig, ServerSettings
 from .errors import BlockspecError
 
@@ -143,7 +143,10 @@ def cmd_serve(args):
     config = engine_config(args)
     sock = bind_socket(settings.host, settings.port)  # a busy port is refused now, not after the model has loaded
     try:
-        serve(Engine(config), settings, sock=sock)
+        engine = Engine(config)
+        print(f"blockspec: requests that leave out the sampling fields: {describe_sampling(engine.serving_defaults())}",
+              flush=True)
+        serve(engine, settings, sock=sock)
     finally:
         sock.close()
 
@@ -263,7 +266,8 @@ def add_train_target_parser(sub):
 
 def add_serve_parser(sub):
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/chat/completions, /v1/completions)")
-    add_engine_args(serve)
+    add_engine_args(serve, sampling_scope="the defaults of requests that leave them out; unset: the checkpoint's "
+                    "generation_config.json, else greedy")
     serve.add_argument("--host", default=ServerSettings.host, help="address to listen on (0.0.0.0: every interface)")
     serve.add_argument("--port", type=int, default=ServerSettings.port, help="TCP port to listen on (0: any free port)")
     serve.add_argument("--queue-size", type=int, default=ServerSettings.queue_size, metavar="N",
@@ -291,7 +295,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = OneLineParser(prog="blockspec", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
 
-    gen = sub.add_parser("generate", help="greedy generation from a prompt")
+    gen = sub.add_parser("generate", help="generation from a prompt (greedy, or sampled)")
     add_engine_args(gen)
     gen.add_argument("--prompt", metavar="TEXT", help="the prompt text (or --prompt-ids)")
     gen.add_argument("--prompt-ids", metavar="IDS", help="the prompt as comma-separated token ids, e.g. 1,2,3")

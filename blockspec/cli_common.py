@@ -7,7 +7,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from .config import PredictConfig
+from .config import SAMPLING_KEYS, PredictConfig
 from .errors import BlockspecError
 
 DTYPES = ["float32", "bfloat16", "float16"]
@@ -42,7 +42,7 @@ def config_default(key: str) -> str:
     return f"(default: {value}, config key {key})"
 
 
-def add_engine_args(p: argparse.ArgumentParser, model_required=True):
+def add_engine_args(p: argparse.ArgumentParser, model_required=True, sampling_scope: str = "every request"):
     p.add_argument("--model", required=model_required and False, metavar="DIR",
                    help="Hugging Face checkpoint directory (config key model)")
     p.add_argument("--config", metavar="YAML", help="PredictConfig YAML file (command-line flags override it)")
@@ -59,7 +59,29 @@ def add_engine_args(p: argparse.ArgumentParser, model_required=True):
                    + config_default("prefill_chunk_size"))
     p.add_argument("--max-tokens", type=int, metavar="N", help="most tokens to generate (chat: per reply; serve: "
                    "the cap of a request without max_tokens) " + config_default("max_tokens"))
+    add_sampling_args(p, sampling_scope)
     add_weight_args(p)
+
+
+def add_sampling_args(p: argparse.ArgumentParser, scope: str):
+    """The sampling flags; their values are checked by PredictConfig, which names the key. Filters apply in this
+    order: temperature, top-k, top-p, min-p (as vLLM and transformers)."""
+    group = p.add_argument_group("sampling", f"how tokens are chosen ({scope}): temperature 0 is greedy; above 0 "
+                                 "the filters apply in the order temperature, top-k, top-p, min-p")
+    group.add_argument("--temperature", type=float, metavar="T", help="0: greedy; above 0: sample "
+                       + config_default("temperature"))
+    group.add_argument("--top-k", type=int, metavar="K", help="sample among the K most likely tokens; 0: no limit "
+                       + config_default("top_k"))
+    group.add_argument("--top-p", type=float, metavar="P", help="sample among the most likely tokens whose "
+                       "probability reaches P, in (0, 1] " + config_default("top_p"))
+    group.add_argument("--min-p", type=float, metavar="P", help="drop tokens less likely than P times the most "
+                       "likely one, in [0, 1] " + config_default("min_p"))
+    group.add_argument("--seed", type=int, metavar="N", help="seed of sampling: the same seed repeats a request's "
+                       "tokens (default: fresh randomness per request, config key seed)")
+
+
+def sampling_overrides(args) -> dict:
+    return {key: getattr(args, key) for key in SAMPLING_KEYS}
 
 
 def add_weight_args(p: argparse.ArgumentParser):
@@ -97,7 +119,7 @@ def engine_config(args) -> PredictConfig:
     overrides = {"model": args.model, "mode": args.mode, "dflash2_model": args.drafter, "device": args.device,
                  "compute_dtype": args.dtype, "context_length": args.context_length,
                  "prefill_chunk_size": args.prefill_chunk_size, "max_tokens": args.max_tokens,
-                 **weight_overrides(args)}
+                 **sampling_overrides(args), **weight_overrides(args)}
     overrides = {k: v for k, v in overrides.items() if v is not None}
     if args.config:
         return PredictConfig.from_yaml(args.config, **overrides)
@@ -140,6 +162,19 @@ def stream_text(engine, tokens_iter, out=sys.stdout) -> list[int]:
             out.flush()
             shown = text
     return tokens
+
+
+def describe_sampling(sampling: dict) -> str:
+    """'greedy', or the settings of a sampled request, e.g. 'temperature 0.7, top-k 20, top-p 0.8, seed 5' (filters
+    that do nothing left out)."""
+    if not sampling.get("temperature"):
+        return "greedy"
+    parts = [f"temperature {sampling['temperature']:g}"]
+    for key, neutral in (("top_k", 0), ("top_p", 1.0), ("min_p", 0.0)):
+        if sampling.get(key, neutral) != neutral:
+            parts.append(f"{key.replace('_', '-')} {sampling[key]:g}")
+    seed = sampling.get("seed")
+    return ", ".join(parts + [f"seed {seed}" if seed is not None else "fresh seed per request"])
 
 
 def format_stats(stats: dict) -> str:

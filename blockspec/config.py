@@ -7,7 +7,7 @@ import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -18,7 +18,46 @@ SUPPORTED_MODEL_TYPES = {"qwen3_5", "qwen3_5_text"}
 SUPPORTED_ARCHITECTURES = {"Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration"}
 
 
-class PredictConfig(BaseModel):
+class CheckedSettings(BaseModel):
+    """Settings whose build() refuses a bad value in one line naming its key."""
+
+    @classmethod
+    def build(cls, data: dict, source: str = "config"):
+        try:
+            return cls(**data)
+        except ValidationError as exc:
+            raise BlockspecError(f"{source}: {describe_validation_error(exc)}") from None
+
+
+# The sampling settings' ranges, shared by PredictConfig and the per-request SamplingSettings.
+Temperature = Annotated[float, Field(ge=0.0, allow_inf_nan=False)]  # 0: greedy
+TopK = Annotated[int, Field(ge=0)]                                  # 0: no limit
+TopP = Annotated[float, Field(gt=0.0, le=1.0)]                      # 1: no limit
+MinP = Annotated[float, Field(ge=0.0, le=1.0)]                      # 0: no limit
+SAMPLING_KEYS = ("temperature", "top_k", "top_p", "min_p", "seed")
+
+
+class SamplingSettings(CheckedSettings):
+    """How a request chooses its tokens. Temperature 0 is greedy (the filters then play no part); above 0 each token
+    is drawn from the target's float32 logits processed in the order vLLM and transformers use: temperature, then
+    top-k (the k most likely tokens, ties with the k-th kept), top-p (the most likely tokens until their probability
+    reaches top_p), min-p (tokens at least min_p times as likely as the most likely one). seed None: fresh
+    randomness for each request."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    temperature: Temperature = 0.0
+    top_k: TopK = 0
+    top_p: TopP = 1.0
+    min_p: MinP = 0.0
+    seed: int | None = None
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+class PredictConfig(CheckedSettings):
     """Everything a run needs besides the prompt. Unknown keys are refused (typos must not pass silently).
     No environment variable changes any of these: a setting lives here or nowhere."""
 
@@ -28,8 +67,11 @@ class PredictConfig(BaseModel):
     mode: Literal["none", "mtp", "dflash2"] | None = None  # None: dflash2 when dflash2_model is set, else none
     batch_size: int = Field(1, ge=1)
     beam_size: int = Field(1, ge=1)
-    top_k: int = Field(1, ge=0)
-    temperature: float = Field(0.0, ge=0.0)
+    temperature: Temperature = 0.0  # sampling (SamplingSettings); each request may override these five
+    top_k: TopK = 0
+    top_p: TopP = 1.0
+    min_p: MinP = 0.0
+    seed: int | None = None
     compute_dtype: Literal["float32", "bfloat16", "float16", "fp32", "bf16", "fp16"] = "bfloat16"
     device: Literal["cpu", "cuda", "auto"] = "auto"
     gpu_ranks: list[int] = Field(default_factory=lambda: [0])
@@ -76,6 +118,10 @@ class PredictConfig(BaseModel):
                 "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}[self.compute_dtype]
 
     @property
+    def sampling(self) -> SamplingSettings:
+        return SamplingSettings(**{key: getattr(self, key) for key in SAMPLING_KEYS})
+
+    @property
     def decode_mode(self) -> str:
         if self.mode is not None:
             return self.mode
@@ -94,13 +140,6 @@ class PredictConfig(BaseModel):
             raise BlockspecError(f"config file {path}: expected a mapping of keys to values")
         data.update({k: v for k, v in overrides.items() if v is not None})
         return cls.build(data, source=str(path))
-
-    @classmethod
-    def build(cls, data: dict, source: str = "config") -> "PredictConfig":
-        try:
-            return cls(**data)
-        except ValidationError as exc:
-            raise BlockspecError(f"{source}: {describe_validation_error(exc)}") from None
 
 
 def describe_validation_error(exc: ValidationError) -> str:

@@ -146,3 +146,20 @@ def test_ctrl_d_in_a_terminal(tiny):
         os.close(leader)
         proc.stderr.close()
     assert shown.endswith(b"you> \r\n"), shown
+
+
+def test_chat_shows_and_uses_its_sampling_settings(tiny, engine, capsys):
+    code, out, err = chat(tiny, ["hi"], "--temperature", "0.7", "--top-k", "20", "--seed", "3")
+    assert code == 0, err
+    assert "sampling: temperature 0.7, top-k 20, seed 3" in err.splitlines()[0]
+    tok = engine.tokenizer
+    ids = tok.encode(tok.chat_prompt([{"role": "user", "content": "hi"}]))
+    with torch.no_grad():
+        reply = engine.generate(ids, MAX_TOKENS, temperature=0.7, top_k=20, seed=3).text
+    assert out == reply + "\n"
+    from io import StringIO
+
+    from blockspec.chat import run_chat
+
+    run_chat(engine, MAX_TOKENS, stdin=StringIO(""))
+    assert "sampling: greedy" in capsys.readouterr().err.splitlines()[0]

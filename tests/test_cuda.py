@@ -374,3 +374,59 @@ def test_graphs_record_no_compiled_region(pair):
     assert sum(COMPILED_CALLS.values()) == before
     assert e.generate(ids, 60, stop_at_eos=False).tokens == first
     print(f"load times: {e.load_times}")
+
+
+@pytest.mark.parametrize("mode", ["none", "mtp", "dflash2"])
+def test_sampled_graph_replay_equals_eager(pair, mode):
+    """Sampling's uniforms come from the host (engine/sampling.py): graphed and eager runs of one seed give the same
+    tokens and acceptances, a replay repeats them, and a greedy request after sampled ones is still plain greedy."""
+    target, drafter = pair
+    kw = dict(mode=mode, compute_dtype="float32", dflash2_model=str(drafter) if mode == "dflash2" else None)
+    eager, graphed = engine(target, compile_mode=-1, **kw), engine(target, **kw)
+    ids = eager.tokenizer.encode("hello world")
+    settings = dict(temperature=0.8, top_k=40, top_p=0.95, seed=5)
+    a, b = eager.generate(ids, 120, stop_at_eos=False, **settings), graphed.generate(ids, 120, stop_at_eos=False,
+                                                                                      **settings)
+    assert a.tokens == b.tokens and a.stats.get("accepted_per_cycle") == b.stats.get("accepted_per_cycle")
+    assert graphed.generate(ids, 120, stop_at_eos=False, **settings).tokens == b.tokens
+    assert graphed.generate(ids, 120, stop_at_eos=False).tokens == eager.generate(ids, 120, stop_at_eos=False).tokens
+
+
+@pytest.mark.parametrize("vocabulary_quantization", ["none", "int8"])
+def test_head_returns_float32_sums_on_gpu(pair, vocabulary_quantization):
+    """The bf16 head's product comes back in float32, unrounded (kernels/linear.py): a step's and an 8-token
+    verification's logits of the same row agree far below bf16's step."""
+    target, _ = pair
+    e = engine(target, compute_dtype="bfloat16", vocabulary_quantization=vocabulary_quantization)
+    x = torch.randn(8, e.model.config.hidden_size, device="cuda", dtype=torch.bfloat16)
+    head = e.model.lm_head
+    weight = head.dequantize(torch.float32) if vocabulary_quantization != "none" else head.weight.float()
+    expected = x.float() @ weight.t()
+    rows, row = e.model.logits(x), e.model.logits(x[:1])
+    assert rows.dtype == row.dtype == torch.float32
+    assert (rows - expected).abs().max() <= 1e-4 * expected.abs().max()
+    assert (rows[:1] - row).abs().max() <= 1e-4 * expected.abs().max()
+
+
+def test_sampled_walk_on_gpu():
+    """The selector's sampling walk (Triton) against its reference at the published drafter's shapes: the same picks
+    and q; at temperature 0 the greedy walk's picks."""
+    from blockspec.drafter import selector_triton
+    from blockspec.drafter.selector import greedy_walk_reference, sampled_walk_reference
+
+    torch.manual_seed(0)
+    f32 = dict(device="cuda", dtype=torch.float32)
+    for temperature in (1.0, 0.7, 0.0):
+        unary, projected = torch.randn(7, 16, **f32), torch.randn(7, 256, **f32) * 0.05
+        candidates = torch.randint(0, 248320, (7, 16), device="cuda")
+        codebooks = torch.randn(248320, 256, **f32), torch.randn(248320, 256, **f32)
+        anchor = torch.randint(0, 248320, (1,), device="cuda")
+        uniforms = 1 - torch.rand(7, device="cuda", dtype=torch.float64)
+        args = (unary, candidates, projected, anchor, *codebooks)
+        got, q = selector_triton.sampled_walk(*args, torch.tensor(temperature, device="cuda"), uniforms)
+        ref, ref_q = sampled_walk_reference(*args, torch.tensor(temperature, device="cuda"), uniforms)
+        assert torch.equal(got, ref)
+        if temperature > 0:
+            assert (q - ref_q).abs().max() < 1e-6
+        else:
+            assert torch.equal(got, greedy_walk_reference(*args))

@@ -271,8 +271,12 @@ CHAT = {"messages": [{"role": "user", "content": "hi"}]}
 COMPLETION = {"prompt": "hi"}
 
 REFUSALS = [
-    ("chat", {**CHAT, "temperature": 0.7}, "temperature", "greedily"),
-    ("chat", {**CHAT, "top_p": 0.9}, "top_p", "top_p"),
+    ("chat", {**CHAT, "temperature": -0.5}, "temperature", "temperature=-0.5"),
+    ("chat", {**CHAT, "top_p": 1.5}, "top_p", "(0, 1]"),
+    ("completion", {**COMPLETION, "top_k": -1}, "top_k", "0 (no limit) or more"),
+    ("completion", {**COMPLETION, "min_p": 2}, "min_p", "[0, 1]"),
+    ("chat", {**CHAT, "seed": "seven"}, "seed", "integer"),
+    ("chat", {**CHAT, "temperature": "hot"}, "temperature", "number"),
     ("chat", {**CHAT, "n": 2}, "n", "n=2"),
     ("chat", {**CHAT, "logprobs": True}, "logprobs", "logprobs"),
     ("chat", {**CHAT, "top_logprobs": 3}, "top_logprobs", "logprobs"),
@@ -332,7 +336,7 @@ class FakeEngine:
     """Engine stand-in whose reply is fixed text + EOS: covers finish_reason 'stop' and multi-byte text."""
 
     check_request = Engine.check_request
-    _unset_drafter_hint = Engine._unset_drafter_hint
+    serving_defaults = lambda self: {}  # noqa: E731  (no checkpoint: no generation_config.json)
     mode, model_name, context_length, vocab_size = "none", "fake", 256, 259
 
     def __init__(self, tokenizer, reply):
@@ -418,3 +422,45 @@ def test_serve_arguments_checked_before_the_model_loads(tmp_path, capsys, args, 
     code = main(["serve", "--model", str(tmp_path / "no-such-model"), *args])
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1 and message in err and "no-such-model" not in err, err
+
+
+# ------------------------------------------------------------------------------------------------ sampling
+
+
+def test_sampling_fields(server, tiny):
+    """temperature, top_p, seed (OpenAI) and top_k, min_p (vLLM's extra fields) reach the engine: a seeded request
+    gives what Engine.generate gives with the same settings (the server decodes with MTP), every time."""
+    engine = Engine.load(tiny, device="cpu", compute_dtype="float32", mode="mtp", context_length=CONTEXT)
+    settings = {"temperature": 0.8, "top_p": 0.9, "top_k": 20, "min_p": 0.02, "seed": 11}
+    prompt = "Once upon a time"
+    with torch.no_grad():
+        expected = engine.generate(engine.tokenizer.encode(prompt), 12, **settings)
+    replies = [httpx.post(server.url + "/v1/completions", json={"prompt": prompt, "max_tokens": 12, **settings},
+                          timeout=60).json() for _ in range(2)]
+    assert [r["choices"][0]["text"] for r in replies] == [expected.text] * 2
+    assert replies[0]["blockspec"]["sampling"] == settings
+    unseeded = [httpx.post(server.url + "/v1/completions", json={"prompt": prompt, "max_tokens": 12,
+                                                                 "temperature": 1.0}, timeout=60).json()
+                for _ in range(2)]
+    seeds = [r["blockspec"]["sampling"]["seed"] for r in unseeded]
+    assert seeds[0] != seeds[1]  # fresh randomness per request, and the seed it used is reported
+    greedy = httpx.post(server.url + "/v1/completions", json={"prompt": prompt, "max_tokens": 4}, timeout=60).json()
+    assert greedy["blockspec"]["sampling"] == {"temperature": 0.0}  # no generation_config.json: greedy
+
+
+def test_fields_left_out_take_generation_config_then_flags(tiny, tmp_path):
+    import shutil
+
+    from blockspec.server.requests import RequestParser
+
+    checkpoint = tmp_path / "checkpoint"
+    shutil.copytree(tiny, checkpoint)
+    (checkpoint / "generation_config.json").write_text(json.dumps(
+        {"do_sample": True, "temperature": 0.6, "top_k": 20, "top_p": 0.95, "repetition_penalty": 1.05}))
+    body = {"prompt": "hi", "max_tokens": 2}
+    parsed = RequestParser(Engine.load(checkpoint, device="cpu", context_length=64)).parse(body, "completion")
+    assert parsed.sampling == {"temperature": 0.6, "top_k": 20, "top_p": 0.95}
+    parser = RequestParser(Engine.load(checkpoint, device="cpu", context_length=64, top_p=0.8, seed=4))
+    assert parser.parse(body, "completion").sampling == {"temperature": 0.6, "top_k": 20, "top_p": 0.8, "seed": 4}
+    assert parser.parse({**body, "temperature": 0, "seed": 9}, "completion").sampling == \
+        {"temperature": 0.0, "top_k": 20, "top_p": 0.8, "seed": 9}

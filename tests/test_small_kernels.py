@@ -10,7 +10,7 @@ from helpers import patch_triton_interpreter, run_in_triton_interpreter
 
 from blockspec.drafter import conv_triton, selector_triton
 from blockspec.drafter.conv import grouped_dynamic_causal_conv_reference
-from blockspec.drafter.selector import greedy_walk_reference
+from blockspec.drafter.selector import greedy_walk_reference, sampled_walk_reference
 from blockspec.kernels import activation_triton, attention_inputs_triton, gdn_triton, norm_triton
 from blockspec.kernels.activation import sigmoid_mul_reference, silu_mul_reference
 from blockspec.kernels.attention import prepare_attention_inputs_reference
@@ -139,11 +139,34 @@ def _walk_mismatches():
     return out
 
 
+def _sampled_walk_mismatches():
+    """Per case: (chosen ids that differ from the reference's, the largest difference of q); temperature 0 is the
+    greedy walk."""
+    out = []
+    for rows, top_k, rank, vocab, temperature in [(7, 16, 256, 1000, 1.0), (3, 5, 20, 50, 0.7), (7, 16, 64, 300, 0.0),
+                                                  (1, 8, 16, 9, 2.0)]:
+        g = torch.Generator().manual_seed(rows * rank + top_k)
+        unary = torch.randn(rows, top_k, generator=g)
+        candidates = torch.randint(0, vocab, (rows, top_k), generator=g)
+        projected = torch.randn(rows, rank, generator=g) * 0.1
+        anchor = torch.randint(0, vocab, (1,), generator=g)
+        codebooks = torch.randn(vocab, rank, generator=g), torch.randn(vocab, rank, generator=g)
+        uniforms = 1 - torch.rand(rows, generator=g, dtype=torch.float64)
+        args = (unary, candidates, projected, anchor, *codebooks, torch.tensor(temperature), uniforms)
+        got, got_q = selector_triton.sampled_walk(*args)
+        ref, ref_q = sampled_walk_reference(*args)
+        q_error = float((got_q - ref_q).abs().max()) if temperature > 0 else 0.0
+        out.append([int((got != ref).sum()), q_error])
+    return out
+
+
 def test_kernels_match_references_in_interpreter():
     assert not norm_triton.available(torch.zeros(2, 8))  # outside the interpreter the CPU takes the reference
     results = run_in_triton_interpreter(__file__)
     walk = results.pop("walk")
     assert walk == [0, 0, 0], walk
+    sampled = results.pop("sampled_walk")
+    assert [chosen for chosen, _ in sampled] == [0, 0, 0, 0] and max(q for _, q in sampled) < 1e-6, sampled
     assert [len(results[k]) for k in ("norm", "gated_norm", "conv", "drafter_conv")] == [3, 3, 3, 3], results
     assert len(results["activation"]) == 6 and len(results["attention"]) == 12
     assert max(max(v) for v in results.values()) < 1e-5, results
@@ -154,7 +177,7 @@ if __name__ == "__main__":
     print("RESULTS " + json.dumps({"norm": _norm_errors(), "attention": _attention_input_errors(),
                                    "gated_norm": _gated_norm_errors(), "activation": _activation_errors(),
                                    "conv": _conv_errors(), "drafter_conv": _drafter_conv_errors(),
-                                   "walk": _walk_mismatches()}))
+                                   "walk": _walk_mismatches(), "sampled_walk": _sampled_walk_mismatches()}))
 
 
 def test_launch_fitting_lowers_pipeline_depth_until_shared_memory_suffices():

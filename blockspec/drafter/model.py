@@ -20,7 +20,7 @@ from torch import nn
 from blockspec.drafter.config import DrafterConfig
 from blockspec.drafter.context import DrafterContext
 from blockspec.drafter.conv import DynamicCausalConv
-from blockspec.drafter.selector import CandidateSelector
+from blockspec.drafter.selector import CandidateSelector, Selection
 from blockspec.errors import BlockspecError
 from blockspec.kernels.attention import masked_attention, prepare_attention_inputs
 from blockspec.kernels.attention import rope_tables
@@ -270,13 +270,15 @@ class DFlash2Drafter(nn.Module):
         return logits
 
     @torch.no_grad()
-    def propose(self, anchor_token: torch.Tensor | int, anchor_position: torch.Tensor | int) -> torch.Tensor:
-        """Proposals [block_size - 1] for positions anchor_position + 1 ...; the context must end at anchor_position."""
+    def propose(self, anchor_token: torch.Tensor | int, anchor_position: torch.Tensor | int,
+                selection: Selection | None = None) -> torch.Tensor:
+        """Proposals [block_size - 1] for positions anchor_position + 1 ...; the context must end at anchor_position.
+        With a `selection` the selector samples at its temperature and reports what it drew from (selector.py)."""
         if isinstance(anchor_position, int) and anchor_position != self.context.length:
             raise ValueError(f"proposal at {anchor_position}, but the context holds {self.context.length} positions")
         anchor = self._anchor(anchor_token)
         hidden = self.forward_block(anchor, anchor_position)[1:]
-        return self.candidate_selector.walk(hidden, self.draft_logits(hidden), anchor, self.vocabulary)
+        return self.candidate_selector.walk(hidden, self.draft_logits(hidden), anchor, self.vocabulary, selection)
 
     def _anchor(self, token: torch.Tensor | int) -> torch.Tensor:
         if isinstance(token, int):

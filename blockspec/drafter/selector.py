@@ -1,15 +1,32 @@
 """Candidate selector: picks each proposal among the top-K tokens of its row, given the previous pick.
 
 score(prev -> cand at row i) = logit_i[cand] + < predecessor[prev] * P h_i , successor[cand] >
-The walk is greedy and starts from the anchor token (the last committed token).
+The walk starts from the anchor token (the last committed token). Greedy, it takes each row's best score; with a
+`Selection` at temperature T > 0 (sampling), it draws each row's pick from q = softmax(scores / T) over the row's
+candidates, given the pick before it, by inverse CDF with one uniform per row, and reports q: the distribution the
+proposal was really drawn from, which the speculative-sampling rule needs (as the reference selector, dflash's
+CandidateSelector.select, draws and reports it).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from blockspec.drafter import selector_triton
+
+
+@dataclass
+class Selection:
+    """A sampling walk's inputs (temperature, a 0-dim tensor, 0 = greedy; one uniform in (0, 1] per row, float64)
+    and outputs: each row's candidate token ids and the probabilities q it drew from [rows, K]."""
+
+    temperature: torch.Tensor
+    uniforms: torch.Tensor
+    candidates: torch.Tensor | None = None
+    probs: torch.Tensor | None = None
 
 
 class CandidateSelector(nn.Module):
@@ -28,15 +45,22 @@ class CandidateSelector(nn.Module):
         return unary + self.successor_codebook(candidates) @ query
 
     def walk(self, hidden: torch.Tensor, logits: torch.Tensor, anchor: torch.Tensor,
-             vocabulary: torch.Tensor | None = None) -> torch.Tensor:
+             vocabulary: torch.Tensor | None = None, selection: Selection | None = None) -> torch.Tensor:
         """hidden [n, H], logits [n, V], anchor [1] -> chosen tokens [n]. No host synchronisation. With a draft
-        vocabulary, logits column j is token vocabulary[j] (layers/draft_head.py)."""
+        vocabulary, logits column j is token vocabulary[j] (layers/draft_head.py). With a `selection`, the walk
+        samples at its temperature and fills its candidates and probs."""
         # Unsorted, like the reference: candidate order decides exact score ties (common in bf16).
         unary, candidates = torch.topk(logits, self.top_k, dim=-1, sorted=False)
         if vocabulary is not None:
             candidates = vocabulary[candidates]
-        return greedy_walk(unary, candidates, self.hidden_projection(hidden), anchor.reshape(1),
-                           self.predecessor_codebook.weight, self.successor_codebook.weight)
+        codebooks = self.predecessor_codebook.weight, self.successor_codebook.weight
+        projected = self.hidden_projection(hidden)
+        if selection is None:
+            return greedy_walk(unary, candidates, projected, anchor.reshape(1), *codebooks)
+        chosen, selection.probs = sampled_walk(unary, candidates, projected, anchor.reshape(1), *codebooks,
+                                               selection.temperature, selection.uniforms)
+        selection.candidates = candidates
+        return chosen
 
 
 def greedy_walk(unary, candidates, projected, anchor, predecessor, successor):
@@ -57,3 +81,32 @@ def greedy_walk_reference(unary, candidates, projected, anchor, predecessor, suc
         previous = candidates[row, torch.argmax(scores).reshape(1)]
         chosen.append(previous)
     return torch.cat(chosen)
+
+
+def sampled_walk(unary, candidates, projected, anchor, predecessor, successor, temperature, uniforms):
+    """The walk drawing each row's pick from q = softmax(scores / temperature) (the pick before it given) by inverse
+    CDF with the row's uniform; greedy where temperature is 0. Returns (chosen [n], q [n, K] float32; q is left
+    unset when greedy). On CUDA one Triton program (selector_triton.py); else sampled_walk_reference."""
+    if selector_triton.available(unary):
+        return selector_triton.sampled_walk(unary, candidates, projected, anchor, predecessor, successor,
+                                            temperature, uniforms)
+    return sampled_walk_reference(unary, candidates, projected, anchor, predecessor, successor, temperature,
+                                  uniforms)
+
+
+def sampled_walk_reference(unary, candidates, projected, anchor, predecessor, successor, temperature, uniforms):
+    hot = temperature > 0
+    scale = torch.where(hot, temperature, 1.0)  # greedy rows ignore q: keep it finite
+    previous = anchor
+    chosen, probs = [], []
+    for row in range(unary.shape[0]):
+        query = predecessor[previous][0] * projected[row]
+        scores = unary[row] + successor[candidates[row]] @ query
+        weights = torch.exp((scores.float() - scores.float().max()) / scale)
+        cdf = weights.cumsum(0)
+        drawn = (cdf < uniforms[row].float() * cdf[-1]).sum()
+        index = torch.where(hot, drawn, torch.argmax(scores))
+        previous = candidates[row, index.reshape(1)]
+        chosen.append(previous)
+        probs.append(weights / cdf[-1])
+    return torch.cat(chosen), torch.stack(probs)

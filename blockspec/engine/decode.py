@@ -1,9 +1,10 @@
-"""The decode loop every mode shares: propose k tokens, verify anchor + proposals in one target pass, accept the
-longest prefix the target agrees with plus its own next token, commit exactly that through the state transaction.
+"""The decode loop every mode shares: propose k tokens, verify anchor + proposals in one target pass, accept a prefix
+of the proposals plus one token of the target's, commit exactly that through the state transaction.
 
-Plain greedy is the same loop with a proposer that proposes nothing (k = 0): one token in, one token out.
-Because every emitted token is the target's own argmax given committed state, output is identical to plain
-greedy whatever the proposer does.
+Plain decoding is the same loop with a proposer that proposes nothing (k = 0): one token in, one token out.
+Acceptance follows the request's sampling (engine/sampling.py): greedy keeps the longest prefix equal to the
+target's argmax plus the target's next argmax, so output is identical to plain greedy whatever the proposer does;
+sampled requests apply the speculative-sampling rule, so output is distributed exactly as plain sampling.
 """
 
 from __future__ import annotations
@@ -13,24 +14,33 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .sampling import Sampler, leading_matches
+
 
 class Proposer:
-    """Proposes nothing: plain greedy decoding. Speculative proposers override the three hooks."""
+    """Proposes nothing: plain decoding. Speculative proposers override the hooks."""
 
     name = "none"
     capture_layers: tuple[int, ...] = ()   # target layers whose outputs the proposer reads
     max_proposals = 0
+    draft_width = 0                        # token ids each proposal's distribution spans (draft())
 
     def reset(self):
         pass
 
     def observe(self, out, first: int, tokens: list[int], next_tokens: list[int]):
-        """Committed target positions first..first+len(tokens)-1 held `tokens`; `next_tokens[i]` is the target's
-        greedy token after position first+i. `out` holds the pass's hidden states / features (row i = position
-        first+i)."""
+        """Committed target positions first..first+len(tokens)-1 held `tokens`; `next_tokens[i]` is the token that
+        follows position first+i (the prompt's, or the one emitted there). `out` holds the pass's hidden states /
+        features (row i = position first+i)."""
 
     def propose(self, anchor: int, position: int, k: int) -> list[int]:
+        """k proposals for positions position+1..; under sampling each drawn from the proposer's distribution."""
         return []
+
+    def draft(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Under sampling: the distribution each of the last proposals was drawn from, as (token ids, probabilities)
+        [proposals, draft_width] on the device (the speculative-sampling rule's q)."""
+        return None
 
 
 @dataclass
@@ -60,27 +70,31 @@ def _sync(device):
         torch.cuda.synchronize(device)
 
 
-def prefill(target, prompt: torch.Tensor, chunk: int, proposer: Proposer) -> int:
-    """Chunked prefill of the prompt; returns the first generated token (greedy)."""
+def prefill(target, prompt: torch.Tensor, chunk: int, proposer: Proposer, sampler: Sampler | None = None) -> int:
+    """Chunked prefill of the prompt; returns the first generated token (greedy without a sampler)."""
     for begin in range(0, prompt.shape[0], chunk):
         ids = prompt[begin:begin + chunk]
         out = target.forward(ids, all_logits=False)
         target.state.commit(ids.shape[0])
         last = begin + ids.shape[0] >= prompt.shape[0]
-        first_token = int(out.logits[-1].argmax()) if last else None
+        first_token = None
+        if last:
+            first_token = int(out.logits[-1].argmax()) if sampler is None else sampler.first_token(out.logits[-1:])
         following = prompt[begin + 1:begin + ids.shape[0] + 1].tolist() + ([first_token] if last else [])
         proposer.observe(out, begin, ids.tolist(), following)
     return first_token
 
 
 def decode(target, proposer: Proposer, prompt: list[int], max_tokens: int, eos: set[int], chunk: int,
-           stats: DecodeStats):
-    """Generator of greedy tokens; `target` is an EagerTarget or GraphedTarget; `stats` is filled as it goes."""
+           stats: DecodeStats, sampler: Sampler | None = None):
+    """Generator of tokens; `target` is an EagerTarget or GraphedTarget; `sampler` holds the request's sampling
+    (begun; None: greedy); `stats` is filled as it goes."""
     state, device = target.state, target.device
+    greedy = sampler is None or sampler.greedy
     state.reset()
     proposer.reset()
     start = time.perf_counter()
-    anchor = prefill(target, torch.tensor(prompt, device=device), chunk, proposer)
+    anchor = prefill(target, torch.tensor(prompt, device=device), chunk, proposer, sampler)
     _sync(device)
     stats.prefill_s = time.perf_counter() - start
     stats.generated = 1
@@ -95,12 +109,16 @@ def decode(target, proposer: Proposer, prompt: list[int], max_tokens: int, eos: 
             full = position + proposer.max_proposals < state.capacity
             k = proposer.max_proposals if useful > 0 and full else max(0, min(useful, state.capacity - position - 1))
             proposals = proposer.propose(anchor, position, k) if k > 0 else []
-            out, predicted = target.verify([anchor] + proposals)
-            accepted = 0
-            while accepted < len(proposals) and proposals[accepted] == predicted[accepted]:
-                accepted += 1
+            if greedy:
+                out, predicted = target.verify([anchor] + proposals)
+                accepted = leading_matches(proposals, predicted)
+                emitted = predicted[:accepted + 1]
+            else:  # the speculative-sampling rule on the device, read back once (plain sampling: k = 0)
+                out, _ = target.run([anchor] + proposals)
+                accepted, token = sampler.accept(out.logits, [anchor] + proposals,
+                                                 proposer.draft() if proposals else None)
+                emitted = proposals[:accepted] + [token]
             state.commit(accepted + 1)
-            emitted = predicted[:accepted + 1]
             proposer.observe(out, position, [anchor] + proposals[:accepted], emitted)
             if proposer.max_proposals:
                 stats.cycles += 1

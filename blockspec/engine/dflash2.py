@@ -3,6 +3,8 @@
 The drafter reads the target's intermediate features (outputs of its target_layer_ids) of committed positions
 only: prefill chunks and the committed rows of each verification pass are appended to its bounded context.
 The proposal length comes from the drafter checkpoint's block size (self_speculative_num_tokens does not change it).
+Under sampling the candidate selector draws each proposal and reports the distribution it drew from (the
+speculative-sampling rule's q; drafter/selector.py).
 """
 
 from __future__ import annotations
@@ -10,23 +12,29 @@ from __future__ import annotations
 import torch
 
 from ..drafter.model import DFlash2Drafter
+from ..drafter.selector import Selection
 from . import graphs
 from .decode import Proposer
+from .sampling import Sampler
 
 
 class DFlash2Proposer(Proposer):
     name = "dflash2"
 
-    def __init__(self, drafter: DFlash2Drafter, draft_head=None):
+    def __init__(self, drafter: DFlash2Drafter, draft_head=None, sampler: Sampler | None = None):
         """`drafter`: loaded, packed (and quantized) around the target's embedding and head; `draft_head`: the
-        shared head over a draft vocabulary the drafter proposes over (None: the full head)."""
+        shared head over a draft vocabulary the drafter proposes over (None: the full head); `sampler`: the
+        engine's, the request's sampling (None: greedy)."""
         self.drafter = drafter
         self.draft_head = draft_head
+        self.sampler = sampler
         if draft_head is not None:
             drafter.set_head(draft_head.logits, draft_head.ids)
         self.capture_layers = tuple(drafter.target_layer_ids)
         self.max_proposals = drafter.block_size - 1
+        self.draft_width = drafter.config.selector_top_k
         self.graph, self.append_graphs = None, {}  # CUDA graphs only
+        self.selection, self.proposed = None, 0  # the last proposal's sampling walk, and how many were proposed
 
     def reset(self):
         self.drafter.reset()
@@ -44,21 +52,36 @@ class DFlash2Proposer(Proposer):
         self.drafter.context.commit(first, rows)
 
     def propose(self, anchor, position, k):
+        self.proposed = k
+        sampled = self.sampler is not None and not self.sampler.greedy
+        uniforms = self.sampler.uniforms(self.max_proposals) if sampled else None
         if self.graph is None:
-            return self.drafter.propose(anchor, position)[:k].tolist()
+            self.selection = Selection(self.sampler.temperature, uniforms.to(self.drafter.device)) if sampled else None
+            return self.drafter.propose(anchor, position, self.selection)[:k].tolist()
         self.anchor.fill_(anchor)
         self.position.fill_(position)
+        if sampled:
+            self.selection.uniforms.copy_(uniforms, non_blocking=True)
         self.graph.replay()
         return self.proposals[:k].tolist()
+
+    def draft(self):
+        k = self.proposed
+        return self.selection.candidates[:k], self.selection.probs[:k]
 
     def capture_graphs(self, pool=None, warmup: int = 2):
         """With CUDA graphs, at load time: the whole proposal (embedding, layers, convolutions, logits, selector walk)
         as one CUDA graph over a static anchor and position, and the context append of each verification length
-        (1..block_size committed rows) as one graph each."""
+        (1..block_size committed rows) as one graph each. With a sampler the walk reads the request's temperature
+        and uniforms from the device (greedy at temperature 0): one proposal graph serves both."""
         drafter, device = self.drafter, self.drafter.device
         self.anchor = torch.zeros(1, dtype=torch.long, device=device)
         self.position = torch.zeros((), dtype=torch.long, device=device)
-        self.graph, self.proposals = graphs.capture(lambda: drafter.propose(self.anchor, self.position), warmup, pool)
+        if self.sampler is not None:
+            self.selection = Selection(self.sampler.temperature,
+                                       torch.ones(self.max_proposals, dtype=torch.float64, device=device))
+        self.graph, self.proposals = graphs.capture(lambda: drafter.propose(self.anchor, self.position,
+                                                                            self.selection), warmup, pool)
         block = drafter.block_size
         width = len(drafter.target_layer_ids) * drafter.config.hidden_size  # the target's captured layers
         self.features_in = torch.zeros(block, width, device=device, dtype=drafter.dtype)

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import torch
 
-from ..checkpoint import load_mtp_head, load_target
-from ..config import PredictConfig
+from ..checkpoint import generation_defaults, load_mtp_head, load_target
+from ..config import SAMPLING_KEYS, PredictConfig, SamplingSettings
 from ..drafter.model import QUANTIZED_PROJECTIONS, DFlash2Drafter
 from ..errors import BlockspecError, UnsupportedRequest
 from ..kernels import KernelSettings, use
@@ -21,6 +21,7 @@ from ..tokenizer import Tokenizer
 from .decode import DecodeStats, Proposer, decode
 from .dflash2 import DFlash2Proposer
 from .mtp import MTPProposer
+from .sampling import Sampler
 from .state import DecodeState
 from .target import EagerTarget, GraphedTarget
 
@@ -80,11 +81,13 @@ class Engine:
         self.prepare_target()
         self.tokenizer = tokenizer or Tokenizer(config.model, self.model.config.eos_token_ids)
         self.context_length = config.context_length
+        self.sampler = Sampler(self.device)
         with use(self.kernels):
             self.proposer = self.build_proposer(mtp_tensors, drafter)
             self.state = DecodeState(self.model, config.context_length, MAX_VERIFY_TOKENS, self.device, self.dtype,
                                      in_place=self.proposer.max_proposals == 0)
             self.target = self.build_target()
+        self.sampler.begin(config.sampling)  # the device's values follow the settings until a request begins its own
         self.last_stats: dict = {}
 
     @classmethod
@@ -102,21 +105,9 @@ class Engine:
     def check_config(self, drafter_given: bool = False):
         """Refuse, before any model work, settings the chosen mode cannot serve exactly."""
         c = self.config
-        if c.temperature > 0:
-            raise UnsupportedRequest(f"temperature {c.temperature}: blockspec decodes greedily only, in every mode "
-                                     "(set temperature: 0)")
         if self.mode == "dflash2":
             if not c.dflash2_model and not drafter_given:
                 raise BlockspecError("mode dflash2 needs a drafter: set dflash2_model or pass --drafter DIR")
-            reasons = [(c.top_k != 1, f"top_k {c.top_k}: DFlash2 decoding is greedy only"
-                        + self._unset_drafter_hint()),
-                       (c.batch_size > 1, f"batch_size {c.batch_size}: blockspec decodes one sequence at a time, in "
-                        "every mode (set batch_size: 1)"),
-                       (c.beam_size > 1, f"beam_size {c.beam_size}: beam search is not supported, in any mode "
-                        "(set beam_size: 1)")]
-            for bad, why in reasons:
-                if bad:
-                    raise UnsupportedRequest(why)
         elif c.dflash2_model:
             raise BlockspecError(f"dflash2_model is set but mode is {self.mode!r}: unset dflash2_model or use "
                                  "mode dflash2 (the drafter is never loaded silently unused)")
@@ -132,11 +123,6 @@ class Engine:
                                      "mode (set batch_size: 1)" if c.batch_size > 1 else
                                      f"beam_size {c.beam_size}: beam search is not supported, in any mode "
                                      "(set beam_size: 1)")
-
-    def _unset_drafter_hint(self) -> str:
-        """For refusals of DFlash2 decoding only (top_k): the other modes accept what it refuses."""
-        return ("; set top_k 1, or unset dflash2_model to leave DFlash2 decoding (the other modes accept any top_k "
-                "and decode greedily)") if self.mode == "dflash2" else ""
 
     def note_ignored_settings(self):
         """Settings that are accepted but cannot be honoured: one line each on stderr, never an error."""
@@ -171,7 +157,9 @@ class Engine:
         if self.execution == "eager":
             return EagerTarget(self.model, self.state, capture)
         start = time.perf_counter()
-        target = GraphedTarget(self.model, self.state, capture, lengths=(1, 1 + self.proposer.max_proposals))
+        lengths = (1, 1 + self.proposer.max_proposals)
+        target = GraphedTarget(self.model, self.state, capture, lengths=lengths)
+        self.sampler.capture_graphs(lengths, self.vocab_size, self.proposer.draft_width, target.pool)
         self.load_times["target_graphs_s"] = round(time.perf_counter() - start, 3)
         if hasattr(self.proposer, "capture_graphs"):
             start = time.perf_counter()
@@ -188,7 +176,7 @@ class Engine:
             head = load_mtp_head(model, mtp_tensors, self.dtype, self.device)
             self.memory["mtp"] = prepare(head, self.target_quantizer)  # quantized as the target's projections
             return MTPProposer(model, head, c.self_speculative_num_tokens, self.context_length, self.device,
-                               self.dtype, draft_head)
+                               self.dtype, draft_head, self.sampler)
         if drafter is None:
             drafter = DFlash2Drafter.from_pretrained(
                 c.dflash2_model, target_hidden_size=model.config.hidden_size, target_vocab_size=model.config.vocab_size,
@@ -197,18 +185,15 @@ class Engine:
         # norms, convolution controls and the selector stay native: only fc and the layers' projections
         self.memory["drafter"] = prepare(drafter, rtn(c.dflash2_quantization, 32, self.dtype),
                                          QUANTIZED_PROJECTIONS.match)
-        return DFlash2Proposer(drafter, draft_head)
+        return DFlash2Proposer(drafter, draft_head, self.sampler)
 
-    def check_request(self, prompt_ids, max_tokens: int, *, temperature: float = 0.0, top_k: int = 1, n: int = 1,
-                      beam_size: int = 1, logprobs: bool = False, images: bool = False, stop=None,
-                      attention_output: bool = False, prefix: bool = False, constraints: bool = False):
-        """Raise BlockspecError / UnsupportedRequest naming the field a request gets wrong; do nothing else."""
-        # every refusal but top_k's holds in every mode: only top_k's suggests leaving DFlash2 decoding
+    def check_request(self, prompt_ids, max_tokens: int, *, n: int = 1, beam_size: int = 1, logprobs: bool = False,
+                      images: bool = False, stop=None, attention_output: bool = False, prefix: bool = False,
+                      constraints: bool = False):
+        """Raise BlockspecError / UnsupportedRequest naming the field a request gets wrong; do nothing else.
+        (Sampling settings are checked by sampling_settings.)"""
+        # every refusal holds in every mode
         refusals = [
-            (temperature and temperature > 0, f"temperature={temperature}: blockspec decodes greedily only, in every "
-                                              "mode"),
-            (self.mode == "dflash2" and top_k not in (1, None),
-             f"top_k={top_k}: DFlash2 decoding is greedy only{self._unset_drafter_hint()}"),
             (n != 1, f"n={n}: blockspec generates one sequence per request, in every mode"),
             (beam_size != 1, f"beam_size={beam_size}: beam search is not supported, in any mode"),
             (logprobs, "logprobs: not supported by blockspec, in any mode"),
@@ -232,18 +217,35 @@ class Engine:
             raise BlockspecError(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({max_tokens}) exceeds "
                                  f"context_length {self.context_length}")
 
-    def stream(self, prompt_ids: list[int], max_tokens: int, stop_at_eos: bool = True, proposer: Proposer = None):
-        """Yield greedy tokens one by one; closing the generator stops the work. Stats land in last_stats.
+    def sampling_settings(self, **overrides) -> SamplingSettings:
+        """The config's sampling settings with a call's overrides (None: the config's value); a value out of range
+        is refused in one line naming the field."""
+        values = {**self.config.sampling.model_dump(), **{k: v for k, v in overrides.items() if v is not None}}
+        return SamplingSettings.build(values, source="sampling")
+
+    def serving_defaults(self) -> dict:
+        """The sampling values a server request takes for the fields it leaves out: those set in the config (or by
+        serve's flags), else the checkpoint's generation_config.json (as vLLM does), else none (greedy)."""
+        defaults = generation_defaults(self.config.model) if self.config.model else {}
+        defaults.update({k: getattr(self.config, k) for k in SAMPLING_KEYS if k in self.config.model_fields_set})
+        return defaults
+
+    def stream(self, prompt_ids: list[int], max_tokens: int, stop_at_eos: bool = True, proposer: Proposer = None, *,
+               temperature: float | None = None, top_k: int | None = None, top_p: float | None = None,
+               min_p: float | None = None, seed: int | None = None):
+        """Yield tokens one by one; closing the generator stops the work. Stats land in last_stats.
         `proposer` replaces the engine's own for this request (one reading the same target features: the bench's
-        forced acceptance)."""
+        forced acceptance). The sampling arguments override the config's for this request (None: the config's)."""
+        settings = self.sampling_settings(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed)
         self.check_request(prompt_ids, max_tokens)
         proposer = proposer or self.proposer
         stats = DecodeStats()
         eos = self.tokenizer.eos_token_ids if stop_at_eos else set()
+        self.sampler.begin(settings)
         # parameters never require grad, so no autograd graph is built; the kernel settings are this engine's only
         # while it works (between yields the caller may run another engine)
         steps = decode(self.target, proposer, [int(t) for t in prompt_ids], max_tokens, eos,
-                       self.config.prefill_chunk_size, stats)
+                       self.config.prefill_chunk_size, stats, self.sampler)
         try:
             while True:
                 with use(self.kernels):
@@ -259,7 +261,8 @@ class Engine:
             self.last_stats = stats.as_dict(self.mode != "none")
             self.last_stats.update(mode=self.mode, execution=self.target.execution,
                                    target_quantization=self.target_quantization,
-                                   vocabulary_quantization=self.config.vocabulary_quantization)
+                                   vocabulary_quantization=self.config.vocabulary_quantization,
+                                   sampling=self.sampler.describe())
             draft_head = getattr(proposer, "draft_head", None)
             if draft_head is not None:  # proposals only: acceptance, not output, depends on it
                 self.last_stats["draft_vocabulary"] = draft_head.ids.numel()
@@ -275,7 +278,10 @@ class Engine:
         self.memory["draft_head_bytes"] = head.nbytes()
         return head
 
-    def generate(self, prompt_ids: list[int], max_tokens: int, stop_at_eos: bool = True,
-                 proposer: Proposer = None) -> GenerationResult:
-        tokens = list(self.stream(prompt_ids, max_tokens, stop_at_eos, proposer))
+    def generate(self, prompt_ids: list[int], max_tokens: int, stop_at_eos: bool = True, proposer: Proposer = None, *,
+                 temperature: float | None = None, top_k: int | None = None, top_p: float | None = None,
+                 min_p: float | None = None, seed: int | None = None) -> GenerationResult:
+        """All of stream's tokens at once, with their text and stats."""
+        tokens = list(self.stream(prompt_ids, max_tokens, stop_at_eos, proposer, temperature=temperature,
+                                  top_k=top_k, top_p=top_p, min_p=min_p, seed=seed))
         return GenerationResult(tokens, self.tokenizer.decode(tokens), dict(self.last_stats))

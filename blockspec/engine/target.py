@@ -1,7 +1,8 @@
 """How the decode loop runs the target on the decode state: eagerly, or as CUDA graphs replayed over static buffers.
 
-Both expose forward(ids) (a pass of any length, e.g. a prefill chunk) and verify(block) -> (out, greedy tokens);
-every pass opens the state's transaction (DecodeState.begin) and the caller commits or discards it. A graph is
+Both expose forward(ids) (a pass of any length, e.g. a prefill chunk), run(block) -> (out, the greedy tokens as a
+device tensor; no host synchronisation) and verify(block) -> (out, the greedy tokens as a list); every pass opens the
+state's transaction (DecodeState.begin) and the caller commits or discards it. A graph is
 captured for each pass length the mode uses (1 for plain decoding, k+1 for MTP, the block size for DFlash2), and the
 state captures each commit(n) of those lengths, once at load time while the state is empty; other lengths (the last
 cycles near max_tokens, prefill) run eagerly. The captured pass gets the whole KV cache with the position as data;
@@ -26,9 +27,13 @@ class EagerTarget:
         start = self.state.begin(ids.shape[0])
         return self.model(ids, self.state.layers, start=start, capture=self.capture, all_logits=all_logits)
 
-    def verify(self, block: list[int]):
+    def run(self, block: list[int]):
         out = self.forward(torch.tensor(block, device=self.device))
-        return out, out.logits.argmax(-1).tolist()
+        return out, out.logits.argmax(-1)
+
+    def verify(self, block: list[int]):
+        out, greedy = self.run(block)
+        return out, greedy.tolist()
 
 
 class GraphedTarget(EagerTarget):
@@ -52,13 +57,13 @@ class GraphedTarget(EagerTarget):
         graph, (out, predicted) = graphs.capture(run, warmup, self.pool)
         return graph, ids, positions, out, predicted
 
-    def verify(self, block):
+    def run(self, block):
         captured = self.passes.get(len(block))
         if captured is None:
-            return super().verify(block)
+            return super().run(block)
         graph, ids, positions, out, predicted = captured
         start = self.state.begin(len(block))
         ids.copy_(torch.tensor(block), non_blocking=True)
         positions.copy_(torch.arange(start, start + len(block)), non_blocking=True)
         graph.replay()
-        return out, predicted.tolist()
+        return out, predicted

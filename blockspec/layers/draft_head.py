@@ -3,8 +3,8 @@
 Why: each MTP draft reads the whole head (248k rows x 5120 on the 27B: 2.54 GB in bf16, ~0.65 ms on the H200), so
 3 drafts cost 0.14x a plain step; a DFlash2 proposal reads it once for its 7 rows (~0.6 of its ~2.1 ms). Drafting
 over N likely tokens reads N / vocab of it. The target's verification
-still scores the full vocabulary, so the output is unchanged (greedy, lossless); only acceptance falls, by how often
-the target's token lies outside the set (the idea of SGLang's speculative token map and of FR-Spec).
+still scores the full vocabulary, so the output is unchanged (lossless, greedy or sampled: a sampled draft's q spans
+the set only); only acceptance falls, by how often the target's token lies outside the set (the idea of SGLang's speculative token map and of FR-Spec).
 
 Which ids (`draft_vocabulary`, modes mtp and dflash2): a number N takes ids 0..N-1 (byte-level BPE vocabularies
 such as Qwen's number tokens in merge order, frequent pieces first) plus the end-of-sequence ids; a path names a JSON
@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from ..errors import BlockspecError
-from ..kernels.linear import linear
+from ..kernels.linear import linear_float32
 
 
 def draft_ids(spec: int | str, vocab_size: int, eos_ids=()) -> torch.Tensor:
@@ -87,8 +87,8 @@ class DraftHead(nn.Module):
         return cls(ids, head_rows(model, ids, dtype))
 
     def logits(self, normed: torch.Tensor) -> torch.Tensor:
-        """Logits of the draft vocabulary's ids, in their (ascending) order."""
-        return linear(normed, self.weight)
+        """Float32 logits of the draft vocabulary's ids, in their (ascending) order, as the full head's."""
+        return linear_float32(normed, self.weight)
 
     def forward(self, normed: torch.Tensor) -> torch.Tensor:
         return self.ids[self.logits(normed).argmax(-1)]

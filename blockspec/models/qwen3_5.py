@@ -13,6 +13,7 @@ from torch import nn
 
 from ..config import TargetConfig
 from ..kernels.attention import rope_tables
+from ..kernels.linear import linear_float32
 from ..layers.attention import GatedAttention
 from ..layers.folded_norm import MAX_FOLDED_ROWS, FoldedNorm
 from ..layers.gdn import GatedDeltaNet
@@ -62,7 +63,7 @@ class DecoderLayer(nn.Module):
 
 @dataclass
 class TargetOutput:
-    logits: torch.Tensor            # [T, vocab]
+    logits: torch.Tensor            # [T, vocab] float32
     hidden: torch.Tensor            # [T, hidden]: last layer output, before the final norm (what MTP reads)
     features: torch.Tensor | None   # [T, len(capture) * hidden]: outputs of the captured layers (what DFlash2 reads)
 
@@ -83,9 +84,14 @@ class TargetModel(nn.Module):
         return self.embed_tokens(ids)
 
     def logits(self, normed: torch.Tensor) -> torch.Tensor:
-        if self.lm_head is None:
-            return normed @ self.embed_tokens.weight.t()
-        return self.lm_head(normed)
+        """Float32 logits on every path (step, verification, prefill, proposers): the head accumulates in float32
+        and its sums are not rounded to the compute dtype (kernels/linear.py says why)."""
+        head = self.lm_head
+        if head is None:
+            return linear_float32(normed, self.embed_tokens.weight)
+        if hasattr(head, "packed"):  # Int4Linear / Int8Linear: vocabulary_quantization
+            return head(normed, out_dtype=torch.float32)
+        return linear_float32(normed, head.weight)
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype):
         return rope_tables(positions, self.config.rotary_dim, self.config.rope_theta, dtype)

@@ -232,17 +232,18 @@ class Int4Linear(nn.Module):
         u = wq.unpack_codes(self.qweight, self.bits, self.group_size, self.in_features)
         return (u - (1 << (self.bits - 1))).to(torch.int8)
 
-    def forward(self, x: torch.Tensor | FoldedNorm) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | FoldedNorm, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """`out_dtype` float32: the float32 sums returned unrounded (the vocabulary head's logits)."""
         if isinstance(x, FoldedNorm):  # a norm begun by add_norm: the kernel scales the result by 1 / rms
             y = wq.wq_matmul(x.rows, self.packed(), rms=x.rms)
             return y if self.bias is None else y + self.bias.to(y.dtype)
         if x.shape[-1] != self.in_features:
             raise ValueError(f"expected {self.in_features} input features, got {x.shape[-1]}")
         if x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and wq.kernels_available(x.device):
-            y = wq.wq_matmul(x, self.packed())
+            y = wq.wq_matmul(x, self.packed(), out_dtype=out_dtype)
         else:
             w = self.dequantize(torch.float32)
-            y = (x.to(torch.float32) @ w.t()).to(x.dtype)
+            y = (x.to(torch.float32) @ w.t()).to(out_dtype or x.dtype)
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
         return y

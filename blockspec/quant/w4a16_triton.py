@@ -520,8 +520,10 @@ def wq_matmul_swiglu(x: torch.Tensor, pw: PackedWeight, rms: tuple[torch.Tensor,
 
 
 def wq_matmul(x: torch.Tensor, pw: PackedWeight, config: KernelConfig | None = None,
-              out: torch.Tensor | None = None, rms: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:
-    """y = x @ dequant(W)^T for x [..., K] (bf16/fp16 on CUDA; any float dtype under the interpreter).
+              out: torch.Tensor | None = None, rms: tuple[torch.Tensor, float] | None = None,
+              out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """y = x @ dequant(W)^T for x [..., K] (bf16/fp16 on CUDA; any float dtype under the interpreter), in
+    `out_dtype` (default x's; float32 keeps the kernel's float32 sums unrounded).
 
     Up to 16 rows: one launch (`config`, default `default_config`); up to 64: 16-row launches; more:
     dequantize slices of the weight to x's dtype and F.linear (prefill; the kernel's numerics are not kept there).
@@ -531,7 +533,7 @@ def wq_matmul(x: torch.Tensor, pw: PackedWeight, config: KernelConfig | None = N
     x2 = _rows(x, pw)
     m = x2.shape[0]
     if out is None:
-        out = torch.empty(m, pw.n, dtype=x.dtype, device=x.device)
+        out = torch.empty(m, pw.n, dtype=out_dtype or x.dtype, device=x.device)
     if rms is not None:
         _launch(x2, pw, _one_launch(x2, pw, config, "wq_matmul with rms"), out, Epilogue(0, **_rms(rms, m)))
     elif m > CHUNKED_ROWS and config is None:

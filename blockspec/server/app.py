@@ -111,7 +111,7 @@ def create_app(engine, settings: ServerSettings = ServerSettings(), bound_addres
         return model_card()
 
     def submit(prepared: Prepared) -> Job:
-        job = Job(prepared.prompt_ids, prepared.max_tokens, asyncio.get_running_loop())
+        job = Job(prepared.prompt_ids, prepared.max_tokens, asyncio.get_running_loop(), prepared.sampling)
         try:
             worker.submit(job)
         except QueueFull as full:

@@ -9,10 +9,13 @@ from dataclasses import dataclass
 
 from fastapi.responses import JSONResponse
 
+from ..config import SamplingSettings
 from ..errors import BlockspecError
 from ..tokenizer import TooManyTokens
 
 CHAT_ROLES = {"system", "user", "assistant", "tool", "developer"}
+RANGES = {"temperature": "must be a finite number, 0 or more (0: greedy)", "top_p": "must be in (0, 1]",
+          "top_k": "must be 0 (no limit) or more", "min_p": "must be in [0, 1]", "seed": "must be an integer"}
 IMAGE_PART_TYPES = {"image_url", "input_image", "image"}
 MESSAGE_EXTRAS = {"name": str, "tool_calls": list, "tool_call_id": str, "reasoning_content": str}  # for the template
 MAX_DEPTH = 32                               # arrays and objects inside one another in a request body
@@ -151,6 +154,7 @@ class Prepared:
     stream: bool
     include_usage: bool
     model: str
+    sampling: dict            # the request's sampling values, its own or the server's defaults (Engine.stream)
 
 
 class RequestParser:
@@ -159,6 +163,7 @@ class RequestParser:
 
     def __init__(self, engine):
         self.engine = engine
+        self.sampling_defaults = engine.serving_defaults()
 
     def refuse_unless(self, param: str, hint: str = "", **request):
         """Ask the engine whether it serves this one field (on a trivially valid prompt) and name the field."""
@@ -167,6 +172,19 @@ class RequestParser:
         except BlockspecError as exc:
             raise bad(f"{exc}{hint}", param) from None
 
+    def sampling(self, body: dict) -> dict:
+        """temperature, top_p, seed (OpenAI) and top_k, min_p (as vLLM accepts them): each the request's, else the
+        server's default (Engine.serving_defaults), else left to the engine (greedy)."""
+        values = {"temperature": get_number(body, "temperature"), "top_p": get_number(body, "top_p"),
+                  "top_k": get_int(body, "top_k"), "min_p": get_number(body, "min_p"), "seed": get_int(body, "seed")}
+        for name, value in values.items():
+            if value is not None:
+                try:
+                    SamplingSettings.build({name: value})
+                except BlockspecError:
+                    raise bad(f"{name}={body[name]}: {RANGES[name]}", name) from None
+        return {**self.sampling_defaults, **{k: v for k, v in values.items() if v is not None}}
+
     def common(self, body: dict, kind: str) -> tuple[bool, bool, str]:
         model = body.get("model")
         if model is not None and not isinstance(model, str):
@@ -174,16 +192,6 @@ class RequestParser:
         if model and model != self.engine.model_name:
             raise ApiError(404, f"model {shown(model)} is not served here; this server serves "
                            f"'{self.engine.model_name}' (see GET /v1/models)", "model", code="model_not_found")
-        # OpenAI's default temperature is 1.0; absent means greedy here, an explicit temperature > 0 is refused
-        temperature = get_number(body, "temperature", 0.0)
-        self.refuse_unless("temperature", " (omit temperature or set it to 0)", temperature=temperature)
-        top_p = get_number(body, "top_p", 1.0)
-        if top_p < 1.0:
-            raise bad(f"top_p={body['top_p']}: blockspec decodes greedily only (nucleus sampling is not supported); "
-                      "omit top_p or set it to 1", "top_p")
-        top_k = get_int(body, "top_k", None)  # vLLM-style extension
-        if top_k is not None and top_k not in (0, 1, -1):
-            self.refuse_unless("top_k", top_k=top_k)
         self.refuse_unless("n", n=get_int(body, "n", 1))
         best_of = get_int(body, "best_of", 1)
         if best_of != 1:
@@ -202,8 +210,8 @@ class RequestParser:
                                       ("repetition_penalty", 1.0, (0.0, math.inf))):
             value = get_number(body, name, neutral, bounds)
             if value != neutral:
-                raise bad(f"{name}={body[name]}: penalties change the greedy choice; blockspec decodes plain greedy "
-                          f"only (omit {name})", name)
+                raise bad(f"{name}={body[name]}: penalties are not supported by blockspec, in any mode (omit {name})",
+                          name)
         if body.get("logit_bias"):
             self.refuse_unless("logit_bias", constraints=True)
         response_format = get_object(body, "response_format")
@@ -315,6 +323,7 @@ class RequestParser:
         if not isinstance(body, dict):
             raise bad(f"the request body must be a JSON object (got {_json_type(body)})")
         stream, include_usage, model = self.common(body, kind)
+        sampling = self.sampling(body)
         if kind == "chat":
             if not get_bool(body, "split_special_tokens", True):
                 raise bad("split_special_tokens: message text never becomes control tokens; send raw special tokens "
@@ -351,4 +360,4 @@ class RequestParser:
             if explicit is not None and param == max_param and max_param != "max_tokens":
                 message = message.replace("max_tokens", max_param)
             raise bad(message, param) from None
-        return Prepared(kind, prompt_ids, max_tokens, stream, include_usage, model)
+        return Prepared(kind, prompt_ids, max_tokens, stream, include_usage, model, sampling)

@@ -10,7 +10,7 @@ from fastapi.responses import StreamingResponse
 from .worker import Job, Worker
 
 STATS_KEYS = ("mode", "execution", "prefill_s", "decode_s", "decode_tokens_per_s", "generated", "cycles",
-              "mean_accepted_length", "acceptance_rate")
+              "mean_accepted_length", "acceptance_rate", "sampling")
 
 
 def stats_extension(stats: dict, engine) -> dict:

@@ -29,6 +29,7 @@ class Job:
     prompt_ids: list[int]
     max_tokens: int
     loop: asyncio.AbstractEventLoop
+    sampling: dict = field(default_factory=dict)  # Engine.stream's sampling arguments (Prepared.sampling)
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
     # queued -> running -> finished; running -> stopping (its client left) -> finished; queued -> abandoned
@@ -137,7 +138,7 @@ class Worker:
     def execute(self, job: Job) -> tuple[str, object]:
         """Run one job, streaming its tokens; return its final event: ("done", stats) or ("error", ApiError)."""
         job.started = time.perf_counter()
-        tokens = self.engine.stream(job.prompt_ids, job.max_tokens)
+        tokens = self.engine.stream(job.prompt_ids, job.max_tokens, **job.sampling)
         try:
             for token in tokens:
                 job.emit("token", token)

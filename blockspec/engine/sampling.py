@@ -1,0 +1,192 @@
+"""Sampling: how each token is chosen from the target's float32 logits, in every mode.
+
+Greedy (temperature 0) takes the argmax, and a speculative cycle keeps the longest prefix of proposals equal to the
+target's argmax plus the target's next argmax (`leading_matches`).
+
+Sampled requests (SamplingSettings, config.py):
+  `processed_probs`  the target's distribution p after the filters, in the order vLLM and transformers apply them:
+                     temperature, top-k (ties with the k-th token kept), top-p (the most likely tokens whose mass
+                     before them is below top_p), min-p (tokens at least min_p times as likely as the most likely
+                     one), renormalised. The filter values are tensors, so one CUDA graph serves every setting.
+  `draw`             one token per row by inverse CDF, one uniform in (0, 1] per row; a token of probability 0 is
+                     never drawn.
+  `speculative_accept` the speculative-sampling rule (Leviathan et al. 2023; Chen et al. 2023): proposal x_i, drawn
+                     from the proposer's distribution q_i, is accepted with probability min(1, p_i(x_i) / q_i(x_i));
+                     the first rejected position is drawn from the normalised residual max(p_i - q_i, 0), and after
+                     k acceptances the bonus token from p_k. Each emitted token is then distributed exactly as plain
+                     sampling from the target, whatever the proposer proposes, provided q is the distribution the
+                     proposal was really drawn from (the MTP head's processed distribution; the DFlash2 selector's
+                     softmax over its candidates, given the pick before).
+
+Randomness: every draw and acceptance test consumes uniforms from a CPU torch.Generator seeded per request (its
+seed, or a fresh one), copied to the device beside the ids and positions each pass already receives. No random
+number is generated on the device, so the CUDA graphs need no generator state registered with them and replay
+validly as they are; eager and graphed runs draw the same numbers; the same seed (and request) gives the same tokens
+on the same machine and mode.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from ..config import SamplingSettings
+from . import graphs
+
+
+def processed_probs(logits: torch.Tensor, temperature, top_k, top_p, min_p) -> torch.Tensor:
+    """Float32 probabilities [R, V] of float32 logits [R, V] after the filters (module docstring); the filter values
+    are 0-dim tensors (top_k 0: no limit) or numbers, temperature > 0."""
+    scores = logits.float() / temperature
+    vocab = scores.shape[-1]
+    ordered, order = scores.sort(dim=-1, descending=True)
+    limit = torch.where(torch.as_tensor(top_k, device=scores.device) > 0, top_k, vocab).clamp(max=vocab)
+    kth = ordered.gather(-1, (limit - 1).reshape(1, 1).expand(ordered.shape[0], 1))
+    ordered = ordered.masked_fill(ordered < kth, float("-inf"))
+    probs = torch.softmax(ordered, dim=-1)
+    before = probs.cumsum(-1) - probs  # the mass of the more likely tokens
+    keep = (before < top_p) | (torch.as_tensor(top_p, device=scores.device) >= 1)
+    keep &= probs >= min_p * probs[:, :1]
+    probs = torch.where(keep, probs, 0.0)
+    probs = probs / probs.sum(-1, keepdim=True)
+    return torch.zeros_like(probs).scatter_(-1, order, probs)
+
+
+def draw(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """One index per row of probs [R, V] (not necessarily normalised): the first whose cumulative mass reaches u x
+    total, u in (0, 1] (float64). The cumulative sums run in float64, so that a 248k-token row keeps its tail."""
+    cdf = probs.double().cumsum(-1)
+    threshold = uniforms.reshape(-1, 1) * cdf[:, -1:]
+    return (cdf < threshold).sum(-1)
+
+
+def leading_matches(proposals: list[int], predicted: list[int]) -> int:
+    """The greedy rule: how many proposals equal the target's argmax at their positions, from the first on."""
+    accepted = 0
+    while accepted < len(proposals) and proposals[accepted] == predicted[accepted]:
+        accepted += 1
+    return accepted
+
+
+def speculative_accept(logits, tokens, draft_ids, draft_probs, uniforms, filters) -> torch.Tensor:
+    """The speculative-sampling rule on the device (module docstring), no host synchronisation. logits [T, V] of the
+    pass over tokens [T] (anchor + T - 1 proposals); draft_ids / draft_probs [T - 1, C]: the proposer's distribution
+    of each proposal over C token ids (repeated ids add up); uniforms [T] float64 in (0, 1]; filters: temperature,
+    top_k, top_p, min_p. Returns int64 [2]: (accepted proposals n, the token after them)."""
+    p = processed_probs(logits, *filters)
+    k = tokens.shape[0] - 1
+    if k == 0:
+        return torch.cat([torch.zeros(1, dtype=torch.long, device=p.device), draw(p, uniforms[:1])])
+    q = torch.zeros(k, p.shape[1], device=p.device).scatter_add_(1, draft_ids, draft_probs.float())
+    proposals = tokens[1:, None]
+    ok = uniforms[:k] * q.gather(1, proposals)[:, 0] < p[:k].gather(1, proposals)[:, 0]
+    accepted = ok.long().cumprod(0).sum()
+    residual = (p[:k] - q).clamp_min(0)
+    residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p[:k])  # p == q: nothing is ever rejected
+    final = torch.cat([residual, p[k:]]).index_select(0, accepted.reshape(1))   # row k: the bonus token's p
+    return torch.cat([accepted.reshape(1), draw(final, uniforms[k:])])
+
+
+def fresh_seed() -> int:
+    return int.from_bytes(os.urandom(8), "little")
+
+
+@dataclass
+class _AcceptGraph:
+    graph: object
+    logits: torch.Tensor
+    tokens: torch.Tensor
+    draft_ids: torch.Tensor
+    draft_probs: torch.Tensor
+    uniforms: torch.Tensor
+    result: torch.Tensor
+
+
+class Sampler:
+    """One engine's sampling state: the request's settings (`begin`), their values on the device (inputs of every
+    graph that samples), the request's random stream, and the acceptance rule, eager or as a CUDA graph per
+    verification length (`capture_graphs`)."""
+
+    def __init__(self, device):
+        self.device = torch.device(device)
+        self.settings = SamplingSettings()
+        self.seed: int | None = None   # the request's seed (drawn fresh when it gave none); None when greedy
+        self.generator = torch.Generator()
+        # the filter values of the request; temperature 1 until the engine's first begin(), so that the warm-ups of
+        # the graphs that sample stay finite
+        self.temperature = torch.ones((), device=self.device)
+        self.top_k = torch.zeros((), dtype=torch.long, device=self.device)
+        self.top_p = torch.ones((), device=self.device)
+        self.min_p = torch.zeros((), device=self.device)
+        self.graphs: dict[int, _AcceptGraph] = {}
+
+    @property
+    def greedy(self) -> bool:
+        return self.settings.greedy
+
+    def filters(self) -> tuple[torch.Tensor, ...]:
+        return self.temperature, self.top_k, self.top_p, self.min_p
+
+    def begin(self, settings: SamplingSettings):
+        """Start a request with these settings (greedy ones set temperature 0: the DFlash2 walk reads it)."""
+        self.settings = settings
+        self.seed = None if settings.greedy else settings.seed if settings.seed is not None else fresh_seed()
+        if self.seed is not None:
+            self.generator.manual_seed(self.seed % (1 << 64))
+        values = (settings.temperature, settings.top_k, settings.top_p, settings.min_p)
+        for tensor, value in zip(self.filters(), values):
+            tensor.fill_(value)
+
+    def describe(self) -> dict:
+        """The request's settings as its stats report them (the seed actually used, so a run can be repeated)."""
+        if self.greedy:
+            return {"temperature": 0.0}
+        return {**self.settings.model_dump(), "seed": self.seed}
+
+    def uniforms(self, n: int) -> torch.Tensor:
+        """The request's next n uniforms in (0, 1] (float64, on the CPU)."""
+        return 1.0 - torch.rand(n, generator=self.generator, dtype=torch.float64)
+
+    def first_token(self, logits: torch.Tensor) -> int:
+        """The token after the prompt, from the last prompt row's logits [1, V]."""
+        if self.greedy:
+            return int(logits.argmax())
+        probs = processed_probs(logits, *self.filters())
+        return int(draw(probs, self.uniforms(1).to(self.device)))
+
+    def accept(self, logits: torch.Tensor, tokens: list[int], draft) -> tuple[int, int]:
+        """(accepted proposals, the token after them) of a pass over tokens (anchor + proposals) whose logits are
+        `logits`; draft: (ids, probs) [len(tokens) - 1, C] of the proposals (None without proposals)."""
+        uniforms = self.uniforms(len(tokens))
+        captured = self.graphs.get(len(tokens))
+        if captured is None:
+            ids = torch.tensor(tokens, device=self.device)
+            draft_ids, draft_probs = draft if draft is not None else (None, None)
+            result = speculative_accept(logits, ids, draft_ids, draft_probs, uniforms.to(self.device),
+                                        self.filters())
+        else:
+            captured.logits.copy_(logits)
+            captured.tokens.copy_(torch.tensor(tokens), non_blocking=True)
+            captured.uniforms.copy_(uniforms, non_blocking=True)
+            if draft is not None:
+                captured.draft_ids.copy_(draft[0])
+                captured.draft_probs.copy_(draft[1])
+            captured.graph.replay()
+            result = captured.result
+        accepted, token = result.tolist()
+        return accepted, token
+
+    def capture_graphs(self, lengths, vocab_size: int, draft_width: int, pool=None, warmup: int = 2):
+        """With CUDA graphs: the acceptance of each pass length the mode verifies (1: plain decoding; 1 + k),
+        over static inputs; other lengths run eagerly."""
+        for t in sorted(set(lengths)):
+            logits = torch.zeros(t, vocab_size, device=self.device)
+            tokens = torch.zeros(t, dtype=torch.long, device=self.device)
+            draft_ids = torch.zeros(t - 1, max(draft_width, 1), dtype=torch.long, device=self.device)
+            draft_probs = torch.zeros(t - 1, max(draft_width, 1), device=self.device)
+            uniforms = torch.ones(t, dtype=torch.float64, device=self.device)
+            graph, result = graphs.capture(lambda: speculative_accept(logits, tokens, draft_ids, draft_probs,
+                                                                      uniforms, self.filters()), warmup, pool)
+            self.graphs[t] = _AcceptGraph(graph, logits, tokens, draft_ids, draft_probs, uniforms, result)
