@@ -23,11 +23,12 @@
 #              "--modes none --quant int4 --vocab-quant int8 --pdl-level 0")
 #   pair_target    the demo pair's target (train-target on the machine's installed packages' .py files, 78M tokens,
 #                  ~7.5 minutes) into .pair/target, kept for the next parts while the machine is held
-#   pair_drafters  its DFlash2 drafter and MTP head (train-drafter; both at once on the one GPU, ~5.5 minutes) into
+#   pair_drafters  its DFlash2 drafter and MTP head (train-drafter; both at once on the one GPU, ~8 minutes) into
 #                  .pair/drafter and .pair/mtp (the target with its head); archives in $OUT
 #   pair_bench     the pair on standard-library code: tokens/s of the three modes, acceptance over whole
-#                  generations and from 500 real contexts (bench --fixtures stdlib --one-cycle 500)
-#   drafter_train  train-drafter's step on the synthetic 27B with the published drafter (bench/drafter_training.py)
+#                  generations and from 500 real contexts (bench --fixtures stdlib --one-cycle 500; ~5 minutes)
+#   drafter_train  train-drafter's step on the synthetic 27B with the published drafter (bench/drafter_training.py;
+#                  ~3 minutes, most of it building the synthetic target)
 # Usage (device machine, repo root, wheels in .whl): PARTS="tests bf16 int4" bash bench/h200.sh  (writes to $OUT)
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"; export OUT=$(cd "$OUT" && pwd); LOG="$OUT/bench_log.txt"  # the benches' JSON too
@@ -68,14 +69,14 @@ for part in ${PARTS:-bf16 warm int4 vocab}; do
            cp .pair/target/training.json "$OUT/train_target.json" ;;
     pair_drafters) SP=$(python3 -c "import os, site; print([p for p in site.getsitepackages() if os.path.isdir(p)][0])")
            TD="python3 -m blockspec.cli train-drafter --target .pair/target --data $SP/torch $SP/transformers --seq-len 1024"
-           run 330 $TD --kind mtp --out .pair/mtp --batch-tokens 8192 --steps 1000 --eval-cuts 300 &
-           run 330 $TD --out .pair/drafter --layers 1 --window 1024 --selector-rank 64 --intermediate-size 1024 \
-             --lr 1e-3 --batch-tokens 8192 --steps 2000 --eval-cuts 300; wait
+           run 560 $TD --kind mtp --out .pair/mtp --batch-tokens 8192 --steps 1000 --eval-cuts 300 &
+           run 560 $TD --out .pair/drafter --layers 1 --window 1024 --selector-rank 64 --intermediate-size 1024 \
+             --lr 1e-3 --batch-tokens 8192 --steps 5000 --eval-cuts 300; wait
            tar cf "$OUT/pair_drafter.tar" -C .pair --exclude training_state.pt drafter
            tar cf "$OUT/pair_mtp.tar" -C .pair/mtp mtp.safetensors training.json ;;
-    pair_bench) run 150 python3 -m blockspec.cli bench --model .pair/mtp --drafter .pair/drafter --mode none,mtp,dflash2 \
+    pair_bench) run 400 python3 -m blockspec.cli bench --model .pair/mtp --drafter .pair/drafter --mode none,mtp,dflash2 \
              --fixtures stdlib --one-cycle 500 --max-tokens 256 --repeats 2 --json-out "$OUT/pair_bench.json" ;;
-    drafter_train) kernel_bench drafter_training 110 drafter_training --json-out "$OUT/drafter_training.json" ;;
+    drafter_train) kernel_bench drafter_training 240 drafter_training --json-out "$OUT/drafter_training.json" ;;
     *) echo "## unknown part $part" >> "$LOG" ;;
   esac
 done

@@ -273,7 +273,7 @@ COMPLETION = {"prompt": "hi"}
 REFUSALS = [
     ("chat", {**CHAT, "temperature": -0.5}, "temperature", "temperature=-0.5"),
     ("chat", {**CHAT, "top_p": 1.5}, "top_p", "(0, 1]"),
-    ("completion", {**COMPLETION, "top_k": -1}, "top_k", "0 (no limit) or more"),
+    ("completion", {**COMPLETION, "top_k": -2}, "top_k", "0 or -1 (no limit) or more"),
     ("completion", {**COMPLETION, "min_p": 2}, "min_p", "[0, 1]"),
     ("chat", {**CHAT, "seed": "seven"}, "seed", "integer"),
     ("chat", {**CHAT, "temperature": "hot"}, "temperature", "number"),
@@ -458,9 +458,20 @@ def test_fields_left_out_take_generation_config_then_flags(tiny, tmp_path):
     (checkpoint / "generation_config.json").write_text(json.dumps(
         {"do_sample": True, "temperature": 0.6, "top_k": 20, "top_p": 0.95, "repetition_penalty": 1.05}))
     body = {"prompt": "hi", "max_tokens": 2}
-    parsed = RequestParser(Engine.load(checkpoint, device="cpu", context_length=64)).parse(body, "completion")
+
+    def raw(fields):  # the parser reads the request's bytes
+        return json.dumps(fields).encode()
+    parsed = RequestParser(Engine.load(checkpoint, device="cpu", context_length=64)).parse(raw(body), "completion")
     assert parsed.sampling == {"temperature": 0.6, "top_k": 20, "top_p": 0.95}
     parser = RequestParser(Engine.load(checkpoint, device="cpu", context_length=64, top_p=0.8, seed=4))
-    assert parser.parse(body, "completion").sampling == {"temperature": 0.6, "top_k": 20, "top_p": 0.8, "seed": 4}
-    assert parser.parse({**body, "temperature": 0, "seed": 9}, "completion").sampling == \
+    assert parser.parse(raw(body), "completion").sampling == {"temperature": 0.6, "top_k": 20, "top_p": 0.8, "seed": 4}
+    assert parser.parse(raw({**body, "temperature": 0, "seed": 9}), "completion").sampling == \
         {"temperature": 0.0, "top_k": 20, "top_p": 0.8, "seed": 9}
+
+
+def test_top_k_minus_one_means_no_limit_as_in_vllm(tiny):
+    from blockspec.server.requests import RequestParser
+
+    parser = RequestParser(Engine.load(tiny, device="cpu", context_length=64))
+    body = json.dumps({"prompt": "hi", "temperature": 0.7, "top_k": -1}).encode()
+    assert parser.parse(body, "completion").sampling["top_k"] == 0

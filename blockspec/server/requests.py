@@ -15,7 +15,7 @@ from ..tokenizer import TooManyTokens
 
 CHAT_ROLES = {"system", "user", "assistant", "tool", "developer"}
 RANGES = {"temperature": "must be a finite number, 0 or more (0: greedy)", "top_p": "must be in (0, 1]",
-          "top_k": "must be 0 (no limit) or more", "min_p": "must be in [0, 1]", "seed": "must be an integer"}
+          "top_k": "must be 0 or -1 (no limit) or more", "min_p": "must be in [0, 1]", "seed": "must be an integer"}
 IMAGE_PART_TYPES = {"image_url", "input_image", "image"}
 MESSAGE_EXTRAS = {"name": str, "tool_calls": list, "tool_call_id": str, "reasoning_content": str}  # for the template
 MAX_DEPTH = 32                               # arrays and objects inside one another in a request body
@@ -177,6 +177,8 @@ class RequestParser:
         server's default (Engine.serving_defaults), else left to the engine (greedy)."""
         values = {"temperature": get_number(body, "temperature"), "top_p": get_number(body, "top_p"),
                   "top_k": get_int(body, "top_k"), "min_p": get_number(body, "min_p"), "seed": get_int(body, "seed")}
+        if values["top_k"] == -1:  # vLLM's "no limit", which its clients send
+            values["top_k"] = 0
         for name, value in values.items():
             if value is not None:
                 try:
