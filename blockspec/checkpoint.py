@@ -19,13 +19,19 @@ from .errors import BlockspecError
 from .layers.linear import pack_projections
 from .models.mtp import MTPHead
 from .models.qwen3_5 import TargetModel
-from .quant.int4 import check_quantization_config, from_compressed_tensors
+from .quant.awq import AWQScheme
+from .quant.fp8 import FP8Scheme
+from .quant.gptq import GPTQScheme
+from .quant.int4 import CompressedTensorsScheme
 
 TEXT_PREFIXES = ("model.language_model.", "language_model.model.", "model.")
 SKIPPED_PREFIXES = ("model.visual.", "visual.", "model.vision_tower.")
 FLOAT32_SUFFIXES = ("A_log", "dt_bias", "norm.weight", "layernorm.weight")  # small; kept exact in float32
-# parts of a compressed-tensors pack-quantized projection (blockspec.quant.int4)
-COMPRESSED_SUFFIXES = (".weight_packed", ".weight_scale", ".weight_shape", ".weight_zero_point", ".weight_g_idx")
+# the readers of quantized checkpoints, by quantization_config.quant_method (each: from_config refuses what it
+# cannot load before any tensor is read; holds(name, tensor) picks a projection's parts; read(parts, prefix) builds it)
+READERS = {"compressed-tensors": CompressedTensorsScheme, "gptq": GPTQScheme, "awq": AWQScheme, "fp8": FP8Scheme}
+# names of quantized tensors of every format: refused in a checkpoint that declares no quantization_config
+QUANTIZED_SUFFIXES = CompressedTensorsScheme.PARTS + (".qweight", ".qzeros", ".scales", ".g_idx", ".weight_scale_inv")
 
 
 GENERATION_SAMPLING_KEYS = ("temperature", "top_k", "top_p", "min_p")  # what vLLM takes from generation_config.json
@@ -114,21 +120,22 @@ def text_name(name: str) -> str | None:
     return None
 
 
-def checkpoint_quantization(config_path: Path) -> dict | None:
-    """The checkpoint's compressed-tensors quantization_config (validated), or None for a dense checkpoint."""
+def checkpoint_quantization(config_path: Path):
+    """The reader of the checkpoint's quantization_config (READERS; the config checked), or None for a dense
+    checkpoint."""
     raw = json.loads(config_path.read_text())  # TargetConfig.from_file has already checked it parses
     qc = raw.get("quantization_config") or (raw.get("text_config") or {}).get("quantization_config")
     if qc is None:
         return None
     method = qc.get("quant_method") if isinstance(qc, dict) else None
-    if method != "compressed-tensors":
+    if method not in READERS:
         raise BlockspecError(f"{config_path}: quantization_config.quant_method {method!r} is not supported (blockspec "
-                             "loads dense checkpoints and compressed-tensors pack-quantized int4 ones)")
+                             "loads dense checkpoints, compressed-tensors pack-quantized int4, GPTQ and AWQ int4, "
+                             "and block-wise FP8 ones)")
     try:
-        check_quantization_config(qc)
+        return READERS[method].from_config(qc)
     except BlockspecError as exc:
         raise BlockspecError(f"{config_path}: {exc}") from None
-    return qc
 
 
 def module_key(prefix: str) -> str | None:
@@ -137,23 +144,32 @@ def module_key(prefix: str) -> str | None:
     return None if key is None else key[:-len(".weight")]
 
 
-def quantized_linears(parts: dict, sources: dict, qc: dict | None) -> dict[str, torch.nn.Module]:
-    """Int4Linear modules built from compressed-tensors parts (`parts`: checkpoint name -> tensor for every name
-    ending in one of COMPRESSED_SUFFIXES; `sources`: name -> file), keyed by module_key."""
+def is_quantized_part(name: str, tensor: torch.Tensor, scheme) -> bool:
+    """Whether a tensor belongs to a quantized projection: one the checkpoint's reader takes, or, without
+    quantization_config, one that looks quantized (refused by quantized_linears)."""
+    if scheme is not None:
+        return scheme.holds(name, tensor)
+    return name.endswith(QUANTIZED_SUFFIXES) or tensor.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def quantized_linears(parts: dict, sources: dict, scheme) -> dict[str, torch.nn.Module]:
+    """Quantized projections built by the checkpoint's reader from their parts (`parts`: checkpoint name -> tensor
+    for every name is_quantized_part picks; `sources`: name -> file), keyed by module_key."""
     by_module: dict[str, list[str]] = {}
     for name in parts:
         by_module.setdefault(name.rsplit(".", 1)[0], []).append(name)
     modules = {}
     for prefix, names in by_module.items():
-        if qc is None:
+        if scheme is None:
             raise BlockspecError(f"{sources[names[0]]}: tensor {names[0]} holds quantized weights, but config.json "
                                  "declares no quantization_config")
-        if prefix + ".weight_packed" not in parts:
-            raise BlockspecError(f"{sources[names[0]]}: tensor {names[0]} has no {prefix}.weight_packed beside it")
+        anchor = prefix + scheme.anchor
+        if anchor not in parts:
+            raise BlockspecError(f"{sources[names[0]]}: tensor {names[0]} has no {anchor} beside it")
         try:
-            modules[module_key(prefix)] = from_compressed_tensors(parts, prefix, qc)
+            modules[module_key(prefix)] = scheme.read(parts, prefix)
         except BlockspecError as exc:
-            raise BlockspecError(f"{sources[prefix + '.weight_packed']}: {exc}") from None
+            raise BlockspecError(f"{sources[anchor]}: {exc}") from None
     return modules
 
 
@@ -172,12 +188,13 @@ def swap_in(root: torch.nn.Module, name: str, module: torch.nn.Module, where: st
 
 
 def load_target(directory: str | Path, device="cpu", dtype=torch.float32):
-    """Returns (model, mtp), the model's projections packed (layers/linear.py): mtp maps `mtp.*` tensor names to tensors and, for a compressed-tensors checkpoint, the
-    names of quantized MTP projections to their Int4Linear. `model.checkpoint_quantization` is "int4" for a
-    compressed-tensors checkpoint (its ignore list stays dense), else None."""
+    """Returns (model, mtp), the model's projections packed (layers/linear.py): mtp maps `mtp.*` tensor names to
+    tensors and, for a quantized checkpoint, the names of quantized MTP projections to their modules.
+    `model.checkpoint_quantization` is "int4" for a compressed-tensors, GPTQ or AWQ checkpoint, "fp8" for a
+    block-wise FP8 one (the projections stored unquantized stay dense), else None."""
     directory = Path(directory)
     config = TargetConfig.from_file(directory / "config.json")
-    qc = checkpoint_quantization(directory / "config.json")
+    scheme = checkpoint_quantization(directory / "config.json")
     files = checkpoint_files(directory)
     with torch.device("meta"):
         model = TargetModel(config)
@@ -185,7 +202,7 @@ def load_target(directory: str | Path, device="cpu", dtype=torch.float32):
     loaded, mtp, parts, sources = {}, {}, {}, {}
     for path in files:
         for name, tensor in read_tensors([path], device):
-            if name.endswith(COMPRESSED_SUFFIXES):
+            if is_quantized_part(name, tensor, scheme):
                 if module_key(name.rsplit(".", 1)[0]) is not None:
                     parts[name], sources[name] = tensor, path
                 continue
@@ -200,12 +217,16 @@ def load_target(directory: str | Path, device="cpu", dtype=torch.float32):
                     continue
                 raise BlockspecError(f"{directory}: unexpected tensor {name} (not part of a {config_label(config)})")
             want = tuple(expected[key].shape)
+            if not tensor.is_floating_point() or tensor.element_size() == 1:
+                raise BlockspecError(f"{path}: tensor {name} is {tensor.dtype}, which config.json's "
+                                     "quantization_config does not describe (dense weights are float16, bfloat16 "
+                                     "or float32)")
             if tuple(tensor.shape) != want:
                 raise BlockspecError(f"{directory}: tensor {name} has shape {tuple(tensor.shape)}, expected {want}")
             keep_fp32 = key.endswith(FLOAT32_SUFFIXES)
             loaded[key] = torch.nn.Parameter(tensor.to(device=device, dtype=torch.float32 if keep_fp32 else dtype),
                                              requires_grad=False)
-    for key, module in quantized_linears(parts, sources, qc).items():
+    for key, module in quantized_linears(parts, sources, scheme).items():
         if key.startswith("mtp."):
             mtp[key] = module
         else:
@@ -221,7 +242,7 @@ def load_target(directory: str | Path, device="cpu", dtype=torch.float32):
         raise BlockspecError(f"{directory}: missing tensor {stored_name} (shape {tuple(expected[missing[0]].shape)})"
                              + (f" and {len(missing) - 1} more" if len(missing) > 1 else ""))
     model.load_state_dict(loaded, assign=True, strict=False)  # the quantized projections were swapped in whole
-    model.checkpoint_quantization = None if qc is None else "int4"
+    model.checkpoint_quantization = None if scheme is None else scheme.kind
     pack_projections(model)
     model.requires_grad_(False).eval()
     return model, mtp
@@ -239,7 +260,7 @@ def load_mtp_head(model: TargetModel, tensors: dict, dtype, device) -> MTPHead:
     with torch.device("meta"):
         head = MTPHead(model.config)
     for name, module in tensors.items():
-        if isinstance(module, torch.nn.Module):  # a projection stored quantized (compressed-tensors)
+        if isinstance(module, torch.nn.Module):  # a projection stored quantized
             swap_in(head, name[len("mtp."):], module, "MTP head")
     expected = {"mtp." + k: p for k, p in head.named_parameters()}
     loaded = {}

@@ -87,8 +87,9 @@ def sampling_overrides(args) -> dict:
 def add_weight_args(p: argparse.ArgumentParser):
     """Quantization, packing, draft-head and execution flags (values are checked by PredictConfig, which names the
     key)."""
-    p.add_argument("--target-quantization", metavar="none|int4",
-                   help="int4: RTN group 128 at load " + config_default("target_quantization"))
+    p.add_argument("--target-quantization", metavar="none|int4|fp8",
+                   help="int4: RTN group 128 at load; fp8: e4m3 with 128x128 block scales, at load "
+                   + config_default("target_quantization"))
     p.add_argument("--vocabulary-quantization", metavar="none|int8|int4",
                    help="the shared head (group 128) " + config_default("vocabulary_quantization"))
     p.add_argument("--dflash2-quantization", metavar="none|int8",

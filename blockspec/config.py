@@ -82,7 +82,7 @@ class PredictConfig(CheckedSettings):
     draft_vocabulary: int | str = 0  # 0: proposals over the full head; N or a JSON file of ids: layers/draft_head
     dflash2_model: str | None = None
     dflash2_quantization: Literal["none", "int8"] = "none"
-    target_quantization: Literal["none", "int4"] = "none"
+    target_quantization: Literal["none", "int4", "fp8"] = "none"  # a quantized checkpoint sets it (as stored)
     vocabulary_quantization: Literal["none", "int8", "int4"] = "none"
     # Projections that share an input are always packed at load (layers/linear.py): these two keys stay accepted
     # (recipes set them) and read true; false is noted on stderr, not honoured.

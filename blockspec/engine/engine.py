@@ -136,15 +136,15 @@ class Engine:
         choose how the kernels launch."""
         c, start = self.config, time.perf_counter()
         stored = self.model.checkpoint_quantization
-        if stored and c.target_quantization == "none" and "target_quantization" in c.model_fields_set:
-            raise BlockspecError(f"target_quantization: 'none', but {c.model} is a {stored} compressed-tensors "
-                                 f"checkpoint: leave target_quantization unset or set it to {stored!r}")
+        if stored and c.target_quantization != stored and "target_quantization" in c.model_fields_set:
+            raise BlockspecError(f"target_quantization: {c.target_quantization!r}, but {c.model} is a checkpoint "
+                                 f"quantized to {stored}: leave target_quantization unset or set it to {stored!r}")
         self.target_quantization = stored or c.target_quantization
         # PDL where it measured a gain: the INT4 step (kernels/pdl.py); fusion is what graphs record
         pdl_level = c.pdl_level if c.pdl_level is not None else (3 if self.target_quantization == "int4" else 0)
         self.kernels = KernelSettings(fusion=self.execution == "cuda-graphs", pdl_level=pdl_level,
                                       pdl_prefetch_mb=c.pdl_prefetch_mb)
-        # a compressed-tensors checkpoint is used as stored: its ignore list stays dense
+        # a quantized checkpoint is used as stored: what it keeps unquantized stays dense
         self.target_quantizer = rtn(c.target_quantization if not stored else "none", 128, self.dtype)
         self.memory["target"] = prepare(self.model, self.target_quantizer, lambda name: name.startswith("layers."))
         quantize_head(self.model, c.vocabulary_quantization, self.dtype)

@@ -14,6 +14,7 @@ from torch import nn
 
 from ..errors import BlockspecError
 from ..layers.linear import DenseLinear, pack_projections
+from ..quant.fp8 import Fp8Linear
 from ..quant.int4 import Int4Linear
 from ..quant.int8 import Int8Linear
 
@@ -22,9 +23,12 @@ Quantizer = Callable[[nn.Linear], nn.Module]
 
 
 def rtn(kind: str, group_size: int, scale_dtype: torch.dtype) -> Quantizer | None:
-    """Round-to-nearest symmetric quantizer of an nn.Linear ("int4" / "int8"); None for "none"."""
+    """Round-to-nearest symmetric quantizer of an nn.Linear ("int4" / "int8" in groups of `group_size`, or "fp8"
+    in 128 x 128 blocks); None for "none"."""
     if kind == "none":
         return None
+    if kind == "fp8":
+        return Fp8Linear.from_linear
     if scale_dtype not in (torch.float32, torch.bfloat16, torch.float16):
         scale_dtype = torch.bfloat16
     cls = KINDS[kind]

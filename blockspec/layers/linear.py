@@ -11,7 +11,7 @@ None until packed; its forward calls only the packed projection. `pack_projectio
 declared pack and deletes the original projections (their weights are released).
 Dense weights are concatenated (pack before quantizing: group-wise quantization is per output row, so quantizing
 the packed weight gives exactly the codes of quantizing each part); already quantized projections (a
-compressed-tensors checkpoint) are concatenated code for code. Projections stored in different formats (e.g. some
+quantized checkpoint) are concatenated code for code (FP8: with their block scales). Projections stored in different formats (e.g. some
 kept bf16 by a checkpoint's ignore list) are packed per format, one matmul each.
 """
 
@@ -21,7 +21,10 @@ import torch
 from torch import nn
 
 from ..kernels.linear import linear
+from ..quant.fp8 import Fp8Linear
 from ..quant.int4 import Int4Linear
+
+QUANTIZED = (Int4Linear, Fp8Linear)  # (Int8Linear is an Int4Linear)
 
 
 class DenseLinear(nn.Linear):
@@ -39,7 +42,7 @@ class DenseLinear(nn.Linear):
 
 
 def _pack_key(linear: nn.Module) -> tuple:
-    if isinstance(linear, Int4Linear):  # also Int8Linear
+    if isinstance(linear, QUANTIZED):
         return linear.pack_key()
     if type(linear) is not nn.Linear:
         raise TypeError(f"cannot pack {type(linear).__name__}")
@@ -48,7 +51,7 @@ def _pack_key(linear: nn.Module) -> tuple:
 
 def _concat(linears: list[nn.Module]) -> nn.Module:
     first = linears[0]
-    if isinstance(first, Int4Linear):
+    if isinstance(first, QUANTIZED):
         return type(first).concat(linears)
     out = nn.Linear(first.in_features, sum(m.out_features for m in linears), bias=first.bias is not None,
                     device="meta")

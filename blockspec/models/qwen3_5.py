@@ -89,7 +89,7 @@ class TargetModel(nn.Module):
         head = self.lm_head
         if head is None:
             return linear_float32(normed, self.embed_tokens.weight)
-        if hasattr(head, "packed"):  # Int4Linear / Int8Linear: vocabulary_quantization
+        if not isinstance(head, nn.Linear):  # quantized: vocabulary_quantization, or stored so
             return head(normed, out_dtype=torch.float32)
         return linear_float32(normed, head.weight)
 

@@ -223,9 +223,9 @@ class Int4Linear(nn.Module):
         return wq.PackedWeight(self.qweight, self.scales, self.zeros, self.bits, self.group_size,
                                self.out_features, self.in_features)
 
-    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """The dense weight [out, in] this module computes with."""
-        return self.packed().dequantize(dtype)
+    def dequantize(self, dtype: torch.dtype = torch.float32, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """The dense weight [out, in] this module computes with (or its output rows `rows`)."""
+        return self.packed().dequantize(dtype, rows=rows)
 
     def codes(self) -> torch.Tensor:
         """Signed codes [out, in] (int8)."""
@@ -431,5 +431,37 @@ def from_compressed_tensors(tensors: dict, prefix: str, config: dict) -> Int4Lin
                                      group_size, bias)
 
 
-__all__ = ["Int4Linear", "quantize", "dequantize", "from_compressed_tensors", "unpack_int32", "scheme_for",
+@dataclass(frozen=True)
+class CompressedTensorsScheme:
+    """The checkpoint reader of a compressed-tensors pack-quantized config (the interface of checkpoint.py's
+    readers: from_config refuses what cannot load before any tensor is read; holds / read take the tensors)."""
+    config: dict
+
+    kind = "int4"
+    anchor = ".weight_packed"
+    PARTS = (".weight_packed", ".weight_scale", ".weight_shape", ".weight_zero_point", ".weight_g_idx")
+
+    @classmethod
+    def from_config(cls, qc: dict) -> "CompressedTensorsScheme":
+        check_quantization_config(qc)
+        return cls(qc)
+
+    def holds(self, name: str, value: torch.Tensor) -> bool:
+        return name.endswith(self.PARTS)
+
+    def read(self, parts: dict, prefix: str) -> Int4Linear:
+        return from_compressed_tensors(parts, prefix, self.config)
+
+
+def from_unsigned(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int) -> Int4Linear:
+    """An Int4Linear from unsigned codes [N, K] in [0, 15] with per-group scales and unsigned zero points [N, groups]
+    (w = (u - z) * s, the GPTQ / AWQ convention); zero points all equal to 8 give the symmetric layout (no zeros)."""
+    symmetric = bool((zeros == 1 << (BITS - 1)).all())
+    zp = None if symmetric else (zeros.to(torch.int32) - (1 << (BITS - 1))).to(torch.int8)
+    return Int4Linear.from_quantized((codes.to(torch.int32) - (1 << (BITS - 1))).to(torch.int8), scales, zp,
+                                     group_size)
+
+
+__all__ = ["Int4Linear", "CompressedTensorsScheme", "quantize", "dequantize", "from_compressed_tensors",
+           "from_unsigned", "unpack_int32", "scheme_for",
            "is_ignored", "check_quantization_config"]

@@ -1,0 +1,166 @@
+"""GPTQ, AWQ and block-wise FP8 checkpoints, written here from the formats' published descriptions (packing code
+independent of blockspec's readers) from a tiny planted model, each beside a dense reference holding the dequantized
+weights: logits match the reference to float32 rounding, greedy / MTP / DFlash2 outputs equal plain greedy of the
+same quantized target, and unsupported or malformed checkpoints are refused in one line (exit code 2)."""
+
+import json
+import re
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from test_quant_engine import PROMPT, forward, load, run_cli
+from torch import nn
+
+from blockspec.layers.linear import DenseLinear, PackedLinear
+from blockspec.quant import Int4Linear
+from blockspec.quant.fp8 import Fp8Linear
+
+PROJECTION = re.compile(r"\.(\w*proj\w*|fc)\.weight$")
+DENSE = ("in_proj_b", "in_proj_a")  # 4 outputs in the tiny model: not a multiple of the 8 codes of an int32 word
+AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]  # AutoAWQ's GEMM packing: nibble i of a word holds output AWQ_ORDER[i]
+
+
+def words(values):
+    """Eight unsigned 4-bit values along the last dim -> one int32 word (value i in bits 4i..4i+3)."""
+    v = values.to(torch.int64).view(*values.shape[:-1], -1, 8)
+    w = (v << (4 * torch.arange(8))).sum(-1)
+    return torch.where(w >= 2 ** 31, w - 2 ** 32, w).to(torch.int32)
+
+
+def rtn_unsigned(w, group, symmetric):
+    """Unsigned codes u [N, K] in [0, 15], fp16 scales and unsigned zero points [N, groups]: w ~ (u - z) * s."""
+    us, ss, zs = [], [], []
+    for g0 in range(0, w.shape[1], group):
+        block = w[:, g0:g0 + group]
+        if symmetric:
+            scale = (block.abs().amax(1) / 7.5).clamp(min=1e-6).half().float()
+            zero = torch.full_like(scale, 8.0)
+        else:
+            low, high = block.amin(1).clamp(max=0), block.amax(1).clamp(min=0)
+            scale = ((high - low) / 15).clamp(min=1e-6).half().float()
+            zero = torch.round(-low / scale).clamp(0, 15)
+        us.append(torch.round(block / scale[:, None] + zero[:, None]).clamp(0, 15))
+        ss.append(scale)
+        zs.append(zero)
+    return torch.cat(us, 1).long(), torch.stack(ss, 1), torch.stack(zs, 1).long()
+
+
+def dequantized(u, s, z, group):
+    expand = lambda v: v.float().repeat_interleave(group, 1)[:, :u.shape[1]]  # noqa: E731
+    return (u - expand(z)) * expand(s)
+
+
+def gptq(w, group=128, symmetric=True, v1=True, g_idx=None):
+    """GPTQ tensors of weight [N, K] and its dequantized weight. g_idx: a permutation of the inputs whose groups
+    are quantized together (act-order); None: consecutive groups."""
+    order = torch.arange(w.shape[1]) if g_idx is None else g_idx
+    u, s, z = rtn_unsigned(w[:, order], group, symmetric)
+    reference = torch.empty_like(w)
+    reference[:, order] = dequantized(u, s, z, group)
+    codes = torch.empty_like(u)
+    codes[:, order] = u
+    group_of = torch.empty(w.shape[1], dtype=torch.int32)
+    group_of[order] = torch.arange(w.shape[1], dtype=torch.int32) // group
+    if v1:
+        assert int(z.min()) >= 1  # v1 stores z - 1
+    rows = codes.t().reshape(w.shape[1] // 8, 8, -1).transpose(1, 2)  # [K / 8, N, 8]: the 8 inputs of a word
+    tensors = {"qweight": words(rows.reshape(rows.shape[0], -1)),
+               "qzeros": words(z.t() - int(v1)), "scales": s.t().half(), "g_idx": group_of}
+    return tensors, reference
+
+
+def awq(w, group):
+    u, s, z = rtn_unsigned(w, group, symmetric=False)
+    interleave = lambda v: words(v.view(v.shape[0], -1, 8)[:, :, AWQ_ORDER].reshape(v.shape))  # noqa: E731
+    return {"qweight": interleave(u.t()), "qzeros": interleave(z.t()), "scales": s.t().half()}, \
+        dequantized(u, s, z, group)
+
+
+def fp8(w):
+    """float8_e4m3fn weight and float32 scales of 128 x 128 blocks: scale = block max / 448, w ~ fp8 * scale."""
+    n, k = w.shape
+    q = torch.empty(n, k, dtype=torch.float8_e4m3fn)
+    scale = torch.empty(-(-n // 128), -(-k // 128))
+    reference = torch.empty_like(w)
+    for i in range(0, n, 128):
+        for j in range(0, k, 128):
+            block = w[i:i + 128, j:j + 128]
+            s = float(block.abs().max()) / 448
+            scale[i // 128, j // 128] = s
+            q[i:i + 128, j:j + 128] = (block / s).to(torch.float8_e4m3fn)
+            reference[i:i + 128, j:j + 128] = q[i:i + 128, j:j + 128].float() * s
+    return {"weight": q, "weight_scale_inv": scale}, reference
+
+
+FORMATS = {  # name -> (quantization_config, make(weight) -> (tensors by suffix, dequantized weight))
+    "gptq-sym-v1-g32": ({"quant_method": "gptq", "bits": 4, "group_size": 32, "sym": True, "desc_act": False},
+                        lambda w: gptq(w, 32)),
+    "gptq-asym-v2-g128": ({"quant_method": "gptq", "bits": 4, "group_size": 128, "sym": False, "desc_act": False,
+                           "checkpoint_format": "gptq_v2"}, lambda w: gptq(w, 128, symmetric=False, v1=False)),
+    "gptq-asym-v1-static-act-order": (
+        {"quant_method": "gptq", "bits": 4, "group_size": 32, "sym": False, "desc_act": True, "static_groups": True},
+        lambda w: gptq(w, 32, symmetric=False)),
+    "awq-g32": ({"quant_method": "awq", "bits": 4, "group_size": 32, "version": "gemm", "zero_point": True,
+                 "modules_to_not_convert": list(DENSE)}, lambda w: awq(w, 32)),
+    "fp8": ({"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128], "activation_scheme": "dynamic",
+             "modules_to_not_convert": ["lm_head"]}, fp8),
+}
+
+
+def write_quantized(source, directory, fmt):
+    """A checkpoint of format `fmt` from dense `source` (every projection but DENSE quantized, MTP included) and a
+    dense reference of its dequantized weights: (quantized dir, reference dir)."""
+    qc, make = FORMATS[fmt]
+    quantized, reference = {}, {}
+    for name, t in load_file(str(source / "model.safetensors")).items():
+        module = name[:-len(".weight")]
+        if not PROJECTION.search(name) or module.endswith(DENSE):
+            quantized[name] = reference[name] = t
+            continue
+        parts, reference[name] = make(t)
+        quantized.update({f"{module}.{suffix}": v for suffix, v in parts.items()})
+    dirs = []
+    for kind, weights in (("quantized", quantized), ("reference", reference)):
+        d = directory / kind
+        shutil.copytree(source, d)
+        save_file({k: v.contiguous() for k, v in weights.items()}, str(d / "model.safetensors"))
+        dirs.append(d)
+    config = json.loads((source / "config.json").read_text())
+    (dirs[0] / "config.json").write_text(json.dumps({**config, "quantization_config": qc}))
+    return dirs[0], dirs[1]
+
+
+@pytest.fixture(scope="module")
+def source(tiny_checkpoint):
+    return tiny_checkpoint(seed=3, planted=True, intermediate_size=320)  # down_proj: K = 320, a partial last block
+
+
+@pytest.fixture(scope="module", params=list(FORMATS))
+def checkpoint(request, tmp_path_factory, source):
+    return (request.param, *write_quantized(source, tmp_path_factory.mktemp(request.param), request.param))
+
+
+def test_quantized_checkpoint_matches_dequantized_reference(checkpoint, source, tiny_drafter):
+    fmt, quantized, ref = checkpoint
+    engine, reference = load(quantized), load(ref)
+    kind = Fp8Linear if fmt == "fp8" else Int4Linear
+    in_proj = engine.model.layers[0].linear_attn.in_proj
+    assert isinstance(in_proj, PackedLinear) and isinstance(in_proj.parts[0], kind)  # qkv and z, packed as stored
+    assert [type(p) for p in in_proj.parts[1:]] == [DenseLinear]  # b and a: stored dense, packed beside them
+    assert isinstance(engine.model.layers[0].mlp.down_proj, kind) and type(engine.model.lm_head) is nn.Linear
+    ids = engine.tokenizer.encode(PROMPT)
+    got, expected = forward(engine, ids).logits, forward(reference, ids).logits
+    print(f"{fmt}: max |logit difference| vs the dequantized reference {float((got - expected).abs().max()):.2e} "
+          f"(logits up to {float(expected.abs().max()):.1f})")
+    assert float((got - expected).abs().max()) <= 1e-4 * max(1.0, float(expected.abs().max()))
+    plain = engine.generate(ids, 40, stop_at_eos=False)
+    assert plain.stats["target_quantization"] == ("fp8" if fmt == "fp8" else "int4")
+    assert plain.tokens == reference.generate(ids, 40, stop_at_eos=False).tokens
+    mtp = load(quantized, mode="mtp")
+    assert isinstance(mtp.proposer.head.fc, kind)  # the MTP head's projections load as stored too
+    assert mtp.generate(ids, 40, stop_at_eos=False).tokens == plain.tokens
+    dflash2 = load(quantized, tiny_drafter(source)).generate(ids, 40, stop_at_eos=False)
+    assert dflash2.tokens == plain.tokens and max(dflash2.stats["accepted_per_cycle"]) >= 3
