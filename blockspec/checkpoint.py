@@ -165,7 +165,7 @@ def quantized_linears(parts: dict, sources: dict, scheme) -> dict[str, torch.nn.
                                  "declares no quantization_config")
         anchor = prefix + scheme.anchor
         if anchor not in parts:
-            raise BlockspecError(f"{sources[names[0]]}: tensor {names[0]} has no {anchor} beside it")
+            raise BlockspecError(f"{sources[names[0]]}: tensor {names[0]} has no quantized {anchor} beside it")
         try:
             modules[module_key(prefix)] = scheme.read(parts, prefix)
         except BlockspecError as exc:

@@ -164,3 +164,82 @@ def test_quantized_checkpoint_matches_dequantized_reference(checkpoint, source, 
     assert mtp.generate(ids, 40, stop_at_eos=False).tokens == plain.tokens
     dflash2 = load(quantized, tiny_drafter(source)).generate(ids, 40, stop_at_eos=False)
     assert dflash2.tokens == plain.tokens and max(dflash2.stats["accepted_per_cycle"]) >= 3
+
+
+def variant(base, directory, name, config=None, tensors=None):
+    """A copy of checkpoint `base` whose quantization_config is updated with `config` (None values delete a key) and
+    whose tensors pass through `tensors` (a function editing the dict)."""
+    d = directory / name
+    shutil.copytree(base, d)
+    if config:
+        raw = json.loads((d / "config.json").read_text())
+        qc = raw["quantization_config"]
+        qc.update(config)
+        raw["quantization_config"] = {k: v for k, v in qc.items() if v is not None}
+        (d / "config.json").write_text(json.dumps(raw))
+    if tensors:
+        weights = load_file(str(d / "model.safetensors"))
+        tensors(weights)
+        save_file(weights, str(d / "model.safetensors"))
+    return d
+
+
+UP = "model.layers.1.mlp.up_proj"
+CONFIG_REFUSALS = {  # format -> (config change, the words of the one-line refusal)
+    "gptq-sym-v1-g32": [({"bits": 8}, "quantization_config.bits 8"), ({"group_size": 48}, "group_size 48"),
+                        ({"checkpoint_format": "marlin"}, "checkpoint_format 'marlin'"),
+                        ({"quant_method": "bitsandbytes"}, "quant_method 'bitsandbytes'")],
+    "awq-g32": [({"version": "gemv"}, "version 'gemv'"), ({"zero_point": False}, "zero_point False"),
+                ({"bits": 3}, "bits 3")],
+    "fp8": [({"fmt": "e5m2"}, "fmt 'e5m2'"), ({"weight_block_size": [64, 64]}, "weight_block_size [64, 64]"),
+            ({"weight_block_size": None}, "weight_block_size None"),
+            ({"activation_scheme": "static"}, "activation_scheme 'static'")],
+}
+
+
+def drop(name):
+    return lambda t: t.pop(name)
+
+
+def replace(name, make):
+    def edit(t):
+        t[name] = make(t[name])
+    return edit
+
+
+def scatter_groups(t):
+    """An act-order g_idx (desc_act without static_groups): the inputs' groups interleaved."""
+    k = t[UP + ".g_idx"].shape[0]
+    t[UP + ".g_idx"] = (torch.arange(k, dtype=torch.int32) % (k // 32))
+
+
+TENSOR_REFUSALS = {  # format -> (tensor edit, the words of the one-line refusal)
+    "gptq-sym-v1-g32": [(drop(UP + ".scales"), f"missing {UP}.scales"),
+                        (replace(UP + ".qzeros", lambda z: z[:, :-1].contiguous()), f"{UP}.qzeros has shape (2, 39)"),
+                        (replace(UP + ".scales", lambda s: s.to(torch.int32)), f"{UP}.scales is torch.int32"),
+                        (scatter_groups, f"{UP}.g_idx scatters groups")],
+    "awq-g32": [(drop(UP + ".qzeros"), f"missing {UP}.qzeros"),
+                (replace(UP + ".scales", lambda s: s[:1].contiguous()), f"{UP}.scales has shape (1, 320)")],
+    "fp8": [(drop(UP + ".weight_scale_inv"), f"missing {UP}.weight_scale_inv"),
+            (replace(UP + ".weight_scale_inv", lambda s: s.t().contiguous()), f"{UP}.weight_scale_inv has shape"),
+            (replace(UP + ".weight", lambda w: w.float()), f"{UP}.weight_scale_inv has no quantized {UP}.weight")],
+}
+
+
+@pytest.mark.parametrize("fmt", list(CONFIG_REFUSALS))
+def test_unsupported_and_malformed_checkpoints_refused(fmt, source, tmp_path, capsys):
+    base, _ = write_quantized(source, tmp_path, fmt)
+    for i, (change, words) in enumerate(CONFIG_REFUSALS[fmt]):  # refused from config.json, before any tensor
+        d = variant(base, tmp_path, f"config{i}", config=change)
+        (d / "model.safetensors").write_bytes(b"not read")
+        err = run_cli(capsys, "--model", d)
+        assert str(d / "config.json") in err and words in err, err
+    for i, (edit, words) in enumerate(TENSOR_REFUSALS[fmt]):
+        d = variant(base, tmp_path, f"tensors{i}", tensors=edit)
+        err = run_cli(capsys, "--model", d)
+        assert str(d / "model.safetensors") in err and words in err, err
+    listed = variant(base, tmp_path, "listed", config={"modules_to_not_convert": ["mlp.up_proj"]})
+    assert "modules_to_not_convert lists 'mlp.up_proj'" in run_cli(capsys, "--model", listed)
+    other = "int4" if fmt == "fp8" else "fp8"
+    err = run_cli(capsys, "--model", base, "--target-quantization", other)
+    assert f"target_quantization: '{other}'" in err and "quantized to" in err, err
