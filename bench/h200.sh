@@ -12,7 +12,9 @@
 #              temperature 1, top-k 20, top-p 0.95 (the published DFlash2 acceptance's settings), both at the forced
 #              rates; column "x greedy" / JSON cost_vs_greedy: a sampled DFlash2 cycle's (plain: step's) cost over
 #              the greedy one's (~4 minutes)
+#   fp8        the FP8 target (block-wise e4m3, quantized at load) in every mode: the FP8 table
 #   kernels    the W4A16 / W8A16 kernel's checks and table (bench/quant_kernels.py)
+#   fp8_kernels  the FP8 kernel against cuBLAS bf16 at 1, 8 and 16 rows (bench/fp8_kernels.py; FP8_ARGS=--sweep)
 #   sweep      the W4A16 config sweep (bench/quant_kernels.py --sweep; SWEEP_S seconds at most)
 #   attention  split-KV attention against SDPA (bench/attention_kernels.py)
 #   gdn        the DeltaNet kernels' configs (bench/gdn_kernel.py)
@@ -56,7 +58,9 @@ for part in ${PARTS:-bf16 warm int4 vocab}; do
     vocab) run 200 $BENCH --draft-vocabulary 32768 --mode ${VOCAB_MODES:-mtp,dflash2} $FORCED --json-out "$OUT/bench_draft_vocabulary.json" ;;
     sampling) run 420 $BENCH --mode ${SAMPLING_MODES:-none,dflash2} $FORCED --temperature 1 --top-k 20 --top-p 0.95 \
                 --seed 0 --compare-greedy --json-out "$OUT/bench_sampling.json" ;;
+    fp8) run 240 $BENCH --target-quantization fp8 --mode none,mtp,dflash2 $FORCED --json-out "$OUT/bench_fp8.json" --png-out "$OUT/bench_fp8.png" ;;
     kernels) kernel_bench quant_kernels ${KERNELS_S:-240} quant_kernels ;;
+    fp8_kernels) kernel_bench fp8_kernels ${FP8_KERNELS_S:-300} fp8_kernels ${FP8_ARGS:-} ;;
     sweep) kernel_bench quant_sweep ${SWEEP_S:-300} quant_kernels --sweep ;;
     attention) kernel_bench attention_kernels 60 attention_kernels ;;
     gdn) kernel_bench gdn_kernel 60 gdn_kernel ;;

@@ -243,3 +243,19 @@ def test_unsupported_and_malformed_checkpoints_refused(fmt, source, tmp_path, ca
     other = "int4" if fmt == "fp8" else "fp8"
     err = run_cli(capsys, "--model", base, "--target-quantization", other)
     assert f"target_quantization: '{other}'" in err and "quantized to" in err, err
+
+
+def test_fp8_quantization_at_load(source):
+    dense, quant = load(source), load(source, target_quantization="fp8")
+    assert all(isinstance(m, Fp8Linear) for m in (quant.model.layers[0].mlp.down_proj,
+                                                  quant.model.layers[0].linear_attn.in_proj.parts[0]))
+    ids = dense.tokenizer.encode(PROMPT)
+    got, expected = forward(quant, ids).logits, forward(dense, ids).logits
+    rel = (got - expected).norm(dim=-1) / expected.norm(dim=-1)  # FP8 weights: ~2.6 % relative error each
+    print(f"fp8 at load: logits relative error vs dense, max {float(rel.max()):.3f}")
+    assert 0 < float(rel.max()) < 0.1
+    plain = quant.generate(ids, 40, stop_at_eos=False)
+    assert plain.stats["target_quantization"] == "fp8"
+    mtp = load(source, mode="mtp", target_quantization="fp8")
+    assert isinstance(mtp.proposer.head.fc, Fp8Linear)
+    assert mtp.generate(ids, 40, stop_at_eos=False).tokens == plain.tokens
