@@ -12,6 +12,9 @@
 #              temperature 1, top-k 20, top-p 0.95 (the published DFlash2 acceptance's settings), both at the forced
 #              rates; column "x greedy" / JSON cost_vs_greedy: a sampled DFlash2 cycle's (plain: step's) cost over
 #              the greedy one's (~4 minutes)
+#   reuse      prefix reuse over a scripted 10-turn chat of 1000-token turns and 128-token replies (bench/multi_turn.py;
+#              REUSE_MODES, default none,dflash2, one run each): time to first token of each turn without and with
+#              reuse, decode tokens/s of both
 #   kernels    the W4A16 / W8A16 kernel's checks and table (bench/quant_kernels.py)
 #   sweep      the W4A16 config sweep (bench/quant_kernels.py --sweep; SWEEP_S seconds at most)
 #   attention  split-KV attention against SDPA (bench/attention_kernels.py)
@@ -56,6 +59,8 @@ for part in ${PARTS:-bf16 warm int4 vocab}; do
     vocab) run 200 $BENCH --draft-vocabulary 32768 --mode ${VOCAB_MODES:-mtp,dflash2} $FORCED --json-out "$OUT/bench_draft_vocabulary.json" ;;
     sampling) run 420 $BENCH --mode ${SAMPLING_MODES:-none,dflash2} $FORCED --temperature 1 --top-k 20 --top-p 0.95 \
                 --seed 0 --compare-greedy --json-out "$OUT/bench_sampling.json" ;;
+    reuse) for mode in $(echo ${REUSE_MODES:-none,dflash2} | tr , ' '); do
+             kernel_bench multi_turn_$mode 300 multi_turn --mode $mode --json-out "$OUT/multi_turn_$mode.json"; done ;;
     kernels) kernel_bench quant_kernels ${KERNELS_S:-240} quant_kernels ;;
     sweep) kernel_bench quant_sweep ${SWEEP_S:-300} quant_kernels --sweep ;;
     attention) kernel_bench attention_kernels 60 attention_kernels ;;

@@ -202,3 +202,14 @@ def test_reset_and_turning_it_off(pair):
     off = load(pair, "mtp", prefix_reuse=False)
     off.generate(prompt, 10)
     assert off.generate(prompt + first.tokens, 5).stats["cached_tokens"] == 0
+
+
+def test_the_flag_turns_it_off():
+    import argparse
+
+    from blockspec.cli_common import add_engine_args, engine_config
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    assert engine_config(parser.parse_args(["--model", "m"])).prefix_reuse is True
+    assert engine_config(parser.parse_args(["--model", "m", "--no-prefix-reuse"])).prefix_reuse is False
