@@ -2,7 +2,8 @@
 
 Replies stream to stdout; everything else (banner, per-turn stats, notices) goes to stderr, so piping stdin in and
 stdout out gives just the conversation's replies. The history is re-rendered with the checkpoint's chat template
-every turn and kept within context_length by dropping the oldest turns (said on stderr).
+every turn and kept within context_length by dropping the oldest turns (said on stderr); the engine prefills only
+what the previous turn left unshared (engine/reuse.py), given where each prompt's conversation ends.
 """
 
 from __future__ import annotations
