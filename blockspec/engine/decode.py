@@ -123,14 +123,14 @@ def decode(target, proposer: Proposer, prompt: list[int], max_tokens: int, eos: 
     state, device = target.state, target.device
     greedy = sampler is None or sampler.greedy
     start = time.perf_counter()
-    if prefix is None:
-        state.reset()
-        proposer.reset()
-        stats.cached_tokens = 0
-    else:
-        stats.cached_tokens = prefix.resume(prompt)
     committed = list(prompt)  # the tokens of the committed positions: the prompt, then each cycle's kept block
     try:
+        if prefix is None:
+            state.reset()
+            proposer.reset()
+            stats.cached_tokens = 0
+        else:
+            stats.cached_tokens = prefix.resume(prompt)
         checkpoint = None
         if prefix is not None and snapshot_at is not None:
             checkpoint = (snapshot_at, lambda out, row: prefix.save(prompt[:snapshot_at], out, row))
