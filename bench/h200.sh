@@ -13,6 +13,9 @@
 #              rates; column "x greedy" / JSON cost_vs_greedy: a sampled DFlash2 cycle's (plain: step's) cost over
 #              the greedy one's (~4 minutes)
 #   fp8        the FP8 target (block-wise e4m3, quantized at load) in every mode: the FP8 table
+#   reuse      prefix reuse over a scripted 10-turn chat of 1000-token turns and 128-token replies (bench/multi_turn.py;
+#              REUSE_MODES, default none,dflash2, one run each): time to first token of each turn without and with
+#              reuse, decode tokens/s of both
 #   kernels    the W4A16 / W8A16 kernel's checks and table (bench/quant_kernels.py)
 #   fp8_kernels  the FP8 kernel against cuBLAS bf16 at 1, 8 and 16 rows (bench/fp8_kernels.py; FP8_ARGS=--sweep)
 #   sweep      the W4A16 config sweep (bench/quant_kernels.py --sweep; SWEEP_S seconds at most)
@@ -59,6 +62,8 @@ for part in ${PARTS:-bf16 warm int4 vocab}; do
     sampling) run 420 $BENCH --mode ${SAMPLING_MODES:-none,dflash2} $FORCED --temperature 1 --top-k 20 --top-p 0.95 \
                 --seed 0 --compare-greedy --json-out "$OUT/bench_sampling.json" ;;
     fp8) run 240 $BENCH --target-quantization fp8 --mode none,mtp,dflash2 $FORCED --json-out "$OUT/bench_fp8.json" --png-out "$OUT/bench_fp8.png" ;;
+    reuse) for mode in $(echo ${REUSE_MODES:-none,dflash2} | tr , ' '); do
+             kernel_bench multi_turn_$mode 300 multi_turn --mode $mode --json-out "$OUT/multi_turn_$mode.json"; done ;;
     kernels) kernel_bench quant_kernels ${KERNELS_S:-240} quant_kernels ;;
     fp8_kernels) kernel_bench fp8_kernels ${FP8_KERNELS_S:-300} fp8_kernels ${FP8_ARGS:-} ;;
     sweep) kernel_bench quant_sweep ${SWEEP_S:-300} quant_kernels --sweep ;;

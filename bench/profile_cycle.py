@@ -84,7 +84,7 @@ def profile_engine(engine, bandwidth, kernels) -> dict:
         """Every piece is timed from the same point: a fresh request after the prompt's prefill."""
         state.reset()
         proposer.reset()
-        prefill(target, prompt, PROMPT_TOKENS, proposer)
+        prefill(target, prompt, 0, PROMPT_TOKENS, proposer)
 
     def step(t, n):
         target.verify(list(range(t)))

@@ -90,8 +90,8 @@ class ForcedAcceptance(Proposer):
         self.inner.reset()
         self.proposed = self.accepted = 0
 
-    def observe(self, out, first, tokens, next_tokens):
-        self.inner.observe(out, first, tokens, next_tokens)
+    def observe(self, out, first, tokens, next_tokens, drafts=True):
+        self.inner.observe(out, first, tokens, next_tokens, drafts)
 
     def propose(self, anchor, position, k):
         real = self.inner.propose(anchor, position, k)

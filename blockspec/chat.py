@@ -2,7 +2,8 @@
 
 Replies stream to stdout; everything else (banner, per-turn stats, notices) goes to stderr, so piping stdin in and
 stdout out gives just the conversation's replies. The history is re-rendered with the checkpoint's chat template
-every turn and kept within context_length by dropping the oldest turns (said on stderr).
+every turn and kept within context_length by dropping the oldest turns (said on stderr); the engine prefills only
+what the previous turn left unshared (engine/reuse.py), given where each prompt's conversation ends.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ class ChatSession:
 
     def reset(self):
         self.turns.clear()
+        self.engine.forget_prefix()
         self.note("conversation reset")
 
     def fit(self, user: dict) -> tuple[list[int], int] | None:
@@ -67,7 +69,9 @@ class ChatSession:
             return
         ids, max_tokens = fitted
         self.engine.check_request(ids, max_tokens)
-        tokens_iter = self.engine.stream(ids, max_tokens)
+        messages = self.system + [m for turn in self.turns for m in turn] + [user]
+        snapshot_at = self.engine.tokenizer.conversation_length(messages, ids)
+        tokens_iter = self.engine.stream(ids, max_tokens, snapshot_at=snapshot_at)
         try:
             tokens = stream_text(self.engine, tokens_iter, out=self.out)
         except KeyboardInterrupt:
@@ -81,7 +85,9 @@ class ChatSession:
         reply = self.engine.tokenizer.decode(tokens)
         self.turns.append((user, {"role": "assistant", "content": reply}))
         used = len(ids) + len(tokens)
-        print(f"{format_stats(self.engine.last_stats)}; context {used}/{self.engine.context_length}",
+        stats = self.engine.last_stats
+        print(f"{format_stats(stats)}; {stats.get('cached_tokens', 0)} prompt tokens cached; "
+              f"context {used}/{self.engine.context_length}",
               file=self.err, flush=True)
 
 

@@ -59,6 +59,9 @@ def add_engine_args(p: argparse.ArgumentParser, model_required=True, sampling_sc
                    + config_default("prefill_chunk_size"))
     p.add_argument("--max-tokens", type=int, metavar="N", help="most tokens to generate (chat: per reply; serve: "
                    "the cap of a request without max_tokens) " + config_default("max_tokens"))
+    p.add_argument("--no-prefix-reuse", dest="prefix_reuse", action="store_false", default=None,
+                   help="prefill every prompt whole instead of resuming the last request's state where the prompt "
+                   "starts with its tokens (default: reuse, config key prefix_reuse)")
     add_sampling_args(p, sampling_scope)
     add_weight_args(p)
 
@@ -120,6 +123,7 @@ def engine_config(args) -> PredictConfig:
     overrides = {"model": args.model, "mode": args.mode, "dflash2_model": args.drafter, "device": args.device,
                  "compute_dtype": args.dtype, "context_length": args.context_length,
                  "prefill_chunk_size": args.prefill_chunk_size, "max_tokens": args.max_tokens,
+                 "prefix_reuse": args.prefix_reuse,
                  **sampling_overrides(args), **weight_overrides(args)}
     overrides = {k: v for k, v in overrides.items() if v is not None}
     if args.config:

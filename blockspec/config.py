@@ -77,6 +77,9 @@ class PredictConfig(CheckedSettings):
     gpu_ranks: list[int] = Field(default_factory=lambda: [0])
     context_length: int = Field(4096, ge=2)
     prefill_chunk_size: int = Field(2048, ge=1)
+    # keep the last request's state; a prompt that starts with its tokens prefills only the rest (engine/reuse.py)
+    prefix_reuse: bool = True
+    prefix_snapshots: int = Field(4, ge=1, le=64)  # state snapshots kept for it, allocated at load
     max_tokens: int = Field(256, ge=1)
     self_speculative_num_tokens: int = Field(3, ge=1, le=16)
     draft_vocabulary: int | str = 0  # 0: proposals over the full head; N or a JSON file of ids: layers/draft_head

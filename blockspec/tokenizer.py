@@ -97,20 +97,21 @@ class Tokenizer:
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=True)
 
-    def chat_prompt_ids(self, messages: list[dict], max_tokens: int | None = None) -> list[int]:
-        """The chat prompt's token ids (generation prompt added), its control tokens coming from the template alone:
-        a special token's text inside a message (a user typing `<|im_end|>`) is encoded as ordinary text, so that no
-        message can forge a turn boundary. max_tokens: as for encode."""
+    def chat_prompt_ids(self, messages: list[dict], max_tokens: int | None = None,
+                        generation_prompt: bool = True) -> list[int]:
+        """The chat prompt's token ids (generation prompt added, unless generation_prompt is False), its control
+        tokens coming from the template alone: a special token's text inside a message (a user typing `<|im_end|>`)
+        is encoded as ordinary text, so that no message can forge a turn boundary. max_tokens: as for encode."""
         control, control_text = self._control_tokens
         if not control:
-            return self.encode(self.chat_prompt(messages), max_tokens=max_tokens)
+            return self.encode(self.chat_prompt(messages, generation_prompt), max_tokens=max_tokens)
         names = list(control)
         # a random private-use marker: no client can guess it, and one that did would only have text put back as
         # text (never a control token)
         marker = f"\ue000{secrets.token_hex(8)}:"
         hidden = self._map_strings(messages, lambda s: control_text.sub(
             lambda m: f"{marker}{names.index(m.group())}\ue001", s))
-        text = self.chat_prompt(hidden)
+        text = self.chat_prompt(hidden, generation_prompt)
         # the tokenizer encodes the text between special tokens piece by piece: so do we, with the template's own
         # special tokens as the only boundaries, each piece's hidden text put back and encoded as text
         shown = re.compile(re.escape(marker) + "([0-9]+)\ue001")
@@ -122,6 +123,13 @@ class Tokenizer:
         for token, piece in zip(control_text.findall(text), encoded[1:]):
             ids += [control[token], *piece]
         return ids
+
+    def conversation_length(self, messages: list[dict], prompt_ids: list[int]) -> int | None:
+        """How many of prompt_ids (the chat prompt of `messages`) render the conversation itself, before the
+        generation prompt: the part the next turn's prompt starts with, where a template renders the reply it asked
+        for differently (Qwen's drops the empty thinking block). None where the rendering is not a prefix."""
+        ids = self.chat_prompt_ids(messages, generation_prompt=False)
+        return len(ids) if prompt_ids[:len(ids)] == ids else None
 
     @cached_property
     def _control_tokens(self) -> tuple[dict[str, int], re.Pattern]:

@@ -1,5 +1,6 @@
 """`blockspec bench` on the tiny synthetic preset (CPU): output schema, fixtures, forced acceptance."""
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -200,3 +201,17 @@ def test_sampled_runs_beside_greedy_ones(tmp_path):
     assert "cost_vs_greedy" not in rows[0] and rows[1]["cost_vs_greedy"] > 0 and rows[3]["cost_vs_greedy"] > 0
     assert rows[3]["cycle_vs_plain_step"] > 0  # against the sampled plain step
     assert "x greedy" in stdout.splitlines()[1] and stdout.splitlines()[-1].split()[-2] == "sampled"
+
+
+def test_multi_turn_bench_runs_on_the_cpu(tmp_path):
+    """bench/multi_turn.py (the H200's prefix-reuse measurement) on the tiny preset: every turn after the first
+    resumes the last one, with the same replies as without reuse (the script checks them)."""
+    spec = importlib.util.spec_from_file_location("multi_turn", Path(__file__).parent.parent / "bench" / "multi_turn.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    summary = script.main(["--synthetic", "tiny", "--mode", "mtp", "--turns", "3", "--turn-tokens", "40",
+                           "--reply-tokens", "8", "--device", "cpu", "--dtype", "float32",
+                           "--json-out", str(tmp_path / "multi_turn.json")])
+    turns = json.loads((tmp_path / "multi_turn.json").read_text())["turns"]
+    assert [t["cached_tokens"] for t in turns] == [0, 47, 95] == [t["cached_tokens"] for t in summary["turns"]]
+    assert summary["prefix_snapshots"]["bytes"] > 0

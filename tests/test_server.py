@@ -345,7 +345,7 @@ class FakeEngine:
         self.tokenizer, self.reply, self.last_stats = tokenizer, reply, {}
         self.config = SimpleNamespace(model="fake", max_tokens=64)
 
-    def stream(self, prompt_ids, max_tokens, stop_at_eos=True):
+    def stream(self, prompt_ids, max_tokens, stop_at_eos=True, snapshot_at=None):
         tokens = self.tokenizer.encode(self.reply) + [min(self.tokenizer.eos_token_ids)]
         try:
             for token in tokens[:max_tokens]:

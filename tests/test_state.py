@@ -87,8 +87,8 @@ def test_partial_commit_changes_state_differently_per_n(model):
 def test_chunked_prefill_equals_one_shot(model, chunk):
     prompt = torch.randint(0, 300, (20,), generator=torch.Generator().manual_seed(3))
     one_shot, chunked = new_state(model), new_state(model)
-    first = prefill(EagerTarget(model, one_shot), prompt, 64, Proposer())
-    assert prefill(EagerTarget(model, chunked), prompt, chunk, Proposer()) == first
+    first = prefill(EagerTarget(model, one_shot), prompt, 0, 64, Proposer())[0]
+    assert prefill(EagerTarget(model, chunked), prompt, 0, chunk, Proposer())[0] == first
     for a, b in zip(snapshot(one_shot), snapshot(chunked)):
         assert (a - b).abs().max() <= 1e-4
     nxt = torch.tensor([first])

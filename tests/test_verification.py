@@ -42,9 +42,9 @@ class ForcedProposer(Proposer):
         if self.inner:
             self.inner.reset()
 
-    def observe(self, out, first, tokens, next_tokens):
+    def observe(self, out, first, tokens, next_tokens, drafts=True):
         if self.inner:
-            self.inner.observe(out, first, tokens, next_tokens)
+            self.inner.observe(out, first, tokens, next_tokens, drafts)
         if self.check:
             self.check(first + len(tokens))
 

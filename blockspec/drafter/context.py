@@ -35,6 +35,29 @@ class DrafterContext:
         self.positions = torch.full((capacity,), EMPTY_SLOT, device=device, dtype=torch.long)
         self.block_slots = torch.arange(capacity, capacity + block, device=device)
         self.length = 0  # committed positions so far; the next append starts here
+        self.allocate_snapshots(0)
+
+    def allocate_snapshots(self, count: int) -> int:
+        """Room for `count` copies of the ring (keys, values, positions; not the block scratch slots): returns their
+        bytes. A rewind needs them: rows older than the rewound position were overwritten by later ones."""
+        self.saved_keys = self.keys.new_zeros(count, *self.keys[:, :self.capacity].shape)
+        self.saved_values = torch.zeros_like(self.saved_keys)
+        self.saved_positions = self.positions.new_zeros(count, self.capacity)
+        self.saved_lengths = [0] * count
+        return self.saved_keys.nbytes + self.saved_values.nbytes + self.saved_positions.nbytes
+
+    def save(self, slot: int) -> None:
+        self.saved_keys[slot].copy_(self.keys[:, :self.capacity])
+        self.saved_values[slot].copy_(self.values[:, :self.capacity])
+        self.saved_positions[slot].copy_(self.positions)
+        self.saved_lengths[slot] = self.length
+
+    def restore(self, slot: int) -> None:
+        """Back to the committed rows saved in `slot` (the block scratch slots are rewritten by every proposal)."""
+        self.keys[:, :self.capacity].copy_(self.saved_keys[slot])
+        self.values[:, :self.capacity].copy_(self.saved_values[slot])
+        self.positions.copy_(self.saved_positions[slot])
+        self.length = self.saved_lengths[slot]
 
     def reset(self) -> None:
         """Forget everything for a new request, keeping the same buffers."""

@@ -10,10 +10,12 @@ sampled requests apply the speculative-sampling rule, so output is distributed e
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
+from .reuse import PrefixCache
 from .sampling import Sampler, leading_matches
 
 
@@ -28,10 +30,24 @@ class Proposer:
     def reset(self):
         pass
 
-    def observe(self, out, first: int, tokens: list[int], next_tokens: list[int]):
+    def observe(self, out, first: int, tokens: list[int], next_tokens: list[int], drafts: bool = True):
         """Committed target positions first..first+len(tokens)-1 held `tokens`; `next_tokens[i]` is the token that
         follows position first+i (the prompt's, or the one emitted there). `out` holds the pass's hidden states /
-        features (row i = position first+i)."""
+        features (row i = position first+i). drafts=False: no proposal follows (a prefill chunk before the last), so
+        nothing is drafted and no uniform drawn: a request's random stream does not depend on its chunking."""
+
+    def allocate_snapshots(self, count: int) -> int:
+        """Room, allocated once, for `count` snapshots of what the proposer keeps across positions (engine/reuse.py);
+        returns their bytes."""
+        return 0
+
+    def save(self, slot: int, out, row: int):
+        """Snapshot `slot` of the proposer's committed state; row `row` of `out` is the last committed position."""
+
+    def restore(self, slot: int, position: int, token: int):
+        """Back to the state saved in `slot` with `position` positions committed; `token` is the prompt's token at
+        `position`, the first one prefilled next."""
+        self.reset()
 
     def propose(self, anchor: int, position: int, k: int) -> list[int]:
         """k proposals for positions position+1..; under sampling each drawn from the proposer's distribution."""
@@ -45,6 +61,7 @@ class Proposer:
 
 @dataclass
 class DecodeStats:
+    cached_tokens: int = 0  # prompt tokens not prefilled: a kept prefix reused (engine/reuse.py)
     prefill_s: float = 0.0
     decode_s: float = 0.0
     generated: int = 0
@@ -54,7 +71,7 @@ class DecodeStats:
 
     def as_dict(self, speculative: bool) -> dict:
         after_first = max(self.generated - 1, 0)
-        stats = {"prefill_s": round(self.prefill_s, 6), "decode_s": round(self.decode_s, 6),
+        stats = {"cached_tokens": self.cached_tokens, "prefill_s": round(self.prefill_s, 6), "decode_s": round(self.decode_s, 6),
                  "generated": self.generated,
                  "decode_tokens_per_s": round(after_first / self.decode_s, 3) if self.decode_s > 0 else 0.0}
         if speculative:
@@ -70,36 +87,67 @@ def _sync(device):
         torch.cuda.synchronize(device)
 
 
-def prefill(target, prompt: torch.Tensor, chunk: int, proposer: Proposer, sampler: Sampler | None = None) -> int:
-    """Chunked prefill of the prompt; returns the first generated token (greedy without a sampler)."""
-    for begin in range(0, prompt.shape[0], chunk):
-        ids = prompt[begin:begin + chunk]
+def prefill(target, prompt: torch.Tensor, start: int, chunk: int, proposer: Proposer,
+            sampler: Sampler | None = None, checkpoint: tuple[int, Callable] | None = None):
+    """Chunked prefill of prompt[start:] (the state holds the first `start` positions); returns the first generated
+    token (greedy without a sampler), and the last pass's output with the row of the last prompt position.
+    checkpoint (position, call): a chunk ends at that position (when it lies past start) and call(out, row) runs
+    there."""
+    length = prompt.shape[0]
+    ends = {*range(start + chunk, length, chunk), length}
+    if checkpoint is not None and start < checkpoint[0] < length:
+        ends.add(checkpoint[0])
+    begin = start
+    for end in sorted(ends):
+        ids = prompt[begin:end]
         out = target.forward(ids, all_logits=False)
         target.state.commit(ids.shape[0])
-        last = begin + ids.shape[0] >= prompt.shape[0]
+        last = end == length
         first_token = None
         if last:
             first_token = int(out.logits[-1].argmax()) if sampler is None else sampler.first_token(out.logits[-1:])
-        following = prompt[begin + 1:begin + ids.shape[0] + 1].tolist() + ([first_token] if last else [])
-        proposer.observe(out, begin, ids.tolist(), following)
-    return first_token
+        following = prompt[begin + 1:end + 1].tolist() + ([first_token] if last else [])
+        proposer.observe(out, begin, ids.tolist(), following, last)
+        if checkpoint is not None and end == checkpoint[0]:
+            checkpoint[1](out, ids.shape[0] - 1)
+        begin = end
+    return first_token, out, ids.shape[0] - 1
 
 
 def decode(target, proposer: Proposer, prompt: list[int], max_tokens: int, eos: set[int], chunk: int,
-           stats: DecodeStats, sampler: Sampler | None = None):
+           stats: DecodeStats, sampler: Sampler | None = None, prefix: PrefixCache | None = None,
+           snapshot_at: int | None = None):
     """Generator of tokens; `target` is an EagerTarget or GraphedTarget; `sampler` holds the request's sampling
-    (begun; None: greedy); `stats` is filled as it goes."""
+    (begun; None: greedy); `prefix` the kept conversation to resume from and keep this request in (None: start
+    afresh, keep nothing), with a snapshot at prompt position `snapshot_at` too; `stats` is filled as it goes."""
     state, device = target.state, target.device
     greedy = sampler is None or sampler.greedy
-    state.reset()
-    proposer.reset()
     start = time.perf_counter()
-    anchor = prefill(target, torch.tensor(prompt, device=device), chunk, proposer, sampler)
+    committed = list(prompt)  # the tokens of the committed positions: the prompt, then each cycle's kept block
+    try:
+        if prefix is None:
+            state.reset()
+            proposer.reset()
+            stats.cached_tokens = 0
+        else:
+            stats.cached_tokens = prefix.resume(prompt)
+        checkpoint = None
+        if prefix is not None and snapshot_at is not None:
+            checkpoint = (snapshot_at, lambda out, row: prefix.save(prompt[:snapshot_at], out, row))
+        anchor, out, row = prefill(target, torch.tensor(prompt, device=device), stats.cached_tokens, chunk, proposer,
+                                   sampler, checkpoint)
+        if prefix is not None:
+            prefix.save(committed, out, row)
+    except BaseException:
+        if prefix is not None:
+            prefix.clear()
+        raise
     _sync(device)
     stats.prefill_s = time.perf_counter() - start
     stats.generated = 1
     yield anchor
     begin = time.perf_counter()
+    failed = False  # an error inside a pass leaves the state uncommitted: nothing of it may be kept
     try:
         while stats.generated < max_tokens and anchor not in eos:
             position = state.length
@@ -120,6 +168,8 @@ def decode(target, proposer: Proposer, prompt: list[int], max_tokens: int, eos: 
                 emitted = proposals[:accepted] + [token]
             state.commit(accepted + 1)
             proposer.observe(out, position, [anchor] + proposals[:accepted], emitted)
+            committed += [anchor] + proposals[:accepted]  # kept even past max_tokens: the caches hold them
+            row = accepted
             if proposer.max_proposals:
                 stats.cycles += 1
                 stats.proposed += min(len(proposals), useful)
@@ -131,6 +181,14 @@ def decode(target, proposer: Proposer, prompt: list[int], max_tokens: int, eos: 
                 if token in eos or stats.generated >= max_tokens:
                     return
             anchor = emitted[-1]
+    except BaseException as exc:
+        failed = not isinstance(exc, GeneratorExit)  # closed at a yield: every pass so far is committed
+        raise
     finally:
         _sync(device)
         stats.decode_s = time.perf_counter() - begin
+        if prefix is not None:
+            if failed:
+                prefix.clear()
+            else:
+                prefix.save(committed, out, row)

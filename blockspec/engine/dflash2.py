@@ -39,7 +39,16 @@ class DFlash2Proposer(Proposer):
     def reset(self):
         self.drafter.reset()
 
-    def observe(self, out, first, tokens, next_tokens):
+    def allocate_snapshots(self, count: int) -> int:
+        return self.drafter.context.allocate_snapshots(count)
+
+    def save(self, slot, out, row):
+        self.drafter.context.save(slot)
+
+    def restore(self, slot, position, token):
+        self.drafter.context.restore(slot)
+
+    def observe(self, out, first, tokens, next_tokens, drafts=True):
         rows = len(tokens)
         if rows not in self.append_graphs:  # prefill chunks (and eager mode)
             self.drafter.append_context(out.features[:rows], first)

@@ -21,6 +21,7 @@ from ..tokenizer import Tokenizer
 from .decode import DecodeStats, Proposer, decode
 from .dflash2 import DFlash2Proposer
 from .mtp import MTPProposer
+from .reuse import PrefixCache
 from .sampling import Sampler
 from .state import DecodeState
 from .target import EagerTarget, GraphedTarget
@@ -84,8 +85,12 @@ class Engine:
         self.sampler = Sampler(self.device)
         with use(self.kernels):
             self.proposer = self.build_proposer(mtp_tensors, drafter)
+            snapshots = config.prefix_snapshots if config.prefix_reuse else 0
             self.state = DecodeState(self.model, config.context_length, MAX_VERIFY_TOKENS, self.device, self.dtype,
-                                     in_place=self.proposer.max_proposals == 0)
+                                     in_place=self.proposer.max_proposals == 0, snapshots=snapshots)
+            self.prefix = PrefixCache(self.state, self.proposer, snapshots) if snapshots else None
+            if self.prefix is not None:
+                self.memory["prefix_snapshots"] = {"count": snapshots, "bytes": self.prefix.bytes}
             self.target = self.build_target()
         self.sampler.begin(config.sampling)  # the device's values follow the settings until a request begins its own
         self.last_stats: dict = {}
@@ -232,12 +237,18 @@ class Engine:
 
     def stream(self, prompt_ids: list[int], max_tokens: int, stop_at_eos: bool = True, proposer: Proposer = None, *,
                temperature: float | None = None, top_k: int | None = None, top_p: float | None = None,
-               min_p: float | None = None, seed: int | None = None):
+               min_p: float | None = None, seed: int | None = None, snapshot_at: int | None = None):
         """Yield tokens one by one; closing the generator stops the work. Stats land in last_stats.
         `proposer` replaces the engine's own for this request (one reading the same target features: the bench's
-        forced acceptance). The sampling arguments override the config's for this request (None: the config's)."""
+        forced acceptance). The sampling arguments override the config's for this request (None: the config's).
+        With prefix reuse, `snapshot_at` adds a snapshot at that prompt position, where a later prompt is expected
+        to part from this one (a chat: the end of the conversation before the generation prompt, which the next
+        turn renders differently; Tokenizer.conversation_length)."""
         settings = self.sampling_settings(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed)
         self.check_request(prompt_ids, max_tokens)
+        prefix = self.prefix if proposer in (None, self.proposer) else None
+        if prefix is None and self.prefix is not None:  # another proposer's request: the kept state goes stale
+            self.prefix.clear()
         proposer = proposer or self.proposer
         stats = DecodeStats()
         eos = self.tokenizer.eos_token_ids if stop_at_eos else set()
@@ -245,7 +256,7 @@ class Engine:
         # parameters never require grad, so no autograd graph is built; the kernel settings are this engine's only
         # while it works (between yields the caller may run another engine)
         steps = decode(self.target, proposer, [int(t) for t in prompt_ids], max_tokens, eos,
-                       self.config.prefill_chunk_size, stats, self.sampler)
+                       self.config.prefill_chunk_size, stats, self.sampler, prefix, snapshot_at)
         try:
             while True:
                 with use(self.kernels):
@@ -267,6 +278,11 @@ class Engine:
             if draft_head is not None:  # proposals only: acceptance, not output, depends on it
                 self.last_stats["draft_vocabulary"] = draft_head.ids.numel()
 
+    def forget_prefix(self):
+        """Drop the kept conversation: the next request prefills its whole prompt."""
+        if self.prefix is not None:
+            self.prefix.clear()
+
     def draft_head(self):
         """The shared head over `draft_vocabulary` for the proposer (layers/draft_head.py; its bytes recorded in
         `memory`), or None: the full head."""
@@ -280,8 +296,9 @@ class Engine:
 
     def generate(self, prompt_ids: list[int], max_tokens: int, stop_at_eos: bool = True, proposer: Proposer = None, *,
                  temperature: float | None = None, top_k: int | None = None, top_p: float | None = None,
-                 min_p: float | None = None, seed: int | None = None) -> GenerationResult:
+                 min_p: float | None = None, seed: int | None = None,
+                 snapshot_at: int | None = None) -> GenerationResult:
         """All of stream's tokens at once, with their text and stats."""
         tokens = list(self.stream(prompt_ids, max_tokens, stop_at_eos, proposer, temperature=temperature,
-                                  top_k=top_k, top_p=top_p, min_p=min_p, seed=seed))
+                                  top_k=top_k, top_p=top_p, min_p=min_p, seed=seed, snapshot_at=snapshot_at))
         return GenerationResult(tokens, self.tokenizer.decode(tokens), dict(self.last_stats))

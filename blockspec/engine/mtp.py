@@ -36,6 +36,7 @@ class MTPProposer(Proposer):
         self.max_proposals = num_drafts
         self.caches = [KVCache(capacity, c.num_key_value_heads, c.head_dim, device, dtype) for _ in head.layers]
         self.graphs = {}  # (rows observed, sampled) -> (graph, (drafts, their distributions)): CUDA graphs only
+        self.allocate_snapshots(0)
         self.reset()
 
     def reset(self):
@@ -78,8 +79,34 @@ class MTPProposer(Proposer):
                                                    uniform)
         return normed, int(draft)
 
-    def observe(self, out, first, tokens, next_tokens):
+    def allocate_snapshots(self, count: int) -> int:
+        self.saved_hidden = torch.zeros(count, self.model.config.hidden_size, device=self.caches[0].k.device,
+                                        dtype=self.caches[0].k.dtype)
+        return self.saved_hidden.nbytes
+
+    def save(self, slot, out, row):
+        self.saved_hidden[slot].copy_(out.hidden[row])
+
+    def restore(self, slot, position, token):
+        """Cache rows before position - 1 pair the kept hidden states with kept tokens and stay; row position - 1
+        pairs the saved hidden state with the token now at `position`, so it is recomputed (one head row)."""
+        self.reset()
+        device = self.saved_hidden.device
+        self.write_rows(self.model.norm(self.saved_hidden[slot:slot + 1]), torch.tensor([token], device=device),
+                        position - 1)
+
+    def write_rows(self, hidden, next_tokens, first: int):
+        """The head's cache rows first.. from final-normed hidden states and the tokens after them, no draft."""
+        positions = torch.arange(first, first + next_tokens.shape[0], device=hidden.device)
+        rope = self.model.rope(positions, hidden.dtype)
+        self.head(self.model.embed(next_tokens), hidden, self.caches, positions, rope, first + next_tokens.shape[0])
+
+    def observe(self, out, first, tokens, next_tokens, drafts=True):
         rows, sampled = len(tokens), self.sampling()
+        if not drafts:
+            self.write_rows(self.model.norm(out.hidden[:rows]), torch.tensor(next_tokens, device=out.hidden.device),
+                            first)
+            return
         uniforms = self.sampler.uniforms(self.max_proposals) if sampled else None  # the next cycle's drafts
         if (rows, sampled) in self.graphs:  # a verification pass: observe and chain every draft in one replay
             graph, (drafts, probs) = self.graphs[rows, sampled]

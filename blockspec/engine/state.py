@@ -9,6 +9,10 @@ The counters (`length`, `pending`) change here and nowhere else. With CUDA graph
 commit(n) are captured once (`capture_commits`) and commit replays them; the bookkeeping stays plain Python.
 Buffers are allocated once per engine; reset() starts a new request without reallocating.
 
+Snapshots (engine/reuse.py): save(slot) copies the committed DeltaNet conv histories and recurrent states into
+preallocated slots; restore(slot, length) copies them back and cuts the committed length to the position they were
+saved at. Attention caches need no copy: their entries before that position are still the committed ones.
+
 `in_place` (plain decoding, where every pass is committed whole): DeltaNet passes write their final state over the
 committed one, saving a 3 MB copy per layer and token, and one-token passes shift the conv history in place too, so
 their commit is bookkeeping only; neither a partial commit nor a discard can restore the state (discard is
@@ -23,7 +27,8 @@ from . import graphs
 
 
 class DecodeState:
-    def __init__(self, model, capacity: int, max_partial: int, device, dtype, in_place: bool = False):
+    def __init__(self, model, capacity: int, max_partial: int, device, dtype, in_place: bool = False,
+                 snapshots: int = 0):
         c = model.config
         self.capacity = capacity
         self.layers = [
@@ -35,6 +40,7 @@ class DecodeState:
         if in_place:
             for s in self.gdn:
                 s.write_in_place()
+        self.snapshot_bytes = sum(s.allocate_snapshots(snapshots) for s in self.gdn)
         self.commit_graphs = {}  # (pass length, n) -> the captured buffer updates of commit(n)
         self.length = 0    # committed tokens
         self.pending = 0   # tokens of the pass awaiting commit/discard
@@ -43,6 +49,20 @@ class DecodeState:
         for s in self.gdn:
             s.reset()
         self.length = self.pending = 0
+
+    def save(self, slot: int):
+        """Copy the committed DeltaNet states into snapshot `slot` (no pass may be pending)."""
+        if self.pending:
+            raise RuntimeError("snapshot of a state with a pending pass")
+        for s in self.gdn:
+            s.save(slot)
+
+    def restore(self, slot: int, length: int):
+        """Come back to the committed state saved in `slot` when `length` tokens were committed; the attention
+        caches' entries before `length` must still hold the same tokens' keys and values (the caller checks)."""
+        for s in self.gdn:
+            s.restore(slot)
+        self.length, self.pending = length, 0
 
     def begin(self, k: int) -> int:
         """Open a k-token pass; returns its first position."""

@@ -32,6 +32,22 @@ class GDNState:
         self.pending_mixed = torch.zeros(max_partial, conv_dim, device=device, dtype=dtype)
         self.pending_g = torch.zeros(max_partial, value_heads, **f32)
         self.pending_beta = torch.zeros_like(self.pending_g)
+        self.allocate_snapshots(0)
+
+    def allocate_snapshots(self, count: int) -> int:
+        """Room for `count` copies of the committed conv history and recurrent state (DecodeState.save / restore);
+        returns their bytes."""
+        self.saved_history = self.history.new_zeros(count, *self.history.shape)
+        self.saved_recurrent = self.recurrent.new_zeros(count, *self.recurrent.shape)
+        return self.saved_history.nbytes + self.saved_recurrent.nbytes
+
+    def save(self, slot: int):
+        self.saved_history[slot].copy_(self.history)
+        self.saved_recurrent[slot].copy_(self.recurrent)
+
+    def restore(self, slot: int):
+        self.history.copy_(self.saved_history[slot])
+        self.recurrent.copy_(self.saved_recurrent[slot])
 
     def write_in_place(self):
         """Passes write their final state over the committed one (see DecodeState's `in_place`); one-token passes

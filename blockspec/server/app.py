@@ -111,7 +111,8 @@ def create_app(engine, settings: ServerSettings = ServerSettings(), bound_addres
         return model_card()
 
     def submit(prepared: Prepared) -> Job:
-        job = Job(prepared.prompt_ids, prepared.max_tokens, asyncio.get_running_loop(), prepared.sampling)
+        job = Job(prepared.prompt_ids, prepared.max_tokens, asyncio.get_running_loop(), prepared.sampling,
+                  prepared.snapshot_at)
         try:
             worker.submit(job)
         except QueueFull as full:
@@ -165,7 +166,7 @@ def create_app(engine, settings: ServerSettings = ServerSettings(), bound_addres
             choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
             head = {"id": f"cmpl-{uuid.uuid4().hex[:24]}", "object": "text_completion"}
         return {**head, "created": created, "model": prepared.model, "choices": [choice],
-                "usage": usage(len(prepared.prompt_ids), len(tokens)),
+                "usage": usage(len(prepared.prompt_ids), len(tokens), final[1]),
                 "blockspec": stats_extension(final[1], engine)}
 
     async def stream_events(prepared: Prepared, job: Job):
@@ -201,7 +202,7 @@ def create_app(engine, settings: ServerSettings = ServerSettings(), bound_addres
                 tokens = text.tokens
                 yield chunk(None, finish_reason(tokens), blockspec=stats_extension(final[1], engine))
                 if prepared.include_usage:
-                    yield sse({**head, "choices": [], "usage": usage(len(prepared.prompt_ids), len(tokens))})
+                    yield sse({**head, "choices": [], "usage": usage(len(prepared.prompt_ids), len(tokens), final[1])})
         yield "data: [DONE]\n\n"
 
     @app.post("/v1/chat/completions")

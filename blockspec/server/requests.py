@@ -155,6 +155,7 @@ class Prepared:
     include_usage: bool
     model: str
     sampling: dict            # the request's sampling values, its own or the server's defaults (Engine.stream)
+    snapshot_at: int | None = None  # a chat: where its conversation ends, before the generation prompt
 
 
 class RequestParser:
@@ -337,13 +338,14 @@ class RequestParser:
                 raise bad(f"{exc} (context_length {self.engine.context_length})", "messages") from None
             except BlockspecError as exc:
                 raise bad(str(exc), "messages") from None
+            snapshot_at = self.engine.tokenizer.conversation_length(messages, prompt_ids)
             prompt_param = "messages"
             explicit = get_int(body, "max_completion_tokens", None)
             max_param = "max_completion_tokens"
             if explicit is None:
                 explicit, max_param = get_int(body, "max_tokens", None), "max_tokens"
         else:
-            prompt_ids = self.completion_prompt(body)
+            prompt_ids, snapshot_at = self.completion_prompt(body), None
             prompt_param = "prompt"
             explicit, max_param = get_int(body, "max_tokens", None), "max_tokens"
         if not prompt_ids:
@@ -362,4 +364,4 @@ class RequestParser:
             if explicit is not None and param == max_param and max_param != "max_tokens":
                 message = message.replace("max_tokens", max_param)
             raise bad(message, param) from None
-        return Prepared(kind, prompt_ids, max_tokens, stream, include_usage, model, sampling)
+        return Prepared(kind, prompt_ids, max_tokens, stream, include_usage, model, sampling, snapshot_at)

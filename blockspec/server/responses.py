@@ -9,7 +9,7 @@ from fastapi.responses import StreamingResponse
 
 from .worker import Job, Worker
 
-STATS_KEYS = ("mode", "execution", "prefill_s", "decode_s", "decode_tokens_per_s", "generated", "cycles",
+STATS_KEYS = ("mode", "execution", "cached_tokens", "prefill_s", "decode_s", "decode_tokens_per_s", "generated", "cycles",
               "mean_accepted_length", "acceptance_rate", "sampling")
 
 
@@ -21,9 +21,11 @@ def stats_extension(stats: dict, engine) -> dict:
     return out
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+def usage(prompt_tokens: int, completion_tokens: int, stats: dict) -> dict:
+    """OpenAI's usage; prompt_tokens_details.cached_tokens: prompt tokens the kept conversation spared."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": stats.get("cached_tokens", 0)}}
 
 
 class JobStreamingResponse(StreamingResponse):

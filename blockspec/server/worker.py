@@ -30,6 +30,7 @@ class Job:
     max_tokens: int
     loop: asyncio.AbstractEventLoop
     sampling: dict = field(default_factory=dict)  # Engine.stream's sampling arguments (Prepared.sampling)
+    snapshot_at: int | None = None  # Engine.stream's (Prepared.snapshot_at)
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
     # queued -> running -> finished; running -> stopping (its client left) -> finished; queued -> abandoned
@@ -138,7 +139,7 @@ class Worker:
     def execute(self, job: Job) -> tuple[str, object]:
         """Run one job, streaming its tokens; return its final event: ("done", stats) or ("error", ApiError)."""
         job.started = time.perf_counter()
-        tokens = self.engine.stream(job.prompt_ids, job.max_tokens, **job.sampling)
+        tokens = self.engine.stream(job.prompt_ids, job.max_tokens, **job.sampling, snapshot_at=job.snapshot_at)
         try:
             for token in tokens:
                 job.emit("token", token)
