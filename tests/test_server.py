@@ -112,6 +112,22 @@ def test_chat_non_streamed(server, tiny, reference):
     assert 0.0 <= stats["acceptance_rate"] <= 1.0 and stats["mean_accepted_length"] >= 1.0
 
 
+def test_multi_turn_conversation_reuses_its_prefix(server, tiny, reference):
+    """A conversation continued turn after turn through the openai client: from the second turn on the server
+    reports the prompt tokens it did not prefill again (usage.prompt_tokens_details.cached_tokens, more each turn)
+    and answers exactly what a freshly loaded engine answers."""
+    client, messages, cached = server.client(), [], []
+    for question in ("Tell me about lighthouses.", "And about their keepers?", "Which one is the oldest?"):
+        messages.append({"role": "user", "content": question})
+        reply = client.chat.completions.create(model=model_name(tiny), messages=messages, max_tokens=8)
+        ids = chat_ids(reference, messages)
+        assert reply.choices[0].message.content == reference(ids, 8).text
+        assert reply.usage.prompt_tokens == len(ids)
+        cached.append(reply.usage.prompt_tokens_details.cached_tokens)
+        messages.append({"role": "assistant", "content": reply.choices[0].message.content})
+    assert 0 < cached[1] < cached[2] < len(ids), cached
+
+
 def test_chat_streamed_with_usage(server, tiny, reference):
     messages = [{"role": "system", "content": "Be brief."}, *user("Count for me.")]
     chunks = list(server.client().chat.completions.create(
