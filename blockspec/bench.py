@@ -26,6 +26,7 @@ import torch
 from .cli_common import add_sampling_args, add_weight_args, check_output_path, describe_sampling, sampling_overrides, \
     weight_overrides
 from .config import PredictConfig, SamplingSettings
+from .engine import memory
 from .engine.decode import Proposer
 from .errors import BlockspecError
 from .kernels import pdl
@@ -185,6 +186,8 @@ def build_engine(args, mode: str):
 
     config = PredictConfig.build(overrides, source="bench")
     device = resolve_device(config.device)
+    if device.type == "cuda":  # the weights are built on the GPU: refused first if they cannot fit
+        check_synthetic_fits(args.synthetic, config, device)
     seed = args.seed or 0
     model, head = synthetic_target(args.synthetic, device, config.torch_dtype, seed=seed)
     mtp = {"mtp." + k: v for k, v in head.state_dict().items()} if head is not None else {}
@@ -193,6 +196,19 @@ def build_engine(args, mode: str):
         build_tiny_checkpoint(tok_dir)  # only its byte-level tokenizer and chat template are used
         tokenizer = Tokenizer(tok_dir)
     return Engine(config, model=model, mtp_tensors=mtp, drafter=drafter, tokenizer=tokenizer)
+
+
+def check_synthetic_fits(name: str, config: PredictConfig, device) -> None:
+    from .config import TargetConfig
+    from .drafter.config import DrafterConfig
+    from .engine.engine import MAX_VERIFY_TOKENS, resolve_execution
+    from .synthetic import preset, synthetic_drafter_config
+
+    target = TargetConfig.from_dict(preset(name), source=f"synthetic preset {name}")
+    drafter = DrafterConfig.from_dict(synthetic_drafter_config(target)) if config.decode_mode == "dflash2" else None
+    needed = memory.estimate(target, config, execution=resolve_execution(config, device),
+                             max_partial=MAX_VERIFY_TOKENS, drafter=drafter)
+    memory.check_fits(needed, config, device)
 
 
 def run_fixture(engine, ids, args, trajectory, rate, sampling: dict):
@@ -271,7 +287,6 @@ def bench(args) -> dict:
         engine = build_engine(args, mode)
         results.setdefault("load_times", {})[mode] = {"total_s": round(time.perf_counter() - start, 3),
                                                       **engine.load_times}
-        results.setdefault("memory", {})[mode] = engine.memory
         if "device" not in results:
             results["device"] = torch.cuda.get_device_name() if engine.device.type == "cuda" else "cpu"
             results["read_bandwidth_gb_s"] = args.bandwidth or measure_read_bandwidth(engine.device)
@@ -310,6 +325,7 @@ def bench(args) -> dict:
                                                                                          args.one_cycle, args.seed)
             print(f"{mode}: one cycle from {measured['cuts']} real contexts: mean accepted length "
                   f"{measured['mean_accepted_length']:.3f}, acceptance {measured['acceptance_rate']:.1%}", flush=True)
+        results.setdefault("memory", {})[mode] = memory.report(engine)  # decoding's peak: after every fixture
         del engine
         gc.collect()
         if torch.cuda.is_available():

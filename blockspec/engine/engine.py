@@ -77,6 +77,7 @@ class Engine:
             self.memory["estimate"] = estimate.as_dict()
         if self.device.type == "cuda":
             torch.cuda.set_device(config.gpu_ranks[0])
+            memory.reset_peak(self.device)
         self.dtype = config.torch_dtype
         self.model_name = Path(config.model).name if config.model else "synthetic"
         self.load_times: dict = {}
@@ -95,6 +96,10 @@ class Engine:
             self.target = self.build_target()
         self.sampler.begin(config.sampling)  # the device's values follow the settings until a request begins its own
         self.last_stats: dict = {}
+        if self.device.type == "cuda":  # what loading left cached (dense weights quantized since) goes back
+            torch.cuda.empty_cache()
+        self.memory["loading_peak"] = memory.peak(self.device)
+        memory.reset_peak(self.device)  # from now on the peaks are decoding's
 
     @classmethod
     def load(cls, config: PredictConfig | str | Path, **overrides) -> "Engine":

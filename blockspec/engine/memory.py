@@ -247,9 +247,7 @@ def remedies(needed: MemoryEstimate, config: PredictConfig) -> str:
         hints.append("set dflash2_quantization int8")
     if r.get("draft_head", 0) > 0.05 * needed.needed:
         hints.append(f"lower draft_vocabulary ({config.draft_vocabulary})")
-    if "kv_cache" in r and not any(h.startswith("lower context_length") for h in hints):
-        hints.append(f"lower context_length ({config.context_length})")
-    return "; ".join(hints)
+    return "; ".join(hints) or "free memory on the GPU (other processes) or use a larger one"
 
 
 def reset_peak(device: torch.device) -> None:
