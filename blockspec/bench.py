@@ -169,7 +169,8 @@ def build_engine(args, mode: str):
     from .engine.engine import Engine
 
     overrides = {**weight_overrides(args), "mode": mode, "device": args.device, "compute_dtype": args.dtype,
-                 "context_length": args.context_length, "dflash2_model": args.drafter if mode == "dflash2" else None}
+                 "context_length": args.context_length, "dflash2_model": args.drafter if mode == "dflash2" else None,
+                 "load_progress": True}
     if args.compile_mode is not None:
         overrides["compile_mode"] = args.compile_mode
     if mode != "dflash2":

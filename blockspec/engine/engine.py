@@ -82,7 +82,7 @@ class Engine:
         self.model_name = Path(config.model).name if config.model else "synthetic"
         self.load_times: dict = {}
         if model is None:
-            model, mtp_tensors = load_target(config.model, self.device, self.dtype)
+            model, mtp_tensors = load_target(config.model, self.device, self.dtype, progress=config.load_progress)
         self.model = model
         self.prepare_target()
         self.tokenizer = tokenizer or Tokenizer(config.model, self.model.config.eos_token_ids)
