@@ -187,8 +187,7 @@ def build_engine(args, mode: str):
 
     config = PredictConfig.build(overrides, source="bench")
     device = resolve_device(config.device)
-    if device.type == "cuda":  # the weights are built on the GPU: refused first if they cannot fit
-        check_synthetic_fits(args.synthetic, config, device)
+    needed = check_synthetic_fits(args.synthetic, config, device) if device.type == "cuda" else None
     seed = args.seed or 0
     model, head = synthetic_target(args.synthetic, device, config.torch_dtype, seed=seed)
     mtp = {"mtp." + k: v for k, v in head.state_dict().items()} if head is not None else {}
@@ -196,10 +195,14 @@ def build_engine(args, mode: str):
     with tempfile.TemporaryDirectory(prefix="blockspec-synthetic-tok-") as tok_dir:
         build_tiny_checkpoint(tok_dir)  # only its byte-level tokenizer and chat template are used
         tokenizer = Tokenizer(tok_dir)
-    return Engine(config, model=model, mtp_tensors=mtp, drafter=drafter, tokenizer=tokenizer)
+    engine = Engine(config, model=model, mtp_tensors=mtp, drafter=drafter, tokenizer=tokenizer)
+    if needed is not None:
+        engine.memory["estimate"] = needed.as_dict()
+    return engine
 
 
-def check_synthetic_fits(name: str, config: PredictConfig, device) -> None:
+def check_synthetic_fits(name: str, config: PredictConfig, device) -> memory.MemoryEstimate:
+    """The synthetic weights are built on the GPU: refused first if the estimate exceeds its free memory."""
     from .config import TargetConfig
     from .drafter.config import DrafterConfig
     from .engine.engine import MAX_VERIFY_TOKENS, resolve_execution
@@ -210,6 +213,7 @@ def check_synthetic_fits(name: str, config: PredictConfig, device) -> None:
     needed = memory.estimate(target, config, execution=resolve_execution(config, device),
                              max_partial=MAX_VERIFY_TOKENS, drafter=drafter)
     memory.check_fits(needed, config, device)
+    return needed
 
 
 def run_fixture(engine, ids, args, trajectory, rate, sampling: dict):

@@ -25,7 +25,6 @@ from torch import nn
 from ..checkpoint import FLOAT32_SUFFIXES, checkpoint_quantization
 from ..config import PredictConfig, TargetConfig
 from ..drafter.config import DrafterConfig
-from ..drafter.context import DrafterContext
 from ..drafter.model import QUANTIZED_PROJECTIONS, DFlash2Drafter
 from ..errors import BlockspecError
 from ..layers.attention import KVCache
