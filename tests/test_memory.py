@@ -76,3 +76,14 @@ def test_generate_json_reports_memory_with_null_gpu_peaks_on_the_cpu(tiny_checkp
     assert report["peak_allocated_bytes"] is None and report["gpu_held_bytes"] is None
     assert report["target"]["final_bytes"] > 0 and report["caches"]["decode_state"] > 0
     assert "estimate" not in report and "workspace_peak_bytes" not in report  # estimated and measured on CUDA only
+
+
+def test_the_synthetic_27b_quantized_at_load_is_refused_on_a_32gb_card(monkeypatch):
+    from blockspec.bench import check_synthetic_fits
+
+    monkeypatch.setattr(memory, "free_and_total", lambda device: (31 * 10 ** 9, 32 * 10 ** 9))
+    config = PredictConfig.build({"mode": "dflash2", "target_quantization": "int4", "vocabulary_quantization": "int8",
+                                  "dflash2_quantization": "int8", "context_length": 32768})
+    with pytest.raises(BlockspecError, match=r"needed 54\.3 GB \(target read at load; 22\.6 GB resident after\).*"
+                                             r"checkpoint stored quantized"):
+        check_synthetic_fits("qwen3.5-27b", config, torch.device("cuda", 0))
