@@ -16,6 +16,8 @@
 #   reuse      prefix reuse over a scripted 10-turn chat of 1000-token turns and 128-token replies (bench/multi_turn.py;
 #              REUSE_MODES, default none,dflash2, one run each): time to first token of each turn without and with
 #              reuse, decode tokens/s of both
+#   memory     peak GPU memory of the INT4 target + int8 head + int8 DFlash2 drafter at 8k, 32k and 128k context,
+#              and bf16 at 32k (results' "memory": loading and decoding peaks, their parts, the estimate; ~12 minutes)
 #   kernels    the W4A16 / W8A16 kernel's checks and table (bench/quant_kernels.py)
 #   fp8_kernels  the FP8 kernel against cuBLAS bf16 at 1, 8 and 16 rows (bench/fp8_kernels.py; FP8_ARGS=--sweep)
 #   sweep      the W4A16 config sweep (bench/quant_kernels.py --sweep; SWEEP_S seconds at most)
@@ -64,6 +66,11 @@ for part in ${PARTS:-bf16 warm int4 vocab}; do
     fp8) run 240 $BENCH --target-quantization fp8 --mode none,mtp,dflash2 $FORCED --json-out "$OUT/bench_fp8.json" --png-out "$OUT/bench_fp8.png" ;;
     reuse) for mode in $(echo ${REUSE_MODES:-none,dflash2} | tr , ' '); do
              kernel_bench multi_turn_$mode 300 multi_turn --mode $mode --json-out "$OUT/multi_turn_$mode.json"; done ;;
+    memory) for ctx in 8192 32768 131072; do  # results' "memory": loading and decoding peaks, parts, the estimate
+              run 240 $BENCH $Q --dflash2-quantization int8 --mode dflash2 $FORCED --context-length $ctx \
+                --max-tokens 128 --repeats 1 --json-out "$OUT/memory_int4_$ctx.json"; done
+            run 240 $BENCH --mode dflash2 $FORCED --context-length 32768 --max-tokens 128 --repeats 1 \
+              --json-out "$OUT/memory_bf16_32768.json" ;;
     kernels) kernel_bench quant_kernels ${KERNELS_S:-240} quant_kernels ;;
     fp8_kernels) kernel_bench fp8_kernels ${FP8_KERNELS_S:-300} fp8_kernels ${FP8_ARGS:-} ;;
     sweep) kernel_bench quant_sweep ${SWEEP_S:-300} quant_kernels --sweep ;;

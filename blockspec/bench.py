@@ -26,6 +26,7 @@ import torch
 from .cli_common import add_sampling_args, add_weight_args, check_output_path, describe_sampling, sampling_overrides, \
     weight_overrides
 from .config import PredictConfig, SamplingSettings
+from .engine import memory
 from .engine.decode import Proposer
 from .errors import BlockspecError
 from .kernels import pdl
@@ -168,7 +169,8 @@ def build_engine(args, mode: str):
     from .engine.engine import Engine
 
     overrides = {**weight_overrides(args), "mode": mode, "device": args.device, "compute_dtype": args.dtype,
-                 "context_length": args.context_length, "dflash2_model": args.drafter if mode == "dflash2" else None}
+                 "context_length": args.context_length, "dflash2_model": args.drafter if mode == "dflash2" else None,
+                 "load_progress": True}
     if args.compile_mode is not None:
         overrides["compile_mode"] = args.compile_mode
     if mode != "dflash2":
@@ -185,6 +187,7 @@ def build_engine(args, mode: str):
 
     config = PredictConfig.build(overrides, source="bench")
     device = resolve_device(config.device)
+    needed = check_synthetic_fits(args.synthetic, config, device) if device.type == "cuda" else None
     seed = args.seed or 0
     model, head = synthetic_target(args.synthetic, device, config.torch_dtype, seed=seed)
     mtp = {"mtp." + k: v for k, v in head.state_dict().items()} if head is not None else {}
@@ -192,7 +195,25 @@ def build_engine(args, mode: str):
     with tempfile.TemporaryDirectory(prefix="blockspec-synthetic-tok-") as tok_dir:
         build_tiny_checkpoint(tok_dir)  # only its byte-level tokenizer and chat template are used
         tokenizer = Tokenizer(tok_dir)
-    return Engine(config, model=model, mtp_tensors=mtp, drafter=drafter, tokenizer=tokenizer)
+    engine = Engine(config, model=model, mtp_tensors=mtp, drafter=drafter, tokenizer=tokenizer)
+    if needed is not None:
+        engine.memory["estimate"] = needed.as_dict()
+    return engine
+
+
+def check_synthetic_fits(name: str, config: PredictConfig, device) -> memory.MemoryEstimate:
+    """The synthetic weights are built on the GPU: refused first if the estimate exceeds its free memory."""
+    from .config import TargetConfig
+    from .drafter.config import DrafterConfig
+    from .engine.engine import MAX_VERIFY_TOKENS, resolve_execution
+    from .synthetic import preset, synthetic_drafter_config
+
+    target = TargetConfig.from_dict(preset(name), source=f"synthetic preset {name}")
+    drafter = DrafterConfig.from_dict(synthetic_drafter_config(target)) if config.decode_mode == "dflash2" else None
+    needed = memory.estimate(target, config, execution=resolve_execution(config, device),
+                             max_partial=MAX_VERIFY_TOKENS, drafter=drafter)
+    memory.check_fits(needed, config, device)
+    return needed
 
 
 def run_fixture(engine, ids, args, trajectory, rate, sampling: dict):
@@ -271,7 +292,6 @@ def bench(args) -> dict:
         engine = build_engine(args, mode)
         results.setdefault("load_times", {})[mode] = {"total_s": round(time.perf_counter() - start, 3),
                                                       **engine.load_times}
-        results.setdefault("memory", {})[mode] = engine.memory
         if "device" not in results:
             results["device"] = torch.cuda.get_device_name() if engine.device.type == "cuda" else "cpu"
             results["read_bandwidth_gb_s"] = args.bandwidth or measure_read_bandwidth(engine.device)
@@ -310,6 +330,7 @@ def bench(args) -> dict:
                                                                                          args.one_cycle, args.seed)
             print(f"{mode}: one cycle from {measured['cuts']} real contexts: mean accepted length "
                   f"{measured['mean_accepted_length']:.3f}, acceptance {measured['acceptance_rate']:.1%}", flush=True)
+        results.setdefault("memory", {})[mode] = memory.report(engine)  # decoding's peak: after every fixture
         del engine
         gc.collect()
         if torch.cuda.is_available():

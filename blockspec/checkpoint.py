@@ -19,6 +19,7 @@ from .errors import BlockspecError
 from .layers.linear import pack_projections
 from .models.mtp import MTPHead
 from .models.qwen3_5 import TargetModel
+from .progress import ShardProgress
 from .quant.awq import AWQScheme
 from .quant.fp8 import FP8Scheme
 from .quant.gptq import GPTQScheme
@@ -187,11 +188,12 @@ def swap_in(root: torch.nn.Module, name: str, module: torch.nn.Module, where: st
     root.set_submodule(name, module)
 
 
-def load_target(directory: str | Path, device="cpu", dtype=torch.float32):
+def load_target(directory: str | Path, device="cpu", dtype=torch.float32, progress: bool = False):
     """Returns (model, mtp), the model's projections packed (layers/linear.py): mtp maps `mtp.*` tensor names to
     tensors and, for a quantized checkpoint, the names of quantized MTP projections to their modules.
     `model.checkpoint_quantization` is "int4" for a compressed-tensors, GPTQ or AWQ checkpoint, "fp8" for a
-    block-wise FP8 one (the projections stored unquantized stay dense), else None."""
+    block-wise FP8 one (the projections stored unquantized stay dense), else None. progress: a bar over the shards
+    on stderr for a large checkpoint (progress.py)."""
     directory = Path(directory)
     config = TargetConfig.from_file(directory / "config.json")
     scheme = checkpoint_quantization(directory / "config.json")
@@ -200,32 +202,38 @@ def load_target(directory: str | Path, device="cpu", dtype=torch.float32):
         model = TargetModel(config)
     expected = dict(model.named_parameters())
     loaded, mtp, parts, sources = {}, {}, {}, {}
-    for path in files:
-        for name, tensor in read_tensors([path], device):
-            if is_quantized_part(name, tensor, scheme):
-                if module_key(name.rsplit(".", 1)[0]) is not None:
-                    parts[name], sources[name] = tensor, path
-                continue
-            key = text_name(name)
-            if key is None:
-                continue
-            if key.startswith("mtp."):
-                mtp[key] = tensor
-                continue
-            if key not in expected:
-                if key == "lm_head.weight" and config.tie_word_embeddings:
+    with ShardProgress(files, progress) as shown:
+        for path in files:
+            for name, tensor in read_tensors([path], device):
+                shown.tensor_read(tensor.numel() * tensor.element_size())
+                if is_quantized_part(name, tensor, scheme):
+                    if module_key(name.rsplit(".", 1)[0]) is not None:
+                        parts[name], sources[name] = tensor, path
                     continue
-                raise BlockspecError(f"{directory}: unexpected tensor {name} (not part of a {config_label(config)})")
-            want = tuple(expected[key].shape)
-            if not tensor.is_floating_point() or tensor.element_size() == 1:
-                raise BlockspecError(f"{path}: tensor {name} is {tensor.dtype}, which config.json's "
-                                     "quantization_config does not describe (dense weights are float16, bfloat16 "
-                                     "or float32)")
-            if tuple(tensor.shape) != want:
-                raise BlockspecError(f"{directory}: tensor {name} has shape {tuple(tensor.shape)}, expected {want}")
-            keep_fp32 = key.endswith(FLOAT32_SUFFIXES)
-            loaded[key] = torch.nn.Parameter(tensor.to(device=device, dtype=torch.float32 if keep_fp32 else dtype),
-                                             requires_grad=False)
+                key = text_name(name)
+                if key is None:
+                    continue
+                if key.startswith("mtp."):
+                    mtp[key] = tensor
+                    continue
+                if key not in expected:
+                    if key == "lm_head.weight" and config.tie_word_embeddings:
+                        continue
+                    raise BlockspecError(f"{directory}: unexpected tensor {name} (not part of a "
+                                         f"{config_label(config)})")
+                want = tuple(expected[key].shape)
+                if not tensor.is_floating_point() or tensor.element_size() == 1:
+                    raise BlockspecError(f"{path}: tensor {name} is {tensor.dtype}, which config.json's "
+                                         "quantization_config does not describe (dense weights are float16, bfloat16 "
+                                         "or float32)")
+                if tuple(tensor.shape) != want:
+                    raise BlockspecError(f"{directory}: tensor {name} has shape {tuple(tensor.shape)}, "
+                                         f"expected {want}")
+                keep_fp32 = key.endswith(FLOAT32_SUFFIXES)
+                loaded[key] = torch.nn.Parameter(tensor.to(device=device,
+                                                           dtype=torch.float32 if keep_fp32 else dtype),
+                                                 requires_grad=False)
+            shown.shard_read(path)
     for key, module in quantized_linears(parts, sources, scheme).items():
         if key.startswith("mtp."):
             mtp[key] = module

@@ -45,8 +45,11 @@ def cmd_generate(args):
         raise BlockspecError("the prompt is empty: give some text")
     engine.check_request(ids, config.max_tokens)
     if args.json:
+        from .engine.memory import report
+
         result = engine.generate(ids, config.max_tokens)
-        print(json.dumps({"tokens": result.tokens, "text": result.text, "stats": result.stats}))
+        stats = {**result.stats, "memory": report(engine)}
+        print(json.dumps({"tokens": result.tokens, "text": result.text, "stats": stats}))
     else:
         stream_text(engine, engine.stream(ids, config.max_tokens))
         print()

@@ -124,7 +124,7 @@ def engine_config(args) -> PredictConfig:
                  "compute_dtype": args.dtype, "context_length": args.context_length,
                  "prefill_chunk_size": args.prefill_chunk_size, "max_tokens": args.max_tokens,
                  "prefix_reuse": args.prefix_reuse,
-                 **sampling_overrides(args), **weight_overrides(args)}
+                 **sampling_overrides(args), **weight_overrides(args), "load_progress": True}
     overrides = {k: v for k, v in overrides.items() if v is not None}
     if args.config:
         return PredictConfig.from_yaml(args.config, **overrides)

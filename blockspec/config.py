@@ -98,6 +98,9 @@ class PredictConfig(CheckedSettings):
     # with on the H200 (3 for an INT4 target, 0 for bf16: docs/benchmarks.md)
     pdl_level: int | None = Field(None, ge=0, le=3)
     pdl_prefetch_mb: float = Field(4.0, ge=0)  # weight bytes each projection prefetches into L2 while it waits
+    # a bar over the checkpoint's shards (GB/s) on stderr while a large checkpoint loads, with tqdm installed
+    # (blockspec/progress.py): the command line shows it; the Python API stays quiet unless this is set
+    load_progress: bool = False
 
     @field_validator("draft_vocabulary")
     @classmethod

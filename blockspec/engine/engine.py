@@ -18,6 +18,7 @@ from ..layers import folded_norm
 from ..layers.draft_head import DraftHead, draft_ids
 from .weights import prepare, quantize_head, resident_bytes, rtn
 from ..tokenizer import Tokenizer
+from . import memory
 from .decode import DecodeStats, Proposer, decode
 from .dflash2 import DFlash2Proposer
 from .mtp import MTPProposer
@@ -70,14 +71,19 @@ class Engine:
         self.device = resolve_device(config.device)
         self.execution = resolve_execution(config, self.device)
         self.note_ignored_settings()
+        self.memory: dict = {}  # resident bytes: weights of each model (loaded, after packing, final), caches, pools
+        if model is None and self.device.type == "cuda":  # refused before any tensor is read
+            estimate = memory.checkpoint_estimate(config, execution=self.execution, max_partial=MAX_VERIFY_TOKENS)
+            memory.check_fits(estimate, config, torch.device("cuda", config.gpu_ranks[0]))
+            self.memory["estimate"] = estimate.as_dict()
         if self.device.type == "cuda":
             torch.cuda.set_device(config.gpu_ranks[0])
+            memory.reset_peak(self.device)
         self.dtype = config.torch_dtype
         self.model_name = Path(config.model).name if config.model else "synthetic"
         self.load_times: dict = {}
-        self.memory: dict = {}  # resident weight bytes of each model: loaded, after packing, final
         if model is None:
-            model, mtp_tensors = load_target(config.model, self.device, self.dtype)
+            model, mtp_tensors = load_target(config.model, self.device, self.dtype, progress=config.load_progress)
         self.model = model
         self.prepare_target()
         self.tokenizer = tokenizer or Tokenizer(config.model, self.model.config.eos_token_ids)
@@ -91,9 +97,15 @@ class Engine:
             self.prefix = PrefixCache(self.state, self.proposer, snapshots) if snapshots else None
             if self.prefix is not None:
                 self.memory["prefix_snapshots"] = {"count": snapshots, "bytes": self.prefix.bytes}
+            self.memory["caches"] = memory.cache_bytes(self.state, self.proposer,
+                                                       self.prefix.bytes if self.prefix is not None else 0)
             self.target = self.build_target()
         self.sampler.begin(config.sampling)  # the device's values follow the settings until a request begins its own
         self.last_stats: dict = {}
+        if self.device.type == "cuda":  # what loading left cached (dense weights quantized since) goes back
+            torch.cuda.empty_cache()
+        self.memory["loading_peak"] = memory.peak(self.device)
+        memory.reset_peak(self.device)  # from now on the peaks are decoding's
 
     @classmethod
     def load(cls, config: PredictConfig | str | Path, **overrides) -> "Engine":
@@ -161,7 +173,7 @@ class Engine:
         capture = self.proposer.capture_layers
         if self.execution == "eager":
             return EagerTarget(self.model, self.state, capture)
-        start = time.perf_counter()
+        start, reserved = time.perf_counter(), torch.cuda.memory_reserved()
         lengths = (1, 1 + self.proposer.max_proposals)
         target = GraphedTarget(self.model, self.state, capture, lengths=lengths)
         self.sampler.capture_graphs(lengths, self.vocab_size, self.proposer.draft_width, target.pool)
@@ -170,6 +182,7 @@ class Engine:
             start = time.perf_counter()
             self.proposer.capture_graphs(target.pool)
             self.load_times["proposer_graphs_s"] = round(time.perf_counter() - start, 3)
+        self.memory["graph_pools_bytes"] = torch.cuda.memory_reserved() - reserved  # captures' pools and warm-ups
         return target
 
     def build_proposer(self, mtp_tensors, drafter) -> Proposer:

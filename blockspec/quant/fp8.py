@@ -36,7 +36,7 @@ def quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     blocks = w.view(nb, BLOCK, kb, BLOCK)
     scale = (blocks.abs().amax(dim=(1, 3)) / FP8_MAX).clamp(min=torch.finfo(torch.float32).tiny)
     q = (blocks / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FLOAT8)
-    return q.view(nb * BLOCK, kb * BLOCK)[:n, :k].contiguous(), scale
+    return q.view(nb * BLOCK, kb * BLOCK)[:n, :k].clone(memory_format=torch.contiguous_format), scale  # no padding kept
 
 
 class Fp8Linear(nn.Module):

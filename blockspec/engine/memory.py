@@ -1,0 +1,286 @@
+"""GPU memory: what a configuration needs, estimated from its shapes before anything is allocated, and what the
+engine then holds and the process used.
+
+The estimate builds the target, the MTP head, the DFlash2 drafter and the decode state on the meta device (no
+memory) and sizes each projection in the layout it will have: dense in the compute dtype, or the int4 / int8 / FP8
+layout's own buffers (quantized checkpoints keep their projections as stored; the rest is quantized at load as
+configured). Loading passes through heavier moments than decoding: a checkpoint is read whole in the compute dtype
+before projections are quantized at load, a quantized checkpoint's parts sit beside their repacked layout until
+every one is built, and the drafter is read dense before its own quantization. What the check compares with the
+free memory is the larger of that loading peak and the resident total (weights, caches, drafter context, a
+prefill chunk's activations, CUDA graph pools, library workspace).
+
+Measured figures come from PyTorch's caching allocator (peak allocated / reserved) and the driver
+(`torch.cuda.mem_get_info`: the GPU memory held, by this process and any other); on the CPU they are None.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ..checkpoint import FLOAT32_SUFFIXES, checkpoint_quantization
+from ..config import PredictConfig, TargetConfig
+from ..drafter.config import DrafterConfig
+from ..drafter.model import QUANTIZED_PROJECTIONS, DFlash2Drafter
+from ..errors import BlockspecError
+from ..layers.attention import KVCache
+from ..layers.draft_head import draft_ids
+from ..models.mtp import MTPHead
+from ..models.qwen3_5 import TargetModel
+from ..quant.int4 import Int4Linear
+from ..quant.int8 import Int8Linear
+from .state import DecodeState
+
+GB = 1e9
+GRAPH_POOL_BYTES = 256 * 2 ** 20   # captured passes of at most 16 rows: their activations, the sampler's, commits
+LIBRARY_BYTES = 512 * 2 ** 20      # cuBLAS workspace, Triton kernels' modules, allocator rounding
+FP8_BLOCK = 128
+
+
+@dataclass
+class Layout:
+    """How a projection is stored: "dense" (the compute dtype), "int4" / "int8" (groups of `group_size`, with zero
+    points unless `symmetric`) or "fp8" (128 x 128 blocks)."""
+    kind: str = "dense"
+    group_size: int = 128
+    symmetric: bool = True
+
+
+def linear_bytes(linear: nn.Linear, layout: Layout, dtype: torch.dtype) -> int:
+    out_features, in_features = linear.out_features, linear.in_features
+    if layout.kind in ("int4", "int8"):
+        scale_dtype = dtype if dtype in (torch.float32, torch.bfloat16, torch.float16) else torch.bfloat16
+        cls = Int4Linear if layout.kind == "int4" else Int8Linear
+        module = cls(in_features, out_features, layout.group_size, layout.symmetric, linear.bias is not None,
+                     scale_dtype=scale_dtype, device="meta")
+        return sum(b.numel() * b.element_size() for b in module.buffers())
+    if layout.kind == "fp8":  # values, float32 block scales, int32 block row of each output row
+        blocks = -(-out_features // FP8_BLOCK) * -(-in_features // FP8_BLOCK)
+        return out_features * in_features + 4 * blocks + 4 * out_features
+    return (out_features * in_features + (out_features if linear.bias is not None else 0)) * dtype.itemsize
+
+
+def module_bytes(root: nn.Module, dtype: torch.dtype, layout_of=lambda name: Layout(),
+                 skip=lambda name: False) -> int:
+    """Bytes of a meta module's weights once loaded: each nn.Linear in layout_of(its name), other parameters in
+    `dtype` (float32 for the small ones loading keeps exact); names `skip` accepts are left out."""
+    total, linear_weights = 0, set()
+    for name, module in root.named_modules():
+        if type(module) is nn.Linear and not skip(name):
+            total += linear_bytes(module, layout_of(name), dtype)
+            linear_weights.update({f"{name}.weight", f"{name}.bias"})
+    for name, p in root.named_parameters():
+        if name not in linear_weights and not skip(name.rsplit(".", 1)[0]):
+            total += p.numel() * (4 if name.endswith(FLOAT32_SUFFIXES) else dtype.itemsize)
+    return total
+
+
+def tensor_bytes(*holders) -> int:
+    """Bytes of the distinct tensors held as attributes of `holders` (objects, or lists of them), e.g. caches;
+    prefix reuse's snapshot buffers (`saved_*`) are counted apart, as prefix_snapshots."""
+    seen, total = set(), 0
+    objects = [o for h in holders for o in (h if isinstance(h, (list, tuple)) else [h])]
+    for obj in objects:
+        for name, t in vars(obj).items():
+            if isinstance(t, torch.Tensor) and id(t) not in seen and not name.startswith("saved_"):
+                seen.add(id(t))
+                total += t.numel() * t.element_size()
+    return total
+
+
+def cache_bytes(state: DecodeState, proposer, snapshot_bytes: int = 0) -> dict:
+    """What the engine holds per request besides its weights: the decode state (KV caches of the attention layers,
+    DeltaNet states and their pending-pass buffers), the MTP head's KV caches, the drafter's context window, the
+    prefix-reuse snapshots."""
+    parts = {"decode_state": tensor_bytes(state.layers)}
+    if snapshot_bytes:
+        parts["prefix_snapshots"] = snapshot_bytes
+    if getattr(proposer, "caches", None):
+        parts["mtp_cache"] = tensor_bytes(proposer.caches)
+    drafter = getattr(proposer, "drafter", None)
+    if drafter is not None:
+        parts["drafter_context"] = tensor_bytes(drafter.context)
+    return parts
+
+
+@dataclass
+class MemoryEstimate:
+    resident: dict[str, int]          # part -> bytes while decoding
+    loading: dict[str, int] = field(default_factory=dict)  # moment of loading -> bytes then
+
+    @property
+    def needed(self) -> int:
+        return max([sum(self.resident.values()), *self.loading.values()])
+
+    def as_dict(self) -> dict:
+        return {"needed_bytes": self.needed, "resident_bytes": sum(self.resident.values()),
+                "resident": dict(self.resident), "loading": dict(self.loading)}
+
+
+def estimate(target: TargetConfig, config: PredictConfig, *, execution: str, max_partial: int,
+             stored: Layout | None = None, drafter: DrafterConfig | None = None) -> MemoryEstimate:
+    """The memory `config` needs with the target `target` (stored: the layout of a quantized checkpoint's
+    projections, None for a dense one) and, for mode dflash2, the drafter `drafter`."""
+    dtype, mode = config.torch_dtype, config.decode_mode
+    snapshots = config.prefix_snapshots if config.prefix_reuse else 0  # prefix reuse's (engine/reuse.py)
+    at_load = Layout(config.target_quantization, 128) if config.target_quantization != "none" else Layout()
+    layers = stored or at_load
+    head = Layout(config.vocabulary_quantization, 128) if config.vocabulary_quantization != "none" else Layout()
+    with torch.device("meta"):
+        model = TargetModel(target)
+
+    def not_layers(name):  # the embedding table and the head are sized on their own
+        return name.split(".")[0] not in ("layers", "norm")
+    r = {"target_layers": module_bytes(model, dtype, lambda name: layers, not_layers),
+         "embedding": model.embed_tokens.weight.numel() * dtype.itemsize}
+    head_linear = model.lm_head if model.lm_head is not None else nn.Linear(target.hidden_size, target.vocab_size,
+                                                                            bias=False, device="meta")
+    if model.lm_head is not None or head.kind != "dense":  # tied and dense: the embedding table is the head
+        r["head"] = linear_bytes(head_linear, head, dtype)
+    dense = {"target_layers": module_bytes(model, dtype, skip=not_layers),
+             "head": r.get("head", 0) and linear_bytes(head_linear, Layout(), dtype)}
+    if mode == "mtp":
+        with torch.device("meta"):
+            mtp = MTPHead(target)
+        r["mtp_head"] = module_bytes(mtp, dtype, lambda name: layers)
+        r["prefix_snapshots"] = snapshots * target.hidden_size * dtype.itemsize  # the hidden row each keeps
+        dense["mtp_head"] = module_bytes(mtp, dtype)
+    drafter_dense = 0
+    if mode == "dflash2" and drafter is not None:
+        model_drafter = DFlash2Drafter(drafter, embed=None, lm_head=None, device="meta", dtype=dtype)
+        quantized = Layout("int8", 32) if config.dflash2_quantization == "int8" else Layout()
+        r["drafter"] = module_bytes(model_drafter, dtype,
+                                    lambda name: quantized if QUANTIZED_PROJECTIONS.match(name) else Layout())
+        drafter_dense = module_bytes(model_drafter, dtype)
+        r["drafter_context"] = tensor_bytes(model_drafter.context)
+        r["prefix_snapshots"] = model_drafter.context.allocate_snapshots(snapshots)
+    if config.draft_vocabulary and mode != "none":
+        rows = draft_ids(config.draft_vocabulary, target.vocab_size, target.eos_token_ids).numel()
+        r["draft_head"] = rows * target.hidden_size * dtype.itemsize
+    state = DecodeState(model, config.context_length, max_partial, "meta", dtype, in_place=mode == "none",
+                        snapshots=snapshots)
+    r["kv_cache"] = tensor_bytes([s for s in state.layers if isinstance(s, KVCache)])
+    r["deltanet_state"] = tensor_bytes(state.gdn)
+    if snapshots:  # copies of the DeltaNet states and of the drafter's context ring
+        r["prefix_snapshots"] = r.get("prefix_snapshots", 0) + state.snapshot_bytes
+    if mode == "mtp":
+        r["mtp_cache"] = 2 * max(target.mtp_num_hidden_layers, 1) * config.context_length * \
+            target.num_key_value_heads * target.head_dim * dtype.itemsize
+    r["prefill_activations"] = prefill_bytes(target, min(config.prefill_chunk_size, config.context_length), dtype)
+    if execution == "cuda-graphs":
+        r["graph_pools"] = GRAPH_POOL_BYTES
+    r["libraries"] = LIBRARY_BYTES
+    return MemoryEstimate(r, loading_peaks(r, dense, drafter_dense, stored))
+
+
+def loading_peaks(resident: dict, dense: dict, drafter_dense: int, stored: Layout | None) -> dict:
+    """The heavier moments of loading (module docstring), each with what is held then."""
+    weights = resident["embedding"] + resident["libraries"]
+    if stored is not None:  # the stored parts and their repacked layout side by side (same size, give or take)
+        target = weights + 2 * resident["target_layers"] + dense["head"] + 2 * resident.get("mtp_head", 0)
+    else:
+        target = weights + dense["target_layers"] + dense["head"] + dense.get("mtp_head", 0)
+    loading = {"target_read": target}
+    if drafter_dense:
+        loading["drafter_read"] = sum(resident[k] for k in ("embedding", "target_layers", "head", "libraries")
+                                      if k in resident) + drafter_dense
+    return loading
+
+
+def prefill_bytes(target: TargetConfig, chunk: int, dtype: torch.dtype) -> int:
+    """Activations of one prefill chunk (an upper bound of the widest layer's live tensors): the residual stream
+    and norms, the packed input projection's output and its convolution, the MLP's gate/up and product."""
+    c = target
+    deltanet = 2 * (2 * c.linear_num_key_heads * c.linear_key_head_dim + c.linear_num_value_heads *
+                    c.linear_value_head_dim) + c.linear_num_value_heads * (c.linear_value_head_dim + 2)
+    attention = 2 * c.num_attention_heads * c.head_dim + 2 * c.num_key_value_heads * c.head_dim
+    width = 4 * c.hidden_size + max(deltanet, attention, 3 * c.intermediate_size)
+    return chunk * width * max(dtype.itemsize, 4) + c.vocab_size * 4
+
+
+def checkpoint_estimate(config: PredictConfig, *, execution: str, max_partial: int) -> MemoryEstimate:
+    """estimate() for config.model (and config.dflash2_model) from their config.json files, no tensor read."""
+    directory = Path(config.model)
+    target = TargetConfig.from_file(directory / "config.json")
+    scheme = checkpoint_quantization(directory / "config.json")
+    stored = None
+    if scheme is not None:
+        stored = Layout(scheme.kind, getattr(scheme, "group_size", 128) if scheme.kind == "int4" else 128,
+                        symmetric=False)  # zero points counted: an upper bound over the int4 formats
+    drafter = None
+    if config.decode_mode == "dflash2" and config.dflash2_model:
+        drafter = DrafterConfig.from_file(Path(config.dflash2_model) / "config.json")
+    return estimate(target, config, execution=execution, max_partial=max_partial, stored=stored, drafter=drafter)
+
+
+def free_and_total(device: torch.device) -> tuple[int, int]:
+    return torch.cuda.mem_get_info(device)
+
+
+BIGGEST_PARTS = 3
+
+
+def check_fits(needed: MemoryEstimate, config: PredictConfig, device: torch.device) -> None:
+    """Refuse, in one line, a configuration whose estimate exceeds the GPU's free memory."""
+    free, _ = free_and_total(device)
+    if needed.needed <= free:
+        return
+    if max(needed.loading.values(), default=0) > sum(needed.resident.values()):
+        moment = max(needed.loading, key=needed.loading.get)
+        what = (f"{moment.replace('_', ' ')} at load; {sum(needed.resident.values()) / GB:.1f} GB resident after")
+    else:
+        biggest = sorted(needed.resident.items(), key=lambda kv: -kv[1])[:BIGGEST_PARTS]
+        what = ", ".join(f"{name.replace('_', ' ')} {n / GB:.1f} GB" for name, n in biggest)
+    raise BlockspecError(f"estimated GPU memory needed {needed.needed / GB:.1f} GB ({what}), but only "
+                         f"{free / GB:.1f} GB of {device} is free: {remedies(needed, config)}")
+
+
+def remedies(needed: MemoryEstimate, config: PredictConfig) -> str:
+    """What to lower, biggest first among the parts the settings control."""
+    hints = []
+    r = needed.resident
+    if needed.loading.get("target_read", 0) > sum(r.values()) and config.target_quantization != "none":
+        hints.append("load a checkpoint stored quantized (GPTQ, AWQ, compressed-tensors int4 or FP8) instead of "
+                     f"target_quantization {config.target_quantization} at load, which reads the dense weights first")
+    if r.get("kv_cache", 0) + r.get("mtp_cache", 0) > 0.1 * needed.needed:
+        hints.append(f"lower context_length ({config.context_length})")
+    if config.target_quantization == "none" and "target_quantization" not in config.model_fields_set:
+        hints.append("set target_quantization int4 or fp8")
+    if config.vocabulary_quantization == "none":
+        hints.append("set vocabulary_quantization int8")
+    if "drafter" in r and config.dflash2_quantization == "none":
+        hints.append("set dflash2_quantization int8")
+    if r.get("draft_head", 0) > 0.05 * needed.needed:
+        hints.append(f"lower draft_vocabulary ({config.draft_vocabulary})")
+    return "; ".join(hints) or "free memory on the GPU (other processes) or use a larger one"
+
+
+def reset_peak(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def peak(device: torch.device) -> dict:
+    """The peak GPU memory so far (since reset_peak): PyTorch's allocated and reserved bytes, and the bytes of the
+    GPU held now (total - free: the allocator keeps what it reserved, so after the work this is its peak, plus the
+    CUDA context and any other process). None on the CPU."""
+    if device.type != "cuda":
+        return {"peak_allocated_bytes": None, "peak_reserved_bytes": None, "gpu_held_bytes": None}
+    free, total = free_and_total(device)
+    return {"peak_allocated_bytes": torch.cuda.max_memory_allocated(device),
+            "peak_reserved_bytes": torch.cuda.max_memory_reserved(device), "gpu_held_bytes": total - free}
+
+
+def report(engine) -> dict:
+    """engine.memory (weights per model, caches, graph pools, the estimate) with the peak so far and, on CUDA, the
+    workspace: peak allocated bytes beyond the weights and caches (activations, sampling, scratch)."""
+    out = {**engine.memory, **peak(engine.device)}
+    if out["peak_allocated_bytes"] is not None:
+        held = sum(m["final_bytes"] for m in engine.memory.values() if isinstance(m, dict) and "final_bytes" in m)
+        held += engine.memory.get("draft_head_bytes", 0) + sum(engine.memory.get("caches", {}).values())
+        out["workspace_peak_bytes"] = out["peak_allocated_bytes"] - held
+    return out

@@ -1,0 +1,89 @@
+"""GPU memory: the estimate made from shapes before loading against the bytes a loaded engine holds, the one-line
+refusal when the free memory cannot hold it (before any tensor is read), and the report's fields on the CPU."""
+
+import json
+
+import pytest
+import torch
+
+import blockspec.checkpoint
+from blockspec.cli import main
+from blockspec.config import PredictConfig
+from blockspec.engine import memory
+from blockspec.engine.engine import MAX_VERIFY_TOKENS, Engine
+from blockspec.errors import BlockspecError
+
+TOLERANCE = 0.01  # the layouts are sized exactly; FP8 block rows differ slightly between packed and unpacked
+
+
+@pytest.mark.parametrize("mode,settings", [
+    ("none", {"target_quantization": "fp8"}),
+    ("mtp", {"target_quantization": "int4", "vocabulary_quantization": "int8"}),
+    ("dflash2", {"target_quantization": "int4", "vocabulary_quantization": "int8", "dflash2_quantization": "int8",
+                 "draft_vocabulary": 64}),
+])
+def test_estimate_matches_the_loaded_engine(tiny_checkpoint, tiny_drafter, mode, settings):
+    target = tiny_checkpoint(seed=0, planted=True)
+    drafter = {"dflash2_model": str(tiny_drafter(target))} if mode == "dflash2" else {}
+    config = PredictConfig.build({"model": str(target), "mode": mode, "device": "cpu", "compute_dtype": "float32",
+                                  "context_length": 512, **settings, **drafter})
+    r = memory.checkpoint_estimate(config, execution="eager", max_partial=MAX_VERIFY_TOKENS).resident
+    engine = Engine(config)
+    measured = {"target": engine.memory["target"]["final_bytes"], **engine.memory["caches"]}
+    estimated = {"target": r["target_layers"] + r["embedding"] + r.get("head", 0),
+                 "decode_state": r["kv_cache"] + r["deltanet_state"], "prefix_snapshots": r["prefix_snapshots"]}
+    if mode == "mtp":
+        measured["mtp"], estimated["mtp"] = engine.memory["mtp"]["final_bytes"], r["mtp_head"]
+        estimated["mtp_cache"] = r["mtp_cache"]
+    if mode == "dflash2":
+        measured["drafter"], estimated["drafter"] = engine.memory["drafter"]["final_bytes"], r["drafter"]
+        measured["draft_head"], estimated["draft_head"] = engine.memory["draft_head_bytes"], r["draft_head"]
+        estimated["drafter_context"] = r["drafter_context"]
+    assert set(estimated) == set(measured)
+    for part, real in measured.items():
+        assert estimated[part] == pytest.approx(real, rel=TOLERANCE), part
+
+
+def test_a_gpu_too_small_is_refused_in_one_line_before_loading(tiny_checkpoint, monkeypatch, capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(memory, "free_and_total", lambda device: (100_000, 8_000_000_000))
+
+    def no_reading(*args, **kwargs):
+        raise AssertionError("tensors were read before the memory check")
+    monkeypatch.setattr(blockspec.checkpoint, "read_tensors", no_reading)
+    code = main(["generate", "--model", str(tiny_checkpoint(seed=0)), "--prompt", "hi", "--device", "cuda",
+                 "--dtype", "float32", "--context-length", "262144"])
+    err = capsys.readouterr().err
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert "estimated GPU memory needed" in err and "0.0 GB of cuda:0 is free" in err
+    assert "kv cache" in err and "lower context_length (262144)" in err and "int8" in err
+
+
+def test_the_check_passes_what_fits_and_counts_the_loading_peak(monkeypatch):
+    needed = memory.MemoryEstimate({"weights": 10}, {"target_read": 20})
+    monkeypatch.setattr(memory, "free_and_total", lambda device: (20, 40))
+    memory.check_fits(needed, PredictConfig(), torch.device("cuda", 0))
+    monkeypatch.setattr(memory, "free_and_total", lambda device: (19, 40))
+    with pytest.raises(BlockspecError, match="target read at load"):
+        memory.check_fits(needed, PredictConfig(), torch.device("cuda", 0))
+
+
+def test_generate_json_reports_memory_with_null_gpu_peaks_on_the_cpu(tiny_checkpoint, capsys):
+    code = main(["generate", "--model", str(tiny_checkpoint(seed=0)), "--prompt-ids", "5,6,7", "--max-tokens", "4",
+                 "--json", "--device", "cpu", "--dtype", "float32"])
+    report = json.loads(capsys.readouterr().out)["stats"]["memory"]
+    assert code == 0
+    assert report["peak_allocated_bytes"] is None and report["gpu_held_bytes"] is None
+    assert report["target"]["final_bytes"] > 0 and report["caches"]["decode_state"] > 0
+    assert "estimate" not in report and "workspace_peak_bytes" not in report  # estimated and measured on CUDA only
+
+
+def test_the_synthetic_27b_quantized_at_load_is_refused_on_a_32gb_card(monkeypatch):
+    from blockspec.bench import check_synthetic_fits
+
+    monkeypatch.setattr(memory, "free_and_total", lambda device: (31 * 10 ** 9, 32 * 10 ** 9))
+    config = PredictConfig.build({"mode": "dflash2", "target_quantization": "int4", "vocabulary_quantization": "int8",
+                                  "dflash2_quantization": "int8", "context_length": 32768})
+    with pytest.raises(BlockspecError, match=r"needed 54\.3 GB \(target read at load; 23\.3 GB resident after\).*"
+                                             r"checkpoint stored quantized"):
+        check_synthetic_fits("qwen3.5-27b", config, torch.device("cuda", 0))
