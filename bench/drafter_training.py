@@ -3,11 +3,12 @@ over one sequence, then every anchor block of it through the drafter, backward, 
 shapes (default: Qwen3.5-27B in bf16) with the published drafter's layout (5 layers, hidden 5120, fp32 master
 weights, bf16 autocast). Random weights: the figures are speed and memory, not learning.
 
-Bytes and flops of one step (27B, 2048-token sequence, 4096 block rows): the target pass reads 54 GB of weights and
-does ~2 x 27e9 x 2048 = 110 TFLOP (a prefill: compute-bound, ~8k tokens/s measured for inference, so ~0.25 s); the
-drafter (1.9e9 parameters, 4096 block rows + 2048 context rows through its projections) ~6 x 1.9e9 x 6144 = 70 TFLOP
-forward and backward (~0.15 s at a few hundred TFLOP/s); AdamW touches 16 bytes per drafter parameter (30 GB, ~10 ms).
-Prediction: ~0.4-0.5 s per step, ~9k block tokens/s; memory ~54 GB target + 30 GB drafter state + ~15 GB activations.
+Bytes and flops of one step (27B, 4096 block rows: 2 sequences of 2048 tokens, 256 anchors each): the target passes
+read 54 GB of weights each and do ~2 x 27e9 x 4096 = 220 TFLOP (prefills: compute-bound, ~8k tokens/s measured for
+inference, so ~0.5 s); the drafter (1.9e9 parameters, 4096 block rows + 4096 context rows through its projections)
+~6 x 1.9e9 x 8192 = 93 TFLOP forward and backward (~0.2 s at a few hundred TFLOP/s); AdamW touches 16 bytes per
+drafter parameter (30 GB, ~10 ms). Prediction: ~0.7-0.8 s per step, ~5k block tokens/s; memory ~54 GB target +
+30 GB drafter state + ~15 GB activations.
 
 Usage (GPU, repo root): python bench/drafter_training.py [--preset qwen3.5-27b] [--steps 10] [--json-out FILE]
 """
@@ -45,7 +46,7 @@ def main():
     layer_ids = config["dflash_config"]["target_layer_ids"]
     features = TargetFeatures(model, layer_ids, args.seq_len, device, dtype)
     run = SimpleNamespace(batch_tokens=args.batch_tokens, block_size=config["dflash_config"]["block_size"],
-                          loss_decay=4.0)
+                          seq_len=args.seq_len, loss_decay=4.0)
     rng = random.Random(0)
     sequences = [[rng.randrange(model.config.vocab_size) for _ in range(args.seq_len)] for _ in range(4)]
     step_loss = dflash2_step(drafter, model, features, sequences, run)

@@ -87,7 +87,7 @@ for part in ${PARTS:-bf16 warm int4 vocab}; do
            TD="python3 -m blockspec.cli train-drafter --target .pair/target --data $SP/torch $SP/transformers --seq-len 1024"
            run 560 $TD --kind mtp --out .pair/mtp --batch-tokens 8192 --steps 1000 --eval-cuts 300 &
            run 560 $TD --out .pair/drafter --layers 1 --window 1024 --selector-rank 64 --intermediate-size 1024 \
-             --lr 1e-3 --batch-tokens 8192 --steps 5000 --eval-cuts 300; wait
+             --lr 1e-3 --batch-tokens 8192 --steps 3000 --eval-cuts 300; wait
            tar cf "$OUT/pair_drafter.tar" -C .pair --exclude training_state.pt drafter
            tar cf "$OUT/pair_mtp.tar" -C .pair/mtp mtp.safetensors training.json ;;
     pair_bench) run 400 python3 -m blockspec.cli bench --model .pair/mtp --drafter .pair/drafter --mode none,mtp,dflash2 \

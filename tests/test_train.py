@@ -104,8 +104,9 @@ def test_resume_continues_the_run(setup):
 
 
 def test_shared_context_forward_equals_dflash_block_by_block(setup):
-    """Training runs every anchor block of a sequence in one masked pass over features projected once; each block's
-    rows must equal dflash's own forward on that anchor's context alone (its sliding-window mask, its positions)."""
+    """Training runs the anchor blocks of several sequences (laid end to end) in one masked pass over features
+    projected once; each block's rows must equal dflash's own forward on that anchor's context alone (its
+    sequence's features before the anchor, its sliding-window mask, its positions)."""
     root, target, data = setup
     model, _ = load_target(target)
     run = run_config(root, target, data, window=16, heads=2)
@@ -115,17 +116,19 @@ def test_shared_context_forward_equals_dflash_block_by_block(setup):
         for p in drafter.parameters():
             p.add_(0.05 * torch.randn_like(p))
     length, block = 40, drafter.block_size
-    features = torch.randn(length, drafter.fc.in_features)
-    anchors = sample_anchors(length, 9, block, random.Random(2))
-    assert anchors[0] < 16 < anchors[-1]  # anchors inside and past the window
-    ids = torch.full((len(anchors), block), 3)
-    ids[:, 0] = torch.randint(0, 200, (len(anchors),))
+    features = torch.randn(2 * length, drafter.fc.in_features)
+    rng = random.Random(2)
+    local = [(s, a) for s in range(2) for a in sample_anchors(length, 5, block, rng)]
+    assert any(a < 16 for _, a in local) and any(a > 16 for _, a in local)  # inside and past the window
+    ids = torch.full((len(local), block), 3)
+    ids[:, 0] = torch.randint(0, 200, (len(local),))
     noise = F.embedding(ids, model.embed_tokens.weight)
+    anchors = torch.tensor([s * length + a for s, a in local])
     with torch.no_grad():
-        shared = drafter_hidden(drafter, features, noise, torch.tensor(anchors))
-        for row, a in enumerate(anchors):
-            alone = drafter(target_hidden=features[None, :a], noise_embedding=noise[row:row + 1],
-                            position_ids=torch.arange(a + block)[None])[0]
+        shared = drafter_hidden(drafter, features, noise, anchors, seq_len=length)
+        for row, (s, a) in enumerate(local):
+            alone = drafter(target_hidden=features[None, s * length:s * length + a], position_ids=torch.arange(
+                a + block)[None], noise_embedding=noise[row:row + 1])[0]
             torch.testing.assert_close(shared[row], alone, rtol=1e-4, atol=1e-5)
 
 

@@ -67,14 +67,16 @@ def sample_anchors(length: int, count: int, block: int, rng) -> list[int]:
     return sorted(rng.sample(range(1, length - block + 2), min(count, length - block + 1)))
 
 
-def context_mask(anchors: torch.Tensor, block: int, length: int, window: int) -> torch.Tensor:
-    """Bool [n * block, length + n * block]: block row i after anchor a (position a + i) sees the sequence's
-    position p when p < a and a + i - p < window (what the drafter reads at inference: committed features inside
-    its window), and every row of its own block (DFlash2's block is not causal), no other block."""
+def context_mask(anchors: torch.Tensor, block: int, length: int, window: int, seq_len: int) -> torch.Tensor:
+    """Bool [n * block, length + n * block] over sequences of `seq_len` tokens laid end to end (`length` in all;
+    `anchors` index that stream): block row i after anchor a (position a + i) sees position p of the same sequence
+    when p < a and a + i - p < window (what the drafter reads at inference: committed features inside its window),
+    and every row of its own block (DFlash2's block is not causal), no other block."""
     rows = (anchors[:, None] + torch.arange(block, device=anchors.device)).reshape(-1)
     anchor = anchors.repeat_interleave(block)
-    p = torch.arange(length, device=anchors.device)
-    sees_context = (p[None] < anchor[:, None]) & (rows[:, None] - p[None] < window)
+    p = torch.arange(length, device=anchors.device)[None]
+    first = (anchor // seq_len * seq_len)[:, None]  # where the anchor's sequence begins
+    sees_context = (p >= first) & (p < anchor[:, None]) & (rows[:, None] - p < window)
     owner = torch.arange(anchors.shape[0], device=anchors.device).repeat_interleave(block)
     return torch.cat([sees_context, owner[:, None] == owner[None, :]], dim=1)
 
@@ -84,20 +86,23 @@ def _rotate(x, cos, sin):
     return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
 
 
-def drafter_hidden(model, features: torch.Tensor, noise: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
-    """The drafter's output rows [n, block, H] for n anchor blocks of one sequence: `features` [S, F] are the
-    target's captured features of the whole sequence, `noise` [n, block, H] the embedded blocks.
+def drafter_hidden(model, features: torch.Tensor, noise: torch.Tensor, anchors: torch.Tensor,
+                   seq_len: int | None = None) -> torch.Tensor:
+    """The drafter's output rows [n, block, H] for n anchor blocks: `features` [L, F] are the target's captured
+    features of sequences of `seq_len` tokens laid end to end (default: one sequence, L), `anchors` [n] index that
+    stream, `noise` [n, block, H] is the embedded blocks.
 
     Equals dflash's own forward run block by block on each anchor's context (tests/test_train.py checks it), but
-    projects the sequence's features (fc, keys, values) once instead of once per anchor, and runs every block's
-    attention in one masked call: per step the drafter costs S + n * block rows instead of n * (window + block)."""
+    projects the features (fc, keys, values) once instead of once per anchor, and runs every block's attention in one
+    masked call: per step the drafter costs L + n * block rows instead of n * (window + block)."""
     n, block, _ = noise.shape
     length = features.shape[0]
+    seq_len = seq_len or length
     context = model.hidden_norm(model.fc(features))[None]
-    positions = (anchors[:, None] + torch.arange(block, device=anchors.device))[None].reshape(1, -1)
-    cos_c, sin_c = model.rotary_emb(context, torch.arange(length, device=anchors.device)[None])
+    positions = ((anchors % seq_len)[:, None] + torch.arange(block, device=anchors.device)).reshape(1, -1)
+    cos_c, sin_c = model.rotary_emb(context, (torch.arange(length, device=anchors.device) % seq_len)[None])
     cos_b, sin_b = model.rotary_emb(noise, positions)
-    mask = context_mask(anchors, block, length, model.config.sliding_window)
+    mask = context_mask(anchors, block, length, model.config.sliding_window, seq_len)
     hidden = noise
     for layer in model.layers:
         attn = layer.self_attn
@@ -119,16 +124,17 @@ def drafter_hidden(model, features: torch.Tensor, noise: torch.Tensor, anchors: 
     return model.norm(hidden)
 
 
-def block_losses(model, head, embed, features, tokens, labels, anchors, decay: float):
-    """(block cross-entropy, selector cross-entropy, per-row accuracy [block - 1]) of the anchor blocks of one
-    sequence: `tokens` [S] its ids, `labels` [S] the target's greedy token after each position, `anchors` [n]."""
+def block_losses(model, head, embed, features, tokens, labels, anchors, decay: float, seq_len: int | None = None):
+    """(block cross-entropy, selector cross-entropy, per-row accuracy [block - 1]) of the anchor blocks of sequences
+    of `seq_len` tokens laid end to end (default: one): `tokens` [L] their ids, `labels` [L] the target's greedy token
+    after each position, `anchors` [n] positions in that stream."""
     block = model.block_size
     offsets = torch.arange(block, device=tokens.device)
     ids = torch.full((anchors.shape[0], block), model.mask_token_id, dtype=torch.long, device=tokens.device)
     ids[:, 0] = tokens[anchors]
     targets = labels[anchors[:, None] + offsets[None, :-1]]
     noise = embed(ids) * float(model.config.dflash_config.get("input_embedding_scale", 1.0))
-    hidden = drafter_hidden(model, features, noise.to(features.dtype), anchors)[:, 1:]
+    hidden = drafter_hidden(model, features, noise.to(features.dtype), anchors, seq_len)[:, 1:]
     logits = model.compute_logits(hidden, head).float()
     weights = torch.exp(-torch.arange(block - 1, device=tokens.device) / decay)
     weights = weights / weights.sum()
@@ -165,20 +171,29 @@ def new_drafter(config: dict, seed: int, device, dtype):
     return model.to(device=device, dtype=dtype)
 
 
+def step_shape(run) -> tuple[int, int]:
+    """(sequences per step, anchors per sequence): one anchor per block length of text on average, so a step's
+    rows come from batch_tokens / seq_len sequences rather than densely from one."""
+    per_sequence = max(1, min(run.batch_tokens, run.seq_len) // run.block_size)
+    return max(1, run.batch_tokens // (per_sequence * run.block_size)), per_sequence
+
+
 def dflash2_step(drafter, model, features, sequences, run):
-    """step_loss for the Trainer: one training sequence through the frozen target, then a batch of its anchor
-    blocks through the drafter."""
-    per_step = max(1, run.batch_tokens // run.block_size)
+    """step_loss for the Trainer: a few training sequences through the frozen target, then anchor blocks of each
+    (step_shape) through the drafter in one pass."""
+    block, length = run.block_size, len(sequences[0])
+    count, per_sequence = step_shape(run)
     device = model.embed_tokens.weight.device
 
     def step_loss(rng):
-        sequence = sequences[rng.randrange(len(sequences))]
-        tokens = torch.tensor(sequence, device=device)
-        feats, labels = features(tokens)
-        anchors = torch.tensor(sample_anchors(len(sequence), per_step, run.block_size, rng), device=device)
-        block_ce, selector_ce, accuracy = block_losses(drafter, model.logits, model.embed, feats, tokens, labels,
-                                                       anchors, run.loss_decay)
+        tokens = torch.tensor([sequences[rng.randrange(len(sequences))] for _ in range(count)], device=device)
+        feats, labels = zip(*(features(row) for row in tokens))
+        anchors = torch.tensor([i * length + a for i in range(count)
+                                for a in sample_anchors(length, per_sequence, block, rng)], device=device)
+        block_ce, selector_ce, accuracy = block_losses(drafter, model.logits, model.embed, torch.cat(feats),
+                                                       tokens.reshape(-1), torch.cat(labels), anchors,
+                                                       run.loss_decay, length)
         figures = {"block_ce": block_ce.item(), "selector_ce": selector_ce.item(),
                    "first_row_accuracy": accuracy[0].item()}
-        return block_ce + selector_ce, figures, anchors.numel() * run.block_size
+        return block_ce + selector_ce, figures, anchors.numel() * block
     return step_loss

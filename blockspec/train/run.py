@@ -111,7 +111,7 @@ def train(run: DrafterTraining, log=print) -> dict:
     out = Path(run.out)
     stored = stored_dtype(Path(run.target))  # trained weights are written in the target's own dtype
     if run.kind == "dflash2":
-        from .dflash2 import dflash2_step, drafter_config, mask_token, new_drafter
+        from .dflash2 import dflash2_step, drafter_config, mask_token, new_drafter, step_shape
 
         config = drafter_config(target_config, run, mask_token(tokenizer, target_config.vocab_size))
         layer_ids = config["dflash_config"]["target_layer_ids"]
@@ -120,7 +120,7 @@ def train(run: DrafterTraining, log=print) -> dict:
         step_loss = dflash2_step(module, model, features, sequences, run)
         def save(directory):
             module.save_pretrained(directory, state_dict={k: v.to(stored) for k, v in module.state_dict().items()})
-        rows = max(1, run.batch_tokens // run.block_size) * run.block_size
+        rows = math.prod(step_shape(run)) * run.block_size
         what = f"DFlash2 drafter reading target layers {layer_ids}"
     else:
         from .mtp import MTPModule, copy_target, mtp_step, save_head, text_config
