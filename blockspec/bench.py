@@ -326,10 +326,13 @@ def bench(args) -> dict:
                 print(format_row(row), flush=True)
         if args.one_cycle and mode != "none" and mode in modes:
             sequences = [engine.tokenizer.encode(f.get("text", f["prompt"])) for f in fixtures]
-            measured = results.setdefault("one_cycle", {})[mode] = one_cycle_acceptance(engine, sequences,
-                                                                                         args.one_cycle, args.seed)
-            print(f"{mode}: one cycle from {measured['cuts']} real contexts: mean accepted length "
-                  f"{measured['mean_accepted_length']:.3f}, acceptance {measured['acceptance_rate']:.1%}", flush=True)
+            for sampling in variants:  # "MODE" greedy, "MODE sampled" with the flags' sampling
+                key = f"{mode} sampled" if sampling else mode
+                measured = results.setdefault("one_cycle", {})[key] = one_cycle_acceptance(
+                    engine, sequences, args.one_cycle, args.seed, sampling)
+                print(f"{key}: one cycle from {measured['cuts']} real contexts: mean accepted length "
+                      f"{measured['mean_accepted_length']:.3f}, acceptance {measured['acceptance_rate']:.1%}",
+                      flush=True)
         results.setdefault("memory", {})[mode] = memory.report(engine)  # decoding's peak: after every fixture
         del engine
         gc.collect()
@@ -465,7 +468,8 @@ def add_bench_parser(sub):
                    "packaged code, English and translation prompts), or a directory of source files, or 'stdlib' (the "
                    "interpreter's standard library): 10 files, each one's first 1500 characters as a raw prompt")
     p.add_argument("--one-cycle", type=int, default=0, metavar="CUTS", help="also measure real acceptance: one "
-                   "speculative cycle from each of CUTS random prefixes of the fixtures' texts (e.g. 500)")
+                   "speculative cycle from each of CUTS random prefixes of the fixtures' texts (e.g. 500), with the "
+                   "runs' sampling (JSON one_cycle: MODE greedy, 'MODE sampled')")
     p.add_argument("--forced-acceptance", help="synthetic only: accepted fraction of proposals, one rate or one per "
                    "fixture, e.g. 0.553,0.297,0.516 (the published DFlash2 rates for code, English, translation)")
     p.add_argument("--device", choices=["cpu", "cuda", "auto"], default="auto", help="where to run; auto: cuda when "

@@ -156,14 +156,16 @@ def test_code_fixtures_and_one_cycle_acceptance(tmp_path, tiny_checkpoint, tiny_
     out = tmp_path / "bench.json"
     code_ = main(["bench", "--model", str(target), "--drafter", str(tiny_drafter(target)), "--mode", "mtp,dflash2",
                   "--fixtures", str(code), "--one-cycle", "6", "--max-tokens", "16", "--repeats", "1", "--device",
-                  "cpu", "--dtype", "float32", "--json-out", str(out)])
+                  "cpu", "--dtype", "float32", "--temperature", "0.7", "--seed", "1", "--compare-greedy",
+                  "--json-out", str(out)])
     assert code_ == 0
     result = json.loads(out.read_text())
     assert sorted({r["fixture"] for r in result["rows"]}) == ["m0", "m1", "m2"]
-    for mode in ("mtp", "dflash2"):
+    assert sorted(result["one_cycle"]) == ["dflash2", "dflash2 sampled", "mtp", "mtp sampled"]
+    for mode in ("mtp", "dflash2", "mtp sampled", "dflash2 sampled"):
         measured = result["one_cycle"][mode]
         assert measured["cuts"] == 6 and sum(measured["histogram"].values()) == 6
-        assert 1 <= measured["mean_accepted_length"] <= (4 if mode == "mtp" else 8)
+        assert 1 <= measured["mean_accepted_length"] <= (4 if mode.startswith("mtp") else 8)
     split = result["rows"][0]["repeats_split"]
     assert split["cycles"] > 0 and 1 <= split["mean_accepted_length"] <= 8
 

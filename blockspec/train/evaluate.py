@@ -27,9 +27,11 @@ def standard_library_files(count: int | None = None, seed: int = 0) -> list[Path
     return files
 
 
-def one_cycle_acceptance(engine, sequences: list[list[int]], cuts: int, seed: int = 0) -> dict:
+def one_cycle_acceptance(engine, sequences: list[list[int]], cuts: int, seed: int = 0,
+                         sampling: dict | None = None) -> dict:
     """One speculative cycle from each of `cuts` random prefixes of the token sequences (a cut leaves at least one
-    token before it): the mean number of tokens a cycle emits (accepted + 1), its histogram, the acceptance rate."""
+    token before it), greedy or with `sampling` (Engine.generate's keywords): the mean number of tokens a cycle
+    emits (accepted + 1), its histogram, the acceptance rate."""
     rng = random.Random(seed)
     block = engine.proposer.max_proposals + 1
     longest = engine.config.context_length - 2 * block
@@ -38,7 +40,7 @@ def one_cycle_acceptance(engine, sequences: list[list[int]], cuts: int, seed: in
     for _ in range(cuts):
         sequence = candidates[rng.randrange(len(candidates))]
         cut = rng.randrange(1, len(sequence))
-        stats = engine.generate(sequence[:cut], block + 1, stop_at_eos=False).stats
+        stats = engine.generate(sequence[:cut], block + 1, stop_at_eos=False, **(sampling or {})).stats
         lengths.append(stats["accepted_per_cycle"][0] + 1)
     return {"cuts": len(lengths), "mean_accepted_length": round(sum(lengths) / len(lengths), 4),
             "acceptance_rate": round((sum(lengths) - len(lengths)) / (len(lengths) * (block - 1)), 4),
