@@ -430,3 +430,32 @@ def test_sampled_walk_on_gpu():
             assert (q - ref_q).abs().max() < 1e-6
         else:
             assert torch.equal(got, greedy_walk_reference(*args))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_fp8_kernel_on_gpu(dtype):
+    """The FP8 kernel at 27B projection shapes (one part, and packed parts off the 128-row grid) at 1, 8 and 16 rows
+    against its float32 reference; replayed in a CUDA graph it gives what it gives eagerly."""
+    from blockspec.kernels.fp8_linear import fp8_linear_reference
+    from blockspec.kernels.fp8_linear_triton import available, fp8_matmul
+    from blockspec.quant.fp8 import Fp8Linear, quantize
+
+    g = torch.Generator().manual_seed(0)
+    for sizes, k in [([5120], 17408), ([10240, 48, 48], 5120)]:
+        module = Fp8Linear.concat([Fp8Linear.from_blocks(*quantize(torch.randn(n, k, generator=g) * k ** -0.5))
+                                   for n in sizes]).cuda()
+        args = (module.weight, module.scale, module.scale_row)
+        for rows in (1, 8, 16):
+            x = torch.randn(rows, k, device="cuda", dtype=dtype)
+            assert available(x, module.weight)
+            got = fp8_matmul(x, *args)
+            ref = fp8_linear_reference(x, *args, out_dtype=torch.float32)
+            assert got.dtype == dtype and (got.float() - ref).abs().max() <= 0.02 * ref.abs().max(), (sizes, rows)
+            static, fresh = x.clone(), torch.randn_like(x)
+            fp8_matmul(static, *args)  # compiled and its workspace allocated before capture
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                captured = fp8_matmul(static, *args)
+            static.copy_(fresh)
+            graph.replay()
+            assert torch.equal(captured, fp8_matmul(fresh, *args)), (sizes, rows)
