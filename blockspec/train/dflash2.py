@@ -160,7 +160,8 @@ def new_drafter(config: dict, seed: int, device, dtype):
     except ImportError:
         raise BlockspecError("train-drafter needs the 'train' extra: pip install 'blockspec[train]'") from None
     torch.manual_seed(seed)
-    model = DFlash2DraftModel(Qwen3Config(**config))
+    with torch.device(device):  # initialised where it trains: a 27B-sized drafter takes minutes to initialise on a CPU
+        model = DFlash2DraftModel(Qwen3Config(**config))
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("base_kernel"):
