@@ -71,8 +71,8 @@ class DecodeStats:
 
     def as_dict(self, speculative: bool) -> dict:
         after_first = max(self.generated - 1, 0)
-        stats = {"cached_tokens": self.cached_tokens, "prefill_s": round(self.prefill_s, 6), "decode_s": round(self.decode_s, 6),
-                 "generated": self.generated,
+        stats = {"cached_tokens": self.cached_tokens, "prefill_s": round(self.prefill_s, 6),
+                 "decode_s": round(self.decode_s, 6), "generated": self.generated,
                  "decode_tokens_per_s": round(after_first / self.decode_s, 3) if self.decode_s > 0 else 0.0}
         if speculative:
             accepted = sum(self.accepted_per_cycle)

@@ -66,8 +66,8 @@ def check_run(run: DrafterTraining) -> TargetConfig:
         (run.seq_len < 2 * run.block_size, f"--seq-len must be at least twice the block ({2 * run.block_size})"),
         (not run.lr > 0, f"--lr must be positive (got {run.lr})"),
         (not 0 <= run.heldout < 1, f"--heldout must be in [0, 1) (got {run.heldout})"),
-        (run.kind == "dflash2" and target.hidden_size % 16 != 0, f"target hidden_size {target.hidden_size} is not a multiple of 16 "
-                                       "(the drafter's convolution groups)"),
+        (run.kind == "dflash2" and target.hidden_size % 16 != 0,
+         f"target hidden_size {target.hidden_size} is not a multiple of 16 (the drafter's convolution groups)"),
         (run.heads is not None and run.heads < 1, f"--heads must be at least 1 (got {run.heads})"),
         (run.selector_top_k > target.vocab_size, f"--selector-top-k {run.selector_top_k} exceeds the vocabulary"),
     ]
