@@ -50,7 +50,7 @@ def code_fixtures(path: str) -> list[dict]:
     if path == "stdlib":
         files = standard_library_files(CODE_FIXTURE_FILES)
     else:
-        files = text_files([path])
+        files = text_files([path], flag="--fixtures")
         files = sorted(random.Random(0).sample(files, min(CODE_FIXTURE_FILES, len(files))))
     fixtures = []
     for file in files:

@@ -217,3 +217,9 @@ def test_multi_turn_bench_runs_on_the_cpu(tmp_path):
     turns = json.loads((tmp_path / "multi_turn.json").read_text())["turns"]
     assert [t["cached_tokens"] for t in turns] == [0, 47, 95] == [t["cached_tokens"] for t in summary["turns"]]
     assert summary["prefix_snapshots"]["bytes"] > 0
+
+
+def test_fixtures_directory_without_text_files_is_refused_naming_the_flag(tmp_path, capsys):
+    code = main(["bench", "--synthetic", "tiny", "--fixtures", str(tmp_path), "--device", "cpu"])
+    err = capsys.readouterr().err
+    assert code == 2 and f"--fixtures {tmp_path}: no text files found" in err and err.count("\n") == 1, err

@@ -12,9 +12,9 @@ TEXT_SUFFIXES = {".txt", ".md", ".py", ".rst", ".json", ".jsonl", ".c", ".h", ".
                  ".java", ".sh", ".toml", ".yaml", ".yml", ".html", ".css", ".tex"}
 
 
-def text_files(paths: list[str], suffixes=None) -> list[Path]:
+def text_files(paths: list[str], suffixes=None, flag: str = "--data") -> list[Path]:
     """Every text file the paths name (a directory: the files under it with one of `suffixes`, default
-    TEXT_SUFFIXES), sorted; a missing path, or paths that hold no text file, refused in one line."""
+    TEXT_SUFFIXES), sorted; a missing path, or paths that hold no text file, refused in one line naming `flag`."""
     suffixes = set(suffixes or TEXT_SUFFIXES)
     files = set()
     for name in paths:
@@ -24,9 +24,9 @@ def text_files(paths: list[str], suffixes=None) -> list[Path]:
         elif path.is_dir():
             files |= {p.resolve() for p in path.rglob("*") if p.is_file() and p.suffix in suffixes}
         else:
-            raise BlockspecError(f"--data {name}: no such file or directory")
+            raise BlockspecError(f"{flag} {name}: no such file or directory")
     if not files:
-        raise BlockspecError(f"--data {' '.join(paths)}: no text files found (suffixes: {', '.join(sorted(suffixes))})")
+        raise BlockspecError(f"{flag} {' '.join(paths)}: no text files found (suffixes: {', '.join(sorted(suffixes))})")
     return sorted(files)
 
 
