@@ -16,8 +16,9 @@
 #   reuse      prefix reuse over a scripted 10-turn chat of 1000-token turns and 128-token replies (bench/multi_turn.py;
 #              REUSE_MODES, default none,dflash2, one run each): time to first token of each turn without and with
 #              reuse, decode tokens/s of both
-#   memory     peak GPU memory of the INT4 target + int8 head + int8 DFlash2 drafter at 8k, 32k and 128k context,
-#              and bf16 at 32k (results' "memory": loading and decoding peaks, their parts, the estimate; ~12 minutes)
+#   memory     peak GPU memory of the INT4 target + int8 head + int8 DFlash2 drafter at 32k, 8k and 128k context
+#              (MEMORY_CONTEXTS; results' "memory": loading and decoding peaks, their parts, the estimate; the log:
+#              each process's highest GPU memory by nvidia-smi, which other processes on the GPU do not inflate)
 #   kernels    the W4A16 / W8A16 kernel's checks and table (bench/quant_kernels.py)
 #   fp8_kernels  the FP8 kernel against cuBLAS bf16 at 1, 8 and 16 rows (bench/fp8_kernels.py; FP8_ARGS=--sweep)
 #   sweep      the W4A16 config sweep (bench/quant_kernels.py --sweep; SWEEP_S seconds at most)
@@ -30,8 +31,8 @@
 #              "--modes none --quant int4 --vocab-quant int8 --pdl-level 0")
 #   pair_target    the demo pair's target (train-target on the machine's installed packages' .py files, 78M tokens,
 #                  ~7.5 minutes) into .pair/target, kept for the next parts while the machine is held
-#   pair_drafters  its DFlash2 drafter and MTP head (train-drafter; both at once on the one GPU, ~8 minutes) into
-#                  .pair/drafter and .pair/mtp (the target with its head); archives in $OUT
+#   pair_drafters  its DFlash2 drafter and MTP head (train-drafter on the same files; both at once on the one GPU,
+#                  ~8 minutes) into .pair/drafter and .pair/mtp (the target with its head); archives in $OUT
 #   pair_bench     the pair on standard-library code: tokens/s of the three modes, acceptance over whole
 #                  generations and from 500 real contexts (bench --fixtures stdlib --one-cycle 500; ~5 minutes)
 #   drafter_train  train-drafter's step on the synthetic 27B with the published drafter (bench/drafter_training.py;
@@ -66,11 +67,13 @@ for part in ${PARTS:-bf16 warm int4 vocab}; do
     fp8) run 240 $BENCH --target-quantization fp8 --mode none,mtp,dflash2 $FORCED --json-out "$OUT/bench_fp8.json" --png-out "$OUT/bench_fp8.png" ;;
     reuse) for mode in $(echo ${REUSE_MODES:-none,dflash2} | tr , ' '); do
              kernel_bench multi_turn_$mode 300 multi_turn --mode $mode --json-out "$OUT/multi_turn_$mode.json"; done ;;
-    memory) for ctx in 8192 32768 131072; do  # results' "memory": loading and decoding peaks, parts, the estimate
+    memory) for ctx in ${MEMORY_CONTEXTS:-32768 131072 8192}; do  # results' "memory": loading and decoding peaks, parts
+              nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader,nounits -lms 200 > "$OUT/.apps" & smi=$!
               run 240 $BENCH $Q --dflash2-quantization int8 --mode dflash2 $FORCED --context-length $ctx \
-                --max-tokens 128 --repeats 1 --json-out "$OUT/memory_int4_$ctx.json"; done
-            run 240 $BENCH --mode dflash2 $FORCED --context-length 32768 --max-tokens 128 --repeats 1 \
-              --json-out "$OUT/memory_bf16_32768.json" ;;
+                --max-tokens 128 --repeats 1 --json-out "$OUT/memory_int4_$ctx.json"; kill $smi
+              echo "## $ctx: GPU memory held per process (nvidia-smi, MiB, highest): $(awk -F', ' \
+                '$2 > m[$1] {m[$1] = $2} END {for (p in m) printf "pid %s %s; ", p, m[p]}' "$OUT/.apps")" >> "$LOG"
+            done; rm -f "$OUT/.apps" ;;
     kernels) kernel_bench quant_kernels ${KERNELS_S:-240} quant_kernels ;;
     fp8_kernels) kernel_bench fp8_kernels ${FP8_KERNELS_S:-300} fp8_kernels ${FP8_ARGS:-} ;;
     sweep) kernel_bench quant_sweep ${SWEEP_S:-300} quant_kernels --sweep ;;
@@ -83,15 +86,16 @@ for part in ${PARTS:-bf16 warm int4 vocab}; do
            run 560 python3 -m blockspec.cli train-target --data $SITE --suffixes .py --out .pair/target --hidden 384 \
              --layers 8 --heads 6 --intermediate 1024 --seq-len 1024 --batch-tokens 65536 --tokens 78000000 --seed 0
            cp .pair/target/training.json "$OUT/train_target.json" ;;
-    pair_drafters) SP=$(python3 -c "import os, site; print([p for p in site.getsitepackages() if os.path.isdir(p)][0])")
-           TD="python3 -m blockspec.cli train-drafter --target .pair/target --data $SP/torch $SP/transformers --seq-len 1024"
-           run 560 $TD --kind mtp --out .pair/mtp --batch-tokens 8192 --steps 1000 --eval-cuts 300 &
-           run 560 $TD --out .pair/drafter --layers 1 --window 1024 --selector-rank 64 --intermediate-size 1024 \
-             --lr 1e-3 --batch-tokens 8192 --steps 3000 --eval-cuts 300; wait
+    pair_drafters) SITE=$(python3 -c "import os, site; print(' '.join(p for p in site.getsitepackages() if os.path.isdir(p)))")
+           TD="python3 -m blockspec.cli train-drafter --target .pair/target --data $SITE --suffixes .py --seq-len 1024"
+           run 540 $TD --kind mtp --out .pair/mtp --batch-tokens 8192 --steps 2000 --eval-cuts 300 &
+           run 540 $TD --out .pair/drafter --layers 2 --window 1024 --selector-rank 64 --intermediate-size 1024 \
+             --lr 1e-3 --batch-tokens 8192 --steps ${DRAFTER_STEPS:-2500} --eval-cuts 300; wait
            tar cf "$OUT/pair_drafter.tar" -C .pair --exclude training_state.pt drafter
            tar cf "$OUT/pair_mtp.tar" -C .pair/mtp mtp.safetensors training.json ;;
-    pair_bench) run 400 python3 -m blockspec.cli bench --model .pair/mtp --drafter .pair/drafter --mode none,mtp,dflash2 \
-             --fixtures stdlib --one-cycle 500 --max-tokens 256 --repeats 2 --json-out "$OUT/pair_bench.json" ;;
+    pair_bench) run ${PAIR_BENCH_S:-400} python3 -m blockspec.cli bench --model .pair/mtp --drafter .pair/drafter \
+             --mode none,mtp,dflash2 --fixtures stdlib --one-cycle 500 --max-tokens 128 --repeats 1 \
+             --json-out "$OUT/pair_bench.json" ;;
     drafter_train) kernel_bench drafter_training 240 drafter_training --json-out "$OUT/drafter_training.json" ;;
     *) echo "## unknown part $part" >> "$LOG" ;;
   esac

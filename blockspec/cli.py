@@ -207,6 +207,7 @@ def add_train_drafter_parser(sub):
                        "text", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--target", required=True, help="the target's checkpoint directory (frozen; its tokenizer too)")
     p.add_argument("--data", required=True, nargs="+", help="text files or directories of them")
+    add_suffixes_arg(p)
     p.add_argument("--out", required=True, help="directory to write: the drafter (config.json, model.safetensors), "
                    "or for --kind mtp a copy of the target with its mtp.* tensors")
     p.add_argument("--kind", choices=["dflash2", "mtp"], default=D.kind, help="what to train")
@@ -224,6 +225,11 @@ def add_train_drafter_parser(sub):
                    help="held-out contexts for the final one-cycle acceptance (0: none)")
     add_training_args(p, D, "block tokens")
     p.set_defaults(func=cmd_train_drafter)
+
+
+def add_suffixes_arg(p):
+    p.add_argument("--suffixes", nargs="+", help="file suffixes taken from directories (default: common text and "
+                   "source suffixes)")
 
 
 def add_training_args(p, defaults, unit: str):
@@ -255,8 +261,7 @@ def add_train_target_parser(sub):
     p = sub.add_parser("train-target", help="train a small Qwen3.5-architecture target (and its tokenizer) from "
                        "scratch on your text", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--data", required=True, nargs="+", help="text files or directories of them")
-    p.add_argument("--suffixes", nargs="+", help="file suffixes taken from directories (default: common text and "
-                   "source suffixes)")
+    add_suffixes_arg(p)
     p.add_argument("--out", required=True, help="checkpoint directory to write")
     p.add_argument("--vocab", type=int, default=T.vocab, help="byte-level BPE vocabulary size")
     p.add_argument("--hidden", type=int, default=T.hidden, help="hidden size")

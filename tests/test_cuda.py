@@ -459,3 +459,17 @@ def test_fp8_kernel_on_gpu(dtype):
             static.copy_(fresh)
             graph.replay()
             assert torch.equal(captured, fp8_matmul(fresh, *args)), (sizes, rows)
+
+
+@pytest.mark.parametrize("mode", ["none", "mtp", "dflash2"])
+def test_prefix_reuse_bf16_graphed(wide_margin_pair, mode):
+    """Prefix reuse in bf16 with graphs: the conversation's greedy tokens equal an engine's that prefills every
+    prompt whole. Restored states are copies, but the remaining prefill is chunked differently from a whole one, so
+    this checks that the rounding it changes stays below the pair's margins."""
+    from test_prefix_reuse import run
+
+    target, drafter = wide_margin_pair
+    kw = dict(compute_dtype="bfloat16", mode=mode, dflash2_model=str(drafter) if mode == "dflash2" else None)
+    with_reuse, without = run(engine(target, **kw), {}), run(engine(target, prefix_reuse=False, **kw), {})
+    assert [(label, tokens) for label, tokens, *_ in with_reuse] == [(label, tokens) for label, tokens, *_ in without]
+    assert sum(cached for *_, cached, _ in with_reuse) > 0

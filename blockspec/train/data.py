@@ -55,10 +55,11 @@ def sequences(texts: list[str], tokenizer, length: int, eos: int | None) -> list
     return [stream[i:i + length] for i in range(0, len(stream) - length + 1, length)]
 
 
-def split_corpus(paths: list[str], tokenizer, length: int, heldout: float, seed: int, eos: int | None):
+def split_corpus(paths: list[str], tokenizer, length: int, heldout: float, seed: int, eos: int | None,
+                 suffixes=None):
     """(training sequences, held-out sequences): whole texts are held out, so no held-out text is seen in
     training."""
-    texts = read_texts(text_files(paths))
+    texts = read_texts(text_files(paths, suffixes))
     random.Random(seed).shuffle(texts)
     held = max(1, round(heldout * len(texts))) if heldout > 0 and len(texts) > 1 else 0
     train, evaluation = sequences(texts[held:], tokenizer, length, eos), sequences(texts[:held], tokenizer, length,

@@ -28,6 +28,7 @@ class DrafterTraining:
     target: str
     data: list[str]
     out: str
+    suffixes: list[str] | None = None           # of the files taken from directories (None: data.TEXT_SUFFIXES)
     kind: str = "dflash2"                       # or "mtp": the target's native MTP head
     layers: int = 1
     block_size: int = 8
@@ -106,7 +107,8 @@ def train(run: DrafterTraining, log=print) -> dict:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     tokenizer = Tokenizer(run.target, target_config.eos_token_ids)
     eos = min(tokenizer.eos_token_ids) if tokenizer.eos_token_ids else None
-    sequences, heldout = split_corpus(run.data, tokenizer, run.seq_len, run.heldout, run.seed, eos)
+    sequences, heldout = split_corpus(run.data, tokenizer, run.seq_len, run.heldout, run.seed, eos,
+                                      run.suffixes)
     model, _ = load_target(run.target, device, dtype)
     out = Path(run.out)
     stored = stored_dtype(Path(run.target))  # trained weights are written in the target's own dtype
