@@ -93,7 +93,7 @@ for part in ${PARTS:-bf16 warm int4 vocab}; do
              --lr 1e-3 --batch-tokens 8192 --steps ${DRAFTER_STEPS:-2500} --eval-cuts 300; wait
            tar cf "$OUT/pair_drafter.tar" -C .pair --exclude training_state.pt drafter
            tar cf "$OUT/pair_mtp.tar" -C .pair/mtp mtp.safetensors training.json ;;
-    pair_bench) run ${PAIR_BENCH_S:-400} python3 -m blockspec.cli bench --model .pair/mtp --drafter .pair/drafter \
+    pair_bench) run ${PAIR_BENCH_S:-400} python3 -m blockspec.cli bench --model ${PAIR_MODEL:-.pair/mtp} --drafter .pair/drafter \
              --mode none,mtp,dflash2 --fixtures stdlib --one-cycle 500 --max-tokens 128 --repeats 1 \
              --json-out "$OUT/pair_bench.json" ;;
     drafter_train) kernel_bench drafter_training 240 drafter_training --json-out "$OUT/drafter_training.json" ;;

@@ -18,7 +18,7 @@ from safetensors.torch import load_file, save_file
 from blockspec.drafter import selector
 from blockspec.engine import sampling
 from blockspec.engine.engine import Engine
-from blockspec.engine.sampling import draw, processed_probs
+from blockspec.engine.sampling import TOP_K_CAP, draw, processed_probs, ranked_probs
 from blockspec.engine.state import DecodeState
 from blockspec.errors import BlockspecError
 from blockspec.tiny import build_tiny_checkpoint, build_tiny_drafter
@@ -67,6 +67,9 @@ def test_filters_equal_transformers(settings):
     expected = torch.stack([reference_probs(row, **settings) for row in logits])
     assert ours.dtype == torch.float32 and torch.allclose(ours.double(), expected, atol=1e-6)
     assert ((ours > 0) == (expected > 0)).all()  # the same tokens kept
+    if 0 < settings.get("top_k", 0) <= TOP_K_CAP // 2:  # the ranking a top-k request uses: no sort of all 300
+        ids, ranked = ranked_probs(logits, *filters, width=TOP_K_CAP)
+        assert ids.shape == (3, TOP_K_CAP) and torch.equal(torch.zeros_like(ours).scatter_(-1, ids, ranked), ours)
 
 
 def test_filter_order_is_top_k_then_top_p():
@@ -198,7 +201,7 @@ def test_first_tokens_follow_the_target_distribution(engines, mode, setting):
     assert p > SIGNIFICANCE
 
 
-def argmax_match_accept(logits, tokens, draft_ids, draft_probs, uniforms, filters):
+def argmax_match_accept(logits, tokens, draft_ids, draft_probs, uniforms, filters, width=None):
     """Biased: greedy verification (a proposal is kept when it is the target's argmax), then a token sampled from
     the target where the proposals stop."""
     p = processed_probs(logits, *filters)

@@ -55,7 +55,8 @@ class Proposer:
 
     def draft(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Under sampling: the distribution each of the last proposals was drawn from, as (token ids, probabilities)
-        [proposals, draft_width] on the device (the speculative-sampling rule's q)."""
+        [proposals, draft_width] on the device (the speculative-sampling rule's q), in memory of their own: a CUDA
+        graph's outputs live in the pool the target's graphs share, which the next target pass overwrites."""
         return None
 
 
@@ -157,14 +158,15 @@ def decode(target, proposer: Proposer, prompt: list[int], max_tokens: int, eos: 
             full = position + proposer.max_proposals < state.capacity
             k = proposer.max_proposals if useful > 0 and full else max(0, min(useful, state.capacity - position - 1))
             proposals = proposer.propose(anchor, position, k) if k > 0 else []
+            # taken before the target's pass: the proposer's graph outputs share the target graphs' memory pool
+            draft = proposer.draft() if proposals and not greedy else None
             if greedy:
                 out, predicted = target.verify([anchor] + proposals)
                 accepted = leading_matches(proposals, predicted)
                 emitted = predicted[:accepted + 1]
             else:  # the speculative-sampling rule on the device, read back once (plain sampling: k = 0)
                 out, _ = target.run([anchor] + proposals)
-                accepted, token = sampler.accept(out.logits, [anchor] + proposals,
-                                                 proposer.draft() if proposals else None)
+                accepted, token = sampler.accept(out.logits, [anchor] + proposals, draft)
                 emitted = proposals[:accepted] + [token]
             state.commit(accepted + 1)
             proposer.observe(out, position, [anchor] + proposals[:accepted], emitted)

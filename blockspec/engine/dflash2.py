@@ -76,7 +76,7 @@ class DFlash2Proposer(Proposer):
 
     def draft(self):
         k = self.proposed
-        return self.selection.candidates[:k], self.selection.probs[:k]
+        return self.selection.candidates[:k].clone(), self.selection.probs[:k].clone()
 
     def capture_graphs(self, pool=None, warmup: int = 2):
         """With CUDA graphs, at load time: the whole proposal (embedding, layers, convolutions, logits, selector walk)

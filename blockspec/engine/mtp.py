@@ -144,7 +144,7 @@ class MTPProposer(Proposer):
 
     def draft(self):
         k = self.proposed
-        return self.vocabulary.expand(k, -1), self.probs[:k]
+        return self.vocabulary.expand(k, -1), self.probs[:k].clone()  # the ids: a buffer of the head's own
 
     def capture_graphs(self, pool=None, warmup: int = 2):
         """With CUDA graphs: for each verification length n (1..k+1 committed rows), one CUDA graph that observes

@@ -4,10 +4,12 @@ Greedy (temperature 0) takes the argmax, and a speculative cycle keeps the longe
 target's argmax plus the target's next argmax (`leading_matches`).
 
 Sampled requests (SamplingSettings, config.py):
-  `processed_probs`  the target's distribution p after the filters, in the order vLLM and transformers apply them:
+  `ranked_probs`     the target's distribution p after the filters, in the order vLLM and transformers apply them:
                      temperature, top-k (ties with the k-th token kept), top-p (the most likely tokens whose mass
                      before them is below top_p), min-p (tokens at least min_p times as likely as the most likely
-                     one), renormalised. The filter values are tensors, so one CUDA graph serves every setting.
+                     one), renormalised. The filter values are tensors, so one CUDA graph serves every setting. A top-k
+                     request with k <= 64 ranks only each row's 128 highest scores (a top-k selection instead of a
+                     sort of the vocabulary, which would cost a sampled 8-row verification ~1 ms on the 27B).
   `draw`             one token per row by inverse CDF, one uniform in (0, 1] per row; a token of probability 0 is
                      never drawn.
   `speculative_accept` the speculative-sampling rule (Leviathan et al. 2023; Chen et al. 2023): proposal x_i, drawn
@@ -36,22 +38,41 @@ from ..config import SamplingSettings
 from . import graphs
 
 
-def processed_probs(logits: torch.Tensor, temperature, top_k, top_p, min_p) -> torch.Tensor:
-    """Float32 probabilities [R, V] of float32 logits [R, V] after the filters (module docstring); the filter values
-    are 0-dim tensors (top_k 0: no limit) or numbers, temperature > 0."""
-    scores = logits.float() / temperature
-    vocab = scores.shape[-1]
-    ordered, order = scores.sort(dim=-1, descending=True)
-    limit = torch.where(torch.as_tensor(top_k, device=scores.device) > 0, top_k, vocab).clamp(max=vocab)
+TOP_K_CAP = 128  # top-k requests with k <= TOP_K_CAP // 2 rank only the TOP_K_CAP highest scores of each row
+
+
+def filtered(ordered: torch.Tensor, top_k, top_p, min_p) -> torch.Tensor:
+    """Float32 probabilities [R, C] of scores sorted in descending order (already divided by the temperature) after
+    top-k, top-p and min-p (module docstring), renormalised; the filter values are 0-dim tensors (top_k 0: no
+    limit) or numbers."""
+    width = ordered.shape[-1]
+    limit = torch.where(torch.as_tensor(top_k, device=ordered.device) > 0, top_k, width).clamp(max=width)
     kth = ordered.gather(-1, (limit - 1).reshape(1, 1).expand(ordered.shape[0], 1))
-    ordered = ordered.masked_fill(ordered < kth, float("-inf"))
-    probs = torch.softmax(ordered, dim=-1)
+    probs = torch.softmax(ordered.masked_fill(ordered < kth, float("-inf")), dim=-1)
     before = probs.cumsum(-1) - probs  # the mass of the more likely tokens
-    keep = (before < top_p) | (torch.as_tensor(top_p, device=scores.device) >= 1)
+    keep = (before < top_p) | (torch.as_tensor(top_p, device=ordered.device) >= 1)
     keep &= probs >= min_p * probs[:, :1]
     probs = torch.where(keep, probs, 0.0)
-    probs = probs / probs.sum(-1, keepdim=True)
-    return torch.zeros_like(probs).scatter_(-1, order, probs)
+    return probs / probs.sum(-1, keepdim=True)
+
+
+def ranked_probs(logits: torch.Tensor, temperature, top_k, top_p, min_p, width: int | None = None):
+    """(token ids, probabilities) [R, C] of float32 logits [R, V] after the filters, the ids in descending order of
+    score: over the whole vocabulary (width None: one sort of each row), or over the `width` highest scores (a
+    top-k selection, no sort of the vocabulary: for top-k requests with k well below width, whose ties with the
+    k-th score are then kept up to width tokens)."""
+    scores = logits.float() / temperature
+    if width is None or width >= scores.shape[-1]:
+        ordered, ids = scores.sort(dim=-1, descending=True)
+    else:
+        ordered, ids = scores.topk(width, dim=-1)
+    return ids, filtered(ordered, top_k, top_p, min_p)
+
+
+def processed_probs(logits: torch.Tensor, temperature, top_k, top_p, min_p) -> torch.Tensor:
+    """Float32 probabilities [R, V] of float32 logits [R, V] after the filters, in vocabulary order."""
+    ids, probs = ranked_probs(logits, temperature, top_k, top_p, min_p)
+    return torch.zeros_like(probs).scatter_(-1, ids, probs)
 
 
 def draw(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
@@ -70,23 +91,26 @@ def leading_matches(proposals: list[int], predicted: list[int]) -> int:
     return accepted
 
 
-def speculative_accept(logits, tokens, draft_ids, draft_probs, uniforms, filters) -> torch.Tensor:
+def speculative_accept(logits, tokens, draft_ids, draft_probs, uniforms, filters, width=None) -> torch.Tensor:
     """The speculative-sampling rule on the device (module docstring), no host synchronisation. logits [T, V] of the
     pass over tokens [T] (anchor + T - 1 proposals); draft_ids / draft_probs [T - 1, C]: the proposer's distribution
     of each proposal over C token ids (repeated ids add up); uniforms [T] float64 in (0, 1]; filters: temperature,
-    top_k, top_p, min_p. Returns int64 [2]: (accepted proposals n, the token after them)."""
-    p = processed_probs(logits, *filters)
+    top_k, top_p, min_p; width: ranked_probs'. Returns int64 [2]: (accepted proposals n, the token after them).
+    p is kept over its ranked ids: the residual max(p - q, 0) is 0 wherever p is."""
+    ids, p = ranked_probs(logits, *filters, width=width)
     k = tokens.shape[0] - 1
     if k == 0:
-        return torch.cat([torch.zeros(1, dtype=torch.long, device=p.device), draw(p, uniforms[:1])])
-    q = torch.zeros(k, p.shape[1], device=p.device).scatter_add_(1, draft_ids, draft_probs.float())
+        return torch.cat([torch.zeros(1, dtype=torch.long, device=p.device), ids[0, draw(p, uniforms[:1])]])
+    q = torch.zeros(k, logits.shape[1], device=p.device).scatter_add_(1, draft_ids, draft_probs.float())
     proposals = tokens[1:, None]
-    ok = uniforms[:k] * q.gather(1, proposals)[:, 0] < p[:k].gather(1, proposals)[:, 0]
+    p_proposed = torch.where(ids[:k] == proposals, p[:k], 0.0).sum(-1)
+    ok = uniforms[:k] * q.gather(1, proposals)[:, 0] < p_proposed
     accepted = ok.long().cumprod(0).sum()
-    residual = (p[:k] - q).clamp_min(0)
+    residual = (p[:k] - q.gather(1, ids[:k])).clamp_min(0)
     residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p[:k])  # p == q: nothing is ever rejected
     final = torch.cat([residual, p[k:]]).index_select(0, accepted.reshape(1))   # row k: the bonus token's p
-    return torch.cat([accepted.reshape(1), draw(final, uniforms[k:])])
+    row_ids = ids.index_select(0, accepted.reshape(1))
+    return torch.cat([accepted.reshape(1), row_ids[0, draw(final, uniforms[k:])]])
 
 
 def fresh_seed() -> int:
@@ -149,23 +173,29 @@ class Sampler:
         """The request's next n uniforms in (0, 1] (float64, on the CPU)."""
         return 1.0 - torch.rand(n, generator=self.generator, dtype=torch.float64)
 
+    def width(self) -> int | None:
+        """The ranking width of the request's filters (ranked_probs): TOP_K_CAP for top-k requests with k at most
+        half of it, else the whole vocabulary."""
+        top_k = self.settings.top_k
+        return TOP_K_CAP if 0 < top_k <= TOP_K_CAP // 2 else None
+
     def first_token(self, logits: torch.Tensor) -> int:
         """The token after the prompt, from the last prompt row's logits [1, V]."""
         if self.greedy:
             return int(logits.argmax())
-        probs = processed_probs(logits, *self.filters())
-        return int(draw(probs, self.uniforms(1).to(self.device)))
+        ids, probs = ranked_probs(logits, *self.filters(), width=self.width())
+        return int(ids[0, draw(probs, self.uniforms(1).to(self.device))])
 
     def accept(self, logits: torch.Tensor, tokens: list[int], draft) -> tuple[int, int]:
         """(accepted proposals, the token after them) of a pass over tokens (anchor + proposals) whose logits are
         `logits`; draft: (ids, probs) [len(tokens) - 1, C] of the proposals (None without proposals)."""
         uniforms = self.uniforms(len(tokens))
-        captured = self.graphs.get(len(tokens))
+        captured = self.graphs.get((len(tokens), self.width()))
         if captured is None:
             ids = torch.tensor(tokens, device=self.device)
             draft_ids, draft_probs = draft if draft is not None else (None, None)
             result = speculative_accept(logits, ids, draft_ids, draft_probs, uniforms.to(self.device),
-                                        self.filters())
+                                        self.filters(), self.width())
         else:
             captured.logits.copy_(logits)
             captured.tokens.copy_(torch.tensor(tokens), non_blocking=True)
@@ -179,14 +209,14 @@ class Sampler:
         return accepted, token
 
     def capture_graphs(self, lengths, vocab_size: int, draft_width: int, pool=None, warmup: int = 2):
-        """With CUDA graphs: the acceptance of each pass length the mode verifies (1: plain decoding; 1 + k),
-        over static inputs; other lengths run eagerly."""
-        for t in sorted(set(lengths)):
+        """With CUDA graphs: the acceptance of each pass length the mode verifies (1: plain decoding; 1 + k) and
+        each ranking width, over static inputs; other lengths run eagerly."""
+        for t, width in ((t, w) for t in sorted(set(lengths)) for w in (None, TOP_K_CAP)):
             logits = torch.zeros(t, vocab_size, device=self.device)
             tokens = torch.zeros(t, dtype=torch.long, device=self.device)
             draft_ids = torch.zeros(t - 1, max(draft_width, 1), dtype=torch.long, device=self.device)
             draft_probs = torch.zeros(t - 1, max(draft_width, 1), device=self.device)
             uniforms = torch.ones(t, dtype=torch.float64, device=self.device)
             graph, result = graphs.capture(lambda: speculative_accept(logits, tokens, draft_ids, draft_probs,
-                                                                      uniforms, self.filters()), warmup, pool)
-            self.graphs[t] = _AcceptGraph(graph, logits, tokens, draft_ids, draft_probs, uniforms, result)
+                                                                      uniforms, self.filters(), width), warmup, pool)
+            self.graphs[t, width] = _AcceptGraph(graph, logits, tokens, draft_ids, draft_probs, uniforms, result)

@@ -5,7 +5,9 @@ Weights as block-wise FP8 checkpoints store them (quant/fp8.py): w[n, k] = fp8[n
 BK = 128 inputs per scale block; `row` maps each output to its scale row (n // 128 for one projection; packed
 projections whose sizes are not multiples of 128 keep their own blocks through it).
 Program (pid_n, pid_k): BN outputs over a range of BK-wide input blocks. Each step loads the [BN, BK] FP8 tile,
-converts it to the activations' dtype (exact: every e4m3 value is a bf16 and an fp16), multiplies it with the x^T
+converts it to the activations' dtype (exact: every e4m3 value is a bf16 and an fp16; sign, exponent and mantissa
+bits moved into an fp32 with the mask 0x87F00000 and the exponent's bias difference multiplied back: ~5 instructions
+per weight, where Triton's own e4m3 -> bf16 conversion held the kernel near 2 TB/s), multiplies it with the x^T
 tile [BK, BM] (tensor cores, fp32 sums) and adds the product times the block's scale per output row. Split-K partial
 sums are added by the last program of a tile (linear_triton.split_k_total: one launch, no memset, a fixed order).
 One config for every M <= 16 (BM = 16): a row's result does not depend on how many rows the launch has, so a
@@ -112,8 +114,10 @@ if triton is not None:
             s = tl.load(s_rows + b, mask=n_ok, other=0.0)
             if F32DOT:  # the interpreter's 16-bit dot is broken; fp32 holds every product exactly
                 part = tl.dot(wt.to(tl.float32), xt.to(tl.float32))
-            else:
-                part = tl.dot(wt.to(xt.dtype), xt)
+            else:  # e4m3 -> fp32 by moving its bits (the value times 2**-120), times 2**120: exact, and cheaper
+                bits = wt.to(tl.int8, bitcast=True).to(tl.int32)  # than Triton's conversion (module docstring)
+                a = ((bits << 20) & -2014314496).to(tl.float32, bitcast=True) * 1.329227995784916e36
+                part = tl.dot(a.to(xt.dtype), xt)
             acc += part * s[:, None]
         pdl.release(PDL)
         split_k_finish(acc, out, ws, counters, offs_n, offs_m, M, N, s_o, pid_n, pid_k, SPLIT)
