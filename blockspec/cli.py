@@ -7,13 +7,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import shlex
 import sys
-import tempfile
 from pathlib import Path
 
 from .cli_common import OneLineParser, add_engine_args, describe_sampling, engine_config, format_stats, stream_text
-from .config import PredictConfig, ServerSettings
+from .config import ServerSettings
 from .errors import BlockspecError
 
 def parse_prompt_ids(text: str) -> list[int]:
@@ -56,74 +54,17 @@ def cmd_generate(args):
         print(format_stats(engine.last_stats), file=sys.stderr)
 
 
-DEMO_PROMPT = "Recite the alphabet, please."
-
-
 def cmd_demo(args):
     if args.max_tokens < 1:
         raise BlockspecError(f"--max-tokens must be at least 1 (got {args.max_tokens})")
     if args.context_length is not None and args.context_length < 2:
         raise BlockspecError(f"--context-length must be at least 2 (got {args.context_length})")
+    from .demo import run_demo, save_pair
+
     if args.save is not None:
-        return save_demo(args)
-    from .engine.engine import Engine
-    from .tiny import build_tiny_checkpoint, build_tiny_drafter
-    from .tokenizer import Tokenizer
-
-    with tempfile.TemporaryDirectory(prefix="blockspec-demo-") as directory:
-        target = build_tiny_checkpoint(f"{directory}/target", seed=0, planted=True)
-        tokenizer = Tokenizer(target)
-        ids = tokenizer.chat_prompt_ids([{"role": "user", "content": DEMO_PROMPT}])
-        context_length = args.context_length or max(512, len(ids) + args.max_tokens)
-        if len(ids) + args.max_tokens > context_length:
-            raise BlockspecError(f"--context-length {context_length}: the demo's prompt ({len(ids)} tokens) + "
-                                 f"--max-tokens {args.max_tokens} need at least {len(ids) + args.max_tokens}")
-        print("blockspec demo: a tiny Qwen3.5-architecture model (4 layers: 3 Gated DeltaNet + 1 gated attention, "
-              "hidden 64, one MTP layer, byte-level tokenizer) and a tiny DFlash2 drafter, built on the spot from "
-              "seeded RANDOM weights, planted so that greedy text mostly walks the alphabet. The text means nothing; "
-              "the point is the engine running end to end on the CPU, and every speculative mode giving plain "
-              "greedy's tokens.\n")
-        drafter = build_tiny_drafter(f"{directory}/drafter", target)
-        outputs = {}
-        for mode in ("none", "mtp", "dflash2"):
-            engine = Engine(PredictConfig.build({"model": str(target), "mode": mode, "device": "cpu",
-                                                 "compute_dtype": "float32", "context_length": context_length,
-                                                 "dflash2_model": str(drafter) if mode == "dflash2" else None}))
-            print(f"--- mode {mode} ---")
-            outputs[mode] = stream_text(engine, engine.stream(ids, args.max_tokens, stop_at_eos=False))
-            print()
-            print(format_stats(engine.last_stats))
-        same = outputs["none"] == outputs["mtp"] == outputs["dflash2"]
-        print(f"\nmtp and dflash2 outputs identical to plain greedy: {'yes' if same else 'NO'}")
-        if not same:
-            raise SystemExit(1)
-
-
-def save_demo(args):
-    """Write the demo's model to DIR/target and its DFlash2 drafter to DIR/drafter; print commands that use them."""
-    from .tiny import build_tiny_checkpoint, build_tiny_drafter
-
-    directory = Path(args.save)
-    if directory.exists() and not directory.is_dir():
-        raise BlockspecError(f"--save {directory}: exists and is not a folder; give a new or empty folder")
-    if directory.is_dir() and any(directory.iterdir()):
-        raise BlockspecError(f"--save {directory}: the folder is not empty; give a new or empty folder")
-    try:
-        directory.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise BlockspecError(f"--save {directory}: cannot create it ({exc.strerror or exc})") from None
-    target = build_tiny_checkpoint(directory / "target", seed=0, planted=True)
-    drafter = build_tiny_drafter(directory / "drafter", target)
-    model = f"--model {shlex.quote(str(target.resolve()))} --drafter {shlex.quote(str(drafter.resolve()))}"
-    cpu = "--device cpu --dtype float32"
-    context = f" --context-length {args.context_length}" if args.context_length else ""
-    print(f"saved the demo's tiny model to {target} and its DFlash2 drafter to {drafter} (seeded random weights, "
-          "planted so that greedy text mostly walks the alphabet: the text means nothing). Try them:\n"
-          f"  blockspec generate {model} --prompt {shlex.quote(DEMO_PROMPT)} --chat --max-tokens {args.max_tokens}"
-          f"{context} {cpu}\n"
-          f"  blockspec chat {model}{context} {cpu}\n"
-          f"  blockspec serve {model}{context} {cpu}    # needs pip install 'blockspec[serve]'\n"
-          "Without --drafter they decode plainly; --mode mtp (without --drafter) uses the model's own MTP head.")
+        save_pair(args.save, args.max_tokens, args.context_length)
+    else:
+        run_demo(args.max_tokens, args.context_length)
 
 
 def cmd_chat(args):
@@ -314,8 +255,8 @@ def build_parser() -> argparse.ArgumentParser:
     from .bench import add_bench_parser
     add_bench_parser(sub)
 
-    demo = sub.add_parser("demo", help="run end to end on a tiny built-in random model (CPU)")
-    demo.add_argument("--max-tokens", type=int, default=120, metavar="N", help="tokens each mode generates")
+    demo = sub.add_parser("demo", help="run the small trained model and drafters shipped with blockspec on the CPU")
+    demo.add_argument("--max-tokens", type=int, default=48, metavar="N", help="tokens each mode generates")
     demo.add_argument("--context-length", type=int, metavar="N",
                       help="tokens the KV cache holds (default: max(512, prompt + max-tokens))")
     demo.add_argument("--save", metavar="DIR", help="instead of running the demo, write its model to DIR/target "

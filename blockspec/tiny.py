@@ -1,7 +1,8 @@
-"""A tiny Qwen3.5 checkpoint made deterministically on the spot, for `blockspec demo` and the tests.
+"""A tiny Qwen3.5 checkpoint (and DFlash2 drafter) made deterministically on the spot, for the tests.
 
-Its weights are random (seeded), so its text is meaningless: it shows the engine working end to end (loading a
-real checkpoint layout, chat template, tokenizer, prefill, decoding, stats) without a 54 GB download.
+Its weights are random (seeded), so its text is meaningless: it runs the engine end to end (loading a real
+checkpoint layout, chat template, tokenizer, prefill, decoding, stats) without any download. `blockspec demo`
+runs a trained pair instead (blockspec/demo.py).
 """
 
 from __future__ import annotations
@@ -101,7 +102,7 @@ def plant(tensors: dict[str, torch.Tensor], config: dict, tok: Tokenizer, seed: 
     """Overwrite random weights so that greedy decoding mostly walks the cycle 'abc...z ' (and the MTP head mostly
     predicts it), while the layers' perturbation (target_noise) makes the trajectory depend on context.
 
-    Embedding rows are random except channel 0, a shared constant (the DFlash2 demo drafter keys on it); the head
+    Embedding rows are random except channel 0, a shared constant (the tiny DFlash2 drafter keys on it); the head
     row of each cycle character is the embedding of its predecessor, so argmax(logits) = successor when the
     layers' contribution is small. Every other token behaves like some cycle character.
     """

@@ -139,3 +139,37 @@ def run_pass(model, state, ids, capture=()):
     from blockspec.engine.target import EagerTarget
 
     return EagerTarget(model, state, capture).forward(ids)
+
+
+def proposals_beside_dflash(drafter_dir, target_dir, tokens: list[int], starts) -> list:
+    """A DFlash2 drafter checkpoint loaded in blockspec (DFlash2Drafter) and in the `dflash` reference
+    (DFlash2DraftModel, driven as its dflash_generate does), each proposing from the target's features of
+    tokens[:start] with the anchor tokens[start], in float32 on the CPU: [(start, blockspec's proposals, dflash's)]."""
+    import torch.nn.functional as F
+    from dflash.model import DFlash2DraftModel
+
+    from blockspec.checkpoint import load_target
+    from blockspec.drafter import DFlash2Drafter
+    from blockspec.train.run import TargetFeatures
+
+    model, _ = load_target(target_dir)
+    ours = DFlash2Drafter.from_pretrained(drafter_dir, target_hidden_size=model.config.hidden_size,
+                                          target_vocab_size=model.config.vocab_size,
+                                          target_num_layers=model.config.num_hidden_layers, embed=model.embed,
+                                          lm_head=model.logits)
+    theirs = DFlash2DraftModel.from_pretrained(drafter_dir).eval()
+    tokens = torch.tensor(tokens)
+    features, _ = TargetFeatures(model, ours.target_layer_ids, len(tokens), "cpu", torch.float32)(tokens)
+    compared = []
+    for start in starts:
+        anchor = int(tokens[start])
+        ours.reset()
+        ours.append_context(features[:start], 0)
+        proposals = ours.propose(anchor, start)
+        block_ids = torch.tensor([[anchor] + [ours.mask_token_id] * (ours.block_size - 1)])
+        with torch.no_grad():
+            hidden = theirs(target_hidden=features[None, :start], noise_embedding=F.embedding(
+                block_ids, model.embed_tokens.weight), position_ids=torch.arange(start + ours.block_size)[None])[0]
+            expected = theirs.propose(hidden[None, 1:], block_ids[:, 0], model.logits, 0.0)[0][0]
+        compared.append((start, proposals, expected))
+    return compared

@@ -1,6 +1,7 @@
 """CLI: --json schema, demo, and one-line errors with exit code 2 for every kind of bad input."""
 
 import json
+import re
 import shutil
 
 import pytest
@@ -45,10 +46,16 @@ def test_generate_streams_text(tiny):
 
 
 def test_demo_runs():
-    code, out, err = cli("demo", "--max-tokens", 60)
+    code, out, err = cli("demo")
     assert code == 0, err
-    assert "RANDOM weights" in out and "tokens/s" in out
-    assert "outputs identical to plain greedy: yes" in out and "acceptance" in out
+    assert "trained on the Python source files of installed packages, never on the standard library" in out
+    assert re.search(r"prompt: the first \d+ tokens \(whole lines\) of \S+\.py, from this Python's standard", out)
+    assert out.count("generated 48 tokens") == 3 and "tokens/s" in out and "acceptance" in out
+    assert "outputs identical to plain greedy: yes" in out
+    measured = re.search(r"one speculative cycle from 30 real contexts .*\n  mtp (\S+), dflash2 (\S+) tokens per cycle",
+                         out)
+    assert measured and min(float(measured[1]), float(measured[2])) > 1.0, out
+    assert "the pair over 500 contexts" in out
 
 
 def corrupt_copy(tiny, tmp_path, edit):
@@ -201,21 +208,38 @@ def test_every_option_has_help_and_shows_its_default():
 # ----------------------------------------------------------------------------------------- demo
 
 
+@pytest.fixture(scope="module")
+def demo_prompt_length(tmp_path_factory):
+    """The demo's prompt in tokens (the pair's tokenizer, this Python's standard library)."""
+    from blockspec import demo
+    from blockspec.tokenizer import Tokenizer
+
+    target, _ = demo.extract_pair(tmp_path_factory.mktemp("demo-pair"))
+    tokenizer = Tokenizer(target)
+    prompt_file, _ = demo.standard_library_modules()
+    return len(tokenizer.encode(demo.prompt_text(demo.read_source(prompt_file), tokenizer)))
+
+
 @pytest.mark.parametrize("args,message", [(("--max-tokens", 0), "--max-tokens must be at least 1"),
+                                          (("--context-length", 1), "--context-length must be at least 2"),
                                           (("--max-tokens", 30, "--context-length", 50),
-                                           "--context-length 50: the demo's prompt (62 tokens) + --max-tokens 30")])
-def test_demo_refuses_bad_arguments_before_printing(args, message):
+                                           "--context-length 50: the demo's prompt ({} tokens) + --max-tokens 30 "
+                                           "need at least {}")])
+def test_demo_refuses_bad_arguments_before_printing(args, message, demo_prompt_length):
     code, out, err = cli("demo", *args)
     assert code == 2 and out == "", out  # no banner, no mode header
+    message = message.format(demo_prompt_length, demo_prompt_length + 30)
     assert err.count("\n") == 1 and message in err, err
 
 
-def test_demo_context_length_fits_max_tokens(monkeypatch, capsys):
-    """A long demo gets a context long enough by default (it used to be fixed at 512), or the one given."""
+def test_demo_context_length_fits_max_tokens(monkeypatch, capsys, demo_prompt_length):
+    """A long demo gets a context long enough by default, or the one given; the one-cycle measure's contexts stay
+    short whatever the context length."""
+    import blockspec.demo as demo
     import blockspec.engine.engine as engine_module
     from blockspec.tokenizer import Tokenizer
 
-    seen = []
+    seen, measured = [], []
 
     class Recorder:  # stands in for the engine: records the config, generates nothing
         def __init__(self, config):
@@ -227,14 +251,48 @@ def test_demo_context_length_fits_max_tokens(monkeypatch, capsys):
             assert len(ids) + max_tokens <= seen[-1].context_length
             return iter(())
 
+    def one_cycle(engine, sequences, cuts, seed):
+        measured.append(max(len(s) for s in sequences))
+        return {"mean_accepted_length": 1.0, "acceptance_rate": 0.0}
+
     monkeypatch.setattr(engine_module, "Engine", Recorder)
+    monkeypatch.setattr(demo, "one_cycle_acceptance", one_cycle)
     assert main(["demo", "--max-tokens", "5000"]) == 0
-    assert [c.context_length for c in seen] == [62 + 5000] * 3
+    assert [c.context_length for c in seen] == [demo_prompt_length + 5000] * 3
     assert main(["demo", "--max-tokens", "10"]) == 0
     assert seen[-1].context_length == 512
-    assert main(["demo", "--max-tokens", "10", "--context-length", "100"]) == 0
-    assert seen[-1].context_length == 100
+    assert main(["demo", "--max-tokens", "10", "--context-length", str(demo_prompt_length + 10)]) == 0
+    assert seen[-1].context_length == demo_prompt_length + 10
     assert "identical to plain greedy: yes" in capsys.readouterr().out
+    assert len(measured) == 6 and max(measured) == demo.MEASURE_TOKENS
+
+
+@pytest.mark.parametrize("damage,message", [("missing", "not found"), ("corrupt", "corrupt zip file"),
+                                            ("empty zip", "holds no target/config.json")])
+def test_demo_refuses_a_missing_or_corrupt_pair(tmp_path, monkeypatch, capsys, damage, message):
+    import zipfile
+
+    import blockspec.demo as demo
+
+    path = tmp_path / "demo_pair.zip"
+    if damage == "corrupt":
+        path.write_bytes(demo.PAIR_ZIP.read_bytes()[:100_000])
+    elif damage == "empty zip":
+        zipfile.ZipFile(path, "w").close()
+    monkeypatch.setattr(demo, "PAIR_ZIP", path)
+    for args in (["demo"], ["demo", "--save", str(tmp_path / "saved")]):
+        assert main(args) == 2
+        out, err = capsys.readouterr()
+        assert out == "" and err.count("\n") == 1 and f"{path}: {message}" in err, err
+
+
+def test_demo_refuses_a_missing_standard_library(monkeypatch, capsys):
+    import blockspec.demo as demo
+
+    monkeypatch.setattr(demo, "standard_library_files", lambda: [])
+    assert main(["demo"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1 and "the standard library of this Python" in err, err
 
 
 def test_demo_save_writes_a_pair_the_commands_use(tmp_path):
@@ -243,21 +301,20 @@ def test_demo_save_writes_a_pair_the_commands_use(tmp_path):
     directory = tmp_path / "pair"
     code, out, err = cli("demo", "--save", directory, "--max-tokens", 8)
     assert code == 0, err
-    assert (directory / "target" / "config.json").exists() and (directory / "drafter" / "model.safetensors").exists()
+    assert "random" not in out.lower()
+    assert (directory / "target" / "mtp.safetensors").exists()
+    assert (directory / "drafter" / "model.safetensors").exists()
     commands = [line.strip() for line in out.splitlines() if line.strip().startswith("blockspec ")]
-    assert [c.split()[1] for c in commands] == ["generate", "chat", "serve"]
+    assert [c.split()[1] for c in commands] == ["generate", "generate", "chat", "serve"]
     for command in commands:
-        assert f"--model {directory / 'target'}" in command and f"--drafter {directory / 'drafter'}" in command
-        assert "--device cpu --dtype float32" in command
-    # the printed generate command runs (as printed, plus --json), and so does the plain form with the pair
-    generate = shlex.split(commands[0].split("#")[0])[1:]
-    code, out, err = cli(*generate, "--json")
-    assert code == 0, err
-    result = json.loads(out)
-    assert result["stats"]["mode"] == "dflash2" and result["stats"]["generated"] == 8
-    code, out, err = cli("generate", "--model", directory / "target", "--drafter", directory / "drafter", "--prompt",
-                         "hi", "--max-tokens", 8, "--json", *BASE)
-    assert code == 0 and json.loads(out)["stats"]["generated"] >= 1, err
+        assert f"--model {directory / 'target'}" in command and "--device cpu --dtype float32" in command
+        assert (f"--drafter {directory / 'drafter'}" in command) == ("--mode mtp" not in command)
+    # the printed generate commands run as printed (plus --json): with the drafter, and with the model's MTP head
+    for command, mode in zip(commands[:2], ("dflash2", "mtp")):
+        code, out, err = cli(*shlex.split(command)[1:], "--json")
+        assert code == 0, err
+        stats = json.loads(out)["stats"]
+        assert stats["mode"] == mode and stats["generated"] == 8 and stats["cycles"] > 0
 
 
 def test_demo_save_refuses_a_folder_that_is_not_empty(tmp_path):

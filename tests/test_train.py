@@ -7,16 +7,15 @@ import random
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import run_pass
+from helpers import proposals_beside_dflash, run_pass
 
 from blockspec.checkpoint import load_target
 from blockspec.cli import main
 from blockspec.config import TargetConfig
-from blockspec.drafter import DFlash2Drafter
 from blockspec.engine.engine import Engine
 from blockspec.tiny import build_tiny_checkpoint
 from blockspec.train.dflash2 import drafter_config, drafter_hidden, new_drafter, sample_anchors
-from blockspec.train.run import DrafterTraining, TargetFeatures, train
+from blockspec.train.run import DrafterTraining, train
 
 reference = pytest.importorskip("dflash.model")
 
@@ -60,28 +59,12 @@ def test_training_lowers_the_loss_and_evaluates(trained):
 
 
 def test_drafter_loads_in_blockspec_and_dflash_with_identical_proposals(trained):
-    root, target, data, _ = trained
-    model, _ = load_target(target)
-    ours = DFlash2Drafter.from_pretrained(root / "out", target_hidden_size=64, target_vocab_size=259,
-                                          target_num_layers=4, embed=model.embed, lm_head=model.logits)
-    theirs = reference.DFlash2DraftModel.from_pretrained(root / "out").eval()
-    layer_ids = ours.target_layer_ids
-    tokens = torch.tensor(Engine.load(target, device="cpu").tokenizer.encode("the quick brown fox jumps over " * 4))
-    features, _ = TargetFeatures(model, layer_ids, len(tokens), "cpu", torch.float32)(tokens)
-    compared = 0
-    for start in (5, 20, 40, 70):  # within and past the 32-token window
-        anchor = int(tokens[start])
-        ours.reset()
-        ours.append_context(features[:start], 0)
-        proposals = ours.propose(anchor, start)
-        block_ids = torch.tensor([[anchor] + [ours.mask_token_id] * 7])
-        with torch.no_grad():
-            hidden = theirs(target_hidden=features[None, :start], noise_embedding=F.embedding(
-                block_ids, model.embed_tokens.weight), position_ids=torch.arange(start + 8)[None])[0]
-            expected = theirs.propose(hidden[None, 1:], block_ids[:, 0], model.logits, 0.0)[0][0]
-        assert torch.equal(proposals, expected), (start, proposals, expected)
-        compared += 1
-    assert compared == 4
+    root, target, _, _ = trained
+    tokens = Engine.load(target, device="cpu").tokenizer.encode("the quick brown fox jumps over " * 4)
+    compared = proposals_beside_dflash(root / "out", target, tokens, (5, 20, 40, 70))  # within, past the window
+    assert [start for start, _, _ in compared] == [5, 20, 40, 70]
+    for start, ours, theirs in compared:
+        assert torch.equal(ours, theirs), (start, ours, theirs)
 
 
 def test_trained_drafter_is_lossless(trained):

@@ -1,0 +1,213 @@
+"""`blockspec demo`: the trained pair shipped with the package (data/demo_pair.zip) on the CPU.
+
+The pair: a small Qwen3.5-architecture target with its own MTP head, and a DFlash2 drafter for it, trained on the
+Python source files of installed packages, never on the standard library. The demo continues the beginning of a
+standard-library module in modes none, mtp and dflash2 (the same greedy tokens in each), then measures one
+speculative cycle from real contexts of other standard-library modules: what each proposer buys on unseen code.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import shlex
+import sysconfig
+import tempfile
+import zipfile
+import zlib
+from pathlib import Path
+
+import torch
+
+from .cli_common import format_stats, stream_text
+from .config import PredictConfig
+from .errors import BlockspecError
+from .train.evaluate import one_cycle_acceptance, standard_library_files
+
+PAIR_ZIP = Path(__file__).parent / "data" / "demo_pair.zip"  # target/ and drafter/, deflated to fit the package
+PAIR_FOLDERS = ("target", "drafter")
+
+PROMPT_FILE = "textwrap.py"  # the prompt: this module's beginning (else the first module found)
+PROMPT_TOKENS = 240          # ... its longest run of whole lines within this many tokens
+PROMPT_TAIL_LINES = 5        # lines of the prompt's end shown, so the reader sees where the continuation starts
+MIN_CONTEXT_LENGTH = 512
+
+MEASURE_FILES = ("fractions.py", "shutil.py", "calendar.py", "random.py")  # contexts of the one-cycle measure
+MEASURE_CUTS = 30
+MEASURE_TOKENS = 496  # contexts are cut from each file's first tokens: short prefills keep the measure quick
+MEASURE_SEED = 0
+
+DESCRIPTION = """\
+blockspec demo: a small model trained here and its two speculative proposers, on the CPU (float32).
+  target:  17.3M parameters, Qwen3.5 architecture (8 layers: 6 Gated DeltaNet + 2 gated attention, hidden 384),
+           byte-level BPE tokenizer of 8192 ids, with its own MTP head (mode mtp)
+  drafter: a 5.1M-parameter DFlash2 drafter (2 layers reading target layers 1, 2, 4, 5, 7; mode dflash2)
+Both were trained on the Python source files of installed packages, never on the standard library, which the
+prompt and the contexts below come from. The model's text looks like Python but is not meant to be correct (a model
+this small also falls into loops under greedy decoding). What the demo shows: every speculative mode gives plain
+greedy's tokens, and what each proposer's drafts are worth on code it never saw.
+"""
+
+# The pair's one-cycle figures over 500 contexts of 10 standard-library modules, measured with `blockspec bench
+# --model DIR/target --drafter DIR/drafter --mode none,mtp,dflash2 --fixtures stdlib --one-cycle 500` on a 2-core
+# CPU (--device cpu --dtype float32 --context-length 1024) and on an H200 (bfloat16).
+PAIR_FIGURES = ("the pair over 500 contexts of 10 standard-library modules (blockspec bench --fixtures stdlib "
+                "--one-cycle 500):\n  CPU float32, context 1024: mtp 2.300 (43.3 %), dflash2 2.060 (15.1 %); "
+                "H200 bfloat16: mtp 2.172, dflash2 2.012\n"
+                "the published DFlash2 drafter reaches ~5.5 tokens per cycle on the 27B target")
+
+
+def extract_pair(directory: Path) -> tuple[Path, Path]:
+    """Unpack the shipped pair into directory/target and directory/drafter."""
+    if not PAIR_ZIP.is_file():
+        raise BlockspecError(f"{PAIR_ZIP}: not found (the demo pair ships with blockspec: reinstall it)")
+    try:
+        with zipfile.ZipFile(PAIR_ZIP) as archive:
+            archive.extractall(directory)
+    except OSError as exc:
+        raise BlockspecError(f"{PAIR_ZIP}: cannot unpack it into {directory} ({exc.strerror or exc})") from None
+    except (zipfile.BadZipFile, zlib.error, EOFError) as exc:
+        raise BlockspecError(f"{PAIR_ZIP}: corrupt zip file ({exc})") from None
+    target, drafter = (directory / folder for folder in PAIR_FOLDERS)
+    if not (target / "config.json").is_file() or not (drafter / "config.json").is_file():
+        raise BlockspecError(f"{PAIR_ZIP}: holds no target/config.json and drafter/config.json")
+    return target, drafter
+
+
+def standard_library_modules() -> tuple[Path, list[Path]]:
+    """The prompt's module and the one-cycle measure's modules, from this interpreter's standard library."""
+    files = standard_library_files()
+    if len(files) < 2:
+        root = sysconfig.get_paths()["stdlib"]
+        raise BlockspecError(f"the standard library of this Python ({root}) holds {len(files)} module files of "
+                             "4 kB or more: the demo's prompt and contexts come from there")
+    by_name = {file.name: file for file in files}
+    prompt = by_name.get(PROMPT_FILE, files[0])
+    contexts = [by_name[name] for name in MEASURE_FILES if name in by_name]
+    return prompt, contexts or [file for file in files if file != prompt][:len(MEASURE_FILES)]
+
+
+def read_source(file: Path) -> str:
+    return file.read_text(encoding="utf-8", errors="replace")
+
+
+def prompt_text(text: str, tokenizer) -> str:
+    """The text's beginning: its longest run of whole lines within PROMPT_TOKENS tokens, the last line's newline
+    left out (the model writes it together with the next line's indentation, as one token)."""
+    lines = text.splitlines(keepends=True)
+    prompt = ""
+    for count in range(1, len(lines) + 1):
+        candidate = "".join(lines[:count]).removesuffix("\n")
+        if len(tokenizer.encode(candidate)) > PROMPT_TOKENS:
+            break
+        prompt = candidate
+    return prompt or tokenizer.decode(tokenizer.encode(text)[:PROMPT_TOKENS])  # a first line longer than that
+
+
+@contextlib.contextmanager
+def one_thread():
+    """The pair's matrices gain nothing from a second thread, and on a busy CPU a thread waiting for a core stalls
+    every operation (the whole demo ran 4x slower with two threads on a shared 2-core machine)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def load_engines(target: Path, drafter: Path, context_length: int) -> dict:
+    """An engine per mode on the CPU in float32: mtp drafts with the target's own head, dflash2 with the drafter."""
+    from .engine.engine import Engine
+
+    return {mode: Engine(PredictConfig.build({
+        "model": str(target), "mode": mode, "device": "cpu", "compute_dtype": "float32",
+        "context_length": context_length, "dflash2_model": str(drafter) if mode == "dflash2" else None}))
+        for mode in ("none", "mtp", "dflash2")}
+
+
+def show_prompt(file: Path, prompt: str, token_count: int, max_tokens: int) -> None:
+    """Where the prompt comes from and its last lines."""
+    tail = prompt.splitlines()[-PROMPT_TAIL_LINES:]
+    print(f"prompt: the first {token_count} tokens (whole lines) of {file.name}, from this Python's standard library "
+          f"({file}); it ends with\n" + "\n".join(f"  | {line}" for line in tail)
+          + f"\nEach mode below repeats that last line, then continues it greedily for {max_tokens} tokens.\n")
+
+
+def continue_in_every_mode(engines: dict, ids: list[int], last_line: str, max_tokens: int) -> dict:
+    """Stream each mode's greedy continuation of ids after the prompt's last (partial) line; returns the tokens per
+    mode."""
+    outputs = {}
+    for mode, engine in engines.items():
+        print(f"--- mode {mode} ---\n{last_line}", end="")
+        outputs[mode] = stream_text(engine, engine.stream(ids, max_tokens, stop_at_eos=False))
+        print()
+        print(format_stats(engine.last_stats))
+    return outputs
+
+
+def measure_one_cycle(engines: dict, files: list[Path]) -> None:
+    """One speculative cycle from MEASURE_CUTS real contexts of the files, for mtp and dflash2; printed beside the
+    pair's figures over 500 contexts."""
+    tokenizer = engines["none"].tokenizer
+    sequences = [tokenizer.encode(read_source(file))[:MEASURE_TOKENS] for file in files]
+    measured = {mode: one_cycle_acceptance(engines[mode], sequences, MEASURE_CUTS, seed=MEASURE_SEED)
+                for mode in ("mtp", "dflash2")}
+    lengths = ", ".join(f"{mode} {m['mean_accepted_length']:.2f}" for mode, m in measured.items())
+    rates = ", ".join(f"{100 * m['acceptance_rate']:.1f} %" for m in measured.values())
+    names = ", ".join(file.name for file in files)
+    print(f"\none speculative cycle from {MEASURE_CUTS} real contexts of standard-library code ({names}):\n"
+          f"  {lengths} tokens per cycle (acceptance {rates})\n{PAIR_FIGURES}")
+
+
+def run_demo(max_tokens: int, context_length: int | None) -> None:
+    """The demo: the three modes' continuations of a standard-library prompt, then the one-cycle measure. Exits
+    with code 1 when a speculative mode's tokens differ from plain greedy's."""
+    from .tokenizer import Tokenizer
+
+    prompt_file, measured_files = standard_library_modules()
+    with tempfile.TemporaryDirectory(prefix="blockspec-demo-") as directory, one_thread():
+        target, drafter = extract_pair(Path(directory))
+        tokenizer = Tokenizer(target)
+        prompt = prompt_text(read_source(prompt_file), tokenizer)
+        ids = tokenizer.encode(prompt)
+        context_length = context_length or max(MIN_CONTEXT_LENGTH, len(ids) + max_tokens)
+        if len(ids) + max_tokens > context_length:
+            raise BlockspecError(f"--context-length {context_length}: the demo's prompt ({len(ids)} tokens) + "
+                                 f"--max-tokens {max_tokens} need at least {len(ids) + max_tokens}")
+        print(DESCRIPTION)
+        show_prompt(prompt_file, prompt, len(ids), max_tokens)
+        engines = load_engines(target, drafter, context_length)
+        outputs = continue_in_every_mode(engines, ids, prompt[prompt.rfind("\n") + 1:], max_tokens)
+        same = outputs["none"] == outputs["mtp"] == outputs["dflash2"]
+        print(f"\nmtp and dflash2 outputs identical to plain greedy: {'yes' if same else 'NO'}")
+        if not same:
+            raise SystemExit(1)
+        measure_one_cycle(engines, measured_files)
+
+
+def save_pair(directory: str, max_tokens: int, context_length: int | None) -> None:
+    """Unpack the pair into DIR/target and DIR/drafter (DIR new or empty); print commands that use them."""
+    directory = Path(directory)
+    if directory.exists() and not directory.is_dir():
+        raise BlockspecError(f"--save {directory}: exists and is not a folder; give a new or empty folder")
+    if directory.is_dir() and any(directory.iterdir()):
+        raise BlockspecError(f"--save {directory}: the folder is not empty; give a new or empty folder")
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise BlockspecError(f"--save {directory}: cannot create it ({exc.strerror or exc})") from None
+    target, drafter = extract_pair(directory)
+    target_flag = f"--model {shlex.quote(str(target.resolve()))}"
+    model = f"{target_flag} --drafter {shlex.quote(str(drafter.resolve()))}"
+    cpu = "--device cpu --dtype float32"
+    context = f" --context-length {context_length}" if context_length else ""
+    prompt = f"--prompt {shlex.quote('def read_lines(path):')} --max-tokens {max_tokens}"
+    print(f"saved the demo's pair to {target} (a 17.3M-parameter model trained on installed packages' Python code, "
+          f"with its MTP head) and {drafter} (its DFlash2 drafter). Its text looks like Python but is not meant to be "
+          "correct, and it knows no chat: give it code to continue. Try them:\n"
+          f"  blockspec generate {model} {prompt}{context} {cpu}\n"
+          f"  blockspec generate {target_flag} --mode mtp {prompt}{context} {cpu}\n"
+          f"  blockspec chat {model}{context} {cpu}\n"
+          f"  blockspec serve {model}{context} {cpu}    # needs pip install 'blockspec[serve]'\n"
+          "With --drafter they run mode dflash2; --mode mtp (without --drafter) drafts with the model's own MTP head; "
+          "without either they decode plainly.")
