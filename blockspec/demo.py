@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import shlex
+import shutil
 import sysconfig
 import tempfile
 import zipfile
@@ -192,11 +193,19 @@ def save_pair(directory: str, max_tokens: int, context_length: int | None) -> No
         raise BlockspecError(f"--save {directory}: exists and is not a folder; give a new or empty folder")
     if directory.is_dir() and any(directory.iterdir()):
         raise BlockspecError(f"--save {directory}: the folder is not empty; give a new or empty folder")
+    created = not directory.exists()
     try:
         directory.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise BlockspecError(f"--save {directory}: cannot create it ({exc.strerror or exc})") from None
-    target, drafter = extract_pair(directory)
+    try:
+        target, drafter = extract_pair(directory)
+    except BlockspecError:  # the folder was new or empty: a refused save leaves it as it was
+        for child in directory.iterdir():
+            shutil.rmtree(child) if child.is_dir() else child.unlink()
+        if created:
+            directory.rmdir()
+        raise
     target_flag = f"--model {shlex.quote(str(target.resolve()))}"
     model = f"{target_flag} --drafter {shlex.quote(str(drafter.resolve()))}"
     cpu = "--device cpu --dtype float32"

@@ -268,6 +268,7 @@ def test_demo_context_length_fits_max_tokens(monkeypatch, capsys, demo_prompt_le
 
 
 @pytest.mark.parametrize("damage,message", [("missing", "not found"), ("corrupt", "corrupt zip file"),
+                                            ("damaged member", "corrupt zip file"),
                                             ("empty zip", "holds no target/config.json")])
 def test_demo_refuses_a_missing_or_corrupt_pair(tmp_path, monkeypatch, capsys, damage, message):
     import zipfile
@@ -277,6 +278,13 @@ def test_demo_refuses_a_missing_or_corrupt_pair(tmp_path, monkeypatch, capsys, d
     path = tmp_path / "demo_pair.zip"
     if damage == "corrupt":
         path.write_bytes(demo.PAIR_ZIP.read_bytes()[:100_000])
+    elif damage == "damaged member":  # readable to the last member, whose bytes no longer match its CRC
+        data = bytearray(demo.PAIR_ZIP.read_bytes())
+        with zipfile.ZipFile(demo.PAIR_ZIP) as archive:
+            last = max(archive.infolist(), key=lambda info: info.header_offset)
+        middle = last.header_offset + 100 + last.compress_size // 2
+        data[middle:middle + 64] = bytes(64)
+        path.write_bytes(bytes(data))
     elif damage == "empty zip":
         zipfile.ZipFile(path, "w").close()
     monkeypatch.setattr(demo, "PAIR_ZIP", path)
@@ -284,6 +292,7 @@ def test_demo_refuses_a_missing_or_corrupt_pair(tmp_path, monkeypatch, capsys, d
         assert main(args) == 2
         out, err = capsys.readouterr()
         assert out == "" and err.count("\n") == 1 and f"{path}: {message}" in err, err
+    assert not (tmp_path / "saved").exists()  # a refused save leaves nothing behind
 
 
 def test_demo_refuses_a_missing_standard_library(monkeypatch, capsys):
