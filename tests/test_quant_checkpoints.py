@@ -9,7 +9,6 @@ import shutil
 
 import pytest
 import torch
-import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from test_quant_engine import PROMPT, forward, load, run_cli
 from torch import nn

@@ -68,8 +68,8 @@ class PackedLinear(nn.Module):
         super().__init__()
         self.names = tuple(names)
         groups: dict[tuple, list[int]] = {}
-        for i, linear in enumerate(linears):
-            groups.setdefault(_pack_key(linear), []).append(i)
+        for i, part in enumerate(linears):
+            groups.setdefault(_pack_key(part), []).append(i)
         self.parts = nn.ModuleList(_concat([linears[i] for i in idx]) for idx in groups.values())
         self.sizes = [[linears[i].out_features for i in idx] for idx in groups.values()]
         produced = [i for idx in groups.values() for i in idx]
