@@ -473,3 +473,28 @@ def test_prefix_reuse_bf16_graphed(wide_margin_pair, mode):
     with_reuse, without = run(engine(target, **kw), {}), run(engine(target, prefix_reuse=False, **kw), {})
     assert [(label, tokens) for label, tokens, *_ in with_reuse] == [(label, tokens) for label, tokens, *_ in without]
     assert sum(cached for *_, cached, _ in with_reuse) > 0
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("asm", [True, False])
+def test_e4m3_codes_in_the_q16_kernel_on_gpu(dtype, asm):
+    """FP8 weights as e4m3 codes in the W4A16 kernel's q16 layout (quant/w4a16_triton.pack_e4m3), PTX or plain
+    unpacking, at 1, 8 and 16 rows: the FP8 reference's result to rounding."""
+    from dataclasses import replace
+
+    from blockspec.kernels.fp8_linear import fp8_linear_reference
+    from blockspec.quant.fp8 import Fp8Linear, quantize
+    from blockspec.quant.w4a16_triton import default_config, pack_e4m3, wq_matmul
+
+    g = torch.Generator().manual_seed(0)
+    for sizes, k in [([5120], 17408), ([10240, 48, 48], 5120)]:
+        module = Fp8Linear.concat([Fp8Linear.from_blocks(*quantize(torch.randn(n, k, generator=g) * k ** -0.5))
+                                   for n in sizes]).cuda()
+        args = (module.weight, module.scale, module.scale_row)
+        q16 = pack_e4m3(*args)
+        for rows in (1, 8, 16):
+            x = torch.randn(rows, k, device="cuda", dtype=dtype)
+            config = replace(default_config(rows, q16.n, q16.k, 8, 128), asm=asm)
+            got = wq_matmul(x, q16, config, out_dtype=torch.float32)
+            ref = fp8_linear_reference(x, *args, out_dtype=torch.float32)
+            assert (got - ref).abs().max() <= 1e-3 * ref.abs().max(), (sizes, rows, asm)

@@ -164,6 +164,7 @@ class PackedWeight:
     group_size: int
     n: int
     k: int
+    codes: str = "uint"            # or "e4m3": 8-bit codes that are float8_e4m3fn values, w = value * s (no zero)
 
     def dequantize(self, dtype=torch.float32, rows=None) -> torch.Tensor:
         """Dense weight [N, k] (or of `rows`: an index tensor or a slice), computed in fp32."""
@@ -171,8 +172,13 @@ class PackedWeight:
         if rows is not None:
             q, s, z = q[rows], s[:, rows], None if z is None else z[:, rows]
         r, g = q.shape[0], self.group_size
-        u = unpack_codes(q, self.bits, g, q.shape[1] * 16 // self.bits).to(torch.float32).view(r, -1, g)
-        zz = float(1 << (self.bits - 1)) if z is None else z.permute(1, 0, 2).reshape(r, -1, 1).to(torch.float32)
+        u = unpack_codes(q, self.bits, g, q.shape[1] * 16 // self.bits)
+        if self.codes == "e4m3":
+            u = u.to(torch.uint8).view(torch.float8_e4m3fn).to(torch.float32).view(r, -1, g)
+            zz = 0.0
+        else:
+            u = u.to(torch.float32).view(r, -1, g)
+            zz = float(1 << (self.bits - 1)) if z is None else z.permute(1, 0, 2).reshape(r, -1, 1).float()
         w = (u - zz) * s.permute(1, 0, 2).reshape(r, -1, 1).to(torch.float32)
         return w.view(r, -1)[:, :self.k].to(dtype)
 
@@ -190,6 +196,16 @@ def pack(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, 
                         bits, group_size, n, k)
 
 
+def pack_e4m3(weight: torch.Tensor, scale: torch.Tensor, scale_row: torch.Tensor) -> PackedWeight:
+    """A block-scaled FP8 weight (quant/fp8.py: float8_e4m3fn [N, K], float32 scales [rows, ceil(K / 128)], each
+    output's scale row [N]) in the q16 layout: its bytes as 8-bit codes (the padding 0x80 is e4m3 -0), one float32
+    scale per output and 128 inputs. Lossless: dequantize() gives the FP8 reference's weights."""
+    per_row = scale[scale_row.long()].to(torch.float32)  # [N, ceil(K / 128)]
+    codes = weight.view(torch.uint8).to(torch.int32)
+    return PackedWeight(pack_codes(codes, 8, 128), pack_groups(per_row, 8, 128, weight.shape[1], 0.0), None, 8, 128,
+                        weight.shape[0], weight.shape[1], "e4m3")
+
+
 def reference_matmul(x: torch.Tensor, pw: PackedWeight) -> torch.Tensor:
     """x [..., K] @ dequant(W)^T in fp32, returned in x's dtype (the tests' oracle)."""
     y = x.reshape(-1, pw.k).to(torch.float32) @ pw.dequantize(torch.float32).t()
@@ -201,8 +217,18 @@ def reference_matmul(x: torch.Tensor, pw: PackedWeight) -> torch.Tensor:
 # ----------------------------------------------------------------------------------------------------------
 
 @functools.lru_cache(maxsize=None)
-def unpack_asm(bits: int, i: int, fp16: bool) -> str:
-    """PTX for one 32-bit register (two halfwords): (u - 2**(bits-1)) of code i of each, as bf16x2 / f16x2."""
+def unpack_asm(bits: int, i: int, fp16: bool, e4m3: bool = False) -> str:
+    """PTX for one 32-bit register (two halfwords): (u - 2**(bits-1)) of code i of each, as bf16x2 / f16x2; with
+    e4m3, the float8_e4m3fn value of byte i of each."""
+    if e4m3:
+        if fp16:  # bytes i and 2 + i side by side in 16 bits, then the hardware conversion (sm_89+), exact
+            return (f"{{ .reg .b32 t; .reg .b16 lo, hi; prmt.b32 t, $1, 0, 0x44{2 + i}{i}; mov.b32 {{lo, hi}}, t; "
+                    "cvt.rn.f16x2.e4m3x2 $0, lo; }")
+        # each byte into the top of an fp32, shifted so its exponent and mantissa sit in the fp32's (the value times
+        # 2**-120), times 2**120 (exact, subnormals kept), both packed to bf16x2 (exact: 4 significant bits)
+        return (f"{{ .reg .b32 lo, hi; prmt.b32 lo, $1, 0, 0x{i}444; prmt.b32 hi, $1, 0, 0x{2 + i}444; "
+                "shr.s32 lo, lo, 4; shr.s32 hi, hi, 4; and.b32 lo, lo, 0x87F00000; and.b32 hi, hi, 0x87F00000; "
+                "mul.rn.f32 lo, lo, 0f7B800000; mul.rn.f32 hi, hi, 0f7B800000; cvt.rn.bf16x2.f32 $0, hi, lo; }")
     if bits == 4:  # (u | 0x4300) as bf16 is 128 + u, (u | 0x6400) as fp16 is 1024 + u; then * 1 - 136 / - 1032
         magic, one, bias = ("0x64006400", "0x3C003C00", "0xE408E408") if fp16 else \
             ("0x43004300", "0x3F803F80", "0xC308C308")
@@ -233,11 +259,16 @@ if triton is not None:
 
     @triton.jit
     def _group(acc, h, xp, xm, s, zc, IDX: tl.constexpr, BITS: tl.constexpr, UNPACK: tl.constexpr, BN: tl.constexpr,
-               BM: tl.constexpr, HAS_ZP: tl.constexpr, USE_ASM: tl.constexpr, F32DOT: tl.constexpr):
-        """acc[BN, BM] += s * ((u - z) of code IDX of every halfword of h [BN, G]) @ x^T tile [G, BM]."""
+               BM: tl.constexpr, HAS_ZP: tl.constexpr, USE_ASM: tl.constexpr, F32DOT: tl.constexpr,
+               E4M3: tl.constexpr):
+        """acc[BN, BM] += s * ((u - z) of code IDX of every halfword of h [BN, G]) @ x^T tile [G, BM] (E4M3: the
+        float8_e4m3fn value of byte IDX, no zero point)."""
         xt = tl.load(xp, mask=xm, other=0.0)
         if USE_ASM:  # one input and one output register per PTX block: the MMA layout is hoisted to the load
             a = tl.inline_asm_elementwise(UNPACK, "=r,r", [h], dtype=xt.dtype, is_pure=True, pack=2)
+        elif E4M3:  # the byte's bits moved into an fp32 (the value times 2**-120), times 2**120: exact
+            top = ((h >> (8 * IDX)) & 0xFF).to(tl.int32) << 24
+            a = ((top >> 4) & -2014314496).to(tl.float32, bitcast=True) * 1.329227995784916e36
         else:
             a = ((h >> (BITS * IDX)) & ((1 << BITS) - 1)).to(tl.float32) - (1 << (BITS - 1))
         if F32DOT:  # interpreter: its bf16 dot is broken; every value here is exact in fp32
@@ -258,7 +289,7 @@ if triton is not None:
                    STAGES: tl.constexpr, HAS_ZP: tl.constexpr, EVEN_K: tl.constexpr, USE_ASM: tl.constexpr,
                    F32DOT: tl.constexpr, SYNC: tl.constexpr, U0: tl.constexpr, U1: tl.constexpr,
                    U2: tl.constexpr, U3: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr,
-                   EPI: tl.constexpr, RMS: tl.constexpr, PBLOCK: tl.constexpr):
+                   EPI: tl.constexpr, RMS: tl.constexpr, PBLOCK: tl.constexpr, E4M3: tl.constexpr):
         """Program (pid_n, pid_k): rows [pid_n*BN, +BN), blocks [pid_k*BPS, +BPS); one block (C groups) per step.
         SYNC only keys the compile cache (the launcher sets DISABLE_MMA_V3 while it compiles). RMS: the finished tile
         is first scaled by its rows' 1 / rms (the input is the rows of an EPI 1 launch, whose partials give the rms).
@@ -313,11 +344,11 @@ if triton is not None:
                 x1m = m_ok & (kk + G < K)[:, None]
                 x2m = m_ok & (kk + 2 * G < K)[:, None]
                 x3m = m_ok & (kk + 3 * G < K)[:, None]
-            acc = _group(acc, h, xb, x0m, s0, z0, 0, BITS, U0, BN, BM, HAS_ZP, USE_ASM, F32DOT)
-            acc = _group(acc, h, xb + G, x1m, s1, z1, 1, BITS, U1, BN, BM, HAS_ZP, USE_ASM, F32DOT)
+            acc = _group(acc, h, xb, x0m, s0, z0, 0, BITS, U0, BN, BM, HAS_ZP, USE_ASM, F32DOT, E4M3)
+            acc = _group(acc, h, xb + G, x1m, s1, z1, 1, BITS, U1, BN, BM, HAS_ZP, USE_ASM, F32DOT, E4M3)
             if C == 4:
-                acc = _group(acc, h, xb + 2 * G, x2m, s2, z2, 2, BITS, U2, BN, BM, HAS_ZP, USE_ASM, F32DOT)
-                acc = _group(acc, h, xb + 3 * G, x3m, s3, z3, 3, BITS, U3, BN, BM, HAS_ZP, USE_ASM, F32DOT)
+                acc = _group(acc, h, xb + 2 * G, x2m, s2, z2, 2, BITS, U2, BN, BM, HAS_ZP, USE_ASM, F32DOT, E4M3)
+                acc = _group(acc, h, xb + 3 * G, x3m, s3, z3, 3, BITS, U3, BN, BM, HAS_ZP, USE_ASM, F32DOT, E4M3)
         pdl.release(PDL)
         total, done = split_k_total(acc, ws_ptr, cnt_ptr, offs_n, offs_m, M, N, pid_n, pid_k, SPLIT)
         ok = n_ok[:, None] & (offs_m < M)[None, :] & done
@@ -445,7 +476,8 @@ def _launch(x2: torch.Tensor, pw: PackedWeight, cfg: KernelConfig, out: torch.Te
     ws = torch.empty(split * m * pw.n if split > 1 else 1, dtype=torch.float32, device=x2.device)
     cnt = arrival_counters(x2.device, n_tiles)
     fp16 = x2.dtype == torch.float16
-    unpack = [unpack_asm(pw.bits, i, fp16) if i < 16 // pw.bits else "" for i in range(4)]
+    e4m3 = pw.codes == "e4m3"
+    unpack = [unpack_asm(pw.bits, i, fp16, e4m3) if i < 16 // pw.bits else "" for i in range(4)]
     epi = epilogue or Epilogue()
     parts = ws if epi.partials is None else epi.partials  # (EPI 2 with an even N: as many tiles, of BN / 2 channels)
     args = (x2, pw.q, pw.s, pw.s if pw.z is None else pw.z, out, ws, cnt, m, pw.n, pw.k, pw.q.shape[1], nblk, bps,
@@ -456,7 +488,8 @@ def _launch(x2: torch.Tensor, pw: PackedWeight, cfg: KernelConfig, out: torch.Te
                 USE_ASM=cuda and cfg.asm, F32DOT=not cuda, SYNC=cuda and cfg.sync, U0=unpack[0], U1=unpack[1],
                 U2=unpack[2], U3=unpack[3], num_warps=cfg.warps, **pdl.options(x2),
                 PREFETCH=pdl.prefetch_blocks(cfg.block_n * pw.group_size * 2, n_tiles * split, bps, x2.device),
-                EPI=epi.kind, RMS=epi.rms, PBLOCK=triton.next_power_of_2(parts.shape[0]) if epi.rms else 1)
+                EPI=epi.kind, RMS=epi.rms, PBLOCK=triton.next_power_of_2(parts.shape[0]) if epi.rms else 1,
+                E4M3=e4m3)
     if meta["SYNC"]:
         os.environ["DISABLE_MMA_V3"] = "1"  # read by the compiler; only a first call per config compiles
     try:
@@ -548,6 +581,6 @@ def wq_matmul(x: torch.Tensor, pw: PackedWeight, config: KernelConfig | None = N
     return out.reshape(*lead, pw.n)
 
 
-__all__ = ["PackedWeight", "KernelConfig", "check_format", "block_size", "padded_k", "pack", "pack_codes",
+__all__ = ["PackedWeight", "KernelConfig", "check_format", "block_size", "padded_k", "pack", "pack_e4m3", "pack_codes",
            "unpack_codes", "pack_groups", "unpack_groups", "unpack_asm", "reference_matmul", "kernels_available",
            "default_config", "split_k", "wq_matmul", "wq_matmul_add_norm", "wq_matmul_swiglu"]
