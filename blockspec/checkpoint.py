@@ -153,9 +153,11 @@ def is_quantized_part(name: str, tensor: torch.Tensor, scheme) -> bool:
     return name.endswith(QUANTIZED_SUFFIXES) or tensor.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
-def quantized_linears(parts: dict, sources: dict, scheme) -> dict[str, torch.nn.Module]:
+def quantized_linears(parts: dict, sources: dict, scheme, device="cpu") -> dict[str, torch.nn.Module]:
     """Quantized projections built by the checkpoint's reader from their parts (`parts`: checkpoint name -> tensor
-    for every name is_quantized_part picks; `sources`: name -> file), keyed by module_key."""
+    for every name is_quantized_part picks; `sources`: name -> file), keyed by module_key, on `device`. The parts
+    come to the device one projection at a time (and leave `parts`): the device never holds the stored parts of
+    more than one projection beside the built ones."""
     by_module: dict[str, list[str]] = {}
     for name in parts:
         by_module.setdefault(name.rsplit(".", 1)[0], []).append(name)
@@ -168,7 +170,7 @@ def quantized_linears(parts: dict, sources: dict, scheme) -> dict[str, torch.nn.
         if anchor not in parts:
             raise BlockspecError(f"{sources[names[0]]}: tensor {names[0]} has no quantized {anchor} beside it")
         try:
-            modules[module_key(prefix)] = scheme.read(parts, prefix)
+            modules[module_key(prefix)] = scheme.read({n: parts.pop(n).to(device) for n in names}, prefix)
         except BlockspecError as exc:
             raise BlockspecError(f"{sources[anchor]}: {exc}") from None
     return modules
@@ -204,7 +206,7 @@ def load_target(directory: str | Path, device="cpu", dtype=torch.float32, progre
     loaded, mtp, parts, sources = {}, {}, {}, {}
     with ShardProgress(files, progress) as shown:
         for path in files:
-            for name, tensor in read_tensors([path], device):
+            for name, tensor in read_tensors([path]):  # on the host: each goes to the device when it is built
                 shown.tensor_read(tensor.numel() * tensor.element_size())
                 if is_quantized_part(name, tensor, scheme):
                     if module_key(name.rsplit(".", 1)[0]) is not None:
@@ -234,7 +236,7 @@ def load_target(directory: str | Path, device="cpu", dtype=torch.float32, progre
                                                            dtype=torch.float32 if keep_fp32 else dtype),
                                                  requires_grad=False)
             shown.shard_read(path)
-    for key, module in quantized_linears(parts, sources, scheme).items():
+    for key, module in quantized_linears(parts, sources, scheme, device).items():
         if key.startswith("mtp."):
             mtp[key] = module
         else:

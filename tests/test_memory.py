@@ -8,7 +8,7 @@ import torch
 
 import blockspec.checkpoint
 from blockspec.cli import main
-from blockspec.config import PredictConfig
+from blockspec.config import PredictConfig, TargetConfig
 from blockspec.engine import memory
 from blockspec.engine.engine import MAX_VERIFY_TOKENS, Engine
 from blockspec.errors import BlockspecError
@@ -87,3 +87,20 @@ def test_the_synthetic_27b_quantized_at_load_is_refused_on_a_32gb_card(monkeypat
     with pytest.raises(BlockspecError, match=r"needed 54\.3 GB \(target read at load; 23\.3 GB resident after\).*"
                                              r"checkpoint stored quantized"):
         check_synthetic_fits("qwen3.5-27b", config, torch.device("cuda", 0))
+
+
+def test_a_stored_int4_27b_loads_within_its_resident_bytes():
+    """A GPTQ / AWQ checkpoint's stored parts come to the GPU one projection at a time (checkpoint.py): its loading
+    moments stay below what decoding holds, where quantizing a dense checkpoint at load needs the dense model."""
+    from blockspec.drafter.config import DrafterConfig
+    from blockspec.synthetic import preset, synthetic_drafter_config
+
+    target = TargetConfig.from_dict(preset("qwen3.5-27b"), source="synthetic preset qwen3.5-27b")
+    drafter = DrafterConfig.from_dict(synthetic_drafter_config(target))
+    config = PredictConfig.build({"mode": "dflash2", "target_quantization": "int4", "vocabulary_quantization": "int8",
+                                  "dflash2_quantization": "int8", "context_length": 32768})
+    stored = memory.estimate(target, config, execution="cuda-graphs", max_partial=16, drafter=drafter,
+                             stored=memory.Layout("int4", 128, symmetric=False))
+    at_load = memory.estimate(target, config, execution="cuda-graphs", max_partial=16, drafter=drafter)
+    assert stored.needed == sum(stored.resident.values()) < 24e9 < 30e9 < at_load.needed
+    assert max(stored.loading.values()) < 0.95 * sum(stored.resident.values())

@@ -5,8 +5,8 @@ The estimate builds the target, the MTP head, the DFlash2 drafter and the decode
 memory) and sizes each projection in the layout it will have: dense in the compute dtype, or the int4 / int8 / FP8
 layout's own buffers (quantized checkpoints keep their projections as stored; the rest is quantized at load as
 configured). Loading passes through heavier moments than decoding: a checkpoint is read whole in the compute dtype
-before projections are quantized at load, a quantized checkpoint's parts sit beside their repacked layout until
-every one is built, and the drafter is read dense before its own quantization. What the check compares with the
+before projections are quantized at load, a quantized checkpoint's stored parts come to the GPU one projection at a
+time beside the projections already built, and the drafter is read dense before its own quantization. What the check compares with the
 free memory is the larger of that loading peak and the resident total (weights, caches, drafter context, a
 prefill chunk's activations, CUDA graph pools, library workspace).
 
@@ -174,14 +174,18 @@ def estimate(target: TargetConfig, config: PredictConfig, *, execution: str, max
     if execution == "cuda-graphs":
         r["graph_pools"] = GRAPH_POOL_BYTES
     r["libraries"] = LIBRARY_BYTES
+    if stored is not None:  # the stored parts of one projection beside the built ones (checkpoint.py)
+        dense["largest_stored_projection"] = max(linear_bytes(m, stored, dtype) for name, m in model.named_modules()
+                                                 if type(m) is nn.Linear and not not_layers(name))
     return MemoryEstimate(r, loading_peaks(r, dense, drafter_dense, stored))
 
 
 def loading_peaks(resident: dict, dense: dict, drafter_dense: int, stored: Layout | None) -> dict:
     """The heavier moments of loading (module docstring), each with what is held then."""
     weights = resident["embedding"] + resident["libraries"]
-    if stored is not None:  # the stored parts and their repacked layout side by side (same size, give or take)
-        target = weights + 2 * resident["target_layers"] + dense["head"] + 2 * resident.get("mtp_head", 0)
+    if stored is not None:  # the built projections and one projection's stored parts (read to the host first)
+        target = weights + resident["target_layers"] + dense["largest_stored_projection"] + dense["head"] + \
+            resident.get("mtp_head", 0)
     else:
         target = weights + dense["target_layers"] + dense["head"] + dense.get("mtp_head", 0)
     loading = {"target_read": target}
