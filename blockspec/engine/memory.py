@@ -6,9 +6,9 @@ memory) and sizes each projection in the layout it will have: dense in the compu
 layout's own buffers (quantized checkpoints keep their projections as stored; the rest is quantized at load as
 configured). Loading passes through heavier moments than decoding: a checkpoint is read whole in the compute dtype
 before projections are quantized at load, a quantized checkpoint's stored parts come to the GPU one projection at a
-time beside the projections already built, and the drafter is read dense before its own quantization. What the check compares with the
-free memory is the larger of that loading peak and the resident total (weights, caches, drafter context, a
-prefill chunk's activations, CUDA graph pools, library workspace).
+time beside the projections already built, and the drafter is read dense before its own quantization. What the
+check compares with the free memory is the larger of that loading peak and the resident total (weights, caches,
+drafter context, a prefill chunk's activations, CUDA graph pools, library workspace).
 
 Measured figures come from PyTorch's caching allocator (peak allocated / reserved) and the driver
 (`torch.cuda.mem_get_info`: the GPU memory held, by this process and any other); on the CPU they are None.

@@ -10,9 +10,9 @@ A module that packs declares `PACKS = {packed_name: (projection names...)}` and 
 None until packed; its forward calls only the packed projection. `pack_projections` builds one `PackedLinear` per
 declared pack and deletes the original projections (their weights are released).
 Dense weights are concatenated (pack before quantizing: group-wise quantization is per output row, so quantizing
-the packed weight gives exactly the codes of quantizing each part); already quantized projections (a
-quantized checkpoint) are concatenated code for code (FP8: with their block scales). Projections stored in different formats (e.g. some
-kept bf16 by a checkpoint's ignore list) are packed per format, one matmul each.
+the packed weight gives exactly the codes of quantizing each part); already quantized projections (a quantized
+checkpoint) are concatenated code for code (FP8: with their block scales). Projections stored in different formats
+(e.g. some kept bf16 by a checkpoint's ignore list) are packed per format, one matmul each.
 """
 
 from __future__ import annotations
