@@ -40,7 +40,9 @@ def main():
     args = p.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    start = time.perf_counter()
     model, _ = synthetic_target(args.preset, device, dtype)
+    print(f"synthetic target built in {time.perf_counter() - start:.1f} s", flush=True)  # a slot's cost is visible
     config = dict(synthetic_drafter_config(model.config), num_target_layers=model.config.num_hidden_layers)
     drafter = new_drafter(config, seed=0, device=device, dtype=torch.float32)
     layer_ids = config["dflash_config"]["target_layer_ids"]
@@ -61,16 +63,21 @@ def main():
         optimizer.step()
         return rows
 
-    for _ in range(2):
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    for i in range(2):
+        start = time.perf_counter()
         step()
+        sync()
+        print(f"warm-up step {i}: {time.perf_counter() - start:.2f} s", flush=True)
+    sync()
     if device.type == "cuda":
-        torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
     start, rows = time.perf_counter(), 0
-    for _ in range(args.steps):
+    for i in range(args.steps):
         rows += step()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
+        sync()  # the per-step line is a real duration (the total is timed the same way)
+        print(f"step {i}: {rows} block rows, {time.perf_counter() - start:.2f} s", flush=True)
+    sync()
     elapsed = time.perf_counter() - start
     figures = {"preset": args.preset, "drafter_parameters": sum(p.numel() for p in drafter.parameters()),
                "seq_len": args.seq_len, "block_rows_per_step": rows // args.steps, "steps": args.steps,

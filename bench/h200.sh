@@ -96,7 +96,7 @@ for part in ${PARTS:-bf16 warm int4 vocab}; do
     pair_bench) run ${PAIR_BENCH_S:-400} python3 -m blockspec.cli bench --model ${PAIR_MODEL:-.pair/mtp} --drafter .pair/drafter \
              --mode none,mtp,dflash2 --fixtures stdlib --one-cycle 500 --max-tokens 128 --repeats 1 \
              --json-out "$OUT/pair_bench.json" ;;
-    drafter_train) kernel_bench drafter_training 240 drafter_training --json-out "$OUT/drafter_training.json" ;;
+    drafter_train) kernel_bench drafter_training ${DRAFTER_TRAIN_S:-420} drafter_training --json-out "$OUT/drafter_training.json" ;;
     *) echo "## unknown part $part" >> "$LOG" ;;
   esac
 done

@@ -173,6 +173,8 @@ def build_engine(args, mode: str):
                  "load_progress": True}
     if args.compile_mode is not None:
         overrides["compile_mode"] = args.compile_mode
+    if args.pdl_level is not None:
+        overrides["pdl_level"] = args.pdl_level
     if mode != "dflash2":
         overrides.pop("dflash2_quantization")  # applies to the dflash2 rows only
     if mode == "none":
@@ -477,6 +479,8 @@ def add_bench_parser(sub):
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="bfloat16", help="compute dtype")
     p.add_argument("--compile-mode", type=int, choices=[-1, 0], default=None,
                    help="0: CUDA graphs (the default on CUDA), -1: eager (as --eager)")
+    p.add_argument("--pdl-level", type=int, choices=[0, 1, 2, 3], default=None, help="programmatic dependent launch "
+                   "level (default: the engine's choice for the target's weights; kernels/pdl.py)")
     p.add_argument("--bandwidth", type=float, help="card read bandwidth in GB/s (default: measured now)")
     add_sampling_args(p, "every run; --seed also seeds the synthetic weights, 0 when not given")
     p.add_argument("--compare-greedy", action="store_true", help="with --temperature above 0: run each mode greedily "

@@ -93,27 +93,28 @@ def test_dflash2_equals_plain_bf16(wide_margin_pair, compile_mode):
     assert 0.02 < b.stats["acceptance_rate"] < 0.98
 
 
-QUANTIZED = dict(target_quantization="int4", vocabulary_quantization="int8")
-
-
 @pytest.mark.parametrize("mode", ["mtp", "dflash2"])
-def test_quantized_paths_on_gpu(wide_margin_pair, mode):
-    """The int4 target (Triton W4A16 kernel), int8 head and (dflash2) int8 drafter, packed, under CUDA graphs:
-    speculative output == plain greedy output with the same weights, and graphed plain == eager plain."""
+@pytest.mark.parametrize("quantization", ["int4", "fp8"])
+def test_quantized_paths_on_gpu(wide_margin_pair, mode, quantization):
+    """The int4 or FP8 target (the Triton W4A16 / W8A16 kernel, folded norms), int8 head and (dflash2) int8 drafter,
+    packed, under CUDA graphs: speculative output == plain greedy output with the same weights, and graphed plain ==
+    eager plain."""
+    from blockspec.quant.fp8 import Fp8Linear
     from blockspec.quant.int4 import Int4Linear
     from blockspec.quant.w4a16_triton import kernels_available
 
     assert kernels_available(torch.device("cuda"))
     target, drafter = wide_margin_pair
-    kw = dict(compute_dtype="bfloat16", **QUANTIZED)
+    kw = dict(compute_dtype="bfloat16", target_quantization=quantization, vocabulary_quantization="int8")
     plain_graphed, plain_eager = engine(target, compile_mode=0, **kw), engine(target, compile_mode=-1, **kw)
     spec = engine(target, compile_mode=0, mode=mode, **kw,
                   **(dict(dflash2_model=str(drafter), dflash2_quantization="int8") if mode == "dflash2" else {}))
-    assert any(isinstance(m, Int4Linear) for m in spec.model.modules())
+    kind = Fp8Linear if quantization == "fp8" else Int4Linear
+    assert isinstance(spec.model.layers[0].mlp.down_proj, kind) and spec.folded_norms > 0
     ids = spec.tokenizer.encode("hello world")
     a, b = plain_graphed.generate(ids, 160, stop_at_eos=False), spec.generate(ids, 160, stop_at_eos=False)
     assert a.tokens == plain_eager.generate(ids, 160, stop_at_eos=False).tokens
-    print(f"int4 {mode}: acceptance {b.stats['acceptance_rate']:.2f}")
+    print(f"{quantization} {mode}: acceptance {b.stats['acceptance_rate']:.2f}")
     assert a.tokens == b.tokens
     assert b.stats["acceptance_rate"] > 0.02
 
@@ -207,7 +208,8 @@ def test_folded_norms_on_gpu(wide_margin_pair):
     assert torch.equal(wq.wq_matmul_swiglu(one[1], gate_up.packed(), rms=(one[2], 1e-6)), act[:1])
 
     target, _ = wide_margin_pair
-    e = engine(target, compile_mode=-1, compute_dtype="bfloat16", **QUANTIZED)
+    e = engine(target, compile_mode=-1, compute_dtype="bfloat16", target_quantization="int4",
+               vocabulary_quantization="int8")
     assert e.folded_norms == 2 * len(e.model.layers) - 1 and all(m.mlp.fold_activation for m in e.model.layers)
     ids = torch.tensor(e.tokenizer.encode("hello world, folded")[:12], device="cuda")
 
@@ -432,35 +434,6 @@ def test_sampled_walk_on_gpu():
             assert torch.equal(got, greedy_walk_reference(*args))
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_fp8_kernel_on_gpu(dtype):
-    """The FP8 kernel at 27B projection shapes (one part, and packed parts off the 128-row grid) at 1, 8 and 16 rows
-    against its float32 reference; replayed in a CUDA graph it gives what it gives eagerly."""
-    from blockspec.kernels.fp8_linear import fp8_linear_reference
-    from blockspec.kernels.fp8_linear_triton import available, fp8_matmul
-    from blockspec.quant.fp8 import Fp8Linear, quantize
-
-    g = torch.Generator().manual_seed(0)
-    for sizes, k in [([5120], 17408), ([10240, 48, 48], 5120)]:
-        module = Fp8Linear.concat([Fp8Linear.from_blocks(*quantize(torch.randn(n, k, generator=g) * k ** -0.5))
-                                   for n in sizes]).cuda()
-        args = (module.weight, module.scale, module.scale_row)
-        for rows in (1, 8, 16):
-            x = torch.randn(rows, k, device="cuda", dtype=dtype)
-            assert available(x, module.weight)
-            got = fp8_matmul(x, *args)
-            ref = fp8_linear_reference(x, *args, out_dtype=torch.float32)
-            assert got.dtype == dtype and (got.float() - ref).abs().max() <= 0.02 * ref.abs().max(), (sizes, rows)
-            static, fresh = x.clone(), torch.randn_like(x)
-            fp8_matmul(static, *args)  # compiled and its workspace allocated before capture
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                captured = fp8_matmul(static, *args)
-            static.copy_(fresh)
-            graph.replay()
-            assert torch.equal(captured, fp8_matmul(fresh, *args)), (sizes, rows)
-
-
 @pytest.mark.parametrize("mode", ["none", "mtp", "dflash2"])
 def test_prefix_reuse_bf16_graphed(wide_margin_pair, mode):
     """Prefix reuse in bf16 with graphs: the conversation's greedy tokens equal an engine's that prefills every
@@ -477,24 +450,43 @@ def test_prefix_reuse_bf16_graphed(wide_margin_pair, mode):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("asm", [True, False])
-def test_e4m3_codes_in_the_q16_kernel_on_gpu(dtype, asm):
-    """FP8 weights as e4m3 codes in the W4A16 kernel's q16 layout (quant/w4a16_triton.pack_e4m3), PTX or plain
-    unpacking, at 1, 8 and 16 rows: the FP8 reference's result to rounding."""
+def test_fp8_projections_on_gpu(dtype, asm):
+    """FP8 projections (e4m3 codes in the q16 layout, PTX or plain unpacking) at 27B shapes, one part and packed
+    parts off the 128-row grid, at 1, 8 and 16 rows: the FP8 reference's result to rounding; replayed in a CUDA graph
+    they give what they give eagerly. Every finite e4m3 byte (subnormals, both zeros) times one-hot rows: exactly its
+    value times its block's scale."""
     from dataclasses import replace
 
-    from blockspec.kernels.fp8_linear import fp8_linear_reference
-    from blockspec.quant.fp8 import Fp8Linear, quantize
-    from blockspec.quant.w4a16_triton import default_config, pack_e4m3, wq_matmul
+    from blockspec.quant.fp8 import Fp8Linear, dequantize, quantize
+    from blockspec.quant.w4a16_triton import default_config, wq_matmul
 
     g = torch.Generator().manual_seed(0)
     for sizes, k in [([5120], 17408), ([10240, 48, 48], 5120)]:
-        module = Fp8Linear.concat([Fp8Linear.from_blocks(*quantize(torch.randn(n, k, generator=g) * k ** -0.5))
-                                   for n in sizes]).cuda()
-        args = (module.weight, module.scale, module.scale_row)
-        q16 = pack_e4m3(*args)
+        parts = [quantize(torch.randn(n, k, generator=g) * k ** -0.5) for n in sizes]
+        packed = Fp8Linear.concat([Fp8Linear.from_blocks(*p) for p in parts]).cuda().packed()
+        dense = torch.cat([dequantize(*p) for p in parts]).cuda()
         for rows in (1, 8, 16):
+            config = replace(default_config(rows, packed.n, packed.k, 8, 128), asm=asm)
             x = torch.randn(rows, k, device="cuda", dtype=dtype)
-            config = replace(default_config(rows, q16.n, q16.k, 8, 128), asm=asm)
-            got = wq_matmul(x, q16, config, out_dtype=torch.float32)
-            ref = fp8_linear_reference(x, *args, out_dtype=torch.float32)
+            got = wq_matmul(x, packed, config, out_dtype=torch.float32)
+            ref = x.float() @ dense.t()
             assert (got - ref).abs().max() <= 1e-3 * ref.abs().max(), (sizes, rows, asm)
+            static, fresh = x.clone(), torch.randn_like(x)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                captured = wq_matmul(static, packed, config)
+            static.copy_(fresh)
+            graph.replay()
+            assert torch.equal(captured, wq_matmul(fresh, packed, config)), (sizes, rows, asm)
+    codes = torch.arange(256, dtype=torch.uint8)
+    codes = codes[~codes.view(torch.float8_e4m3fn).float().isnan()]
+    weight = codes.view(torch.float8_e4m3fn).repeat(200, 1).T.contiguous()  # [254, 200]: byte j on output row j
+    scale = torch.tensor([[0.5, 2.0], [3.0, 0.25]])
+    packed = Fp8Linear.from_blocks(weight, scale).cuda().packed()
+    for rows in (1, 8, 16):
+        columns = torch.arange(rows) * 13
+        x = torch.zeros(rows, 200, dtype=dtype)
+        x[torch.arange(rows), columns] = 1.0
+        got = wq_matmul(x.cuda(), packed, replace(default_config(rows, 254, 200, 8, 128), asm=asm),
+                        out_dtype=torch.float32)
+        assert torch.equal(got.cpu(), dequantize(weight, scale)[:, columns].T), (rows, asm)

@@ -157,15 +157,16 @@ class Engine:
             raise BlockspecError(f"target_quantization: {c.target_quantization!r}, but {c.model} is a checkpoint "
                                  f"quantized to {stored}: leave target_quantization unset or set it to {stored!r}")
         self.target_quantization = stored or c.target_quantization
-        # PDL where it measured a gain: the INT4 step (kernels/pdl.py); fusion is what graphs record
-        pdl_level = c.pdl_level if c.pdl_level is not None else (3 if self.target_quantization == "int4" else 0)
+        # PDL where it measured a gain: steps of W4A16 / W8A16 launches, INT4 and FP8 (kernels/pdl.py); fusion is
+        # what graphs record
+        pdl_level = c.pdl_level if c.pdl_level is not None else (3 if self.target_quantization != "none" else 0)
         self.kernels = KernelSettings(fusion=self.execution == "cuda-graphs", pdl_level=pdl_level,
                                       pdl_prefetch_mb=c.pdl_prefetch_mb)
         # a quantized checkpoint is used as stored: what it keeps unquantized stays dense
         self.target_quantizer = rtn(c.target_quantization if not stored else "none", 128, self.dtype)
         self.memory["target"] = prepare(self.model, self.target_quantizer, lambda name: name.startswith("layers."))
         quantize_head(self.model, c.vocabulary_quantization, self.dtype)
-        self.folded_norms = folded_norm.enable(self.model, c.fold_norms)  # INT4 on CUDA: norms in the projections
+        self.folded_norms = folded_norm.enable(self.model, c.fold_norms)  # INT4 / FP8 on CUDA: norms in the projections
         self.memory["target"]["final_bytes"] = resident_bytes(self.model)
         self.load_times["prepare_target_s"] = round(time.perf_counter() - start, 3)
 

@@ -31,6 +31,7 @@ from ..layers.attention import KVCache
 from ..layers.draft_head import draft_ids
 from ..models.mtp import MTPHead
 from ..models.qwen3_5 import TargetModel
+from ..quant.fp8 import Fp8Linear
 from ..quant.int4 import Int4Linear
 from ..quant.int8 import Int8Linear
 from .state import DecodeState
@@ -38,13 +39,12 @@ from .state import DecodeState
 GB = 1e9
 GRAPH_POOL_BYTES = 256 * 2 ** 20   # captured passes of at most 16 rows: their activations, the sampler's, commits
 LIBRARY_BYTES = 512 * 2 ** 20      # cuBLAS workspace, Triton kernels' modules, allocator rounding
-FP8_BLOCK = 128
 
 
 @dataclass
 class Layout:
     """How a projection is stored: "dense" (the compute dtype), "int4" / "int8" (groups of `group_size`, with zero
-    points unless `symmetric`) or "fp8" (128 x 128 blocks)."""
+    points unless `symmetric`) or "fp8" (e4m3 values, a scale per output and 128 inputs)."""
     kind: str = "dense"
     group_size: int = 128
     symmetric: bool = True
@@ -52,15 +52,15 @@ class Layout:
 
 def linear_bytes(linear: nn.Linear, layout: Layout, dtype: torch.dtype) -> int:
     out_features, in_features = linear.out_features, linear.in_features
-    if layout.kind in ("int4", "int8"):
+    if layout.kind in ("int4", "int8", "fp8"):
         scale_dtype = dtype if dtype in (torch.float32, torch.bfloat16, torch.float16) else torch.bfloat16
-        cls = Int4Linear if layout.kind == "int4" else Int8Linear
-        module = cls(in_features, out_features, layout.group_size, layout.symmetric, linear.bias is not None,
-                     scale_dtype=scale_dtype, device="meta")
+        if layout.kind == "fp8":
+            module = Fp8Linear(in_features, out_features, device="meta")
+        else:
+            cls = Int4Linear if layout.kind == "int4" else Int8Linear
+            module = cls(in_features, out_features, layout.group_size, layout.symmetric, linear.bias is not None,
+                         scale_dtype=scale_dtype, device="meta")
         return sum(b.numel() * b.element_size() for b in module.buffers())
-    if layout.kind == "fp8":  # values, float32 block scales, int32 block row of each output row
-        blocks = -(-out_features // FP8_BLOCK) * -(-in_features // FP8_BLOCK)
-        return out_features * in_features + 4 * blocks + 4 * out_features
     return (out_features * in_features + (out_features if linear.bias is not None else 0)) * dtype.itemsize
 
 

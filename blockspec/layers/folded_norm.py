@@ -9,10 +9,10 @@ before the 1 / rms scale, the sums are summed per tile), but every pass of <= 16
 verification's 4-8) runs this same code row by row, so speculative decoding stays token-identical to plain decoding;
 longer passes (prefill) keep the plain path in every mode.
 
-A layer folds when every projection of it is a bias-free W4A16 module (`Int4Linear`, also int8) whose kernel runs on
-its device: an INT4 target on CUDA. The post-attention norm then folds into (o_proj or out_proj, its MLP's gate/up);
-the next layer's input norm into (down_proj, the next mixer's input projections) when that layer folds too. The
-first input norm and the final norm stay norm kernels.
+A layer folds when every projection of it is a bias-free W4A16 / W8A16 module (`Int4Linear`, also int8 and FP8)
+whose kernel runs on its device: an INT4 or FP8 target on CUDA. The post-attention norm then folds into (o_proj or
+out_proj, its MLP's gate/up); the next layer's input norm into (down_proj, the next mixer's input projections) when
+that layer folds too. The first input norm and the final norm stay norm kernels.
 
 The same layers also fold SwiGLU's activation into a packed gate/up projection (`fuse_gate`, one quantized part):
 each program of that launch takes BN / 2 gate rows and the same up rows and stores silu(gate) * up, rounded as the

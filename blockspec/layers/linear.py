@@ -11,7 +11,7 @@ None until packed; its forward calls only the packed projection. `pack_projectio
 declared pack and deletes the original projections (their weights are released).
 Dense weights are concatenated (pack before quantizing: group-wise quantization is per output row, so quantizing
 the packed weight gives exactly the codes of quantizing each part); already quantized projections (a quantized
-checkpoint) are concatenated code for code (FP8: with their block scales). Projections stored in different formats
+checkpoint) are concatenated code for code (FP8: with their scales). Projections stored in different formats
 (e.g. some kept bf16 by a checkpoint's ignore list) are packed per format, one matmul each.
 """
 
@@ -21,10 +21,9 @@ import torch
 from torch import nn
 
 from ..kernels.linear import linear
-from ..quant.fp8 import Fp8Linear
 from ..quant.int4 import Int4Linear
 
-QUANTIZED = (Int4Linear, Fp8Linear)  # (Int8Linear is an Int4Linear)
+QUANTIZED = (Int4Linear,)  # Int8Linear and Fp8Linear are Int4Linears
 
 
 class DenseLinear(nn.Linear):

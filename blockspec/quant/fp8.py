@@ -3,11 +3,12 @@ checkpoints of Qwen and DeepSeek store them (`quantization_config: {quant_method
 weight_block_size: [128, 128], activation_scheme: dynamic}`; per projection `<module>.weight` float8_e4m3fn [N, K]
 and `<module>.weight_scale_inv` float32 [ceil(N / 128), ceil(K / 128)]):  w[n, k] = fp8[n, k] * scale[n // 128, k // 128].
 
-`Fp8Linear` keeps the stored bytes and scales as they are (never dequantized at load) and runs
-kernels/fp8_linear.py. Packed projections (layers/linear.py) concatenate their FP8 rows and scale rows along the
-outputs; `scale_row` [N] maps each output to its scale row, so a projection whose size is not a multiple of 128
-(a DeltaNet's b / a) keeps its own blocks after packing. `quantize` makes the same format from dense weights
-(target_quantization: fp8, round to nearest with scale = block max / 448).
+`dequantize` is the format's reference. `Fp8Linear` keeps the stored e4m3 bytes as they are (never dequantized at
+load) as 8-bit codes of the W4A16 / W8A16 kernel's q16 layout (quant/w4a16_triton.py: `pack_e4m3`), with each
+output's block scale repeated per 128 inputs (4 bytes per 128 weights): it is an Int4Linear in every other respect,
+so FP8 projections pack, run inside the CUDA graphs and take the folded norms' epilogues as INT4 ones do. Packed
+projections whose sizes are not multiples of 128 keep their own blocks. `quantize` makes the same format from dense
+weights (target_quantization: fp8, round to nearest with scale = block max / 448).
 Other formats (fmt e5m2, other block sizes, per-tensor scales, static activation scales) are refused in one line.
 """
 
@@ -19,10 +20,11 @@ import torch
 from torch import nn
 
 from ..errors import BlockspecError
-from ..kernels.fp8_linear import BLOCK_K, fp8_dequantize, fp8_linear
+from . import w4a16_triton as wq
 from .hf_quantization import check_converted, check_shape, config_value, not_converted, part
+from .int4 import Int4Linear
 
-BLOCK = BLOCK_K  # the kernel's input blocks are the format's (and its output blocks the same size)
+BLOCK = 128  # the format's block: 128 outputs x 128 inputs
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 FLOAT8 = torch.float8_e4m3fn
 
@@ -39,55 +41,50 @@ def quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q.view(nb * BLOCK, kb * BLOCK)[:n, :k].clone(memory_format=torch.contiguous_format), scale  # no padding kept
 
 
-class Fp8Linear(nn.Module):
-    """y = x @ dequant(W)^T with W in block-scaled FP8 (module docstring)."""
+def dequantize(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """The reference: float32 [N, K] of FP8 values [N, K] and their block scales [ceil(N/128), ceil(K/128)]."""
+    n, k = weight.shape
+    per_weight = scale.to(torch.float32).repeat_interleave(BLOCK, 0).repeat_interleave(BLOCK, 1)[:n, :k]
+    return weight.to(torch.float32) * per_weight
 
-    def __init__(self, weight: torch.Tensor, scale: torch.Tensor, scale_row: torch.Tensor):
-        super().__init__()
-        self.out_features, self.in_features = weight.shape
-        self.register_buffer("weight", weight)
-        self.register_buffer("scale", scale)
-        self.register_buffer("scale_row", scale_row)
+
+class Fp8Linear(Int4Linear):
+    """y = x @ dequant(W)^T with W in block-scaled FP8, held as e4m3 codes in the q16 layout (module docstring)."""
+
+    bits = 8
+    code_format = "e4m3"
+
+    def __init__(self, in_features: int, out_features: int, group_size: int = BLOCK, symmetric: bool = True,
+                 bias: bool = False, scale_dtype: torch.dtype = torch.float32, device=None):
+        if (group_size, symmetric, bias, scale_dtype) != (BLOCK, True, False, torch.float32):
+            raise BlockspecError("FP8 projections have 128 x 128 blocks, float32 scales, no zero points, no bias")
+        super().__init__(in_features, out_features, BLOCK, True, False, torch.float32, device)
 
     @classmethod
     def from_blocks(cls, weight: torch.Tensor, scale: torch.Tensor) -> "Fp8Linear":
-        """From FP8 values [N, K] and float32 scales of 128 x 128 blocks."""
-        rows = torch.arange(weight.shape[0], device=weight.device, dtype=torch.int32) // BLOCK
-        return cls(weight, scale.to(torch.float32).contiguous(), rows)
+        """From FP8 values [N, K] and float32 scales of 128 x 128 blocks (kept exactly)."""
+        packed = wq.pack_e4m3(weight, scale)
+        module = cls(packed.k, packed.n, device="meta")
+        module.qweight, module.scales = packed.q, packed.s
+        return module
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear) -> "Fp8Linear":
+    def from_float(cls, weight: torch.Tensor, *args, **kwargs) -> "Fp8Linear":
+        """Round-to-nearest FP8 of a dense weight [out, in] (`quantize`)."""
+        return cls.from_blocks(*quantize(weight.detach()))
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, *args, **kwargs) -> "Fp8Linear":
         if linear.bias is not None:
             raise BlockspecError("FP8 projections take no bias")
-        return cls.from_blocks(*quantize(linear.weight.detach()))
+        return cls.from_float(linear.weight)
 
-    def pack_key(self) -> tuple:
-        """Modules with equal keys can be concatenated along their outputs (`concat`)."""
-        return (type(self), self.in_features, self.weight.device)
-
-    @classmethod
-    def concat(cls, modules: list["Fp8Linear"]) -> "Fp8Linear":
-        offsets, rows = 0, []
-        for m in modules:
-            rows.append(m.scale_row + offsets)
-            offsets += m.scale.shape[0]
-        return cls(torch.cat([m.weight for m in modules]), torch.cat([m.scale for m in modules]), torch.cat(rows))
-
-    def dequantize(self, dtype: torch.dtype = torch.float32, rows: torch.Tensor | None = None) -> torch.Tensor:
-        """The dense weight [out, in] this module computes with (or its output rows `rows`)."""
-        if rows is None:
-            return fp8_dequantize(self.weight, self.scale, self.scale_row, dtype)
-        return fp8_dequantize(self.weight[rows], self.scale, self.scale_row[rows], dtype)
-
-    def forward(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-        """`out_dtype` float32: the float32 sums returned unrounded (the vocabulary head's logits)."""
-        return fp8_linear(x, self.weight, self.scale, self.scale_row, out_dtype)
-
-    def weight_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.weight, self.scale, self.scale_row))
+    def codes(self) -> torch.Tensor:
+        """The FP8 values [out, in] as stored."""
+        return wq.unpack_codes(self.qweight, 8, BLOCK, self.in_features).to(torch.uint8).view(FLOAT8)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, fp8 e4m3 blocks 128x128"
+        return f"in_features={self.in_features}, out_features={self.out_features}, fp8 e4m3, 128 x 128 block scales"
 
 
 @dataclass(frozen=True)
@@ -119,4 +116,3 @@ class FP8Scheme:
         check_shape(parts, prefix + ".weight_scale_inv", (-(-n // BLOCK), -(-k // BLOCK)),
                     f"{prefix}.weight {tuple(weight.shape)}, blocks of {BLOCK} x {BLOCK}")
         return Fp8Linear.from_blocks(weight, parts[prefix + ".weight_scale_inv"])
-

@@ -129,6 +129,7 @@ class Int4Linear(nn.Module):
     """y = x @ dequant(W)^T (+ bias) with int4 group-quantized W held in the kernel's q16 layout."""
 
     bits = BITS
+    code_format = "uint"  # Fp8Linear: "e4m3"
 
     def __init__(self, in_features: int, out_features: int, group_size: int = DEFAULT_GROUP_SIZE,
                  symmetric: bool = True, bias: bool = False, scale_dtype: torch.dtype = torch.bfloat16,
@@ -221,7 +222,7 @@ class Int4Linear(nn.Module):
 
     def packed(self) -> wq.PackedWeight:
         return wq.PackedWeight(self.qweight, self.scales, self.zeros, self.bits, self.group_size,
-                               self.out_features, self.in_features)
+                               self.out_features, self.in_features, self.code_format)
 
     def dequantize(self, dtype: torch.dtype = torch.float32, rows: torch.Tensor | None = None) -> torch.Tensor:
         """The dense weight [out, in] this module computes with (or its output rows `rows`)."""

@@ -56,6 +56,9 @@ int8 (byte i of each halfword): plain Triton unpacking takes ~4.3 / 5.6 SASS ins
 (budget ~8 for 1-byte weights at 4 TB/s), the PTX one (`asm=True`: PRMT into the fp32 2**23 + u, FADD, F2FP to
 bf16x2) 3.2 / 4.4 and measured 9-48 % faster on the H200, so it is the default. The int8 group-32 M 9..16 entry of
 the table below is by analogy (not measured).
+e4m3 (FP8 checkpoints, quant/fp8.py): the float8_e4m3fn bytes as 8-bit codes, no zero point, one float32 scale per
+output and 128 inputs; the PTX unpacking moves each byte's bits into a bf16 / fp16 and scales it by a power of two
+(`unpack_asm`), exact, on any sm_80+ GPU; the configs are int8 group 128's.
 
 Configs: `default_config`, a fixed table (no autotuning: a timing-based choice would vary between runs, and with
 it the summation order, i.e. the numerics), the H200 winners of bench/quant_kernels.py --sweep:
@@ -196,13 +199,12 @@ def pack(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, 
                         bits, group_size, n, k)
 
 
-def pack_e4m3(weight: torch.Tensor, scale: torch.Tensor, scale_row: torch.Tensor) -> PackedWeight:
-    """A block-scaled FP8 weight (quant/fp8.py: float8_e4m3fn [N, K], float32 scales [rows, ceil(K / 128)], each
-    output's scale row [N]) in the q16 layout: its bytes as 8-bit codes (the padding 0x80 is e4m3 -0), one float32
-    scale per output and 128 inputs. Lossless: dequantize() gives the FP8 reference's weights."""
-    per_row = scale[scale_row.long()].to(torch.float32)  # [N, ceil(K / 128)]
-    codes = weight.view(torch.uint8).to(torch.int32)
-    return PackedWeight(pack_codes(codes, 8, 128), pack_groups(per_row, 8, 128, weight.shape[1], 0.0), None, 8, 128,
+def pack_e4m3(weight: torch.Tensor, scale: torch.Tensor) -> PackedWeight:
+    """A block-scaled FP8 weight (quant/fp8.py: float8_e4m3fn [N, K], float32 scales [ceil(N / 128), ceil(K / 128)])
+    in the q16 layout: its bytes as 8-bit codes (the padding 0x80 is e4m3 -0), one float32 scale per output and 128
+    inputs (its block's). Lossless: dequantize() gives the FP8 reference's weights."""
+    per_row = scale.to(torch.float32).repeat_interleave(128, dim=0)[:weight.shape[0]]  # [N, ceil(K / 128)]
+    return PackedWeight(pack_codes(weight.view(torch.uint8), 8, 128), pack_groups(per_row, 8, 128, weight.shape[1], 0.0), None, 8, 128,
                         weight.shape[0], weight.shape[1], "e4m3")
 
 
@@ -220,15 +222,13 @@ def reference_matmul(x: torch.Tensor, pw: PackedWeight) -> torch.Tensor:
 def unpack_asm(bits: int, i: int, fp16: bool, e4m3: bool = False) -> str:
     """PTX for one 32-bit register (two halfwords): (u - 2**(bits-1)) of code i of each, as bf16x2 / f16x2; with
     e4m3, the float8_e4m3fn value of byte i of each."""
-    if e4m3:
-        if fp16:  # bytes i and 2 + i side by side in 16 bits, then the hardware conversion (sm_89+), exact
-            return (f"{{ .reg .b32 t; .reg .b16 lo, hi; prmt.b32 t, $1, 0, 0x44{2 + i}{i}; mov.b32 {{lo, hi}}, t; "
-                    "cvt.rn.f16x2.e4m3x2 $0, lo; }")
-        # each byte into the top of an fp32, shifted so its exponent and mantissa sit in the fp32's (the value times
-        # 2**-120), times 2**120 (exact, subnormals kept), both packed to bf16x2 (exact: 4 significant bits)
-        return (f"{{ .reg .b32 lo, hi; prmt.b32 lo, $1, 0, 0x{i}444; prmt.b32 hi, $1, 0, 0x{2 + i}444; "
-                "shr.s32 lo, lo, 4; shr.s32 hi, hi, 4; and.b32 lo, lo, 0x87F00000; and.b32 hi, hi, 0x87F00000; "
-                "mul.rn.f32 lo, lo, 0f7B800000; mul.rn.f32 hi, hi, 0f7B800000; cvt.rn.bf16x2.f32 $0, hi, lo; }")
+    if e4m3:  # byte i and byte 2 + i at the top of each half; sign kept, exponent and mantissa moved down into the
+        # bf16's (fp16's) so the half holds the value times 2**-120 (2**-8), subnormals included; times 2**120 (2**8)
+        # in one packed FMA (+ -0 keeps the sign of zeros): exact, 2.5 instructions per weight, any sm_80+ GPU
+        shift, scale = (1, "0x5C005C00") if fp16 else (4, "0x7B807B80")
+        return (f"{{ .reg .b32 t, v, k, z; prmt.b32 t, $1, 0, 0x{2 + i}4{i}4; and.b32 v, t, 0x7F007F00; "
+                f"shr.b32 v, v, {shift}; lop3.b32 v, t, 0x80008000, v, 0xEA; mov.b32 k, {scale}; "
+                f"mov.b32 z, 0x80008000; fma.rn.{'f16x2' if fp16 else 'bf16x2'} $0, v, k, z; }}")
     if bits == 4:  # (u | 0x4300) as bf16 is 128 + u, (u | 0x6400) as fp16 is 1024 + u; then * 1 - 136 / - 1032
         magic, one, bias = ("0x64006400", "0x3C003C00", "0xE408E408") if fp16 else \
             ("0x43004300", "0x3F803F80", "0xC308C308")
