@@ -66,6 +66,8 @@ it the summation order, i.e. the numerics), the H200 winners of bench/quant_kern
   M 9..16: wgmma; vocabulary (N >= 131072) n128 s3, ~4 waves; K > 8192 (down) n64 s2, ~4 waves; else n64 s3, ~1 wave
            (one wave of 3-stage programs: the mid-size projections 5-10 % faster than ~4 waves)
   int8 group 32: M <= 8 n64 (N >= 16384) or n128, s3; M 9..16 n128 m16 s6 sync (by analogy, not measured)
+  8-bit group 128 (e4m3, the int8 head): M <= 8 n64 s3, ~4 waves when N < 64 * 132 (down, o: 5-10 % faster than
+           ~2 in bench/fp8_kernels.py --sweep; 3 stages: qkv 9 % faster than 2)
 Shallow pipelines win: 64-row tiles with 2-3 stages (32-48 KB of shared memory, 4-7 programs per SM) beat 4-stage
 ones (3 per SM) by 1-16 %: more resident programs hide the memory latency better than a deeper pipeline per program.
 M > 16 (prefill): up to 64 rows in 16-row launches; beyond, each slice of <= 16M weights is dequantized to x's dtype
@@ -204,8 +206,9 @@ def pack_e4m3(weight: torch.Tensor, scale: torch.Tensor) -> PackedWeight:
     in the q16 layout: its bytes as 8-bit codes (the padding 0x80 is e4m3 -0), one float32 scale per output and 128
     inputs (its block's). Lossless: dequantize() gives the FP8 reference's weights."""
     per_row = scale.to(torch.float32).repeat_interleave(128, dim=0)[:weight.shape[0]]  # [N, ceil(K / 128)]
-    return PackedWeight(pack_codes(weight.view(torch.uint8), 8, 128), pack_groups(per_row, 8, 128, weight.shape[1], 0.0), None, 8, 128,
-                        weight.shape[0], weight.shape[1], "e4m3")
+    return PackedWeight(pack_codes(weight.view(torch.uint8), 8, 128),
+                        pack_groups(per_row, 8, 128, weight.shape[1], 0.0), None, 8, 128, weight.shape[0],
+                        weight.shape[1], "e4m3")
 
 
 def reference_matmul(x: torch.Tensor, pw: PackedWeight) -> torch.Tensor:
@@ -430,6 +433,8 @@ def default_config(m: int, n: int, k: int, bits: int = 4, group_size: int = 128)
         if m <= 8:
             return KernelConfig(64 if n >= 16384 else 128, 8, 4, 3, True, 2, asm)
         return KernelConfig(128, 16, 4, 6, True, 4, asm)
+    if m <= 8 and bits == 8:  # e4m3 / int8 g128 (2x int4's bytes per tile): 3 stages; narrow outputs split to ~4 waves
+        return KernelConfig(64, 8, 4, 3, True, 4 if n < 64 * 132 else 2, asm)
     if m <= 8:  # 64-row tiles, shallow pipelines: more programs resident per SM hide more latency than deeper ones
         return KernelConfig(64, 8, 4, 3 if n * k > 80_000_000 else 2, True, 2, asm)
     if n >= 131072:  # vocabulary-sized
