@@ -29,6 +29,7 @@ from blockspec.bench import bytes_per_plain_step, measure_read_bandwidth  # noqa
 from blockspec.config import PredictConfig  # noqa: E402
 from blockspec.engine.decode import prefill  # noqa: E402
 from blockspec.engine.engine import Engine  # noqa: E402
+from blockspec.engine.weights import rtn  # noqa: E402
 from blockspec.kernels.settings import use  # noqa: E402
 from blockspec.models.qwen3_5 import TargetOutput  # noqa: E402
 from blockspec.synthetic import synthetic_drafter, synthetic_target  # noqa: E402
@@ -68,7 +69,8 @@ def build_engine(mode, args):
     if args.pdl_level is not None:
         overrides["pdl_level"] = args.pdl_level
     config = PredictConfig.build(overrides, source="profile_cycle")
-    model, head = synthetic_target("qwen3.5-27b", torch.device("cuda"), config.torch_dtype)
+    model, head = synthetic_target("qwen3.5-27b", torch.device("cuda"), config.torch_dtype,
+                                   quantize=rtn(config.target_quantization, 128, config.torch_dtype))
     mtp = {"mtp." + k: v for k, v in head.state_dict().items()}
     drafter = synthetic_drafter(model) if mode == "dflash2" else None
     return Engine(config, model=model, mtp_tensors=mtp, drafter=drafter, tokenizer=object())

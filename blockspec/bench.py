@@ -183,6 +183,7 @@ def build_engine(args, mode: str):
     if not args.synthetic:
         return Engine(PredictConfig.build({"model": args.model, **overrides}, source="bench"))
     from .engine.engine import resolve_device
+    from .engine.weights import rtn
     from .synthetic import synthetic_drafter, synthetic_target
     from .tiny import build_tiny_checkpoint
     from .tokenizer import Tokenizer
@@ -191,7 +192,9 @@ def build_engine(args, mode: str):
     device = resolve_device(config.device)
     needed = check_synthetic_fits(args.synthetic, config, device) if device.type == "cuda" else None
     seed = args.seed or 0
-    model, head = synthetic_target(args.synthetic, device, config.torch_dtype, seed=seed)
+    # target_quantization: each layer's projections quantized as it is built, as a checkpoint's as it is read
+    model, head = synthetic_target(args.synthetic, device, config.torch_dtype, seed=seed,
+                                   quantize=rtn(config.target_quantization, 128, config.torch_dtype))
     mtp = {"mtp." + k: v for k, v in head.state_dict().items()} if head is not None else {}
     drafter = synthetic_drafter(model, seed) if mode == "dflash2" else None
     with tempfile.TemporaryDirectory(prefix="blockspec-synthetic-tok-") as tok_dir:

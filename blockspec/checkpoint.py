@@ -2,7 +2,8 @@
 
 Accepts the text-only layout (`model.layers...`) and the multimodal one (`model.language_model.layers...`,
 vision tower skipped), one `*.safetensors` file or several with `model.safetensors.index.json`.
-`mtp.*` tensors are returned on the side for the native MTP head.
+`mtp.*` tensors are returned on the side for the native MTP head. A dense checkpoint's decoder-layer projections can
+be quantized as they are read (`quantize`), so the dense model never exists whole on the device.
 """
 
 from __future__ import annotations
@@ -10,9 +11,11 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from typing import Callable
 
 import torch
 from safetensors import safe_open
+from torch import nn
 
 from .config import SamplingSettings, TargetConfig
 from .errors import BlockspecError
@@ -190,12 +193,17 @@ def swap_in(root: torch.nn.Module, name: str, module: torch.nn.Module, where: st
     root.set_submodule(name, module)
 
 
-def load_target(directory: str | Path, device="cpu", dtype=torch.float32, progress: bool = False):
+def load_target(directory: str | Path, device="cpu", dtype=torch.float32, progress: bool = False,
+                quantize: Callable[[nn.Linear], nn.Module] | None = None):
     """Returns (model, mtp), the model's projections packed (layers/linear.py): mtp maps `mtp.*` tensor names to
     tensors and, for a quantized checkpoint, the names of quantized MTP projections to their modules.
     `model.checkpoint_quantization` is "int4" for a compressed-tensors, GPTQ or AWQ checkpoint, "fp8" for a
     block-wise FP8 one (the projections stored unquantized stay dense), else None. progress: a bar over the shards
-    on stderr for a large checkpoint (progress.py)."""
+    on stderr for a large checkpoint (progress.py).
+    quantize (engine/weights.py `rtn`): each projection of the decoder layers of a dense checkpoint is replaced by
+    quantize(its nn.Linear) as soon as its tensor is read, so the device holds one dense projection at a time beside
+    the quantized ones (packing then concatenates them; FP8 blocks stay each projection's own, as an FP8 checkpoint
+    stores them). A quantized checkpoint ignores it: its projections are used as stored."""
     directory = Path(directory)
     config = TargetConfig.from_file(directory / "config.json")
     scheme = checkpoint_quantization(directory / "config.json")
@@ -203,6 +211,10 @@ def load_target(directory: str | Path, device="cpu", dtype=torch.float32, progre
     with torch.device("meta"):
         model = TargetModel(config)
     expected = dict(model.named_parameters())
+    # quantized as they are read (Qwen3.5's have no bias: one with a bias would load dense, quantized after loading)
+    quantized_at_load = set() if quantize is None or scheme is not None else {
+        f"{name}.weight" for name, m in model.named_modules()
+        if name.startswith("layers.") and type(m) is nn.Linear and m.bias is None}
     loaded, mtp, parts, sources = {}, {}, {}, {}
     with ShardProgress(files, progress) as shown:
         for path in files:
@@ -231,6 +243,9 @@ def load_target(directory: str | Path, device="cpu", dtype=torch.float32, progre
                 if tuple(tensor.shape) != want:
                     raise BlockspecError(f"{directory}: tensor {name} has shape {tuple(tensor.shape)}, "
                                          f"expected {want}")
+                if key in quantized_at_load:
+                    swap_in(model, key[:-len(".weight")], quantize(dense_linear(tensor, device, dtype)), str(path))
+                    continue
                 keep_fp32 = key.endswith(FLOAT32_SUFFIXES)
                 loaded[key] = torch.nn.Parameter(tensor.to(device=device,
                                                            dtype=torch.float32 if keep_fp32 else dtype),
@@ -256,6 +271,13 @@ def load_target(directory: str | Path, device="cpu", dtype=torch.float32, progre
     pack_projections(model)
     model.requires_grad_(False).eval()
     return model, mtp
+
+
+def dense_linear(weight: torch.Tensor, device, dtype) -> nn.Linear:
+    """An nn.Linear holding `weight` on `device` in `dtype`."""
+    linear = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
+    linear.weight = nn.Parameter(weight.to(device=device, dtype=dtype), requires_grad=False)
+    return linear
 
 
 def config_label(config: TargetConfig) -> str:

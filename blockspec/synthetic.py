@@ -7,7 +7,9 @@ import math
 
 import torch
 
+from .checkpoint import FLOAT32_SUFFIXES
 from .config import TargetConfig
+from .engine.weights import Quantizer, replace_linears
 from .layers.linear import pack_projections
 
 QWEN35_27B = dict(
@@ -54,8 +56,11 @@ def randomize_(module: torch.nn.Module, seed: int = 0):
             p.normal_(0.0, std, generator=gen)
 
 
-def synthetic_target(name: str, device, dtype, seed: int = 0):
-    """A TargetModel with the preset's shapes and random weights, plus its MTP head (or None)."""
+def synthetic_target(name: str, device, dtype, seed: int = 0, quantize: Quantizer | None = None):
+    """A TargetModel with the preset's shapes and random weights, plus its MTP head (or None). The decoder layers are
+    built one at a time, each from its own generator, and with `quantize` (engine/weights.py `rtn`) their projections
+    are quantized before the next layer is built, as a checkpoint's are while it is read: the dense model never exists
+    whole, and the weights are the same with or without it."""
     from .models.mtp import MTPHead
     from .models.qwen3_5 import TargetModel
 
@@ -63,18 +68,36 @@ def synthetic_target(name: str, device, dtype, seed: int = 0):
     with torch.device("meta"):
         model = TargetModel(config)
         head = MTPHead(config) if config.mtp_num_hidden_layers else None
+    layers, model.layers = model.layers, torch.nn.ModuleList()  # set aside: built below, one at a time
     for module in (model, head):
         if module is not None:
-            module.to_empty(device=device)
-            module.to(dtype)
-            for pname, p in module.named_parameters():  # small exact params stay float32, as when loading
-                if pname.endswith(("A_log", "dt_bias", "norm.weight", "layernorm.weight")):
-                    p.data = p.data.float()
+            materialize_(module, device, dtype)
             randomize_(module, seed)
-            module.requires_grad_(False).eval()
     plant_permutation_(model, seed)
+    for i, layer in enumerate(layers):
+        materialize_(layer, device, dtype)
+        randomize_(layer, layer_seed(seed, i))
+        scale_outputs_(layer)
+        if quantize is not None:
+            replace_linears(layer, quantize)
+    model.layers = layers
     pack_projections(model)  # as load_target leaves a model; the head is returned unpacked, as checkpoint tensors
     return model, head
+
+
+def materialize_(module: torch.nn.Module, device, dtype):
+    """A meta module's parameters allocated on `device` in `dtype` (uninitialized); the small exact ones float32,
+    as when loading."""
+    module.to(dtype).to_empty(device=device)
+    for pname, p in module.named_parameters():
+        if pname.endswith(FLOAT32_SUFFIXES):
+            p.data = p.data.float()
+    module.requires_grad_(False).eval()
+
+
+def layer_seed(seed: int, index: int) -> int:
+    """The seed of decoder layer `index`'s generator (the rest of the model and the MTP head take `seed` itself)."""
+    return (seed + 1) * 1_000_003 + index
 
 
 def synthetic_drafter(model, seed: int = 0):
@@ -91,17 +114,23 @@ def synthetic_drafter(model, seed: int = 0):
 
 
 @torch.no_grad()
-def plant_permutation_(model, seed: int, layer_scale: float = 0.05):
+def plant_permutation_(model, seed: int):
     """Make greedy decoding follow a fixed random permutation of the vocabulary with a wide logit margin: the head
-    row of token perm(t) is the embedding of t, and the layers' outputs are scaled down so the embedding dominates
-    the residual stream. Random weights alone give nearly flat logits, whose argmax flips with the rounding of
-    differently shaped passes; forced-acceptance benchmarks need a trajectory every pass shape agrees on."""
+    row of token perm(t) is the embedding of t, and the layers' outputs are scaled down (`scale_outputs_`, as each
+    layer is built) so the embedding dominates the residual stream. Random weights alone give nearly flat logits,
+    whose argmax flips with the rounding of differently shaped passes; forced-acceptance benchmarks need a
+    trajectory every pass shape agrees on."""
     gen = torch.Generator().manual_seed(seed + 1)
     perm = torch.randperm(model.config.vocab_size, generator=gen).to(model.embed_tokens.weight.device)
     head = model.lm_head.weight if model.lm_head is not None else None
     if head is not None:
         head[perm] = model.embed_tokens.weight
-    for name, p in model.named_parameters():
+
+
+@torch.no_grad()
+def scale_outputs_(layer, layer_scale: float = 0.05):
+    """A decoder layer's output projections scaled down (plant_permutation_ says why)."""
+    for name, p in layer.named_parameters():
         if name.endswith(("o_proj.weight", "out_proj.weight", "down_proj.weight")):
             p.mul_(layer_scale)
 

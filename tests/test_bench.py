@@ -98,6 +98,17 @@ QUICK = ["bench", "--synthetic", "tiny", "--device", "cpu", "--dtype", "float32"
          "4", "--repeats", "1"]
 
 
+def test_synthetic_target_is_quantized_as_built(tmp_path):
+    """--target-quantization with --synthetic: each layer's projections are quantized as the layer is built, so the
+    engine is handed them quantized (its target's loaded bytes are the final ones, below the dense model's)."""
+    target = {}
+    for quantization in ("none", "int4"):
+        out = tmp_path / f"{quantization}.json"
+        assert main([*QUICK, "--target-quantization", quantization, "--json-out", str(out)]) == 0
+        target[quantization] = json.loads(out.read_text())["memory"]["none"]["target"]
+    assert target["int4"]["loaded_bytes"] == target["int4"]["final_bytes"] < target["none"]["loaded_bytes"]
+
+
 def test_output_paths_checked_before_the_run(tmp_path, capsys, monkeypatch, no_model_work):
     import types
 

@@ -15,7 +15,7 @@ from torch import nn
 
 from blockspec.layers.linear import DenseLinear, PackedLinear
 from blockspec.quant import Int4Linear
-from blockspec.quant.fp8 import Fp8Linear
+from blockspec.quant.fp8 import Fp8Linear, quantize as fp8_quantize
 
 PROJECTION = re.compile(r"\.(\w*proj\w*|fc)\.weight$")
 DENSE = ("in_proj_b", "in_proj_a")  # 4 outputs in the tiny model: not a multiple of the 8 codes of an int32 word
@@ -258,3 +258,34 @@ def test_fp8_quantization_at_load(source):
     mtp = load(source, mode="mtp", target_quantization="fp8")
     assert isinstance(mtp.proposer.head.fc, Fp8Linear)
     assert mtp.generate(ids, 40, stop_at_eos=False).tokens == plain.tokens
+
+
+def test_fp8_at_load_quantizes_each_projection_on_its_own(source, tmp_path):
+    """Quantized as it is read, each projection keeps its own 128 x 128 blocks, as an FP8 checkpoint stores them
+    (packing then concatenates them): the packed weights dequantize to each projection's, and the outputs are those
+    of the dense model of the dequantized weights."""
+    engine = load(source, target_quantization="fp8")
+    reference = {}
+    for name, t in load_file(str(source / "model.safetensors")).items():
+        own = name.startswith("model.layers.") and PROJECTION.search(name)
+        reference[name] = Fp8Linear.from_blocks(*fp8_quantize(t)).dequantize() if own else t
+    checked = 0
+    for name, module in engine.model.named_modules():
+        if isinstance(module, PackedLinear):
+            (part,) = module.parts
+            owner = name.rsplit(".", 1)[0]
+            expected = torch.cat([reference[f"model.{owner}.{n}.weight"] for n in module.names])
+        elif isinstance(module, Fp8Linear) and ".parts." not in name:
+            part, expected = module, reference[f"model.{name}.weight"]
+        else:
+            continue
+        assert torch.equal(part.dequantize(), expected), name
+        checked += 1
+    assert checked == 4 * 4  # 4 layers: packed input projection, output projection, packed gate/up, down
+    shutil.copytree(source, tmp_path / "reference")
+    save_file(reference, str(tmp_path / "reference" / "model.safetensors"))
+    dense = load(tmp_path / "reference")
+    ids = engine.tokenizer.encode(PROMPT)
+    got, expected = forward(engine, ids).logits, forward(dense, ids).logits
+    assert float((got - expected).abs().max()) <= 1e-4 * max(1.0, float(expected.abs().max()))
+    assert engine.generate(ids, 40, stop_at_eos=False).tokens == dense.generate(ids, 40, stop_at_eos=False).tokens

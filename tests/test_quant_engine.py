@@ -14,8 +14,10 @@ from helpers import cli, run_pass
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from blockspec.checkpoint import load_target
 from blockspec.cli import main
 from blockspec.engine.engine import Engine
+from blockspec.engine.weights import prepare, rtn
 from blockspec.layers.linear import PackedLinear, pack_projections
 from blockspec.quant import Int4Linear, Int8Linear
 from blockspec.quant.w4a16_triton import unpack_groups
@@ -111,7 +113,56 @@ def test_int4_target_close_to_dense(planted):
     memory = mtp.memory["mtp"]
     assert memory["final_bytes"] == memory["loaded_bytes"] - sum(
         4 * m.in_features * m.out_features - m.weight_bytes() for m in replaced) < memory["loaded_bytes"]
-    assert quant.memory["target"]["final_bytes"] < quant.memory["target"]["loaded_bytes"]
+    # the layers are loaded quantized: the dense model is never held whole
+    assert quant.memory["target"]["loaded_bytes"] < dense.memory["target"]["loaded_bytes"]
+
+
+def in_layers(name):
+    return name.startswith("layers.")
+
+
+def test_int4_quantized_as_read_equals_quantized_after_loading(planted):
+    """The loader quantizes each projection as it is read and packing concatenates the codes: RTN is per output
+    row, so that is bit for bit what packing the dense model, then quantizing it gave."""
+    engine = load(planted, target_quantization="int4")
+    reference, mtp = load_target(planted, "cpu", torch.float32)
+    prepare(reference, rtn("int4", 128, torch.float32), in_layers)
+    assert [type(m) for m in engine.model.modules()] == [type(m) for m in reference.modules()]
+    got, expected = engine.model.state_dict(), reference.state_dict()
+    assert got.keys() == expected.keys() and all(torch.equal(got[k], expected[k]) for k in expected)
+    plain = Engine(engine.config, model=reference, mtp_tensors=mtp, tokenizer=engine.tokenizer)
+    ids = engine.tokenizer.encode(PROMPT)
+    assert engine.generate(ids, 40, stop_at_eos=False).tokens == plain.generate(ids, 40, stop_at_eos=False).tokens
+
+
+def test_the_loader_holds_one_dense_projection_at_a_time(planted):
+    made, live_before = [], []
+
+    def quantize(linear):
+        live_before.append(sum(ref() is not None for ref in made))
+        made.append(weakref.ref(linear.weight))
+        return Int4Linear.from_linear(linear)
+
+    model, _ = load_target(planted, "cpu", torch.float32, quantize=quantize)
+    # every projection of the 4 layers, one by one as stored (3 DeltaNet layers of 8, an attention layer of 7)
+    assert len(made) == 3 * 8 + 7
+    assert live_before == [0] * len(made), live_before  # each dense one released before the next is read
+    assert not any(type(m) is nn.Linear for name, m in model.named_modules() if in_layers(name))
+    assert type(model.lm_head) is nn.Linear  # the head is quantize_head's (vocabulary_quantization)
+
+
+@pytest.mark.parametrize("kind", ["int4", "int8", "fp8"])
+def test_quantizing_by_row_blocks_equals_quantizing_whole(kind, monkeypatch):
+    """rtn quantizes blocks of output rows (multiples of 128) and concatenates them: the same module as one piece."""
+    torch.manual_seed(0)
+    linear = nn.Linear(300, 700, bias=False)  # a partial last input group; a partial last block of 128 rows
+    group = 32 if kind == "int8" else 128
+    whole = rtn(kind, group, torch.float32)(linear)
+    monkeypatch.setattr("blockspec.engine.weights.QUANTIZE_BLOCK_ELEMENTS", 256 * 300)  # rows 256 + 256 + 188
+    blocked = rtn(kind, group, torch.float32)(linear)
+    assert type(blocked) is type(whole) and blocked.out_features == 700
+    got, expected = blocked.state_dict(), whole.state_dict()
+    assert got.keys() == expected.keys() and all(torch.equal(got[k], expected[k]) for k in expected)
 
 
 # ----------------------------------------------------------------------------------------------------------

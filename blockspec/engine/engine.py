@@ -82,8 +82,9 @@ class Engine:
         self.dtype = config.torch_dtype
         self.model_name = Path(config.model).name if config.model else "synthetic"
         self.load_times: dict = {}
-        if model is None:
-            model, mtp_tensors = load_target(config.model, self.device, self.dtype, progress=config.load_progress)
+        if model is None:  # a dense checkpoint's layer projections are quantized as they are read
+            model, mtp_tensors = load_target(config.model, self.device, self.dtype, progress=config.load_progress,
+                                             quantize=rtn(config.target_quantization, 128, self.dtype))
         self.model = model
         self.prepare_target()
         self.tokenizer = tokenizer or Tokenizer(config.model, self.model.config.eos_token_ids)
@@ -149,8 +150,9 @@ class Engine:
                       file=sys.stderr)
 
     def prepare_target(self):
-        """Quantize the target's (packed) projections and its head as configured (engine/weights.py), and
-        choose how the kernels launch."""
+        """Quantize the target's projections left dense (those of a model given dense: the loader quantizes a
+        checkpoint's as it reads them) and its head as configured (engine/weights.py), and choose how the kernels
+        launch."""
         c, start = self.config, time.perf_counter()
         stored = self.model.checkpoint_quantization
         if stored and c.target_quantization != stored and "target_quantization" in c.model_fields_set:

@@ -4,11 +4,14 @@ engine then holds and the process used.
 The estimate builds the target, the MTP head, the DFlash2 drafter and the decode state on the meta device (no
 memory) and sizes each projection in the layout it will have: dense in the compute dtype, or the int4 / int8 / FP8
 layout's own buffers (quantized checkpoints keep their projections as stored; the rest is quantized at load as
-configured). Loading passes through heavier moments than decoding: a checkpoint is read whole in the compute dtype
-before projections are quantized at load, a quantized checkpoint's stored parts come to the GPU one projection at a
-time beside the projections already built, and the drafter is read dense before its own quantization. What the
-check compares with the free memory is the larger of that loading peak and the resident total (weights, caches,
-drafter context, a prefill chunk's activations, CUDA graph pools, library workspace).
+configured). Loading passes through heavier moments than decoding: the target is read with its head dense (and its
+layers dense, unless quantized at load: then each projection is quantized as it is read, one dense projection and
+the quantizer's working copies of one block of it beside the projections already built), a quantized checkpoint's
+stored parts come to the GPU one projection at a time beside the projections already built, the head is quantized
+after the target is read (the dense head, its blocks and their concatenation at once), and the drafter is read dense
+before its own quantization. What the check compares with the free memory is the larger of that loading peak and the
+resident total (weights, caches, drafter context, a prefill chunk's activations, CUDA graph pools, library
+workspace).
 
 Measured figures come from PyTorch's caching allocator (peak allocated / reserved) and the driver
 (`torch.cuda.mem_get_info`: the GPU memory held, by this process and any other); on the CPU they are None.
@@ -35,10 +38,14 @@ from ..quant.fp8 import Fp8Linear
 from ..quant.int4 import Int4Linear
 from ..quant.int8 import Int8Linear
 from .state import DecodeState
+from .weights import QUANTIZE_BLOCK_ELEMENTS
 
 GB = 1e9
 GRAPH_POOL_BYTES = 256 * 2 ** 20   # captured passes of at most 16 rows: their activations, the sampler's, commits
 LIBRARY_BYTES = 512 * 2 ** 20      # cuBLAS workspace, Triton kernels' modules, allocator rounding
+# the RTN quantizers' float32 working copies of one block of weights (engine/weights.py by_row_blocks): 16.5 bytes a
+# weight measured on the CPU (int4; int8 15, FP8 12)
+QUANTIZE_WORKSPACE_BYTES = 17 * QUANTIZE_BLOCK_ELEMENTS
 
 
 @dataclass
@@ -174,21 +181,32 @@ def estimate(target: TargetConfig, config: PredictConfig, *, execution: str, max
     if execution == "cuda-graphs":
         r["graph_pools"] = GRAPH_POOL_BYTES
     r["libraries"] = LIBRARY_BYTES
+    projections = [m for name, m in model.named_modules() if type(m) is nn.Linear and not not_layers(name)]
     if stored is not None:  # the stored parts of one projection beside the built ones (checkpoint.py)
-        dense["largest_stored_projection"] = max(linear_bytes(m, stored, dtype) for name, m in model.named_modules()
-                                                 if type(m) is nn.Linear and not not_layers(name))
-    return MemoryEstimate(r, loading_peaks(r, dense, drafter_dense, stored))
+        dense["largest_stored_projection"] = max(linear_bytes(m, stored, dtype) for m in projections)
+    elif layers.kind != "dense":  # quantized as read: one dense projection beside the quantized ones
+        dense["largest_projection"] = max(linear_bytes(m, Layout(), dtype) for m in projections)
+    if drafter_dense and config.dflash2_quantization != "none":  # and one block of it being quantized
+        drafter_dense += QUANTIZE_WORKSPACE_BYTES
+    return MemoryEstimate(r, loading_peaks(r, dense, drafter_dense, stored, head.kind != "dense"))
 
 
-def loading_peaks(resident: dict, dense: dict, drafter_dense: int, stored: Layout | None) -> dict:
+def loading_peaks(resident: dict, dense: dict, drafter_dense: int, stored: Layout | None,
+                  head_quantized: bool) -> dict:
     """The heavier moments of loading (module docstring), each with what is held then."""
     weights = resident["embedding"] + resident["libraries"]
     if stored is not None:  # the built projections and one projection's stored parts (read to the host first)
         target = weights + resident["target_layers"] + dense["largest_stored_projection"] + dense["head"] + \
             resident.get("mtp_head", 0)
+    elif "largest_projection" in dense:  # the quantized projections, one dense projection being quantized
+        target = weights + resident["target_layers"] + dense["largest_projection"] + QUANTIZE_WORKSPACE_BYTES + \
+            dense["head"] + dense.get("mtp_head", 0)
     else:
         target = weights + dense["target_layers"] + dense["head"] + dense.get("mtp_head", 0)
     loading = {"target_read": target}
+    if head_quantized:  # the dense head, its quantized blocks and their concatenation
+        loading["head_quantization"] = weights + resident["target_layers"] + dense["head"] + 2 * resident["head"] + \
+            QUANTIZE_WORKSPACE_BYTES
     if drafter_dense:
         loading["drafter_read"] = sum(resident[k] for k in ("embedding", "target_layers", "head", "libraries")
                                       if k in resident) + drafter_dense
@@ -247,9 +265,6 @@ def remedies(needed: MemoryEstimate, config: PredictConfig) -> str:
     """What to lower, biggest first among the parts the settings control."""
     hints = []
     r = needed.resident
-    if needed.loading.get("target_read", 0) > sum(r.values()) and config.target_quantization != "none":
-        hints.append("load a checkpoint stored quantized (GPTQ, AWQ, compressed-tensors int4 or FP8) instead of "
-                     f"target_quantization {config.target_quantization} at load, which reads the dense weights first")
     if r.get("kv_cache", 0) + r.get("mtp_cache", 0) > 0.1 * needed.needed:
         hints.append(f"lower context_length ({config.context_length})")
     if config.target_quantization == "none" and "target_quantization" not in config.model_fields_set:

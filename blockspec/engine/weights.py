@@ -2,7 +2,9 @@
 
 One mechanism for all of them: `prepare` packs the projections (blockspec.layers.linear, if the loader has not), then
 swaps every `nn.Linear` whose qualified name passes a filter for its round-to-nearest quantized version
-(`replace_linears`). Embeddings, norms, convolutions and other parameters are never touched.
+(`replace_linears`). Embeddings, norms, convolutions and other parameters are never touched. A target quantized at
+load gets its layers' projections quantized by the loader as they are read (checkpoint.py, synthetic.py), with the
+same quantizer (`rtn`).
 """
 
 from __future__ import annotations
@@ -20,19 +22,43 @@ from ..quant.int8 import Int8Linear
 
 KINDS = {"int4": Int4Linear, "int8": Int8Linear}
 Quantizer = Callable[[nn.Linear], nn.Module]
+# weights quantized at once: the quantizers hold ~16 bytes of float32 working copies per weight (19 GB for the 27B's
+# head in one piece)
+QUANTIZE_BLOCK_ELEMENTS = 2 ** 24
+ROW_ALIGNMENT = 128  # FP8's block rows: blocks of output rows aligned to them quantize as the whole does
 
 
 def rtn(kind: str, group_size: int, scale_dtype: torch.dtype) -> Quantizer | None:
     """Round-to-nearest symmetric quantizer of an nn.Linear ("int4" / "int8" in groups of `group_size`, or "fp8"
-    in 128 x 128 blocks); None for "none"."""
+    in 128 x 128 blocks), applied by blocks of output rows (`by_row_blocks`); None for "none"."""
     if kind == "none":
         return None
     if kind == "fp8":
-        return Fp8Linear.from_linear
+        return by_row_blocks(Fp8Linear.from_linear)
     if scale_dtype not in (torch.float32, torch.bfloat16, torch.float16):
         scale_dtype = torch.bfloat16
     cls = KINDS[kind]
-    return lambda linear: cls.from_linear(linear, group_size, scale_dtype=scale_dtype)
+    return by_row_blocks(lambda linear: cls.from_linear(linear, group_size, scale_dtype=scale_dtype))
+
+
+def by_row_blocks(make: Quantizer) -> Quantizer:
+    """`make` applied to blocks of output rows (multiples of ROW_ALIGNMENT, about QUANTIZE_BLOCK_ELEMENTS weights
+    each), the results concatenated: the module `make` gives for the whole projection (RTN quantizes each output row,
+    FP8 each 128 rows, on their own), with the working copies of one block instead of the whole projection's."""
+    def quantize(linear: nn.Linear) -> nn.Module:
+        rows = max(ROW_ALIGNMENT, QUANTIZE_BLOCK_ELEMENTS // linear.in_features // ROW_ALIGNMENT * ROW_ALIGNMENT)
+        if linear.out_features <= rows:
+            return make(linear)
+        blocks = []
+        for start in range(0, linear.out_features, rows):
+            block = nn.Linear(linear.in_features, min(rows, linear.out_features - start),
+                              bias=linear.bias is not None, device="meta")
+            block.weight = nn.Parameter(linear.weight[start:start + rows], requires_grad=False)  # views
+            if linear.bias is not None:
+                block.bias = nn.Parameter(linear.bias[start:start + rows], requires_grad=False)
+            blocks.append(make(block))
+        return type(blocks[0]).concat(blocks)
+    return quantize
 
 
 def replace_linears(root: nn.Module, make: Quantizer, include: Callable[[str], bool] = lambda name: True) -> list[str]:

@@ -185,7 +185,7 @@ class PackedWeight:
             u = u.to(torch.float32).view(r, -1, g)
             zz = float(1 << (self.bits - 1)) if z is None else z.permute(1, 0, 2).reshape(r, -1, 1).float()
         w = (u - zz) * s.permute(1, 0, 2).reshape(r, -1, 1).to(torch.float32)
-        return w.view(r, -1)[:, :self.k].to(dtype)
+        return w.view(r, -1)[:, :self.k].to(dtype).contiguous()  # (a copy only where K is padded)
 
     def nbytes(self) -> int:
         """Bytes the kernel reads for the weight: codes + scales (+ zero points)."""
