@@ -147,6 +147,7 @@ def measure_read_bandwidth(device) -> float | None:
         torch.cuda.synchronize()
         best = min(best, (time.perf_counter() - start) / reps)
     del x
+    torch.cuda.empty_cache()  # measured before any model: the memory figures are the engines' alone
     return 2 ** 31 * 2 / best / 1e9
 
 
@@ -190,6 +191,7 @@ def build_engine(args, mode: str):
 
     config = PredictConfig.build(overrides, source="bench")
     device = resolve_device(config.device)
+    memory.use_expandable_segments(device)  # as the engine does: the weights are built before it
     needed = check_synthetic_fits(args.synthetic, config, device) if device.type == "cuda" else None
     seed = args.seed or 0
     # target_quantization: each layer's projections quantized as it is built, as a checkpoint's as it is read
@@ -290,6 +292,8 @@ def bench(args) -> dict:
     results = {"label": label, "rows": [], "max_tokens": args.max_tokens, "repeats": args.repeats,
                "context_length": args.context_length, "torch": torch.__version__}
     trajectories = {}
+    from .engine.engine import resolve_device
+    bandwidth = args.bandwidth or measure_read_bandwidth(resolve_device(args.device))
     for mode in ["none"] + [m for m in modes if m != "none"]:
         if mode not in modes and args.forced_acceptance is None:
             continue
@@ -299,7 +303,7 @@ def bench(args) -> dict:
                                                       **engine.load_times}
         if "device" not in results:
             results["device"] = torch.cuda.get_device_name() if engine.device.type == "cuda" else "cpu"
-            results["read_bandwidth_gb_s"] = args.bandwidth or measure_read_bandwidth(engine.device)
+            results["read_bandwidth_gb_s"] = bandwidth
             results["bytes_per_plain_step"] = bytes_per_plain_step(engine)
             results["execution"] = engine.target.execution
             results["label"] += f", {engine.target.execution}"

@@ -72,6 +72,7 @@ class Engine:
         self.execution = resolve_execution(config, self.device)
         self.note_ignored_settings()
         self.memory: dict = {}  # resident bytes: weights of each model (loaded, after packing, final), caches, pools
+        memory.use_expandable_segments(self.device)
         if model is None and self.device.type == "cuda":  # refused before any tensor is read
             estimate = memory.checkpoint_estimate(config, execution=self.execution, max_partial=MAX_VERIFY_TOKENS)
             memory.check_fits(estimate, config, torch.device("cuda", config.gpu_ranks[0]))

@@ -19,6 +19,7 @@ Measured figures come from PyTorch's caching allocator (peak allocated / reserve
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -276,6 +277,16 @@ def remedies(needed: MemoryEstimate, config: PredictConfig) -> str:
     if r.get("draft_head", 0) > 0.05 * needed.needed:
         hints.append(f"lower draft_vocabulary ({config.draft_vocabulary})")
     return "; ".join(hints) or "free memory on the GPU (other processes) or use a larger one"
+
+
+def use_expandable_segments(device: torch.device) -> None:
+    """PyTorch's allocator maps memory into segments that grow and shrink instead of caching fixed-size ones, unless
+    PYTORCH_CUDA_ALLOC_CONF configures it otherwise. Why: loading quantizes projection by projection, and the fixed
+    segments its temporaries leave behind stay reserved: on the H200 the 27B INT4 target + int8 head + int8 DFlash2
+    drafter at 32k held 36.6 GB of the GPU with fixed segments and 29.5 GB with these (25.0-26.3 GB allocated), at
+    the same decoding speed. Called before the first allocation; affects segments created afterwards."""
+    if device.type == "cuda" and "PYTORCH_CUDA_ALLOC_CONF" not in os.environ:
+        torch.cuda.memory._set_allocator_settings("expandable_segments:True")
 
 
 def reset_peak(device: torch.device) -> None:
