@@ -8,7 +8,8 @@ read 54 GB of weights each and do ~2 x 27e9 x 4096 = 220 TFLOP (prefills: comput
 inference, so ~0.5 s); the drafter (1.9e9 parameters, 4096 block rows + 4096 context rows through its projections)
 ~6 x 1.9e9 x 8192 = 93 TFLOP forward and backward (~0.2 s at a few hundred TFLOP/s); AdamW touches 16 bytes per
 drafter parameter (30 GB, ~10 ms). Prediction: ~0.7-0.8 s per step, ~5k block tokens/s; memory ~54 GB target +
-30 GB drafter state + ~15 GB activations.
+30 GB drafter state + ~15 GB activations. Measured (H200): 0.778 s per step, 5266 block tokens/s, 111 GB allocated
+at the peak.
 
 Usage (GPU, repo root): python bench/drafter_training.py [--preset qwen3.5-27b] [--steps 10] [--json-out FILE]
 """
