@@ -283,7 +283,7 @@ def use_expandable_segments(device: torch.device) -> None:
     """PyTorch's allocator maps memory into segments that grow and shrink instead of caching fixed-size ones, unless
     PYTORCH_CUDA_ALLOC_CONF configures it otherwise. Why: loading quantizes projection by projection, and the fixed
     segments its temporaries leave behind stay reserved: on the H200 the 27B INT4 target + int8 head + int8 DFlash2
-    drafter at 32k held 36.6 GB of the GPU with fixed segments and 29.5 GB with these (25.0-26.3 GB allocated), at
+    drafter at 32k held 36.6 GB of the GPU with fixed segments and 29.5-29.7 GB with these (25.0-26.3 GB allocated), at
     the same decoding speed. Called before the first allocation; affects segments created afterwards."""
     if device.type == "cuda" and "PYTORCH_CUDA_ALLOC_CONF" not in os.environ:
         torch.cuda.memory._set_allocator_settings("expandable_segments:True")

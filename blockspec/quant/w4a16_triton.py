@@ -227,7 +227,7 @@ def unpack_asm(bits: int, i: int, fp16: bool, e4m3: bool = False) -> str:
     e4m3, the float8_e4m3fn value of byte i of each."""
     if e4m3:  # byte i and byte 2 + i at the top of each half; sign kept, exponent and mantissa moved down into the
         # bf16's (fp16's) so the half holds the value times 2**-120 (2**-8), subnormals included; times 2**120 (2**8)
-        # in one packed FMA (+ -0 keeps the sign of zeros): exact, 2.5 instructions per weight, any sm_80+ GPU
+        # in one packed FMA (+ -0 keeps the sign of zeros): exact, 2.5 PTX instr. per weight, any sm_80+ GPU
         shift, scale = (1, "0x5C005C00") if fp16 else (4, "0x7B807B80")
         return (f"{{ .reg .b32 t, v, k, z; prmt.b32 t, $1, 0, 0x{2 + i}4{i}4; and.b32 v, t, 0x7F007F00; "
                 f"shr.b32 v, v, {shift}; lop3.b32 v, t, 0x80008000, v, 0xEA; mov.b32 k, {scale}; "
