@@ -42,7 +42,7 @@ def main():
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     start = time.perf_counter()
-    model, _ = synthetic_target(args.preset, device, dtype)
+    model, _ = synthetic_target(args.preset, device, dtype, mtp_head=False)
     print(f"synthetic target built in {time.perf_counter() - start:.1f} s", flush=True)  # a slot's cost is visible
     config = dict(synthetic_drafter_config(model.config), num_target_layers=model.config.num_hidden_layers)
     drafter = new_drafter(config, seed=0, device=device, dtype=torch.float32)

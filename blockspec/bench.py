@@ -196,9 +196,13 @@ def build_engine(args, mode: str):
     seed = args.seed or 0
     # target_quantization: each layer's projections quantized as it is built, as a checkpoint's as it is read
     model, head = synthetic_target(args.synthetic, device, config.torch_dtype, seed=seed,
-                                   quantize=rtn(config.target_quantization, 128, config.torch_dtype))
+                                   quantize=rtn(config.target_quantization, 128, config.torch_dtype),
+                                   mtp_head=mode == "mtp")
+    # each proposer's weights exist only in its mode, and the drafter is built where a checkpoint's is read: after
+    # the target's head is quantized (what memory.estimate describes)
     mtp = {"mtp." + k: v for k, v in head.state_dict().items()} if head is not None else {}
-    drafter = synthetic_drafter(model, seed) if mode == "dflash2" else None
+    del head
+    drafter = (lambda target: synthetic_drafter(target, seed)) if mode == "dflash2" else None
     with tempfile.TemporaryDirectory(prefix="blockspec-synthetic-tok-") as tok_dir:
         build_tiny_checkpoint(tok_dir)  # only its byte-level tokenizer and chat template are used
         tokenizer = Tokenizer(tok_dir)

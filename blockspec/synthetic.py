@@ -56,18 +56,20 @@ def randomize_(module: torch.nn.Module, seed: int = 0):
             p.normal_(0.0, std, generator=gen)
 
 
-def synthetic_target(name: str, device, dtype, seed: int = 0, quantize: Quantizer | None = None):
-    """A TargetModel with the preset's shapes and random weights, plus its MTP head (or None). The decoder layers are
-    built one at a time, each from its own generator, and with `quantize` (engine/weights.py `rtn`) their projections
-    are quantized before the next layer is built, as a checkpoint's are while it is read: the dense model never exists
-    whole, and the weights are the same with or without it."""
+def synthetic_target(name: str, device, dtype, seed: int = 0, quantize: Quantizer | None = None,
+                     mtp_head: bool = True):
+    """A TargetModel with the preset's shapes and random weights, plus its MTP head (None without one, or with
+    mtp_head False: not built, the model's weights the same). The decoder layers are built one at a time, each from
+    its own generator, and with `quantize` (engine/weights.py `rtn`) their projections are quantized before the next
+    layer is built, as a checkpoint's are while it is read: the dense model never exists whole, and the weights are
+    the same with or without it."""
     from .models.mtp import MTPHead
     from .models.qwen3_5 import TargetModel
 
     config = TargetConfig.from_dict(preset(name), source=f"synthetic preset {name}")
     with torch.device("meta"):
         model = TargetModel(config)
-        head = MTPHead(config) if config.mtp_num_hidden_layers else None
+        head = MTPHead(config) if config.mtp_num_hidden_layers and mtp_head else None
     layers, model.layers = model.layers, torch.nn.ModuleList()  # set aside: built below, one at a time
     for module in (model, head):
         if module is not None:

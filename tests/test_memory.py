@@ -124,3 +124,16 @@ def test_a_stored_int4_27b_loads_within_its_resident_bytes():
     assert stored.needed == sum(stored.resident.values()) < 24e9
     assert max(stored.loading.values()) < 0.95 * sum(stored.resident.values())
     assert at_load.needed < stored.needed  # no zero points
+
+
+def test_expandable_segments_unless_the_user_configured_the_allocator(monkeypatch):
+    calls = []
+    monkeypatch.setattr(torch._C, "_accelerator_setAllocatorSettings", calls.append, raising=False)
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    memory.use_expandable_segments(torch.device("cpu"))
+    assert calls == []
+    memory.use_expandable_segments(torch.device("cuda", 0))
+    assert calls == ["expandable_segments:True"]
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:64")  # the user's choice stands
+    memory.use_expandable_segments(torch.device("cuda", 0))
+    assert calls == ["expandable_segments:True"]

@@ -47,6 +47,9 @@ def test_weights_are_seeded_and_planted():
     other, _ = synthetic_target("tiny", "cpu", torch.float32, seed=4)
     assert_same(model, again)
     assert_same(head, again_head)
+    alone, no_head = synthetic_target("tiny", "cpu", torch.float32, seed=3, mtp_head=False)
+    assert no_head is None
+    assert_same(model, alone)  # the head has its own generator: without it the model is the same
     for a, b in zip(model.parameters(), other.parameters()):
         assert a.dim() == 1 or not torch.equal(a, b)  # norms and decays are constant; every matrix differs
     # each layer its own weights, its outputs scaled down below the embedding (plant_permutation_)

@@ -6,6 +6,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -16,6 +17,7 @@ from ..errors import BlockspecError, UnsupportedRequest
 from ..kernels import KernelSettings, use
 from ..layers import folded_norm
 from ..layers.draft_head import DraftHead, draft_ids
+from ..models.qwen3_5 import TargetModel
 from .weights import prepare, quantize_head, resident_bytes, rtn
 from ..tokenizer import Tokenizer
 from . import memory
@@ -58,11 +60,12 @@ def resolve_execution(config: PredictConfig, device: torch.device) -> str:
 
 
 class Engine:
-    def __init__(self, config: PredictConfig, *, model=None, mtp_tensors=None, drafter: DFlash2Drafter | None = None,
-                 tokenizer=None):
+    def __init__(self, config: PredictConfig, *, model=None, mtp_tensors=None,
+                 drafter: DFlash2Drafter | Callable[[TargetModel], DFlash2Drafter] | None = None, tokenizer=None):
         """Loads config.model, unless `model` (a packed TargetModel already on the device, e.g. synthetic weights),
         its `mtp_tensors` and a `tokenizer` are given; mode dflash2 loads config.dflash2_model unless `drafter` (a
-        packed DFlash2Drafter around this model) is given."""
+        packed DFlash2Drafter around this model, or a function building one from the prepared model: then it is
+        built where a checkpoint's would be read, after the target's head is quantized) is given."""
         if not config.model and model is None:
             raise BlockspecError("no model given: set 'model' in the config or pass --model DIR")
         self.config = config
@@ -200,6 +203,8 @@ class Engine:
             self.memory["mtp"] = prepare(head, self.target_quantizer)  # quantized as the target's projections
             return MTPProposer(model, head, c.self_speculative_num_tokens, self.context_length, self.device,
                                self.dtype, draft_head, self.sampler)
+        if drafter is not None and not isinstance(drafter, DFlash2Drafter):
+            drafter = drafter(model)
         if drafter is None:
             drafter = DFlash2Drafter.from_pretrained(
                 c.dflash2_model, target_hidden_size=model.config.hidden_size, target_vocab_size=model.config.vocab_size,

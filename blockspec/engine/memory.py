@@ -286,7 +286,9 @@ def use_expandable_segments(device: torch.device) -> None:
     drafter at 32k held 36.6 GB of the GPU with fixed segments and 29.5-29.7 GB with these (25.0-26.3 GB allocated), at
     the same decoding speed. Called before the first allocation; affects segments created afterwards."""
     if device.type == "cuda" and "PYTORCH_CUDA_ALLOC_CONF" not in os.environ:
-        torch.cuda.memory._set_allocator_settings("expandable_segments:True")
+        # the accelerator-wide setter where this torch has it (torch.cuda's is deprecated for it)
+        setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None) or torch.cuda.memory._set_allocator_settings
+        setter("expandable_segments:True")
 
 
 def reset_peak(device: torch.device) -> None:
