@@ -37,6 +37,10 @@
 #                  generations and from 500 real contexts (bench --fixtures stdlib --one-cycle 500; ~5 minutes)
 #   drafter_train  train-drafter's step on the synthetic 27B with the published drafter (bench/drafter_training.py;
 #                  ~3 minutes, most of it building the synthetic target)
+#   ckpt       users' downloads: the 27B's shapes written as a checkpoint in each published format (CKPT_FORMATS,
+#              default gptq,awq,fp8; also bf16, bf16-int4), ~4 GB shards, then loaded cold by the engine: write and
+#              load s, GB/s, loading peak vs the estimate, decode tokens/s (bench/checkpoint_loading.py; ~2 minutes a
+#              format, predicted; needs the checkpoint's size free on the disk: bf16 55 GB, fp8 30, int4 18)
 # Usage (device machine, repo root, wheels in .whl): PARTS="tests bf16 int4" bash bench/h200.sh  (writes to $OUT)
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"; export OUT=$(cd "$OUT" && pwd); LOG="$OUT/bench_log.txt"  # the benches' JSON too
@@ -97,6 +101,7 @@ for part in ${PARTS:-bf16 warm int4 vocab}; do
              --mode none,mtp,dflash2 --fixtures stdlib --one-cycle 500 --max-tokens 128 --repeats 1 \
              --json-out "$OUT/pair_bench.json" ;;
     drafter_train) kernel_bench drafter_training ${DRAFTER_TRAIN_S:-420} drafter_training --json-out "$OUT/drafter_training.json" ;;
+    ckpt) kernel_bench checkpoint_loading ${CKPT_S:-560} checkpoint_loading --format ${CKPT_FORMATS:-gptq,awq,fp8} ;;
     *) echo "## unknown part $part" >> "$LOG" ;;
   esac
 done
