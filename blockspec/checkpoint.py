@@ -98,13 +98,15 @@ def stored_dtype(directory: Path) -> torch.dtype:
     return torch.bfloat16
 
 
-def read_tensors(files: list[Path], device: str | torch.device = "cpu"):
-    """Yield (name, tensor) from every file, refusing unreadable files with their name."""
+def read_tensors(files: list[Path], device: str | torch.device = "cpu", wanted: Callable[[str], bool] | None = None):
+    """Yield (name, tensor) from every file (only the names `wanted` takes: the others are never read), refusing
+    unreadable files with their name."""
     for path in files:
         try:
             with safe_open(str(path), framework="pt", device=str(device)) as f:
                 for name in f.keys():
-                    yield name, f.get_tensor(name)
+                    if wanted is None or wanted(name):
+                        yield name, f.get_tensor(name)
         except (OSError, ValueError, RuntimeError, Exception) as exc:  # safetensors raises its own error types
             if isinstance(exc, BlockspecError):
                 raise
@@ -140,6 +142,11 @@ def checkpoint_quantization(config_path: Path):
         return READERS[method].from_config(qc)
     except BlockspecError as exc:
         raise BlockspecError(f"{config_path}: {exc}") from None
+
+
+def not_mtp(name: str) -> bool:
+    """Whether checkpoint tensor `name` is outside the MTP head."""
+    return not name.startswith("mtp.")
 
 
 def module_key(prefix: str) -> str | None:
@@ -194,7 +201,7 @@ def swap_in(root: torch.nn.Module, name: str, module: torch.nn.Module, where: st
 
 
 def load_target(directory: str | Path, device="cpu", dtype=torch.float32, progress: bool = False,
-                quantize: Callable[[nn.Linear], nn.Module] | None = None):
+                quantize: Callable[[nn.Linear], nn.Module] | None = None, mtp_head: bool = True):
     """Returns (model, mtp), the model's projections packed (layers/linear.py): mtp maps `mtp.*` tensor names to
     tensors and, for a quantized checkpoint, the names of quantized MTP projections to their modules.
     `model.checkpoint_quantization` is "int4" for a compressed-tensors, GPTQ or AWQ checkpoint, "fp8" for a
@@ -203,7 +210,8 @@ def load_target(directory: str | Path, device="cpu", dtype=torch.float32, progre
     quantize (engine/weights.py `rtn`): each projection of the decoder layers of a dense checkpoint is replaced by
     quantize(its nn.Linear) as soon as its tensor is read, so the device holds one dense projection at a time beside
     the quantized ones (packing then concatenates them; FP8 blocks stay each projection's own, as an FP8 checkpoint
-    stores them). A quantized checkpoint ignores it: its projections are used as stored."""
+    stores them). A quantized checkpoint ignores it: its projections are used as stored.
+    mtp_head False: the MTP head's tensors are not even read (mtp comes back empty)."""
     directory = Path(directory)
     config = TargetConfig.from_file(directory / "config.json")
     scheme = checkpoint_quantization(directory / "config.json")
@@ -218,7 +226,8 @@ def load_target(directory: str | Path, device="cpu", dtype=torch.float32, progre
     loaded, mtp, parts, sources = {}, {}, {}, {}
     with ShardProgress(files, progress) as shown:
         for path in files:
-            for name, tensor in read_tensors([path]):  # on the host: each goes to the device when it is built
+            # on the host: each goes to the device when it is built
+            for name, tensor in read_tensors([path], wanted=None if mtp_head else not_mtp):
                 shown.tensor_read(tensor.numel() * tensor.element_size())
                 if is_quantized_part(name, tensor, scheme):
                     if module_key(name.rsplit(".", 1)[0]) is not None:

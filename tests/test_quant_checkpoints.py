@@ -13,6 +13,7 @@ from safetensors.torch import load_file, save_file
 from test_quant_engine import PROMPT, forward, load, run_cli
 from torch import nn
 
+import blockspec.checkpoint
 from blockspec.layers.linear import DenseLinear, PackedLinear
 from blockspec.quant import Int4Linear
 from blockspec.quant.fp8 import Fp8Linear, quantize as fp8_quantize
@@ -163,6 +164,27 @@ def test_quantized_checkpoint_matches_dequantized_reference(checkpoint, source, 
     assert mtp.generate(ids, 40, stop_at_eos=False).tokens == plain.tokens
     dflash2 = load(quantized, tiny_drafter(source)).generate(ids, 40, stop_at_eos=False)
     assert dflash2.tokens == plain.tokens and max(dflash2.stats["accepted_per_cycle"]) >= 3
+
+
+def test_the_mtp_head_is_read_only_for_mode_mtp(checkpoint, monkeypatch):
+    _, quantized, _ = checkpoint
+    model, mtp = blockspec.checkpoint.load_target(quantized)
+    assert any(isinstance(v, nn.Module) for v in mtp.values())  # quantized MTP projections, built when asked for
+    read = []
+    real = blockspec.checkpoint.read_tensors
+
+    def recording(*args, **kwargs):
+        for name, tensor in real(*args, **kwargs):
+            read.append(name)
+            yield name, tensor
+    monkeypatch.setattr(blockspec.checkpoint, "read_tensors", recording)
+    alone, none = blockspec.checkpoint.load_target(quantized, mtp_head=False)
+    assert none == {} and read and not any(name.startswith("mtp.") for name in read)
+    for (name, a), (_, b) in zip(model.state_dict().items(), alone.state_dict().items()):
+        assert torch.equal(a, b), name
+    read.clear()
+    load(quantized)  # mode none
+    assert read and not any(name.startswith("mtp.") for name in read)
 
 
 def variant(base, directory, name, config=None, tensors=None):

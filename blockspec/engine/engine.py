@@ -82,13 +82,15 @@ class Engine:
             self.memory["estimate"] = estimate.as_dict()
         if self.device.type == "cuda":
             torch.cuda.set_device(config.gpu_ranks[0])
+            torch.cuda.empty_cache()  # what building a given model left cached is not loading's peak
             memory.reset_peak(self.device)
         self.dtype = config.torch_dtype
         self.model_name = Path(config.model).name if config.model else "synthetic"
         self.load_times: dict = {}
         if model is None:  # a dense checkpoint's layer projections are quantized as they are read
             model, mtp_tensors = load_target(config.model, self.device, self.dtype, progress=config.load_progress,
-                                             quantize=rtn(config.target_quantization, 128, self.dtype))
+                                             quantize=rtn(config.target_quantization, 128, self.dtype),
+                                             mtp_head=self.mode == "mtp")
         self.model = model
         self.prepare_target()
         self.tokenizer = tokenizer or Tokenizer(config.model, self.model.config.eos_token_ids)
