@@ -402,8 +402,21 @@ def test_packing_releases_the_original_weights(planted):
                  for n in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "q_proj", "k_proj", "v_proj",
                            "gate_proj", "up_proj") if hasattr(m, n)]
     assert len(originals) == 3 * 4 + 3 + 4 * 2
-    packed = pack_projections(model)
+    alive, packed_parts = [], []
+    real_init = PackedLinear.__init__
+
+    def counting_init(self, linears, names):  # each pack's originals go as soon as it is built, not at the end
+        gc.collect()
+        alive.append(sum(ref() is not None for ref in originals))
+        packed_parts.append(len(linears))
+        real_init(self, linears, names)
+    PackedLinear.__init__ = counting_init
+    try:
+        packed = pack_projections(model)
+    finally:
+        PackedLinear.__init__ = real_init
     assert len(packed) == 4 + 4
+    assert alive == [len(originals) - sum(packed_parts[:i]) for i in range(len(alive))]
     assert pack_projections(model) == []  # packing twice is a no-op
     gc.collect()
     assert all(ref() is None for ref in originals)

@@ -86,8 +86,10 @@ def pack_projections(root: nn.Module) -> list[str]:
     """Pack, in every submodule of `root` that declares PACKS, its packs; the original projections are deleted.
     Returns the qualified names of the packed projections (none when root is already packed)."""
     packed = []
-    for prefix, module in list(root.named_modules()):
-        for packed_name, names in getattr(module, "PACKS", {}).items():
+    # only the packing modules are listed: a list holding the projections would keep every original alive until
+    # the end, i.e. the whole model's packed parts twice at the loading peak (+8.6 GB for a GPTQ 27B)
+    for prefix, module in [(p, m) for p, m in root.named_modules() if getattr(m, "PACKS", None)]:
+        for packed_name, names in module.PACKS.items():
             if getattr(module, packed_name) is not None:
                 continue
             setattr(module, packed_name, PackedLinear([getattr(module, n) for n in names], names))
