@@ -107,11 +107,27 @@ def read_tensors(files: list[Path], device: str | torch.device = "cpu", wanted: 
                 for name in f.keys():
                     if wanted is None or wanted(name):
                         yield name, f.get_tensor(name)
-        except (OSError, ValueError, RuntimeError, Exception) as exc:  # safetensors raises its own error types
-            if isinstance(exc, BlockspecError):
-                raise
-            raise BlockspecError(f"{path}: corrupt or unreadable safetensors file ({str(exc).splitlines()[0]})") \
-                from None
+        except Exception as exc:  # safetensors raises its own error types
+            raise unreadable(path, exc) from None
+
+
+def last_file_of_modules(files: list[Path]) -> dict[str, int]:
+    """Module prefix (a tensor name without its last part) -> index of the last file holding one of its tensors,
+    from the files' headers alone."""
+    last = {}
+    for i, path in enumerate(files):
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                last.update((name.rsplit(".", 1)[0], i) for name in f.keys())
+        except Exception as exc:
+            raise unreadable(path, exc) from None
+    return last
+
+
+def unreadable(path: Path, exc: Exception) -> BlockspecError:
+    if isinstance(exc, BlockspecError):
+        return exc
+    return BlockspecError(f"{path}: corrupt or unreadable safetensors file ({str(exc).splitlines()[0]})")
 
 
 def text_name(name: str) -> str | None:
@@ -210,7 +226,8 @@ def load_target(directory: str | Path, device="cpu", dtype=torch.float32, progre
     quantize (engine/weights.py `rtn`): each projection of the decoder layers of a dense checkpoint is replaced by
     quantize(its nn.Linear) as soon as its tensor is read, so the device holds one dense projection at a time beside
     the quantized ones (packing then concatenates them; FP8 blocks stay each projection's own, as an FP8 checkpoint
-    stores them). A quantized checkpoint ignores it: its projections are used as stored.
+    stores them). A quantized checkpoint ignores it: its projections are used as stored, each built on `device` once
+    the last file holding its parts is read (the host holds one file's stored parts at most).
     mtp_head False: the MTP head's tensors are not even read (mtp comes back empty)."""
     directory = Path(directory)
     config = TargetConfig.from_file(directory / "config.json")
@@ -224,8 +241,11 @@ def load_target(directory: str | Path, device="cpu", dtype=torch.float32, progre
         f"{name}.weight" for name, m in model.named_modules()
         if name.startswith("layers.") and type(m) is nn.Linear and m.bias is None}
     loaded, mtp, parts, sources = {}, {}, {}, {}
+    # a quantized projection is built once the last file holding one of its parts is read: the host holds at most
+    # a file's worth of stored parts (not the whole checkpoint: 30 GB for an FP8 27B)
+    last_file = last_file_of_modules(files) if scheme is not None else {}
     with ShardProgress(files, progress) as shown:
-        for path in files:
+        for index, path in enumerate(files):
             # on the host: each goes to the device when it is built
             for name, tensor in read_tensors([path], wanted=None if mtp_head else not_mtp):
                 shown.tensor_read(tensor.numel() * tensor.element_size())
@@ -260,12 +280,14 @@ def load_target(directory: str | Path, device="cpu", dtype=torch.float32, progre
                                                            dtype=torch.float32 if keep_fp32 else dtype),
                                                  requires_grad=False)
             shown.shard_read(path)
-    for key, module in quantized_linears(parts, sources, scheme, device).items():
-        if key.startswith("mtp."):
-            mtp[key] = module
-        else:
-            swap_in(model, key, module, str(directory))
-    del parts
+            complete = [n for n in parts if last_file.get(n.rsplit(".", 1)[0]) == index]
+            for key, module in quantized_linears({n: parts.pop(n) for n in complete}, sources, scheme,
+                                                 device).items():
+                if key.startswith("mtp."):
+                    mtp[key] = module
+                else:
+                    swap_in(model, key, module, str(directory))
+    quantized_linears(parts, sources, scheme, device)  # what is left: parts without a quantization_config, refused
     expected = dict(model.named_parameters())  # quantized projections hold buffers, not parameters
     extra = [k for k in loaded if k not in expected]
     if extra:

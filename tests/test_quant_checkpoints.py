@@ -187,6 +187,45 @@ def test_the_mtp_head_is_read_only_for_mode_mtp(checkpoint, monkeypatch):
     assert read and not any(name.startswith("mtp.") for name in read)
 
 
+def test_each_projection_is_built_once_its_last_shard_is_read(checkpoint, tmp_path, monkeypatch):
+    fmt, quantized, _ = checkpoint
+    sharded = tmp_path / "sharded"
+    shutil.copytree(quantized, sharded)
+    (sharded / "model.safetensors").unlink()
+    tensors = load_file(str(quantized / "model.safetensors"))
+    names = sorted(tensors)  # a module's parts adjacent, as in published shards (one may straddle a boundary)
+    shards = [names[len(names) * j // 3:len(names) * (j + 1) // 3] for j in range(3)]
+    last = {n.rsplit(".", 1)[0]: j for j, chunk in enumerate(shards) for n in chunk}
+    weight_map = {}
+    for j, chunk in enumerate(shards):
+        save_file({n: tensors[n].contiguous() for n in chunk}, str(sharded / f"model-{j + 1}-of-3.safetensors"))
+        weight_map.update(dict.fromkeys(chunk, f"model-{j + 1}-of-3.safetensors"))
+    (sharded / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    events = []
+    real_read, real_build = blockspec.checkpoint.read_tensors, blockspec.checkpoint.quantized_linears
+
+    def reading(files, *args, **kwargs):
+        events.append(("read", files[0].name))
+        yield from real_read(files, *args, **kwargs)
+
+    def building(parts, *args, **kwargs):
+        events.append(("build", sorted(parts)))
+        return real_build(parts, *args, **kwargs)
+    monkeypatch.setattr(blockspec.checkpoint, "read_tensors", reading)
+    monkeypatch.setattr(blockspec.checkpoint, "quantized_linears", building)
+    model, _ = blockspec.checkpoint.load_target(sharded)
+    reads = [i for i, e in enumerate(events) if e[0] == "read"]
+    assert len(reads) == 3
+    for j, at in enumerate(reads):  # after shard j: the modules whose last part it holds, all of their parts
+        built = events[at + 1][1]
+        assert events[at + 1][0] == "build" and built, events[at + 1]
+        assert {last[n.rsplit(".", 1)[0]] for n in built} == {j}
+    assert events[-1] == ("build", [])  # nothing left for the end
+    reference, _ = blockspec.checkpoint.load_target(quantized)
+    for (name, a), (_, b) in zip(reference.state_dict().items(), model.state_dict().items()):
+        assert torch.equal(a, b), name
+
+
 def variant(base, directory, name, config=None, tensors=None):
     """A copy of checkpoint `base` whose quantization_config is updated with `config` (None values delete a key) and
     whose tensors pass through `tensors` (a function editing the dict)."""
@@ -259,6 +298,10 @@ def test_unsupported_and_malformed_checkpoints_refused(fmt, source, tmp_path, ca
         d = variant(base, tmp_path, f"tensors{i}", tensors=edit)
         err = run_cli(capsys, "--model", d)
         assert str(d / "model.safetensors") in err and words in err, err
+    damaged = variant(base, tmp_path, "damaged")
+    (damaged / "model.safetensors").write_bytes(b"\x00garbage" * 10)  # its header is read first, before any tensor
+    err = run_cli(capsys, "--model", damaged)
+    assert f"{damaged / 'model.safetensors'}: corrupt or unreadable safetensors file" in err, err
     listed = variant(base, tmp_path, "listed", config={"modules_to_not_convert": ["mlp.up_proj"]})
     assert "modules_to_not_convert lists 'mlp.up_proj'" in run_cli(capsys, "--model", listed)
     other = "int4" if fmt == "fp8" else "fp8"
