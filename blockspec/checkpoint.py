@@ -24,16 +24,27 @@ from .models.mtp import MTPHead
 from .models.qwen3_5 import TargetModel
 from .progress import ShardProgress
 from .quant.awq import AWQScheme
-from .quant.fp8 import FP8Scheme
+from .quant.fp8 import CompressedTensorsFp8Scheme, FP8Scheme
 from .quant.gptq import GPTQScheme
-from .quant.int4 import CompressedTensorsScheme
+from .quant.int4 import CompressedTensorsScheme, group_format
 
 TEXT_PREFIXES = ("model.language_model.", "language_model.model.", "model.")
 SKIPPED_PREFIXES = ("model.visual.", "visual.", "model.vision_tower.")
 FLOAT32_SUFFIXES = ("A_log", "dt_bias", "norm.weight", "layernorm.weight")  # small; kept exact in float32
-# the readers of quantized checkpoints, by quantization_config.quant_method (each: from_config refuses what it
-# cannot load before any tensor is read; holds(name, tensor) picks a projection's parts; read(parts, prefix) builds it)
-READERS = {"compressed-tensors": CompressedTensorsScheme, "gptq": GPTQScheme, "awq": AWQScheme, "fp8": FP8Scheme}
+
+
+def compressed_tensors_reader(qc: dict):
+    """float-quantized FP8 when every config group is, else pack-quantized int4 (which refuses other formats)."""
+    groups = list((qc.get("config_groups") or {}).values())
+    fp8 = bool(groups) and all(isinstance(g, dict) and group_format(g, qc) == CompressedTensorsFp8Scheme.FORMAT
+                               for g in groups)
+    return (CompressedTensorsFp8Scheme if fp8 else CompressedTensorsScheme).from_config(qc)
+
+
+# the readers of quantized checkpoints, by quantization_config.quant_method (each: refuses what it cannot load before
+# any tensor is read; its reader's holds(name, tensor) picks a projection's parts, read(parts, prefix) builds it)
+READERS = {"compressed-tensors": compressed_tensors_reader, "gptq": GPTQScheme.from_config,
+           "awq": AWQScheme.from_config, "fp8": FP8Scheme.from_config}
 # names of quantized tensors of every format: refused in a checkpoint that declares no quantization_config
 QUANTIZED_SUFFIXES = CompressedTensorsScheme.PARTS + (".qweight", ".qzeros", ".scales", ".g_idx", ".weight_scale_inv")
 
@@ -152,10 +163,10 @@ def checkpoint_quantization(config_path: Path):
     method = qc.get("quant_method") if isinstance(qc, dict) else None
     if method not in READERS:
         raise BlockspecError(f"{config_path}: quantization_config.quant_method {method!r} is not supported (blockspec "
-                             "loads dense checkpoints, compressed-tensors pack-quantized int4, GPTQ and AWQ int4, "
-                             "and block-wise FP8 ones)")
+                             "loads dense checkpoints, compressed-tensors pack-quantized int4 and float-quantized "
+                             "FP8, GPTQ and AWQ int4, and block-wise FP8 ones)")
     try:
-        return READERS[method].from_config(qc)
+        return READERS[method](qc)
     except BlockspecError as exc:
         raise BlockspecError(f"{config_path}: {exc}") from None
 

@@ -95,6 +95,28 @@ def fp8(w):
     return {"weight": q, "weight_scale_inv": scale}, reference
 
 
+def ct_fp8(w, strategy):
+    """compressed-tensors float-quantized: float8_e4m3fn weight and `weight_scale` per output channel [N, 1] (bf16,
+    as llm-compressor writes it) or per 128 x 128 block (float32)."""
+    if strategy == "block":
+        parts, reference = fp8(w)
+        return {"weight": parts["weight"], "weight_scale": parts["weight_scale_inv"]}, reference
+    scale = (w.abs().amax(1, keepdim=True) / 448).to(torch.bfloat16)
+    q = (w / scale.float()).to(torch.float8_e4m3fn)
+    return {"weight": q, "weight_scale": scale}, q.float() * scale.float()
+
+
+def ct_fp8_config(strategy, **weights):
+    """llm-compressor's FP8_DYNAMIC (channel) / FP8_BLOCK (block) quantization_config."""
+    args = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": False, "strategy": strategy,
+            "block_structure": [128, 128] if strategy == "block" else None, **weights}
+    activations = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": True,
+                   "strategy": "group" if strategy == "block" else "token"}
+    return {"quant_method": "compressed-tensors", "format": "float-quantized", "quantization_status": "compressed",
+            "config_groups": {"group_0": {"targets": ["Linear"], "weights": args, "input_activations": activations}},
+            "ignore": ["lm_head", "re:.*in_proj_a$", "re:.*in_proj_b$"]}
+
+
 FORMATS = {  # name -> (quantization_config, make(weight) -> (tensors by suffix, dequantized weight))
     "gptq-sym-v1-g32": ({"quant_method": "gptq", "bits": 4, "group_size": 32, "sym": True, "desc_act": False},
                         lambda w: gptq(w, 32)),
@@ -107,6 +129,8 @@ FORMATS = {  # name -> (quantization_config, make(weight) -> (tensors by suffix,
                  "modules_to_not_convert": list(DENSE)}, lambda w: awq(w, 32)),
     "fp8": ({"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128], "activation_scheme": "dynamic",
              "modules_to_not_convert": ["lm_head"]}, fp8),
+    "ct-fp8-channel": (ct_fp8_config("channel"), lambda w: ct_fp8(w, "channel")),
+    "ct-fp8-block": (ct_fp8_config("block"), lambda w: ct_fp8(w, "block")),
 }
 
 
@@ -146,7 +170,7 @@ def checkpoint(request, tmp_path_factory, source):
 def test_quantized_checkpoint_matches_dequantized_reference(checkpoint, source, tiny_drafter):
     fmt, quantized, ref = checkpoint
     engine, reference = load(quantized), load(ref)
-    kind = Fp8Linear if fmt == "fp8" else Int4Linear
+    kind = Fp8Linear if "fp8" in fmt else Int4Linear
     in_proj = engine.model.layers[0].linear_attn.in_proj
     assert isinstance(in_proj, PackedLinear) and isinstance(in_proj.parts[0], kind)  # qkv and z, packed as stored
     assert [type(p) for p in in_proj.parts[1:]] == [DenseLinear]  # b and a: stored dense, packed beside them
@@ -157,7 +181,7 @@ def test_quantized_checkpoint_matches_dequantized_reference(checkpoint, source, 
           f"(logits up to {float(expected.abs().max()):.1f})")
     assert float((got - expected).abs().max()) <= 1e-4 * max(1.0, float(expected.abs().max()))
     plain = engine.generate(ids, 40, stop_at_eos=False)
-    assert plain.stats["target_quantization"] == ("fp8" if fmt == "fp8" else "int4")
+    assert plain.stats["target_quantization"] == ("fp8" if "fp8" in fmt else "int4")
     assert plain.tokens == reference.generate(ids, 40, stop_at_eos=False).tokens
     mtp = load(quantized, mode="mtp")
     assert isinstance(mtp.proposer.head.fc, kind)  # the MTP head's projections load as stored too
@@ -245,6 +269,8 @@ def variant(base, directory, name, config=None, tensors=None):
 
 
 UP = "model.layers.1.mlp.up_proj"
+STATIC_ACTIVATIONS = ct_fp8_config("block")["config_groups"]
+STATIC_ACTIVATIONS["group_0"]["input_activations"]["dynamic"] = False
 CONFIG_REFUSALS = {  # format -> (config change, the words of the one-line refusal)
     "gptq-sym-v1-g32": [({"bits": 8}, "quantization_config.bits 8"), ({"group_size": 48}, "group_size 48"),
                         ({"checkpoint_format": "marlin"}, "checkpoint_format 'marlin'"),
@@ -254,6 +280,14 @@ CONFIG_REFUSALS = {  # format -> (config change, the words of the one-line refus
     "fp8": [({"fmt": "e5m2"}, "fmt 'e5m2'"), ({"weight_block_size": [64, 64]}, "weight_block_size [64, 64]"),
             ({"weight_block_size": None}, "weight_block_size None"),
             ({"activation_scheme": "static"}, "activation_scheme 'static'")],
+    "ct-fp8-block": [({"config_groups": ct_fp8_config("block", num_bits=4)["config_groups"]}, "4 bits are not"),
+                     ({"config_groups": ct_fp8_config("token")["config_groups"]}, "FP8 strategy 'token'"),
+                     ({"config_groups": ct_fp8_config("block", block_structure=[64, 64])["config_groups"]},
+                      "block_structure [64, 64]"),
+                     ({"config_groups": STATIC_ACTIVATIONS}, "quantizes activations with static scales"),
+                     ({"config_groups": {**ct_fp8_config("block")["config_groups"], "group_1": {
+                         "targets": ["re:.*mlp.*"], "format": "pack-quantized", "weights": {"num_bits": 4}}}},
+                      "format 'float-quantized' of config group group_0 is not supported (need pack-quantized)")],
 }
 
 
@@ -283,6 +317,9 @@ TENSOR_REFUSALS = {  # format -> (tensor edit, the words of the one-line refusal
     "fp8": [(drop(UP + ".weight_scale_inv"), f"missing {UP}.weight_scale_inv"),
             (replace(UP + ".weight_scale_inv", lambda s: s.t().contiguous()), f"{UP}.weight_scale_inv has shape"),
             (replace(UP + ".weight", lambda w: w.float()), f"{UP}.weight_scale_inv has no quantized {UP}.weight")],
+    "ct-fp8-block": [(drop(UP + ".weight_scale"), f"missing {UP}.weight_scale"),
+                     (replace(UP + ".weight_scale", lambda s: s.t().contiguous()), f"{UP}.weight_scale is "),
+                     (replace(UP + ".weight_scale", lambda s: s.to(torch.int32)), f"{UP}.weight_scale is torch.int32")],
 }
 
 
@@ -302,9 +339,13 @@ def test_unsupported_and_malformed_checkpoints_refused(fmt, source, tmp_path, ca
     (damaged / "model.safetensors").write_bytes(b"\x00garbage" * 10)  # its header is read first, before any tensor
     err = run_cli(capsys, "--model", damaged)
     assert f"{damaged / 'model.safetensors'}: corrupt or unreadable safetensors file" in err, err
-    listed = variant(base, tmp_path, "listed", config={"modules_to_not_convert": ["mlp.up_proj"]})
-    assert "modules_to_not_convert lists 'mlp.up_proj'" in run_cli(capsys, "--model", listed)
-    other = "int4" if fmt == "fp8" else "fp8"
+    if fmt.startswith("ct-"):  # compressed-tensors' own list: `ignore`
+        listed = variant(base, tmp_path, "listed", config={"ignore": ["lm_head", UP]})
+        assert "listed in the checkpoint's quantization ignore list" in run_cli(capsys, "--model", listed)
+    else:
+        listed = variant(base, tmp_path, "listed", config={"modules_to_not_convert": ["mlp.up_proj"]})
+        assert "modules_to_not_convert lists 'mlp.up_proj'" in run_cli(capsys, "--model", listed)
+    other = "int4" if "fp8" in fmt else "fp8"
     err = run_cli(capsys, "--model", base, "--target-quantization", other)
     assert f"target_quantization: '{other}'" in err and "quantized to" in err, err
 

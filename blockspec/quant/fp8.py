@@ -10,6 +10,8 @@ so FP8 projections pack, run inside the CUDA graphs and take the folded norms' e
 projections whose sizes are not multiples of 128 keep their own blocks. `quantize` makes the same format from dense
 weights (target_quantization: fp8, round to nearest with scale = block max / 448).
 Other formats (fmt e5m2, other block sizes, per-tensor scales, static activation scales) are refused in one line.
+compressed-tensors `float-quantized` checkpoints (e4m3 with per-tensor, per-output, per-128-input or 128 x 128 block
+scales: `CompressedTensorsFp8Scheme`) load into the same Fp8Linear.
 """
 
 from __future__ import annotations
@@ -21,8 +23,8 @@ from torch import nn
 
 from ..errors import BlockspecError
 from . import w4a16_triton as wq
-from .hf_quantization import check_converted, check_shape, config_value, not_converted, part
-from .int4 import Int4Linear
+from .hf_quantization import SCALE_DTYPES, check_converted, check_shape, config_value, not_converted, part
+from .int4 import Int4Linear, group_weights, scheme_for
 
 BLOCK = 128  # the format's block: 128 outputs x 128 inputs
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
@@ -63,7 +65,13 @@ class Fp8Linear(Int4Linear):
     @classmethod
     def from_blocks(cls, weight: torch.Tensor, scale: torch.Tensor) -> "Fp8Linear":
         """From FP8 values [N, K] and float32 scales of 128 x 128 blocks (kept exactly)."""
-        packed = wq.pack_e4m3(weight, scale)
+        return cls.from_row_scales(weight, scale.to(torch.float32).repeat_interleave(BLOCK, 0)[:weight.shape[0]])
+
+    @classmethod
+    def from_row_scales(cls, weight: torch.Tensor, scale: torch.Tensor) -> "Fp8Linear":
+        """From FP8 values [N, K] and float32 scales [N, ceil(K / 128)], one per output and 128 inputs (kept
+        exactly): the form any per-tensor, per-output or per-group-of-128 scale takes."""
+        packed = wq.pack_e4m3(weight, scale, rows_per_scale=1)
         module = cls(packed.k, packed.n, device="meta")
         module.qweight, module.scales = packed.q, packed.s
         return module
@@ -116,3 +124,67 @@ class FP8Scheme:
         check_shape(parts, prefix + ".weight_scale_inv", (-(-n // BLOCK), -(-k // BLOCK)),
                     f"{prefix}.weight {tuple(weight.shape)}, blocks of {BLOCK} x {BLOCK}")
         return Fp8Linear.from_blocks(weight, parts[prefix + ".weight_scale_inv"])
+
+
+@dataclass(frozen=True)
+class CompressedTensorsFp8Scheme:
+    """The reader of a compressed-tensors `float-quantized` config (llm-compressor's FP8 schemes): `<module>.weight`
+    float8_e4m3fn [N, K] and `<module>.weight_scale` with one scale per tensor, output, group of 128 inputs or
+    128 x 128 block, kept exactly as a float32 scale per output and 128 inputs. Dynamic FP8 activations run in the
+    compute dtype (W8A16), as block-wise FP8 checkpoints' do; the `ignore` list is compressed-tensors' own."""
+    config: dict
+
+    kind = "fp8"
+    anchor = ".weight"
+    FORMAT = "float-quantized"
+
+    @classmethod
+    def from_config(cls, qc: dict) -> "CompressedTensorsFp8Scheme":
+        groups = qc.get("config_groups") or {}
+        if not groups:
+            raise BlockspecError("quantization_config has no config_groups")
+        for name, group in groups.items():
+            scale_layout(group_weights(name, group, qc, cls.FORMAT), f"config group {name}")
+        return cls(qc)
+
+    def holds(self, name: str, value: torch.Tensor) -> bool:
+        return name.endswith(".weight_scale") or (name.endswith(".weight") and value.dtype == FLOAT8)
+
+    def read(self, parts: dict, prefix: str) -> nn.Module:
+        strategy = scale_layout(scheme_for(prefix, self.config, self.FORMAT), prefix)
+        weight = part(parts, prefix, ".weight", (FLOAT8,), 2)
+        n, k = weight.shape
+        groups = -(-k // BLOCK)
+        expected = {"tensor": (1,), "channel": (n, 1), "group": (n, groups), "block": (-(-n // BLOCK), groups)}
+        scale = parts.get(prefix + ".weight_scale")
+        if scale is None:
+            raise BlockspecError(f"checkpoint is missing {prefix}.weight_scale")
+        fits = {"tensor": scale.numel() == 1, "channel": tuple(scale.shape) in ((n, 1), (n,))}
+        if scale.dtype not in SCALE_DTYPES or not fits.get(strategy, tuple(scale.shape) == expected[strategy]):
+            raise BlockspecError(f"{prefix}.weight_scale is {scale.dtype} of shape {tuple(scale.shape)}, expected "
+                                 f"{expected[strategy]} ({strategy} scales of {prefix}.weight {tuple(weight.shape)})")
+        scale = scale.to(torch.float32)
+        if strategy == "block":
+            rows = scale.repeat_interleave(BLOCK, 0)[:n]
+        else:
+            rows = scale.reshape(-1, 1 if strategy != "group" else groups).expand(n, groups)
+        return Fp8Linear.from_row_scales(weight, rows.contiguous())
+
+
+def scale_layout(weights: dict, where: str) -> str:
+    """The strategy of float-quantized `weights` arguments blockspec loads (e4m3: 8-bit float, symmetric, static);
+    anything else refused in one line."""
+    if weights.get("type") != "float" or int(weights.get("num_bits") or 0) != 8:
+        raise BlockspecError(f"{where}: weights of type {weights.get('type')!r}, {weights.get('num_bits')} bits are "
+                             "not supported in float-quantized (blockspec loads 8-bit float, e4m3)")
+    if not weights.get("symmetric", True) or weights.get("dynamic", False):
+        raise BlockspecError(f"{where}: asymmetric or dynamic FP8 weights are not supported")
+    strategy = weights.get("strategy")
+    if strategy == "group" and weights.get("group_size") != BLOCK:
+        raise BlockspecError(f"{where}: FP8 group size {weights.get('group_size')!r} is not supported (need {BLOCK})")
+    if strategy == "block" and list(weights.get("block_structure") or []) != [BLOCK, BLOCK]:
+        raise BlockspecError(f"{where}: FP8 block_structure {weights.get('block_structure')!r} is not supported "
+                             f"(need [{BLOCK}, {BLOCK}])")
+    if strategy not in ("tensor", "channel", "group", "block"):
+        raise BlockspecError(f"{where}: FP8 strategy {strategy!r} is not supported (tensor, channel, group or block)")
+    return strategy

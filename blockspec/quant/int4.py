@@ -314,8 +314,8 @@ def is_ignored(prefix: str, config: dict) -> bool:
     return any(_matches(prefix, t) for t in qc.get("ignore", []) or [])
 
 
-def scheme_for(prefix: str, config: dict) -> dict:
-    """The config group's `weights` arguments that apply to module `prefix` (a Linear)."""
+def scheme_for(prefix: str, config: dict, fmt: str = "pack-quantized") -> dict:
+    """The config group's `weights` arguments that apply to module `prefix` (a Linear), of format `fmt`."""
     qc = _quant_config(config)
     if is_ignored(prefix, config):
         raise BlockspecError(f"{prefix} is listed in the checkpoint's quantization ignore list")
@@ -333,17 +333,25 @@ def scheme_for(prefix: str, config: dict) -> dict:
     if best is None:
         raise BlockspecError(f"no quantization config group targets {prefix}")
     name, group = best
-    return _group_weights(name, group, qc)
+    return group_weights(name, group, qc, fmt)
 
 
-def _group_weights(name: str, group: dict, qc: dict) -> dict:
-    """A config group's `weights` arguments, refusing formats other than weight-only pack-quantized."""
-    fmt = group.get("format") or qc.get("format")
-    if fmt != "pack-quantized":
-        raise BlockspecError(f"compressed-tensors format {fmt!r} of config group {name} is not supported "
-                             "(need pack-quantized)")
-    if group.get("input_activations") is not None:
-        raise BlockspecError(f"config group {name} quantizes activations; only weight-only (W4A16) is supported")
+def group_format(group: dict, qc: dict) -> str | None:
+    return group.get("format") or qc.get("format")
+
+
+def group_weights(name: str, group: dict, qc: dict, fmt: str = "pack-quantized") -> dict:
+    """A config group's `weights` arguments, refusing another format than `fmt`, and activation quantization but
+    float-quantized's dynamic one (which runs in the compute dtype, as block-wise FP8's)."""
+    got = group_format(group, qc)
+    if got != fmt:
+        raise BlockspecError(f"compressed-tensors format {got!r} of config group {name} is not supported "
+                             f"(need {fmt})")
+    activations = group.get("input_activations")
+    if activations is not None and not (fmt == "float-quantized" and activations.get("dynamic") is True):
+        raise BlockspecError(f"config group {name} quantizes activations"
+                             + (" with static scales; blockspec loads dynamic ones (run as W8A16)"
+                                if fmt == "float-quantized" else "; only weight-only (W4A16) is supported"))
     w = group.get("weights")
     if not isinstance(w, dict):
         raise BlockspecError(f"config group {name} has no weight quantization arguments")
@@ -376,7 +384,7 @@ def check_quantization_config(config: dict) -> None:
     if not groups:
         raise BlockspecError("quantization_config has no config_groups")
     for name, group in groups.items():
-        _weight_scheme(_group_weights(name, group, qc), f"config group {name}")
+        _weight_scheme(group_weights(name, group, qc), f"config group {name}")
 
 
 def from_compressed_tensors(tensors: dict, prefix: str, config: dict) -> Int4Linear:

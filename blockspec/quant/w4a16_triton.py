@@ -201,11 +201,12 @@ def pack(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, 
                         bits, group_size, n, k)
 
 
-def pack_e4m3(weight: torch.Tensor, scale: torch.Tensor) -> PackedWeight:
-    """A block-scaled FP8 weight (quant/fp8.py: float8_e4m3fn [N, K], float32 scales [ceil(N / 128), ceil(K / 128)])
-    in the q16 layout: its bytes as 8-bit codes (the padding 0x80 is e4m3 -0), one float32 scale per output and 128
-    inputs (its block's). Lossless: dequantize() gives the FP8 reference's weights."""
-    per_row = scale.to(torch.float32).repeat_interleave(128, dim=0)[:weight.shape[0]]  # [N, ceil(K / 128)]
+def pack_e4m3(weight: torch.Tensor, scale: torch.Tensor, rows_per_scale: int = 128) -> PackedWeight:
+    """A block-scaled FP8 weight (quant/fp8.py: float8_e4m3fn [N, K], float32 scales [ceil(N / 128), ceil(K / 128)];
+    with rows_per_scale 1, scales [N, ceil(K / 128)], one per output) in the q16 layout: its bytes as 8-bit codes (the
+    padding 0x80 is e4m3 -0), one float32 scale per output and 128 inputs (its block's). Lossless: dequantize() gives
+    the FP8 reference's weights."""
+    per_row = scale.to(torch.float32).repeat_interleave(rows_per_scale, dim=0)[:weight.shape[0]]  # [N, ceil(K/128)]
     return PackedWeight(pack_codes(weight.view(torch.uint8), 8, 128),
                         pack_groups(per_row, 8, 128, weight.shape[1], 0.0), None, 8, 128, weight.shape[0],
                         weight.shape[1], "e4m3")
