@@ -5,11 +5,12 @@ quantization_config, a byte-level tokenizer), dropped from the page cache, then 
 download would be (`--model DIR`, mode none) and greedy-decoded twice (the second timed).
 
 Formats: bf16 (dense, bf16 decoding), bf16-int4 (the bf16 checkpoint quantized to INT4 at load), fp8 (block-wise
-e4m3, 128 x 128 scales), gptq (int4, group 128, symmetric, v1 zero points) and awq (GEMM packing, group 128, zero
-points). The decoder layers' and MTP's projections are quantized, except linear_attn.in_proj_a / in_proj_b (kept
-dense, as Qwen3.5 quantization recipes keep them); embeddings, head, norms, conv1d, A_log and dt_bias stay dense.
-Per format: checkpoint GB, write s, load s (Engine construction: read, prepare, CUDA graphs; engine.load_times splits
-it), GB/s, the loading / decoding peaks and the estimate (engine/memory.py report), decode tokens/s.
+e4m3, 128 x 128 scales), ct-fp8 (compressed-tensors float-quantized, llm-compressor's FP8_DYNAMIC), gptq (int4, group
+128, symmetric, v1 zero points) and awq (GEMM packing, group 128, zero points). The decoder layers' and MTP's
+projections are quantized, except linear_attn.in_proj_a / in_proj_b (kept dense, as Qwen3.5 quantization recipes keep
+them); embeddings, head, norms, conv1d, A_log and dt_bias stay dense. Per format: checkpoint GB, write s, load s
+(Engine construction: read, prepare, CUDA graphs; engine.load_times splits it), GB/s, the loading / decoding peaks
+and the estimate (engine/memory.py report), decode tokens/s.
 
 Usage (GPU, repo root; on an H200 for the 27B ~1.5-2 minutes a format, most of it writing and reading the disk:
 GPTQ wrote 18.1 GB in 30 s and loaded in 30 s, FP8 30.0 GB in 45 s and 29 s, docs/benchmarks.md; free disk needed:
@@ -58,11 +59,17 @@ QUANTIZATION = {
     "gptq": {"quant_method": "gptq", "bits": 4, "group_size": GROUP, "sym": True, "desc_act": False},
     "awq": {"quant_method": "awq", "bits": 4, "group_size": GROUP, "version": "gemm", "zero_point": True,
             "modules_to_not_convert": NOT_CONVERTED},
+    "ct-fp8": {"quant_method": "compressed-tensors", "format": "float-quantized", "quantization_status": "compressed",
+               "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
+                   "num_bits": 8, "type": "float", "symmetric": True, "dynamic": False, "strategy": "channel"},
+                   "input_activations": {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": True,
+                                         "strategy": "token"}}},
+               "ignore": ["lm_head", "re:.*mtp.fc$", *(f"re:.*{n}$" for n in KEEP_DENSE)]},  # FP8_DYNAMIC
 }
 # format -> (checkpoint written, target_quantization at load, the loaded model's checkpoint_quantization)
 LOADS = {"bf16": ("bf16", None, None), "bf16-int4": ("bf16", "int4", None), "fp8": ("fp8", None, "fp8"),
-         "gptq": ("gptq", None, "int4"), "awq": ("awq", None, "int4")}
-BYTES_PER_WEIGHT = {"bf16": 2.0, "fp8": 1.01, "gptq": 0.53, "awq": 0.53}  # projections with scales: the disk check
+         "ct-fp8": ("ct-fp8", None, "fp8"), "gptq": ("gptq", None, "int4"), "awq": ("awq", None, "int4")}
+BYTES_PER_WEIGHT = {"bf16": 2.0, "fp8": 1.01, "ct-fp8": 1.01, "gptq": 0.53, "awq": 0.53}  # projections + scales
 AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]  # nibble i of a word holds output AWQ_ORDER[i] of its 8
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
 
@@ -81,7 +88,7 @@ def quantized(name: str, shape: tuple, fmt: str) -> bool:
     also needs whole words of 8 outputs and inputs)."""
     leaf = name.rsplit(".", 2)[-2]
     return (fmt != "bf16" and name.startswith(("model.layers.", "mtp.layers.")) and "proj" in leaf
-            and leaf not in KEEP_DENSE and (fmt == "fp8" or (shape[0] % 8 == 0 and shape[1] % 8 == 0)))
+            and leaf not in KEEP_DENSE and ("fp8" in fmt or (shape[0] % 8 == 0 and shape[1] % 8 == 0)))
 
 
 def random_tensor(name: str, shape: tuple, gen: torch.Generator, device) -> torch.Tensor:
@@ -129,6 +136,9 @@ def stored(name: str, w: torch.Tensor, fmt: str) -> dict[str, torch.Tensor]:
     if fmt == "fp8":
         q, scale = fp8.quantize(w)
         return {name: q, module + ".weight_scale_inv": scale}
+    if fmt == "ct-fp8":  # llm-compressor's FP8_DYNAMIC: one bf16 scale per output channel
+        scale = (w.abs().amax(1, keepdim=True) / fp8.FP8_MAX).clamp(min=1e-12).to(torch.bfloat16)
+        return {name: (w / scale.float()).to(fp8.FLOAT8), module + ".weight_scale": scale}
     codes, scale, zero = rtn_int4(w, symmetric=fmt == "gptq")
     if fmt == "gptq":  # qweight [K/8, N]: 8 consecutive inputs a word; v1 stores zero - 1
         return {module + ".qweight": words(codes).t(), module + ".qzeros": words((zero - 1).t()),

@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-FORMATS = ["bf16", "bf16-int4", "fp8", "gptq", "awq"]
+FORMATS = ["bf16", "bf16-int4", "fp8", "ct-fp8", "gptq", "awq"]
 
 
 @pytest.fixture(scope="module")
@@ -36,9 +36,9 @@ def test_every_format_loads_and_decodes(script, tmp_path, capsys):
         assert row["shards"] > 1 and row["checkpoint_bytes"] > 0 and row["load_s"] > 0
         assert row["decode_tokens_per_s"] > 0 and row["same_tokens_twice"]
         assert row["page_cache_dropped"] in (True, False)
-    assert [r["target_quantization"] for r in rows] == ["none", "int4", "fp8", "int4", "int4"]
+    assert [r["target_quantization"] for r in rows] == ["none", "int4", "fp8", "fp8", "int4", "int4"]
     assert rows[0]["checkpoint_bytes"] == rows[1]["checkpoint_bytes"]  # one bf16 checkpoint, loaded twice
-    assert rows[3]["checkpoint_bytes"] < rows[2]["checkpoint_bytes"] < rows[0]["checkpoint_bytes"]
+    assert rows[4]["checkpoint_bytes"] < rows[2]["checkpoint_bytes"] < rows[0]["checkpoint_bytes"]
     assert [line.split()[0] for line in stdout.splitlines()[1:1 + len(FORMATS)]] == FORMATS  # a line per format
     assert list(ckpts.iterdir()) == []  # no --keep: each checkpoint removed once measured
 
