@@ -28,7 +28,8 @@ def configs(m, n, k, sweep):
     base = default_config(m, n, k, 8, 128)
     yield base
     if sweep:
-        for bn, stages, waves in itertools.product((32, 64, 128), (2, 3, 4), (1, 2, 4)):
+        # waves 8: the only way to split K for the 34816-output gate_up (544 tiles of 64 rows > 4 waves of 132)
+        for bn, stages, waves in itertools.product((32, 64, 128), (2, 3, 4), (1, 2, 4, 8)):
             cfg = replace(base, block_n=bn, stages=stages, waves=waves)
             if cfg != base:
                 yield cfg
