@@ -298,7 +298,8 @@ def load_target(directory: str | Path, device="cpu", dtype=torch.float32, progre
                     mtp[key] = module
                 else:
                     swap_in(model, key, module, str(directory))
-    quantized_linears(parts, sources, scheme, device)  # what is left: parts without a quantization_config, refused
+    if parts:  # quantized-looking tensors of a checkpoint without a quantization_config: refused
+        quantized_linears(parts, sources, scheme, device)
     expected = dict(model.named_parameters())  # quantized projections hold buffers, not parameters
     extra = [k for k in loaded if k not in expected]
     if extra:

@@ -287,8 +287,8 @@ def use_expandable_segments(device: torch.device) -> None:
     the same decoding speed. Called before the first allocation; affects segments created afterwards."""
     if device.type == "cuda" and "PYTORCH_CUDA_ALLOC_CONF" not in os.environ:
         # the accelerator-wide setter where this torch has it (torch.cuda's is deprecated for it)
-        setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None) or torch.cuda.memory._set_allocator_settings
-        setter("expandable_segments:True")
+        setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
+        (setter or torch.cuda.memory._set_allocator_settings)("expandable_segments:True")
 
 
 def reset_peak(device: torch.device) -> None:

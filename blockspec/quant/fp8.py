@@ -1,7 +1,8 @@
 """Block-wise FP8 weights (W8A16): float8_e4m3fn values with one float32 scale per 128 x 128 block, as the FP8
 checkpoints of Qwen and DeepSeek store them (`quantization_config: {quant_method: fp8, fmt: e4m3,
 weight_block_size: [128, 128], activation_scheme: dynamic}`; per projection `<module>.weight` float8_e4m3fn [N, K]
-and `<module>.weight_scale_inv` float32 [ceil(N / 128), ceil(K / 128)]):  w[n, k] = fp8[n, k] * scale[n // 128, k // 128].
+and `<module>.weight_scale_inv` float32 [ceil(N / 128), ceil(K / 128)]):
+w[n, k] = fp8[n, k] * scale[n // 128, k // 128].
 
 `dequantize` is the format's reference. `Fp8Linear` keeps the stored e4m3 bytes as they are (never dequantized at
 load) as 8-bit codes of the W4A16 / W8A16 kernel's q16 layout (quant/w4a16_triton.py: `pack_e4m3`), with each
@@ -155,19 +156,17 @@ class CompressedTensorsFp8Scheme:
         weight = part(parts, prefix, ".weight", (FLOAT8,), 2)
         n, k = weight.shape
         groups = -(-k // BLOCK)
-        expected = {"tensor": (1,), "channel": (n, 1), "group": (n, groups), "block": (-(-n // BLOCK), groups)}
+        shapes = {"tensor": [(1,), (), (1, 1)], "channel": [(n, 1), (n,)], "group": [(n, groups)],
+                  "block": [(-(-n // BLOCK), groups)]}[strategy]
         scale = parts.get(prefix + ".weight_scale")
         if scale is None:
             raise BlockspecError(f"checkpoint is missing {prefix}.weight_scale")
-        fits = {"tensor": scale.numel() == 1, "channel": tuple(scale.shape) in ((n, 1), (n,))}
-        if scale.dtype not in SCALE_DTYPES or not fits.get(strategy, tuple(scale.shape) == expected[strategy]):
+        if scale.dtype not in SCALE_DTYPES or tuple(scale.shape) not in shapes:
             raise BlockspecError(f"{prefix}.weight_scale is {scale.dtype} of shape {tuple(scale.shape)}, expected "
-                                 f"{expected[strategy]} ({strategy} scales of {prefix}.weight {tuple(weight.shape)})")
+                                 f"{shapes[0]} ({strategy} scales of {prefix}.weight {tuple(weight.shape)})")
         scale = scale.to(torch.float32)
-        if strategy == "block":
-            rows = scale.repeat_interleave(BLOCK, 0)[:n]
-        else:
-            rows = scale.reshape(-1, 1 if strategy != "group" else groups).expand(n, groups)
+        rows = scale.repeat_interleave(BLOCK, 0)[:n] if strategy == "block" else \
+            scale.reshape(-1, groups if strategy == "group" else 1).expand(n, groups)
         return Fp8Linear.from_row_scales(weight, rows.contiguous())
 
 
