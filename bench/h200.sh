@@ -38,9 +38,9 @@
 #   drafter_train  train-drafter's step on the synthetic 27B with the published drafter (bench/drafter_training.py;
 #                  ~3 minutes, most of it building the synthetic target)
 #   ckpt       users' downloads: the 27B's shapes written as a checkpoint in each published format (CKPT_FORMATS,
-#              default gptq,awq,fp8; also bf16, bf16-int4), ~4 GB shards, then loaded cold by the engine: write and
-#              load s, GB/s, loading peak vs the estimate, decode tokens/s (bench/checkpoint_loading.py; ~2 minutes a
-#              format, predicted; needs the checkpoint's size free on the disk: bf16 55 GB, fp8 30, int4 18)
+#              default gptq,awq,fp8; also ct-fp8, bf16, bf16-int4), ~4 GB shards, then loaded cold by the engine:
+#              write and load s, GB/s, loading peak vs the estimate, decode tokens/s (bench/checkpoint_loading.py;
+#              ~1.5-2 minutes a format; needs the checkpoint's size free on the disk: bf16 55 GB, fp8 30, int4 18)
 # Usage (device machine, repo root, wheels in .whl): PARTS="tests bf16 int4" bash bench/h200.sh  (writes to $OUT)
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"; export OUT=$(cd "$OUT" && pwd); LOG="$OUT/bench_log.txt"  # the benches' JSON too
