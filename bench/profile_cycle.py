@@ -30,7 +30,7 @@ from blockspec.config import PredictConfig  # noqa: E402
 from blockspec.engine.decode import prefill  # noqa: E402
 from blockspec.engine.engine import Engine  # noqa: E402
 from blockspec.engine.weights import rtn  # noqa: E402
-from blockspec.kernels.settings import use  # noqa: E402
+from blockspec.kernels import use  # noqa: E402
 from blockspec.models.qwen3_5 import TargetOutput  # noqa: E402
 from blockspec.synthetic import synthetic_drafter, synthetic_target  # noqa: E402
 from timing import event_ms  # noqa: E402  (bench/timing.py, beside this script)

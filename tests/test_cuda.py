@@ -452,7 +452,7 @@ def test_prefix_reuse_bf16_graphed(wide_margin_pair, mode):
 @pytest.mark.parametrize("asm", [True, False])
 def test_fp8_projections_on_gpu(dtype, asm):
     """FP8 projections (e4m3 codes in the q16 layout, PTX or plain unpacking) at 27B shapes, one part and packed
-    parts off the 128-row grid, at 1, 8 and 16 rows: the FP8 reference's result to rounding; replayed in a CUDA graph
+    parts off the 128-row grid, gate_up's whole and split tiles in one launch, at 1, 8 and 16 rows: the FP8 reference's result to rounding; replayed in a CUDA graph
     they give what they give eagerly. Every finite e4m3 byte (subnormals, both zeros) times one-hot rows: exactly its
     value times its block's scale."""
     from dataclasses import replace
@@ -461,7 +461,7 @@ def test_fp8_projections_on_gpu(dtype, asm):
     from blockspec.quant.w4a16_triton import default_config, wq_matmul
 
     g = torch.Generator().manual_seed(0)
-    for sizes, k in [([5120], 17408), ([10240, 48, 48], 5120)]:
+    for sizes, k in [([5120], 17408), ([10240, 48, 48], 5120), ([34816], 5120)]:  # the last: balanced schedule
         parts = [quantize(torch.randn(n, k, generator=g) * k ** -0.5) for n in sizes]
         packed = Fp8Linear.concat([Fp8Linear.from_blocks(*p) for p in parts]).cuda().packed()
         dense = torch.cat([dequantize(*p) for p in parts]).cuda()

@@ -285,18 +285,32 @@ def test_default_configs():
                 cfg = wq.default_config(m, n, k, bits, gs)
                 assert cfg.block_m == (8 if m <= 8 else 16) and cfg.asm  # PTX unpacking for int4 and int8
                 nblk = wq.padded_k(k, bits, gs) // wq.block_size(bits, gs)
-                split, bps = wq.split_k(cfg, n, nblk, 132)
+                whole, split, bps = wq.schedule(cfg, n, nblk, 132)
                 assert 1 <= split <= nblk and (split - 1) * bps < nblk <= split * bps  # no empty split
+                assert 0 <= whole < -(-n // cfg.block_n) and (whole == 0 or split > 1)
     # the measured winners (H200, bench/quant_kernels.py --sweep): 64-row tiles, 2-3 stages, wgmma from 9 rows
     cfg = wq.default_config(1, 34816, 5120)
-    assert (cfg.block_n, cfg.stages, cfg.sync, wq.split_k(cfg, 34816, 10)[0]) == (64, 3, True, 1)
+    assert (cfg.block_n, cfg.stages, cfg.sync) == (64, 3, True)
     assert wq.default_config(8, 5120, 6144).stages == 2 and wq.default_config(4, 248320, 5120).stages == 3
-    assert wq.split_k(wq.default_config(8, 5120, 17408), 5120, 34) == (4, 9)
+    assert wq.schedule(wq.default_config(8, 5120, 17408), 5120, 34) == (0, 4, 9)
     cfg = wq.default_config(16, 248320, 5120)
     assert (cfg.block_n, cfg.stages, cfg.sync) == (128, 3, False)
     cfg = wq.default_config(16, 5120, 6144)  # mid-size rows at 9-16 rows: one wave of 3-stage programs
-    assert (cfg.stages, cfg.sync, wq.split_k(cfg, 5120, 12)) == (3, False, (2, 6))
-    assert wq.split_k(wq.default_config(16, 5120, 17408), 5120, 34) == (7, 5)  # down keeps ~4 waves
+    assert (cfg.stages, cfg.sync, wq.schedule(cfg, 5120, 12)) == (3, False, (0, 2, 6))
+    assert wq.schedule(wq.default_config(16, 5120, 17408), 5120, 34) == (0, 7, 5)  # down keeps ~4 waves
+
+
+def test_balanced_schedule():
+    # gate_up's 544 tiles of 64 rows over 132 SMs: 4 whole rounds, the last 16 tiles split into 5 ranges of 4 blocks
+    # (e4m3: 20 blocks) or 3 of <= 4 (int4: 10): the busiest SM streams 84 (44) blocks instead of 100 (50)
+    assert wq.schedule(wq.default_config(1, 34816, 5120, 8), 34816, 20) == (528, 5, 4)
+    assert wq.schedule(wq.default_config(1, 34816, 5120), 34816, 10) == (528, 3, 4)
+    assert wq.schedule(wq.default_config(1, 14336, 5120, 8), 14336, 20) == (0, 1, 20)  # FP8 qkv: a long last round
+    assert wq.schedule(wq.default_config(1, 16480, 5120, 8), 16480, 20) == (0, 1, 20)  # 258 tiles: nothing to gain
+    assert wq.schedule(wq.default_config(1, 33792, 5120, 8), 33792, 20) == (0, 1, 20)  # whole rounds only
+    assert wq.schedule(wq.default_config(1, 248320, 5120, 8), 248320, 20) == (0, 1, 20)  # many rounds: dynamic
+    unbalanced = wq.KernelConfig(64, 8, 4, 3, True, 1)
+    assert wq.schedule(unbalanced, 34816, 20) == (0, 1, 20)
     assert wq.default_config(1, 34816, 5120, 8, 32).block_n == 64  # int8 drafter gate_up; its qkv: 128
     assert wq.default_config(1, 6144, 5120, 8, 32).block_n == 128
 
@@ -317,11 +331,14 @@ def _kernel_cases():
         ("int8 g128 m3 split", 3, 24, 700, 8, 128, True, f32, K(16, 8, 4, 2, True, 64)),
         ("m40 default: 16-row launches", 40, 20, 300, 4, 128, True, f32, None),
         ("m70 default: dequantize + linear", 70, 20, 300, 4, 128, True, f32, None),
+        # 4 SMs (patched): 9 tiles of 16 rows, 8 blocks; 8 whole tiles, the 9th split in 2 ranges
+        ("m2 balanced", 2, 144, 4096, 4, 128, False, bf16, K(16, 8, 4, 2, True, 1, True, True)),
     ]
 
 
 def _run_kernel_cases():  # executed in a subprocess with TRITON_INTERPRET=1
     patch_triton_interpreter()
+    wq.sm_count = lambda device: 4  # so that a small shape has whole rounds of tiles and a rest to balance
     results = []
     for name, m, n, k, bits, gs, sym, xdt, cfg in _kernel_cases():
         g = torch.Generator().manual_seed(m * 7919 + n * 31 + k)
@@ -340,7 +357,8 @@ def _run_kernel_cases():  # executed in a subprocess with TRITON_INTERPRET=1
         counters = kernels._COUNTERS.get(("cpu", None))
         results.append({"name": name, "err": err, "tol": tol, "same": bool(torch.equal(y, y2)),
                         "row0": bool(torch.equal(y[:1], row0)) or m > 16, "dtype": str(y.dtype),
-                        "counters_clean": counters is None or int(counters.abs().sum()) == 0})
+                        "counters_clean": counters is None or int(counters.abs().sum()) == 0,
+                        "whole": wq.schedule(cfg, n, pw.q.shape[1] // gs, 4)[0] if cfg else 0})
     print("RESULTS " + json.dumps(results))
 
 
@@ -351,6 +369,7 @@ def test_kernels_match_reference_in_interpreter():
         assert r["err"] <= r["tol"], r
         assert r["same"] and r["row0"], r  # deterministic, including split-K; a row does not depend on the others
         assert r["counters_clean"], r
+    assert [r["whole"] for r in results if r["name"] == "m2 balanced"] == [8]  # whole tiles and split ones
 
 
 def test_cpu_forward_does_not_need_triton_kernels():

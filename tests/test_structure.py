@@ -1,5 +1,5 @@
 """The package's shape: modules import one way (no circles, lazy imports inside functions included), and the
-decode state's counters move only in its own module."""
+decode state's counters move only in its own module; the GPU benches import what exists."""
 
 import ast
 import re
@@ -84,3 +84,23 @@ def test_decode_state_counters_move_in_its_module_only():
     offenders = [f"{p.relative_to(PACKAGE.parent)}:{i}" for p in PACKAGE.rglob("*.py")
                  for i, line in enumerate(p.read_text().splitlines(), 1) if writes.search(line)]
     assert offenders == []
+
+
+def test_bench_scripts_import_what_exists():
+    """The GPU benches run only on the device machine: every `from blockspec... import name` they hold must resolve
+    here, so that a moved module or renamed function fails in CI rather than after the device is started."""
+    import importlib.util
+
+    missing = []
+    for path in sorted((PACKAGE.parent / "bench").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "blockspec":
+                try:
+                    module = importlib.import_module(node.module)
+                except ImportError as e:
+                    missing.append(f"{path.name}: {node.module} ({e})")
+                    continue
+                missing += [f"{path.name}: {node.module}.{a.name}" for a in node.names
+                            if not hasattr(module, a.name) and importlib.util.find_spec(f"{node.module}.{a.name}")
+                            is None]
+    assert missing == []

@@ -62,12 +62,14 @@ output and 128 inputs; the PTX unpacking moves each byte's bits into a bf16 / fp
 
 Configs: `default_config`, a fixed table (no autotuning: a timing-based choice would vary between runs, and with
 it the summation order, i.e. the numerics), the H200 winners of bench/quant_kernels.py --sweep:
-  M <= 8:  n64 m8 w4 sync, split-K to ~2 waves of 132 SMs; 3 stages above 80M weights, else 2
+  M <= 8:  n64 m8 w4 sync, split-K to ~2 waves of 132 SMs; 3 stages above 80M weights, else 2; unsplit tiles with
+           a short last round balanced over the SMs (`schedule`: gate_up 5 % faster)
   M 9..16: wgmma; vocabulary (N >= 131072) n128 s3, ~4 waves; K > 8192 (down) n64 s2, ~4 waves; else n64 s3, ~1 wave
            (one wave of 3-stage programs: the mid-size projections 5-10 % faster than ~4 waves)
   int8 group 32: M <= 8 n64 (N >= 16384) or n128, s3; M 9..16 n128 m16 s6 sync (by analogy, not measured)
   8-bit group 128 (e4m3, the int8 head): M <= 8 n64 s3, ~4 waves when N < 64 * 132 (down, o: 5-10 % faster than
-           ~2 in bench/fp8_kernels.py --sweep; 3 stages: qkv 9 % faster than 2)
+           ~2 in bench/fp8_kernels.py --sweep; 3 stages: qkv 9 % faster than 2), else unsplit (DeltaNet in 8 %
+           faster than split in 2), a short last round balanced (gate_up 17 % faster)
 Shallow pipelines win: 64-row tiles with 2-3 stages (32-48 KB of shared memory, 4-7 programs per SM) beat 4-stage
 ones (3 per SM) by 1-16 %: more resident programs hide the memory latency better than a deeper pipeline per program.
 M > 16 (prefill): up to 64 rows in 16-row launches; beyond, each slice of <= 16M weights is dequantized to x's dtype
@@ -286,15 +288,16 @@ if triton is not None:
             part = tl.dot(a, xt, tl.zeros([BN, BM], tl.float32))
         return acc + part * s.to(tl.float32)[:, None]
 
-    @triton.jit(do_not_specialize=["M", "BPS", "SPLIT"])
-    def _wq_kernel(x_ptr, q_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, KH, NBLK, BPS, SPLIT, stride_xm,
-                   stride_om, res_ptr, nw_ptr, rows_ptr, part_ptr, PARTS, eps, BITS: tl.constexpr,
+    @triton.jit(do_not_specialize=["M", "WHOLE", "REST", "BPS", "SPLIT"])
+    def _wq_kernel(x_ptr, q_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, KH, NBLK, WHOLE, REST, BPS, SPLIT,
+                   stride_xm, stride_om, res_ptr, nw_ptr, rows_ptr, part_ptr, PARTS, eps, BITS: tl.constexpr,
                    G: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr,
                    STAGES: tl.constexpr, HAS_ZP: tl.constexpr, EVEN_K: tl.constexpr, USE_ASM: tl.constexpr,
                    F32DOT: tl.constexpr, SYNC: tl.constexpr, U0: tl.constexpr, U1: tl.constexpr,
                    U2: tl.constexpr, U3: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr,
                    EPI: tl.constexpr, RMS: tl.constexpr, PBLOCK: tl.constexpr, E4M3: tl.constexpr):
-        """Program (pid_n, pid_k): rows [pid_n*BN, +BN), blocks [pid_k*BPS, +BPS); one block (C groups) per step.
+        """Program pid < WHOLE: tile pid, every block; the others (pid_n, pid_k) of the REST tiles after them: rows
+        [pid_n*BN, +BN), blocks [pid_k*BPS, +BPS) (`schedule`); one block (C groups) per step.
         SYNC only keys the compile cache (the launcher sets DISABLE_MMA_V3 while it compiles). RMS: the finished tile
         is first scaled by its rows' 1 / rms (the input is the rows of an EPI 1 launch, whose partials give the rms).
         EPI: then stored as is (0), added to a residual stream with the next norm begun (1, `_add_norm_epilogue`),
@@ -302,8 +305,12 @@ if triton is not None:
         rows are gate rows, its last BN / 2 the up rows of the same channels)."""
         C: tl.constexpr = 16 // BITS
         ZB: tl.constexpr = 1 << (BITS - 1)
-        pid_n = tl.program_id(0)
-        pid_k = tl.program_id(1)
+        pid = tl.program_id(0)
+        whole = pid < WHOLE
+        piece = tl.maximum(pid - WHOLE, 0)  # tile-major: the split parts of one tile are REST programs apart
+        pid_n = tl.where(whole, pid, WHOLE + piece % tl.maximum(REST, 1))
+        pid_k = tl.where(whole, 0, piece // tl.maximum(REST, 1))
+        tile_split = tl.where(whole, 1, SPLIT)
         if EPI == 2:
             HALF: tl.constexpr = BN // 2
             tile_rows = tl.arange(0, BN)
@@ -320,7 +327,7 @@ if triton is not None:
         x_cols = x_ptr + offs_m[None, :] * stride_xm + offs_c[:, None]  # x^T tile [G, BM]
         m_ok = (offs_m < M)[None, :]
         b_lo = pid_k * BPS
-        b_hi = tl.minimum(b_lo + BPS, NBLK)
+        b_hi = tl.where(whole, NBLK, tl.minimum(b_lo + BPS, NBLK))
         acc = tl.zeros([BN, BM], tl.float32)
         pdl.prefetch_rows(q_ptr, offs_n, KH, b_lo * G, N, KH, PREFETCH * G, 64, PDL)  # int16 codes: 64 per line
         pdl.wait(PDL)
@@ -354,7 +361,7 @@ if triton is not None:
                 acc = _group(acc, h, xb + 2 * G, x2m, s2, z2, 2, BITS, U2, BN, BM, HAS_ZP, USE_ASM, F32DOT, E4M3)
                 acc = _group(acc, h, xb + 3 * G, x3m, s3, z3, 3, BITS, U3, BN, BM, HAS_ZP, USE_ASM, F32DOT, E4M3)
         pdl.release(PDL)
-        total, done = split_k_total(acc, ws_ptr, cnt_ptr, offs_n, offs_m, M, N, pid_n, pid_k, SPLIT)
+        total, done = split_k_total(acc, ws_ptr, cnt_ptr, offs_n, offs_m, M, N, pid_n, pid_k, tile_split)
         ok = n_ok[:, None] & (offs_m < M)[None, :] & done
         if RMS:
             total = total * tl.rsqrt(tl.sum(sums, 0) / K + eps)[None, :]
@@ -421,10 +428,11 @@ class KernelConfig:
     sync: bool = True     # mma.sync (compiled under DISABLE_MMA_V3); False: wgmma where Triton picks it
     waves: int = 2        # split K until about waves * SMs programs
     asm: bool = True      # PTX unpacking on CUDA (the interpreter always takes the plain path)
+    balance: bool = False  # unsplit tiles beyond the last full round of SMs: split so each SM streams ~as much
 
     def short(self) -> str:
         return (f"n{self.block_n} m{self.block_m} w{self.warps} s{self.stages}{' sync' if self.sync else ''} "
-                f"wv{self.waves}{'' if self.asm else ' noasm'}")
+                f"wv{self.waves}{' bal' if self.balance else ''}{'' if self.asm else ' noasm'}")
 
 
 def default_config(m: int, n: int, k: int, bits: int = 4, group_size: int = 128) -> KernelConfig:
@@ -435,9 +443,9 @@ def default_config(m: int, n: int, k: int, bits: int = 4, group_size: int = 128)
             return KernelConfig(64 if n >= 16384 else 128, 8, 4, 3, True, 2, asm)
         return KernelConfig(128, 16, 4, 6, True, 4, asm)
     if m <= 8 and bits == 8:  # e4m3 / int8 g128 (2x int4's bytes per tile): 3 stages; narrow outputs split to ~4 waves
-        return KernelConfig(64, 8, 4, 3, True, 4 if n < 64 * 132 else 2, asm)
+        return KernelConfig(64, 8, 4, 3, True, 4 if n < 64 * 132 else 1, asm, True)
     if m <= 8:  # 64-row tiles, shallow pipelines: more programs resident per SM hide more latency than deeper ones
-        return KernelConfig(64, 8, 4, 3 if n * k > 80_000_000 else 2, True, 2, asm)
+        return KernelConfig(64, 8, 4, 3 if n * k > 80_000_000 else 2, True, 2, asm, True)
     if n >= 131072:  # vocabulary-sized
         return KernelConfig(128, 16, 4, 3, False, 4, asm)
     if k > 8192:  # long rows (down): K splits to ~4 waves
@@ -450,9 +458,32 @@ def sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
 
 
-def split_k(cfg: KernelConfig, n: int, nblk: int, sms: int = 132) -> tuple[int, int]:
-    """(split, blocks per split): split K until about cfg.waves * sms programs, no empty splits."""
-    return split_blocks(-(-n // cfg.block_n), nblk, cfg.waves * sms)
+MIN_PIECE = 4        # blocks: a shorter split part costs more in its pipeline's start than it balances
+BALANCED_ROUNDS = 4  # whole tiles per SM up to which `schedule` balances (all resident at once, finishing together)
+SHORT_ROUND = 4      # a last round of tiles on at most 1 / SHORT_ROUND of the SMs is split (more: measured slower)
+
+
+def schedule(cfg: KernelConfig, n: int, nblk: int, sms: int = 132) -> tuple[int, int, int]:
+    """(whole, split, blocks per split) of a launch over `nblk` K blocks: the first `whole` tiles of BN rows are one
+    program each over every block, each later tile is split into `split` ranges of `bps` blocks (no empty range).
+    By default every tile is split alike, until about cfg.waves * sms programs. With cfg.balance, when that leaves
+    tiles unsplit and a short last round (gate_up's 544 over 132: 16 SMs would stream a fifth tile while 116 idle),
+    the tiles of the full rounds stay whole and the remaining ones are split so that the most blocks any SM streams
+    is least (ties: fewer programs), pieces of at least MIN_PIECE blocks. H200, 1 row: FP8 gate_up 58.4 -> 48.6 us,
+    INT4 32.6 -> 31.0 us; a long last round split so (FP8 qkv, 92 of 132 SMs) measured 11 % slower."""
+    tiles = -(-n // cfg.block_n)
+    split, bps = split_blocks(tiles, nblk, cfg.waves * sms)
+    rounds, rest = divmod(tiles, sms)
+    if not cfg.balance or split > 1 or rest == 0 or rest * SHORT_ROUND > sms or rounds > BALANCED_ROUNDS:
+        return 0, split, bps
+
+    def busiest_sm(parts: int) -> tuple[int, int, int]:
+        per = -(-nblk // parts)
+        parts = -(-nblk // per)
+        return rounds * nblk + -(-rest * parts // sms) * per, parts, per
+
+    _, split, bps = min(busiest_sm(p) for p in range(1, nblk + 1) if -(-nblk // p) >= min(MIN_PIECE, nblk))
+    return (tiles - rest, split, bps) if split > 1 else (0, 1, nblk)
 
 
 @dataclass
@@ -477,8 +508,9 @@ def _launch(x2: torch.Tensor, pw: PackedWeight, cfg: KernelConfig, out: torch.Te
     if m > cfg.block_m or cfg.block_m not in (8, 16):
         raise ValueError(f"config {cfg.short()} takes block_m 8 or 16 and at most block_m rows, got {m}")
     nblk = pw.q.shape[1] // pw.group_size
-    split, bps = split_k(cfg, pw.n, nblk, sm_count(x2.device))
+    whole, split, bps = schedule(cfg, pw.n, nblk, sm_count(x2.device))
     n_tiles = -(-pw.n // cfg.block_n)
+    programs = whole + (n_tiles - whole) * split
     ws = torch.empty(split * m * pw.n if split > 1 else 1, dtype=torch.float32, device=x2.device)
     cnt = arrival_counters(x2.device, n_tiles)
     fp16 = x2.dtype == torch.float16
@@ -486,20 +518,20 @@ def _launch(x2: torch.Tensor, pw: PackedWeight, cfg: KernelConfig, out: torch.Te
     unpack = [unpack_asm(pw.bits, i, fp16, e4m3) if i < 16 // pw.bits else "" for i in range(4)]
     epi = epilogue or Epilogue()
     parts = ws if epi.partials is None else epi.partials  # (EPI 2 with an even N: as many tiles, of BN / 2 channels)
-    args = (x2, pw.q, pw.s, pw.s if pw.z is None else pw.z, out, ws, cnt, m, pw.n, pw.k, pw.q.shape[1], nblk, bps,
-            split, x2.stride(0), out.stride(0),
+    args = (x2, pw.q, pw.s, pw.s if pw.z is None else pw.z, out, ws, cnt, m, pw.n, pw.k, pw.q.shape[1], nblk, whole,
+            n_tiles - whole, bps, split, x2.stride(0), out.stride(0),
             *(out if t is None else t for t in (epi.residual, epi.weight, epi.rows)), parts, parts.shape[0], epi.eps)
     meta = dict(BITS=pw.bits, G=pw.group_size, BN=cfg.block_n, BM=cfg.block_m, STAGES=cfg.stages,
                 HAS_ZP=pw.z is not None, EVEN_K=pw.k % block_size(pw.bits, pw.group_size) == 0,
                 USE_ASM=cuda and cfg.asm, F32DOT=not cuda, SYNC=cuda and cfg.sync, U0=unpack[0], U1=unpack[1],
                 U2=unpack[2], U3=unpack[3], num_warps=cfg.warps, **pdl.options(x2),
-                PREFETCH=pdl.prefetch_blocks(cfg.block_n * pw.group_size * 2, n_tiles * split, bps, x2.device),
+                PREFETCH=pdl.prefetch_blocks(cfg.block_n * pw.group_size * 2, programs, bps, x2.device),
                 EPI=epi.kind, RMS=epi.rms, PBLOCK=triton.next_power_of_2(parts.shape[0]) if epi.rms else 1,
                 E4M3=e4m3)
     if meta["SYNC"]:
         os.environ["DISABLE_MMA_V3"] = "1"  # read by the compiler; only a first call per config compiles
     try:
-        launch_fitting(_wq_kernel, (n_tiles, split), *args, stages_key="STAGES", **meta)
+        launch_fitting(_wq_kernel, (programs,), *args, stages_key="STAGES", **meta)
     finally:
         if meta["SYNC"]:
             os.environ.pop("DISABLE_MMA_V3", None)
@@ -589,4 +621,4 @@ def wq_matmul(x: torch.Tensor, pw: PackedWeight, config: KernelConfig | None = N
 
 __all__ = ["PackedWeight", "KernelConfig", "check_format", "block_size", "padded_k", "pack", "pack_e4m3", "pack_codes",
            "unpack_codes", "pack_groups", "unpack_groups", "unpack_asm", "reference_matmul", "kernels_available",
-           "default_config", "split_k", "wq_matmul", "wq_matmul_add_norm", "wq_matmul_swiglu"]
+           "default_config", "schedule", "wq_matmul", "wq_matmul_add_norm", "wq_matmul_swiglu"]
