@@ -15,9 +15,10 @@ Layout "q16" (`pack`; `unpack_codes` / `dequantize` invert it)
 
 Kernel (tensor cores, exact numerics)
 -------------------------------------
-  Program (pid_n, pid_k): BN output rows, a range of blocks (split-K when N alone does not fill the GPU). Each step
-  loads one [BN, G] int16 tile (Triton's pipeliner: cp.async into shared memory, num_stages deep) and the block's
-  scales (prefetched one block ahead by hand), then per group i: A = (u_i - z) in x's dtype, exact;
+  Program (pid_n, pid_k): BN output rows, a range of blocks (split-K when N alone does not fill the GPU, or for the
+  tiles of a short last round over the SMs: `schedule`). Each step loads one [BN, G] int16 tile (Triton's pipeliner:
+  cp.async into shared memory, num_stages deep) and the block's scales (prefetched one block ahead by hand), then per
+  group i: A = (u_i - z) in x's dtype, exact;
   part[BN, BM] = A @ x_i^T (one MMA chain, fp32), acc += part * s_i (fp32). M <= 8 uses BM = 8 with mma.sync
   (`sync`: compiled under DISABLE_MMA_V3), M 9..16 BM = 16. Under split-K the last program to arrive at a tile adds
   the fp32 partials in a fixed order (kernels/linear_triton.split_k_total; no memset). Results are
@@ -63,13 +64,14 @@ output and 128 inputs; the PTX unpacking moves each byte's bits into a bf16 / fp
 Configs: `default_config`, a fixed table (no autotuning: a timing-based choice would vary between runs, and with
 it the summation order, i.e. the numerics), the H200 winners of bench/quant_kernels.py --sweep:
   M <= 8:  n64 m8 w4 sync, split-K to ~2 waves of 132 SMs; 3 stages above 80M weights, else 2; unsplit tiles with
-           a short last round balanced over the SMs (`schedule`: gate_up 5 % faster)
+           a short last round balanced over the SMs (`schedule`: gate_up 5-6 % faster)
   M 9..16: wgmma; vocabulary (N >= 131072) n128 s3, ~4 waves; K > 8192 (down) n64 s2, ~4 waves; else n64 s3, ~1 wave
            (one wave of 3-stage programs: the mid-size projections 5-10 % faster than ~4 waves)
   int8 group 32: M <= 8 n64 (N >= 16384) or n128, s3; M 9..16 n128 m16 s6 sync (by analogy, not measured)
   8-bit group 128 (e4m3, the int8 head): M <= 8 n64 s3, ~4 waves when N < 64 * 132 (down, o: 5-10 % faster than
            ~2 in bench/fp8_kernels.py --sweep; 3 stages: qkv 9 % faster than 2), else unsplit (DeltaNet in 8 %
-           faster than split in 2), a short last round balanced (gate_up 17 % faster)
+           faster than split in 2), a short last round balanced (gate_up 8-18 % faster at 1-8 rows on three
+           H200s; on a fourth, slower one only at 8 rows: docs/benchmarks.md)
 Shallow pipelines win: 64-row tiles with 2-3 stages (32-48 KB of shared memory, 4-7 programs per SM) beat 4-stage
 ones (3 per SM) by 1-16 %: more resident programs hide the memory latency better than a deeper pipeline per program.
 M > 16 (prefill): up to 64 rows in 16-row launches; beyond, each slice of <= 16M weights is dequantized to x's dtype
