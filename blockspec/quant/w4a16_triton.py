@@ -317,8 +317,10 @@ if triton is not None:
             HALF: tl.constexpr = BN // 2
             tile_rows = tl.arange(0, BN)
             channels = pid_n * HALF + tile_rows % HALF
-            offs_n = channels + (tile_rows >= HALF).to(tl.int32) * (N // 2)
             n_ok = channels < N // 2
+            # rows past the last channel point past N, so that no store (split-K partials included) lands on the
+            # up rows of the first channels, which a gate row index >= N // 2 would otherwise address
+            offs_n = tl.where(n_ok, channels + (tile_rows >= HALF).to(tl.int32) * (N // 2), N)
         else:
             offs_n = pid_n * BN + tl.arange(0, BN)
             n_ok = offs_n < N
