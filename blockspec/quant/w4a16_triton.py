@@ -70,8 +70,8 @@ it the summation order, i.e. the numerics), the H200 winners of bench/quant_kern
   int8 group 32: M <= 8 n64 (N >= 16384) or n128, s3; M 9..16 n128 m16 s6 sync (by analogy, not measured)
   8-bit group 128 (e4m3, the int8 head): M <= 8 n64 s3, ~4 waves when N < 64 * 132 (down, o: 5-10 % faster than
            ~2 in bench/fp8_kernels.py --sweep; 3 stages: qkv 9 % faster than 2), else unsplit (DeltaNet in 8 %
-           faster than split in 2), a short last round balanced (gate_up 8-18 % faster at 1-8 rows on three
-           H200s; on a fourth, slower one only at 8 rows: docs/benchmarks.md)
+           faster than split in 2), a short last round balanced (gate_up 10-22 % faster at 1-8 rows on two
+           H200s; on another, slower one only at 8 rows: docs/benchmarks.md)
 Shallow pipelines win: 64-row tiles with 2-3 stages (32-48 KB of shared memory, 4-7 programs per SM) beat 4-stage
 ones (3 per SM) by 1-16 %: more resident programs hide the memory latency better than a deeper pipeline per program.
 M > 16 (prefill): up to 64 rows in 16-row launches; beyond, each slice of <= 16M weights is dequantized to x's dtype
@@ -310,8 +310,9 @@ if triton is not None:
         pid = tl.program_id(0)
         whole = pid < WHOLE
         piece = tl.maximum(pid - WHOLE, 0)  # tile-major: the split parts of one tile are REST programs apart
-        pid_n = tl.where(whole, pid, WHOLE + piece % tl.maximum(REST, 1))
-        pid_k = tl.where(whole, 0, piece // tl.maximum(REST, 1))
+        rest = tl.maximum(REST, 1)
+        pid_n = tl.where(whole, pid, WHOLE + piece % rest)
+        pid_k = tl.where(whole, 0, piece // rest)
         tile_split = tl.where(whole, 1, SPLIT)
         if EPI == 2:
             HALF: tl.constexpr = BN // 2
