@@ -22,7 +22,6 @@
 #   kernels    the W4A16 / W8A16 kernel's checks and table (bench/quant_kernels.py)
 #   fp8_kernels  the FP8 kernel against cuBLAS bf16 at 1, 8 and 16 rows (bench/fp8_kernels.py; FP8_ARGS=--sweep)
 #   schedules  W4A16 / W8A16 launch schedules, balanced or not: FP8, INT4 at 1 and 8 rows (bench/kernel_schedules.py)
-#   tail       a layer's tail in one launch against three, FP8 and INT4 (bench/layer_tail.py)
 #   sweep      the W4A16 config sweep (bench/quant_kernels.py --sweep; SWEEP_S seconds at most)
 #   attention  split-KV attention against SDPA (bench/attention_kernels.py)
 #   gdn        the DeltaNet kernels' configs (bench/gdn_kernel.py)
@@ -83,7 +82,6 @@ for part in ${PARTS:-bf16 warm int4 vocab}; do
     kernels) kernel_bench quant_kernels ${KERNELS_S:-240} quant_kernels ;;
     fp8_kernels) kernel_bench fp8_kernels ${FP8_KERNELS_S:-300} fp8_kernels ${FP8_ARGS:-} ;;
     schedules) kernel_bench kernel_schedules 150 kernel_schedules ;;
-    tail) kernel_bench layer_tail 150 layer_tail ;;
     sweep) kernel_bench quant_sweep ${SWEEP_S:-300} quant_kernels --sweep ;;
     attention) kernel_bench attention_kernels 60 attention_kernels ;;
     gdn) kernel_bench gdn_kernel 60 gdn_kernel ;;

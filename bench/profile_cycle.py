@@ -7,8 +7,7 @@ roofline), the graphed verification pass of the mode with a full and a 1-token c
 the graphed drafter context append of 4 rows, the graphed MTP observe + chain of 3 drafts, and the head on one row.
 Then a kernel table of each graphed piece (torch.profiler: which kernels take the time, and the first kernels of a
 step in launch order). `--pdl-level 0` gives each kernel's own duration (with PDL a kernel's time includes its wait
-for the previous one); `--no-fold-norms` the INT4 step with its norms as kernels of their own,
-`--no-fold-layer-tails` with each layer's tail (out projection, MLP) as three launches instead of one. Prints it all; JSON to
+for the previous one); `--no-fold-norms` the INT4 step with its norms as kernels of their own. Prints it all; JSON to
 $OUT/profile_cycle.json.
 
 Usage (GPU, repo root; ~2-3 minutes on an H200 for the three modes):
@@ -66,7 +65,7 @@ def build_engine(mode, args):
     """An engine on a fresh synthetic target (quantization and norm folding change the model in place)."""
     overrides = {"mode": mode, "device": "cuda", "context_length": args.context_length,
                  "target_quantization": args.quant, "vocabulary_quantization": args.vocab_quant,
-                 "fold_norms": not args.no_fold_norms, "fold_layer_tails": not args.no_fold_layer_tails}
+                 "fold_norms": not args.no_fold_norms}
     if args.pdl_level is not None:
         overrides["pdl_level"] = args.pdl_level
     config = PredictConfig.build(overrides, source="profile_cycle")
@@ -136,8 +135,6 @@ def main():
     ap.add_argument("--pdl-level", type=int, help="pdl_level (default: the engine's choice for the target)")
     ap.add_argument("--no-fold-norms", action="store_true",
                     help="INT4: residual adds, norms and SwiGLU as kernels of their own (fold_norms: false)")
-    ap.add_argument("--no-fold-layer-tails", action="store_true",
-                    help="INT4 / FP8: each layer's tail as three launches (fold_layer_tails: false)")
     ap.add_argument("--context-length", type=int, default=4096)
     args = ap.parse_args()
     bandwidth = measure_read_bandwidth(torch.device("cuda"))  # GB/s

@@ -94,7 +94,6 @@ class PredictConfig(CheckedSettings):
     # 0: the step recorded as CUDA graphs (the default; the CPU always runs eagerly); -1: eager (debugging, --eager)
     compile_mode: Literal[-1, 0] = 0
     fold_norms: bool = True  # INT4 / FP8 target on CUDA: norms and SwiGLU in the W4A16 launches (layers/folded_norm.py)
-    fold_layer_tails: bool = True  # with fold_norms: each layer's out projection, MLP and next norm in one launch
     # programmatic dependent launch (kernels/pdl.py), 0 (off) to 3; None: what the target's weights measured best
     # with on the H200 (3 for an INT4 target, 0 for bf16: docs/benchmarks.md)
     pdl_level: int | None = Field(None, ge=0, le=3)

@@ -448,43 +448,6 @@ def test_prefix_reuse_bf16_graphed(wide_margin_pair, mode):
     assert sum(cached for *_, cached, _ in with_reuse) > 0
 
 
-@pytest.mark.parametrize("kind", ["fp8", "int4"])
-def test_layer_tail_on_gpu(kind):
-    """The one-launch layer tail at the 27B's shapes (1 and 8 rows, PDL on and off) is bit for bit its three launches,
-    eagerly and replayed in a CUDA graph, and sizes its grid to what the GPU holds at once."""
-    from blockspec.kernels import KernelSettings, use
-    from blockspec.quant import w4a16_triton as wq
-    from blockspec.quant.fp8 import Fp8Linear
-    from blockspec.quant.int4 import Int4Linear
-
-    g = torch.Generator().manual_seed(1)
-
-    def make(n, k):
-        w = torch.randn(n, k, generator=g) * k ** -0.5
-        return (Fp8Linear.from_float(w) if kind == "fp8" else Int4Linear.from_float(w, 128, True)).cuda().packed()
-    o, gu, d = make(5120, 6144), make(34816, 5120), make(5120, 17408)
-    w1, w2 = (0.3 * torch.randn(5120, generator=g).cuda().bfloat16() for _ in range(2))
-    for level in (0, 3):
-        with use(KernelSettings(pdl_level=level)):
-            for rows in (1, 8):
-                x = torch.randn(rows, 6144, device="cuda", dtype=torch.bfloat16)
-                residual = torch.randn(rows, 5120, device="cuda", dtype=torch.bfloat16)
-                summed, r1, p1 = wq.wq_matmul_add_norm(x, o, residual, w1)
-                want = wq.wq_matmul_add_norm(wq.wq_matmul_swiglu(r1, gu, rms=(p1, 1e-6)), d, summed, w2)
-                got = wq.wq_layer_tail(x, o, residual, w1, 1e-6, gu, d, w2)
-                assert all(torch.equal(a, b) for a, b in zip(got, want)), (kind, level, rows)
-                static = x.clone()
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph):
-                    captured = wq.wq_layer_tail(static, o, residual, w1, 1e-6, gu, d, w2)
-                static.copy_(torch.randn_like(x))
-                graph.replay()
-                fresh = wq.wq_layer_tail(static, o, residual, w1, 1e-6, gu, d, w2)
-                assert all(torch.equal(a, b) for a, b in zip(captured, fresh)), (kind, level, rows)
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    assert wq._RESIDENT and all(p % sms == 0 and sms <= p <= 32 * sms for p in wq._RESIDENT.values())
-
-
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("asm", [True, False])
 def test_fp8_projections_on_gpu(dtype, asm):

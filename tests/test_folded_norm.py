@@ -69,38 +69,8 @@ def _run_kernel_cases():  # executed in a subprocess with TRITON_INTERPRET=1
     return results
 
 
-def _run_tail_cases():  # executed in a subprocess with TRITON_INTERPRET=1
-    """The one-launch layer tail against its three launches, with 4 SMs assumed so that the small shapes get split
-    out projections and balanced gate_up tiles: the same work items, so the same bits."""
-    from blockspec.quant.fp8 import Fp8Linear
-
-    wq.sm_count = lambda device: 4
-    results = []
-    for fmt, m, hidden, inter, k_in in (("int4", 1, 320, 640, 384), ("int4 asym", 5, 256, 576, 640),
-                                        ("fp8", 3, 2048, 544, 512)):
-        g = torch.Generator().manual_seed(m * 7 + hidden)
-
-        def make(n, k):
-            w = torch.randn(n, k, generator=g) * 0.05
-            return (Fp8Linear.from_float(w) if fmt == "fp8" else Int4Linear.from_float(w, 128, fmt == "int4")).packed()
-        o, gu, d = make(hidden, k_in), make(2 * inter, hidden), make(hidden, inter)
-        x, residual = torch.randn(m, k_in, generator=g), torch.randn(m, hidden, generator=g)
-        w1, w2 = 0.3 * torch.randn(hidden, generator=g), 0.3 * torch.randn(hidden, generator=g)
-        summed, rows, partials = wq.wq_matmul_add_norm(x, o, residual, w1)
-        act = wq.wq_matmul_swiglu(rows, gu, rms=(partials, 1e-6))
-        want = wq.wq_matmul_add_norm(act, d, summed, w2)
-        got = wq.wq_layer_tail(x, o, residual, w1, 1e-6, gu, d, w2)
-        schedules = [wq.schedule(wq.default_config(m, p.n, p.k, p.bits, p.group_size), p.n, p.q.shape[1] // 128, 4)
-                     for p in (o, gu, d)]
-        counters = kernels._COUNTERS.get(("cpu", None))
-        results.append({"name": fmt, "equal": [bool(torch.equal(a, b)) for a, b in zip(got, want)],
-                        "schedules": schedules, "counters_clean": int(counters.abs().sum()) == 0})
-    return results
-
-
 PARTS = {"test_fold_epilogues_match_plain_math_in_interpreter": "kernels",
-         "test_folded_int4_model_in_interpreter": "model",
-         "test_layer_tail_is_its_three_launches_in_interpreter": "tail"}
+         "test_folded_int4_model_in_interpreter": "model"}
 
 
 @pytest.fixture(scope="module")
@@ -123,16 +93,6 @@ def test_fold_epilogues_match_plain_math_in_interpreter(interpreted):
     assert results[1]["partials_shape"] == [11, 8]  # one sum per 64-column tile of the 650-wide output, per row
 
 
-def test_layer_tail_is_its_three_launches_in_interpreter(interpreted):
-    results = interpreter_part(interpreted, "tail")
-    assert [r["name"] for r in results] == ["int4", "int4 asym", "fp8"]
-    for r in results:
-        assert r["equal"] == [True] * 3 and r["counters_clean"], r
-    # the cases cover split projections and a balanced one (whole tiles and split ones in one phase)
-    splits = [s for r in results for s in r["schedules"]]
-    assert any(s[1] > 1 and s[0] == 0 for s in splits) and any(s[0] > 0 and s[1] > 1 for s in splits), splits
-
-
 def test_shape_errors_are_named():
     a = Int4Linear.from_float(torch.randn(64, 128))
     for bad in (torch.randn(2, 63), torch.randn(3, 64)):
@@ -148,13 +108,6 @@ def test_shape_errors_are_named():
         assert "16 rows" in str(exc)
     else:
         raise AssertionError("17 rows were accepted in one launch")
-    o, gu, d = (Int4Linear.from_float(torch.randn(*shape)).packed() for shape in ((64, 128), (256, 64), (64, 96)))
-    try:
-        wq.wq_layer_tail(torch.randn(2, 128), o, torch.randn(2, 64), torch.zeros(64), 1e-6, gu, d, torch.zeros(64))
-    except ValueError as exc:
-        assert "do not chain" in str(exc) and "down 64x96" in str(exc) and "\n" not in str(exc)
-    else:
-        raise AssertionError("a down projection of the wrong width was accepted")
 
 
 def test_fold_setting_is_a_config_key():
@@ -184,14 +137,10 @@ def _run_model_case(directory):  # executed in a subprocess with TRITON_INTERPRE
         out = run_pass(plain.model, plain.state, torch.tensor(ids[:5]))
         plain.state.discard()
         return out.logits.double()
-    tails = sum(layer.fold_tail for layer in plain.model.layers)
     folded = logits()
-    folded_norm.enable(plain.model, True, False)
-    untailed = logits()
     folded_norm.enable(plain.model, False)
     unfolded = logits()
     return {
-        "tails": tails, "tails_exact": bool(torch.equal(folded, untailed)),
         "folded_norms": [plain.folded_norms, mtp.folded_norms], "layers": len(plain.model.layers),
         "folded_activations": sum(layer.mlp.fold_activation for layer in mtp.model.layers),
         "same_tokens": a.tokens == b.tokens, "acceptance": b.stats["acceptance_rate"],
@@ -205,12 +154,10 @@ def test_folded_int4_model_in_interpreter(interpreted):
     with folded norms still equals plain greedy decoding with them; folding moves logits by rounding only."""
     r = interpreter_part(interpreted, "model")
     assert r["folded_norms"] == [2 * r["layers"] - 1] * 2 and r["folded_activations"] == r["layers"], r
-    assert r["tails"] == r["layers"] - 1 and r["tails_exact"], r  # every layer's tail but the last: one launch
     assert r["same_tokens"] and r["acceptance"] > 0.05, r
     assert r["logits_err"] < 1e-4, r
 
 
 if __name__ == "__main__":  # python test_folded_norm.py CHECKPOINT PART..., with TRITON_INTERPRET=1
     patch_triton_interpreter()
-    report_parts({"kernels": _run_kernel_cases, "model": lambda: _run_model_case(sys.argv[1]), "tail": _run_tail_cases},
-                 sys.argv[2:])
+    report_parts({"kernels": _run_kernel_cases, "model": lambda: _run_model_case(sys.argv[1])}, sys.argv[2:])

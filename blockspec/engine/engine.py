@@ -174,8 +174,7 @@ class Engine:
         self.target_quantizer = rtn(c.target_quantization if not stored else "none", 128, self.dtype)
         self.memory["target"] = prepare(self.model, self.target_quantizer, lambda name: name.startswith("layers."))
         quantize_head(self.model, c.vocabulary_quantization, self.dtype)
-        # INT4 / FP8 on CUDA: norms in the projections, each layer's tail (out projection, MLP) in one launch
-        self.folded_norms = folded_norm.enable(self.model, c.fold_norms, c.fold_layer_tails)
+        self.folded_norms = folded_norm.enable(self.model, c.fold_norms)  # INT4 / FP8 on CUDA: norms in the projections
         self.memory["target"]["final_bytes"] = resident_bytes(self.model)
         self.load_times["prepare_target_s"] = round(time.perf_counter() - start, 3)
 

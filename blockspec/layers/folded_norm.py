@@ -18,11 +18,6 @@ The same layers also fold SwiGLU's activation into a packed gate/up projection (
 each program of that launch takes BN / 2 gate rows and the same up rows and stores silu(gate) * up, rounded as the
 activation kernel rounds it (`w4a16_triton.wq_matmul_swiglu`). PredictConfig.fold_norms: false turns both off
 (comparison runs).
-
-A layer whose three tail launches (out projection with the post-mixer norm begun, SwiGLU, down projection with the
-next norm begun) all fold runs them as one persistent launch in passes of <= 8 tokens (`layer_tail`,
-`w4a16_triton.wq_layer_tail`): the same work items, so the same bits, without two kernel boundaries, and the next
-projection's first weights stream while the slowest programs finish the previous one (PredictConfig.fold_layer_tails).
 """
 
 from __future__ import annotations
@@ -32,9 +27,7 @@ from torch import nn
 from ..quant import w4a16_triton as wq
 from ..quant.int4 import MAX_FOLDED_ROWS, FoldedNorm, Int4Linear
 
-__all__ = ["MAX_FOLDED_ROWS", "MAX_TAIL_ROWS", "FoldedNorm", "foldable", "enable", "layer_tail"]
-
-MAX_TAIL_ROWS = 8  # the one-launch layer tail runs the 1-8-row configs
+__all__ = ["MAX_FOLDED_ROWS", "FoldedNorm", "foldable", "enable"]
 
 
 def foldable(layer: nn.Module) -> bool:
@@ -44,9 +37,8 @@ def foldable(layer: nn.Module) -> bool:
         isinstance(m, Int4Linear) and m.bias is None and wq.kernels_available(m.qweight.device) for m in projections)
 
 
-def enable(model: nn.Module, on: bool = True, tails: bool = True) -> int:
-    """Marks which norms (and activations, and with `tails` which layer tails) of `model` (a TargetModel) fold;
-    returns the number of norms."""
+def enable(model: nn.Module, on: bool = True) -> int:
+    """Marks which norms (and activations) of `model` (a TargetModel) fold; returns the number of norms."""
     layers = list(model.layers)
     for layer in layers:
         layer.fold = on and foldable(layer)
@@ -54,15 +46,4 @@ def enable(model: nn.Module, on: bool = True, tails: bool = True) -> int:
         layer.mlp.fold_activation = layer.fold and len(packed.parts) == 1 and packed.names == ("gate_proj", "up_proj")
     for layer, nxt in zip(layers, layers[1:] + [None]):
         layer.fold_into = nxt.input_layernorm if layer.fold and nxt is not None and nxt.fold else None
-        tail = (layer.out_projection(), layer.mlp.gate_up_proj.parts[0], layer.mlp.down_proj)
-        layer.fold_tail = tails and layer.fold_into is not None and layer.mlp.fold_activation and \
-            len({(p.bits, p.code_format, p.group_size, p.symmetric) for p in tail}) == 1
     return sum(layer.fold for layer in layers) + sum(layer.fold_into is not None for layer in layers)
-
-
-def layer_tail(layer: nn.Module, mixed, x):
-    """(x, FoldedNorm) after a layer's mixer output `mixed` (`enable` marked it fold_tail): one launch."""
-    norm, nxt, mlp = layer.post_attention_layernorm, layer.fold_into, layer.mlp
-    summed, rows, partials = wq.wq_layer_tail(mixed, layer.out_projection().packed(), x, norm.weight, norm.eps,
-                                              mlp.gate_up_proj.parts[0].packed(), mlp.down_proj.packed(), nxt.weight)
-    return summed, FoldedNorm(rows, partials, nxt.eps)

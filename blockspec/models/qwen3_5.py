@@ -15,7 +15,7 @@ from ..config import TargetConfig
 from ..kernels.attention import rope_tables
 from ..kernels.linear import linear_float32
 from ..layers.attention import GatedAttention
-from ..layers.folded_norm import MAX_FOLDED_ROWS, MAX_TAIL_ROWS, FoldedNorm, layer_tail
+from ..layers.folded_norm import MAX_FOLDED_ROWS, FoldedNorm
 from ..layers.gdn import GatedDeltaNet
 from ..layers.mlp import SwiGLU
 from ..layers.norm import RMSNorm
@@ -36,11 +36,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.mlp = SwiGLU(c.hidden_size, c.intermediate_size)
-        # norms folded into the projections, the tail in one launch (layers/folded_norm.py)
-        self.fold, self.fold_into, self.fold_tail = False, None, False
-
-    def out_projection(self) -> nn.Module:
-        return self.self_attn.o_proj if self.is_attention else self.linear_attn.out_proj
+        self.fold, self.fold_into = False, None  # norms folded into the projections (layers/folded_norm.py)
 
     def forward(self, x, delta, layer_state, positions, rope, visible):
         """The residual stream is x + delta, delta being the previous layer's MLP output (None for the first):
@@ -51,12 +47,9 @@ class DecoderLayer(nn.Module):
         if h is None:
             x, h = self.input_layernorm.add_forward(x, delta)
         if self.is_attention:
-            mixed = self.self_attn.attend(h, layer_state, positions, rope, visible)
+            mixed, out_proj = self.self_attn.attend(h, layer_state, positions, rope, visible), self.self_attn.o_proj
         else:
-            mixed = self.linear_attn.mix(h, layer_state)
-        if self.fold_tail and x.shape[0] <= MAX_TAIL_ROWS:
-            return layer_tail(self, mixed, x)
-        out_proj = self.out_projection()
+            mixed, out_proj = self.linear_attn.mix(h, layer_state), self.linear_attn.out_proj
         fold = self.fold and x.shape[0] <= MAX_FOLDED_ROWS
         if fold:
             x, h = out_proj.add_norm(mixed, x, self.post_attention_layernorm)

@@ -84,7 +84,6 @@ from __future__ import annotations
 
 import functools
 import os
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -299,17 +298,16 @@ if triton is not None:
                    F32DOT: tl.constexpr, SYNC: tl.constexpr, U0: tl.constexpr, U1: tl.constexpr,
                    U2: tl.constexpr, U3: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr,
                    EPI: tl.constexpr, RMS: tl.constexpr, PBLOCK: tl.constexpr, E4M3: tl.constexpr):
-        """One launch of one projection: program pid is work item pid of `_wq_item`."""
-        _wq_item(tl.program_id(0), x_ptr, q_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, KH, NBLK, WHOLE,
-                 REST, BPS, SPLIT, stride_xm, stride_om, res_ptr, nw_ptr, rows_ptr, part_ptr, PARTS, eps, BITS, G, BN,
-                 BM, STAGES, HAS_ZP, EVEN_K, USE_ASM, F32DOT, U0, U1, U2, U3, PREFETCH, PDL, EPI, RMS, PBLOCK, E4M3,
-                 True, True)
-
-    @triton.jit
-    def _item_tile(pid, N, NBLK, WHOLE, REST, BPS, SPLIT, BN: tl.constexpr, EPI: tl.constexpr):
-        """Work item pid's (tile, split part, tile's split count, output rows, which rows exist, first / end block):
-        pid < WHOLE: tile pid over every block; the others (pid_n, pid_k) of the REST tiles after them, blocks
-        [pid_k*BPS, +BPS) (`schedule`)."""
+        """Program pid < WHOLE: tile pid, every block; the others (pid_n, pid_k) of the REST tiles after them: rows
+        [pid_n*BN, +BN), blocks [pid_k*BPS, +BPS) (`schedule`); one block (C groups) per step.
+        SYNC only keys the compile cache (the launcher sets DISABLE_MMA_V3 while it compiles). RMS: the finished tile
+        is first scaled by its rows' 1 / rms (the input is the rows of an EPI 1 launch, whose partials give the rms).
+        EPI: then stored as is (0), added to a residual stream with the next norm begun (1, `_add_norm_epilogue`),
+        or, for a [gate; up] projection, silu(gate) * up stored (2, `_swiglu_epilogue`: a program's first BN / 2
+        rows are gate rows, its last BN / 2 the up rows of the same channels)."""
+        C: tl.constexpr = 16 // BITS
+        ZB: tl.constexpr = 1 << (BITS - 1)
+        pid = tl.program_id(0)
         whole = pid < WHOLE
         piece = tl.maximum(pid - WHOLE, 0)  # tile-major: the split parts of one tile are REST programs apart
         rest = tl.maximum(REST, 1)
@@ -327,45 +325,17 @@ if triton is not None:
         else:
             offs_n = pid_n * BN + tl.arange(0, BN)
             n_ok = offs_n < N
-        b_lo = pid_k * BPS
-        b_hi = tl.where(whole, NBLK, tl.minimum(b_lo + BPS, NBLK))
-        return pid_n, pid_k, tile_split, offs_n, n_ok, b_lo, b_hi
-
-    @triton.jit
-    def _prefetch_item(pid, q_ptr, N, KH, NBLK, WHOLE, REST, BPS, SPLIT, G: tl.constexpr, BN: tl.constexpr,
-                       EPI: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr):
-        """L2 prefetch of the first PREFETCH blocks of work item pid's weight rows (int16 codes: 64 per line)."""
-        _, _, _, offs_n, _, b_lo, _ = _item_tile(pid, N, NBLK, WHOLE, REST, BPS, SPLIT, BN, EPI)
-        pdl.prefetch_rows(q_ptr, offs_n, KH, b_lo * G, N, KH, PREFETCH * G, 64, PDL)
-
-    @triton.jit
-    def _wq_item(pid, x_ptr, q_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, KH, NBLK, WHOLE, REST, BPS,
-                 SPLIT, stride_xm, stride_om, res_ptr, nw_ptr, rows_ptr, part_ptr, PARTS, eps, BITS: tl.constexpr,
-                 G: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr, STAGES: tl.constexpr, HAS_ZP: tl.constexpr,
-                 EVEN_K: tl.constexpr, USE_ASM: tl.constexpr, F32DOT: tl.constexpr, U0: tl.constexpr,
-                 U1: tl.constexpr, U2: tl.constexpr, U3: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr,
-                 EPI: tl.constexpr, RMS: tl.constexpr, PBLOCK: tl.constexpr, E4M3: tl.constexpr, WAIT: tl.constexpr,
-                 RELEASE: tl.constexpr):
-        """Work item pid (`_item_tile`): rows [pid_n*BN, +BN) over a range of blocks, one block (C groups) per step.
-        RMS: the finished tile is first scaled by its rows' 1 / rms (the input is the rows of an EPI 1 launch, whose
-        partials give the rms). EPI: then stored as is (0), added to a residual stream with the next norm begun (1,
-        `_add_norm_epilogue`), or, for a [gate; up] projection, silu(gate) * up stored (2, `_swiglu_epilogue`: a
-        program's first BN / 2 rows are gate rows, its last BN / 2 the up rows of the same channels). WAIT / RELEASE:
-        whether this item waits for the previous kernel (PDL) and releases the next one after its main loop."""
-        C: tl.constexpr = 16 // BITS
-        ZB: tl.constexpr = 1 << (BITS - 1)
-        pid_n, pid_k, tile_split, offs_n, n_ok, b_lo, b_hi = _item_tile(pid, N, NBLK, WHOLE, REST, BPS, SPLIT, BN,
-                                                                        EPI)
         offs_m = tl.arange(0, BM)
         offs_c = tl.arange(0, G)
         q_rows = q_ptr + offs_n[:, None].to(tl.int64) * KH + offs_c[None, :]
         sz_off = offs_n[:, None] * C + tl.arange(0, C)[None, :]  # [BN, C]: one block's scales
         x_cols = x_ptr + offs_m[None, :] * stride_xm + offs_c[:, None]  # x^T tile [G, BM]
         m_ok = (offs_m < M)[None, :]
+        b_lo = pid_k * BPS
+        b_hi = tl.where(whole, NBLK, tl.minimum(b_lo + BPS, NBLK))
         acc = tl.zeros([BN, BM], tl.float32)
         pdl.prefetch_rows(q_ptr, offs_n, KH, b_lo * G, N, KH, PREFETCH * G, 64, PDL)  # int16 codes: 64 per line
-        if WAIT:
-            pdl.wait(PDL)
+        pdl.wait(PDL)
         if RMS:  # issued before the loop, summed after it: its latency hides behind the weights
             p_rows = tl.arange(0, PBLOCK)
             sums = tl.load(part_ptr + p_rows[:, None] * M + offs_m[None, :],
@@ -395,8 +365,7 @@ if triton is not None:
             if C == 4:
                 acc = _group(acc, h, xb + 2 * G, x2m, s2, z2, 2, BITS, U2, BN, BM, HAS_ZP, USE_ASM, F32DOT, E4M3)
                 acc = _group(acc, h, xb + 3 * G, x3m, s3, z3, 3, BITS, U3, BN, BM, HAS_ZP, USE_ASM, F32DOT, E4M3)
-        if RELEASE:
-            pdl.release(PDL)
+        pdl.release(PDL)
         total, done = split_k_total(acc, ws_ptr, cnt_ptr, offs_n, offs_m, M, N, pid_n, pid_k, tile_split)
         ok = n_ok[:, None] & (offs_m < M)[None, :] & done
         if RMS:
@@ -437,70 +406,6 @@ if triton is not None:
         tl.store(part_ptr + pid_n * M + offs_m, tl.sum(v * v, 0), mask=(offs_m < M) & done)
         w = tl.load(nw_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)
         tl.store(rows_ptr + off, (v * (1.0 + w)[:, None]).to(dtype), mask=ok)
-
-
-    @triton.jit
-    def _grid_arrive(bar_ptr):
-        """This program's work so far is done and visible (its stores precede the release); returns the count of
-        programs that arrived before it."""
-        tl.debug_barrier()
-        return tl.atomic_add(bar_ptr, 1, sem="release", scope="gpu")
-
-    @triton.jit
-    def _grid_wait(bar_ptr, arrivals, SLEEP: tl.constexpr):
-        """Until `arrivals` programs arrived; their stores are then visible to this program. SLEEP ns between polls
-        (0: none; the interpreter needs 0) keeps the waiting programs' atomics off the arrivals' counter."""
-        while tl.atomic_add(bar_ptr, 0, sem="acquire", scope="gpu") < arrivals:
-            if SLEEP > 0:
-                tl.inline_asm_elementwise(f"nanosleep.u32 {SLEEP}; // $0", "=r", [], dtype=tl.int32, is_pure=False,
-                                          pack=1)
-        tl.debug_barrier()
-
-    @triton.jit(do_not_specialize=["M", "PROGRAMS"])
-    def _wq_chain_kernel(phases, cnt_ptr, bar_ptr, M, PROGRAMS, BITS: tl.constexpr, G: tl.constexpr,
-                         BN: tl.constexpr, BM: tl.constexpr, HAS_ZP: tl.constexpr, USE_ASM: tl.constexpr,
-                         F32DOT: tl.constexpr, SYNC: tl.constexpr, U0: tl.constexpr, U1: tl.constexpr,
-                         U2: tl.constexpr, U3: tl.constexpr, PDL: tl.constexpr, E4M3: tl.constexpr,
-                         STAGES: tl.constexpr, EVEN_K: tl.constexpr, PREFETCH: tl.constexpr, EPI: tl.constexpr,
-                         RMS: tl.constexpr, PBLOCK: tl.constexpr, OUTER: tl.constexpr = 0,
-                         SLEEP: tl.constexpr = 0):
-        """Dependent projections in one launch of PROGRAMS resident programs (`wq_chain`): phase i's work items
-        (those of its own launch, `_wq_item`) go round the programs; a grid-wide barrier separates the phases, and
-        while a program waits there its next item's first weight blocks are already on their way into L2. Only the
-        first phase waits for the previous kernel (PDL), only the last releases the next one. Per-phase constants
-        are tuples indexed by phase; the last program out resets the barrier for the next launch."""
-        pid = tl.program_id(0)
-        for i in tl.static_range(len(phases)):
-            (x_ptr, q_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, N, K, KH, NBLK, WHOLE, REST, BPS, SPLIT, ITEMS, stride_xm,
-             stride_om, res_ptr, nw_ptr, rows_ptr, part_ptr, PARTS, eps) = phases[i]
-            if i > 0:
-                _grid_arrive(bar_ptr)
-                _prefetch_item(tl.minimum(pid, ITEMS - 1), q_ptr, N, KH, NBLK, WHOLE, REST, BPS, SPLIT, G, BN,
-                               EPI[i], PREFETCH[i], 1)
-                _grid_wait(bar_ptr, PROGRAMS * i, SLEEP)
-            if OUTER == 0:
-                for j in tl.range(0, tl.cdiv(tl.maximum(ITEMS - pid, 0), PROGRAMS), num_stages=1):
-                    _wq_item(pid + j * PROGRAMS, x_ptr, q_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, KH,
-                             NBLK, WHOLE, REST, BPS, SPLIT, stride_xm, stride_om, res_ptr, nw_ptr, rows_ptr, part_ptr,
-                             PARTS, eps, BITS, G, BN, BM, STAGES[i], HAS_ZP, EVEN_K[i], USE_ASM, F32DOT, U0, U1, U2, U3,
-                             PREFETCH[i] if i == 0 else 0, PDL, EPI[i], RMS[i], PBLOCK[i], E4M3, i == 0,
-                             i == len(phases) - 1)
-            elif OUTER == 1:
-                for j in tl.range(0, tl.cdiv(tl.maximum(ITEMS - pid, 0), PROGRAMS), num_stages=1, disable_licm=True):
-                    _wq_item(pid + j * PROGRAMS, x_ptr, q_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, KH,
-                             NBLK, WHOLE, REST, BPS, SPLIT, stride_xm, stride_om, res_ptr, nw_ptr, rows_ptr, part_ptr,
-                             PARTS, eps, BITS, G, BN, BM, STAGES[i], HAS_ZP, EVEN_K[i], USE_ASM, F32DOT, U0, U1, U2, U3,
-                             PREFETCH[i] if i == 0 else 0, PDL, EPI[i], RMS[i], PBLOCK[i], E4M3, i == 0,
-                             i == len(phases) - 1)
-            else:
-                if pid < ITEMS:
-                    _wq_item(pid, x_ptr, q_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, KH,
-                             NBLK, WHOLE, REST, BPS, SPLIT, stride_xm, stride_om, res_ptr, nw_ptr, rows_ptr, part_ptr,
-                             PARTS, eps, BITS, G, BN, BM, STAGES[i], HAS_ZP, EVEN_K[i], USE_ASM, F32DOT, U0, U1, U2, U3,
-                             PREFETCH[i] if i == 0 else 0, PDL, EPI[i], RMS[i], PBLOCK[i], E4M3, i == 0,
-                             i == len(phases) - 1)
-        if _grid_arrive(bar_ptr) == PROGRAMS * len(phases) - 1:
-            tl.atomic_xchg(bar_ptr, 0)
 
 
 def _interpreting() -> bool:
@@ -598,16 +503,8 @@ class Epilogue:
     rows: torch.Tensor | None = None        # EPI 1: [M, N], out * (1 + weight): the next projections' input
 
 
-@dataclass
-class _Phase:
-    """One projection launch's arguments: `runtime` by name (`_wq_item`'s), its work items and per-launch constants."""
-    runtime: dict
-    items: int
-    constants: dict
-
-
-def _phase(x2: torch.Tensor, pw: PackedWeight, cfg: KernelConfig, out: torch.Tensor,
-           epilogue: Epilogue | None = None) -> _Phase:
+def _launch(x2: torch.Tensor, pw: PackedWeight, cfg: KernelConfig, out: torch.Tensor,
+            epilogue: Epilogue | None = None) -> None:
     m, cuda = x2.shape[0], x2.device.type == "cuda"
     if not kernels_available(x2.device):
         raise RuntimeError(f"the Triton kernel cannot run on {x2.device} here (CPU tensors need TRITON_INTERPRET=1)")
@@ -618,57 +515,31 @@ def _phase(x2: torch.Tensor, pw: PackedWeight, cfg: KernelConfig, out: torch.Ten
     nblk = pw.q.shape[1] // pw.group_size
     whole, split, bps = schedule(cfg, pw.n, nblk, sm_count(x2.device))
     n_tiles = -(-pw.n // cfg.block_n)
-    items = whole + (n_tiles - whole) * split
+    programs = whole + (n_tiles - whole) * split
     ws = torch.empty(split * m * pw.n if split > 1 else 1, dtype=torch.float32, device=x2.device)
+    cnt = arrival_counters(x2.device, n_tiles)
+    fp16 = x2.dtype == torch.float16
+    e4m3 = pw.codes == "e4m3"
+    unpack = [unpack_asm(pw.bits, i, fp16, e4m3) if i < 16 // pw.bits else "" for i in range(4)]
     epi = epilogue or Epilogue()
     parts = ws if epi.partials is None else epi.partials  # (EPI 2 with an even N: as many tiles, of BN / 2 channels)
-    runtime = dict(x_ptr=x2, q_ptr=pw.q, s_ptr=pw.s, z_ptr=pw.s if pw.z is None else pw.z, out_ptr=out, ws_ptr=ws,
-                   N=pw.n, K=pw.k, KH=pw.q.shape[1], NBLK=nblk, WHOLE=whole, REST=n_tiles - whole, BPS=bps,
-                   SPLIT=split, stride_xm=x2.stride(0), stride_om=out.stride(0),
-                   res_ptr=out if epi.residual is None else epi.residual,
-                   nw_ptr=out if epi.weight is None else epi.weight, rows_ptr=out if epi.rows is None else epi.rows,
-                   part_ptr=parts, PARTS=parts.shape[0], eps=epi.eps)
-    constants = dict(STAGES=cfg.stages, EVEN_K=pw.k % block_size(pw.bits, pw.group_size) == 0,
-                     PREFETCH=pdl.prefetch_blocks(cfg.block_n * pw.group_size * 2, items, bps, x2.device),
-                     EPI=epi.kind, RMS=epi.rms, PBLOCK=triton.next_power_of_2(parts.shape[0]) if epi.rms else 1)
-    return _Phase(runtime, items, constants)
-
-
-def _shared_constants(x2: torch.Tensor, pw: PackedWeight, cfg: KernelConfig) -> dict:
-    """The constants every phase of a chain shares (those of the weight format and the config's tile)."""
-    cuda, fp16, e4m3 = x2.device.type == "cuda", x2.dtype == torch.float16, pw.codes == "e4m3"
-    unpack = [unpack_asm(pw.bits, i, fp16, e4m3) if i < 16 // pw.bits else "" for i in range(4)]
-    return dict(BITS=pw.bits, G=pw.group_size, BN=cfg.block_n, BM=cfg.block_m, HAS_ZP=pw.z is not None,
+    args = (x2, pw.q, pw.s, pw.s if pw.z is None else pw.z, out, ws, cnt, m, pw.n, pw.k, pw.q.shape[1], nblk, whole,
+            n_tiles - whole, bps, split, x2.stride(0), out.stride(0),
+            *(out if t is None else t for t in (epi.residual, epi.weight, epi.rows)), parts, parts.shape[0], epi.eps)
+    meta = dict(BITS=pw.bits, G=pw.group_size, BN=cfg.block_n, BM=cfg.block_m, STAGES=cfg.stages,
+                HAS_ZP=pw.z is not None, EVEN_K=pw.k % block_size(pw.bits, pw.group_size) == 0,
                 USE_ASM=cuda and cfg.asm, F32DOT=not cuda, SYNC=cuda and cfg.sync, U0=unpack[0], U1=unpack[1],
-                U2=unpack[2], U3=unpack[3], num_warps=cfg.warps, **pdl.options(x2), E4M3=e4m3)
-
-
-@contextmanager
-def _compiling(sync: bool):
-    """mma.sync configs compile under DISABLE_MMA_V3 (read by the compiler; only a first call per config compiles)."""
-    if sync:
-        os.environ["DISABLE_MMA_V3"] = "1"
+                U2=unpack[2], U3=unpack[3], num_warps=cfg.warps, **pdl.options(x2),
+                PREFETCH=pdl.prefetch_blocks(cfg.block_n * pw.group_size * 2, programs, bps, x2.device),
+                EPI=epi.kind, RMS=epi.rms, PBLOCK=triton.next_power_of_2(parts.shape[0]) if epi.rms else 1,
+                E4M3=e4m3)
+    if meta["SYNC"]:
+        os.environ["DISABLE_MMA_V3"] = "1"  # read by the compiler; only a first call per config compiles
     try:
-        yield
+        launch_fitting(_wq_kernel, (programs,), *args, stages_key="STAGES", **meta)
     finally:
-        if sync:
+        if meta["SYNC"]:
             os.environ.pop("DISABLE_MMA_V3", None)
-
-
-_ITEM_ARGS = ("x_ptr", "q_ptr", "s_ptr", "z_ptr", "out_ptr", "ws_ptr")
-_TILE_ARGS = ("N", "K", "KH", "NBLK", "WHOLE", "REST", "BPS", "SPLIT")
-_EPILOGUE_ARGS = ("stride_xm", "stride_om", "res_ptr", "nw_ptr", "rows_ptr", "part_ptr", "PARTS", "eps")
-
-
-def _launch(x2: torch.Tensor, pw: PackedWeight, cfg: KernelConfig, out: torch.Tensor,
-            epilogue: Epilogue | None = None) -> None:
-    ph = _phase(x2, pw, cfg, out, epilogue)
-    r = ph.runtime
-    args = (*(r[k] for k in _ITEM_ARGS), arrival_counters(x2.device, r["WHOLE"] + r["REST"]), x2.shape[0],
-            *(r[k] for k in _TILE_ARGS), *(r[k] for k in _EPILOGUE_ARGS))
-    meta = _shared_constants(x2, pw, cfg)
-    with _compiling(meta["SYNC"]):
-        launch_fitting(_wq_kernel, (ph.items,), *args, stages_key="STAGES", **meta, **ph.constants)
 
 
 def _rows(x: torch.Tensor, pw: PackedWeight) -> torch.Tensor:
@@ -753,87 +624,6 @@ def wq_matmul(x: torch.Tensor, pw: PackedWeight, config: KernelConfig | None = N
     return out.reshape(*lead, pw.n)
 
 
-
-CHAIN_PREFETCH_MB = 16.0  # weight bytes a chain's programs prefetch into L2, in all, while they wait between phases
-_RESIDENT: dict = {}
-CHAIN_OPTIONS: dict = {}
-
-
-def _resident_programs(compiled, warps: int, device: torch.device) -> int:
-    """How many programs of a compiled kernel the GPU holds at once (registers, shared memory, threads per SM)."""
-    props = torch.cuda.get_device_properties(device)
-    regs_per_warp = -(-max(int(compiled.n_regs), 1) * 32 // 256) * 256  # allocated per warp, in units of 256
-    per_sm = min(getattr(props, "regs_per_multiprocessor", 65536) // (regs_per_warp * warps),
-                 getattr(props, "shared_memory_per_multiprocessor", 233472) // (compiled.metadata.shared + 1024),
-                 getattr(props, "max_threads_per_multi_processor", 2048) // (32 * warps), 32)
-    return max(1, per_sm) * props.multi_processor_count
-
-
-def _launch_chain(x2: torch.Tensor, steps: list[tuple[PackedWeight, KernelConfig, torch.Tensor, torch.Tensor,
-                                                       Epilogue]]) -> None:
-    """Dependent projections (x_i, W_i, out_i, epilogue_i; x_i+1 among the outputs of step i) in one launch of
-    `_wq_chain_kernel`, each step computing exactly what its own launch would."""
-    pw0, cfg0 = steps[0][0], steps[0][1]
-    meta = _shared_constants(x2, pw0, cfg0)
-    phases = [_phase(x, pw, cfg, out, epi) for pw, cfg, x, out, epi in steps]
-    budget = int(CHAIN_PREFETCH_MB * (1 << 20)) if x2.device.type == "cuda" else 0
-    for i, (ph, (pw, cfg, *_)) in enumerate(zip(phases, steps)):
-        if i > 0:  # the prefetch between phases (the first phase's is PDL's)
-            ph.constants["PREFETCH"] = pdl.blocks_for_budget(cfg.block_n * pw.group_size * 2, ph.items,
-                                                             ph.runtime["BPS"], budget)
-    names = _ITEM_ARGS + _TILE_ARGS[:-1] + ("SPLIT", "ITEMS") + _EPILOGUE_ARGS
-    args = tuple(tuple(ph.items if k == "ITEMS" else ph.runtime[k] for k in names) for ph in phases)
-    per_phase = {k: tuple(ph.constants[k] for ph in phases) for k in phases[0].constants}
-    tiles = max(ph.runtime["WHOLE"] + ph.runtime["REST"] for ph in phases)
-    counters, barrier = arrival_counters(x2.device, tiles + 1), arrival_counters(x2.device, 1 << 16)[-1:]
-    most = max(ph.items for ph in phases)
-    cuda = x2.device.type == "cuda"
-    if cuda:
-        meta["launch_cooperative_grid"] = True  # a grid the GPU cannot hold at once is refused, never left waiting
-        meta.update(CHAIN_OPTIONS)
-    with _compiling(meta["SYNC"]):
-        key = (x2.device, tuple(sorted((k, v) for k, v in meta.items())), tuple(sorted(per_phase.items())))
-        programs = _RESIDENT.get(key)
-        if programs is None:  # first call: one program runs every item (the barrier holds for one), then the size
-            compiled = _wq_chain_kernel[(1,)](args, counters, barrier, x2.shape[0], 1, **meta, **per_phase)
-            programs = _resident_programs(compiled, cfg0.warps, x2.device) if cuda else 1
-            _RESIDENT[key] = programs
-        grid = most if meta.get("OUTER") == 2 else min(programs, most)
-        _wq_chain_kernel[(grid,)](args, counters, barrier, x2.shape[0], grid, **meta, **per_phase)
-
-
-def wq_layer_tail(x: torch.Tensor, out_pw: PackedWeight, residual: torch.Tensor, norm_weight: torch.Tensor,
-                  norm_eps: float, gate_up_pw: PackedWeight, down_pw: PackedWeight, next_norm_weight: torch.Tensor):
-    """A decoder layer after its mixer, in one launch (<= 8 rows): out = residual + x @ out_pw^T with the
-    post-mixer norm begun (`wq_matmul_add_norm`), act = silu(gate) * up of its rows (`wq_matmul_swiglu` with rms),
-    then residual2 = out + act @ down_pw^T with the next norm begun. Returns (residual2, rows, partials) exactly as
-    the three launches return them."""
-    x2 = _rows(x, out_pw)
-    m = x2.shape[0]
-    if m > 8:
-        raise ValueError(f"wq_layer_tail takes at most 8 rows, got {m}")
-    cfgs = [default_config(m, pw.n, pw.k, pw.bits, pw.group_size) for pw in (out_pw, gate_up_pw, down_pw)]
-    if tuple(residual.shape) != (m, out_pw.n) or gate_up_pw.k != out_pw.n or down_pw.k * 2 != gate_up_pw.n or \
-            down_pw.n != out_pw.n:
-        raise ValueError(f"layer tail shapes do not chain: x {tuple(x2.shape)}, residual {tuple(residual.shape)}, "
-                         f"out {out_pw.n}x{out_pw.k}, gate_up {gate_up_pw.n}x{gate_up_pw.k}, down {down_pw.n}x{down_pw.k}")
-    if len({(pw.bits, pw.group_size, pw.codes, pw.z is None, c.block_n, c.warps, c.sync, c.asm)
-            for pw, c in zip((out_pw, gate_up_pw, down_pw), cfgs)}) != 1:
-        raise ValueError("the layer tail's projections differ in format or tile")
-    summed, rows = (torch.empty(m, out_pw.n, dtype=x.dtype, device=x.device) for _ in range(2))
-    partials = torch.empty(-(-out_pw.n // cfgs[0].block_n), m, dtype=torch.float32, device=x.device)
-    act = torch.empty(m, gate_up_pw.n // 2, dtype=x.dtype, device=x.device)
-    summed2, rows2 = torch.empty_like(summed), torch.empty_like(rows)
-    partials2 = torch.empty(-(-down_pw.n // cfgs[2].block_n), m, dtype=torch.float32, device=x.device)
-    _launch_chain(x2, [
-        (out_pw, cfgs[0], x2, summed, Epilogue(1, partials, residual=residual.contiguous(), weight=norm_weight,
-                                               rows=rows)),
-        (gate_up_pw, cfgs[1], rows, act, Epilogue(2, partials, rms=True, eps=float(norm_eps))),
-        (down_pw, cfgs[2], act, summed2, Epilogue(1, partials2, residual=summed, weight=next_norm_weight,
-                                                  rows=rows2))])
-    return summed2, rows2, partials2
-
 __all__ = ["PackedWeight", "KernelConfig", "check_format", "block_size", "padded_k", "pack", "pack_e4m3", "pack_codes",
            "unpack_codes", "pack_groups", "unpack_groups", "unpack_asm", "reference_matmul", "kernels_available",
-           "default_config", "schedule", "wq_matmul", "wq_matmul_add_norm", "wq_matmul_swiglu",
-           "wq_layer_tail"]
+           "default_config", "schedule", "wq_matmul", "wq_matmul_add_norm", "wq_matmul_swiglu"]
