@@ -6,16 +6,12 @@ split), and the largest difference from the default's float32 output (only the s
 copies > 400 MB in one CUDA graph, median of replays (bench/timing.py). Also the time of gate_up-shaped FP8
 launches of 2, 3 and 4 whole tiles per SM (16896, 25344, 33792 outputs): the slope is the streaming rate, the
 intercept a launch's fixed cost. The machine's read bandwidth first (H200s of one pool differ by up to 15 %).
---splits: instead, every distinct K split of 1 to 18 ranges (cfg.split) of the narrow and wide projections (down,
-out, qkv, DeltaNet in), FP8 and INT4, 1 and 8 rows, beside the default config's.
 
-Usage (GPU, from bench/; ~1 minute on an H200): python kernel_schedules.py [--splits]; JSON to
-$OUT/kernel_schedules.json (--splits: $OUT/kernel_splits.json).
+Usage (GPU, from bench/; ~1 minute on an H200): python kernel_schedules.py; JSON to $OUT/kernel_schedules.json.
 """
 
 import json
 import os
-import sys
 from dataclasses import replace
 
 import torch
@@ -46,37 +42,8 @@ def timed(x, packed, cfg):
             "schedule": schedule(cfg, packed[0].n, nblk, sm_count(x.device)), "config": cfg.short()}
 
 
-def splits(dev):
-    """Every distinct K split of the narrow and wide projections against the default config."""
-    results = []
-    for kind in ("fp8", "int4"):
-        bits = 8 if kind == "fp8" else 4
-        for name in ("down", "out", "qkv", "gdn_in"):
-            n, k = SHAPES[name]
-            packed = weights(kind, n, k, dev)
-            nblk = packed[0].q.shape[1] // packed[0].group_size
-            for m in (1, 8):
-                x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
-                base = default_config(m, n, k, bits)
-                row = {"kind": kind, "shape": name, "rows": m, "default": timed(x, packed, base)}
-                ranges = sorted({-(-nblk // -(-nblk // s)) for s in range(1, 19)})
-                for s in ranges:
-                    row[f"split {s}"] = timed(x, packed, replace(base, split=s, balance=False))
-                results.append(row)
-                print(f"{kind:4s} {name:7s} M={m}  default {row['default']['us']:6.2f} us "
-                      f"{tuple(row['default']['schedule'])}  " + "  ".join(
-                          f"{label[6:]}: {r['us']:.2f}" for label, r in row.items() if label.startswith("split")),
-                      flush=True)
-            packed.clear()
-    return results
-
-
 def main():
     dev = torch.device("cuda")
-    if "--splits" in sys.argv:
-        with open(os.path.join(os.environ.get("OUT", "."), "kernel_splits.json"), "w") as f:
-            json.dump(splits(dev), f, indent=2)
-        return
     bandwidth = measure_read_bandwidth(dev)
     print(f"read bandwidth {bandwidth:.0f} GB/s", flush=True)
     results = [{"read_bandwidth_gb_s": round(bandwidth)}]

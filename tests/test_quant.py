@@ -298,12 +298,6 @@ def test_default_configs():
     cfg = wq.default_config(16, 5120, 6144)  # mid-size rows at 9-16 rows: one wave of 3-stage programs
     assert (cfg.stages, cfg.sync, wq.schedule(cfg, 5120, 12)) == (3, False, (0, 2, 6))
     assert wq.schedule(wq.default_config(16, 5120, 17408), 5120, 34) == (0, 7, 5)  # down keeps ~4 waves
-    # 1-8 rows: 8-bit narrow outputs (down, o) split K in 3; INT4 DeltaNet in (258 tiles ~ 2 waves) stays unsplit
-    assert wq.schedule(wq.default_config(1, 5120, 17408, 8), 5120, 68) == (0, 3, 23)
-    assert wq.schedule(wq.default_config(8, 5120, 6144, 8), 5120, 24) == (0, 3, 8)
-    assert wq.schedule(wq.default_config(1, 16480, 5120), 16480, 10) == (0, 1, 10)
-    assert wq.schedule(wq.default_config(1, 14336, 5120), 14336, 10) == (0, 2, 5)
-    assert wq.schedule(wq.KernelConfig(64, 8, 4, 3, split=5), 5120, 12) == (0, 4, 3)  # no empty range
 
 
 def test_balanced_schedule():

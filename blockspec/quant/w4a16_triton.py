@@ -63,16 +63,15 @@ output and 128 inputs; the PTX unpacking moves each byte's bits into a bf16 / fp
 
 Configs: `default_config`, a fixed table (no autotuning: a timing-based choice would vary between runs, and with
 it the summation order, i.e. the numerics), the H200 winners of bench/quant_kernels.py --sweep:
-  M <= 8:  n64 m8 w4 sync, split-K to ~2 waves of 132 SMs unless the tiles nearly fill them; 3 stages above 80M
-           weights, else 2; unsplit tiles with a short last round balanced over the SMs (`schedule`: gate_up 5-6 %
-           faster)
+  M <= 8:  n64 m8 w4 sync, split-K to ~2 waves of 132 SMs; 3 stages above 80M weights, else 2; unsplit tiles with
+           a short last round balanced over the SMs (`schedule`: gate_up 5-6 % faster)
   M 9..16: wgmma; vocabulary (N >= 131072) n128 s3, ~4 waves; K > 8192 (down) n64 s2, ~4 waves; else n64 s3, ~1 wave
            (one wave of 3-stage programs: the mid-size projections 5-10 % faster than ~4 waves)
   int8 group 32: M <= 8 n64 (N >= 16384) or n128, s3; M 9..16 n128 m16 s6 sync (by analogy, not measured)
-  8-bit group 128 (e4m3, the int8 head): M <= 8 n64 s3, K split in 3 when N < 64 * 132 (down, o: 5-7 % faster
-           than ~4 waves, the best of 1-18 ranges in bench/kernel_schedules.py --splits; 3 stages: qkv 9 % faster
-           than 2), else unsplit (DeltaNet in 8 % faster than split in 2), a short last round balanced (gate_up
-           10-22 % faster at 1-8 rows on two H200s; on another, slower one only at 8 rows: docs/benchmarks.md)
+  8-bit group 128 (e4m3, the int8 head): M <= 8 n64 s3, ~4 waves when N < 64 * 132 (down, o: 5-10 % faster than
+           ~2 in bench/fp8_kernels.py --sweep; 3 stages: qkv 9 % faster than 2), else unsplit (DeltaNet in 8 %
+           faster than split in 2), a short last round balanced (gate_up 10-22 % faster at 1-8 rows on two
+           H200s; on another, slower one only at 8 rows: docs/benchmarks.md)
 Shallow pipelines win: 64-row tiles with 2-3 stages (32-48 KB of shared memory, 4-7 programs per SM) beat 4-stage
 ones (3 per SM) by 1-16 %: more resident programs hide the memory latency better than a deeper pipeline per program.
 M > 16 (prefill): up to 64 rows in 16-row launches; beyond, each slice of <= 16M weights is dequantized to x's dtype
@@ -435,12 +434,10 @@ class KernelConfig:
     waves: int = 2        # split K until about waves * SMs programs
     asm: bool = True      # PTX unpacking on CUDA (the interpreter always takes the plain path)
     balance: bool = False  # unsplit tiles beyond the last full round of SMs: split so each SM streams ~as much
-    split: int = 0        # K split into this many ranges (0: from waves)
 
     def short(self) -> str:
         return (f"n{self.block_n} m{self.block_m} w{self.warps} s{self.stages}{' sync' if self.sync else ''} "
-                f"{f'k{self.split}' if self.split else f'wv{self.waves}'}{' bal' if self.balance else ''}"
-                f"{'' if self.asm else ' noasm'}")
+                f"wv{self.waves}{' bal' if self.balance else ''}{'' if self.asm else ' noasm'}")
 
 
 def default_config(m: int, n: int, k: int, bits: int = 4, group_size: int = 128) -> KernelConfig:
@@ -450,8 +447,8 @@ def default_config(m: int, n: int, k: int, bits: int = 4, group_size: int = 128)
         if m <= 8:
             return KernelConfig(64 if n >= 16384 else 128, 8, 4, 3, True, 2, asm)
         return KernelConfig(128, 16, 4, 6, True, 4, asm)
-    if m <= 8 and bits == 8:  # e4m3 / int8 g128 (2x int4's bytes per tile): 3 stages; narrow outputs K split in 3
-        return KernelConfig(64, 8, 4, 3, True, 1, asm, True, 3 if n < 64 * 132 else 0)
+    if m <= 8 and bits == 8:  # e4m3 / int8 g128 (2x int4's bytes per tile): 3 stages; narrow outputs split to ~4 waves
+        return KernelConfig(64, 8, 4, 3, True, 4 if n < 64 * 132 else 1, asm, True)
     if m <= 8:  # 64-row tiles, shallow pipelines: more programs resident per SM hide more latency than deeper ones
         return KernelConfig(64, 8, 4, 3 if n * k > 80_000_000 else 2, True, 2, asm, True)
     if n >= 131072:  # vocabulary-sized
@@ -467,7 +464,6 @@ def sm_count(device: torch.device) -> int:
 
 
 MIN_PIECE = 4        # blocks: a shorter split part costs more in its pipeline's start than it balances
-UNSPLIT_FILL = 15 / 16  # balanced configs: a launch whose tiles fill this much of its waves' programs stays unsplit
 BALANCED_ROUNDS = 4  # whole tiles per SM up to which `schedule` balances (all resident at once, finishing together)
 SHORT_ROUND = 4      # a last round of tiles on at most 1 / SHORT_ROUND of the SMs is split (more: measured slower)
 
@@ -479,17 +475,9 @@ def schedule(cfg: KernelConfig, n: int, nblk: int, sms: int = 132) -> tuple[int,
     tiles unsplit and a short last round (gate_up's 544 over 132: 16 SMs would stream a fifth tile while 116 idle),
     the tiles of the full rounds stay whole and the remaining ones are split so that the most blocks any SM streams
     is least (ties: fewer programs), pieces of at least MIN_PIECE blocks. H200, 1 row: FP8 gate_up 58.4 -> 48.6 us,
-    INT4 32.6 -> 31.0 us; a long last round split so (FP8 qkv, 92 of 132 SMs) measured 11 % slower. Also with
-    cfg.balance, tiles that fill UNSPLIT_FILL of the waves' programs stay unsplit (INT4 DeltaNet in, 258 tiles
-    against 264 programs: 15.8 us against 17.8 split in 2). cfg.split fixes the number of ranges instead."""
+    INT4 32.6 -> 31.0 us; a long last round split so (FP8 qkv, 92 of 132 SMs) measured 11 % slower."""
     tiles = -(-n // cfg.block_n)
-    if cfg.split:
-        bps = -(-nblk // min(cfg.split, nblk))
-        split = -(-nblk // bps)
-    elif cfg.balance and tiles >= UNSPLIT_FILL * cfg.waves * sms:
-        split, bps = 1, nblk
-    else:
-        split, bps = split_blocks(tiles, nblk, cfg.waves * sms)
+    split, bps = split_blocks(tiles, nblk, cfg.waves * sms)
     rounds, rest = divmod(tiles, sms)
     if not cfg.balance or split > 1 or rest == 0 or rest * SHORT_ROUND > sms or rounds > BALANCED_ROUNDS:
         return 0, split, bps
