@@ -165,9 +165,9 @@ class Engine:
             raise BlockspecError(f"target_quantization: {c.target_quantization!r}, but {c.model} is a checkpoint "
                                  f"quantized to {stored}: leave target_quantization unset or set it to {stored!r}")
         self.target_quantization = stored or c.target_quantization
-        # PDL where it measured a gain: steps of W4A16 / W8A16 launches, INT4 and FP8 (kernels/pdl.py); fusion is
-        # what graphs record
-        pdl_level = c.pdl_level if c.pdl_level is not None else (3 if self.target_quantization != "none" else 0)
+        # PDL where it measured a gain: an INT4 target's steps (kernels/pdl.py; FP8's and bf16's measured faster
+        # without); fusion is what graphs record
+        pdl_level = c.pdl_level if c.pdl_level is not None else (3 if self.target_quantization == "int4" else 0)
         self.kernels = KernelSettings(fusion=self.execution == "cuda-graphs", pdl_level=pdl_level,
                                       pdl_prefetch_mb=c.pdl_prefetch_mb)
         # a quantized checkpoint is used as stored: what it keeps unquantized stays dense

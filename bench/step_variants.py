@@ -1,0 +1,128 @@
+"""The graphed plain decode step of a synthetic Qwen3.5-27B under variants of the kernels' constants, each against
+the default in the same process. Isolated launches can mislead: the K split that made FP8's down and o projections
+1-1.5 us faster alone made the step 0.2-0.3 ms slower, as PDL overlaps each launch with its neighbours. So a
+candidate is timed where it runs, and alternated with the default (default, variant, default, variant: the GPU's
+clocks drift by more than some of the differences).
+
+For each variant: the step's median ms over REPS replays for each of the two captures of each, the mean difference
+against the default's adjacent captures, and the share of the weight-bandwidth roofline. The variants patch module
+constants (the DeltaNet mixer's value slice and warps), wrap `default_config` (the W4A16 / W8A16 table) or replace
+the kernel settings (PDL level, L2 prefetch) for their capture; every patch is undone before the next.
+
+Usage (GPU, from bench/; ~4 minutes on an H200 with --quant fp8): python step_variants.py --quant fp8
+  [--vocab-quant int8] [--variants NAME,...]; JSON to $OUT/step_variants.json.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import types
+from contextlib import contextmanager
+from dataclasses import replace
+
+import profile_cycle  # bench/profile_cycle.py, beside this script: the synthetic engine
+import torch
+from timing import event_ms
+
+from blockspec.bench import bytes_per_plain_step, measure_read_bandwidth
+from blockspec.engine.decode import prefill
+from blockspec.engine.target import GraphedTarget
+from blockspec.kernels import gdn_triton, use
+from blockspec.quant import w4a16_triton as wq
+
+REPS = 50
+
+
+@contextmanager
+def patched(module, **values):
+    saved = {k: getattr(module, k) for k in values}
+    for k, v in values.items():
+        setattr(module, k, v)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            setattr(module, k, v)
+
+
+def configs(change, where):
+    """default_config with `change` (KernelConfig fields) applied where where(m, n, k, bits) holds."""
+    table = wq.default_config
+
+    def wrapped(m, n, k, bits=4, group_size=128):
+        cfg = table(m, n, k, bits, group_size)
+        return replace(cfg, **change) if where(m, n, k, bits) else cfg
+    return patched(wq, default_config=wrapped)
+
+
+def narrow(m, n, k, bits):
+    return m <= 8 and n < 64 * 132
+
+
+def wide(m, n, k, bits):
+    return m <= 8 and n >= 64 * 132
+
+
+VARIANTS = {
+    "mixer BV 32": lambda s: patched(gdn_triton, BLOCK_V=32),
+    "mixer BV 32, 2 warps": lambda s: patched(gdn_triton, BLOCK_V=32, NUM_WARPS=2),
+    "mixer BV 8": lambda s: patched(gdn_triton, BLOCK_V=8),
+    "mixer 2 warps": lambda s: patched(gdn_triton, NUM_WARPS=2),
+    "narrow outputs ~2 waves": lambda s: configs({"waves": 2}, narrow),
+    "narrow outputs ~8 waves": lambda s: configs({"waves": 8}, narrow),
+    "narrow outputs 2 stages": lambda s: configs({"stages": 2}, narrow),
+    "wide outputs 2 stages": lambda s: configs({"stages": 2}, wide),
+    "wide outputs 4 stages": lambda s: configs({"stages": 4}, wide),
+    "no balancing": lambda s: configs({"balance": False}, wide),
+    "PDL level 0": lambda s: use(replace(s, pdl_level=0)),
+    "PDL level 2": lambda s: use(replace(s, pdl_level=2)),
+    "PDL level 3": lambda s: use(replace(s, pdl_level=3)),
+    "PDL level 3, prefetch 0 MB": lambda s: use(replace(s, pdl_level=3, pdl_prefetch_mb=0.0)),
+    "PDL level 3, prefetch 16 MB": lambda s: use(replace(s, pdl_level=3, pdl_prefetch_mb=16.0)),
+}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quant", default="fp8", help="target_quantization: int4 | fp8")
+    ap.add_argument("--vocab-quant", default="none")
+    ap.add_argument("--variants", help="comma-separated names (default: all)")
+    args = ap.parse_args()
+    bandwidth = measure_read_bandwidth(torch.device("cuda"))
+    engine = profile_cycle.build_engine("none", types.SimpleNamespace(
+        context_length=4096, quant=args.quant, vocab_quant=args.vocab_quant, no_fold_norms=False, pdl_level=None))
+    prompt = torch.randint(0, engine.model.config.vocab_size, (profile_cycle.PROMPT_TOKENS,), device="cuda")
+    roofline_ms = bytes_per_plain_step(engine) / (bandwidth * 1e9) * 1e3
+
+    def step_ms(variant):
+        with use(engine.kernels), variant(engine.kernels):
+            target = GraphedTarget(engine.model, engine.state, (), lengths=(1,))
+        engine.state.reset()
+        prefill(target, prompt, 0, len(prompt), engine.proposer)
+
+        def step():
+            target.verify([0])
+            engine.state.commit(1)
+        return event_ms(step, reps=REPS)
+
+    def default(kernels):
+        return patched(wq)  # nothing changed
+    results = {"bandwidth_gb_s": round(bandwidth), "quant": args.quant, "roofline_ms": round(roofline_ms, 3)}
+    names = args.variants.split(",") if args.variants else list(VARIANTS)
+    for name in names:
+        runs = [step_ms(default if i % 2 == 0 else VARIANTS[name]) for i in range(4)]
+        base, var = runs[0::2], runs[1::2]
+        delta = statistics.mean(v - b for v, b in zip(var, base))
+        results[name] = {"default_ms": [round(x, 4) for x in base], "variant_ms": [round(x, 4) for x in var],
+                         "difference_ms": round(delta, 4),
+                         "roofline_pct": round(100 * roofline_ms / statistics.mean(var), 1)}
+        print(f"{name:26s} default {base[0]:.3f} / {base[1]:.3f}  variant {var[0]:.3f} / {var[1]:.3f} ms  "
+              f"difference {delta:+.3f} ms", flush=True)
+    with open(os.path.join(os.environ.get("OUT", "."), "step_variants.json"), "w") as f:
+        json.dump(results, f, indent=2)
+
+
+if __name__ == "__main__":
+    with torch.no_grad():
+        main()
