@@ -1,8 +1,8 @@
 """The graphed plain decode step of a synthetic Qwen3.5-27B under variants of the kernels' constants, each against
 the default in the same process. Isolated launches can mislead: the K split that made FP8's down and o projections
-1-1.5 us faster alone made the step 0.2-0.3 ms slower, as PDL overlaps each launch with its neighbours. So a
-candidate is timed where it runs, and alternated with the default (default, variant, default, variant: the GPU's
-clocks drift by more than some of the differences).
+1-1.5 us faster alone made the step 0.2-0.3 ms slower. So a candidate is timed where it runs, alternated with the
+default (default, variant, default, variant: one capture of the same step times differently from the next by up to
+~0.35 ms, more than some of the differences).
 
 For each variant: the step's median ms over REPS replays for each of the two captures of each, the mean difference
 against the default's adjacent captures, and the share of the weight-bandwidth roofline. The variants patch module
@@ -18,7 +18,7 @@ import json
 import os
 import statistics
 import types
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import replace
 
 import profile_cycle  # bench/profile_cycle.py, beside this script: the synthetic engine
@@ -106,12 +106,10 @@ def main():
             engine.state.commit(1)
         return event_ms(step, reps=REPS)
 
-    def default(kernels):
-        return patched(wq)  # nothing changed
     results = {"bandwidth_gb_s": round(bandwidth), "quant": args.quant, "roofline_ms": round(roofline_ms, 3)}
     names = args.variants.split(",") if args.variants else list(VARIANTS)
     for name in names:
-        runs = [step_ms(default if i % 2 == 0 else VARIANTS[name]) for i in range(4)]
+        runs = [step_ms(VARIANTS[name] if i % 2 else lambda s: nullcontext()) for i in range(4)]
         base, var = runs[0::2], runs[1::2]
         delta = statistics.mean(v - b for v, b in zip(var, base))
         results[name] = {"default_ms": [round(x, 4) for x in base], "variant_ms": [round(x, 4) for x in var],
