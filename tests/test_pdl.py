@@ -1,5 +1,6 @@
-"""kernels.pdl on the CPU: the prefetch sizing and that nothing asks for PDL where it cannot run (the GPU side, a
-PDL graph bitwise equal to serial launches, is in test_cuda.py)."""
+"""kernels.pdl and the kernels' launch helpers on the CPU: the prefetch sizing, that nothing asks for PDL where it
+cannot run, the engine's default level, the arrival counters' buffers (the GPU side, a PDL graph bitwise equal to
+serial launches, is in test_cuda.py)."""
 
 import pytest
 import torch
@@ -54,3 +55,20 @@ def test_engine_default_level_follows_the_target_weights(tiny_checkpoint):
     levels = {q: Engine.load(directory, target_quantization=q, **kw).kernels.pdl_level for q in ("none", "int4", "fp8")}
     assert levels == {"none": 0, "int4": 3, "fp8": 0}
     assert Engine.load(directory, target_quantization="fp8", pdl_level=2, **kw).kernels.pdl_level == 2
+
+
+def test_outgrown_counters_stay_allocated():
+    """A larger request replaces the per-device counter buffer; the old one stays allocated, since CUDA graphs
+    recorded with it keep using it at every replay."""
+    import weakref
+
+    from blockspec import kernels
+
+    device = torch.device("cpu")
+    first = kernels.arrival_counters(device, 10)
+    assert kernels.arrival_counters(device, 10) is first  # one buffer serves every launch
+    alive = weakref.ref(first)
+    del first
+    bigger = kernels.arrival_counters(device, (1 << 16) + 1)
+    assert bigger.numel() > 1 << 16 and int(bigger.abs().sum()) == 0
+    assert alive() is not None and kernels.arrival_counters(device, 10) is bigger

@@ -59,6 +59,7 @@ def triton_runs_on(x: torch.Tensor) -> bool:
 
 
 _COUNTERS: dict = {}
+_OUTGROWN: list = []  # counter buffers replaced by larger ones: CUDA graphs recorded with them still use them
 
 
 def arrival_counters(device: torch.device, count: int) -> torch.Tensor:
@@ -67,6 +68,8 @@ def arrival_counters(device: torch.device, count: int) -> torch.Tensor:
     one stream, graph replays included."""
     key = (device.type, device.index)
     if key not in _COUNTERS or _COUNTERS[key].numel() < count:
+        if key in _COUNTERS:
+            _OUTGROWN.append(_COUNTERS[key])
         _COUNTERS[key] = torch.zeros(max(count, 1 << 16), dtype=torch.int32, device=device)
     return _COUNTERS[key]
 
