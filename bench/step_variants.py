@@ -64,6 +64,10 @@ def wide(m, n, k, bits):
     return m <= 8 and n >= 64 * 132
 
 
+def layer(m, n, k, bits):
+    return m <= 8 and n < 65536  # every projection of a layer, not the vocabulary head
+
+
 VARIANTS = {
     "mixer BV 32": lambda s: patched(gdn_triton, BLOCK_V=32),
     "mixer BV 32, 2 warps": lambda s: patched(gdn_triton, BLOCK_V=32, NUM_WARPS=2),
@@ -75,7 +79,14 @@ VARIANTS = {
     "wide outputs 2 stages": lambda s: configs({"stages": 2}, wide),
     "wide outputs 4 stages": lambda s: configs({"stages": 4}, wide),
     "no balancing": lambda s: configs({"balance": False}, wide),
+    "narrow outputs n32 w2": lambda s: configs({"block_n": 32, "warps": 2}, narrow),
+    "wide outputs n32 w2": lambda s: configs({"block_n": 32, "warps": 2}, wide),
+    "even 4 per SM": lambda s: configs({"even": 4}, layer),
+    "even 3 per SM": lambda s: configs({"even": 3}, layer),
+    "even 4 per SM on narrow outputs": lambda s: configs({"even": 4}, narrow),
+    "even 5 per SM on narrow outputs": lambda s: configs({"even": 5}, narrow),
     "PDL level 0": lambda s: use(replace(s, pdl_level=0)),
+    "PDL level 1": lambda s: use(replace(s, pdl_level=1)),
     "PDL level 2": lambda s: use(replace(s, pdl_level=2)),
     "PDL level 3": lambda s: use(replace(s, pdl_level=3)),
     "PDL level 3, prefetch 0 MB": lambda s: use(replace(s, pdl_level=3, pdl_prefetch_mb=0.0)),

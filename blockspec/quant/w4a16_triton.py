@@ -82,8 +82,10 @@ oracle; the kernel runs on CUDA, or on CPU tensors under TRITON_INTERPRET=1 (fp3
 
 from __future__ import annotations
 
+import contextvars
 import functools
 import os
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -290,30 +292,19 @@ if triton is not None:
             part = tl.dot(a, xt, tl.zeros([BN, BM], tl.float32))
         return acc + part * s.to(tl.float32)[:, None]
 
-    @triton.jit(do_not_specialize=["M", "WHOLE", "REST", "BPS", "SPLIT"])
-    def _wq_kernel(x_ptr, q_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, KH, NBLK, WHOLE, REST, BPS, SPLIT,
-                   stride_xm, stride_om, res_ptr, nw_ptr, rows_ptr, part_ptr, PARTS, eps, BITS: tl.constexpr,
-                   G: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr,
-                   STAGES: tl.constexpr, HAS_ZP: tl.constexpr, EVEN_K: tl.constexpr, USE_ASM: tl.constexpr,
-                   F32DOT: tl.constexpr, SYNC: tl.constexpr, U0: tl.constexpr, U1: tl.constexpr,
-                   U2: tl.constexpr, U3: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr,
-                   EPI: tl.constexpr, RMS: tl.constexpr, PBLOCK: tl.constexpr, E4M3: tl.constexpr):
-        """Program pid < WHOLE: tile pid, every block; the others (pid_n, pid_k) of the REST tiles after them: rows
-        [pid_n*BN, +BN), blocks [pid_k*BPS, +BPS) (`schedule`); one block (C groups) per step.
-        SYNC only keys the compile cache (the launcher sets DISABLE_MMA_V3 while it compiles). RMS: the finished tile
-        is first scaled by its rows' 1 / rms (the input is the rows of an EPI 1 launch, whose partials give the rms).
-        EPI: then stored as is (0), added to a residual stream with the next norm begun (1, `_add_norm_epilogue`),
-        or, for a [gate; up] projection, silu(gate) * up stored (2, `_swiglu_epilogue`: a program's first BN / 2
-        rows are gate rows, its last BN / 2 the up rows of the same channels)."""
-        C: tl.constexpr = 16 // BITS
-        ZB: tl.constexpr = 1 << (BITS - 1)
-        pid = tl.program_id(0)
-        whole = pid < WHOLE
-        piece = tl.maximum(pid - WHOLE, 0)  # tile-major: the split parts of one tile are REST programs apart
-        rest = tl.maximum(REST, 1)
-        pid_n = tl.where(whole, pid, WHOLE + piece % rest)
-        pid_k = tl.where(whole, 0, piece // rest)
-        tile_split = tl.where(whole, 1, SPLIT)
+    @triton.jit
+    def _stamp(after, GLOBAL: tl.constexpr):
+        """A time read once `after` (an int32 scalar) is computed: %globaltimer (ns, one clock for every SM) or
+        %clock64 (this SM's cycles)."""
+        if GLOBAL:
+            return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer; // $1", "=l,r", [after], dtype=tl.int64,
+                                             is_pure=False, pack=1)
+        return tl.inline_asm_elementwise("mov.u64 $0, %clock64; // $1", "=l,r", [after], dtype=tl.int64,
+                                         is_pure=False, pack=1)
+
+    @triton.jit
+    def _tile_rows(pid_n, N, BN: tl.constexpr, EPI: tl.constexpr):
+        """(weight rows, which are real) of output tile pid_n."""
         if EPI == 2:
             HALF: tl.constexpr = BN // 2
             tile_rows = tl.arange(0, BN)
@@ -325,59 +316,136 @@ if triton is not None:
         else:
             offs_n = pid_n * BN + tl.arange(0, BN)
             n_ok = offs_n < N
+        return offs_n, n_ok
+
+    @triton.jit
+    def _first_program(u, PROGS, UNITS):
+        """The even schedule's program whose run [p * UNITS // PROGS, (p + 1) * UNITS // PROGS) holds unit u."""
+        return ((u + 1) * PROGS - 1) // UNITS
+
+    @triton.jit(do_not_specialize=["M", "WHOLE", "REST", "BPS", "SPLIT", "PROGS", "UNITS"])
+    def _wq_kernel(x_ptr, q_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, KH, NBLK, WHOLE, REST, BPS, SPLIT,
+                   PROGS, UNITS, stride_xm, stride_om, res_ptr, nw_ptr, rows_ptr, part_ptr, PARTS, eps, trace_ptr,
+                   BITS: tl.constexpr, G: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr,
+                   STAGES: tl.constexpr, HAS_ZP: tl.constexpr, EVEN_K: tl.constexpr, USE_ASM: tl.constexpr,
+                   F32DOT: tl.constexpr, SYNC: tl.constexpr, U0: tl.constexpr, U1: tl.constexpr,
+                   U2: tl.constexpr, U3: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr,
+                   EPI: tl.constexpr, RMS: tl.constexpr, PBLOCK: tl.constexpr, E4M3: tl.constexpr,
+                   EVEN: tl.constexpr, TRACE: tl.constexpr):
+        """Program pid < WHOLE: tile pid, every block; the others (pid_n, pid_k) of the REST tiles after them: rows
+        [pid_n*BN, +BN), blocks [pid_k*BPS, +BPS) (`schedule`); one block (C groups) per step. EVEN: program pid of
+        PROGS takes the run [pid * UNITS // PROGS, (pid + 1) * UNITS // PROGS) of the tile-major (tile, block)
+        sequence, one segment per tile it crosses, each finished as a split-K part of its tile.
+        SYNC only keys the compile cache (the launcher sets DISABLE_MMA_V3 while it compiles). RMS: the finished tile
+        is first scaled by its rows' 1 / rms (the input is the rows of an EPI 1 launch, whose partials give the rms).
+        EPI: then stored as is (0), added to a residual stream with the next norm begun (1, `_add_norm_epilogue`),
+        or, for a [gate; up] projection, silu(gate) * up stored (2, `_swiglu_epilogue`: a program's first BN / 2
+        rows are gate rows, its last BN / 2 the up rows of the same channels). TRACE: the program's row of trace_ptr
+        [programs, 8] int64 gets its start and end on the global timer, its start, last main loop's end and end on
+        its SM's clock, and the SM (`launch_timeline`)."""
+        C: tl.constexpr = 16 // BITS
+        ZB: tl.constexpr = 1 << (BITS - 1)
+        pid = tl.program_id(0)
+        if TRACE:
+            t_start = _stamp(pid, True)
+            c_start = _stamp(pid, False)
+            c_loop = c_start
+            finished = pid  # the last tile's sum, for the end stamp to wait for
+        if EVEN:
+            u_lo = pid * UNITS // PROGS
+            u_hi = (pid + 1) * UNITS // PROGS
+            t_first = u_lo // NBLK
+            segments = (u_hi - 1) // NBLK - t_first + 1
+            b_first = u_lo - t_first * NBLK
+        else:
+            whole = pid < WHOLE
+            piece = tl.maximum(pid - WHOLE, 0)  # tile-major: the split parts of one tile are REST programs apart
+            rest = tl.maximum(REST, 1)
+            t_first = tl.where(whole, pid, WHOLE + piece % rest)
+            segments = 1
+            b_first = tl.where(whole, 0, piece // rest * BPS)
         offs_m = tl.arange(0, BM)
         offs_c = tl.arange(0, G)
-        q_rows = q_ptr + offs_n[:, None].to(tl.int64) * KH + offs_c[None, :]
-        sz_off = offs_n[:, None] * C + tl.arange(0, C)[None, :]  # [BN, C]: one block's scales
         x_cols = x_ptr + offs_m[None, :] * stride_xm + offs_c[:, None]  # x^T tile [G, BM]
         m_ok = (offs_m < M)[None, :]
-        b_lo = pid_k * BPS
-        b_hi = tl.where(whole, NBLK, tl.minimum(b_lo + BPS, NBLK))
-        acc = tl.zeros([BN, BM], tl.float32)
-        pdl.prefetch_rows(q_ptr, offs_n, KH, b_lo * G, N, KH, PREFETCH * G, 64, PDL)  # int16 codes: 64 per line
+        first_rows, _ = _tile_rows(t_first, N, BN, EPI)
+        pdl.prefetch_rows(q_ptr, first_rows, KH, b_first * G, N, KH, PREFETCH * G, 64, PDL)  # int16: 64 per line
         pdl.wait(PDL)
         if RMS:  # issued before the loop, summed after it: its latency hides behind the weights
             p_rows = tl.arange(0, PBLOCK)
             sums = tl.load(part_ptr + p_rows[:, None] * M + offs_m[None, :],
                            mask=(p_rows < PARTS)[:, None] & (offs_m < M)[None, :], other=0.0)
-        s_next = tl.load(s_ptr + b_lo * N * C + sz_off, mask=n_ok[:, None], other=0.0)
-        for b in tl.range(b_lo, b_hi, num_stages=STAGES):
-            s = s_next  # prefetched one block ahead by hand (not in the dot's operand chain: not pipelined)
-            s_next = tl.load(s_ptr + (b + 1) * N * C + sz_off, mask=n_ok[:, None] & (b + 1 < b_hi), other=0.0)
-            s0, s1, s2, s3 = _cols(s, BN, C)
-            if HAS_ZP:
-                zc = tl.load(z_ptr + b * N * C + sz_off, mask=n_ok[:, None], other=ZB).to(tl.float32) - ZB
-                z0, z1, z2, z3 = _cols(zc, BN, C)
+        for seg in range(segments):
+            pid_n = t_first + seg
+            if EVEN:
+                b_lo = tl.maximum(u_lo - pid_n * NBLK, 0)
+                b_hi = tl.minimum(u_hi - pid_n * NBLK, NBLK)
+                first = _first_program(pid_n * NBLK, PROGS, UNITS)
+                tile_split = _first_program(pid_n * NBLK + NBLK - 1, PROGS, UNITS) - first + 1
+                pid_k = pid - first
             else:
-                z0, z1, z2, z3 = s0, s1, s2, s3  # unused
-            h = tl.load(q_rows + b * G, mask=n_ok[:, None], other=0)
-            xb = x_cols + b * (C * G)
-            if EVEN_K:
-                x0m, x1m, x2m, x3m = m_ok, m_ok, m_ok, m_ok
+                pid_k = tl.where(whole, 0, piece // rest)
+                tile_split = tl.where(whole, 1, SPLIT)
+                b_lo = b_first
+                b_hi = tl.where(whole, NBLK, tl.minimum(b_lo + BPS, NBLK))
+            offs_n, n_ok = _tile_rows(pid_n, N, BN, EPI)
+            q_rows = q_ptr + offs_n[:, None].to(tl.int64) * KH + offs_c[None, :]
+            sz_off = offs_n[:, None] * C + tl.arange(0, C)[None, :]  # [BN, C]: one block's scales
+            acc = tl.zeros([BN, BM], tl.float32)
+            s_next = tl.load(s_ptr + b_lo * N * C + sz_off, mask=n_ok[:, None], other=0.0)
+            for b in tl.range(b_lo, b_hi, num_stages=STAGES):
+                s = s_next  # prefetched one block ahead by hand (not in the dot's operand chain: not pipelined)
+                s_next = tl.load(s_ptr + (b + 1) * N * C + sz_off, mask=n_ok[:, None] & (b + 1 < b_hi), other=0.0)
+                s0, s1, s2, s3 = _cols(s, BN, C)
+                if HAS_ZP:
+                    zc = tl.load(z_ptr + b * N * C + sz_off, mask=n_ok[:, None], other=ZB).to(tl.float32) - ZB
+                    z0, z1, z2, z3 = _cols(zc, BN, C)
+                else:
+                    z0, z1, z2, z3 = s0, s1, s2, s3  # unused
+                h = tl.load(q_rows + b * G, mask=n_ok[:, None], other=0)
+                xb = x_cols + b * (C * G)
+                if EVEN_K:
+                    x0m, x1m, x2m, x3m = m_ok, m_ok, m_ok, m_ok
+                else:
+                    kk = b * (C * G) + offs_c
+                    x0m = m_ok & (kk < K)[:, None]
+                    x1m = m_ok & (kk + G < K)[:, None]
+                    x2m = m_ok & (kk + 2 * G < K)[:, None]
+                    x3m = m_ok & (kk + 3 * G < K)[:, None]
+                acc = _group(acc, h, xb, x0m, s0, z0, 0, BITS, U0, BN, BM, HAS_ZP, USE_ASM, F32DOT, E4M3)
+                acc = _group(acc, h, xb + G, x1m, s1, z1, 1, BITS, U1, BN, BM, HAS_ZP, USE_ASM, F32DOT, E4M3)
+                if C == 4:
+                    acc = _group(acc, h, xb + 2 * G, x2m, s2, z2, 2, BITS, U2, BN, BM, HAS_ZP, USE_ASM, F32DOT,
+                                 E4M3)
+                    acc = _group(acc, h, xb + 3 * G, x3m, s3, z3, 3, BITS, U3, BN, BM, HAS_ZP, USE_ASM, F32DOT,
+                                 E4M3)
+            if TRACE:
+                c_loop = _stamp(tl.sum(tl.sum(acc, 1), 0).to(tl.int32, bitcast=True), False)
+            if seg == segments - 1:
+                pdl.release(PDL)
+            total, done = split_k_total(acc, ws_ptr, cnt_ptr, offs_n, offs_m, M, N, pid_n, pid_k, tile_split)
+            ok = n_ok[:, None] & (offs_m < M)[None, :] & done
+            if RMS:
+                total = total * tl.rsqrt(tl.sum(sums, 0) / K + eps)[None, :]
+            if EPI == 1:
+                _add_norm_epilogue(total, ok, done, res_ptr, nw_ptr, rows_ptr, part_ptr, out_ptr, offs_n, offs_m, M,
+                                   N, pid_n)
+            elif EPI == 2:
+                _swiglu_epilogue(total, done, out_ptr, stride_om, pid_n, offs_m, M, N, BN, BM)
             else:
-                kk = b * (C * G) + offs_c
-                x0m = m_ok & (kk < K)[:, None]
-                x1m = m_ok & (kk + G < K)[:, None]
-                x2m = m_ok & (kk + 2 * G < K)[:, None]
-                x3m = m_ok & (kk + 3 * G < K)[:, None]
-            acc = _group(acc, h, xb, x0m, s0, z0, 0, BITS, U0, BN, BM, HAS_ZP, USE_ASM, F32DOT, E4M3)
-            acc = _group(acc, h, xb + G, x1m, s1, z1, 1, BITS, U1, BN, BM, HAS_ZP, USE_ASM, F32DOT, E4M3)
-            if C == 4:
-                acc = _group(acc, h, xb + 2 * G, x2m, s2, z2, 2, BITS, U2, BN, BM, HAS_ZP, USE_ASM, F32DOT, E4M3)
-                acc = _group(acc, h, xb + 3 * G, x3m, s3, z3, 3, BITS, U3, BN, BM, HAS_ZP, USE_ASM, F32DOT, E4M3)
-        pdl.release(PDL)
-        total, done = split_k_total(acc, ws_ptr, cnt_ptr, offs_n, offs_m, M, N, pid_n, pid_k, tile_split)
-        ok = n_ok[:, None] & (offs_m < M)[None, :] & done
-        if RMS:
-            total = total * tl.rsqrt(tl.sum(sums, 0) / K + eps)[None, :]
-        if EPI == 1:
-            _add_norm_epilogue(total, ok, done, res_ptr, nw_ptr, rows_ptr, part_ptr, out_ptr, offs_n, offs_m, M, N,
-                               pid_n)
-        elif EPI == 2:
-            _swiglu_epilogue(total, done, out_ptr, stride_om, pid_n, offs_m, M, N, BN, BM)
-        else:
-            o_ptrs = out_ptr + offs_m[None, :] * stride_om + offs_n[:, None]
-            tl.store(o_ptrs, total.to(out_ptr.dtype.element_ty), mask=ok)
+                o_ptrs = out_ptr + offs_m[None, :] * stride_om + offs_n[:, None]
+                tl.store(o_ptrs, total.to(out_ptr.dtype.element_ty), mask=ok)
+            if TRACE:
+                finished = tl.sum(tl.sum(total, 1), 0).to(tl.int32, bitcast=True)
+        if TRACE:
+            row = trace_ptr + pid.to(tl.int64) * 8
+            tl.store(row + 1, _stamp(finished, True))
+            tl.store(row + 4, _stamp(finished, False))
+            tl.store(row, t_start)
+            tl.store(row + 2, c_start)
+            tl.store(row + 3, c_loop)
+            tl.store(row + 5, tl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r", [], dtype=tl.int32,
+                                                        is_pure=False, pack=1).to(tl.int64))
 
     @triton.jit
     def _swiglu_epilogue(total, done, out_ptr, stride_om, pid_n, offs_m, M, N, BN: tl.constexpr, BM: tl.constexpr):
@@ -434,10 +502,12 @@ class KernelConfig:
     waves: int = 2        # split K until about waves * SMs programs
     asm: bool = True      # PTX unpacking on CUDA (the interpreter always takes the plain path)
     balance: bool = False  # unsplit tiles beyond the last full round of SMs: split so each SM streams ~as much
+    even: int = 0         # > 0: this many programs per SM, each over an equal run of blocks (`even_runs`)
 
     def short(self) -> str:
+        grid = f"ev{self.even}" if self.even else f"wv{self.waves}{' bal' if self.balance else ''}"
         return (f"n{self.block_n} m{self.block_m} w{self.warps} s{self.stages}{' sync' if self.sync else ''} "
-                f"wv{self.waves}{' bal' if self.balance else ''}{'' if self.asm else ' noasm'}")
+                f"{grid}{'' if self.asm else ' noasm'}")
 
 
 def default_config(m: int, n: int, k: int, bits: int = 4, group_size: int = 128) -> KernelConfig:
@@ -491,6 +561,21 @@ def schedule(cfg: KernelConfig, n: int, nblk: int, sms: int = 132) -> tuple[int,
     return (tiles - rest, split, bps) if split > 1 else (0, 1, nblk)
 
 
+@functools.lru_cache(maxsize=None)
+def even_runs(cfg: KernelConfig, tiles: int, nblk: int, sms: int = 132) -> tuple[int, int]:
+    """(programs, the most programs sharing one tile) of the even schedule: cfg.even programs per SM (at most one per
+    block), program p streaming blocks [p * U // P, (p + 1) * U // P) of the U = tiles * nblk (tile, block) pairs in
+    tile-major order. Every SM then streams the same number of blocks (+-1 per program), where a schedule of whole
+    tiles or equal K splits leaves some SMs one program more than others (H200, FP8 down: 560 programs over 132 SMs,
+    the SMs running 5 finished their main loops ~24 % after those running 4)."""
+    units = tiles * nblk
+    programs = min(cfg.even * sms, units)
+    first = [((t * nblk + 1) * programs - 1) // units for t in range(tiles + 1)]  # the kernel's _first_program
+    first[tiles] = programs
+    last = [((t * nblk + nblk) * programs - 1) // units for t in range(tiles)]
+    return programs, max(last[t] - first[t] + 1 for t in range(tiles))
+
+
 @dataclass
 class Epilogue:
     """What a launch does with its finished tiles besides storing them (`_wq_kernel`'s RMS and EPI)."""
@@ -503,6 +588,24 @@ class Epilogue:
     rows: torch.Tensor | None = None        # EPI 1: [M, N], out * (1 + weight): the next projections' input
 
 
+# Launches recorded with per-program time stamps (`launch_timeline`): a bench's instrument, off in the engine.
+_TIMELINE: contextvars.ContextVar[list | None] = contextvars.ContextVar("blockspec_wq_timeline", default=None)
+
+
+@contextmanager
+def launch_timeline():
+    """Within the block, each launch of the kernel captured into a CUDA graph also writes, per program, its start
+    and end times and its SM into a new int64 [programs, 8] buffer (`_wq_kernel`'s TRACE): yields the list of
+    {"trace", "n", "k", "rows", "epilogue", "schedule", "config"}, one per launch in launch order, whose buffers
+    hold the latest replay's stamps (bench/launch_timeline.py)."""
+    launches = []
+    token = _TIMELINE.set(launches)
+    try:
+        yield launches
+    finally:
+        _TIMELINE.reset(token)
+
+
 def _launch(x2: torch.Tensor, pw: PackedWeight, cfg: KernelConfig, out: torch.Tensor,
             epilogue: Epilogue | None = None) -> None:
     m, cuda = x2.shape[0], x2.device.type == "cuda"
@@ -513,26 +616,37 @@ def _launch(x2: torch.Tensor, pw: PackedWeight, cfg: KernelConfig, out: torch.Te
     if m > cfg.block_m or cfg.block_m not in (8, 16):
         raise ValueError(f"config {cfg.short()} takes block_m 8 or 16 and at most block_m rows, got {m}")
     nblk = pw.q.shape[1] // pw.group_size
-    whole, split, bps = schedule(cfg, pw.n, nblk, sm_count(x2.device))
     n_tiles = -(-pw.n // cfg.block_n)
-    programs = whole + (n_tiles - whole) * split
+    if cfg.even:
+        programs, split = even_runs(cfg, n_tiles, nblk, sm_count(x2.device))
+        whole, bps = 0, -(-n_tiles * nblk // programs)
+    else:
+        whole, split, bps = schedule(cfg, pw.n, nblk, sm_count(x2.device))
+        programs = whole + (n_tiles - whole) * split
     ws = torch.empty(split * m * pw.n if split > 1 else 1, dtype=torch.float32, device=x2.device)
     cnt = arrival_counters(x2.device, n_tiles)
     fp16 = x2.dtype == torch.float16
     e4m3 = pw.codes == "e4m3"
     unpack = [unpack_asm(pw.bits, i, fp16, e4m3) if i < 16 // pw.bits else "" for i in range(4)]
     epi = epilogue or Epilogue()
+    timeline = _TIMELINE.get() if cuda and torch.cuda.is_current_stream_capturing() else None
+    trace = out
+    if timeline is not None:
+        trace = torch.empty(programs, 8, dtype=torch.int64, device=x2.device)  # no memset node in the graph
+        timeline.append({"trace": trace, "n": pw.n, "k": pw.k, "rows": m, "epilogue": epi.kind + 3 * epi.rms,
+                         "schedule": (whole, split, bps), "config": cfg.short()})
     parts = ws if epi.partials is None else epi.partials  # (EPI 2 with an even N: as many tiles, of BN / 2 channels)
     args = (x2, pw.q, pw.s, pw.s if pw.z is None else pw.z, out, ws, cnt, m, pw.n, pw.k, pw.q.shape[1], nblk, whole,
-            n_tiles - whole, bps, split, x2.stride(0), out.stride(0),
-            *(out if t is None else t for t in (epi.residual, epi.weight, epi.rows)), parts, parts.shape[0], epi.eps)
+            n_tiles - whole, bps, split, programs, n_tiles * nblk, x2.stride(0), out.stride(0),
+            *(out if t is None else t for t in (epi.residual, epi.weight, epi.rows)), parts, parts.shape[0], epi.eps,
+            trace)
     meta = dict(BITS=pw.bits, G=pw.group_size, BN=cfg.block_n, BM=cfg.block_m, STAGES=cfg.stages,
                 HAS_ZP=pw.z is not None, EVEN_K=pw.k % block_size(pw.bits, pw.group_size) == 0,
                 USE_ASM=cuda and cfg.asm, F32DOT=not cuda, SYNC=cuda and cfg.sync, U0=unpack[0], U1=unpack[1],
                 U2=unpack[2], U3=unpack[3], num_warps=cfg.warps, **pdl.options(x2),
                 PREFETCH=pdl.prefetch_blocks(cfg.block_n * pw.group_size * 2, programs, bps, x2.device),
                 EPI=epi.kind, RMS=epi.rms, PBLOCK=triton.next_power_of_2(parts.shape[0]) if epi.rms else 1,
-                E4M3=e4m3)
+                E4M3=e4m3, EVEN=cfg.even > 0, TRACE=timeline is not None)
     if meta["SYNC"]:
         os.environ["DISABLE_MMA_V3"] = "1"  # read by the compiler; only a first call per config compiles
     try:
@@ -626,4 +740,5 @@ def wq_matmul(x: torch.Tensor, pw: PackedWeight, config: KernelConfig | None = N
 
 __all__ = ["PackedWeight", "KernelConfig", "check_format", "block_size", "padded_k", "pack", "pack_e4m3", "pack_codes",
            "unpack_codes", "pack_groups", "unpack_groups", "unpack_asm", "reference_matmul", "kernels_available",
-           "default_config", "schedule", "wq_matmul", "wq_matmul_add_norm", "wq_matmul_swiglu"]
+           "launch_timeline",
+           "default_config", "schedule", "even_runs", "wq_matmul", "wq_matmul_add_norm", "wq_matmul_swiglu"]

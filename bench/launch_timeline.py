@@ -1,0 +1,142 @@
+"""Where a W4A16 / W8A16 launch's time goes inside the graphed plain decode step of a synthetic Qwen3.5-27B: every
+projection launch of the step records, per program, its start and end on the GPU's global timer and its start,
+main loop's end and end on its SM's clock (`w4a16_triton.launch_timeline`). From those, per launch: its span (first
+program's start to last program's end) against its bytes at the read bandwidth, the gap since the previous
+projection's end (the mixer, attention and small kernels run there), how long the programs take to start, each
+program's main loop and epilogue, and the tail (last end minus the median end). Averaged per projection shape.
+
+Usage (GPU, from bench/; ~2 minutes on an H200): python launch_timeline.py --quant fp8 [--pdl-levels 0,3]
+  [--variants NAME,...] (bench/step_variants.py's, at the engine's PDL level)
+JSON to $OUT/launch_timeline.json, the raw stamps to $OUT/launch_timeline_raw.pt.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import types
+from collections import defaultdict
+from contextlib import nullcontext
+from dataclasses import replace
+
+import profile_cycle  # bench/profile_cycle.py, beside this script: the synthetic engine
+import step_variants  # bench/step_variants.py: the variants of the kernels' constants
+import torch
+
+from blockspec.bench import measure_read_bandwidth
+from blockspec.engine.decode import prefill
+from blockspec.engine.target import GraphedTarget
+from blockspec.kernels import use
+from blockspec.quant.w4a16_triton import launch_timeline
+
+EPILOGUES = {0: "store", 1: "add+norm", 2: "swiglu", 3: "rms", 5: "rms+swiglu"}
+
+
+def quantile(values, q):
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * len(values)))]
+
+
+def launch_stats(stamps, bytes_read, bandwidth, cycles_per_ns):
+    """One launch's figures (us) from its [programs, 8] stamps (ns on the global timer, cycles on the SMs')."""
+    t_start, t_end = stamps[:, 0].tolist(), stamps[:, 1].tolist()
+    loop = ((stamps[:, 3] - stamps[:, 2]).double() / cycles_per_ns / 1e3).tolist()
+    epilogue = ((stamps[:, 4] - stamps[:, 3]).double() / cycles_per_ns / 1e3).tolist()
+    first, last = min(t_start), max(t_end)
+    per_sm = defaultdict(float)
+    for sm, end in zip(stamps[:, 5].tolist(), t_end):
+        per_sm[sm] = max(per_sm[sm], end)
+    return {"programs": len(t_start), "first_ns": first, "last_ns": last,
+            "span_us": (last - first) / 1e3, "ideal_us": bytes_read / bandwidth / 1e3,
+            "start_spread_us": (quantile(t_start, 0.9) - first) / 1e3,
+            "loop_p50_us": quantile(loop, 0.5), "loop_max_us": max(loop),
+            "epilogue_p50_us": quantile(epilogue, 0.5), "epilogue_max_us": max(epilogue),
+            "tail_us": (last - quantile(t_end, 0.5)) / 1e3,
+            "sm_idle_at_end_us": statistics.mean(last - e for e in per_sm.values()) / 1e3}
+
+
+def timeline(engine, settings, variant, prompt, bandwidth):
+    with use(settings), variant(settings), launch_timeline() as launches:
+        target = GraphedTarget(engine.model, engine.state, (), lengths=(1,))
+    engine.state.reset()
+    prefill(target, prompt, 0, len(prompt), engine.proposer)
+    for _ in range(5):
+        target.verify([0])
+        engine.state.commit(1)
+    torch.cuda.synchronize()
+    stamps = [entry["trace"].cpu() for entry in launches]
+    durations = torch.cat([(s[:, 1] - s[:, 0]) for s in stamps]).double()
+    cycles = torch.cat([(s[:, 4] - s[:, 2]) for s in stamps]).double()
+    long = durations > 5000
+    cycles_per_ns = float((cycles[long] / durations[long]).median())
+    ticks = torch.cat([s[:, :2].flatten() for s in stamps]).unique().diff()
+    rows, previous_end = [], None
+    for entry, s in zip(launches, stamps):
+        nbytes = entry["n"] * entry["k"] + entry["n"] * -(-entry["k"] // 128) * 4  # codes + float32 scales
+        row = launch_stats(s, nbytes, bandwidth, cycles_per_ns)
+        row["gap_us"] = None if previous_end is None else (row["first_ns"] - previous_end) / 1e3
+        previous_end = row["last_ns"]
+        row["shape"] = f"{entry['n']}x{entry['k']} {EPILOGUES.get(entry['epilogue'], entry['epilogue'])}"
+        row["schedule"], row["config"] = entry["schedule"], entry["config"]
+        rows.append(row)
+    step_us = (rows[-1]["last_ns"] - rows[0]["first_ns"]) / 1e3
+    by_shape = defaultdict(list)
+    for row in rows:
+        by_shape[row["shape"]].append(row)
+    keys = ("span_us", "ideal_us", "gap_us", "start_spread_us", "loop_p50_us", "loop_max_us", "epilogue_p50_us",
+            "epilogue_max_us", "tail_us", "sm_idle_at_end_us")
+    shapes = {}
+    for shape, group in by_shape.items():
+        shapes[shape] = {"launches": len(group), "programs": group[0]["programs"], "schedule": group[0]["schedule"],
+                         "config": group[0]["config"]}
+        for k in keys:
+            values = [g[k] for g in group if g[k] is not None]
+            shapes[shape][k] = round(statistics.mean(values), 2) if values else None
+    summary = {"launches": len(rows), "first_to_last_us": round(step_us, 1),
+               "spans_us": round(sum(r["span_us"] for r in rows), 1),
+               "ideal_us": round(sum(r["ideal_us"] for r in rows), 1),
+               "gaps_us": round(sum(r["gap_us"] for r in rows[1:]), 1),
+               "cycles_per_ns": round(cycles_per_ns, 4), "timer_tick_ns": int(ticks[ticks > 0].min()),
+               "shapes": shapes}
+    return summary, stamps
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quant", default="fp8", help="target_quantization: int4 | fp8")
+    ap.add_argument("--vocab-quant", default="none")
+    ap.add_argument("--pdl-levels", default="0,3")
+    ap.add_argument("--variants", default="", help="comma-separated names of bench/step_variants.py's variants, "
+                    "each traced after the default")
+    args = ap.parse_args()
+    bandwidth = measure_read_bandwidth(torch.device("cuda"))
+    engine = profile_cycle.build_engine("none", types.SimpleNamespace(
+        context_length=4096, quant=args.quant, vocab_quant=args.vocab_quant, no_fold_norms=False, pdl_level=None))
+    prompt = torch.randint(0, engine.model.config.vocab_size, (profile_cycle.PROMPT_TOKENS,), device="cuda")
+    results, raw = {"bandwidth_gb_s": round(bandwidth), "quant": args.quant}, {}
+    runs = [(f"PDL level {v}", int(v), lambda s: nullcontext()) for v in args.pdl_levels.split(",")]
+    runs += [(name, engine.kernels.pdl_level, step_variants.VARIANTS[name]) for name in args.variants.split(",") if name]
+    for label, level, variant in runs:
+        summary, stamps = timeline(engine, replace(engine.kernels, pdl_level=level), variant, prompt, bandwidth)
+        results[label], raw[label] = summary, stamps
+        print(f"{label}: {summary['launches']} launches, first start to last end "
+              f"{summary['first_to_last_us']} us; spans {summary['spans_us']} us (at the read bandwidth "
+              f"{summary['ideal_us']} us), gaps {summary['gaps_us']} us; timer tick {summary['timer_tick_ns']} ns, "
+              f"{summary['cycles_per_ns']} cycles/ns", flush=True)
+        print(f"  {'shape':28s} {'n':>3s} {'progs':>5s} {'span':>6s} {'ideal':>6s} {'gap':>6s} {'start':>6s} "
+              f"{'loop50':>6s} {'loopmx':>6s} {'epi50':>6s} {'epimx':>6s} {'tail':>6s} {'smidle':>6s}  schedule")
+        for shape, s in summary["shapes"].items():
+            print(f"  {shape:28s} {s['launches']:3d} {s['programs']:5d} " + " ".join(
+                f"{s[k]:6.2f}" if s[k] is not None else "     -" for k in (
+                    "span_us", "ideal_us", "gap_us", "start_spread_us", "loop_p50_us", "loop_max_us",
+                    "epilogue_p50_us", "epilogue_max_us", "tail_us", "sm_idle_at_end_us"))
+                + f"  {tuple(s['schedule'])} {s['config']}", flush=True)
+    out = os.environ.get("OUT", ".")
+    with open(os.path.join(out, "launch_timeline.json"), "w") as f:
+        json.dump(results, f, indent=2)
+    torch.save(raw, os.path.join(out, "launch_timeline_raw.pt"))
+
+
+if __name__ == "__main__":
+    with torch.no_grad():
+        main()
