@@ -22,8 +22,8 @@ def _kernel_cases():
         ("one row, split-K producer", 1, 640, 96, 1100, K(64, 8, 4, 2, True, 64)),
         ("8 rows, odd hidden", 8, 650, 70, 512, K(64, 8, 4, 2, True, 1)),
         ("16 rows, default configs", 16, 576, 130, 600, None),
-        # 40 tiles x 4 blocks over 132 programs: runs of 1-2 blocks crossing tiles, up to 3 programs per tile
-        ("4 rows, even schedule", 4, 640, 96, 2048, K(16, 8, 4, 2, True, 1, True, False, 1)),
+        # 40 tiles x 4 parts of 1 block, taken from the queue by 132 programs (the interpreter's SMs)
+        ("4 rows, queue schedule", 4, 640, 96, 2048, K(16, 8, 4, 2, True, 1, True, False, 1, 1)),
     ]
 
 

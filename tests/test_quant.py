@@ -315,20 +315,17 @@ def test_balanced_schedule():
     assert wq.default_config(1, 6144, 5120, 8, 32).block_n == 128
 
 
-def test_even_schedule():
-    """Program p of P streams blocks [p * U // P, (p + 1) * U // P) of the U (tile, block) pairs: every SM the same
-    number of blocks (+-1 per program), the programs sharing a tile counted as the kernel finds them."""
-    for tiles, nblk, per_sm, sms in ((80, 68, 4, 132), (80, 24, 4, 132), (544, 20, 4, 132), (9, 8, 5, 4), (3, 2, 4, 4)):
-        cfg = wq.KernelConfig(64, 8, 4, 3, True, 1, True, False, per_sm)
-        programs, most = wq.even_runs(cfg, tiles, nblk, sms)
-        units = tiles * nblk
-        assert programs == min(per_sm * sms, units)
-        runs = [range(p * units // programs, (p + 1) * units // programs) for p in range(programs)]
-        assert sum(len(r) for r in runs) == units and max(map(len, runs)) - min(map(len, runs)) <= 1
-        sharing = [sum(1 for r in runs if any(u // nblk == t for u in r)) for t in range(tiles)]
-        assert most == max(sharing)
-    # the 27B's down (80 tiles of 68 blocks) in runs of 10-11 blocks: up to 8 programs share a tile
-    assert wq.even_runs(wq.KernelConfig(64, 8, 4, 3, True, 1, True, False, 4), 80, 68, 132) == (528, 8)
+def test_queue_schedule():
+    """Each tile's blocks in parts of about cfg.queue blocks (no part empty), at most cfg.programs per SM and one
+    program per part."""
+    for tiles, nblk, queue, programs, sms in ((80, 68, 4, 4, 132), (80, 24, 3, 5, 132), (544, 20, 5, 4, 132),
+                                               (9, 8, 3, 5, 4), (3, 2, 4, 4, 4)):
+        cfg = wq.KernelConfig(64, 8, 4, 3, True, 1, True, False, queue, programs)
+        launched, parts, per = wq.queue_parts(cfg, tiles, nblk, sms)
+        assert launched == min(programs * sms, tiles * parts)
+        assert (parts - 1) * per < nblk <= parts * per and per <= queue
+    # the 27B's down (80 tiles of 68 blocks) in parts of 4 blocks: 17 per tile, 1360 parts over 528 programs
+    assert wq.queue_parts(wq.KernelConfig(64, 8, 4, 3, True, 1, True, False, 4, 4), 80, 68, 132) == (528, 17, 4)
 
 
 def _kernel_cases():
@@ -349,9 +346,9 @@ def _kernel_cases():
         ("m70 default: dequantize + linear", 70, 20, 300, 4, 128, True, f32, None),
         # 4 SMs (patched): 9 tiles of 16 rows, 8 blocks; 8 whole tiles, the 9th split in 2 ranges
         ("m2 balanced", 2, 144, 4096, 4, 128, False, bf16, K(16, 8, 4, 2, True, 1, True, True)),
-        # 4 SMs x 5 programs: 9 tiles x 8 blocks in runs of 3-4 blocks, crossing tiles
-        ("m5 even", 5, 144, 4096, 4, 128, False, bf16, K(16, 8, 4, 2, True, 1, True, False, 5)),
-        ("int8 g128 m1 even", 1, 70, 1300, 8, 128, True, f32, K(16, 8, 4, 2, True, 1, True, False, 1)),
+        # 4 SMs x 2 programs take 9 tiles x 3 parts of 3 blocks (the last 2) from the queue
+        ("m5 queue", 5, 144, 4096, 4, 128, False, bf16, K(16, 8, 4, 2, True, 1, True, False, 3, 2)),
+        ("int8 g128 m1 queue", 1, 70, 1300, 8, 128, True, f32, K(16, 8, 4, 2, True, 1, True, False, 2, 1)),
     ]
 
 
@@ -377,7 +374,7 @@ def _run_kernel_cases():  # executed in a subprocess with TRITON_INTERPRET=1
         results.append({"name": name, "err": err, "tol": tol, "same": bool(torch.equal(y, y2)),
                         "row0": bool(torch.equal(y[:1], row0)) or m > 16, "dtype": str(y.dtype),
                         "counters_clean": counters is None or int(counters.abs().sum()) == 0,
-                        "whole": wq.schedule(cfg, n, pw.q.shape[1] // gs, 4)[0] if cfg and not cfg.even else 0})
+                        "whole": wq.schedule(cfg, n, pw.q.shape[1] // gs, 4)[0] if cfg and not cfg.queue else 0})
     print("RESULTS " + json.dumps(results))
 
 

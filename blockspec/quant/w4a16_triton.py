@@ -319,23 +319,83 @@ if triton is not None:
         return offs_n, n_ok
 
     @triton.jit
-    def _first_program(u, PROGS, UNITS):
-        """The even schedule's program whose run [p * UNITS // PROGS, (p + 1) * UNITS // PROGS) holds unit u."""
-        return ((u + 1) * PROGS - 1) // UNITS
+    def _tile_part(pid_n, pid_k, tile_split, b_lo, b_hi, x_cols, m_ok, offs_m, offs_c, q_ptr, s_ptr, z_ptr, out_ptr,
+                   ws_ptr, cnt_ptr, M, N, K, KH, stride_om, res_ptr, nw_ptr, rows_ptr, part_ptr, sums, eps,
+                   BITS: tl.constexpr, G: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr, STAGES: tl.constexpr,
+                   HAS_ZP: tl.constexpr, EVEN_K: tl.constexpr, USE_ASM: tl.constexpr, F32DOT: tl.constexpr,
+                   U0: tl.constexpr, U1: tl.constexpr, U2: tl.constexpr, U3: tl.constexpr, PDL: tl.constexpr,
+                   RELEASE: tl.constexpr, EPI: tl.constexpr, RMS: tl.constexpr, E4M3: tl.constexpr,
+                   TRACE: tl.constexpr):
+        """Blocks [b_lo, b_hi) of output tile pid_n, part pid_k of tile_split (split-K: the last part to arrive
+        finishes the tile); RELEASE: PDL's release after the main loop. Returns (with TRACE) the SM clock at the
+        main loop's end and a value of the finished tile, for the end stamp to wait for."""
+        C: tl.constexpr = 16 // BITS
+        ZB: tl.constexpr = 1 << (BITS - 1)
+        offs_n, n_ok = _tile_rows(pid_n, N, BN, EPI)
+        q_rows = q_ptr + offs_n[:, None].to(tl.int64) * KH + offs_c[None, :]
+        sz_off = offs_n[:, None] * C + tl.arange(0, C)[None, :]  # [BN, C]: one block's scales
+        acc = tl.zeros([BN, BM], tl.float32)
+        s_next = tl.load(s_ptr + b_lo * N * C + sz_off, mask=n_ok[:, None], other=0.0)
+        for b in tl.range(b_lo, b_hi, num_stages=STAGES):
+            s = s_next  # prefetched one block ahead by hand (not in the dot's operand chain: not pipelined)
+            s_next = tl.load(s_ptr + (b + 1) * N * C + sz_off, mask=n_ok[:, None] & (b + 1 < b_hi), other=0.0)
+            s0, s1, s2, s3 = _cols(s, BN, C)
+            if HAS_ZP:
+                zc = tl.load(z_ptr + b * N * C + sz_off, mask=n_ok[:, None], other=ZB).to(tl.float32) - ZB
+                z0, z1, z2, z3 = _cols(zc, BN, C)
+            else:
+                z0, z1, z2, z3 = s0, s1, s2, s3  # unused
+            h = tl.load(q_rows + b * G, mask=n_ok[:, None], other=0)
+            xb = x_cols + b * (C * G)
+            if EVEN_K:
+                x0m, x1m, x2m, x3m = m_ok, m_ok, m_ok, m_ok
+            else:
+                kk = b * (C * G) + offs_c
+                x0m = m_ok & (kk < K)[:, None]
+                x1m = m_ok & (kk + G < K)[:, None]
+                x2m = m_ok & (kk + 2 * G < K)[:, None]
+                x3m = m_ok & (kk + 3 * G < K)[:, None]
+            acc = _group(acc, h, xb, x0m, s0, z0, 0, BITS, U0, BN, BM, HAS_ZP, USE_ASM, F32DOT, E4M3)
+            acc = _group(acc, h, xb + G, x1m, s1, z1, 1, BITS, U1, BN, BM, HAS_ZP, USE_ASM, F32DOT, E4M3)
+            if C == 4:
+                acc = _group(acc, h, xb + 2 * G, x2m, s2, z2, 2, BITS, U2, BN, BM, HAS_ZP, USE_ASM, F32DOT, E4M3)
+                acc = _group(acc, h, xb + 3 * G, x3m, s3, z3, 3, BITS, U3, BN, BM, HAS_ZP, USE_ASM, F32DOT, E4M3)
+        c_loop = 0
+        if TRACE:
+            c_loop = _stamp(tl.sum(tl.sum(acc, 1), 0).to(tl.int32, bitcast=True), False)
+        if RELEASE:
+            pdl.release(PDL)
+        total, done = split_k_total(acc, ws_ptr, cnt_ptr, offs_n, offs_m, M, N, pid_n, pid_k, tile_split)
+        ok = n_ok[:, None] & (offs_m < M)[None, :] & done
+        if RMS:
+            total = total * tl.rsqrt(tl.sum(sums, 0) / K + eps)[None, :]
+        if EPI == 1:
+            _add_norm_epilogue(total, ok, done, res_ptr, nw_ptr, rows_ptr, part_ptr, out_ptr, offs_n, offs_m, M, N,
+                               pid_n)
+        elif EPI == 2:
+            _swiglu_epilogue(total, done, out_ptr, stride_om, pid_n, offs_m, M, N, BN, BM)
+        else:
+            o_ptrs = out_ptr + offs_m[None, :] * stride_om + offs_n[:, None]
+            tl.store(o_ptrs, total.to(out_ptr.dtype.element_ty), mask=ok)
+        finished = 0
+        if TRACE:
+            finished = tl.sum(tl.sum(total, 1), 0).to(tl.int32, bitcast=True)
+        return c_loop, finished
 
-    @triton.jit(do_not_specialize=["M", "WHOLE", "REST", "BPS", "SPLIT", "PROGS", "UNITS"])
+    @triton.jit(do_not_specialize=["M", "WHOLE", "REST", "BPS", "SPLIT", "PROGS"])
     def _wq_kernel(x_ptr, q_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, KH, NBLK, WHOLE, REST, BPS, SPLIT,
-                   PROGS, UNITS, stride_xm, stride_om, res_ptr, nw_ptr, rows_ptr, part_ptr, PARTS, eps, trace_ptr,
+                   PROGS, stride_xm, stride_om, res_ptr, nw_ptr, rows_ptr, part_ptr, PARTS, eps, trace_ptr,
                    BITS: tl.constexpr, G: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr,
                    STAGES: tl.constexpr, HAS_ZP: tl.constexpr, EVEN_K: tl.constexpr, USE_ASM: tl.constexpr,
                    F32DOT: tl.constexpr, SYNC: tl.constexpr, U0: tl.constexpr, U1: tl.constexpr,
                    U2: tl.constexpr, U3: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr,
                    EPI: tl.constexpr, RMS: tl.constexpr, PBLOCK: tl.constexpr, E4M3: tl.constexpr,
-                   EVEN: tl.constexpr, TRACE: tl.constexpr):
+                   QUEUE: tl.constexpr, TRACE: tl.constexpr):
         """Program pid < WHOLE: tile pid, every block; the others (pid_n, pid_k) of the REST tiles after them: rows
-        [pid_n*BN, +BN), blocks [pid_k*BPS, +BPS) (`schedule`); one block (C groups) per step. EVEN: program pid of
-        PROGS takes the run [pid * UNITS // PROGS, (pid + 1) * UNITS // PROGS) of the tile-major (tile, block)
-        sequence, one segment per tile it crosses, each finished as a split-K part of its tile.
+        [pid_n*BN, +BN), blocks [pid_k*BPS, +BPS) (`schedule`); one block (C groups) per step. QUEUE: the PROGS
+        programs take the REST * SPLIT parts (tile-major: part i is blocks [i % SPLIT * BPS, +BPS) of tile
+        i // SPLIT) from a counter until none is left, so programs that stream faster take more; the counter
+        (cnt_ptr[REST]) and the count of programs done (cnt_ptr[REST + 1]) are reset by the last program.
         SYNC only keys the compile cache (the launcher sets DISABLE_MMA_V3 while it compiles). RMS: the finished tile
         is first scaled by its rows' 1 / rms (the input is the rows of an EPI 1 launch, whose partials give the rms).
         EPI: then stored as is (0), added to a residual stream with the next norm begun (1, `_add_norm_epilogue`),
@@ -343,100 +403,59 @@ if triton is not None:
         rows are gate rows, its last BN / 2 the up rows of the same channels). TRACE: the program's row of trace_ptr
         [programs, 8] int64 gets its start and end on the global timer, its start, last main loop's end and end on
         its SM's clock, and the SM (`launch_timeline`)."""
-        C: tl.constexpr = 16 // BITS
-        ZB: tl.constexpr = 1 << (BITS - 1)
         pid = tl.program_id(0)
         if TRACE:
             t_start = _stamp(pid, True)
             c_start = _stamp(pid, False)
-            c_loop = c_start
-            finished = pid  # the last tile's sum, for the end stamp to wait for
-        if EVEN:
-            u_lo = pid * UNITS // PROGS
-            u_hi = (pid + 1) * UNITS // PROGS
-            t_first = u_lo // NBLK
-            segments = (u_hi - 1) // NBLK - t_first + 1
-            b_first = u_lo - t_first * NBLK
+        if QUEUE:
+            item = tl.atomic_add(cnt_ptr + REST, 1)
+            pid_n = item // SPLIT
+            b_lo = item % SPLIT * BPS
         else:
             whole = pid < WHOLE
             piece = tl.maximum(pid - WHOLE, 0)  # tile-major: the split parts of one tile are REST programs apart
             rest = tl.maximum(REST, 1)
-            t_first = tl.where(whole, pid, WHOLE + piece % rest)
-            segments = 1
-            b_first = tl.where(whole, 0, piece // rest * BPS)
+            pid_n = tl.where(whole, pid, WHOLE + piece % rest)
+            pid_k = tl.where(whole, 0, piece // rest)
+            b_lo = pid_k * BPS
         offs_m = tl.arange(0, BM)
         offs_c = tl.arange(0, G)
         x_cols = x_ptr + offs_m[None, :] * stride_xm + offs_c[:, None]  # x^T tile [G, BM]
         m_ok = (offs_m < M)[None, :]
-        first_rows, _ = _tile_rows(t_first, N, BN, EPI)
-        pdl.prefetch_rows(q_ptr, first_rows, KH, b_first * G, N, KH, PREFETCH * G, 64, PDL)  # int16: 64 per line
+        first_rows, _ = _tile_rows(tl.minimum(pid_n, REST + WHOLE - 1), N, BN, EPI)
+        pdl.prefetch_rows(q_ptr, first_rows, KH, b_lo * G, N, KH, PREFETCH * G, 64, PDL)  # int16 codes: 64 per line
         pdl.wait(PDL)
         if RMS:  # issued before the loop, summed after it: its latency hides behind the weights
             p_rows = tl.arange(0, PBLOCK)
             sums = tl.load(part_ptr + p_rows[:, None] * M + offs_m[None, :],
                            mask=(p_rows < PARTS)[:, None] & (offs_m < M)[None, :], other=0.0)
-        for seg in range(segments):
-            pid_n = t_first + seg
-            if EVEN:
-                b_lo = tl.maximum(u_lo - pid_n * NBLK, 0)
-                b_hi = tl.minimum(u_hi - pid_n * NBLK, NBLK)
-                first = _first_program(pid_n * NBLK, PROGS, UNITS)
-                tile_split = _first_program(pid_n * NBLK + NBLK - 1, PROGS, UNITS) - first + 1
-                pid_k = pid - first
-            else:
-                pid_k = tl.where(whole, 0, piece // rest)
-                tile_split = tl.where(whole, 1, SPLIT)
-                b_lo = b_first
-                b_hi = tl.where(whole, NBLK, tl.minimum(b_lo + BPS, NBLK))
-            offs_n, n_ok = _tile_rows(pid_n, N, BN, EPI)
-            q_rows = q_ptr + offs_n[:, None].to(tl.int64) * KH + offs_c[None, :]
-            sz_off = offs_n[:, None] * C + tl.arange(0, C)[None, :]  # [BN, C]: one block's scales
-            acc = tl.zeros([BN, BM], tl.float32)
-            s_next = tl.load(s_ptr + b_lo * N * C + sz_off, mask=n_ok[:, None], other=0.0)
-            for b in tl.range(b_lo, b_hi, num_stages=STAGES):
-                s = s_next  # prefetched one block ahead by hand (not in the dot's operand chain: not pipelined)
-                s_next = tl.load(s_ptr + (b + 1) * N * C + sz_off, mask=n_ok[:, None] & (b + 1 < b_hi), other=0.0)
-                s0, s1, s2, s3 = _cols(s, BN, C)
-                if HAS_ZP:
-                    zc = tl.load(z_ptr + b * N * C + sz_off, mask=n_ok[:, None], other=ZB).to(tl.float32) - ZB
-                    z0, z1, z2, z3 = _cols(zc, BN, C)
-                else:
-                    z0, z1, z2, z3 = s0, s1, s2, s3  # unused
-                h = tl.load(q_rows + b * G, mask=n_ok[:, None], other=0)
-                xb = x_cols + b * (C * G)
-                if EVEN_K:
-                    x0m, x1m, x2m, x3m = m_ok, m_ok, m_ok, m_ok
-                else:
-                    kk = b * (C * G) + offs_c
-                    x0m = m_ok & (kk < K)[:, None]
-                    x1m = m_ok & (kk + G < K)[:, None]
-                    x2m = m_ok & (kk + 2 * G < K)[:, None]
-                    x3m = m_ok & (kk + 3 * G < K)[:, None]
-                acc = _group(acc, h, xb, x0m, s0, z0, 0, BITS, U0, BN, BM, HAS_ZP, USE_ASM, F32DOT, E4M3)
-                acc = _group(acc, h, xb + G, x1m, s1, z1, 1, BITS, U1, BN, BM, HAS_ZP, USE_ASM, F32DOT, E4M3)
-                if C == 4:
-                    acc = _group(acc, h, xb + 2 * G, x2m, s2, z2, 2, BITS, U2, BN, BM, HAS_ZP, USE_ASM, F32DOT,
-                                 E4M3)
-                    acc = _group(acc, h, xb + 3 * G, x3m, s3, z3, 3, BITS, U3, BN, BM, HAS_ZP, USE_ASM, F32DOT,
-                                 E4M3)
+        else:
+            sums = tl.zeros([PBLOCK, BM], tl.float32)  # unused
+        if QUEUE:
+            c_loop, finished = 0, 0
             if TRACE:
-                c_loop = _stamp(tl.sum(tl.sum(acc, 1), 0).to(tl.int32, bitcast=True), False)
-            if seg == segments - 1:
-                pdl.release(PDL)
-            total, done = split_k_total(acc, ws_ptr, cnt_ptr, offs_n, offs_m, M, N, pid_n, pid_k, tile_split)
-            ok = n_ok[:, None] & (offs_m < M)[None, :] & done
-            if RMS:
-                total = total * tl.rsqrt(tl.sum(sums, 0) / K + eps)[None, :]
-            if EPI == 1:
-                _add_norm_epilogue(total, ok, done, res_ptr, nw_ptr, rows_ptr, part_ptr, out_ptr, offs_n, offs_m, M,
-                                   N, pid_n)
-            elif EPI == 2:
-                _swiglu_epilogue(total, done, out_ptr, stride_om, pid_n, offs_m, M, N, BN, BM)
-            else:
-                o_ptrs = out_ptr + offs_m[None, :] * stride_om + offs_n[:, None]
-                tl.store(o_ptrs, total.to(out_ptr.dtype.element_ty), mask=ok)
-            if TRACE:
-                finished = tl.sum(tl.sum(total, 1), 0).to(tl.int32, bitcast=True)
+                c_loop, finished = c_start, pid
+            while item < REST * SPLIT:
+                following = tl.atomic_add(cnt_ptr + REST, 1)  # the next part's index, its latency behind this one
+                pid_n = item // SPLIT
+                pid_k = item % SPLIT
+                b_lo = pid_k * BPS
+                c_loop, finished = _tile_part(
+                    pid_n, pid_k, SPLIT, b_lo, tl.minimum(b_lo + BPS, NBLK), x_cols, m_ok, offs_m, offs_c, q_ptr,
+                    s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, KH, stride_om, res_ptr, nw_ptr, rows_ptr,
+                    part_ptr, sums, eps, BITS, G, BN, BM, STAGES, HAS_ZP, EVEN_K, USE_ASM, F32DOT, U0, U1, U2, U3,
+                    PDL, False, EPI, RMS, E4M3, TRACE)
+                item = following
+            pdl.release(PDL)
+            if tl.atomic_add(cnt_ptr + REST + 1, 1) == PROGS - 1:  # the last program out: no more increments
+                tl.atomic_xchg(cnt_ptr + REST, 0)
+                tl.atomic_xchg(cnt_ptr + REST + 1, 0)
+        else:
+            c_loop, finished = _tile_part(
+                pid_n, pid_k, tl.where(whole, 1, SPLIT), b_lo, tl.where(whole, NBLK, tl.minimum(b_lo + BPS, NBLK)),
+                x_cols, m_ok, offs_m, offs_c, q_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, KH, stride_om,
+                res_ptr, nw_ptr, rows_ptr, part_ptr, sums, eps, BITS, G, BN, BM, STAGES, HAS_ZP, EVEN_K, USE_ASM,
+                F32DOT, U0, U1, U2, U3, PDL, True, EPI, RMS, E4M3, TRACE)
         if TRACE:
             row = trace_ptr + pid.to(tl.int64) * 8
             tl.store(row + 1, _stamp(finished, True))
@@ -502,10 +521,11 @@ class KernelConfig:
     waves: int = 2        # split K until about waves * SMs programs
     asm: bool = True      # PTX unpacking on CUDA (the interpreter always takes the plain path)
     balance: bool = False  # unsplit tiles beyond the last full round of SMs: split so each SM streams ~as much
-    even: int = 0         # > 0: this many programs per SM, each over an equal run of blocks (`even_runs`)
+    queue: int = 0        # > 0: parts of this many blocks taken from a counter by `programs` per SM (`queue_parts`)
+    programs: int = 4
 
     def short(self) -> str:
-        grid = f"ev{self.even}" if self.even else f"wv{self.waves}{' bal' if self.balance else ''}"
+        grid = f"q{self.queue}x{self.programs}" if self.queue else f"wv{self.waves}{' bal' if self.balance else ''}"
         return (f"n{self.block_n} m{self.block_m} w{self.warps} s{self.stages}{' sync' if self.sync else ''} "
                 f"{grid}{'' if self.asm else ' noasm'}")
 
@@ -561,19 +581,16 @@ def schedule(cfg: KernelConfig, n: int, nblk: int, sms: int = 132) -> tuple[int,
     return (tiles - rest, split, bps) if split > 1 else (0, 1, nblk)
 
 
-@functools.lru_cache(maxsize=None)
-def even_runs(cfg: KernelConfig, tiles: int, nblk: int, sms: int = 132) -> tuple[int, int]:
-    """(programs, the most programs sharing one tile) of the even schedule: cfg.even programs per SM (at most one per
-    block), program p streaming blocks [p * U // P, (p + 1) * U // P) of the U = tiles * nblk (tile, block) pairs in
-    tile-major order. Every SM then streams the same number of blocks (+-1 per program), where a schedule of whole
-    tiles or equal K splits leaves some SMs one program more than others (H200, FP8 down: 560 programs over 132 SMs,
-    the SMs running 5 finished their main loops ~24 % after those running 4)."""
-    units = tiles * nblk
-    programs = min(cfg.even * sms, units)
-    first = [((t * nblk + 1) * programs - 1) // units for t in range(tiles + 1)]  # the kernel's _first_program
-    first[tiles] = programs
-    last = [((t * nblk + nblk) * programs - 1) // units for t in range(tiles)]
-    return programs, max(last[t] - first[t] + 1 for t in range(tiles))
+def queue_parts(cfg: KernelConfig, tiles: int, nblk: int, sms: int = 132) -> tuple[int, int, int]:
+    """(programs, parts per tile, blocks per part) of the queue schedule: each tile's blocks cut into parts of
+    cfg.queue blocks, taken in tile-major order by cfg.programs programs per SM (at most one per part) as each
+    finishes its previous part. The sums are the split-K sums of those parts, whichever program took them, so the
+    results do not depend on the order. Why: in a static schedule the programs of one launch stream at different
+    rates (H200, FP8 down: main loops 21.5 us at the median, 26.6 at the slowest; the later a program's index, the
+    slower), and the launch lasts as long as its slowest program."""
+    per = min(cfg.queue, nblk)
+    parts = -(-nblk // per)
+    return min(cfg.programs * sms, tiles * parts), parts, -(-nblk // parts)
 
 
 @dataclass
@@ -617,14 +634,14 @@ def _launch(x2: torch.Tensor, pw: PackedWeight, cfg: KernelConfig, out: torch.Te
         raise ValueError(f"config {cfg.short()} takes block_m 8 or 16 and at most block_m rows, got {m}")
     nblk = pw.q.shape[1] // pw.group_size
     n_tiles = -(-pw.n // cfg.block_n)
-    if cfg.even:
-        programs, split = even_runs(cfg, n_tiles, nblk, sm_count(x2.device))
-        whole, bps = 0, -(-n_tiles * nblk // programs)
+    if cfg.queue:
+        programs, split, bps = queue_parts(cfg, n_tiles, nblk, sm_count(x2.device))
+        whole = 0
     else:
         whole, split, bps = schedule(cfg, pw.n, nblk, sm_count(x2.device))
         programs = whole + (n_tiles - whole) * split
     ws = torch.empty(split * m * pw.n if split > 1 else 1, dtype=torch.float32, device=x2.device)
-    cnt = arrival_counters(x2.device, n_tiles)
+    cnt = arrival_counters(x2.device, n_tiles + 2)
     fp16 = x2.dtype == torch.float16
     e4m3 = pw.codes == "e4m3"
     unpack = [unpack_asm(pw.bits, i, fp16, e4m3) if i < 16 // pw.bits else "" for i in range(4)]
@@ -637,7 +654,7 @@ def _launch(x2: torch.Tensor, pw: PackedWeight, cfg: KernelConfig, out: torch.Te
                          "schedule": (whole, split, bps), "config": cfg.short()})
     parts = ws if epi.partials is None else epi.partials  # (EPI 2 with an even N: as many tiles, of BN / 2 channels)
     args = (x2, pw.q, pw.s, pw.s if pw.z is None else pw.z, out, ws, cnt, m, pw.n, pw.k, pw.q.shape[1], nblk, whole,
-            n_tiles - whole, bps, split, programs, n_tiles * nblk, x2.stride(0), out.stride(0),
+            n_tiles - whole, bps, split, programs, x2.stride(0), out.stride(0),
             *(out if t is None else t for t in (epi.residual, epi.weight, epi.rows)), parts, parts.shape[0], epi.eps,
             trace)
     meta = dict(BITS=pw.bits, G=pw.group_size, BN=cfg.block_n, BM=cfg.block_m, STAGES=cfg.stages,
@@ -646,7 +663,7 @@ def _launch(x2: torch.Tensor, pw: PackedWeight, cfg: KernelConfig, out: torch.Te
                 U2=unpack[2], U3=unpack[3], num_warps=cfg.warps, **pdl.options(x2),
                 PREFETCH=pdl.prefetch_blocks(cfg.block_n * pw.group_size * 2, programs, bps, x2.device),
                 EPI=epi.kind, RMS=epi.rms, PBLOCK=triton.next_power_of_2(parts.shape[0]) if epi.rms else 1,
-                E4M3=e4m3, EVEN=cfg.even > 0, TRACE=timeline is not None)
+                E4M3=e4m3, QUEUE=cfg.queue > 0, TRACE=timeline is not None)
     if meta["SYNC"]:
         os.environ["DISABLE_MMA_V3"] = "1"  # read by the compiler; only a first call per config compiles
     try:
@@ -741,4 +758,4 @@ def wq_matmul(x: torch.Tensor, pw: PackedWeight, config: KernelConfig | None = N
 __all__ = ["PackedWeight", "KernelConfig", "check_format", "block_size", "padded_k", "pack", "pack_e4m3", "pack_codes",
            "unpack_codes", "pack_groups", "unpack_groups", "unpack_asm", "reference_matmul", "kernels_available",
            "launch_timeline",
-           "default_config", "schedule", "even_runs", "wq_matmul", "wq_matmul_add_norm", "wq_matmul_swiglu"]
+           "default_config", "schedule", "queue_parts", "wq_matmul", "wq_matmul_add_norm", "wq_matmul_swiglu"]
