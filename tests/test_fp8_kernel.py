@@ -17,8 +17,6 @@ CASES = [  # rows, part sizes (packed along the outputs), K, config
     (5, [128, 70, 4, 4], 256, KernelConfig(32, 8, 4, 2, True, 8, False)),
     (16, [50], 520, KernelConfig(16, 16, 4, 2, False, 8, False)),
     (2, [144], 2048, KernelConfig(16, 8, 4, 2, True, 1, False, True)),  # 4 SMs (patched): 8 whole tiles, 1 split
-    # 4 SMs, 3 programs each, take 11 tiles x 2 parts of 8 blocks from the queue
-    (3, [144, 20], 4096, KernelConfig(16, 8, 4, 2, True, 1, False, False, 8, 3)),
 ]
 
 
@@ -42,11 +40,7 @@ def _run_cases():  # executed in a subprocess with TRITON_INTERPRET=1
         x = torch.randn(m, k + 5, generator=torch.Generator().manual_seed(k))[:, :k]  # strided rows
         y = wq_matmul(x, module.packed(), cfg)
         first = wq_matmul(x[:1], module.packed(), cfg)
-        nblk = module.qweight.shape[1] // 128
-        if cfg.queue:
-            whole, (_, split, _) = 0, w4a16_triton.queue_parts(cfg, -(-module.out_features // cfg.block_n), nblk, 4)
-        else:
-            whole, split, _ = w4a16_triton.schedule(cfg, module.out_features, nblk, 4)
+        whole, split, _ = w4a16_triton.schedule(cfg, module.out_features, module.qweight.shape[1] // 128, 4)
         results.append({"case": [m, sizes, k], "err": float((y - reference(x, parts)).abs().max()),
                         "row_independent": torch.equal(first[0], y[0]), "split": split, "whole": whole})
     print("RESULTS " + json.dumps(results))
@@ -58,8 +52,7 @@ def test_fp8_projections_in_the_q16_kernel_match_the_reference_in_interpreter():
     for r in results:
         assert r["err"] < 1e-4 and r["row_independent"], r
     assert max(r["split"] for r in results) > 1 and min(r["split"] for r in results) == 1  # both paths exercised
-    assert results[-2]["whole"] == 8 and results[-2]["split"] == 2  # whole tiles and split ones in one launch
-    assert results[-1]["split"] == 2  # the queue schedule: two parts per tile
+    assert results[-1]["whole"] == 8 and results[-1]["split"] == 2  # whole tiles and split ones in one launch
 
 
 def test_fp8_quantize_and_packing_on_the_reference_path():

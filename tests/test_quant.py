@@ -315,19 +315,6 @@ def test_balanced_schedule():
     assert wq.default_config(1, 6144, 5120, 8, 32).block_n == 128
 
 
-def test_queue_schedule():
-    """Each tile's blocks in parts of about cfg.queue blocks (no part empty), at most cfg.programs per SM and one
-    program per part."""
-    for tiles, nblk, queue, programs, sms in ((80, 68, 4, 4, 132), (80, 24, 3, 5, 132), (544, 20, 5, 4, 132),
-                                               (9, 8, 3, 5, 4), (3, 2, 4, 4, 4)):
-        cfg = wq.KernelConfig(64, 8, 4, 3, True, 1, True, False, queue, programs)
-        launched, parts, per = wq.queue_parts(cfg, tiles, nblk, sms)
-        assert launched == min(programs * sms, tiles * parts)
-        assert (parts - 1) * per < nblk <= parts * per and per <= queue
-    # the 27B's down (80 tiles of 68 blocks) in parts of 4 blocks: 17 per tile, 1360 parts over 528 programs
-    assert wq.queue_parts(wq.KernelConfig(64, 8, 4, 3, True, 1, True, False, 4, 4), 80, 68, 132) == (528, 17, 4)
-
-
 def _kernel_cases():
     """(name, m, n, k, bits, gs, symmetric, x dtype, config or None = default / chunked / dense path)."""
     K = wq.KernelConfig
@@ -346,9 +333,6 @@ def _kernel_cases():
         ("m70 default: dequantize + linear", 70, 20, 300, 4, 128, True, f32, None),
         # 4 SMs (patched): 9 tiles of 16 rows, 8 blocks; 8 whole tiles, the 9th split in 2 ranges
         ("m2 balanced", 2, 144, 4096, 4, 128, False, bf16, K(16, 8, 4, 2, True, 1, True, True)),
-        # 4 SMs x 2 programs take 9 tiles x 3 parts of 3 blocks (the last 2) from the queue
-        ("m5 queue", 5, 144, 4096, 4, 128, False, bf16, K(16, 8, 4, 2, True, 1, True, False, 3, 2)),
-        ("int8 g128 m1 queue", 1, 70, 1300, 8, 128, True, f32, K(16, 8, 4, 2, True, 1, True, False, 2, 1)),
     ]
 
 
@@ -374,7 +358,7 @@ def _run_kernel_cases():  # executed in a subprocess with TRITON_INTERPRET=1
         results.append({"name": name, "err": err, "tol": tol, "same": bool(torch.equal(y, y2)),
                         "row0": bool(torch.equal(y[:1], row0)) or m > 16, "dtype": str(y.dtype),
                         "counters_clean": counters is None or int(counters.abs().sum()) == 0,
-                        "whole": wq.schedule(cfg, n, pw.q.shape[1] // gs, 4)[0] if cfg and not cfg.queue else 0})
+                        "whole": wq.schedule(cfg, n, pw.q.shape[1] // gs, 4)[0] if cfg else 0})
     print("RESULTS " + json.dumps(results))
 
 

@@ -293,6 +293,13 @@ if triton is not None:
         return acc + part * s.to(tl.float32)[:, None]
 
     @triton.jit
+    def _tapered(j, parts, blocks, TAPER: tl.constexpr):
+        """The first block of part j of `parts` (`tapered`)."""
+        weights = (100 * (parts - 1)) * j - TAPER * (j * (j - 1) // 2)
+        total = (100 * (parts - 1)) * parts - TAPER * (parts * (parts - 1) // 2)
+        return (blocks * weights + total // 2) // total
+
+    @triton.jit
     def _stamp(after, GLOBAL: tl.constexpr):
         """A time read once `after` (an int32 scalar) is computed: %globaltimer (ns, one clock for every SM) or
         %clock64 (this SM's cycles)."""
@@ -302,9 +309,39 @@ if triton is not None:
         return tl.inline_asm_elementwise("mov.u64 $0, %clock64; // $1", "=l,r", [after], dtype=tl.int64,
                                          is_pure=False, pack=1)
 
-    @triton.jit
-    def _tile_rows(pid_n, N, BN: tl.constexpr, EPI: tl.constexpr):
-        """(weight rows, which are real) of output tile pid_n."""
+    @triton.jit(do_not_specialize=["M", "WHOLE", "REST", "BPS", "SPLIT"])
+    def _wq_kernel(x_ptr, q_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, KH, NBLK, WHOLE, REST, BPS, SPLIT,
+                   stride_xm, stride_om, res_ptr, nw_ptr, rows_ptr, part_ptr, PARTS, eps, trace_ptr,
+                   BITS: tl.constexpr,
+                   G: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr,
+                   STAGES: tl.constexpr, HAS_ZP: tl.constexpr, EVEN_K: tl.constexpr, USE_ASM: tl.constexpr,
+                   F32DOT: tl.constexpr, SYNC: tl.constexpr, U0: tl.constexpr, U1: tl.constexpr,
+                   U2: tl.constexpr, U3: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr,
+                   EPI: tl.constexpr, RMS: tl.constexpr, PBLOCK: tl.constexpr, E4M3: tl.constexpr,
+                   REVERSE: tl.constexpr, TAPER: tl.constexpr, TRACE: tl.constexpr):
+        """Program pid < WHOLE: tile pid, every block; the others (pid_n, pid_k) of the REST tiles after them: rows
+        [pid_n*BN, +BN), blocks [pid_k*BPS, +BPS) (`schedule`); one block (C groups) per step.
+        SYNC only keys the compile cache (the launcher sets DISABLE_MMA_V3 while it compiles). RMS: the finished tile
+        is first scaled by its rows' 1 / rms (the input is the rows of an EPI 1 launch, whose partials give the rms).
+        EPI: then stored as is (0), added to a residual stream with the next norm begun (1, `_add_norm_epilogue`),
+        or, for a [gate; up] projection, silu(gate) * up stored (2, `_swiglu_epilogue`: a program's first BN / 2
+        rows are gate rows, its last BN / 2 the up rows of the same channels). TRACE: the program's row of trace_ptr
+        [programs, 8] int64 gets its start and end on the global timer, its start, main loop's end and end on its
+        SM's clock, and the SM (`launch_timeline`)."""
+        C: tl.constexpr = 16 // BITS
+        ZB: tl.constexpr = 1 << (BITS - 1)
+        pid = tl.program_id(0)
+        if TRACE:
+            t_start = _stamp(pid, True)
+            c_start = _stamp(pid, False)
+        if REVERSE:
+            pid = tl.num_programs(0) - 1 - pid
+        whole = pid < WHOLE
+        piece = tl.maximum(pid - WHOLE, 0)  # tile-major: the split parts of one tile are REST programs apart
+        rest = tl.maximum(REST, 1)
+        pid_n = tl.where(whole, pid, WHOLE + piece % rest)
+        pid_k = tl.where(whole, 0, piece // rest)
+        tile_split = tl.where(whole, 1, SPLIT)
         if EPI == 2:
             HALF: tl.constexpr = BN // 2
             tile_rows = tl.arange(0, BN)
@@ -316,25 +353,25 @@ if triton is not None:
         else:
             offs_n = pid_n * BN + tl.arange(0, BN)
             n_ok = offs_n < N
-        return offs_n, n_ok
-
-    @triton.jit
-    def _tile_part(pid_n, pid_k, tile_split, b_lo, b_hi, x_cols, m_ok, offs_m, offs_c, q_ptr, s_ptr, z_ptr, out_ptr,
-                   ws_ptr, cnt_ptr, M, N, K, KH, stride_om, res_ptr, nw_ptr, rows_ptr, part_ptr, sums, eps,
-                   BITS: tl.constexpr, G: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr, STAGES: tl.constexpr,
-                   HAS_ZP: tl.constexpr, EVEN_K: tl.constexpr, USE_ASM: tl.constexpr, F32DOT: tl.constexpr,
-                   U0: tl.constexpr, U1: tl.constexpr, U2: tl.constexpr, U3: tl.constexpr, PDL: tl.constexpr,
-                   RELEASE: tl.constexpr, EPI: tl.constexpr, RMS: tl.constexpr, E4M3: tl.constexpr,
-                   TRACE: tl.constexpr):
-        """Blocks [b_lo, b_hi) of output tile pid_n, part pid_k of tile_split (split-K: the last part to arrive
-        finishes the tile); RELEASE: PDL's release after the main loop. Returns (with TRACE) the SM clock at the
-        main loop's end and a value of the finished tile, for the end stamp to wait for."""
-        C: tl.constexpr = 16 // BITS
-        ZB: tl.constexpr = 1 << (BITS - 1)
-        offs_n, n_ok = _tile_rows(pid_n, N, BN, EPI)
+        offs_m = tl.arange(0, BM)
+        offs_c = tl.arange(0, G)
         q_rows = q_ptr + offs_n[:, None].to(tl.int64) * KH + offs_c[None, :]
         sz_off = offs_n[:, None] * C + tl.arange(0, C)[None, :]  # [BN, C]: one block's scales
+        x_cols = x_ptr + offs_m[None, :] * stride_xm + offs_c[:, None]  # x^T tile [G, BM]
+        m_ok = (offs_m < M)[None, :]
+        if TAPER > 0:  # split parts shrinking with their launch order: later programs stream slower (`tapered`)
+            b_lo = _tapered(pid_k, SPLIT, NBLK, TAPER)
+            b_hi = tl.where(whole, NBLK, _tapered(pid_k + 1, SPLIT, NBLK, TAPER))
+        else:
+            b_lo = pid_k * BPS
+            b_hi = tl.where(whole, NBLK, tl.minimum(b_lo + BPS, NBLK))
         acc = tl.zeros([BN, BM], tl.float32)
+        pdl.prefetch_rows(q_ptr, offs_n, KH, b_lo * G, N, KH, PREFETCH * G, 64, PDL)  # int16 codes: 64 per line
+        pdl.wait(PDL)
+        if RMS:  # issued before the loop, summed after it: its latency hides behind the weights
+            p_rows = tl.arange(0, PBLOCK)
+            sums = tl.load(part_ptr + p_rows[:, None] * M + offs_m[None, :],
+                           mask=(p_rows < PARTS)[:, None] & (offs_m < M)[None, :], other=0.0)
         s_next = tl.load(s_ptr + b_lo * N * C + sz_off, mask=n_ok[:, None], other=0.0)
         for b in tl.range(b_lo, b_hi, num_stages=STAGES):
             s = s_next  # prefetched one block ahead by hand (not in the dot's operand chain: not pipelined)
@@ -360,11 +397,9 @@ if triton is not None:
             if C == 4:
                 acc = _group(acc, h, xb + 2 * G, x2m, s2, z2, 2, BITS, U2, BN, BM, HAS_ZP, USE_ASM, F32DOT, E4M3)
                 acc = _group(acc, h, xb + 3 * G, x3m, s3, z3, 3, BITS, U3, BN, BM, HAS_ZP, USE_ASM, F32DOT, E4M3)
-        c_loop = 0
         if TRACE:
             c_loop = _stamp(tl.sum(tl.sum(acc, 1), 0).to(tl.int32, bitcast=True), False)
-        if RELEASE:
-            pdl.release(PDL)
+        pdl.release(PDL)
         total, done = split_k_total(acc, ws_ptr, cnt_ptr, offs_n, offs_m, M, N, pid_n, pid_k, tile_split)
         ok = n_ok[:, None] & (offs_m < M)[None, :] & done
         if RMS:
@@ -377,89 +412,11 @@ if triton is not None:
         else:
             o_ptrs = out_ptr + offs_m[None, :] * stride_om + offs_n[:, None]
             tl.store(o_ptrs, total.to(out_ptr.dtype.element_ty), mask=ok)
-        finished = 0
         if TRACE:
-            finished = tl.sum(tl.sum(total, 1), 0).to(tl.int32, bitcast=True)
-        return c_loop, finished
-
-    @triton.jit(do_not_specialize=["M", "WHOLE", "REST", "BPS", "SPLIT", "PROGS"])
-    def _wq_kernel(x_ptr, q_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, KH, NBLK, WHOLE, REST, BPS, SPLIT,
-                   PROGS, stride_xm, stride_om, res_ptr, nw_ptr, rows_ptr, part_ptr, PARTS, eps, trace_ptr,
-                   BITS: tl.constexpr, G: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr,
-                   STAGES: tl.constexpr, HAS_ZP: tl.constexpr, EVEN_K: tl.constexpr, USE_ASM: tl.constexpr,
-                   F32DOT: tl.constexpr, SYNC: tl.constexpr, U0: tl.constexpr, U1: tl.constexpr,
-                   U2: tl.constexpr, U3: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr,
-                   EPI: tl.constexpr, RMS: tl.constexpr, PBLOCK: tl.constexpr, E4M3: tl.constexpr,
-                   QUEUE: tl.constexpr, TRACE: tl.constexpr):
-        """Program pid < WHOLE: tile pid, every block; the others (pid_n, pid_k) of the REST tiles after them: rows
-        [pid_n*BN, +BN), blocks [pid_k*BPS, +BPS) (`schedule`); one block (C groups) per step. QUEUE: the PROGS
-        programs take the REST * SPLIT parts (tile-major: part i is blocks [i % SPLIT * BPS, +BPS) of tile
-        i // SPLIT) from a counter until none is left, so programs that stream faster take more; the counter
-        (cnt_ptr[REST]) and the count of programs done (cnt_ptr[REST + 1]) are reset by the last program.
-        SYNC only keys the compile cache (the launcher sets DISABLE_MMA_V3 while it compiles). RMS: the finished tile
-        is first scaled by its rows' 1 / rms (the input is the rows of an EPI 1 launch, whose partials give the rms).
-        EPI: then stored as is (0), added to a residual stream with the next norm begun (1, `_add_norm_epilogue`),
-        or, for a [gate; up] projection, silu(gate) * up stored (2, `_swiglu_epilogue`: a program's first BN / 2
-        rows are gate rows, its last BN / 2 the up rows of the same channels). TRACE: the program's row of trace_ptr
-        [programs, 8] int64 gets its start and end on the global timer, its start, last main loop's end and end on
-        its SM's clock, and the SM (`launch_timeline`)."""
-        pid = tl.program_id(0)
-        if TRACE:
-            t_start = _stamp(pid, True)
-            c_start = _stamp(pid, False)
-        if QUEUE:
-            item = tl.atomic_add(cnt_ptr + REST, 1)
-            pid_n = item // SPLIT
-            b_lo = item % SPLIT * BPS
-        else:
-            whole = pid < WHOLE
-            piece = tl.maximum(pid - WHOLE, 0)  # tile-major: the split parts of one tile are REST programs apart
-            rest = tl.maximum(REST, 1)
-            pid_n = tl.where(whole, pid, WHOLE + piece % rest)
-            pid_k = tl.where(whole, 0, piece // rest)
-            b_lo = pid_k * BPS
-        offs_m = tl.arange(0, BM)
-        offs_c = tl.arange(0, G)
-        x_cols = x_ptr + offs_m[None, :] * stride_xm + offs_c[:, None]  # x^T tile [G, BM]
-        m_ok = (offs_m < M)[None, :]
-        first_rows, _ = _tile_rows(tl.minimum(pid_n, REST + WHOLE - 1), N, BN, EPI)
-        pdl.prefetch_rows(q_ptr, first_rows, KH, b_lo * G, N, KH, PREFETCH * G, 64, PDL)  # int16 codes: 64 per line
-        pdl.wait(PDL)
-        if RMS:  # issued before the loop, summed after it: its latency hides behind the weights
-            p_rows = tl.arange(0, PBLOCK)
-            sums = tl.load(part_ptr + p_rows[:, None] * M + offs_m[None, :],
-                           mask=(p_rows < PARTS)[:, None] & (offs_m < M)[None, :], other=0.0)
-        else:
-            sums = tl.zeros([PBLOCK, BM], tl.float32)  # unused
-        if QUEUE:
-            c_loop, finished = 0, 0
-            if TRACE:
-                c_loop, finished = c_start, pid
-            while item < REST * SPLIT:
-                following = tl.atomic_add(cnt_ptr + REST, 1)  # the next part's index, its latency behind this one
-                pid_n = item // SPLIT
-                pid_k = item % SPLIT
-                b_lo = pid_k * BPS
-                c_loop, finished = _tile_part(
-                    pid_n, pid_k, SPLIT, b_lo, tl.minimum(b_lo + BPS, NBLK), x_cols, m_ok, offs_m, offs_c, q_ptr,
-                    s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, KH, stride_om, res_ptr, nw_ptr, rows_ptr,
-                    part_ptr, sums, eps, BITS, G, BN, BM, STAGES, HAS_ZP, EVEN_K, USE_ASM, F32DOT, U0, U1, U2, U3,
-                    PDL, False, EPI, RMS, E4M3, TRACE)
-                item = following
-            pdl.release(PDL)
-            if tl.atomic_add(cnt_ptr + REST + 1, 1) == PROGS - 1:  # the last program out: no more increments
-                tl.atomic_xchg(cnt_ptr + REST, 0)
-                tl.atomic_xchg(cnt_ptr + REST + 1, 0)
-        else:
-            c_loop, finished = _tile_part(
-                pid_n, pid_k, tl.where(whole, 1, SPLIT), b_lo, tl.where(whole, NBLK, tl.minimum(b_lo + BPS, NBLK)),
-                x_cols, m_ok, offs_m, offs_c, q_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, KH, stride_om,
-                res_ptr, nw_ptr, rows_ptr, part_ptr, sums, eps, BITS, G, BN, BM, STAGES, HAS_ZP, EVEN_K, USE_ASM,
-                F32DOT, U0, U1, U2, U3, PDL, True, EPI, RMS, E4M3, TRACE)
-        if TRACE:
+            after = tl.sum(tl.sum(total, 1), 0).to(tl.int32, bitcast=True)
             row = trace_ptr + pid.to(tl.int64) * 8
-            tl.store(row + 1, _stamp(finished, True))
-            tl.store(row + 4, _stamp(finished, False))
+            tl.store(row + 1, _stamp(after, True))
+            tl.store(row + 4, _stamp(after, False))
             tl.store(row, t_start)
             tl.store(row + 2, c_start)
             tl.store(row + 3, c_loop)
@@ -521,13 +478,12 @@ class KernelConfig:
     waves: int = 2        # split K until about waves * SMs programs
     asm: bool = True      # PTX unpacking on CUDA (the interpreter always takes the plain path)
     balance: bool = False  # unsplit tiles beyond the last full round of SMs: split so each SM streams ~as much
-    queue: int = 0        # > 0: parts of this many blocks taken from a counter by `programs` per SM (`queue_parts`)
-    programs: int = 4
+    reverse: bool = False  # programs take their work in reverse launch order (an experiment)
+    taper: int = 0        # split tiles: part j's share of the blocks 100 - taper * j / (split - 1) (`tapered`)
 
     def short(self) -> str:
-        grid = f"q{self.queue}x{self.programs}" if self.queue else f"wv{self.waves}{' bal' if self.balance else ''}"
         return (f"n{self.block_n} m{self.block_m} w{self.warps} s{self.stages}{' sync' if self.sync else ''} "
-                f"{grid}{'' if self.asm else ' noasm'}")
+                f"wv{self.waves}{' bal' if self.balance else ''}{'' if self.asm else ' noasm'}")
 
 
 def default_config(m: int, n: int, k: int, bits: int = 4, group_size: int = 128) -> KernelConfig:
@@ -581,16 +537,14 @@ def schedule(cfg: KernelConfig, n: int, nblk: int, sms: int = 132) -> tuple[int,
     return (tiles - rest, split, bps) if split > 1 else (0, 1, nblk)
 
 
-def queue_parts(cfg: KernelConfig, tiles: int, nblk: int, sms: int = 132) -> tuple[int, int, int]:
-    """(programs, parts per tile, blocks per part) of the queue schedule: each tile's blocks cut into parts of
-    cfg.queue blocks, taken in tile-major order by cfg.programs programs per SM (at most one per part) as each
-    finishes its previous part. The sums are the split-K sums of those parts, whichever program took them, so the
-    results do not depend on the order. Why: in a static schedule the programs of one launch stream at different
-    rates (H200, FP8 down: main loops 21.5 us at the median, 26.6 at the slowest; the later a program's index, the
-    slower), and the launch lasts as long as its slowest program."""
-    per = min(cfg.queue, nblk)
-    parts = -(-nblk // per)
-    return min(cfg.programs * sms, tiles * parts), parts, -(-nblk // parts)
+def tapered(j: int, parts: int, blocks: int, taper: int) -> int:
+    """The first block of part j of a tile's `parts` split parts, whose sizes fall linearly with j from 100 to
+    100 - taper (relative): part j of a launch runs later than part j - 1 (tile-major order), and the programs a
+    GPU places later stream slower (H200, FP8 down: from -1.6 us for the first part to +1.9 us for the last about
+    21.5 us; with the launch order reversed, the other way round)."""
+    weights = 100 * (parts - 1) * j - taper * (j * (j - 1) // 2)
+    total = 100 * (parts - 1) * parts - taper * (parts * (parts - 1) // 2)
+    return (blocks * weights + total // 2) // total
 
 
 @dataclass
@@ -633,15 +587,11 @@ def _launch(x2: torch.Tensor, pw: PackedWeight, cfg: KernelConfig, out: torch.Te
     if m > cfg.block_m or cfg.block_m not in (8, 16):
         raise ValueError(f"config {cfg.short()} takes block_m 8 or 16 and at most block_m rows, got {m}")
     nblk = pw.q.shape[1] // pw.group_size
+    whole, split, bps = schedule(cfg, pw.n, nblk, sm_count(x2.device))
     n_tiles = -(-pw.n // cfg.block_n)
-    if cfg.queue:
-        programs, split, bps = queue_parts(cfg, n_tiles, nblk, sm_count(x2.device))
-        whole = 0
-    else:
-        whole, split, bps = schedule(cfg, pw.n, nblk, sm_count(x2.device))
-        programs = whole + (n_tiles - whole) * split
+    programs = whole + (n_tiles - whole) * split
     ws = torch.empty(split * m * pw.n if split > 1 else 1, dtype=torch.float32, device=x2.device)
-    cnt = arrival_counters(x2.device, n_tiles + 2)
+    cnt = arrival_counters(x2.device, n_tiles)
     fp16 = x2.dtype == torch.float16
     e4m3 = pw.codes == "e4m3"
     unpack = [unpack_asm(pw.bits, i, fp16, e4m3) if i < 16 // pw.bits else "" for i in range(4)]
@@ -654,7 +604,7 @@ def _launch(x2: torch.Tensor, pw: PackedWeight, cfg: KernelConfig, out: torch.Te
                          "schedule": (whole, split, bps), "config": cfg.short()})
     parts = ws if epi.partials is None else epi.partials  # (EPI 2 with an even N: as many tiles, of BN / 2 channels)
     args = (x2, pw.q, pw.s, pw.s if pw.z is None else pw.z, out, ws, cnt, m, pw.n, pw.k, pw.q.shape[1], nblk, whole,
-            n_tiles - whole, bps, split, programs, x2.stride(0), out.stride(0),
+            n_tiles - whole, bps, split, x2.stride(0), out.stride(0),
             *(out if t is None else t for t in (epi.residual, epi.weight, epi.rows)), parts, parts.shape[0], epi.eps,
             trace)
     meta = dict(BITS=pw.bits, G=pw.group_size, BN=cfg.block_n, BM=cfg.block_m, STAGES=cfg.stages,
@@ -663,7 +613,8 @@ def _launch(x2: torch.Tensor, pw: PackedWeight, cfg: KernelConfig, out: torch.Te
                 U2=unpack[2], U3=unpack[3], num_warps=cfg.warps, **pdl.options(x2),
                 PREFETCH=pdl.prefetch_blocks(cfg.block_n * pw.group_size * 2, programs, bps, x2.device),
                 EPI=epi.kind, RMS=epi.rms, PBLOCK=triton.next_power_of_2(parts.shape[0]) if epi.rms else 1,
-                E4M3=e4m3, QUEUE=cfg.queue > 0, TRACE=timeline is not None)
+                E4M3=e4m3, REVERSE=cfg.reverse, TAPER=cfg.taper if whole == 0 and split > 1 else 0,
+                TRACE=timeline is not None)
     if meta["SYNC"]:
         os.environ["DISABLE_MMA_V3"] = "1"  # read by the compiler; only a first call per config compiles
     try:
@@ -758,4 +709,4 @@ def wq_matmul(x: torch.Tensor, pw: PackedWeight, config: KernelConfig | None = N
 __all__ = ["PackedWeight", "KernelConfig", "check_format", "block_size", "padded_k", "pack", "pack_e4m3", "pack_codes",
            "unpack_codes", "pack_groups", "unpack_groups", "unpack_asm", "reference_matmul", "kernels_available",
            "launch_timeline",
-           "default_config", "schedule", "queue_parts", "wq_matmul", "wq_matmul_add_norm", "wq_matmul_swiglu"]
+           "default_config", "schedule", "wq_matmul", "wq_matmul_add_norm", "wq_matmul_swiglu"]
