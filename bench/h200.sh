@@ -24,6 +24,8 @@
 #   schedules  W4A16 / W8A16 launch schedules, balanced or not: FP8, INT4 at 1 and 8 rows (bench/kernel_schedules.py)
 #   variants   the graphed step under variants of the kernels' constants, alternated with the default
 #              (bench/step_variants.py; VARIANTS_ARGS, default --quant fp8)
+#   timeline   per-program time stamps of every projection launch of the graphed step (bench/launch_timeline.py;
+#              TIMELINE_ARGS, default --quant fp8 --pdl-levels 0)
 #   sweep      the W4A16 config sweep (bench/quant_kernels.py --sweep; SWEEP_S seconds at most)
 #   attention  split-KV attention against SDPA (bench/attention_kernels.py)
 #   gdn        the DeltaNet kernels' configs (bench/gdn_kernel.py)
@@ -85,6 +87,7 @@ for part in ${PARTS:-bf16 warm int4 vocab}; do
     fp8_kernels) kernel_bench fp8_kernels ${FP8_KERNELS_S:-300} fp8_kernels ${FP8_ARGS:-} ;;
     schedules) kernel_bench kernel_schedules 150 kernel_schedules ;;
     variants) kernel_bench step_variants ${VARIANTS_S:-540} step_variants ${VARIANTS_ARGS:---quant fp8} ;;
+    timeline) kernel_bench launch_timeline 240 launch_timeline ${TIMELINE_ARGS:---quant fp8 --pdl-levels 0} ;;
     sweep) kernel_bench quant_sweep ${SWEEP_S:-300} quant_kernels --sweep ;;
     attention) kernel_bench attention_kernels 60 attention_kernels ;;
     gdn) kernel_bench gdn_kernel 60 gdn_kernel ;;

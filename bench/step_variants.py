@@ -64,10 +64,6 @@ def wide(m, n, k, bits):
     return m <= 8 and n >= 64 * 132
 
 
-def layer(m, n, k, bits):
-    return m <= 8 and n < 65536  # every projection of a layer, not the vocabulary head
-
-
 VARIANTS = {
     "mixer BV 32": lambda s: patched(gdn_triton, BLOCK_V=32),
     "mixer BV 32, 2 warps": lambda s: patched(gdn_triton, BLOCK_V=32, NUM_WARPS=2),
@@ -81,10 +77,6 @@ VARIANTS = {
     "no balancing": lambda s: configs({"balance": False}, wide),
     "narrow outputs n32 w2": lambda s: configs({"block_n": 32, "warps": 2}, narrow),
     "wide outputs n32 w2": lambda s: configs({"block_n": 32, "warps": 2}, wide),
-    "reversed programs": lambda s: configs({"reverse": True}, layer),
-    "taper 15": lambda s: configs({"taper": 15}, layer),
-    "taper 25": lambda s: configs({"taper": 25}, layer),
-    "taper 40": lambda s: configs({"taper": 40}, layer),
     "PDL level 0": lambda s: use(replace(s, pdl_level=0)),
     "PDL level 1": lambda s: use(replace(s, pdl_level=1)),
     "PDL level 2": lambda s: use(replace(s, pdl_level=2)),

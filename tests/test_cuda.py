@@ -448,6 +448,35 @@ def test_prefix_reuse_bf16_graphed(wide_margin_pair, mode):
     assert sum(cached for *_, cached, _ in with_reuse) > 0
 
 
+def test_launch_timeline_stamps_captured_launches():
+    """Launches captured under `launch_timeline` give the same results as untraced ones and stamp every program:
+    start <= main loop's end <= end on its SM's clock, start <= end on the global timer, an SM that exists; launches
+    outside a capture are not recorded."""
+    from blockspec.quant.fp8 import Fp8Linear, quantize
+    from blockspec.quant.w4a16_triton import launch_timeline, sm_count, wq_matmul, wq_matmul_swiglu
+
+    g = torch.Generator().manual_seed(0)
+    packed = Fp8Linear.from_blocks(*quantize(torch.randn(5120, 6144, generator=g) * 0.01)).cuda().packed()
+    gate_up = Fp8Linear.from_blocks(*quantize(torch.randn(2048, 5120, generator=g) * 0.01)).cuda().packed()
+    x = torch.randn(1, 6144, device="cuda", dtype=torch.bfloat16)
+    with launch_timeline() as launches:
+        plain = wq_matmul(x, packed)
+        assert launches == []  # not capturing
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            traced = wq_matmul(x, packed)
+            act = wq_matmul_swiglu(traced, gate_up)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(traced, plain) and torch.equal(act, wq_matmul_swiglu(plain, gate_up))
+    assert [(e["n"], e["k"], e["epilogue"]) for e in launches] == [(5120, 6144, 0), (2048, 5120, 2)]
+    for entry in launches:
+        t = entry["trace"].cpu()
+        assert t.shape[0] > 1 and (t[:, 1] >= t[:, 0]).all() and (t[:, 0] > 0).all()
+        assert (t[:, 3] >= t[:, 2]).all() and (t[:, 4] >= t[:, 3]).all()
+        assert ((t[:, 5] >= 0) & (t[:, 5] < sm_count(x.device))).all()
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("asm", [True, False])
 def test_fp8_projections_on_gpu(dtype, asm):

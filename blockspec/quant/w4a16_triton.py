@@ -293,13 +293,6 @@ if triton is not None:
         return acc + part * s.to(tl.float32)[:, None]
 
     @triton.jit
-    def _tapered(j, parts, blocks, TAPER: tl.constexpr):
-        """The first block of part j of `parts` (`tapered`)."""
-        weights = (100 * (parts - 1)) * j - TAPER * (j * (j - 1) // 2)
-        total = (100 * (parts - 1)) * parts - TAPER * (parts * (parts - 1) // 2)
-        return (blocks * weights + total // 2) // total
-
-    @triton.jit
     def _stamp(after, GLOBAL: tl.constexpr):
         """A time read once `after` (an int32 scalar) is computed: %globaltimer (ns, one clock for every SM) or
         %clock64 (this SM's cycles)."""
@@ -312,13 +305,12 @@ if triton is not None:
     @triton.jit(do_not_specialize=["M", "WHOLE", "REST", "BPS", "SPLIT"])
     def _wq_kernel(x_ptr, q_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, KH, NBLK, WHOLE, REST, BPS, SPLIT,
                    stride_xm, stride_om, res_ptr, nw_ptr, rows_ptr, part_ptr, PARTS, eps, trace_ptr,
-                   BITS: tl.constexpr,
-                   G: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr,
+                   BITS: tl.constexpr, G: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr,
                    STAGES: tl.constexpr, HAS_ZP: tl.constexpr, EVEN_K: tl.constexpr, USE_ASM: tl.constexpr,
                    F32DOT: tl.constexpr, SYNC: tl.constexpr, U0: tl.constexpr, U1: tl.constexpr,
                    U2: tl.constexpr, U3: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr,
                    EPI: tl.constexpr, RMS: tl.constexpr, PBLOCK: tl.constexpr, E4M3: tl.constexpr,
-                   REVERSE: tl.constexpr, TAPER: tl.constexpr, TRACE: tl.constexpr):
+                   TRACE: tl.constexpr):
         """Program pid < WHOLE: tile pid, every block; the others (pid_n, pid_k) of the REST tiles after them: rows
         [pid_n*BN, +BN), blocks [pid_k*BPS, +BPS) (`schedule`); one block (C groups) per step.
         SYNC only keys the compile cache (the launcher sets DISABLE_MMA_V3 while it compiles). RMS: the finished tile
@@ -334,8 +326,6 @@ if triton is not None:
         if TRACE:
             t_start = _stamp(pid, True)
             c_start = _stamp(pid, False)
-        if REVERSE:
-            pid = tl.num_programs(0) - 1 - pid
         whole = pid < WHOLE
         piece = tl.maximum(pid - WHOLE, 0)  # tile-major: the split parts of one tile are REST programs apart
         rest = tl.maximum(REST, 1)
@@ -359,12 +349,8 @@ if triton is not None:
         sz_off = offs_n[:, None] * C + tl.arange(0, C)[None, :]  # [BN, C]: one block's scales
         x_cols = x_ptr + offs_m[None, :] * stride_xm + offs_c[:, None]  # x^T tile [G, BM]
         m_ok = (offs_m < M)[None, :]
-        if TAPER > 0:  # split parts shrinking with their launch order: later programs stream slower (`tapered`)
-            b_lo = _tapered(pid_k, SPLIT, NBLK, TAPER)
-            b_hi = tl.where(whole, NBLK, _tapered(pid_k + 1, SPLIT, NBLK, TAPER))
-        else:
-            b_lo = pid_k * BPS
-            b_hi = tl.where(whole, NBLK, tl.minimum(b_lo + BPS, NBLK))
+        b_lo = pid_k * BPS
+        b_hi = tl.where(whole, NBLK, tl.minimum(b_lo + BPS, NBLK))
         acc = tl.zeros([BN, BM], tl.float32)
         pdl.prefetch_rows(q_ptr, offs_n, KH, b_lo * G, N, KH, PREFETCH * G, 64, PDL)  # int16 codes: 64 per line
         pdl.wait(PDL)
@@ -478,8 +464,6 @@ class KernelConfig:
     waves: int = 2        # split K until about waves * SMs programs
     asm: bool = True      # PTX unpacking on CUDA (the interpreter always takes the plain path)
     balance: bool = False  # unsplit tiles beyond the last full round of SMs: split so each SM streams ~as much
-    reverse: bool = False  # programs take their work in reverse launch order (an experiment)
-    taper: int = 0        # split tiles: part j's share of the blocks 100 - taper * j / (split - 1) (`tapered`)
 
     def short(self) -> str:
         return (f"n{self.block_n} m{self.block_m} w{self.warps} s{self.stages}{' sync' if self.sync else ''} "
@@ -535,16 +519,6 @@ def schedule(cfg: KernelConfig, n: int, nblk: int, sms: int = 132) -> tuple[int,
 
     _, split, bps = min(busiest_sm(p) for p in range(1, nblk + 1) if -(-nblk // p) >= min(MIN_PIECE, nblk))
     return (tiles - rest, split, bps) if split > 1 else (0, 1, nblk)
-
-
-def tapered(j: int, parts: int, blocks: int, taper: int) -> int:
-    """The first block of part j of a tile's `parts` split parts, whose sizes fall linearly with j from 100 to
-    100 - taper (relative): part j of a launch runs later than part j - 1 (tile-major order), and the programs a
-    GPU places later stream slower (H200, FP8 down: from -1.6 us for the first part to +1.9 us for the last about
-    21.5 us; with the launch order reversed, the other way round)."""
-    weights = 100 * (parts - 1) * j - taper * (j * (j - 1) // 2)
-    total = 100 * (parts - 1) * parts - taper * (parts * (parts - 1) // 2)
-    return (blocks * weights + total // 2) // total
 
 
 @dataclass
@@ -613,8 +587,7 @@ def _launch(x2: torch.Tensor, pw: PackedWeight, cfg: KernelConfig, out: torch.Te
                 U2=unpack[2], U3=unpack[3], num_warps=cfg.warps, **pdl.options(x2),
                 PREFETCH=pdl.prefetch_blocks(cfg.block_n * pw.group_size * 2, programs, bps, x2.device),
                 EPI=epi.kind, RMS=epi.rms, PBLOCK=triton.next_power_of_2(parts.shape[0]) if epi.rms else 1,
-                E4M3=e4m3, REVERSE=cfg.reverse, TAPER=cfg.taper if whole == 0 and split > 1 else 0,
-                TRACE=timeline is not None)
+                E4M3=e4m3, TRACE=timeline is not None)
     if meta["SYNC"]:
         os.environ["DISABLE_MMA_V3"] = "1"  # read by the compiler; only a first call per config compiles
     try:
