@@ -75,8 +75,7 @@ def timeline(engine, settings, variant, prompt, bandwidth):
     ticks = torch.cat([s[:, :2].flatten() for s in stamps]).unique().diff()
     rows, previous_end = [], None
     for entry, s in zip(launches, stamps):
-        nbytes = entry["n"] * entry["k"] + entry["n"] * -(-entry["k"] // 128) * 4  # codes + float32 scales
-        row = launch_stats(s, nbytes, bandwidth, cycles_per_ns)
+        row = launch_stats(s, entry["bytes"], bandwidth, cycles_per_ns)
         row["gap_us"] = None if previous_end is None else (row["first_ns"] - previous_end) / 1e3
         previous_end = row["last_ns"]
         row["shape"] = f"{entry['n']}x{entry['k']} {EPILOGUES.get(entry['epilogue'], entry['epilogue'])}"
@@ -119,10 +118,11 @@ def main():
     prompt = torch.randint(0, engine.model.config.vocab_size, (profile_cycle.PROMPT_TOKENS,), device="cuda")
     results, raw = {"bandwidth_gb_s": round(bandwidth), "quant": args.quant}, {}
     runs = [(f"PDL level {v}", int(v), lambda s: nullcontext()) for v in args.pdl_levels.split(",")]
-    runs += [(name, engine.kernels.pdl_level, step_variants.VARIANTS[name]) for name in args.variants.split(",") if name]
+    runs += [(name, engine.kernels.pdl_level, step_variants.VARIANTS[name])
+             for name in args.variants.split(",") if name]
     for label, level, variant in runs:
-        summary, stamps = timeline(engine, replace(engine.kernels, pdl_level=level), variant, prompt, bandwidth)
-        results[label], raw[label] = summary, stamps
+        summary, traced = timeline(engine, replace(engine.kernels, pdl_level=level), variant, prompt, bandwidth)
+        results[label], raw[label] = summary, traced
         print(f"{label}: {summary['launches']} launches, first start to last end "
               f"{summary['first_to_last_us']} us; spans {summary['spans_us']} us (at the read bandwidth "
               f"{summary['ideal_us']} us), gaps {summary['gaps_us']} us; timer tick {summary['timer_tick_ns']} ns, "
