@@ -77,9 +77,8 @@ VARIANTS = {
     "no balancing": lambda s: configs({"balance": False}, wide),
     "narrow outputs n32 w2": lambda s: configs({"block_n": 32, "warps": 2}, narrow),
     "wide outputs n32 w2": lambda s: configs({"block_n": 32, "warps": 2}, wide),
-    # one program per SM (its warps in step through the pipeline's barriers) instead of 4-5 competing ones
+    # one program per SM on the wide outputs (its warps in step through the pipeline's barriers) instead of 4-5
     "wide outputs n128 w8 s6": lambda s: configs({"block_n": 128, "warps": 8, "stages": 6}, wide),
-    "narrow outputs n128 w8 s6": lambda s: configs({"block_n": 128, "warps": 8, "stages": 6, "waves": 1}, narrow),
     "PDL level 0": lambda s: use(replace(s, pdl_level=0)),
     "PDL level 1": lambda s: use(replace(s, pdl_level=1)),
     "PDL level 2": lambda s: use(replace(s, pdl_level=2)),
