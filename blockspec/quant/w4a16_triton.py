@@ -570,7 +570,9 @@ def _launch(x2: torch.Tensor, pw: PackedWeight, cfg: KernelConfig, out: torch.Te
     e4m3 = pw.codes == "e4m3"
     unpack = [unpack_asm(pw.bits, i, fp16, e4m3) if i < 16 // pw.bits else "" for i in range(4)]
     epi = epilogue or Epilogue()
-    timeline = _TIMELINE.get() if cuda and torch.cuda.is_current_stream_capturing() else None
+    timeline = _TIMELINE.get()
+    if timeline is not None and not (cuda and torch.cuda.is_current_stream_capturing()):
+        timeline = None  # only captured launches are stamped
     trace = out
     if timeline is not None:
         trace = torch.empty(programs, 8, dtype=torch.int64, device=x2.device)  # no memset node in the graph
