@@ -112,14 +112,15 @@ def main():
     ap.add_argument("--variants", default="", help="comma-separated names of bench/step_variants.py's variants, "
                     "each traced after the default")
     args = ap.parse_args()
+    variants = step_variants.chosen(args.variants)  # before any long work
+    levels = [int(v) for v in args.pdl_levels.split(",")]
     bandwidth = measure_read_bandwidth(torch.device("cuda"))
     engine = profile_cycle.build_engine("none", types.SimpleNamespace(
         context_length=4096, quant=args.quant, vocab_quant=args.vocab_quant, no_fold_norms=False, pdl_level=None))
     prompt = torch.randint(0, engine.model.config.vocab_size, (profile_cycle.PROMPT_TOKENS,), device="cuda")
     results, raw = {"bandwidth_gb_s": round(bandwidth), "quant": args.quant}, {}
-    runs = [(f"PDL level {v}", int(v), lambda s: nullcontext()) for v in args.pdl_levels.split(",")]
-    runs += [(name, engine.kernels.pdl_level, step_variants.VARIANTS[name])
-             for name in args.variants.split(",") if name]
+    runs = [(f"PDL level {v}", v, lambda s: nullcontext()) for v in levels]
+    runs += [(name, engine.kernels.pdl_level, step_variants.VARIANTS[name]) for name in variants]
     for label, level, variant in runs:
         summary, traced = timeline(engine, replace(engine.kernels, pdl_level=level), variant, prompt, bandwidth)
         results[label], raw[label] = summary, traced

@@ -17,6 +17,7 @@ import argparse
 import json
 import os
 import statistics
+import sys
 import types
 from contextlib import contextmanager, nullcontext
 from dataclasses import replace
@@ -66,7 +67,7 @@ def wide(m, n, k, bits):
 
 VARIANTS = {
     "mixer BV 32": lambda s: patched(gdn_triton, BLOCK_V=32),
-    "mixer BV 32, 2 warps": lambda s: patched(gdn_triton, BLOCK_V=32, NUM_WARPS=2),
+    "mixer BV 32 2 warps": lambda s: patched(gdn_triton, BLOCK_V=32, NUM_WARPS=2),
     "mixer BV 8": lambda s: patched(gdn_triton, BLOCK_V=8),
     "mixer 2 warps": lambda s: patched(gdn_triton, NUM_WARPS=2),
     "narrow outputs ~2 waves": lambda s: configs({"waves": 2}, narrow),
@@ -83,9 +84,22 @@ VARIANTS = {
     "PDL level 1": lambda s: use(replace(s, pdl_level=1)),
     "PDL level 2": lambda s: use(replace(s, pdl_level=2)),
     "PDL level 3": lambda s: use(replace(s, pdl_level=3)),
-    "PDL level 3, prefetch 0 MB": lambda s: use(replace(s, pdl_level=3, pdl_prefetch_mb=0.0)),
-    "PDL level 3, prefetch 16 MB": lambda s: use(replace(s, pdl_level=3, pdl_prefetch_mb=16.0)),
+    "PDL level 3 prefetch 0 MB": lambda s: use(replace(s, pdl_level=3, pdl_prefetch_mb=0.0)),
+    "PDL level 3 prefetch 16 MB": lambda s: use(replace(s, pdl_level=3, pdl_prefetch_mb=16.0)),
 }
+
+
+def chosen(names: str | None) -> list[str]:
+    """The variants named in a comma-separated list (all for None); an unknown name stops the bench in one line
+    (exit code 2)."""
+    if names is None:
+        return list(VARIANTS)
+    picked = [name for name in names.split(",") if name]
+    unknown = [name for name in picked if name not in VARIANTS]
+    if unknown:
+        print(f"unknown variant {unknown[0]!r}; the variants: {', '.join(VARIANTS)}", file=sys.stderr)
+        sys.exit(2)
+    return picked
 
 
 def main():
@@ -94,6 +108,7 @@ def main():
     ap.add_argument("--vocab-quant", default="none")
     ap.add_argument("--variants", help="comma-separated names (default: all)")
     args = ap.parse_args()
+    names = chosen(args.variants)  # before any long work
     bandwidth = measure_read_bandwidth(torch.device("cuda"))
     engine = profile_cycle.build_engine("none", types.SimpleNamespace(
         context_length=4096, quant=args.quant, vocab_quant=args.vocab_quant, no_fold_norms=False, pdl_level=None))
@@ -112,7 +127,6 @@ def main():
         return event_ms(step, reps=REPS)
 
     results = {"bandwidth_gb_s": round(bandwidth), "quant": args.quant, "roofline_ms": round(roofline_ms, 3)}
-    names = args.variants.split(",") if args.variants else list(VARIANTS)
     for name in names:
         runs = [step_ms(VARIANTS[name] if i % 2 else lambda s: nullcontext()) for i in range(4)]
         base, var = runs[0::2], runs[1::2]
