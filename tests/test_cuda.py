@@ -482,8 +482,8 @@ def test_launch_timeline_stamps_captured_launches():
 def test_fp8_projections_on_gpu(dtype, asm):
     """FP8 projections (e4m3 codes in the q16 layout, PTX or plain unpacking) at 27B shapes, one part and packed
     parts off the 128-row grid, gate_up's whole and split tiles in one launch, at 1, 8 and 16 rows: the FP8
-    reference's result to rounding; replayed in a CUDA graph they give what they give eagerly. Every finite e4m3 byte (subnormals, both zeros) times one-hot rows: exactly its
-    value times its block's scale."""
+    reference's result to rounding; replayed in a CUDA graph they give what they give eagerly. Every finite e4m3
+    byte (subnormals, both zeros) times one-hot rows: exactly its value times its block's scale."""
     from dataclasses import replace
 
     from blockspec.quant.fp8 import Fp8Linear, dequantize, quantize
