@@ -29,7 +29,7 @@ from timing import event_ms
 from blockspec.bench import bytes_per_plain_step, measure_read_bandwidth
 from blockspec.engine.decode import prefill
 from blockspec.engine.target import GraphedTarget
-from blockspec.kernels import gdn_triton, use
+from blockspec.kernels import gdn_triton, pdl, use
 from blockspec.quant import w4a16_triton as wq
 
 REPS = 50
@@ -86,7 +86,23 @@ VARIANTS = {
     "PDL level 3": lambda s: use(replace(s, pdl_level=3)),
     "PDL level 3 prefetch 0 MB": lambda s: use(replace(s, pdl_level=3, pdl_prefetch_mb=0.0)),
     "PDL level 3 prefetch 16 MB": lambda s: use(replace(s, pdl_level=3, pdl_prefetch_mb=16.0)),
+    # the out / o projections (480 programs of 4 blocks in FP8) prefetch their first blocks into L2 while the
+    # DeltaNet mixer or the attention kernels before them run
+    "PDL level 3 o prefetch 2": lambda s: prefetch_after_small(s, 2),
+    "PDL level 3 o prefetch all": lambda s: prefetch_after_small(s, 64),
 }
+
+
+@contextmanager
+def prefetch_after_small(settings, blocks):
+    plain = pdl.prefetch_blocks
+
+    def chosen_blocks(tile_bytes, programs, blocks_per_program, device):
+        if programs == 480:
+            return 1 << (min(blocks, blocks_per_program).bit_length() - 1)
+        return plain(tile_bytes, programs, blocks_per_program, device)
+    with use(replace(settings, pdl_level=3)), patched(pdl, prefetch_blocks=chosen_blocks):
+        yield
 
 
 def chosen(names: str | None) -> list[str]:
