@@ -6,14 +6,18 @@ default (default, variant, default, variant: one capture of the same step times 
 
 For each variant: the step's median ms over REPS replays for each of the two captures of each, the mean difference
 against the default's adjacent captures, and the share of the weight-bandwidth roofline. The variants patch module
-constants (the DeltaNet mixer's value slice and warps), wrap `default_config` (the W4A16 / W8A16 table) or replace
-the kernel settings (PDL level, L2 prefetch) for their capture; every patch is undone before the next.
+constants (the DeltaNet mixer's value slice and warps), wrap `default_config` (the W4A16 / W8A16 table), replace
+the kernel settings (PDL level, L2 prefetch) for their capture, or replace every W4A16 / W8A16 launch by a kernel
+that only reads its weight bytes ("projections read only": the ceiling of any kernel that keeps one launch per
+projection; the reader's time alone per launch is printed first) or by nothing ("projections skipped": the rest
+of the step); every patch is undone before the next.
 
-Usage (GPU, from bench/; ~4 minutes on an H200 with --quant fp8): python step_variants.py --quant fp8
+Usage (GPU, from bench/; ~20 s per variant on an H200, after building): python step_variants.py --quant fp8
   [--vocab-quant int8] [--variants NAME,...]; JSON to $OUT/step_variants.json.
 """
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -24,12 +28,14 @@ from dataclasses import replace
 
 import profile_cycle  # bench/profile_cycle.py, beside this script: the synthetic engine
 import torch
-from timing import event_ms
+import triton
+import triton.language as tl
+from timing import event_ms, replay_ms
 
 from blockspec.bench import bytes_per_plain_step, measure_read_bandwidth
 from blockspec.engine.decode import prefill
 from blockspec.engine.target import GraphedTarget
-from blockspec.kernels import gdn_triton, pdl, use
+from blockspec.kernels import gdn_triton, use
 from blockspec.quant import w4a16_triton as wq
 
 REPS = 50
@@ -86,23 +92,75 @@ VARIANTS = {
     "PDL level 3": lambda s: use(replace(s, pdl_level=3)),
     "PDL level 3 prefetch 0 MB": lambda s: use(replace(s, pdl_level=3, pdl_prefetch_mb=0.0)),
     "PDL level 3 prefetch 16 MB": lambda s: use(replace(s, pdl_level=3, pdl_prefetch_mb=16.0)),
-    # the out / o projections (480 programs of 4 blocks in FP8) prefetch their first blocks into L2 while the
-    # DeltaNet mixer or the attention kernels before them run
-    "PDL level 3 o prefetch 2": lambda s: prefetch_after_small(s, 2),
-    "PDL level 3 o prefetch all": lambda s: prefetch_after_small(s, 64),
+    # the ceiling of one launch per projection: each W4A16 / W8A16 launch only reads its weight bytes, or is skipped
+    "projections read only": lambda s: patched(wq, _launch=read_only_launch),
+    "projections skipped": lambda s: patched(wq, _launch=lambda *args, **kwargs: None),
 }
 
 
-@contextmanager
-def prefetch_after_small(settings, blocks):
-    plain = pdl.prefetch_blocks
+READ_BLOCK, READ_WARPS, READ_PROGRAMS_PER_SM = 2048, 16, 4  # 16-byte loads by 512 threads, 4 programs per SM
 
-    def chosen_blocks(tile_bytes, programs, blocks_per_program, device):
-        if programs == 480:
-            return 1 << (min(blocks, blocks_per_program).bit_length() - 1)
-        return plain(tile_bytes, programs, blocks_per_program, device)
-    with use(replace(settings, pdl_level=3)), patched(pdl, prefetch_blocks=chosen_blocks):
-        yield
+
+def read_only_launch(x2, pw, cfg, out, epilogue=None):
+    """Stands in for `w4a16_triton._launch`: reads the launch's codes and scales (zero points) and writes nothing,
+    so its outputs stay as they were; the step's timing, not its tokens, is what such a capture is for."""
+    words = [t.reshape(-1).view(torch.int32) for t in (pw.q, pw.s, pw.s if pw.z is None else pw.z)]
+    sink = _sink(x2.device)
+    _read_kernel[(READ_PROGRAMS_PER_SM * wq.sm_count(x2.device),)](
+        words[0], words[0].numel(), words[1], words[1].numel(), words[2], words[2].numel() if pw.z is not None else 0,
+        sink, BLOCK=READ_BLOCK, num_warps=READ_WARPS, num_stages=4)
+
+
+def read_only_alone(bandwidth: float) -> dict:
+    """The stand-in reader's time per launch alone (graphed, back to back over distinct buffers) for weights of
+    16 MB to 4 GB, against the bytes at the step's read bandwidth: its fixed cost per launch."""
+    rows = {}
+    for mb in (16, 31, 46, 89, 178, 4096):
+        weights = [types.SimpleNamespace(q=torch.ones(mb << 19, dtype=torch.int16, device="cuda"),
+                                         s=torch.ones(mb << 13, device="cuda"), z=None)
+                   for _ in range(max(1, 400 // mb))]
+        x = torch.zeros(1, 8, device="cuda", dtype=torch.bfloat16)
+
+        def read_all():
+            for w in weights:
+                read_only_launch(x, w, None, None)
+        us = replay_ms(read_all) * 1e3 / len(weights)
+        at_bandwidth = (mb << 20) * (1 + 1 / 32) / (bandwidth * 1e3)  # codes + scales, us
+        rows[f"{mb} MB"] = {"us": round(us, 2), "over_bandwidth_us": round(us - at_bandwidth, 2)}
+        print(f"read only, {mb:5d} MB alone: {us:8.2f} us per launch, {us - at_bandwidth:+.2f} us against the "
+              "read bandwidth", flush=True)
+    return rows
+
+
+@functools.cache
+def _sink(device):
+    return torch.zeros(1, dtype=torch.int32, device=device)
+
+
+@triton.jit
+def _xor_span(ptr, n, BLOCK: tl.constexpr):
+    """XOR of this program's share of ptr[0:n] (int32 words), read in contiguous BLOCK-word steps."""
+    per = tl.cdiv(tl.cdiv(n, BLOCK), tl.num_programs(0)) * BLOCK
+    start = tl.program_id(0) * per
+    end = tl.minimum(start + per, n)
+    acc = tl.zeros([BLOCK], tl.int32)
+    for off in tl.range(start, end, BLOCK):
+        idx = off + tl.arange(0, BLOCK)
+        acc ^= tl.load(ptr + idx, mask=idx < end, other=0, cache_modifier=".cg")
+    return acc
+
+
+@triton.jit
+def _read_kernel(a, na, b, nb, c, nc, sink, BLOCK: tl.constexpr):
+    acc = _xor_span(a, na, BLOCK) ^ _xor_span(b, nb, BLOCK) ^ _xor_span(c, nc, BLOCK)
+    total = tl.reduce(acc, 0, _xor)
+    if total == 0x1E3779B9:  # practically never: keeps the loads
+        tl.store(sink, total)
+
+
+@triton.jit
+def _xor(a, b):
+    return a ^ b
 
 
 def chosen(names: str | None) -> list[str]:
@@ -143,6 +201,8 @@ def main():
         return event_ms(step, reps=REPS)
 
     results = {"bandwidth_gb_s": round(bandwidth), "quant": args.quant, "roofline_ms": round(roofline_ms, 3)}
+    if "projections read only" in names:
+        results["read_only_alone"] = read_only_alone(bandwidth)
     for name in names:
         runs = [step_ms(VARIANTS[name] if i % 2 else lambda s: nullcontext()) for i in range(4)]
         base, var = runs[0::2], runs[1::2]
