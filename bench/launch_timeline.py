@@ -4,7 +4,9 @@ main loop's end and end on its SM's clock (`w4a16_triton.launch_timeline`). From
 program's start to last program's end) against its bytes at the read bandwidth, the gap since the previous
 projection's end (the mixer, attention and small kernels run there), how long the programs take to start, each
 program's main loop and epilogue (the loops of the first and the last fifth of the programs in launch order apart),
-and the tail (last end minus the median end). Averaged per projection shape.
+and the tail (last end minus the median end), the SMs used and the most programs one of them held (the GPU places
+a launch's programs breadth-first; with PDL, onto the SMs the previous launch frees first). Averaged per projection
+shape.
 
 Usage (GPU, from bench/; ~2 minutes on an H200): python launch_timeline.py --quant fp8 [--pdl-levels 0,3]
   [--variants NAME,...] (bench/step_variants.py's, at the engine's PDL level)
@@ -45,9 +47,10 @@ def launch_stats(stamps, bytes_read, bandwidth, cycles_per_ns):
     epilogue = ((stamps[:, 4] - stamps[:, 3]).double() / cycles_per_ns / 1e3).tolist()
     first, last = min(t_start), max(t_end)
     fifth = max(1, len(loop) // 5)  # programs in launch order: the GPU places the later ones on SMs already busy
-    per_sm = defaultdict(float)
+    per_sm, held = defaultdict(float), defaultdict(int)
     for sm, end in zip(stamps[:, 5].tolist(), t_end):
         per_sm[sm] = max(per_sm[sm], end)
+        held[sm] += 1
     return {"programs": len(t_start), "first_ns": first, "last_ns": last,
             "span_us": (last - first) / 1e3, "ideal_us": bytes_read / bandwidth / 1e3,
             "start_spread_us": (quantile(t_start, 0.9) - first) / 1e3,
@@ -55,7 +58,8 @@ def launch_stats(stamps, bytes_read, bandwidth, cycles_per_ns):
             "loop_first_fifth_us": statistics.mean(loop[:fifth]), "loop_last_fifth_us": statistics.mean(loop[-fifth:]),
             "epilogue_p50_us": quantile(epilogue, 0.5), "epilogue_max_us": max(epilogue),
             "tail_us": (last - quantile(t_end, 0.5)) / 1e3,
-            "sm_idle_at_end_us": statistics.mean(last - e for e in per_sm.values()) / 1e3}
+            "sm_idle_at_end_us": statistics.mean(last - e for e in per_sm.values()) / 1e3,
+            "sms_used": len(held), "most_programs_on_an_sm": max(held.values())}
 
 
 def timeline(engine, settings, variant, prompt, bandwidth):
@@ -86,7 +90,8 @@ def timeline(engine, settings, variant, prompt, bandwidth):
     for row in rows:
         by_shape[row["shape"]].append(row)
     keys = ("span_us", "ideal_us", "gap_us", "start_spread_us", "loop_p50_us", "loop_max_us", "loop_first_fifth_us",
-            "loop_last_fifth_us", "epilogue_p50_us", "epilogue_max_us", "tail_us", "sm_idle_at_end_us")
+            "loop_last_fifth_us", "epilogue_p50_us", "epilogue_max_us", "tail_us", "sm_idle_at_end_us", "sms_used",
+            "most_programs_on_an_sm")
     shapes = {}
     for shape, group in by_shape.items():
         shapes[shape] = {"launches": len(group), "programs": group[0]["programs"], "schedule": group[0]["schedule"],
@@ -130,13 +135,13 @@ def main():
               f"{summary['cycles_per_ns']} cycles/ns", flush=True)
         print(f"  {'shape':28s} {'n':>3s} {'progs':>5s} {'span':>6s} {'ideal':>6s} {'gap':>6s} {'start':>6s} "
               f"{'loop50':>6s} {'loopmx':>6s} {'loop1':>6s} {'loop5':>6s} {'epi50':>6s} {'epimx':>6s} {'tail':>6s} "
-              f"{'smidle':>6s}  schedule")
+              f"{'smidle':>6s} {'SMs':>6s} {'most':>6s}  schedule")
         for shape, s in summary["shapes"].items():
             print(f"  {shape:28s} {s['launches']:3d} {s['programs']:5d} " + " ".join(
                 f"{s[k]:6.2f}" if s[k] is not None else "     -" for k in (
                     "span_us", "ideal_us", "gap_us", "start_spread_us", "loop_p50_us", "loop_max_us",
                     "loop_first_fifth_us", "loop_last_fifth_us", "epilogue_p50_us", "epilogue_max_us", "tail_us",
-                    "sm_idle_at_end_us"))
+                    "sm_idle_at_end_us", "sms_used", "most_programs_on_an_sm"))
                 + f"  {tuple(s['schedule'])} {s['config']}", flush=True)
     out = os.environ.get("OUT", ".")
     with open(os.path.join(out, "launch_timeline.json"), "w") as f:

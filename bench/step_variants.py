@@ -92,31 +92,10 @@ VARIANTS = {
     "PDL level 3": lambda s: use(replace(s, pdl_level=3)),
     "PDL level 3 prefetch 0 MB": lambda s: use(replace(s, pdl_level=3, pdl_prefetch_mb=0.0)),
     "PDL level 3 prefetch 16 MB": lambda s: use(replace(s, pdl_level=3, pdl_prefetch_mb=16.0)),
-    # 8-bit projections pipelined deep enough that no SM can hold more than its share of the launch's programs
-    "even placement level 0": lambda s: even_placement(s, 0),
-    "even placement level 3": lambda s: even_placement(s, 3),
     # the ceiling of one launch per projection: each W4A16 / W8A16 launch only reads its weight bytes, or is skipped
     "projections read only": lambda s: patched(wq, _launch=read_only_launch),
     "projections skipped": lambda s: patched(wq, _launch=lambda *args, **kwargs: None),
 }
-
-
-@contextmanager
-def even_placement(settings, level):
-    """At PDL level `level`, each 8-bit launch of 1-8 rows with the least stages (3 or more, ~14 KB of shared memory
-    each) at which an SM holds at most ceil(programs / SMs) of its programs."""
-    table, sms = wq.default_config, wq.sm_count(torch.device("cuda"))
-
-    def wrapped(m, n, k, bits=4, group_size=128):
-        cfg = table(m, n, k, bits, group_size)
-        if m > 8 or bits != 8:
-            return cfg
-        whole, split, _ = wq.schedule(cfg, n, -(-k // (2 * group_size)), sms)
-        tiles = -(-n // cfg.block_n)
-        share = -(-(whole + (tiles - whole) * split) // sms)
-        return replace(cfg, stages=next(s for s in range(cfg.stages, 17) if 228 // (14 * s) <= share))
-    with use(replace(settings, pdl_level=level)), patched(wq, default_config=wrapped):
-        yield
 
 
 READ_BLOCK, READ_WARPS, READ_PROGRAMS_PER_SM = 2048, 16, 4  # 16-byte loads by 512 threads, 4 programs per SM
