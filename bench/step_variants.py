@@ -104,11 +104,12 @@ READ_BLOCK, READ_WARPS, READ_PROGRAMS_PER_SM = 2048, 16, 4  # 16-byte loads by 5
 def read_only_launch(x2, pw, cfg, out, epilogue=None):
     """Stands in for `w4a16_triton._launch`: reads the launch's codes and scales (zero points) and writes nothing,
     so its outputs stay as they were; the step's timing, not its tokens, is what such a capture is for."""
-    words = [t.reshape(-1).view(torch.int32) for t in (pw.q, pw.s, pw.s if pw.z is None else pw.z)]
-    sink = _sink(x2.device)
+    spans = []
+    for t in (pw.q, pw.s, pw.s[:0] if pw.z is None else pw.z):
+        words = t.reshape(-1).view(torch.int32)
+        spans += [words, words.numel()]
     _read_kernel[(READ_PROGRAMS_PER_SM * wq.sm_count(x2.device),)](
-        words[0], words[0].numel(), words[1], words[1].numel(), words[2], words[2].numel() if pw.z is not None else 0,
-        sink, BLOCK=READ_BLOCK, num_warps=READ_WARPS, num_stages=4)
+        *spans, _sink(x2.device), BLOCK=READ_BLOCK, num_warps=READ_WARPS, num_stages=4)
 
 
 def read_only_alone(bandwidth: float) -> dict:
