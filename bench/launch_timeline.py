@@ -32,7 +32,7 @@ from blockspec.engine.target import GraphedTarget
 from blockspec.kernels import use
 from blockspec.quant.w4a16_triton import launch_timeline
 
-EPILOGUES = {0: "store", 1: "add+norm", 2: "swiglu", 3: "rms", 5: "rms+swiglu"}
+EPILOGUES = {0: "store", 1: "add+norm", 2: "swiglu"}  # Epilogue.kind; with rms: "rms" before it (a store: "rms")
 
 
 def quantile(values, q):
@@ -82,7 +82,10 @@ def timeline(engine, settings, variant, prompt, bandwidth):
         row = launch_stats(s, entry["bytes"], bandwidth, cycles_per_ns)
         row["gap_us"] = None if previous_end is None else (row["first_ns"] - previous_end) / 1e3
         previous_end = row["last_ns"]
-        row["shape"] = f"{entry['n']}x{entry['k']} {EPILOGUES.get(entry['epilogue'], entry['epilogue'])}"
+        epilogue = EPILOGUES[entry["epilogue"]]
+        if entry["rms"]:
+            epilogue = "rms" if entry["epilogue"] == 0 else f"rms+{epilogue}"
+        row["shape"] = f"{entry['n']}x{entry['k']} {epilogue}"
         row["schedule"], row["config"] = entry["schedule"], entry["config"]
         rows.append(row)
     step_us = (rows[-1]["last_ns"] - rows[0]["first_ns"]) / 1e3

@@ -469,7 +469,8 @@ def test_launch_timeline_stamps_captured_launches():
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(traced, plain) and torch.equal(act, wq_matmul_swiglu(plain, gate_up))
-    assert [(e["n"], e["k"], e["epilogue"]) for e in launches] == [(5120, 6144, 0), (2048, 5120, 2)]
+    assert [(e["n"], e["k"], e["epilogue"], e["rms"]) for e in launches] == [(5120, 6144, 0, False),
+                                                                             (2048, 5120, 2, False)]
     for entry in launches:
         t = entry["trace"].cpu()
         assert t.shape[0] > 1 and (t[:, 1] >= t[:, 0]).all() and (t[:, 0] > 0).all()

@@ -541,8 +541,9 @@ _TIMELINE: contextvars.ContextVar[list | None] = contextvars.ContextVar("blocksp
 def launch_timeline():
     """Within the block, each launch of the kernel captured into a CUDA graph also writes, per program, its start
     and end times and its SM into a new int64 [programs, 8] buffer (`_wq_kernel`'s TRACE): yields the list of
-    {"trace", "n", "k", "bytes", "rows", "epilogue", "schedule", "config"}, one per launch in launch order, whose
-    buffers hold the latest replay's stamps (bench/launch_timeline.py)."""
+    {"trace", "n", "k", "bytes", "rows", "epilogue", "rms", "schedule", "config"} (epilogue, rms: `Epilogue`'s kind
+    and rms), one per launch in launch order, whose buffers hold the latest replay's stamps
+    (bench/launch_timeline.py)."""
     launches = []
     token = _TIMELINE.set(launches)
     try:
@@ -577,7 +578,7 @@ def _launch(x2: torch.Tensor, pw: PackedWeight, cfg: KernelConfig, out: torch.Te
     if timeline is not None:
         trace = torch.empty(programs, 8, dtype=torch.int64, device=x2.device)  # no memset node in the graph
         timeline.append({"trace": trace, "n": pw.n, "k": pw.k, "bytes": pw.nbytes(), "rows": m,
-                         "epilogue": epi.kind + 3 * epi.rms, "schedule": (whole, split, bps), "config": cfg.short()})
+                         "epilogue": epi.kind, "rms": epi.rms, "schedule": (whole, split, bps), "config": cfg.short()})
     parts = ws if epi.partials is None else epi.partials  # (EPI 2 with an even N: as many tiles, of BN / 2 channels)
     args = (x2, pw.q, pw.s, pw.s if pw.z is None else pw.z, out, ws, cnt, m, pw.n, pw.k, pw.q.shape[1], nblk, whole,
             n_tiles - whole, bps, split, x2.stride(0), out.stride(0),
