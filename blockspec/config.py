@@ -15,6 +15,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from .errors import BlockspecError
 
 SUPPORTED_MODEL_TYPES = {"qwen3_5", "qwen3_5_text"}
+# The most tokens one target pass verifies (anchor + proposals, or a draft tree's root + nodes): the pending buffers
+# of a partial or path commit and the kernels' row limits are sized by it.
+MAX_PASS_TOKENS = 64
 SUPPORTED_ARCHITECTURES = {"Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration"}
 
 
@@ -85,6 +88,9 @@ class PredictConfig(CheckedSettings):
     draft_vocabulary: int | str = 0  # 0: proposals over the full head; N or a JSON file of ids: layers/draft_head
     dflash2_model: str | None = None
     dflash2_quantization: Literal["none", "int8"] = "none"
+    # draft nodes a DFlash2 cycle verifies as a tree in one target pass (engine/tree.py): the greedy chain, then the
+    # drafter's most likely other continuations, best first; 0: the chain alone
+    dflash2_tree_budget: int = Field(0, ge=0, le=MAX_PASS_TOKENS - 1)
     target_quantization: Literal["none", "int4", "fp8"] = "none"  # a quantized checkpoint sets it (as stored)
     vocabulary_quantization: Literal["none", "int8", "int4"] = "none"
     # Projections that share an input are always packed at load (layers/linear.py): these two keys stay accepted

@@ -21,6 +21,7 @@ from blockspec.drafter.config import DrafterConfig
 from blockspec.drafter.context import DrafterContext
 from blockspec.drafter.conv import DynamicCausalConv
 from blockspec.drafter.selector import CandidateSelector, Selection
+from blockspec.drafter.tree import DraftTree
 from blockspec.errors import BlockspecError
 from blockspec.kernels.attention import masked_attention, prepare_attention_inputs
 from blockspec.kernels.attention import rope_tables
@@ -279,6 +280,17 @@ class DFlash2Drafter(nn.Module):
         anchor = self._anchor(anchor_token)
         hidden = self.forward_block(anchor, anchor_position)[1:]
         return self.candidate_selector.walk(hidden, self.draft_logits(hidden), anchor, self.vocabulary, selection)
+
+    @torch.no_grad()
+    def propose_tree(self, anchor_token: torch.Tensor | int, anchor_position: torch.Tensor | int, budget: int,
+                     marginal: bool = False) -> DraftTree:
+        """A draft tree of `budget` nodes for positions anchor_position + 1 ... (drafter/tree.py), from one pass."""
+        if isinstance(anchor_position, int) and anchor_position != self.context.length:
+            raise ValueError(f"proposal at {anchor_position}, but the context holds {self.context.length} positions")
+        anchor = self._anchor(anchor_token)
+        hidden = self.forward_block(anchor, anchor_position)[1:]
+        return self.candidate_selector.tree(hidden, self.draft_logits(hidden), anchor, budget, self.vocabulary,
+                                            marginal)
 
     def _anchor(self, token: torch.Tensor | int) -> torch.Tensor:
         if isinstance(token, int):

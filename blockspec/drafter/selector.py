@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from blockspec.drafter import selector_triton
+from blockspec.drafter.tree import DraftTree, build_tree, transition_log_probs
 
 
 @dataclass
@@ -61,6 +62,21 @@ class CandidateSelector(nn.Module):
                                                selection.temperature, selection.uniforms)
         selection.candidates = candidates
         return chosen
+
+
+    def tree(self, hidden: torch.Tensor, logits: torch.Tensor, anchor: torch.Tensor, budget: int,
+             vocabulary: torch.Tensor | None = None, marginal: bool = False) -> DraftTree:
+        """A draft tree of `budget` nodes (drafter/tree.py) holding the greedy walk's chain; no host
+        synchronisation."""
+        unary, candidates = torch.topk(logits, self.top_k, dim=-1, sorted=False)
+        if vocabulary is not None:
+            candidates = vocabulary[candidates]
+        codebooks = self.predecessor_codebook.weight, self.successor_codebook.weight
+        projected = self.hidden_projection(hidden)
+        chain = greedy_walk(unary, candidates, projected, anchor.reshape(1), *codebooks)
+        chain_index = (candidates == chain[:, None]).to(torch.uint8).argmax(-1)
+        table = transition_log_probs(unary, candidates, projected, anchor, *codebooks, marginal=marginal)
+        return build_tree(table, candidates, anchor, chain_index, budget)
 
 
 def greedy_walk(unary, candidates, projected, anchor, predecessor, successor):

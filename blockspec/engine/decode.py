@@ -17,6 +17,7 @@ import torch
 
 from .reuse import PrefixCache
 from .sampling import Sampler, leading_matches
+from .tree import tree_cycle
 
 
 class Proposer:
@@ -26,6 +27,7 @@ class Proposer:
     capture_layers: tuple[int, ...] = ()   # target layers whose outputs the proposer reads
     max_proposals = 0
     draft_width = 0                        # token ids each proposal's distribution spans (draft())
+    tree_budget = 0                        # draft nodes of a tree (propose_tree); 0: chains
 
     def reset(self):
         pass
@@ -53,6 +55,10 @@ class Proposer:
         """k proposals for positions position+1..; under sampling each drawn from the proposer's distribution."""
         return []
 
+    def propose_tree(self, anchor: int, position: int):
+        """A DraftTree of tree_budget nodes (drafter/tree.py) for positions position + 1 .., on the device."""
+        raise NotImplementedError
+
     def draft(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Under sampling: the distribution each of the last proposals was drawn from, as (token ids, probabilities)
         [proposals, draft_width] on the device (the speculative-sampling rule's q), in memory of their own: a CUDA
@@ -69,6 +75,8 @@ class DecodeStats:
     cycles: int = 0
     proposed: int = 0
     accepted_per_cycle: list[int] = field(default_factory=list)
+    tree_budget: int = 0
+    tree_nodes: int = 0  # draft nodes verified in tree cycles (a cycle too close to the context's end runs a chain)
 
     def as_dict(self, speculative: bool) -> dict:
         after_first = max(self.generated - 1, 0)
@@ -80,6 +88,9 @@ class DecodeStats:
             stats.update(cycles=self.cycles, accepted_per_cycle=list(self.accepted_per_cycle),
                          mean_accepted_length=round((accepted + self.cycles) / self.cycles, 4) if self.cycles else 0.0,
                          acceptance_rate=round(accepted / self.proposed, 4) if self.proposed else 0.0)
+            if self.tree_budget:
+                stats.update(tree_budget=self.tree_budget,
+                             nodes_per_cycle=round(self.tree_nodes / self.cycles, 4) if self.cycles else 0.0)
         return stats
 
 
@@ -123,6 +134,7 @@ def decode(target, proposer: Proposer, prompt: list[int], max_tokens: int, eos: 
     afresh, keep nothing), with a snapshot at prompt position `snapshot_at` too; `stats` is filled as it goes."""
     state, device = target.state, target.device
     greedy = sampler is None or sampler.greedy
+    stats.tree_budget = proposer.tree_budget
     start = time.perf_counter()
     committed = list(prompt)  # the tokens of the committed positions: the prompt, then each cycle's kept block
     try:
@@ -157,24 +169,31 @@ def decode(target, proposer: Proposer, prompt: list[int], max_tokens: int, eos: 
             # by a CUDA graph (a shorter block would run eagerly); tokens past max_tokens are never emitted
             full = position + proposer.max_proposals < state.capacity
             k = proposer.max_proposals if useful > 0 and full else max(0, min(useful, state.capacity - position - 1))
-            proposals = proposer.propose(anchor, position, k) if k > 0 else []
-            # taken before the target's pass: the proposer's graph outputs share the target graphs' memory pool
-            draft = proposer.draft() if proposals and not greedy else None
-            if greedy:
-                out, predicted = target.verify([anchor] + proposals)
-                accepted = leading_matches(proposals, predicted)
-                emitted = predicted[:accepted + 1]
-            else:  # the speculative-sampling rule on the device, read back once (plain sampling: k = 0)
-                out, _ = target.run([anchor] + proposals)
-                accepted, token = sampler.accept(out.logits, [anchor] + proposals, draft)
-                emitted = proposals[:accepted] + [token]
-            state.commit(accepted + 1)
-            proposer.observe(out, position, [anchor] + proposals[:accepted], emitted)
-            committed += [anchor] + proposals[:accepted]  # kept even past max_tokens: the caches hold them
+            if proposer.tree_budget and useful > 0 and position + proposer.tree_budget < state.capacity:
+                out, kept, emitted = tree_cycle(target, proposer, anchor, position, sampler)
+                proposed = proposer.max_proposals
+                stats.tree_nodes += proposer.tree_budget
+            else:
+                proposals = proposer.propose(anchor, position, k) if k > 0 else []
+                # taken before the target's pass: the proposer's graph outputs share the target graphs' memory pool
+                draft = proposer.draft() if proposals and not greedy else None
+                if greedy:
+                    out, predicted = target.verify([anchor] + proposals)
+                    accepted = leading_matches(proposals, predicted)
+                    emitted = predicted[:accepted + 1]
+                else:  # the speculative-sampling rule on the device, read back once (plain sampling: k = 0)
+                    out, _ = target.run([anchor] + proposals)
+                    accepted, token = sampler.accept(out.logits, [anchor] + proposals, draft)
+                    emitted = proposals[:accepted] + [token]
+                state.commit(accepted + 1)
+                kept, proposed = proposals[:accepted], len(proposals)
+            accepted = len(kept)
+            proposer.observe(out, position, [anchor] + kept, emitted)
+            committed += [anchor] + kept  # kept even past max_tokens: the caches hold them
             row = accepted
             if proposer.max_proposals:
                 stats.cycles += 1
-                stats.proposed += min(len(proposals), useful)
+                stats.proposed += min(proposed, useful)
                 stats.accepted_per_cycle.append(min(accepted, useful))
             for token in emitted:
                 stats.generated += 1

@@ -21,11 +21,13 @@ from .sampling import Sampler
 class DFlash2Proposer(Proposer):
     name = "dflash2"
 
-    def __init__(self, drafter: DFlash2Drafter, draft_head=None, sampler: Sampler | None = None):
+    def __init__(self, drafter: DFlash2Drafter, draft_head=None, sampler: Sampler | None = None,
+                 tree_budget: int = 0):
         """`drafter`: loaded, packed (and quantized) around the target's embedding and head; `draft_head`: the
         shared head over a draft vocabulary the drafter proposes over (None: the full head); `sampler`: the
-        engine's, the request's sampling (None: greedy)."""
+        engine's, the request's sampling (None: greedy); `tree_budget`: draft nodes per tree (0: chains)."""
         self.drafter = drafter
+        self.tree_budget = tree_budget
         self.draft_head = draft_head
         self.sampler = sampler
         if draft_head is not None:
@@ -73,6 +75,9 @@ class DFlash2Proposer(Proposer):
             self.selection.uniforms.copy_(uniforms, non_blocking=True)
         self.graph.replay()
         return self.proposals[:k].tolist()
+
+    def propose_tree(self, anchor, position):
+        return self.drafter.propose_tree(anchor, position, self.tree_budget)
 
     def draft(self):
         k = self.proposed

@@ -29,7 +29,13 @@ from .sampling import Sampler
 from .state import DecodeState
 from .target import EagerTarget, GraphedTarget
 
-MAX_VERIFY_TOKENS = 16  # longest speculative pass (anchor + proposals) whose partial commit is supported
+MAX_VERIFY_TOKENS = 16  # longest chain pass (anchor + proposals) whose partial commit is supported
+
+
+def pass_rows(config: PredictConfig) -> int:
+    """The most tokens one verification pass of this config holds: a chain's, or a draft tree's root + nodes (the
+    rows the DeltaNet states record for a partial or path commit)."""
+    return max(MAX_VERIFY_TOKENS, config.dflash2_tree_budget + 1)
 
 
 @dataclass
@@ -77,7 +83,7 @@ class Engine:
         self.memory: dict = {}  # resident bytes: weights of each model (loaded, after packing, final), caches, pools
         memory.use_expandable_segments(self.device)
         if model is None and self.device.type == "cuda":  # refused before any tensor is read
-            estimate = memory.checkpoint_estimate(config, execution=self.execution, max_partial=MAX_VERIFY_TOKENS)
+            estimate = memory.checkpoint_estimate(config, execution=self.execution, max_partial=pass_rows(config))
             memory.check_fits(estimate, config, torch.device("cuda", config.gpu_ranks[0]))
             self.memory["estimate"] = estimate.as_dict()
         if self.device.type == "cuda":
@@ -99,7 +105,7 @@ class Engine:
         with use(self.kernels):
             self.proposer = self.build_proposer(mtp_tensors, drafter)
             snapshots = config.prefix_snapshots if config.prefix_reuse else 0
-            self.state = DecodeState(self.model, config.context_length, MAX_VERIFY_TOKENS, self.device, self.dtype,
+            self.state = DecodeState(self.model, config.context_length, pass_rows(config), self.device, self.dtype,
                                      in_place=self.proposer.max_proposals == 0, snapshots=snapshots)
             self.prefix = PrefixCache(self.state, self.proposer, snapshots) if snapshots else None
             if self.prefix is not None:
@@ -135,6 +141,9 @@ class Engine:
         elif c.dflash2_model:
             raise BlockspecError(f"dflash2_model is set but mode is {self.mode!r}: unset dflash2_model or use "
                                  "mode dflash2 (the drafter is never loaded silently unused)")
+        if c.dflash2_tree_budget and self.mode != "dflash2":  # refused, never silently ignored
+            raise BlockspecError(f"dflash2_tree_budget: {c.dflash2_tree_budget} verifies trees of DFlash2 proposals, "
+                                 f"but mode is {self.mode!r}: use mode dflash2 (--drafter DIR) or set it to 0")
         if c.draft_vocabulary and self.mode == "none":  # refused, never silently ignored
             raise BlockspecError(f"draft_vocabulary: {c.draft_vocabulary!r} restricts speculative proposals, but "
                                  "mode is 'none': use mode mtp or dflash2, or unset draft_vocabulary")
@@ -215,7 +224,7 @@ class Engine:
         # norms, convolution controls and the selector stay native: only fc and the layers' projections
         self.memory["drafter"] = prepare(drafter, rtn(c.dflash2_quantization, 32, self.dtype),
                                          QUANTIZED_PROJECTIONS.match)
-        return DFlash2Proposer(drafter, draft_head, self.sampler)
+        return DFlash2Proposer(drafter, draft_head, self.sampler, c.dflash2_tree_budget)
 
     def check_request(self, prompt_ids, max_tokens: int, *, n: int = 1, beam_size: int = 1, logprobs: bool = False,
                       images: bool = False, stop=None, attention_output: bool = False, prefix: bool = False,

@@ -5,6 +5,8 @@ left pending. Then exactly one of:
   commit(n)  keep the first n tokens (1 <= n <= k): attention caches move their length, DeltaNet layers end
              exactly at the boundary after token n;
   discard()  forget the pass; the committed state is untouched.
+A draft tree's pass (engine/tree.py) is kept with commit_path(path, history_rows) instead: the kept path's
+attention entries move to contiguous positions and DeltaNet layers re-run the recurrence over its nodes.
 The counters (`length`, `pending`) change here and nowhere else. With CUDA graphs the buffer updates of each
 commit(n) are captured once (`capture_commits`) and commit replays them; the bookkeeping stays plain Python.
 Buffers are allocated once per engine; reset() starts a new request without reallocating.
@@ -82,6 +84,20 @@ class DecodeState:
             graph.replay()
         else:
             self._move(t, n)
+        self.length += n
+        self.pending = 0
+
+    def commit_path(self, path, history_rows):
+        """Keep the root-to-node path `path` (device tensor [n] of node indices, root first) of a pending tree pass;
+        history_rows [K-1]: the conv window rows of the path's last node after its oldest (layers/tree.py)."""
+        n = path.shape[0]
+        if not 1 <= n <= self.pending:
+            raise ValueError(f"commit of a {n}-node path of a {self.pending}-node tree")
+        for s in self.layers:
+            if isinstance(s, KVCache):
+                s.keep_path(self.length, path)
+            else:
+                s.keep_path(path, history_rows)
         self.length += n
         self.pending = 0
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from ..layers.tree import TreeLayout
 from . import graphs
 
 
@@ -34,6 +35,13 @@ class EagerTarget:
     def verify(self, block: list[int]):
         out, greedy = self.run(block)
         return out, greedy.tolist()
+
+    def run_tree(self, tree):
+        """One pass over a draft tree's nodes (drafter/tree.py) from the committed length; returns (out, its
+        TreeLayout), the pass left pending for DecodeState.commit_path."""
+        start = self.state.begin(tree.size)
+        layout = TreeLayout.build(tree.parents, tree.depth, start, self.model.config.linear_conv_kernel_dim)
+        return self.model(tree.tokens, self.state.layers, start=start, capture=self.capture, tree=layout), layout
 
 
 class GraphedTarget(EagerTarget):

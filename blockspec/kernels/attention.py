@@ -31,6 +31,22 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position
     return cached_attention_sdpa(q, k, v, positions, scale)
 
 
+def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, ancestors: torch.Tensor,
+                   scale: float) -> torch.Tensor:
+    """Attention of a draft tree's T nodes (layers/tree.py): q [T, Hq, D], the nodes' keys and values at cache
+    entries `slots` (consecutive, from the committed length); node i sees every committed entry and the nodes
+    ancestors[i] marks. k, v: a prefix of the cache holding the nodes' entries. Returns [T, Hq, D]."""
+    return tree_attention_sdpa(q, k, v, slots, ancestors, scale)
+
+
+def tree_attention_sdpa(q, k, v, slots, ancestors, scale):
+    t = q.shape[0]
+    relative = torch.arange(k.shape[0], device=q.device) - slots[0]  # key index - committed length
+    in_tree = (relative >= 0) & (relative < t)
+    on_path = ancestors.gather(1, relative.clamp(0, t - 1).expand(t, -1))
+    return masked_attention_sdpa(q, k, v, (relative < 0) | (in_tree & on_path), scale)
+
+
 def prepare_attention_inputs(query, key, value, q_weight, k_weight, eps: float, cos, sin, slots, cache_k, cache_v,
                              zero_centred: bool = True):
     """query [T, Hq, D], key / value [T, Hkv, D] (rows may be strided): per-head RMSNorm (zero-centred, or the plain

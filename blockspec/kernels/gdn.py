@@ -38,6 +38,24 @@ def causal_conv1d_reference(x: torch.Tensor, history: torch.Tensor, weight: torc
     return out, window
 
 
+def causal_conv1d_tree(x, history, weight, window_rows, window_out=None, mixed_out=None):
+    """The causal conv of a draft tree's nodes (layers/tree.py): node i convolves the rows window_rows[i] [K] of
+    window = [history; x] (its own path), else the contract of causal_conv1d_reference (window [K-1+T, C] written
+    to window_out, output [T, C] to mixed_out)."""
+    return causal_conv1d_tree_reference(x, history, weight, window_rows, window_out, mixed_out)
+
+
+def causal_conv1d_tree_reference(x, history, weight, window_rows, window_out=None, mixed_out=None):
+    window = torch.cat([history.to(x.dtype), x], dim=0)
+    if window_out is not None:
+        window = window_out.copy_(window)
+    taps = window[window_rows].transpose(1, 2)  # [T, C, K], oldest first: the chain's arithmetic, per path
+    out = F.silu((taps * weight.view(weight.shape[0], -1).to(x.dtype)).sum(-1))
+    if mixed_out is not None:
+        out = mixed_out.copy_(out)
+    return out, window
+
+
 def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
 
@@ -102,6 +120,46 @@ def deltanet_mixer(x, history, conv_weight, gates, state_in, state_out, shape, z
     return gated_rms_norm(out, z, norm_weight, eps), window
 
 
+def gated_delta_tree(mixed, gates, state, shape, parents, gates_out=None, out_dtype=None):
+    """The recurrence over a draft tree's nodes: node i's state is its parent's after token i (the root's: the
+    committed `state` after token 0), so each node's output follows its own path. `state` is not modified (a tree
+    pass is kept by re-running the kept path at commit). Gates as gated_delta's; returns out [T, Hv, Dv]."""
+    g, beta = deltanet_gates(*gates[1:], out=gates_out) if gates[0] == "ab" else gates[1:]
+    out = gated_delta_tree_reference(*deltanet_qkv(mixed, *shape), g, beta, state, parents)
+    return out.to(out_dtype or torch.float32)
+
+
+def gated_delta_tree_reference(q, k, v, g, beta, state, parents):
+    """Per-node states, each from its parent's (float32 reference; q, k, v, g, beta as gated_delta_rule_reference;
+    parents [T], the root's ignored). Returns out [T, H, Dv] float32."""
+    states = state.new_empty(q.shape[0] + 1, *state.shape)  # row 0: the committed state, row i + 1: node i's
+    states[0] = state
+    before = torch.cat([parents.new_zeros(1), parents[1:] + 1])  # the row each node's step starts from
+    out = torch.empty(v.shape, dtype=torch.float32, device=v.device)
+    for t in range(q.shape[0]):
+        states[t + 1], out[t] = delta_step(states.index_select(0, before[t:t + 1])[0], q[t], k[t], v[t], g[t],
+                                           beta[t])
+    return out
+
+
+def delta_step(state, q, k, v, g, beta):
+    """One token of the gated delta rule: (the state after it, the token's output)."""
+    state = state * g.exp()[:, None, None]
+    predicted = torch.einsum("hk,hkv->hv", k, state)
+    delta = (v - predicted) * beta[:, None]
+    state = state + k[:, :, None] * delta[:, None, :]
+    return state, torch.einsum("hk,hkv->hv", q, state)
+
+
+def deltanet_tree_mixer(x, history, conv_weight, gates, state, shape, z, norm_weight, eps, window_rows, parents,
+                        window_out=None, mixed_out=None, gates_out=None):
+    """deltanet_mixer over a draft tree's nodes (layers/tree.py): the conv and the recurrence follow each node's
+    path; the committed state is left as it is. Returns (out [T, Hv, Dv] in x's dtype, window)."""
+    mixed, window = causal_conv1d_tree(x, history, conv_weight, window_rows, window_out, mixed_out)
+    out = gated_delta_tree(mixed, gates, state, shape, parents, gates_out, x.dtype)
+    return gated_rms_norm(out, z, norm_weight, eps), window
+
+
 def gated_delta_rule(q, k, v, g, beta, state):
     """The gated delta rule over T tokens: fla-core's chunked kernel on CUDA when installed, else the reference."""
     if q.is_cuda and fla_available():
@@ -135,9 +193,5 @@ def gated_delta_rule_reference(q, k, v, g, beta, state):
     """
     out = torch.empty(v.shape, dtype=torch.float32, device=v.device)
     for t in range(q.shape[0]):
-        state = state * g[t].exp()[:, None, None]
-        predicted = torch.einsum("hk,hkv->hv", k[t], state)
-        delta = (v[t] - predicted) * beta[t][:, None]
-        state = state + k[t][:, :, None] * delta[:, None, :]
-        out[t] = torch.einsum("hk,hkv->hv", q[t], state)
+        state, out[t] = delta_step(state, q[t], k[t], v[t], g[t], beta[t])
     return out, state

@@ -4,7 +4,7 @@ import torch
 from torch import nn
 
 from ..kernels.activation import sigmoid_mul
-from ..kernels.attention import cached_attention, prepare_attention_inputs
+from ..kernels.attention import cached_attention, prepare_attention_inputs, tree_attention
 from .norm import RMSNorm
 
 
@@ -15,6 +15,13 @@ class KVCache:
     def __init__(self, capacity: int, kv_heads: int, head_dim: int, device, dtype):
         self.k = torch.zeros(capacity, kv_heads, head_dim, device=device, dtype=dtype)
         self.v = torch.zeros_like(self.k)
+
+    def keep_path(self, start, path: torch.Tensor):
+        """A tree pass wrote node i's entry at start + i; the kept path's nodes `path` [n] move to start .. start +
+        n - 1 (gathered before written: a node may move onto an entry another kept node leaves)."""
+        slots = start + torch.arange(path.shape[0], device=path.device)
+        for cache in (self.k, self.v):
+            cache.index_copy_(0, slots, cache.index_select(0, start + path))
 
 
 class GatedAttention(nn.Module):
@@ -33,20 +40,27 @@ class GatedAttention(nn.Module):
         self.q_norm = RMSNorm(head_dim, eps)
         self.k_norm = RMSNorm(head_dim, eps)
 
-    def forward(self, x: torch.Tensor, cache: KVCache, positions: torch.Tensor, rope, visible: int | None):
-        return self.o_proj(self.attend(x, cache, positions, rope, visible))
+    def forward(self, x: torch.Tensor, cache: KVCache, positions: torch.Tensor, rope, visible: int | None,
+                tree=None):
+        return self.o_proj(self.attend(x, cache, positions, rope, visible, tree))
 
-    def attend(self, x: torch.Tensor, cache: KVCache, positions: torch.Tensor, rope, visible: int | None):
+    def attend(self, x: torch.Tensor, cache: KVCache, positions: torch.Tensor, rope, visible: int | None,
+               tree=None):
         """The gated attention output, o_proj's input. visible: cache entries to attend over (eager: exactly the
         filled prefix); None under CUDA-graph capture, where the position is data and the whole cache is passed
-        (the fast kernels read only its filled part)."""
+        (the fast kernels read only its filled part). tree: a draft tree's TreeLayout (layers/tree.py): each node
+        writes its entry at its slot and sees its own path only."""
         t = x.shape[0]
         q, k, v = self.qkv_proj(x)
         query, gate = q.view(t, self.heads, 2 * self.head_dim).chunk(2, dim=-1)
         kv_shape = (t, self.kv_heads, self.head_dim)
+        slots = positions if tree is None else tree.slots
         query = prepare_attention_inputs(query, k.view(kv_shape), v.view(kv_shape), self.q_norm.weight,
-                                         self.k_norm.weight, self.q_norm.eps, *rope, positions, cache.k, cache.v)
+                                         self.k_norm.weight, self.q_norm.eps, *rope, slots, cache.k, cache.v)
         k, v = (cache.k, cache.v) if visible is None else (cache.k[:visible], cache.v[:visible])
-        out = cached_attention(query, k, v, positions, self.head_dim ** -0.5)
+        if tree is None:
+            out = cached_attention(query, k, v, positions, self.head_dim ** -0.5)
+        else:
+            out = tree_attention(query, k, v, tree.slots, tree.ancestors, self.head_dim ** -0.5)
         return sigmoid_mul(out, gate).reshape(t, -1)
 

@@ -9,7 +9,7 @@ recurrence over n tokens, never a second target pass.
 import torch
 from torch import nn
 
-from ..kernels.gdn import deltanet_mixer, gated_delta
+from ..kernels.gdn import deltanet_mixer, deltanet_tree_mixer, gated_delta
 
 
 class GDNState:
@@ -100,6 +100,14 @@ class GDNState:
         gated_delta(self.pending_mixed[:n], gates, self.recurrent, self.recurrent, self.shape)
         self.history.copy_(self.pending_window[n:n + keep])
 
+    def keep_path(self, path: torch.Tensor, history_rows: torch.Tensor):
+        """Keep the path `path` [n] (node indices, root first) of the pending tree pass: the recurrence alone over
+        its nodes from their recorded inputs, in place; the conv history from the window rows `history_rows`
+        [K-1] (the last kept node's conv inputs after its oldest)."""
+        gates = ("given", self.pending_g.index_select(0, path), self.pending_beta.index_select(0, path))
+        gated_delta(self.pending_mixed.index_select(0, path), gates, self.recurrent, self.recurrent, self.shape)
+        self.history.copy_(self.pending_window.index_select(0, history_rows))
+
 
 class GatedDeltaNet(nn.Module):
     PACKS = {"in_proj": ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")}  # packed at load (layers/linear.py)
@@ -131,13 +139,22 @@ class GatedDeltaNet(nn.Module):
     def forward(self, x: torch.Tensor, state: GDNState) -> torch.Tensor:
         return self.out_proj(self.mix(x, state))
 
-    def mix(self, x: torch.Tensor, state: GDNState) -> torch.Tensor:
-        """The gated, normed DeltaNet output [T, value heads * value dim], out_proj's input."""
+    def mix(self, x: torch.Tensor, state: GDNState, tree=None) -> torch.Tensor:
+        """The gated, normed DeltaNet output [T, value heads * value dim], out_proj's input. tree: a draft tree's
+        TreeLayout (layers/tree.py): conv and recurrence follow each node's path, and the pass records what
+        keep_path needs."""
         t = x.shape[0]
         qkv, z, b, a = self.in_proj(x)
         window_buffer, mixed_buffer, gate_buffers = state.short_pass_buffers(t)
         gates = ("ab", b, a, self.A_log, self.dt_bias)
         z = z.view(t, self.value_heads, self.value_dim)
+        if tree is not None:
+            if window_buffer is None:
+                raise RuntimeError(f"a {t}-node tree pass is longer than the state records ({state.max_partial})")
+            out, _ = deltanet_tree_mixer(qkv, state.history, self.conv1d.weight, gates, state.recurrent, state.shape,
+                                         z, self.norm.weight, self.eps, tree.window_rows, tree.parents,
+                                         window_buffer, mixed_buffer, gate_buffers)
+            return out.reshape(t, -1)
         out, window = deltanet_mixer(qkv, state.history, self.conv1d.weight, gates, state.recurrent,
                                      state.pending_recurrent, state.shape, z, self.norm.weight, self.eps,
                                      window_buffer, mixed_buffer, gate_buffers, state.history_in_place(t))

@@ -19,6 +19,7 @@ from ..layers.folded_norm import MAX_FOLDED_ROWS, FoldedNorm
 from ..layers.gdn import GatedDeltaNet
 from ..layers.mlp import SwiGLU
 from ..layers.norm import RMSNorm
+from ..layers.tree import TreeLayout
 
 
 class DecoderLayer(nn.Module):
@@ -38,7 +39,7 @@ class DecoderLayer(nn.Module):
         self.mlp = SwiGLU(c.hidden_size, c.intermediate_size)
         self.fold, self.fold_into = False, None  # norms folded into the projections (layers/folded_norm.py)
 
-    def forward(self, x, delta, layer_state, positions, rope, visible):
+    def forward(self, x, delta, layer_state, positions, rope, visible, tree=None):
         """The residual stream is x + delta, delta being the previous layer's MLP output (None for the first):
         each residual add is left to the next norm, which does both in one kernel. Returns (x, delta) likewise.
         Folded norms (passes of <= 16 tokens): delta may be a FoldedNorm (x already holds the sum, the norm is
@@ -47,9 +48,10 @@ class DecoderLayer(nn.Module):
         if h is None:
             x, h = self.input_layernorm.add_forward(x, delta)
         if self.is_attention:
-            mixed, out_proj = self.self_attn.attend(h, layer_state, positions, rope, visible), self.self_attn.o_proj
+            mixed = self.self_attn.attend(h, layer_state, positions, rope, visible, tree)
+            out_proj = self.self_attn.o_proj
         else:
-            mixed, out_proj = self.linear_attn.mix(h, layer_state), self.linear_attn.out_proj
+            mixed, out_proj = self.linear_attn.mix(h, layer_state, tree), self.linear_attn.out_proj
         fold = self.fold and x.shape[0] <= MAX_FOLDED_ROWS
         if fold:
             x, h = out_proj.add_norm(mixed, x, self.post_attention_layernorm)
@@ -98,19 +100,23 @@ class TargetModel(nn.Module):
 
     def forward(self, ids: torch.Tensor, caches: list, *, start: int | None = None,
                 positions: torch.Tensor | None = None, capture: tuple[int, ...] = (),
-                all_logits: bool = True) -> TargetOutput:
+                all_logits: bool = True, tree: TreeLayout | None = None) -> TargetOutput:
         """Run ids [T] at positions start.. on the per-layer caches (DecodeState.layers, whose transaction the caller
         opened). `positions` replaces `start` under CUDA-graph capture: a static buffer the caller fills before each
-        replay, the whole KV cache passed and the position as data."""
+        replay, the whole KV cache passed and the position as data. `tree`: the ids are a draft tree's nodes laid
+        out from the committed length (layers/tree.py); its positions are used."""
         visible = None
-        if positions is None:
+        if tree is not None:
+            positions = tree.positions
+            visible = start + ids.shape[0] if start is not None else None
+        elif positions is None:
             positions = torch.arange(start, start + ids.shape[0], device=ids.device)
             visible = start + ids.shape[0]
         x = self.embed(ids)
         rope = self.rope(positions, x.dtype)
         captured, delta = {}, None
         for i, layer in enumerate(self.layers):
-            x, delta = layer(x, delta, caches[i], positions, rope, visible)
+            x, delta = layer(x, delta, caches[i], positions, rope, visible, tree)
             if i in capture:
                 captured[i] = x if isinstance(delta, FoldedNorm) else x + delta
         features = torch.cat([captured[i] for i in capture], dim=-1) if capture else None

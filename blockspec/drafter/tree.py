@@ -1,0 +1,89 @@
+"""A draft tree from one DFlash2 proposal pass: the greedy chain, then the drafter's most likely other continuations.
+
+The drafter's pass scores the top-K candidates of each of its R rows, and the candidate selector (selector.py)
+gives the probability of each candidate given the pick before it: q(c | prev) = softmax over the row's candidates of
+unary[c] + < predecessor[prev] * P h_row, successor[c] >. A path's score is the sum of its log q. The tree holds the
+root (the anchor), the chain the greedy walk proposes (so a cycle never accepts less than the chain would), then,
+best first, the highest-scoring children of the nodes already in it, until `budget` nodes. A path's score only falls
+as it grows, so best-first order always takes a parent before its children: node indices are topological, as
+layers/tree.py needs. With `marginal` the rows' own distributions (softmax of unary) replace the transition model.
+
+Everything stays on the device, in fixed shapes: no host synchronisation, so a CUDA graph records it. A budget the
+candidates cannot fill (K + K^2 + ... nodes) is padded with invalid nodes, which the acceptance walk never enters.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class DraftTree:
+    tokens: torch.Tensor   # [T] int64: the root (the anchor), then the nodes
+    parents: torch.Tensor  # [T] int64: each node's parent (the root's 0)
+    depth: torch.Tensor    # [T] int64: tokens after the root
+    valid: torch.Tensor    # [T] bool: False for padding
+
+    @property
+    def size(self) -> int:
+        return self.tokens.shape[0]
+
+
+def transition_log_probs(unary, candidates, projected, anchor, predecessor, successor, marginal: bool = False):
+    """[R, K, K] float32: log q(candidate j of row r | the pick before it is candidate i of row r - 1); row 0's pick
+    follows the anchor whatever i. unary / candidates [R, K], projected [R, rank], anchor [1]; codebooks [V, rank]."""
+    rows, k = candidates.shape
+    if marginal:
+        return torch.log_softmax(unary.float(), -1)[:, None, :].expand(rows, k, k).contiguous()
+    before = torch.cat([anchor.reshape(1, 1).expand(1, k), candidates[:-1]])    # [R, K] the token before each pick
+    query = predecessor[before] * projected[:, None, :]                           # [R, K(before), rank]
+    scores = unary[:, None, :] + query @ successor[candidates].transpose(1, 2)    # [R, K(before), K]
+    return torch.log_softmax(scores.float(), -1)
+
+
+def build_tree(table: torch.Tensor, candidates: torch.Tensor, anchor: torch.Tensor, chain: torch.Tensor,
+               budget: int) -> DraftTree:
+    """The tree of `budget` nodes (module docstring) from the transition table [R, K, K] (transition_log_probs), the
+    rows' candidate ids [R, K], the anchor [1] and the greedy chain's candidate index in each row [R]."""
+    rows, k = candidates.shape
+    device = candidates.device
+    size = budget + 1
+    length = min(budget, rows)  # chain nodes 1..length
+    tokens = torch.zeros(size, dtype=torch.long, device=device)
+    parents = torch.zeros_like(tokens)
+    depth = torch.zeros_like(tokens)
+    choice = torch.zeros_like(tokens)           # each node's candidate index in its row
+    score = torch.zeros(size, device=device)    # each node's path log-probability
+    valid = torch.ones(size, dtype=torch.bool, device=device)
+    tokens[:1] = anchor.reshape(1)
+    steps = torch.arange(length, device=device)
+    picked = chain[:length]
+    tokens[1:length + 1] = candidates[steps, picked]
+    parents[1:length + 1] = steps
+    depth[1:length + 1] = steps + 1
+    choice[1:length + 1] = picked
+    score[1:length + 1] = table[steps, torch.cat([picked.new_zeros(1), picked[:-1]]), picked].cumsum(0)
+    # frontier[n, j]: the score of node n's child j (row depth[n]'s candidate j), -inf once taken or past the rows
+    flat_table = table.reshape(rows * k, k)
+    frontier = torch.full((size, k), float("-inf"), device=device)
+    chain_nodes = torch.arange(length + 1, device=device)
+    has_children = depth[:length + 1] < rows
+    children = score[:length + 1, None] + flat_table[depth[:length + 1].clamp(max=rows - 1) * k + choice[:length + 1]]
+    frontier[:length + 1] = torch.where(has_children[:, None], children, float("-inf"))
+    frontier[chain_nodes[:length], picked] = float("-inf")  # the chain's own children are nodes already
+    flat = frontier.view(-1)
+    for node in range(length + 1, size):
+        best = flat.argmax()
+        parent, j = best // k, best % k
+        value = flat[best]
+        row = depth[parent]  # the child's row: its depth - 1
+        tokens[node] = candidates[row.clamp(max=rows - 1), j]
+        parents[node], depth[node], choice[node] = parent, row + 1, j
+        score[node] = value
+        valid[node] = value > float("-inf")
+        flat[best] = float("-inf")
+        below = flat_table[(row + 1).clamp(max=rows - 1) * k + j]
+        frontier[node] = torch.where((row + 1 < rows) & valid[node], value + below, float("-inf"))
+    return DraftTree(tokens, parents, depth, valid)

@@ -1,0 +1,49 @@
+"""Where the nodes of a draft tree sit in one target pass, as the layers read it.
+
+A tree pass runs T nodes at once: node 0 is the root (the last committed token), every other node continues its
+parent's path by one token, and nodes are numbered so that a parent comes before its children. Each node attends
+to the committed context and to its own path only, and each DeltaNet layer convolves and recurs along that path,
+never across branches. The layout says so in tensors built on the device from the parents alone (no host
+synchronisation, so a CUDA graph records it):
+  positions    committed length + depth: the position a node's token would take if its path were kept (RoPE)
+  slots        committed length + node index: the cache entry a node's key and value are written to (a kept path
+               is moved to contiguous positions at commit, engine/state.py)
+  ancestors    [T, T] bool: node j lies on node i's path (j == i included)
+  window_rows  [T, K]: the rows of [conv history (K-1 rows); the nodes' inputs] a node's causal conv reads, oldest
+               first, the node itself last
+  parents      [T]: each node's parent (the root its own)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class TreeLayout:
+    positions: torch.Tensor
+    slots: torch.Tensor
+    ancestors: torch.Tensor
+    window_rows: torch.Tensor
+    parents: torch.Tensor
+
+    @classmethod
+    def build(cls, parents: torch.Tensor, depth: torch.Tensor, start, conv_kernel: int) -> TreeLayout:
+        """parents / depth [T] (int64, the root's parent 0); start: the committed length (an int, or a 0-dim device
+        tensor under CUDA graphs)."""
+        t = parents.shape[0]
+        nodes = torch.arange(t, device=parents.device)
+        ancestors = nodes[:, None] == nodes[None, :]
+        jump = parents
+        for _ in range(max(t - 1, 1).bit_length()):  # pointer doubling: paths of up to 2^steps nodes
+            ancestors = ancestors | ancestors[jump]
+            jump = jump[jump]
+        # the ancestor of each node at each depth 0..deepest reachable by the conv (the node's depth - (K-1) ..)
+        taps = torch.arange(conv_kernel, device=parents.device)
+        wanted = depth[:, None] - (conv_kernel - 1) + taps[None, :]                    # [T, K] depth of each tap
+        at_depth = ancestors[:, None, :] & (depth[None, None, :] == wanted[:, :, None])  # [T, K, T]
+        ancestor = at_depth.to(torch.uint8).argmax(-1)                                  # node index (when wanted >= 0)
+        window_rows = (conv_kernel - 1) + torch.where(wanted >= 0, ancestor, wanted)
+        return cls(start + depth, start + nodes, ancestors, window_rows, parents)
