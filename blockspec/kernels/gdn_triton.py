@@ -15,6 +15,9 @@ causal conv (each program convolves the q/k channels of its key head and its own
 the projection; the programs that own a channel write it to the window and conv-output buffers a partial commit
 replays from), and the gated output norm (the last program of a value head to finish, counted by an atomic,
 norms the head's whole output). That is 3 launches -> 1 per layer, 48 per 27B step.
+
+`tree_pass` is the mixer of a draft-tree pass (each node's conv and recurrence along its own path): the tree conv,
+then one recurrence launch that walks the tree in preorder with a stack of saved states, and norms.
 """
 
 from __future__ import annotations
@@ -75,14 +78,92 @@ def short_pass(x, history, conv_weight, gates, state_in, state_out, shape, z, no
     return out, window
 
 
-def _launch(mixed, state_in, state_out, shape, gates, gates_out, out, conv, norm, block_v, num_warps):
+def tree_pass(x, history, conv_weight, gates, state, shape, z, norm_weight, eps, window_rows, parents,
+              window_out=None, mixed_out=None, gates_out=None, block_v=None, num_warps=None):
+    """A DeltaNet layer's mixer over a draft tree's T <= 64 nodes (layers/tree.py): the contract of
+    blockspec.kernels.gdn.deltanet_tree_mixer. Node i convolves the rows window_rows[i] [K] of [history; x] and
+    steps from its parent's state (the root from the committed `state` [Hv, Dk, Dv] float32, which is left as it
+    is: a kept path is replayed at commit); parents[i] < i for i > 0, parents[0] = 0. Gates, z and the norm as
+    `short_pass`. Writes the window [K-1+T, C], the conv output [T, C] and the gates (computed ones) into the given
+    buffers (or scratch); returns (out [T, Hv, Dv] in x's dtype, window). No host synchronisation and no ordering
+    tensor: CUDA-graph capturable.
+
+    Two launches: the conv (`_tree_conv_kernel`, nodes x channel blocks), then the recurrence with the gated output
+    norm (`_tree_kernel`, programs (value head, BV slice) as `short_pass`'s, the head's last program norming its
+    rows). The conv stays out of the recurrence kernel because there every program of a key head convolves its
+    q/k channels again (24 programs a key head on the 27B), node after node: on the H200 that fused form cost
+    50.9 / 100.4 us per 27B layer at 17 / 33 nodes against 24.6 / 52.1 for these two launches.
+
+    The recurrence takes T steps, not T x depth: each program walks the tree once in DFS preorder, worked out
+    in-kernel from `parents`, and its state tile stays in registers from a node to its first child. A node with
+    several children stores its state in a slot of a global scratch (`tree_stack`); each later child (a node that
+    follows a leaf) reloads it. The slot is the number of such branching ancestors: at most (T-3)/2 for a branching
+    node (each one on its path has a child off the path), so (T-1)//2 slots hold any tree (a depth bound would
+    serve too, but the kernel is not told the depth). The next node's conv rows and its parent's saved tile are
+    loaded before the current step's arithmetic, which hides their latency. Scratch traffic per layer: one state
+    tile per branching node written and one per node that follows a leaf read, each Hv x Dk x Dv x 4 bytes = 3.1 MB
+    at the 27B's shapes (Hv 48, Dk = Dv = 128), mostly from L2 since the writer reads it back. A tree with b
+    branching nodes and l leaves moves (b + l - 1) x 3.1 MB: none for a chain, 97 MB for the 27B's 33-node comb
+    (a chain of 15 with a leaf on each node, b = 15, l = 17). The scratch holds (T-1)//2 tiles (25 / 50 / 97 MB at
+    17 / 33 / 64 nodes), allocated once per device and shared by every layer. Measured on the H200 (us per 27B
+    layer, 48 layers in one graph): 8-node chain 15.7 (chain kernels: recurrence alone 11.2, three launches 17.4,
+    `short_pass` 26.8); 17 nodes (chain of 15 + a leaf) 24.6; 33 nodes 40.4 (b 7, l 10) to 52.1 (the comb)."""
+    t, channels = x.shape
+    if t > MAX_TREE_NODES:
+        raise ValueError(f"a tree pass runs at most {MAX_TREE_NODES} nodes, got {t}")
     key_heads, key_dim, value_heads, value_dim = shape
+    taps = conv_weight.shape[-1]
+    window = window_out if window_out is not None else x.new_empty(taps - 1 + t, channels)
+    mixed = mixed_out if mixed_out is not None else x.new_empty(t, channels)
+    out = torch.empty(t, value_heads, value_dim, device=x.device, dtype=x.dtype)
+    b, a, a_log, dt_bias, g_buf, beta_buf = _gate_args(gates, gates_out, out)
+    slots = max(1, (t - 1) // 2)
+    stack = tree_stack(x.device, slots * value_heads * key_dim * value_dim)
+    block_v, num_warps = block_v or BLOCK_V, num_warps or NUM_WARPS
+    window_rows, parents = window_rows.contiguous(), parents.contiguous()
+    _tree_conv_kernel[(triton.cdiv(channels, CONV_BLOCK_C), triton.cdiv(t, TREE_CONV_ROWS))](
+        x, x.stride(0), history, conv_weight, window, mixed, window_rows, t, channels, TAPS=taps, BLOCK_C=CONV_BLOCK_C,
+        ROWS=TREE_CONV_ROWS, num_warps=CONV_WARPS, **pdl.options(x))
+    _tree_kernel[(value_heads * triton.cdiv(value_dim, block_v),)](
+        mixed, parents, b, a, b.stride(0), a_log, dt_bias, g_buf, beta_buf, state, stack, slots, out, key_dim ** -0.5,
+        t, z, z.stride(0), z.stride(1), norm_weight, eps, arrival_counters(x.device, value_heads),
+        KEY_HEADS=key_heads, VALUE_HEADS=value_heads, K=key_dim, V=value_dim, BV=block_v,
+        BK=triton.next_power_of_2(key_dim), BVN=triton.next_power_of_2(value_dim), BT=MAX_TREE_NODES,
+        NORM_ROWS=TREE_NORM_ROWS, COMPUTE_GATES=gates[0] == "ab",
+        SAVE_GATES=gates[0] == "ab" and gates_out is not None, num_warps=num_warps, num_stages=3, **pdl.options(out))
+    return out, window
+
+
+MAX_TREE_NODES = 64  # the walk packs node indices into 6 bits
+TREE_NORM_ROWS, TREE_CONV_ROWS = 8, 16  # rows the norm epilogue / a tree conv program takes at a time
+_STACKS: dict = {}
+_OUTGROWN_STACKS: list = []  # replaced by larger ones: CUDA graphs recorded with them still use them
+
+
+def tree_stack(device: torch.device, numel: int) -> torch.Tensor:
+    """float32 scratch of at least numel elements on `device` for tree_pass's saved states: one buffer per device
+    for every layer and launch (nothing in it outlives a launch), grown when a larger tree or shape needs it."""
+    key = (device.type, device.index)
+    if key not in _STACKS or _STACKS[key].numel() < numel:
+        if key in _STACKS:
+            _OUTGROWN_STACKS.append(_STACKS[key])
+        _STACKS[key] = torch.empty(numel, dtype=torch.float32, device=device)
+    return _STACKS[key]
+
+
+def _gate_args(gates, gates_out, out):
+    """(b, a, A_log, dt_bias, g buffer, beta buffer) for the kernels; placeholders where unused."""
     if gates[0] == "ab":
         _, b, a, a_log, dt_bias = gates
         g_buf, beta_buf = gates_out if gates_out is not None else (out, out)  # unused unless SAVE_GATES
-    else:
-        _, g_buf, beta_buf = gates
-        b = a = a_log = dt_bias = g_buf
+        return b, a, a_log, dt_bias, g_buf, beta_buf
+    _, g_buf, beta_buf = gates
+    return g_buf, g_buf, g_buf, g_buf, g_buf, beta_buf
+
+
+def _launch(mixed, state_in, state_out, shape, gates, gates_out, out, conv, norm, block_v, num_warps):
+    key_heads, key_dim, value_heads, value_dim = shape
+    b, a, a_log, dt_bias, g_buf, beta_buf = _gate_args(gates, gates_out, out)
     x, history, conv_weight, window, update_history = conv if conv is not None else (mixed, mixed, mixed, mixed,
                                                                                       False)
     z, norm_weight, eps = norm if norm is not None else (out, out, 0.0)
@@ -151,6 +232,67 @@ if triton is not None:
             tl.store(history + r * C + cols, tl.load(history + (r + 1) * C + cols, mask=ok), mask=ok)
         tl.store(history + (TAPS - 2) * C + cols, tl.load(x + cols, mask=ok), mask=ok)
 
+    @triton.jit
+    def _gate_constants(a_log, dt_bias, hv, COMPUTE_GATES: tl.constexpr):
+        """Value head hv's -exp(A_log) and dt_bias (zeros when the gates are given)."""
+        if COMPUTE_GATES:
+            decay_rate, bias = -tl.exp(tl.load(a_log + hv).to(tl.float32)), tl.load(dt_bias + hv).to(tl.float32)
+        else:
+            decay_rate, bias = 0.0, 0.0
+        return decay_rate, bias
+
+    @triton.jit
+    def _gates(b, a, s_ab, g_buf, beta_buf, row, ok, hv, decay_rate, bias, save, VALUE_HEADS: tl.constexpr,
+               COMPUTE_GATES: tl.constexpr, SAVE_GATES: tl.constexpr):
+        """(g, beta) of value head hv at token(s) `row` (where ok): computed from b, a (and stored by the program
+        `save`, a scalar, when SAVE_GATES), or read back from the gate buffers."""
+        if COMPUTE_GATES:
+            beta = tl.sigmoid(tl.load(b + row * s_ab + hv, mask=ok, other=0.0).to(tl.float32))
+            a_t = tl.load(a + row * s_ab + hv, mask=ok, other=0.0).to(tl.float32) + bias
+            g = decay_rate * tl.where(a_t > 20.0, a_t, tl.log(1.0 + tl.exp(a_t)))  # F.softplus, threshold 20
+            if SAVE_GATES:
+                tl.store(g_buf + row * VALUE_HEADS + hv, g, mask=ok & save)
+                tl.store(beta_buf + row * VALUE_HEADS + hv, beta, mask=ok & save)
+        else:
+            g = tl.load(g_buf + row * VALUE_HEADS + hv, mask=ok, other=0.0)
+            beta = tl.load(beta_buf + row * VALUE_HEADS + hv, mask=ok, other=0.0)
+        return g, beta
+
+    @triton.jit
+    def _delta_step(state, q, k, v, g, beta, scale):
+        """One token of the gated delta rule on a [K, BV] state tile from raw q, k (L2-normalised here, q scaled):
+        (the state after it, the token's output)."""
+        q = q * tl.rsqrt(tl.sum(q * q) + 1e-6) * scale
+        k = k * tl.rsqrt(tl.sum(k * k) + 1e-6)
+        state = state * tl.exp(g)
+        delta = (v - tl.sum(state * k[:, None], 0)) * beta
+        state = state + k[:, None] * delta[None, :]
+        return state, tl.sum(state * q[:, None], 0)
+
+    @triton.jit
+    def _output_norm(out, z, s_z_t, s_z_h, norm_w, eps, counters, hv, slices, T, VALUE_HEADS: tl.constexpr,
+                     V: tl.constexpr, BVN: tl.constexpr, ROWS: tl.constexpr):
+        """The gated output norm of value head hv's T rows of `out`, in place, ROWS rows at a time, by the last of
+        the head's `slices` programs to finish (an atomic count; the other slices read back via L2), which resets
+        the counter."""
+        tl.debug_barrier()
+        if tl.atomic_add(counters + hv, 1, sem="acq_rel") == slices - 1:
+            cols = tl.arange(0, BVN)
+            ok = cols < V
+            dtype = out.dtype.element_ty
+            weight = tl.load(norm_w + cols, mask=ok, other=0.0).to(dtype)
+            for t0 in range(0, T, ROWS):
+                t = t0 + tl.arange(0, ROWS)
+                here = (t < T)[:, None] & ok[None, :]
+                at = out + (t[:, None] * VALUE_HEADS + hv) * V + cols[None, :]
+                o = tl.load(at, mask=here, other=0.0, cache_modifier=".cg").to(tl.float32)
+                normed = (o * tl.rsqrt(tl.sum(o * o, 1) / V + eps)[:, None]).to(dtype)
+                gate = tl.load(z + t[:, None] * s_z_t + hv * s_z_h + cols[None, :], mask=here, other=0.0)
+                gate = gate.to(tl.float32)
+                y = (normed * weight[None, :]).to(tl.float32) * gate * tl.sigmoid(gate)
+                tl.store(at, y.to(dtype), mask=here)
+            tl.atomic_xchg(counters + hv, 0)  # clean for the next launch / graph replay
+
     @triton.jit(do_not_specialize=["T"])
     def _gated_delta_kernel(mixed, s_mixed, b, a, s_ab, a_log, dt_bias, g_buf, beta_buf, h0, ht, out, scale, T,
                             x, s_x, history, conv_w, window, z, s_z_t, s_z_h, norm_w, eps, counters,
@@ -170,9 +312,7 @@ if triton is not None:
         tile = hv * K * V + ks[:, None] * V + vs[None, :]
         tile_ok = k_ok[:, None] & v_ok[None, :]
         state = tl.load(h0 + tile, mask=tile_ok, other=0.0)
-        if COMPUTE_GATES:
-            decay_rate = -tl.exp(tl.load(a_log + hv).to(tl.float32))
-            bias = tl.load(dt_bias + hv).to(tl.float32)
+        decay_rate, bias = _gate_constants(a_log, dt_bias, hv, COMPUTE_GATES)
         # who writes the window and conv output a replay needs: one program per key head its q, k channels; each
         # program its own v slice; nobody when the history is shifted in place (a replay never follows)
         qk_owner = (hv % (VALUE_HEADS // KEY_HEADS) == 0) & (i_v == 0)
@@ -193,22 +333,9 @@ if triton is not None:
                 q = tl.load(row + hk * K + ks, mask=k_ok, other=0.0).to(tl.float32)
                 k = tl.load(row + (KEY_HEADS + hk) * K + ks, mask=k_ok, other=0.0).to(tl.float32)
                 v = tl.load(row + 2 * KEY_HEADS * K + hv * V + vs, mask=v_ok, other=0.0).to(tl.float32)
-            q = q * tl.rsqrt(tl.sum(q * q) + 1e-6) * scale
-            k = k * tl.rsqrt(tl.sum(k * k) + 1e-6)
-            if COMPUTE_GATES:
-                beta = tl.sigmoid(tl.load(b + t * s_ab + hv).to(tl.float32))
-                a_t = tl.load(a + t * s_ab + hv).to(tl.float32) + bias
-                g = decay_rate * tl.where(a_t > 20.0, a_t, tl.log(1.0 + tl.exp(a_t)))  # F.softplus, threshold 20
-                if SAVE_GATES:
-                    tl.store(g_buf + t * VALUE_HEADS + hv, g, mask=i_v == 0)
-                    tl.store(beta_buf + t * VALUE_HEADS + hv, beta, mask=i_v == 0)
-            else:
-                g = tl.load(g_buf + t * VALUE_HEADS + hv)
-                beta = tl.load(beta_buf + t * VALUE_HEADS + hv)
-            state = state * tl.exp(g)
-            delta = (v - tl.sum(state * k[:, None], 0)) * beta
-            state = state + k[:, None] * delta[None, :]
-            o = tl.sum(state * q[:, None], 0)
+            g, beta = _gates(b, a, s_ab, g_buf, beta_buf, t, t < T, hv, decay_rate, bias, i_v == 0, VALUE_HEADS,
+                             COMPUTE_GATES, SAVE_GATES)
+            state, o = _delta_step(state, q, k, v, g, beta, scale)
             tl.store(out + (t * VALUE_HEADS + hv) * V + vs, o.to(out.dtype.element_ty), mask=v_ok)
         tl.store(ht + tile, state, mask=tile_ok)
         if HISTORY_IN_PLACE:  # one token: history rows 0..TAPS-2 <- rows 1.., then the input
@@ -219,18 +346,104 @@ if triton is not None:
                 _shift_history(x, history, hk * K + ks, k_ok, C, TAPS)  # the key head's q and k channels
                 _shift_history(x, history, (KEY_HEADS + hk) * K + ks, k_ok, C, TAPS)
                 tl.atomic_xchg(arrivals, 0)
-        if NORM:  # the head's last program to finish norms its whole output (the other slices read back via L2)
-            tl.debug_barrier()
-            if tl.atomic_add(counters + hv, 1, sem="acq_rel") == slices - 1:
-                cols = tl.arange(0, BVN)
-                ok = cols < V
-                dtype = out.dtype.element_ty
-                weight = tl.load(norm_w + cols, mask=ok, other=0.0).to(dtype)
-                for t in range(T):
-                    o = tl.load(out + (t * VALUE_HEADS + hv) * V + cols, mask=ok, other=0.0, cache_modifier=".cg")
-                    o = o.to(tl.float32)
-                    normed = (o * tl.rsqrt(tl.sum(o * o, 0) / V + eps)).to(dtype)
-                    gate = tl.load(z + t * s_z_t + hv * s_z_h + cols, mask=ok, other=0.0).to(tl.float32)
-                    y = (normed * weight).to(tl.float32) * gate * tl.sigmoid(gate)
-                    tl.store(out + (t * VALUE_HEADS + hv) * V + cols, y.to(dtype), mask=ok)
-                tl.atomic_xchg(counters + hv, 0)  # clean for the next launch / graph replay
+        if NORM:  # the head's last program to finish norms its whole output
+            _output_norm(out, z, s_z_t, s_z_h, norm_w, eps, counters, hv, slices, T, VALUE_HEADS, V, BVN, 1)
+
+    @triton.jit
+    def _pick(values, lanes, node):
+        """values[node] of a [BT] vector held in registers."""
+        return tl.sum(tl.where(lanes == node, values, 0), 0)
+
+    @triton.jit(do_not_specialize=["T", "SLOTS"])
+    def _tree_kernel(mixed, parents, b, a, s_ab, a_log, dt_bias, g_buf, beta_buf, h0, stack, SLOTS, out, scale, T,
+                     z, s_z_t, s_z_h, norm_w, eps, counters,
+                     KEY_HEADS: tl.constexpr, VALUE_HEADS: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                     BV: tl.constexpr, BK: tl.constexpr, BVN: tl.constexpr, BT: tl.constexpr,
+                     NORM_ROWS: tl.constexpr, COMPUTE_GATES: tl.constexpr, SAVE_GATES: tl.constexpr,
+                     PDL: tl.constexpr):
+        pdl.begin(PDL)
+        pid = tl.program_id(0)
+        slices = tl.cdiv(V, BV)
+        i_v = pid % slices
+        hv = pid // slices
+        hk = hv // (VALUE_HEADS // KEY_HEADS)
+        ks = tl.arange(0, BK)
+        vs = i_v * BV + tl.arange(0, BV)
+        k_ok, v_ok = ks < K, vs < V
+        tile = hv * K * V + ks[:, None] * V + vs[None, :]
+        tile_ok = k_ok[:, None] & v_ok[None, :]
+        slot_size = VALUE_HEADS * K * V
+        state = tl.load(h0 + tile, mask=tile_ok, other=0.0)
+        C = 2 * KEY_HEADS * K + VALUE_HEADS * V
+        q_cols, k_cols, v_cols = hk * K + ks, (KEY_HEADS + hk) * K + ks, 2 * KEY_HEADS * K + hv * V + vs
+        # every node's gates, computed (and stored) at once and kept in registers: a step picks its node's pair
+        lanes = tl.arange(0, BT)
+        in_tree = lanes < T
+        decay_rate, bias = _gate_constants(a_log, dt_bias, hv, COMPUTE_GATES)
+        all_g, all_beta = _gates(b, a, s_ab, g_buf, beta_buf, lanes, in_tree, hv, decay_rate, bias, i_v == 0,
+                                 VALUE_HEADS, COMPUTE_GATES, SAVE_GATES)
+        # The walk, in preorder (children by index). Per node: its depth and stack slot (the number of its
+        # ancestors with several children). key[c] of a node not yet processed whose parent was (the only
+        # candidates: every other processed node's subtree is done) packs (depth, slot, 63 - c), so that the
+        # maximum is the first child of the deepest node of the path that has one.
+        parent = tl.load(parents + lanes, mask=(lanes > 0) & in_tree, other=-1).to(tl.int32)
+        key = tl.full([BT], -1, tl.int32)
+        node = pid * 0
+        depth, slot = node, node
+        q = tl.load(mixed + q_cols, mask=k_ok, other=0.0).to(tl.float32)
+        k = tl.load(mixed + k_cols, mask=k_ok, other=0.0).to(tl.float32)
+        v = tl.load(mixed + v_cols, mask=v_ok, other=0.0).to(tl.float32)
+        g, beta = _pick(all_g, lanes, node), _pick(all_beta, lanes, node)
+        for step in range(T):
+            # the next node and what it reads, first: none of it depends on this step's state, so the loads (its
+            # conv output; its parent's saved state when this node is a leaf) overlap this step's arithmetic
+            kids = parent == node
+            n_kids = tl.sum(kids.to(tl.int32), 0)
+            branches = n_kids > 1
+            key = tl.where(kids, ((depth + 1) << 12) | ((slot + branches.to(tl.int32)) << 6) | (63 - lanes), key)
+            top = tl.max(key, 0)
+            nxt, nxt_slot = 63 - (top & 63), (top >> 6) & 63
+            key = tl.where(lanes == nxt, -1, key)
+            more = step + 1 < T
+            q_next = tl.load(mixed + nxt * C + q_cols, mask=k_ok & more, other=0.0)
+            k_next = tl.load(mixed + nxt * C + k_cols, mask=k_ok & more, other=0.0)
+            v_next = tl.load(mixed + nxt * C + v_cols, mask=v_ok & more, other=0.0)
+            reload = more & (n_kids == 0) & (nxt_slot > 0) & (nxt_slot <= SLOTS)  # a leaf: nxt's parent branches
+            saved = tl.load(stack + (nxt_slot - 1) * slot_size + tile, mask=tile_ok & reload, other=0.0)
+            # this node's step; a branching node keeps its state for its later children
+            state, o = _delta_step(state, q, k, v, g, beta, scale)
+            tl.store(out + (node * VALUE_HEADS + hv) * V + vs, o.to(out.dtype.element_ty), mask=v_ok)
+            tl.store(stack + slot * slot_size + tile, state, mask=tile_ok & branches & (slot < SLOTS))
+            q, k, v = q_next.to(tl.float32), k_next.to(tl.float32), v_next.to(tl.float32)
+            g, beta = _pick(all_g, lanes, nxt), _pick(all_beta, lanes, nxt)
+            state = tl.where(reload, saved, state)
+            node, depth, slot = nxt, top >> 12, nxt_slot
+            tl.debug_barrier()  # a saved tile is read back by whichever threads a later load's layout gives it
+        _output_norm(out, z, s_z_t, s_z_h, norm_w, eps, counters, hv, slices, T, VALUE_HEADS, V, BVN, NORM_ROWS)
+
+    @triton.jit
+    def _tree_conv_kernel(x, s_x, history, weight, window, mixed, window_rows, T, C, TAPS: tl.constexpr,
+                          BLOCK_C: tl.constexpr, ROWS: tl.constexpr, PDL: tl.constexpr):
+        """The tree conv (causal_conv1d_tree's contract) of ROWS nodes x BLOCK_C channels a program: node i reads
+        the rows window_rows[i] of [history; x]. Accumulates in float32, rounds once."""
+        pdl.begin(PDL)
+        cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+        nodes = tl.program_id(1) * ROWS + tl.arange(0, ROWS)
+        ok, here = cols < C, nodes < T
+        acc = tl.zeros([ROWS, BLOCK_C], tl.float32)
+        for j in tl.static_range(TAPS):
+            row = tl.load(window_rows + nodes * TAPS + j, mask=here, other=0).to(tl.int32)[:, None]
+            from_history = tl.load(history + row * C + cols[None, :],
+                                   mask=here[:, None] & (row < TAPS - 1) & ok[None, :], other=0.0)
+            from_input = tl.load(x + (row - (TAPS - 1)) * s_x + cols[None, :],
+                                 mask=here[:, None] & (row >= TAPS - 1) & ok[None, :], other=0.0)
+            acc += (from_history + from_input).to(tl.float32) * tl.load(weight + cols * TAPS + j, mask=ok).to(
+                tl.float32)[None, :]
+        write = here[:, None] & ok[None, :]
+        tl.store(mixed + nodes[:, None] * C + cols[None, :], (acc * tl.sigmoid(acc)).to(mixed.dtype.element_ty),
+                 mask=write)
+        tl.store(window + (TAPS - 1 + nodes[:, None]) * C + cols[None, :],
+                 tl.load(x + nodes[:, None] * s_x + cols[None, :], mask=write), mask=write)
+        first = ok & (tl.program_id(1) == 0)
+        for r in tl.static_range(TAPS - 1):
+            tl.store(window + r * C + cols, tl.load(history + r * C + cols, mask=first), mask=first)

@@ -1,0 +1,167 @@
+"""The DeltaNet mixer of a draft-tree pass in one launch (kernels/gdn_triton.py `tree_pass`) against its reference
+(the tree conv, per-node recurrence from the parent's state, gated norm of kernels/gdn.py), through the Triton
+interpreter in a subprocess: random trees, a comb (the drafter's chain first, then a leaf on each chain node: every
+stack slot used), a chain (also equal to the chain's reference), gates computed and stored or given; out, window,
+conv output, gates, and the committed state untouched. And the reference itself, independently: each node's output
+is the chain reference run over that node's path alone."""
+
+import sys
+
+import pytest
+import torch
+from helpers import interpreter_part, patch_triton_interpreter, report_parts, run_in_triton_interpreter, selected_parts
+
+from blockspec import kernels
+from blockspec.kernels import gdn
+from blockspec.kernels.norm import gated_rms_norm_reference
+from blockspec.layers.tree import TreeLayout
+
+TAPS = 4
+SMALL = [  # (key heads, key dim, value heads, value dim, nodes, tree, BLOCK_V, gates)
+    (2, 16, 4, 16, 1, "random", 8, "ab"), (2, 16, 4, 16, 8, "random", 8, "ab"),
+    (2, 16, 4, 16, 8, "random", 16, "given"), (2, 16, 4, 16, 12, "chain", 8, "ab"),
+    (2, 16, 4, 16, 33, "random", 16, "ab"),
+]
+LARGE = [  # every stack slot; the 27B's grouping (3 value heads a key head) with dims that are not powers of two
+    (2, 16, 4, 16, 33, "comb", 16, "ab"), (2, 24, 6, 20, 17, "random", 8, "ab"),
+]
+
+
+def tree_parents(kind: str, t: int, gen) -> torch.Tensor:
+    """parents [T] int64 (parents[i] < i, the root's 0): random (half the nodes continue the node before them, so
+    that paths run deep), a chain, or a comb (chain 0..t//2, then a leaf on each of its nodes, in order)."""
+    if kind == "chain":
+        return torch.arange(t).clamp(min=1) - 1
+    if kind == "comb":
+        spine = t // 2 + 1
+        return torch.cat([torch.arange(spine).clamp(min=1) - 1, torch.arange(t - spine)])
+    parents = [0] * t
+    for i in range(1, t):
+        parents[i] = i - 1 if torch.rand(1, generator=gen).item() < 0.5 else int(torch.randint(i, (1,), generator=gen))
+    return torch.tensor(parents)
+
+
+def layout(parents: torch.Tensor) -> TreeLayout:
+    depth = torch.zeros_like(parents)
+    for i in range(1, parents.shape[0]):
+        depth[i] = depth[parents[i]] + 1
+    return TreeLayout.build(parents, depth, 0, TAPS)
+
+
+def inputs(hk, dk, hv, dv, t, seed):
+    """A layer's tree-pass inputs as the layer passes them (x, z, b, a strided views of one projection)."""
+    gen = torch.Generator().manual_seed(seed)
+    channels = 2 * hk * dk + hv * dv
+    packed = torch.randn(t, channels + hv * dv + 2 * hv + 3, generator=gen)
+    x, z = packed[:, :channels], packed[:, channels:channels + hv * dv].view(t, hv, dv)
+    b, a = packed[:, channels + hv * dv:channels + hv * dv + hv] * 3, packed[:, -hv - 3:-3] * 3
+    history = torch.randn(TAPS - 1, channels, generator=gen)
+    conv_w = torch.randn(channels, 1, TAPS, generator=gen) * 0.5
+    gates = ("ab", b, a, torch.randn(hv, generator=gen), torch.randn(hv, generator=gen))
+    return dict(x=x, history=history, conv_weight=conv_w, gates=gates, state=torch.randn(hv, dk, dv, generator=gen),
+                shape=(hk, dk, hv, dv), z=z, norm_weight=torch.randn(dv, generator=gen) * 0.1 + 1, eps=1e-6), gen
+
+
+def reference(args, rows, parents):
+    """The reference chain of deltanet_tree_mixer, whatever the dispatch: (out, window, mixed, g, beta)."""
+    mixed, window = gdn.causal_conv1d_tree_reference(args["x"], args["history"], args["conv_weight"], rows)
+    g, beta = gdn.deltanet_gates.reference(*args["gates"][1:])
+    out = gdn.gated_delta_tree_reference(*gdn.deltanet_qkv.reference(mixed, *args["shape"]), g, beta, args["state"],
+                                         parents).to(args["x"].dtype)
+    return gated_rms_norm_reference.reference(out, args["z"], args["norm_weight"], args["eps"]), window, mixed, g, beta
+
+
+def chain_reference(args, nodes=None):
+    """The chain's reference (conv, gated delta rule, gated norm) over the nodes `nodes` (default all) in order."""
+    nodes = torch.arange(args["x"].shape[0]) if nodes is None else nodes
+    mixed, _ = gdn.causal_conv1d_reference.reference(args["x"][nodes], args["history"], args["conv_weight"])
+    b, a, a_log, dt_bias = args["gates"][1:]
+    g, beta = gdn.deltanet_gates.reference(b[nodes], a[nodes], a_log, dt_bias)
+    out, _ = gdn.gated_delta_rule_reference(*gdn.deltanet_qkv.reference(mixed, *args["shape"]), g, beta,
+                                            args["state"])
+    return gated_rms_norm_reference.reference(out, args["z"][nodes], args["norm_weight"], args["eps"])
+
+
+def _err(got, want) -> float:
+    """Largest absolute difference; infinite where got holds a NaN (an unwritten element of a NaN-filled buffer)."""
+    diff = (got - want).abs()
+    return float("inf") if bool(diff.isnan().any()) else float(diff.max())
+
+
+def _kernel_cases(cases):  # in the interpreter subprocess
+    from blockspec.kernels.gdn_triton import tree_pass
+
+    results = []
+    for i, (hk, dk, hv, dv, t, kind, block_v, gate_kind) in enumerate(cases):
+        args, gen = inputs(hk, dk, hv, dv, t, seed=100 * i + t)
+        parents = tree_parents(kind, t, gen)
+        rows = layout(parents).window_rows
+        ref_out, ref_window, ref_mixed, ref_g, ref_beta = reference(args, rows, parents)
+        committed = args["state"].clone()
+        window, mixed = torch.full_like(ref_window, float("nan")), torch.full_like(ref_mixed, float("nan"))
+        g_buf, beta_buf = torch.full((t, hv), float("nan")), torch.full((t, hv), float("nan"))
+        if gate_kind == "given":
+            args["gates"] = ("given", ref_g, ref_beta)
+            g_buf, beta_buf = ref_g, ref_beta
+        out, returned = tree_pass(**args, window_rows=rows, parents=parents, window_out=window, mixed_out=mixed,
+                                  gates_out=(g_buf, beta_buf) if gate_kind == "ab" else None, block_v=block_v)
+        r = {"case": [hk, dk, hv, dv, t, kind, block_v, gate_kind], "out": _err(out, ref_out),
+             "window": _err(window, ref_window), "mixed": _err(mixed, ref_mixed),
+             "gates": max(_err(g_buf, ref_g), _err(beta_buf, ref_beta)),
+             "state_untouched": bool(torch.equal(args["state"], committed)), "window_returned": returned is window,
+             "counters_clean": int(kernels._COUNTERS[("cpu", None)].abs().sum()) == 0}
+        if kind == "chain":
+            r["chain"] = _err(out, chain_reference(args))
+        if i == 1 and cases is SMALL:  # deltanet_tree_mixer takes the kernel wherever Triton runs
+            r["dispatched"] = _err(gdn.deltanet_tree_mixer(**args, window_rows=rows, parents=parents)[0], out)
+        results.append(r)
+    return results
+
+
+@pytest.fixture(scope="module")
+def interpreted(request):
+    """The kernel cases of the tests selected, in one interpreter subprocess."""
+    return run_in_triton_interpreter(__file__, *selected_parts(request, PARTS))
+
+
+PARTS = {"test_tree_pass_matches_reference_in_interpreter": "small",
+         "test_tree_pass_large_trees_in_interpreter": "large"}
+
+
+def _check(results, cases):
+    assert [r["case"] for r in results] == [list(c) for c in cases]
+    for r in results:  # NaN-filled buffers: an element the kernel forgets to write fails here
+        assert max(r["out"], r["window"], r["mixed"], r["gates"], r.get("chain", 0.0)) < 1e-4, r
+        assert r["state_untouched"] and r["window_returned"] and r["counters_clean"], r
+
+
+def test_tree_pass_matches_reference_in_interpreter(interpreted):
+    results = interpreter_part(interpreted, "small")
+    _check(results, SMALL)
+    assert results[1]["dispatched"] == 0.0, results[1]
+
+
+@pytest.mark.slow
+def test_tree_pass_large_trees_in_interpreter(interpreted):
+    _check(interpreter_part(interpreted, "large"), LARGE)
+
+
+@pytest.mark.parametrize("kind,t", [("random", 9), ("random", 33), ("comb", 17), ("chain", 6)])
+def test_tree_reference_is_the_chain_along_each_path(kind, t):
+    """deltanet_tree_mixer on the CPU (the reference): node i's output is the chain reference over the path root ..
+    i alone; its window is [history; x] and the committed state is untouched."""
+    args, gen = inputs(2, 16, 6, 12, t, seed=t)
+    parents = tree_parents(kind, t, gen)
+    committed = args["state"].clone()
+    out, window = gdn.deltanet_tree_mixer(**args, window_rows=layout(parents).window_rows, parents=parents)
+    for i in range(t):
+        path = [i]
+        while path[-1] != 0:
+            path.append(int(parents[path[-1]]))
+        assert _err(out[i], chain_reference(args, torch.tensor(path[::-1]))[-1]) < 1e-5, (kind, i, path)
+    assert torch.equal(window, torch.cat([args["history"], args["x"]])) and torch.equal(args["state"], committed)
+
+
+if __name__ == "__main__":  # python test_tree_gdn_kernel.py PART..., with TRITON_INTERPRET=1
+    patch_triton_interpreter()
+    report_parts({"small": lambda: _kernel_cases(SMALL), "large": lambda: _kernel_cases(LARGE)}, sys.argv[1:])
