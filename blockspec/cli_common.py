@@ -50,6 +50,9 @@ def add_engine_args(p: argparse.ArgumentParser, model_required=True, sampling_sc
                    "when a drafter is given; config key mode)")
     p.add_argument("--drafter", metavar="DIR", help="DFlash2 drafter directory (default: none, config key "
                    "dflash2_model)")
+    p.add_argument("--tree-budget", type=int, metavar="N", help="dflash2: verify a tree of N draft nodes per cycle "
+                   "(the greedy chain and the drafter's next most likely continuations); 0: the chain alone "
+                   + config_default("dflash2_tree_budget"))
     p.add_argument("--device", choices=["cpu", "cuda", "auto"], help="where to run; auto: cuda when available "
                    + config_default("device"))
     p.add_argument("--dtype", choices=DTYPES, help="compute dtype " + config_default("compute_dtype"))
@@ -120,7 +123,8 @@ def _count_or_path(text: str) -> int | str:
 
 
 def engine_config(args) -> PredictConfig:
-    overrides = {"model": args.model, "mode": args.mode, "dflash2_model": args.drafter, "device": args.device,
+    overrides = {"model": args.model, "mode": args.mode, "dflash2_model": args.drafter,
+                 "dflash2_tree_budget": args.tree_budget, "device": args.device,
                  "compute_dtype": args.dtype, "context_length": args.context_length,
                  "prefill_chunk_size": args.prefill_chunk_size, "max_tokens": args.max_tokens,
                  "prefix_reuse": args.prefix_reuse,

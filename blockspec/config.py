@@ -91,6 +91,9 @@ class PredictConfig(CheckedSettings):
     # draft nodes a DFlash2 cycle verifies as a tree in one target pass (engine/tree.py): the greedy chain, then the
     # drafter's most likely other continuations, best first; 0: the chain alone
     dflash2_tree_budget: int = Field(0, ge=0, le=MAX_PASS_TOKENS - 1)
+    # what orders the tree's nodes: the selector's transition model (a candidate given the pick before it), or each
+    # row's marginal distribution (the drafter's logits alone)
+    dflash2_tree_scores: Literal["transition", "marginal"] = "transition"
     target_quantization: Literal["none", "int4", "fp8"] = "none"  # a quantized checkpoint sets it (as stored)
     vocabulary_quantization: Literal["none", "int8", "int4"] = "none"
     # Projections that share an input are always packed at load (layers/linear.py): these two keys stay accepted

@@ -520,3 +520,35 @@ def test_fp8_projections_on_gpu(dtype, asm):
         got = wq_matmul(x.cuda(), packed, replace(default_config(rows, 254, 200, 8, 128), asm=asm),
                         out_dtype=torch.float32)
         assert torch.equal(got.cpu(), dequantize(weight, scale)[:, columns].T), (rows, asm)
+
+
+@pytest.mark.parametrize("budget", [8, 32])
+def test_tree_graph_replay_equals_eager_and_plain(pair, budget):
+    """Draft trees under CUDA graphs (the drafter's pass and tree, the tree pass, the path commits) against eager
+    trees and plain greedy, float32; and sampled, graphed == eager for one seed."""
+    target, drafter = pair
+    kw = dict(mode="dflash2", compute_dtype="float32", dflash2_model=str(drafter), dflash2_tree_budget=budget)
+    eager, graphed = engine(target, compile_mode=-1, **kw), engine(target, **kw)
+    assert graphed.target.tree_pass is not None and graphed.proposer.tree_graph is not None
+    ids = eager.tokenizer.encode("hello world")
+    plain = engine(target, compute_dtype="float32").generate(ids, 150, stop_at_eos=False).tokens
+    a, b = eager.generate(ids, 150, stop_at_eos=False), graphed.generate(ids, 150, stop_at_eos=False)
+    assert a.tokens == b.tokens == plain
+    assert a.stats["accepted_per_cycle"] == b.stats["accepted_per_cycle"]
+    settings = dict(temperature=0.8, top_k=40, seed=5)
+    a, b = eager.generate(ids, 120, stop_at_eos=False, **settings), graphed.generate(ids, 120, stop_at_eos=False,
+                                                                                      **settings)
+    assert a.tokens == b.tokens and a.stats["accepted_per_cycle"] == b.stats["accepted_per_cycle"]
+
+
+@pytest.mark.parametrize("compile_mode", [-1, 0])
+@pytest.mark.parametrize("budget", [16, 48])
+def test_tree_equals_plain_bf16(wide_margin_pair, compile_mode, budget):
+    target, drafter = wide_margin_pair
+    plain = engine(target, compute_dtype="bfloat16", compile_mode=compile_mode)
+    tree = engine(target, compute_dtype="bfloat16", compile_mode=compile_mode, mode="dflash2",
+                  dflash2_model=str(drafter), dflash2_tree_budget=budget)
+    ids = plain.tokenizer.encode("hello world")
+    a, b = plain.generate(ids, 200, stop_at_eos=False), tree.generate(ids, 200, stop_at_eos=False)
+    print(f"bf16 tree {budget} compile_mode {compile_mode}: mean accepted length {b.stats['mean_accepted_length']}")
+    assert a.tokens == b.tokens

@@ -16,7 +16,7 @@ from helpers import cli, run_pass
 from safetensors.torch import load_file, save_file
 
 from blockspec.drafter import selector
-from blockspec.engine import sampling
+from blockspec.engine import sampling, tree
 from blockspec.engine.engine import Engine
 from blockspec.engine.sampling import TOP_K_CAP, draw, processed_probs, ranked_probs
 from blockspec.engine.state import DecodeState
@@ -118,9 +118,12 @@ def soft_pair(tmp_path_factory):
 @pytest.fixture(scope="module")
 def engines(soft_pair):
     target, drafter = soft_pair
-    return {mode: Engine.load(target, device="cpu", compute_dtype="float32", context_length=256, mode=mode,
-                              dflash2_model=str(drafter) if mode == "dflash2" else None)
-            for mode in ("none", "mtp", "dflash2")}
+    engines = {mode: Engine.load(target, device="cpu", compute_dtype="float32", context_length=256, mode=mode,
+                                 dflash2_model=str(drafter) if mode == "dflash2" else None)
+               for mode in ("none", "mtp", "dflash2")}
+    engines["dflash2 tree"] = Engine.load(target, device="cpu", compute_dtype="float32", context_length=256,
+                                          dflash2_model=str(drafter), dflash2_tree_budget=12)
+    return engines
 
 
 class ExactJoint:
@@ -193,8 +196,8 @@ def distribution_test(engine, settings, label):
     return impossible, p
 
 
-@pytest.mark.parametrize("setting", SETTINGS)
-@pytest.mark.parametrize("mode", ["none", "mtp", "dflash2"])
+@pytest.mark.parametrize("mode,setting", [(mode, setting) for mode in ("none", "mtp", "dflash2") for setting in SETTINGS]
+                         + [("dflash2 tree", "T1.0-top_k20")])
 def test_first_tokens_follow_the_target_distribution(engines, mode, setting):
     impossible, p = distribution_test(engines[mode], SETTINGS[setting], f"{mode} {setting}")
     assert not impossible, impossible
@@ -219,15 +222,30 @@ def walk_reporting_per_position_q(unary, candidates, projected, anchor, predeces
 
 
 TRUE_WALK = selector.sampled_walk_reference
+TRUE_TREE_WALK = tree.walk
 
 
-@pytest.mark.parametrize("variant", ["argmax-match acceptance", "per-position q"])
+def tree_walk_descending_on_argmax(logits, draft_tree, max_depth, sampler=None, uniforms=None):
+    """Biased: the tree walked by the target's argmax (greedy), then the token after the path drawn from p."""
+    result = TRUE_TREE_WALK(logits, draft_tree, max_depth).clone()
+    if uniforms is not None:
+        ids, probs = ranked_probs(logits, *sampler.filters(), width=sampler.width())
+        leaf = result[2 + result[0]]
+        result[1] = ids[leaf, draw(probs[leaf].reshape(1, -1), uniforms[:1])[0]]
+    return result
+
+
+@pytest.mark.parametrize("variant", ["argmax-match acceptance", "per-position q", "tree walked by argmax"])
 def test_biased_variants_are_rejected(engines, monkeypatch, variant):
+    mode = "dflash2"
     if variant == "argmax-match acceptance":
         monkeypatch.setattr(sampling, "speculative_accept", argmax_match_accept)
-    else:
+    elif variant == "per-position q":
         monkeypatch.setattr(selector, "sampled_walk_reference", walk_reporting_per_position_q)
-    _, p = distribution_test(engines["dflash2"], SETTINGS["T0.7"], f"dflash2 T0.7 with {variant}")
+    else:
+        monkeypatch.setattr(tree, "walk", tree_walk_descending_on_argmax)
+        mode = "dflash2 tree"
+    _, p = distribution_test(engines[mode], SETTINGS["T0.7"], f"{mode} T0.7 with {variant}")
     assert p < REJECTED
 
 

@@ -72,18 +72,18 @@ def build_tree(table: torch.Tensor, candidates: torch.Tensor, anchor: torch.Tens
     has_children = depth[:length + 1] < rows
     children = score[:length + 1, None] + flat_table[depth[:length + 1].clamp(max=rows - 1) * k + choice[:length + 1]]
     frontier[:length + 1] = torch.where(has_children[:, None], children, float("-inf"))
-    frontier[chain_nodes[:length], picked] = float("-inf")  # the chain's own children are nodes already
-    flat = frontier.view(-1)
-    for node in range(length + 1, size):
-        best = flat.argmax()
+    flat, flat_candidates = frontier.view(-1), candidates.reshape(-1)
+    flat.index_fill_(0, chain_nodes[:length] * k + picked, float("-inf"))  # the chain's children are nodes already
+    for node in range(length + 1, size):  # 1-element index tensors throughout: no host synchronisation
+        best = flat.argmax().reshape(1)
+        value = flat.index_select(0, best)
         parent, j = best // k, best % k
-        value = flat[best]
-        row = depth[parent]  # the child's row: its depth - 1
-        tokens[node] = candidates[row.clamp(max=rows - 1), j]
-        parents[node], depth[node], choice[node] = parent, row + 1, j
-        score[node] = value
-        valid[node] = value > float("-inf")
-        flat[best] = float("-inf")
-        below = flat_table[(row + 1).clamp(max=rows - 1) * k + j]
-        frontier[node] = torch.where((row + 1 < rows) & valid[node], value + below, float("-inf"))
+        row = depth.index_select(0, parent)  # the child's row: its depth - 1
+        tokens[node:node + 1] = flat_candidates.index_select(0, row.clamp(max=rows - 1) * k + j)
+        parents[node:node + 1], depth[node:node + 1], choice[node:node + 1] = parent, row + 1, j
+        score[node:node + 1] = value
+        valid[node:node + 1] = value > float("-inf")
+        flat.index_fill_(0, best, float("-inf"))
+        below = flat_table.index_select(0, (row + 1).clamp(max=rows - 1) * k + j)[0]
+        frontier[node] = torch.where((row + 1 < rows) & (value > float("-inf")), value + below, float("-inf"))
     return DraftTree(tokens, parents, depth, valid)

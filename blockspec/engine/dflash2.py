@@ -22,12 +22,13 @@ class DFlash2Proposer(Proposer):
     name = "dflash2"
 
     def __init__(self, drafter: DFlash2Drafter, draft_head=None, sampler: Sampler | None = None,
-                 tree_budget: int = 0):
+                 tree_budget: int = 0, tree_scores: str = "transition"):
         """`drafter`: loaded, packed (and quantized) around the target's embedding and head; `draft_head`: the
         shared head over a draft vocabulary the drafter proposes over (None: the full head); `sampler`: the
-        engine's, the request's sampling (None: greedy); `tree_budget`: draft nodes per tree (0: chains)."""
+        engine's, the request's sampling (None: greedy); `tree_budget`: draft nodes per tree (0: chains), ordered
+        by `tree_scores` (drafter/tree.py)."""
         self.drafter = drafter
-        self.tree_budget = tree_budget
+        self.tree_budget, self.tree_marginal = tree_budget, tree_scores == "marginal"
         self.draft_head = draft_head
         self.sampler = sampler
         if draft_head is not None:
@@ -35,7 +36,7 @@ class DFlash2Proposer(Proposer):
         self.capture_layers = tuple(drafter.target_layer_ids)
         self.max_proposals = drafter.block_size - 1
         self.draft_width = drafter.config.selector_top_k
-        self.graph, self.append_graphs = None, {}  # CUDA graphs only
+        self.graph, self.tree_graph, self.append_graphs = None, None, {}  # CUDA graphs only
         self.selection, self.proposed = None, 0  # the last proposal's sampling walk, and how many were proposed
 
     def reset(self):
@@ -77,15 +78,20 @@ class DFlash2Proposer(Proposer):
         return self.proposals[:k].tolist()
 
     def propose_tree(self, anchor, position):
-        return self.drafter.propose_tree(anchor, position, self.tree_budget)
+        if self.tree_graph is None:
+            return self.drafter.propose_tree(anchor, position, self.tree_budget, self.tree_marginal)
+        self.anchor.fill_(anchor)
+        self.position.fill_(position)
+        self.tree_graph.replay()
+        return self.tree
 
     def draft(self):
         k = self.proposed
         return self.selection.candidates[:k].clone(), self.selection.probs[:k].clone()
 
     def capture_graphs(self, pool=None, warmup: int = 2):
-        """With CUDA graphs, at load time: the whole proposal (embedding, layers, convolutions, logits, selector walk)
-        as one CUDA graph over a static anchor and position, and the context append of each verification length
+        """With CUDA graphs, at load time: the whole proposal (embedding, layers, convolutions, logits, selector walk;
+        with a tree budget, also the tree's) as one CUDA graph over a static anchor and position, and the context append of each verification length
         (1..block_size committed rows) as one graph each. With a sampler the walk reads the request's temperature
         and uniforms from the device (greedy at temperature 0): one proposal graph serves both."""
         drafter, device = self.drafter, self.drafter.device
@@ -96,6 +102,10 @@ class DFlash2Proposer(Proposer):
                                        torch.ones(self.max_proposals, dtype=torch.float64, device=device))
         self.graph, self.proposals = graphs.capture(lambda: drafter.propose(self.anchor, self.position,
                                                                             self.selection), warmup, pool)
+        if self.tree_budget:  # the drafter's pass and the tree built from it, as one graph, in a pool of its own:
+            # the tree is read after the target's pass, which would overwrite outputs in the shared pool
+            self.tree_graph, self.tree = graphs.capture(lambda: drafter.propose_tree(
+                self.anchor, self.position, self.tree_budget, self.tree_marginal), warmup)
         block = drafter.block_size
         width = len(drafter.target_layer_ids) * drafter.config.hidden_size  # the target's captured layers
         self.features_in = torch.zeros(block, width, device=device, dtype=drafter.dtype)

@@ -194,7 +194,9 @@ class Engine:
         torch.cuda.empty_cache()  # what loading left cached goes back first: the pools are measured alone
         start, reserved = time.perf_counter(), torch.cuda.memory_reserved()
         lengths = (1, 1 + self.proposer.max_proposals)
-        target = GraphedTarget(self.model, self.state, capture, lengths=lengths)
+        tree = self.proposer.tree_budget
+        target = GraphedTarget(self.model, self.state, capture, lengths=lengths,
+                               tree_size=tree + 1 if tree else 0, tree_depth=self.proposer.max_proposals)
         self.sampler.capture_graphs(lengths, self.vocab_size, self.proposer.draft_width, target.pool)
         self.load_times["target_graphs_s"] = round(time.perf_counter() - start, 3)
         if hasattr(self.proposer, "capture_graphs"):
@@ -224,7 +226,7 @@ class Engine:
         # norms, convolution controls and the selector stay native: only fc and the layers' projections
         self.memory["drafter"] = prepare(drafter, rtn(c.dflash2_quantization, 32, self.dtype),
                                          QUANTIZED_PROJECTIONS.match)
-        return DFlash2Proposer(drafter, draft_head, self.sampler, c.dflash2_tree_budget)
+        return DFlash2Proposer(drafter, draft_head, self.sampler, c.dflash2_tree_budget, c.dflash2_tree_scores)
 
     def check_request(self, prompt_ids, max_tokens: int, *, n: int = 1, beam_size: int = 1, logprobs: bool = False,
                       images: bool = False, stop=None, attention_output: bool = False, prefix: bool = False,

@@ -23,6 +23,8 @@ bookkeeping only: the next request resets).
 
 from __future__ import annotations
 
+import torch
+
 from ..errors import BlockspecError
 from ..layers.attention import KVCache
 from . import graphs
@@ -44,6 +46,7 @@ class DecodeState:
                 s.write_in_place()
         self.snapshot_bytes = sum(s.allocate_snapshots(snapshots) for s in self.gdn)
         self.commit_graphs = {}  # (pass length, n) -> the captured buffer updates of commit(n)
+        self.path_graphs = {}    # n -> the captured buffer updates of commit_path of an n-node path
         self.length = 0    # committed tokens
         self.pending = 0   # tokens of the pass awaiting commit/discard
 
@@ -93,13 +96,35 @@ class DecodeState:
         n = path.shape[0]
         if not 1 <= n <= self.pending:
             raise ValueError(f"commit of a {n}-node path of a {self.pending}-node tree")
-        for s in self.layers:
-            if isinstance(s, KVCache):
-                s.keep_path(self.length, path)
-            else:
-                s.keep_path(path, history_rows)
+        graph = self.path_graphs.get(n)
+        if graph is not None:
+            self.path_in[:n].copy_(path)
+            self.history_rows_in.copy_(history_rows)
+            self.start_in.fill_(self.length)
+            graph.replay()
+        else:
+            self._keep_path(self.length, path, history_rows)
         self.length += n
         self.pending = 0
+
+    def _keep_path(self, start, path, history_rows):
+        for s in self.layers:
+            if isinstance(s, KVCache):
+                s.keep_path(start, path)
+            else:
+                s.keep_path(path, history_rows)
+
+    def capture_path_commits(self, longest: int, pool, warmup: int = 2):
+        """Capture commit_path of every path length 1..longest over static inputs (warm-ups on scratch data: reset()
+        before use)."""
+        device = self.gdn[0].history.device if self.gdn else self.layers[0].k.device
+        self.path_in = torch.zeros(longest, dtype=torch.long, device=device)
+        self.history_rows_in = torch.zeros(self.gdn[0].history.shape[0] if self.gdn else 0, dtype=torch.long,
+                                           device=device)
+        self.start_in = torch.full((), self.capacity - longest, dtype=torch.long, device=device)
+        for n in range(1, longest + 1):
+            self.path_graphs[n] = graphs.capture(
+                lambda n=n: self._keep_path(self.start_in, self.path_in[:n], self.history_rows_in), warmup, pool)[0]
 
     def discard(self):
         self.pending = 0

@@ -47,12 +47,38 @@ class EagerTarget:
 class GraphedTarget(EagerTarget):
     execution = "cuda-graphs"
 
-    def __init__(self, model, state, capture=(), lengths=(1,), warmup=2):
+    def __init__(self, model, state, capture=(), lengths=(1,), warmup=2, tree_size=0, tree_depth=0):
         super().__init__(model, state, capture)
         self.pool = torch.cuda.graph_pool_handle()
         self.passes = {t: self._capture_pass(t, warmup) for t in sorted(set(lengths))}
         state.capture_commits(lengths, self.pool, warmup)
+        self.tree_pass = self._capture_tree(tree_size, warmup) if tree_size else None
+        if tree_size:
+            state.capture_path_commits(tree_depth + 1, self.pool, warmup)
         state.reset()  # warm-ups ran on scratch data
+
+    def _capture_tree(self, size, warmup):
+        """The pass over a tree of `size` nodes, its layout built in the graph from the nodes' parents and depths
+        and the committed length, all static inputs."""
+        tokens, parents, depth = (torch.zeros(size, dtype=torch.long, device=self.device) for _ in range(3))
+        start = torch.full((), self.state.capacity - size, dtype=torch.long, device=self.device)  # unreached slots
+        kernel = self.model.config.linear_conv_kernel_dim
+
+        def run():
+            layout = TreeLayout.build(parents, depth, start, kernel)
+            return self.model(tokens, self.state.layers, capture=self.capture, tree=layout), layout
+        graph, (out, layout) = graphs.capture(run, warmup, self.pool)
+        return graph, (tokens, parents, depth), start, out, layout
+
+    def run_tree(self, tree):
+        if self.tree_pass is None or self.tree_pass[1][0].shape[0] != tree.size:
+            return super().run_tree(tree)
+        graph, inputs, start, out, layout = self.tree_pass
+        for static, given in zip(inputs, (tree.tokens, tree.parents, tree.depth)):
+            static.copy_(given)
+        start.fill_(self.state.begin(tree.size))
+        graph.replay()
+        return out, layout
 
     def _capture_pass(self, t, warmup):
         ids = torch.zeros(t, dtype=torch.long, device=self.device)

@@ -36,12 +36,13 @@ def walk(logits: torch.Tensor, tree: DraftTree, max_depth: int, sampler: Sampler
     on_path = tree.depth == 0
     follows = tree.valid & (tree.tokens == chosen[tree.parents])
     for level in range(1, max_depth + 1):
-        on_path = on_path | ((tree.depth == level) & follows & on_path[tree.parents])
+        steps = (tree.depth == level) & follows & on_path[tree.parents]
+        on_path = on_path | (steps & (steps.cumsum(0) == 1))  # siblings are distinct tokens; a forced tree's may not be
     levels = torch.arange(max_depth + 1, device=logits.device)
     path = (on_path[None, :] & (tree.depth[None, :] == levels[:, None])).to(torch.uint8).argmax(-1)
-    accepted = on_path.sum() - 1
-    bonus = chosen[path[accepted]]
-    return torch.cat([accepted.reshape(1), bonus.reshape(1), path, tree.tokens[path]])
+    accepted = on_path.sum(0, keepdim=True) - 1
+    bonus = chosen.index_select(0, path.index_select(0, accepted))
+    return torch.cat([accepted, bonus, path, tree.tokens[path]])
 
 
 def tree_cycle(target, proposer, anchor: int, position: int, sampler: Sampler | None):

@@ -35,7 +35,11 @@ def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: tor
                    scale: float) -> torch.Tensor:
     """Attention of a draft tree's T nodes (layers/tree.py): q [T, Hq, D], the nodes' keys and values at cache
     entries `slots` (consecutive, from the committed length); node i sees every committed entry and the nodes
-    ancestors[i] marks. k, v: a prefix of the cache holding the nodes' entries. Returns [T, Hq, D]."""
+    ancestors[i] marks. k, v: a prefix of the cache holding the nodes' entries. Returns [T, Hq, D]. The split-KV
+    Triton kernel's tree mode where it runs (up to MAX_PASS_TOKENS nodes; it reads only keys < slots[0] + T, so the
+    whole cache may be passed under a graph), else the SDPA reference. flash-attn has no per-query key mask."""
+    if attention_triton.available(q, tree=True):
+        return attention_triton.tree_attention_triton(q, k, v, slots, ancestors, scale)
     return tree_attention_sdpa(q, k, v, slots, ancestors, scale)
 
 
