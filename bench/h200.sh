@@ -12,6 +12,8 @@
 #              temperature 1, top-k 20, top-p 0.95 (the published DFlash2 acceptance's settings), both at the forced
 #              rates; column "x greedy" / JSON cost_vs_greedy: a sampled DFlash2 cycle's (plain: step's) cost over
 #              the greedy one's (~4 minutes)
+#   trees      DFlash2 with draft trees (TREE_BUDGETS, default 0,8,16,24,32,48; bf16, then INT4 + int8 head), forced
+#              chain acceptance at the published rates: cycle ms and x plain step per budget (rows dflash2:N)
 #   fp8        the FP8 target (block-wise e4m3, quantized at load) in every mode: the FP8 table
 #   reuse      prefix reuse over a scripted 10-turn chat of 1000-token turns and 128-token replies (bench/multi_turn.py;
 #              REUSE_MODES, default none,dflash2, one run each): time to first token of each turn without and with
@@ -73,6 +75,10 @@ for part in ${PARTS:-bf16 warm int4 vocab}; do
     vocab) run 200 $BENCH --draft-vocabulary 32768 --mode ${VOCAB_MODES:-mtp,dflash2} $FORCED --json-out "$OUT/bench_draft_vocabulary.json" ;;
     sampling) run 420 $BENCH --mode ${SAMPLING_MODES:-none,dflash2} $FORCED --temperature 1 --top-k 20 --top-p 0.95 \
                 --seed 0 --compare-greedy --json-out "$OUT/bench_sampling.json" ;;
+    trees) run ${TREES_S:-560} $BENCH --mode none,dflash2 --tree-budget ${TREE_BUDGETS:-0,8,16,24,32,48} $FORCED \
+             --json-out "$OUT/bench_trees_bf16.json"
+           [ -n "${TREES_INT4:-1}" ] && run ${TREES_S:-560} $BENCH $Q --mode none,dflash2 \
+             --tree-budget ${TREE_BUDGETS:-0,8,16,24,32,48} $FORCED --json-out "$OUT/bench_trees_int4.json" ;;
     fp8) run 240 $BENCH --target-quantization fp8 --mode none,mtp,dflash2 $FORCED --json-out "$OUT/bench_fp8.json" --png-out "$OUT/bench_fp8.png" ;;
     reuse) for mode in $(echo ${REUSE_MODES:-none,dflash2} | tr , ' '); do
              kernel_bench multi_turn_$mode 300 multi_turn --mode $mode --json-out "$OUT/multi_turn_$mode.json"; done ;;

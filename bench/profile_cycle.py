@@ -5,6 +5,8 @@ For each mode (one engine each, on a fresh synthetic target, after a 512-token p
 CUDA events (median of 20 after warm-up): the graphed 1-token step with its commit (and its share of the bandwidth
 roofline), the graphed verification pass of the mode with a full and a 1-token commit, the DFlash2 proposal graph,
 the graphed drafter context append of 4 rows, the graphed MTP observe + chain of 3 drafts, and the head on one row.
+With `--tree-budget N` (DFlash2), also the draft tree's pieces: the graphed proposal and tree build, the graphed
+tree pass, the walk with its read back, and the graphed commit of a 1-node and a full-depth path.
 Then a kernel table of each graphed piece (torch.profiler: which kernels take the time, and the first kernels of a
 step in launch order). `--pdl-level 0` gives each kernel's own duration (with PDL a kernel's time includes its wait
 for the previous one); `--no-fold-norms` the INT4 step with its norms as kernels of their own. Prints it all; JSON to
@@ -12,6 +14,7 @@ $OUT/profile_cycle.json.
 
 Usage (GPU, repo root; ~2-3 minutes on an H200 for the three modes):
   python bench/profile_cycle.py [--modes none,mtp,dflash2] [--quant int4 --vocab-quant int8] [--pdl-level 0]
+                                [--tree-budget 16]
 """
 
 import argparse
@@ -29,6 +32,7 @@ from blockspec.bench import bytes_per_plain_step, measure_read_bandwidth  # noqa
 from blockspec.config import PredictConfig  # noqa: E402
 from blockspec.engine.decode import prefill  # noqa: E402
 from blockspec.engine.engine import Engine  # noqa: E402
+from blockspec.engine.tree import walk  # noqa: E402
 from blockspec.engine.weights import rtn  # noqa: E402
 from blockspec.kernels import use  # noqa: E402
 from blockspec.models.qwen3_5 import TargetOutput  # noqa: E402
@@ -68,6 +72,8 @@ def build_engine(mode, args):
                  "fold_norms": not args.no_fold_norms}
     if args.pdl_level is not None:
         overrides["pdl_level"] = args.pdl_level
+    if mode == "dflash2" and args.tree_budget:
+        overrides["dflash2_tree_budget"] = args.tree_budget
     config = PredictConfig.build(overrides, source="profile_cycle")
     model, head = synthetic_target("qwen3.5-27b", torch.device("cuda"), config.torch_dtype,
                                    quantize=rtn(config.target_quantization, 128, config.torch_dtype))
@@ -115,6 +121,8 @@ def profile_engine(engine, bandwidth, kernels) -> dict:
                                                     dtype=dtype))
         timed("drafter_append_4_graph_ms",
               lambda: proposer.observe(rows, proposer.drafter.context.length, [0] * 4, [0] * 4))
+        if proposer.tree_budget:
+            r.update(profile_tree(engine, prime, timed))
     if proposer.name == "mtp":
         rows = TargetOutput(None, torch.zeros(4, hidden_size, device=device, dtype=dtype), None)
 
@@ -127,6 +135,27 @@ def profile_engine(engine, bandwidth, kernels) -> dict:
     return r
 
 
+def profile_tree(engine, prime, timed) -> dict:
+    """The pieces of one draft-tree cycle (engine/tree.py), each graphed as the decode loop runs it."""
+    target, state, proposer = engine.target, engine.state, engine.proposer
+    n, depth = proposer.tree_budget + 1, proposer.max_proposals
+    r = {}
+    timed(f"tree_{n}_propose_graph_ms", lambda: proposer.propose_tree(5, state.length))
+    prime()
+    tree = proposer.propose_tree(5, state.length)
+    out, layout = target.run_tree(tree)
+    state.discard()
+    r[f"tree_{n}_walk_read_ms"] = event_ms(lambda: walk(out.logits, tree, depth).tolist())
+
+    def verify(path):
+        _, layout = target.run_tree(tree)
+        state.commit_path(path, layout.window_rows[path[-1], 1:])
+    for kept in (1, depth + 1):
+        path = torch.arange(kept, device=engine.device)  # the chain: nodes 0..kept-1
+        timed(f"tree_{n}_pass_commit_{kept}_ms", lambda: verify(path))
+    return r
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--modes", default="none,mtp,dflash2")
@@ -136,6 +165,7 @@ def main():
     ap.add_argument("--no-fold-norms", action="store_true",
                     help="INT4: residual adds, norms and SwiGLU as kernels of their own (fold_norms: false)")
     ap.add_argument("--context-length", type=int, default=4096)
+    ap.add_argument("--tree-budget", type=int, default=0, help="dflash2: also the pieces of a draft tree of N nodes")
     args = ap.parse_args()
     bandwidth = measure_read_bandwidth(torch.device("cuda"))  # GB/s
     results = {"bandwidth_gbs": round(bandwidth, 1), "quant": args.quant, "vocab_quant": args.vocab_quant}

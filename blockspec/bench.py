@@ -94,15 +94,31 @@ class ForcedAcceptance(Proposer):
     def observe(self, out, first, tokens, next_tokens, drafts=True):
         self.inner.observe(out, first, tokens, next_tokens, drafts)
 
-    def propose(self, anchor, position, k):
-        real = self.inner.propose(anchor, position, k)
+    @property
+    def tree_budget(self):
+        return self.inner.tree_budget
+
+    def forced(self, position, k):
         truth = self.trajectory[position + 1:position + 1 + k]
         n = len(truth)  # shorter near max_tokens: the rest of the block is never emitted
         m = max(0, min(n, round(self.rate * (self.proposed + n) - self.accepted)))
         self.proposed += n
         self.accepted += m
-        self.proposals = truth[:m] + [(t + 1) % self.vocab for t in truth[m:]] + real[n:]
+        return truth[:m] + [(t + 1) % self.vocab for t in truth[m:]]
+
+    def propose(self, anchor, position, k):
+        real = self.inner.propose(anchor, position, k)
+        forced = self.forced(position, k)
+        self.proposals = forced + real[len(forced):]
         return self.proposals
+
+    def propose_tree(self, anchor, position):
+        """The real tree with its chain (nodes 1..R, drafter/tree.py) forced as `propose` forces a chain: the
+        other nodes keep the drafter's tokens (wrong for the trajectory on synthetic weights, so rarely taken)."""
+        tree = self.inner.propose_tree(anchor, position)
+        forced = self.forced(position, min(self.max_proposals, tree.size - 1))
+        tree.tokens[1:1 + len(forced)] = torch.tensor(forced, device=tree.tokens.device)
+        return tree
 
     def draft(self):
         """Under sampling: each forced proposal drawn from a point mass on it (q = 1), which keeps the rule exact;
@@ -111,6 +127,20 @@ class ForcedAcceptance(Proposer):
         ids, probs = self.inner.draft()
         forced = torch.tensor(self.proposals, device=ids.device)[:, None].expand_as(ids)
         return forced, torch.zeros_like(probs).index_fill_(1, torch.tensor([0], device=probs.device), 1.0)
+
+
+def tree_budgets(text: str) -> list[int]:
+    """--tree-budget: comma-separated budgets, each 0 (the chain) .. MAX_PASS_TOKENS - 1."""
+    from .config import MAX_PASS_TOKENS
+
+    try:
+        budgets = [int(b) for b in str(text).split(",")]
+    except ValueError:
+        raise BlockspecError(f"--tree-budget must be a number or comma-separated numbers (got {text!r})") from None
+    bad = [b for b in budgets if not 0 <= b < MAX_PASS_TOKENS]
+    if bad:
+        raise BlockspecError(f"--tree-budget {bad[0]}: each budget must be 0 (the chain) .. {MAX_PASS_TOKENS - 1}")
+    return list(dict.fromkeys(budgets))
 
 
 def parse_rates(text: str | None, n_fixtures: int) -> list[float] | None:
@@ -166,10 +196,11 @@ def bytes_per_plain_step(engine) -> int:
     return total
 
 
-def build_engine(args, mode: str):
+def build_engine(args, mode: str, tree_budget: int = 0):
     from .engine.engine import Engine
 
     overrides = {**weight_overrides(args), "mode": mode, "device": args.device, "compute_dtype": args.dtype,
+                 "dflash2_tree_budget": tree_budget or None,
                  "context_length": args.context_length, "dflash2_model": args.drafter if mode == "dflash2" else None,
                  "load_progress": True}
     if args.compile_mode is not None:
@@ -216,13 +247,13 @@ def check_synthetic_fits(name: str, config: PredictConfig, device) -> memory.Mem
     """The synthetic weights are built on the GPU: refused first if the estimate exceeds its free memory."""
     from .config import TargetConfig
     from .drafter.config import DrafterConfig
-    from .engine.engine import MAX_VERIFY_TOKENS, resolve_execution
+    from .engine.engine import pass_rows, resolve_execution
     from .synthetic import preset, synthetic_drafter_config
 
     target = TargetConfig.from_dict(preset(name), source=f"synthetic preset {name}")
     drafter = DrafterConfig.from_dict(synthetic_drafter_config(target)) if config.decode_mode == "dflash2" else None
     needed = memory.estimate(target, config, execution=resolve_execution(config, device),
-                             max_partial=MAX_VERIFY_TOKENS, drafter=drafter)
+                             max_partial=pass_rows(config), drafter=drafter)
     memory.check_fits(needed, config, device)
     return needed
 
@@ -272,6 +303,8 @@ def check_arguments(args) -> tuple[list[str], list[dict], list[float] | None]:
     if args.forced_acceptance is not None and not args.synthetic:
         raise BlockspecError("--forced-acceptance needs --synthetic weights (it replaces real proposals)")
     rates = parse_rates(args.forced_acceptance, len(fixtures))
+    if tree_budgets(args.tree_budget) != [0] and "dflash2" not in modes:
+        raise BlockspecError(f"--tree-budget {args.tree_budget}: trees verify DFlash2 proposals: add dflash2 to --mode")
     sampling_variants(args)
     if args.png_out:
         try:
@@ -298,12 +331,15 @@ def bench(args) -> dict:
     trajectories = {}
     from .engine.engine import resolve_device
     bandwidth = args.bandwidth or measure_read_bandwidth(resolve_device(args.device))
-    for mode in ["none"] + [m for m in modes if m != "none"]:
+    budgets = tree_budgets(args.tree_budget)
+    runs = [(m, b) for m in ["none"] + [m for m in modes if m != "none"] for b in (budgets if m == "dflash2" else [0])]
+    for mode, budget in runs:
         if mode not in modes and args.forced_acceptance is None:
             continue
         start = time.perf_counter()
-        engine = build_engine(args, mode)
-        results.setdefault("load_times", {})[mode] = {"total_s": round(time.perf_counter() - start, 3),
+        engine = build_engine(args, mode, budget)
+        name = f"{mode}:{budget}" if budget else mode  # the rows' mode: dflash2 with a tree of `budget` nodes
+        results.setdefault("load_times", {})[name] = {"total_s": round(time.perf_counter() - start, 3),
                                                       **engine.load_times}
         if "device" not in results:
             results["device"] = torch.cuda.get_device_name() if engine.device.type == "cuda" else "cpu"
@@ -326,27 +362,27 @@ def bench(args) -> dict:
                    engine.tokenizer.chat_prompt_ids([{"role": "user", "content": fixture["prompt"]}]))
             rate = rates[fixtures.index(fixture)] if rates else None
             for sampling in variants:
-                runs = run_fixture(engine, ids, args, trajectories.get(fixture["name"]), rate, sampling)
+                measured = run_fixture(engine, ids, args, trajectories.get(fixture["name"]), rate, sampling)
                 if mode == "none" and fixture["name"] not in trajectories:
-                    trajectories[fixture["name"]] = ids + runs[0].tokens
+                    trajectories[fixture["name"]] = ids + measured[0].tokens
                 if mode not in modes:
                     continue
-                row = summarize(mode, fixture["name"], runs, results)
+                row = summarize(name, fixture["name"], measured, results)
                 if mode != "none" and rate is None:
-                    row["repeats_split"] = summarize_generations([repeat_split(ids, runs[0].tokens,
-                                                                               runs[0].stats["accepted_per_cycle"])])
+                    row["repeats_split"] = summarize_generations([repeat_split(
+                        ids, measured[0].tokens, measured[0].stats["accepted_per_cycle"])])
                 results["rows"].append(row)
                 print(format_row(row), flush=True)
         if args.one_cycle and mode != "none" and mode in modes:
             sequences = [engine.tokenizer.encode(f.get("text", f["prompt"])) for f in fixtures]
             for sampling in variants:  # "MODE" greedy, "MODE sampled" with the flags' sampling
-                key = f"{mode} sampled" if sampling else mode
+                key = f"{name} sampled" if sampling else name
                 measured = results.setdefault("one_cycle", {})[key] = one_cycle_acceptance(
                     engine, sequences, args.one_cycle, args.seed, sampling)
                 print(f"{key}: one cycle from {measured['cuts']} real contexts: mean accepted length "
                       f"{measured['mean_accepted_length']:.3f}, acceptance {measured['acceptance_rate']:.1%}",
                       flush=True)
-        results.setdefault("memory", {})[mode] = memory.report(engine)  # decoding's peak: after every fixture
+        results.setdefault("memory", {})[name] = memory.report(engine)  # decoding's peak: after every fixture
         del engine
         gc.collect()
         if torch.cuda.is_available():
@@ -359,6 +395,8 @@ def summarize(mode, fixture, runs, results) -> dict:
     tps = statistics.median(speeds)
     cycles = [r.stats["decode_s"] / r.stats["cycles"] * 1e3 for r in runs if r.stats.get("cycles")]
     row = {"mode": mode, "fixture": fixture, "decode_tokens_per_s": tps, "runs_tokens_per_s": speeds,
+           "tree_budget": runs[0].stats.get("tree_budget", 0),
+           "nodes_per_cycle": runs[0].stats.get("nodes_per_cycle"),
            "generated": runs[0].stats["generated"], "prefill_s": statistics.median(r.stats["prefill_s"] for r in runs),
            "acceptance_rate": runs[0].stats.get("acceptance_rate"),
            "mean_accepted_length": runs[0].stats.get("mean_accepted_length"),
@@ -381,7 +419,7 @@ def summarize(mode, fixture, runs, results) -> dict:
 
 
 COLUMNS = [  # header, width, how a row's value is shown ("-" when the row has none)
-    ("mode", -8, lambda r: r["mode"]),
+    ("mode", -10, lambda r: r["mode"]),
     ("fixture", -12, lambda r: r["fixture"]),
     ("tok/s", 9, lambda r: f"{r['decode_tokens_per_s']:.2f}"),
     ("GB/s", 8, lambda r: f"{r['weight_gb_s']:.1f}"),
@@ -394,7 +432,7 @@ COLUMNS = [  # header, width, how a row's value is shown ("-" when the row has n
     ("sampling", -8, lambda r: "greedy" if r["sampling"]["temperature"] == 0 else "sampled"),
     ("x greedy", 9, lambda r: f"{r['cost_vs_greedy']:.4f}" if "cost_vs_greedy" in r else None),
 ]
-# tok/s: median decode tokens/s; GB/s: the weight bandwidth that speed implies (plain-step bytes x tokens/s);
+# mode: dflash2:N a tree of N draft nodes per cycle; tok/s: median decode tokens/s; GB/s: the weight bandwidth that speed implies (plain-step bytes x tokens/s);
 # roofline: % of the read bandwidth measured in the same run; accept: accepted / proposed; cycle ms, x plain: one
 # speculative cycle and its cost in plain decode steps (of the same sampling); x greedy (--compare-greedy): a sampled
 # cycle's (plain: step's) cost relative to the greedy one of the same mode and fixture
@@ -472,6 +510,8 @@ def add_bench_parser(sub):
     p.add_argument("--drafter", metavar="DIR", help="DFlash2 drafter directory, for mode dflash2 (default: none)")
     p.add_argument("--synthetic", metavar="PRESET", help="random weights with real shapes: qwen3.5-27b or tiny")
     p.add_argument("--mode", default="none", help="none, mtp, dflash2, or several comma-separated")
+    p.add_argument("--tree-budget", default="0", metavar="N[,N...]", help="dflash2: draft nodes verified as a tree "
+                   "per cycle, one engine per budget (rows dflash2:N); 0: the chain")
     p.add_argument("--max-tokens", type=int, default=256, metavar="N", help="tokens generated per measured run")
     p.add_argument("--repeats", type=int, default=3, metavar="R", help="measured runs per fixture (the median is "
                    "reported)")

@@ -63,3 +63,25 @@ def test_drafter_proposes_as_in_dflash(engines, pair):
     assert [start for start, _, _ in compared] == [8, 120, 399]
     for start, ours, theirs in compared:
         assert torch.equal(ours, theirs), (start, ours, theirs)
+
+
+def test_draft_trees_equal_plain_greedy_and_accept_more(pair, engines):
+    """Trees of 16 and 32 nodes on the trained pair: plain greedy's tokens, and one cycle from 40 contexts of
+    the same files accepts more than the chain (the sweep resumes each context's prefill from a snapshot)."""
+    from blockspec.engine.engine import Engine
+
+    target, drafter = pair
+    tree = Engine.load(target, mode="dflash2", dflash2_model=str(drafter), device="cpu", compute_dtype="float32",
+                       context_length=CONTEXT_LENGTH, dflash2_tree_budget=32)
+    rng = random.Random(1)
+    sequences = source_tokens(engines, standard_library_files(3, 5))
+    for tokens in sequences:
+        prompt = tokens[:rng.randrange(32, 320)]
+        expected = engines["none"].generate(prompt, 24, stop_at_eos=False).tokens
+        for budget in (16, 32):
+            tree.proposer.tree_budget = budget
+            assert tree.generate(prompt, 24, stop_at_eos=False).tokens == expected, (budget, len(prompt))
+    measured = one_cycle_acceptance(tree, sequences, 40, seed=0, tree_budgets=[0, 16, 32])
+    lengths = {b: m["mean_accepted_length"] for b, m in measured.items()}
+    print(f"one cycle from 40 contexts: {lengths}")
+    assert lengths[0] < lengths[16] < lengths[32], lengths

@@ -28,23 +28,37 @@ def standard_library_files(count: int | None = None, seed: int = 0) -> list[Path
 
 
 def one_cycle_acceptance(engine, sequences: list[list[int]], cuts: int, seed: int = 0,
-                         sampling: dict | None = None) -> dict:
+                         sampling: dict | None = None, tree_budgets: list[int] | None = None) -> dict:
     """One speculative cycle from each of `cuts` random prefixes of the token sequences (a cut leaves at least one
     token before it), greedy or with `sampling` (Engine.generate's keywords): the mean number of tokens a cycle
-    emits (accepted + 1), its histogram, the acceptance rate."""
+    emits (accepted + 1), its histogram, the acceptance rate. With `tree_budgets` (an eager DFlash2 engine whose
+    state records trees of the largest), each cut's cycle runs at every budget from one prefill (the later ones
+    resume from a snapshot before the last prompt token, engine/reuse.py): {budget: the measure}."""
     rng = random.Random(seed)
     block = engine.proposer.max_proposals + 1
-    longest = engine.config.context_length - 2 * block
+    longest = engine.config.context_length - 2 * max([block, *(b + 1 for b in tree_budgets or [])])
     candidates = [s[:longest] for s in sequences if len(s) >= 2]
-    lengths = []
-    for _ in range(cuts):
-        sequence = candidates[rng.randrange(len(candidates))]
-        cut = rng.randrange(1, len(sequence))
-        stats = engine.generate(sequence[:cut], block + 1, stop_at_eos=False, **(sampling or {})).stats
-        lengths.append(stats["accepted_per_cycle"][0] + 1)
-    return {"cuts": len(lengths), "mean_accepted_length": round(sum(lengths) / len(lengths), 4),
-            "acceptance_rate": round((sum(lengths) - len(lengths)) / (len(lengths) * (block - 1)), 4),
-            "histogram": {n: lengths.count(n) for n in sorted(set(lengths))}}
+    budgets = tree_budgets or [engine.proposer.tree_budget]
+    if tree_budgets and (engine.target.execution != "eager" or engine.prefix is None
+                         or max(budgets) + 1 > engine.state.gdn[0].max_partial):
+        raise ValueError("a sweep of tree budgets needs an eager engine with prefix reuse, built for the largest")
+    lengths = {b: [] for b in budgets}
+    kept = engine.proposer.tree_budget
+    try:
+        for _ in range(cuts):
+            sequence = candidates[rng.randrange(len(candidates))]
+            cut = rng.randrange(1, len(sequence))
+            for budget in budgets:
+                engine.proposer.tree_budget = budget
+                stats = engine.generate(sequence[:cut], block + 1, stop_at_eos=False, snapshot_at=cut - 1,
+                                        **(sampling or {})).stats
+                lengths[budget].append(stats["accepted_per_cycle"][0] + 1)
+    finally:
+        engine.proposer.tree_budget = kept
+    measured = {b: {"cuts": len(n), "mean_accepted_length": round(sum(n) / len(n), 4),
+                    "acceptance_rate": round((sum(n) - len(n)) / (len(n) * (block - 1)), 4),
+                    "histogram": {k: n.count(k) for k in sorted(set(n))}} for b, n in lengths.items()}
+    return measured if tree_budgets else measured[budgets[0]]
 
 
 def repeat_split(prompt: list[int], tokens: list[int], accepted_per_cycle: list[int]) -> dict:
