@@ -5,8 +5,8 @@ For each mode (one engine each, on a fresh synthetic target, after a 512-token p
 CUDA events (median of 20 after warm-up): the graphed 1-token step with its commit (and its share of the bandwidth
 roofline), the graphed verification pass of the mode with a full and a 1-token commit, the DFlash2 proposal graph,
 the graphed drafter context append of 4 rows, the graphed MTP observe + chain of 3 drafts, and the head on one row.
-With `--tree-budget N` (DFlash2), also the draft tree's pieces: the graphed proposal and tree build, the graphed
-tree pass, the walk with its read back, and the graphed commit of a 1-node and a full-depth path.
+With `--tree-budget N` (DFlash2), also the draft tree's pieces: the graphed proposal and tree build, and the graphed
+tree pass with its greedy walk, the read back and the graphed commit of a 1-node and a full-depth path.
 Then a kernel table of each graphed piece (torch.profiler: which kernels take the time, and the first kernels of a
 step in launch order). `--pdl-level 0` gives each kernel's own duration (with PDL a kernel's time includes its wait
 for the previous one); `--no-fold-norms` the INT4 step with its norms as kernels of their own. Prints it all; JSON to
@@ -32,7 +32,6 @@ from blockspec.bench import bytes_per_plain_step, measure_read_bandwidth  # noqa
 from blockspec.config import PredictConfig  # noqa: E402
 from blockspec.engine.decode import prefill  # noqa: E402
 from blockspec.engine.engine import Engine  # noqa: E402
-from blockspec.engine.tree import walk  # noqa: E402
 from blockspec.engine.weights import rtn  # noqa: E402
 from blockspec.kernels import use  # noqa: E402
 from blockspec.models.qwen3_5 import TargetOutput  # noqa: E402
@@ -143,16 +142,14 @@ def profile_tree(engine, prime, timed) -> dict:
     timed(f"tree_{n}_propose_graph_ms", lambda: proposer.propose_tree(5, state.length))
     prime()
     tree = proposer.propose_tree(5, state.length)
-    out, layout = target.run_tree(tree)
-    state.discard()
-    r[f"tree_{n}_walk_read_ms"] = event_ms(lambda: walk(out.logits, tree, depth).tolist())
 
-    def verify(path):
-        _, layout = target.run_tree(tree)
+    def verify(path):  # the pass with its greedy walk, the read back, the commit of `path`
+        _, layout, walked = target.run_tree(tree, depth)
+        walked.tolist()
         state.commit_path(path, layout.window_rows[path[-1], 1:])
     for kept in (1, depth + 1):
         path = torch.arange(kept, device=engine.device)  # the chain: nodes 0..kept-1
-        timed(f"tree_{n}_pass_commit_{kept}_ms", lambda: verify(path))
+        timed(f"tree_{n}_pass_walk_commit_{kept}_ms", lambda: verify(path))
     return r
 
 

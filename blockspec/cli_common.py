@@ -187,7 +187,8 @@ def describe_sampling(sampling: dict) -> str:
 
 
 def format_stats(stats: dict) -> str:
-    line = (f"[{stats.get('mode', 'none')}] generated {stats['generated']} tokens, prefill {stats['prefill_s']:.3f} s, "
+    mode = stats.get("mode", "none") + (f", tree of {stats['tree_budget']}" if stats.get("tree_budget") else "")
+    line = (f"[{mode}] generated {stats['generated']} tokens, prefill {stats['prefill_s']:.3f} s, "
             f"decode {stats['decode_tokens_per_s']:.1f} tokens/s")
     if "acceptance_rate" in stats:
         line += (f", {stats['cycles']} cycles, mean accepted length {stats['mean_accepted_length']:.2f}, "

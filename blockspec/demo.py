@@ -2,8 +2,9 @@
 
 The pair: a small Qwen3.5-architecture target with its own MTP head, and a DFlash2 drafter for it, trained on the
 Python source files of installed packages, never on the standard library. The demo continues the beginning of a
-standard-library module in modes none, mtp and dflash2 (the same greedy tokens in each), then measures one
-speculative cycle from real contexts of other standard-library modules: what each proposer buys on unseen code.
+standard-library module in modes none, mtp, dflash2 and dflash2 verifying a draft tree of DEMO_TREE_BUDGET nodes
+(the same greedy tokens in each), then measures one speculative cycle from real contexts of other standard-library
+modules: what each proposer, and the tree beside the chain, buys on unseen code.
 """
 
 from __future__ import annotations
@@ -36,6 +37,8 @@ MEASURE_FILES = ("fractions.py", "shutil.py", "calendar.py", "random.py")  # con
 MEASURE_CUTS = 30
 MEASURE_TOKENS = 496  # contexts are cut from each file's first tokens: short prefills keep the measure quick
 MEASURE_SEED = 0
+DEMO_TREE_BUDGET = 32  # nodes of the demo's draft tree (mode dflash2 verifying a tree beside the chain)
+TREE = f"dflash2 tree {DEMO_TREE_BUDGET}"  # the tree engine's name in the demo's output
 
 DESCRIPTION = """\
 blockspec demo: a small model trained here and its two speculative proposers, on the CPU (float32).
@@ -117,13 +120,17 @@ def one_thread():
 
 
 def load_engines(target: Path, drafter: Path, context_length: int) -> dict:
-    """An engine per mode on the CPU in float32: mtp drafts with the target's own head, dflash2 with the drafter."""
+    """An engine per mode on the CPU in float32: mtp drafts with the target's own head, dflash2 with the drafter
+    (its chain, and TREE: a draft tree of DEMO_TREE_BUDGET nodes)."""
     from .engine.engine import Engine
 
-    return {mode: Engine(PredictConfig.build({
-        "model": str(target), "mode": mode, "device": "cpu", "compute_dtype": "float32",
-        "context_length": context_length, "dflash2_model": str(drafter) if mode == "dflash2" else None}))
-        for mode in ("none", "mtp", "dflash2")}
+    def engine(mode, budget=0):
+        return Engine(PredictConfig.build({
+            "model": str(target), "mode": mode, "device": "cpu", "compute_dtype": "float32",
+            "context_length": context_length, "dflash2_model": str(drafter) if mode == "dflash2" else None,
+            "dflash2_tree_budget": budget}))
+    return {"none": engine("none"), "mtp": engine("mtp"), "dflash2": engine("dflash2"),
+            TREE: engine("dflash2", DEMO_TREE_BUDGET)}
 
 
 def show_prompt(file: Path, prompt: str, token_count: int, max_tokens: int) -> None:
@@ -152,7 +159,7 @@ def measure_one_cycle(engines: dict, files: list[Path]) -> None:
     tokenizer = engines["none"].tokenizer
     sequences = [tokenizer.encode(read_source(file))[:MEASURE_TOKENS] for file in files]
     measured = {mode: one_cycle_acceptance(engines[mode], sequences, MEASURE_CUTS, seed=MEASURE_SEED)
-                for mode in ("mtp", "dflash2")}
+                for mode in ("mtp", "dflash2", TREE)}
     lengths = ", ".join(f"{mode} {m['mean_accepted_length']:.2f}" for mode, m in measured.items())
     rates = ", ".join(f"{100 * m['acceptance_rate']:.1f} %" for m in measured.values())
     names = ", ".join(file.name for file in files)
@@ -179,8 +186,8 @@ def run_demo(max_tokens: int, context_length: int | None) -> None:
         show_prompt(prompt_file, prompt, len(ids), max_tokens)
         engines = load_engines(target, drafter, context_length)
         outputs = continue_in_every_mode(engines, ids, prompt[prompt.rfind("\n") + 1:], max_tokens)
-        same = outputs["none"] == outputs["mtp"] == outputs["dflash2"]
-        print(f"\nmtp and dflash2 outputs identical to plain greedy: {'yes' if same else 'NO'}")
+        same = all(tokens == outputs["none"] for tokens in outputs.values())
+        print(f"\nmtp, dflash2 and {TREE} outputs identical to plain greedy: {'yes' if same else 'NO'}")
         if not same:
             raise SystemExit(1)
         measure_one_cycle(engines, measured_files)

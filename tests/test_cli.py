@@ -50,11 +50,13 @@ def test_demo_runs():
     assert code == 0, err
     assert "trained on the Python source files of installed packages, never on the standard library" in out
     assert re.search(r"prompt: the first \d+ tokens \(whole lines\) of \S+\.py, from this Python's standard", out)
-    assert out.count("generated 48 tokens") == 3 and "tokens/s" in out and "acceptance" in out
+    assert out.count("generated 48 tokens") == 4 and "tokens/s" in out and "acceptance" in out
+    assert "[dflash2, tree of 32] generated 48 tokens" in out
     assert "outputs identical to plain greedy: yes" in out
-    measured = re.search(r"one speculative cycle from 30 real contexts .*\n  mtp (\S+), dflash2 (\S+) tokens per cycle",
-                         out)
+    measured = re.search(r"one speculative cycle from 30 real contexts .*\n  mtp (\S+), dflash2 (\S+), dflash2 tree 32 "
+                         r"(\S+) tokens per cycle", out)
     assert measured and min(float(measured[1]), float(measured[2])) > 1.0, out
+    assert float(measured[3]) > float(measured[2]), out  # the tree holds the chain: it accepts at least as much
     assert "the pair over 500 contexts" in out
 
 

@@ -184,7 +184,7 @@ def test_kept_path_equals_a_pass_over_it(pair):
                                      torch.tensor(prompt[:-1]), engine.proposer.capture_layers),
                             0, prompt[:-1], prompt[1:])
     tree = engine.proposer.propose_tree(prompt[-1], len(prompt) - 1)
-    out, layout = engine.target.run_tree(tree)
+    out, layout, _ = engine.target.run_tree(tree, engine.proposer.max_proposals)
     node = int(tree.depth.argmax())
     path = path_of(tree.parents.tolist(), node)
     state.commit_path(torch.tensor(path), layout.window_rows[node, 1:])

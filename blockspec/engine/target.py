@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import torch
 
+from ..drafter.tree import DraftTree
 from ..layers.tree import TreeLayout
 from . import graphs
+from .tree import walk
 
 
 class EagerTarget:
@@ -36,12 +38,14 @@ class EagerTarget:
         out, greedy = self.run(block)
         return out, greedy.tolist()
 
-    def run_tree(self, tree):
-        """One pass over a draft tree's nodes (drafter/tree.py) from the committed length; returns (out, its
-        TreeLayout), the pass left pending for DecodeState.commit_path."""
+    def run_tree(self, tree, depth: int):
+        """One pass over a draft tree's nodes (drafter/tree.py, at most `depth` below the root) from the committed
+        length; returns (out, its TreeLayout, the greedy walk of engine/tree.py as a device tensor), the pass left
+        pending for DecodeState.commit_path."""
         start = self.state.begin(tree.size)
         layout = TreeLayout.build(tree.parents, tree.depth, start, self.model.config.linear_conv_kernel_dim)
-        return self.model(tree.tokens, self.state.layers, start=start, capture=self.capture, tree=layout), layout
+        out = self.model(tree.tokens, self.state.layers, start=start, capture=self.capture, tree=layout)
+        return out, layout, walk(out.logits, tree, depth)
 
 
 class GraphedTarget(EagerTarget):
@@ -52,33 +56,36 @@ class GraphedTarget(EagerTarget):
         self.pool = torch.cuda.graph_pool_handle()
         self.passes = {t: self._capture_pass(t, warmup) for t in sorted(set(lengths))}
         state.capture_commits(lengths, self.pool, warmup)
-        self.tree_pass = self._capture_tree(tree_size, warmup) if tree_size else None
+        self.tree_depth = tree_depth
+        self.tree_pass = self._capture_tree(tree_size, tree_depth, warmup) if tree_size else None
         if tree_size:
             state.capture_path_commits(tree_depth + 1, self.pool, warmup)
         state.reset()  # warm-ups ran on scratch data
 
-    def _capture_tree(self, size, warmup):
-        """The pass over a tree of `size` nodes, its layout built in the graph from the nodes' parents and depths
-        and the committed length, all static inputs."""
-        tokens, parents, depth = (torch.zeros(size, dtype=torch.long, device=self.device) for _ in range(3))
+    def _capture_tree(self, size, depth, warmup):
+        """The pass over a tree of `size` nodes and its greedy walk, the layout built in the graph from the nodes'
+        parents and depths and the committed length, all static inputs."""
+        tree = DraftTree(*(torch.zeros(size, dtype=torch.long, device=self.device) for _ in range(3)),
+                         torch.zeros(size, dtype=torch.bool, device=self.device))
         start = torch.full((), self.state.capacity - size, dtype=torch.long, device=self.device)  # unreached slots
         kernel = self.model.config.linear_conv_kernel_dim
 
         def run():
-            layout = TreeLayout.build(parents, depth, start, kernel)
-            return self.model(tokens, self.state.layers, capture=self.capture, tree=layout), layout
-        graph, (out, layout) = graphs.capture(run, warmup, self.pool)
-        return graph, (tokens, parents, depth), start, out, layout
+            layout = TreeLayout.build(tree.parents, tree.depth, start, kernel)
+            out = self.model(tree.tokens, self.state.layers, capture=self.capture, tree=layout)
+            return out, layout, walk(out.logits, tree, depth)
+        graph, outputs = graphs.capture(run, warmup, self.pool)
+        return graph, tree, start, outputs
 
-    def run_tree(self, tree):
-        if self.tree_pass is None or self.tree_pass[1][0].shape[0] != tree.size:
-            return super().run_tree(tree)
-        graph, inputs, start, out, layout = self.tree_pass
-        for static, given in zip(inputs, (tree.tokens, tree.parents, tree.depth)):
-            static.copy_(given)
+    def run_tree(self, tree, depth: int):
+        if self.tree_pass is None or self.tree_pass[1].size != tree.size or depth != self.tree_depth:
+            return super().run_tree(tree, depth)
+        graph, static, start, outputs = self.tree_pass
+        for field in ("tokens", "parents", "depth", "valid"):
+            getattr(static, field).copy_(getattr(tree, field))
         start.fill_(self.state.begin(tree.size))
         graph.replay()
-        return out, layout
+        return outputs
 
     def _capture_pass(self, t, warmup):
         ids = torch.zeros(t, dtype=torch.long, device=self.device)

@@ -11,6 +11,7 @@ pass, no lossless rule leaves a node with higher probability than this one: the 
 distributed as p, so it lies among the node's children with probability p(children) at most, which this rule
 reaches. (Multi-candidate rejection sampling gains only where the candidates were drawn at random.)
 
+The greedy walk runs with the target's pass (engine/target.py: in its CUDA graph); a sampled one after it.
 The host reads back once per cycle: the accepted count, the bonus, the path's nodes and tokens.
 """
 
@@ -49,11 +50,10 @@ def tree_cycle(target, proposer, anchor: int, position: int, sampler: Sampler | 
     """Propose, verify, walk and keep one tree. Returns (the pass's output at the kept rows, the accepted tokens,
     the emitted tokens: the accepted ones and the bonus)."""
     tree = proposer.propose_tree(anchor, position)
-    out, layout = target.run_tree(tree)
     depth = proposer.max_proposals
-    sampled = sampler is not None and not sampler.greedy
-    uniforms = sampler.uniforms(depth + 1).to(out.logits.device) if sampled else None
-    result = walk(out.logits, tree, depth, sampler, uniforms)
+    out, layout, result = target.run_tree(tree, depth)  # the greedy walk, in the pass's graph
+    if sampler is not None and not sampler.greedy:
+        result = walk(out.logits, tree, depth, sampler, sampler.uniforms(depth + 1).to(out.logits.device))
     values = result.tolist()  # the cycle's one read back
     accepted, bonus = values[:2]
     path = result[2:3 + accepted]
