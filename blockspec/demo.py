@@ -158,8 +158,11 @@ def measure_one_cycle(engines: dict, files: list[Path]) -> None:
     pair's figures over 500 contexts."""
     tokenizer = engines["none"].tokenizer
     sequences = [tokenizer.encode(read_source(file))[:MEASURE_TOKENS] for file in files]
-    measured = {mode: one_cycle_acceptance(engines[mode], sequences, MEASURE_CUTS, seed=MEASURE_SEED)
-                for mode in ("mtp", "dflash2", TREE)}
+    # the chain and the tree from each context's one prefill (the tree engine's sweep of budgets)
+    chain, tree = one_cycle_acceptance(engines[TREE], sequences, MEASURE_CUTS, seed=MEASURE_SEED,
+                                       tree_budgets=[0, DEMO_TREE_BUDGET]).values()
+    measured = {"mtp": one_cycle_acceptance(engines["mtp"], sequences, MEASURE_CUTS, seed=MEASURE_SEED),
+                "dflash2": chain, TREE: tree}
     lengths = ", ".join(f"{mode} {m['mean_accepted_length']:.2f}" for mode, m in measured.items())
     rates = ", ".join(f"{100 * m['acceptance_rate']:.1f} %" for m in measured.values())
     names = ", ".join(file.name for file in files)
