@@ -16,7 +16,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from . import attention_inputs_triton, attention_triton
+from . import attention_inputs_triton, attention_triton, triton_runs_on
 from .norm import rms_norm_plain, rms_norm_reference
 
 
@@ -68,6 +68,23 @@ def prepare_attention_inputs_reference(query, key, value, q_weight, k_weight, ep
     cache_k.index_copy_(0, slots, apply_rope(norm(key, k_weight, eps), cos, sin))
     cache_v.index_copy_(0, slots, value)
     return None if query is None else apply_rope(norm(query, q_weight, eps), cos, sin)
+
+
+def keep_path(cache_k: torch.Tensor, cache_v: torch.Tensor, start, path: torch.Tensor):
+    """A draft tree's pass wrote node i's key and value at cache entry start + i (start: an int, or a 0-dim device
+    tensor under CUDA graphs); the kept path's nodes `path` [n] (root first, increasing) move to start .. start +
+    n - 1. One Triton launch for both caches where it runs (attention_inputs_triton.keep_path), else the
+    reference."""
+    if triton_runs_on(cache_k) and cache_k.is_contiguous() and cache_v.is_contiguous():
+        return attention_inputs_triton.keep_path(cache_k, cache_v, start, path)
+    return keep_path_reference(cache_k, cache_v, start, path)
+
+
+def keep_path_reference(cache_k, cache_v, start, path):
+    """Gathered before written: a node may move onto an entry another kept node leaves."""
+    slots = start + torch.arange(path.shape[0], device=path.device)
+    for cache in (cache_k, cache_v):
+        cache.index_copy_(0, slots, cache.index_select(0, start + path))
 
 
 def cached_attention_sdpa(q, k, v, positions, scale):

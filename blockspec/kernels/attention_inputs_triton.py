@@ -4,6 +4,9 @@ plain for the DFlash2 drafter) and partial rotate-half RoPE of the queries and k
 into the KV cache at their slots (read from the device, so a CUDA graph replays it at any position). The reference
 takes 8 kernels per layer on the H200 (6 compiled, 2 index copies); here one program per (token, head) does it all.
 Rounding as the reference: the normed vector is rounded to the activation dtype before the rotation.
+
+`keep_path` moves a draft tree's kept entries within the cache (`keep_path_reference` there): one launch for the
+keys and values of a layer where the reference takes four (a gather and a scatter of each).
 """
 
 from __future__ import annotations
@@ -40,7 +43,38 @@ def prepare_attention_inputs(query, key, value, q_weight, k_weight, eps, cos, si
     return out
 
 
+# cache channels (kv heads x head dim) a keep_path program moves: 8 programs for the 27B's 4 x 256 keys and values,
+# 32 KB at 8 nodes, a move that latency bounds whatever the split
+MOVE_BLOCK = 256
+
+
+def keep_path(cache_k, cache_v, start, path):
+    """The reference's contract (caches contiguous) in one launch; programs (block of channels, k or v)."""
+    width, n = cache_k[0].numel(), path.shape[0]
+    start = start if isinstance(start, torch.Tensor) else torch.tensor(start, device=path.device)
+    block = min(MOVE_BLOCK, triton.next_power_of_2(width))
+    _keep_path_kernel[(triton.cdiv(width, block), 2)](cache_k, cache_v, start, path.contiguous(), n, width,
+                                                      ROWS=triton.next_power_of_2(n), BLOCK=block, num_warps=1,
+                                                      **pdl.options(cache_k))
+
+
 if triton is not None:
+    @triton.jit
+    def _keep_path_kernel(cache_k, cache_v, start, path, n, width, ROWS: tl.constexpr, BLOCK: tl.constexpr,
+                          PDL: tl.constexpr):
+        pdl.begin(PDL)
+        cache = cache_k if tl.program_id(1) == 0 else cache_v
+        cols = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        nodes = tl.arange(0, ROWS)
+        here = (nodes < n)[:, None] & (cols < width)[None, :]
+        first = tl.load(start)
+        source = first + tl.load(path + nodes, mask=nodes < n, other=0)
+        kept = tl.load(cache + source[:, None] * width + cols[None, :], mask=here)
+        # a node may move onto an entry another kept node leaves (path [0, 2, 3]: node 3 onto node 2's), and
+        # another thread may hold that entry's elements: every read of this program is done before any write
+        tl.debug_barrier()
+        tl.store(cache + (first + nodes)[:, None] * width + cols[None, :], kept, mask=here)
+
     @triton.jit
     def _normed(x, rstd, w, dtype: tl.constexpr, ZERO_CENTRED: tl.constexpr):
         """The norm as each convention rounds it (rms_norm_reference / rms_norm_plain), back in float32."""

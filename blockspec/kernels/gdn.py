@@ -103,6 +103,22 @@ def gated_delta(mixed, gates, state_in, state_out, shape, gates_out=None, out_dt
     return out.to(out_dtype or torch.float32)
 
 
+def keep_path(mixed, g, beta, state, shape, path, window, history_rows, history):
+    """Keep the path `path` [n] (row indices) of a recorded pass (conv output mixed [T, C], gates g, beta [T, Hv],
+    conv window [K-1+T, C]): the recurrence alone over those rows, in place over `state`, and the conv history
+    [K-1, C] set to the window rows history_rows [K-1]. On CUDA one Triton launch (gdn_triton.keep_path), else
+    the reference."""
+    if path.shape[0] <= SHORT_PASS and gdn_triton.available(mixed):
+        return gdn_triton.keep_path(mixed, g, beta, state, shape, path, window, history_rows, history)
+    return keep_path_reference(mixed, g, beta, state, shape, path, window, history_rows, history)
+
+
+def keep_path_reference(mixed, g, beta, state, shape, path, window, history_rows, history):
+    gated_delta(mixed.index_select(0, path), ("given", g.index_select(0, path), beta.index_select(0, path)), state,
+                state, shape)
+    history.copy_(window.index_select(0, history_rows))
+
+
 def deltanet_mixer(x, history, conv_weight, gates, state_in, state_out, shape, z, norm_weight, eps, window_out=None,
                    mixed_out=None, gates_out=None, update_history=False):
     """A DeltaNet layer between its input and output projections: causal conv of the projection x [T, C], the

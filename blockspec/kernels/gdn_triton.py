@@ -1,6 +1,6 @@
 """Gated DeltaNet kernels in Triton, the fast paths beside the references of blockspec.kernels.gdn: the depthwise
 causal conv (any length, window and output written by one launch) and the gated delta rule for short passes
-(decode, verification, a partial commit's replay).
+(decode, verification, a partial commit's replay, a kept tree path's replay).
 
 The recurrence kernel does in one launch what the reference spreads over a dozen: it reads the convolved
 projection `mixed` as is (q and k L2-normalised in-kernel, q scaled, each key head shared by its value heads
@@ -8,7 +8,8 @@ without a repeat), computes the gates g = -exp(A_log) * softplus(a + dt_bias) an
 back for a replay), runs the recurrence from the committed state and writes the final state straight into the
 given buffer (the pending state of the pass, or the committed state itself when a partial commit replays n
 tokens: each program reads its tile before writing it). Programs: (value head, slice of BV value channels), as
-fla-core's fused recurrent kernel.
+fla-core's fused recurrent kernel. `keep_path` replays a draft tree's kept path the same way, reading each node's
+recorded row through the path (no gathered copies) and copying the kept conv history in the same launch.
 
 `short_pass` is the whole DeltaNet mixer of a decode or verification pass in that one launch: it also runs the
 causal conv (each program convolves the q/k channels of its key head and its own v slice, from the history and
@@ -52,6 +53,18 @@ def gated_delta_short(mixed, state_in, state_out, shape, gates, gates_out=None, 
     out = torch.empty(mixed.shape[0], shape[2], shape[3], device=mixed.device, dtype=out_dtype or torch.float32)
     _launch(mixed, state_in, state_out, shape, gates, gates_out, out, None, None, block_v, num_warps)
     return out
+
+
+def keep_path(mixed, g, beta, state, shape, path, window, history_rows, history, block_v=None, num_warps=None):
+    """A kept path of a recorded pass in one launch: the recurrence alone over the rows `path` [n] of the conv
+    output mixed [T, C] and the gates g, beta [T, Hv] float32, in place over `state` [Hv, Dk, Dv] float32, and the
+    conv history [K-1, C] set to the rows history_rows [K-1] of the recorded window. The contract of
+    blockspec.kernels.gdn.keep_path_reference, bitwise where that runs `gated_delta_short` (each step reads the row
+    the gathered copy would hold). The history's channels are copied by their owners as the conv's window is
+    written: each program its v slice, one program per key head its q and k channels."""
+    out = torch.empty(path.shape[0], shape[2], shape[3], device=mixed.device, dtype=torch.float32)  # written, not kept
+    _launch(mixed, state, state, shape, ("given", g, beta), None, out, None, None, block_v, num_warps,
+            (path.contiguous(), window, history_rows.contiguous(), history))
 
 
 def short_pass(x, history, conv_weight, gates, state_in, state_out, shape, z, norm_weight, eps, window_out=None,
@@ -161,23 +174,28 @@ def _gate_args(gates, gates_out, out):
     return g_buf, g_buf, g_buf, g_buf, g_buf, beta_buf
 
 
-def _launch(mixed, state_in, state_out, shape, gates, gates_out, out, conv, norm, block_v, num_warps):
+def _launch(mixed, state_in, state_out, shape, gates, gates_out, out, conv, norm, block_v, num_warps, path=None):
     key_heads, key_dim, value_heads, value_dim = shape
     b, a, a_log, dt_bias, g_buf, beta_buf = _gate_args(gates, gates_out, out)
     x, history, conv_weight, window, update_history = conv if conv is not None else (mixed, mixed, mixed, mixed,
                                                                                       False)
+    taps = conv_weight.shape[-1] if conv is not None else 1
+    rows, history_rows = mixed, mixed  # placeholders unless a path is kept
+    if path is not None:
+        rows, window, history_rows, history = path
+        taps = history.shape[0] + 1
     z, norm_weight, eps = norm if norm is not None else (out, out, 0.0)
     block_v, num_warps = block_v or BLOCK_V, num_warps or NUM_WARPS
     counters = arrival_counters(out.device, value_heads + key_heads) if norm is not None else out
     _gated_delta_kernel[(value_heads * triton.cdiv(value_dim, block_v),)](
-        mixed, mixed.stride(0), b, a, b.stride(0), a_log, dt_bias, g_buf, beta_buf, state_in, state_out, out,
-        key_dim ** -0.5, mixed.shape[0], x, x.stride(0), history, conv_weight, window, z, z.stride(0),
+        mixed, mixed.stride(0), rows, b, a, b.stride(0), a_log, dt_bias, g_buf, beta_buf, state_in, state_out, out,
+        key_dim ** -0.5, out.shape[0], x, x.stride(0), history, conv_weight, window, history_rows, z, z.stride(0),
         z.stride(1) if norm is not None else 0, norm_weight, eps, counters, KEY_HEADS=key_heads,
         VALUE_HEADS=value_heads, K=key_dim, V=value_dim, BV=block_v, BK=triton.next_power_of_2(key_dim),
-        BVN=triton.next_power_of_2(value_dim), TAPS=conv_weight.shape[-1] if conv is not None else 1,
-        COMPUTE_GATES=gates[0] == "ab", SAVE_GATES=gates[0] == "ab" and gates_out is not None,
-        CONV=conv is not None, NORM=norm is not None, HISTORY_IN_PLACE=update_history, num_warps=num_warps,
-        num_stages=3, **pdl.options(out))
+        BVN=triton.next_power_of_2(value_dim), TAPS=taps, COMPUTE_GATES=gates[0] == "ab",
+        SAVE_GATES=gates[0] == "ab" and gates_out is not None, CONV=conv is not None, NORM=norm is not None,
+        HISTORY_IN_PLACE=update_history, PATH=path is not None, num_warps=num_warps, num_stages=3,
+        **pdl.options(out))
 
 
 def causal_conv1d(x, history, weight, window_out=None, mixed_out=None, block_c=None, num_warps=None):
@@ -231,6 +249,13 @@ if triton is not None:
         for r in tl.static_range(TAPS - 2):
             tl.store(history + r * C + cols, tl.load(history + (r + 1) * C + cols, mask=ok), mask=ok)
         tl.store(history + (TAPS - 2) * C + cols, tl.load(x + cols, mask=ok), mask=ok)
+
+    @triton.jit
+    def _copy_rows(window, history_rows, history, cols, ok, C, TAPS: tl.constexpr):
+        """history rows 0..TAPS-2 <- the window rows history_rows[0..TAPS-2], channels `cols`."""
+        for r in tl.static_range(TAPS - 1):
+            source = tl.load(history_rows + r)
+            tl.store(history + r * C + cols, tl.load(window + source * C + cols, mask=ok), mask=ok)
 
     @triton.jit
     def _gate_constants(a_log, dt_bias, hv, COMPUTE_GATES: tl.constexpr):
@@ -294,12 +319,13 @@ if triton is not None:
             tl.atomic_xchg(counters + hv, 0)  # clean for the next launch / graph replay
 
     @triton.jit(do_not_specialize=["T"])
-    def _gated_delta_kernel(mixed, s_mixed, b, a, s_ab, a_log, dt_bias, g_buf, beta_buf, h0, ht, out, scale, T,
-                            x, s_x, history, conv_w, window, z, s_z_t, s_z_h, norm_w, eps, counters,
+    def _gated_delta_kernel(mixed, s_mixed, rows, b, a, s_ab, a_log, dt_bias, g_buf, beta_buf, h0, ht, out, scale,
+                            T, x, s_x, history, conv_w, window, history_rows, z, s_z_t, s_z_h, norm_w, eps, counters,
                             KEY_HEADS: tl.constexpr, VALUE_HEADS: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                             BV: tl.constexpr, BK: tl.constexpr, BVN: tl.constexpr, TAPS: tl.constexpr,
                             COMPUTE_GATES: tl.constexpr, SAVE_GATES: tl.constexpr, CONV: tl.constexpr,
-                            NORM: tl.constexpr, HISTORY_IN_PLACE: tl.constexpr, PDL: tl.constexpr):
+                            NORM: tl.constexpr, HISTORY_IN_PLACE: tl.constexpr, PATH: tl.constexpr,
+                            PDL: tl.constexpr):
         pdl.begin(PDL)
         pid = tl.program_id(0)
         slices = tl.cdiv(V, BV)
@@ -322,6 +348,7 @@ if triton is not None:
             v_owner = qk_owner
         C = 2 * KEY_HEADS * K + VALUE_HEADS * V
         for t in range(T):
+            source = tl.load(rows + t) if PATH else t  # the input row of token t: a kept path's node, or t
             if CONV:
                 q = _conv_silu(x, s_x, history, conv_w, window, mixed, t, hk * K + ks, k_ok, C, TAPS, qk_owner)
                 k = _conv_silu(x, s_x, history, conv_w, window, mixed, t, (KEY_HEADS + hk) * K + ks, k_ok, C, TAPS,
@@ -329,15 +356,19 @@ if triton is not None:
                 v = _conv_silu(x, s_x, history, conv_w, window, mixed, t, 2 * KEY_HEADS * K + hv * V + vs, v_ok, C,
                                TAPS, v_owner)
             else:
-                row = mixed + t * s_mixed
+                row = mixed + source * s_mixed
                 q = tl.load(row + hk * K + ks, mask=k_ok, other=0.0).to(tl.float32)
                 k = tl.load(row + (KEY_HEADS + hk) * K + ks, mask=k_ok, other=0.0).to(tl.float32)
                 v = tl.load(row + 2 * KEY_HEADS * K + hv * V + vs, mask=v_ok, other=0.0).to(tl.float32)
-            g, beta = _gates(b, a, s_ab, g_buf, beta_buf, t, t < T, hv, decay_rate, bias, i_v == 0, VALUE_HEADS,
-                             COMPUTE_GATES, SAVE_GATES)
+            g, beta = _gates(b, a, s_ab, g_buf, beta_buf, source, t < T, hv, decay_rate, bias, i_v == 0,
+                             VALUE_HEADS, COMPUTE_GATES, SAVE_GATES)
             state, o = _delta_step(state, q, k, v, g, beta, scale)
             tl.store(out + (t * VALUE_HEADS + hv) * V + vs, o.to(out.dtype.element_ty), mask=v_ok)
         tl.store(ht + tile, state, mask=tile_ok)
+        if PATH:  # the kept path's conv history, from the recorded window (nothing else here reads either)
+            _copy_rows(window, history_rows, history, hk * K + ks, k_ok & qk_owner, C, TAPS)
+            _copy_rows(window, history_rows, history, (KEY_HEADS + hk) * K + ks, k_ok & qk_owner, C, TAPS)
+            _copy_rows(window, history_rows, history, 2 * KEY_HEADS * K + hv * V + vs, v_ok, C, TAPS)
         if HISTORY_IN_PLACE:  # one token: history rows 0..TAPS-2 <- rows 1.., then the input
             tl.debug_barrier()  # every read of this program's history is done
             _shift_history(x, history, 2 * KEY_HEADS * K + hv * V + vs, v_ok, C, TAPS)

@@ -4,7 +4,7 @@ import torch
 from torch import nn
 
 from ..kernels.activation import sigmoid_mul
-from ..kernels.attention import cached_attention, prepare_attention_inputs, tree_attention
+from ..kernels.attention import cached_attention, keep_path, prepare_attention_inputs, tree_attention
 from .norm import RMSNorm
 
 
@@ -18,10 +18,8 @@ class KVCache:
 
     def keep_path(self, start, path: torch.Tensor):
         """A tree pass wrote node i's entry at start + i; the kept path's nodes `path` [n] move to start .. start +
-        n - 1 (gathered before written: a node may move onto an entry another kept node leaves)."""
-        slots = start + torch.arange(path.shape[0], device=path.device)
-        for cache in (self.k, self.v):
-            cache.index_copy_(0, slots, cache.index_select(0, start + path))
+        n - 1."""
+        keep_path(self.k, self.v, start, path)
 
 
 class GatedAttention(nn.Module):

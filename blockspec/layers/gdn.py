@@ -9,7 +9,7 @@ recurrence over n tokens, never a second target pass.
 import torch
 from torch import nn
 
-from ..kernels.gdn import deltanet_mixer, deltanet_tree_mixer, gated_delta
+from ..kernels.gdn import deltanet_mixer, deltanet_tree_mixer, gated_delta, keep_path
 
 
 class GDNState:
@@ -104,9 +104,8 @@ class GDNState:
         """Keep the path `path` [n] (node indices, root first) of the pending tree pass: the recurrence alone over
         its nodes from their recorded inputs, in place; the conv history from the window rows `history_rows`
         [K-1] (the last kept node's conv inputs after its oldest)."""
-        gates = ("given", self.pending_g.index_select(0, path), self.pending_beta.index_select(0, path))
-        gated_delta(self.pending_mixed.index_select(0, path), gates, self.recurrent, self.recurrent, self.shape)
-        self.history.copy_(self.pending_window.index_select(0, history_rows))
+        keep_path(self.pending_mixed, self.pending_g, self.pending_beta, self.recurrent, self.shape, path,
+                  self.pending_window, history_rows, self.history)
 
 
 class GatedDeltaNet(nn.Module):
