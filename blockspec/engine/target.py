@@ -65,8 +65,10 @@ class GraphedTarget(EagerTarget):
     def _capture_tree(self, size, depth, warmup):
         """The pass over a tree of `size` nodes and its greedy walk, the layout built in the graph from the nodes'
         parents and depths and the committed length, all static inputs."""
-        tree = DraftTree(*(torch.zeros(size, dtype=torch.long, device=self.device) for _ in range(3)),
-                         torch.zeros(size, dtype=torch.bool, device=self.device))
+        zeros = torch.zeros(size, dtype=torch.long, device=self.device)
+        # warm-ups run on a well-formed tree: the root and invalid children of it
+        tree = DraftTree(zeros, zeros.clone(), (torch.arange(size, device=self.device) > 0).long(),
+                         torch.arange(size, device=self.device) == 0)
         start = torch.full((), self.state.capacity - size, dtype=torch.long, device=self.device)  # unreached slots
         kernel = self.model.config.linear_conv_kernel_dim
 
