@@ -62,6 +62,8 @@ def keep_path(mixed, g, beta, state, shape, path, window, history_rows, history,
     blockspec.kernels.gdn.keep_path_reference, bitwise where that runs `gated_delta_short` (each step reads the row
     the gathered copy would hold). The history's channels are copied by their owners as the conv's window is
     written: each program its v slice, one program per key head its q and k channels."""
+    if path.shape[0] > MAX_PATH:
+        raise ValueError(f"a kept path holds at most {MAX_PATH} nodes, got {path.shape[0]}")
     out = torch.empty(path.shape[0], shape[2], shape[3], device=mixed.device, dtype=torch.float32)  # written, not kept
     _launch(mixed, state, state, shape, ("given", g, beta), None, out, None, None, block_v, num_warps,
             (path.contiguous(), window, history_rows.contiguous(), history))
@@ -148,6 +150,7 @@ def tree_pass(x, history, conv_weight, gates, state, shape, z, norm_weight, eps,
 
 
 MAX_TREE_NODES = 64  # the walk packs node indices into 6 bits
+MAX_PATH = 16  # nodes of a kept path: a drafter block's rows at most
 TREE_NORM_ROWS, TREE_CONV_ROWS = 8, 16  # rows the norm epilogue / a tree conv program takes at a time
 _STACKS: dict = {}
 _OUTGROWN_STACKS: list = []  # replaced by larger ones: CUDA graphs recorded with them still use them
@@ -194,7 +197,7 @@ def _launch(mixed, state_in, state_out, shape, gates, gates_out, out, conv, norm
         VALUE_HEADS=value_heads, K=key_dim, V=value_dim, BV=block_v, BK=triton.next_power_of_2(key_dim),
         BVN=triton.next_power_of_2(value_dim), TAPS=taps, COMPUTE_GATES=gates[0] == "ab",
         SAVE_GATES=gates[0] == "ab" and gates_out is not None, CONV=conv is not None, NORM=norm is not None,
-        HISTORY_IN_PLACE=update_history, PATH=path is not None, num_warps=num_warps, num_stages=3,
+        HISTORY_IN_PLACE=update_history, PATH=path is not None, BP=MAX_PATH, num_warps=num_warps, num_stages=3,
         **pdl.options(out))
 
 
@@ -325,7 +328,7 @@ if triton is not None:
                             BV: tl.constexpr, BK: tl.constexpr, BVN: tl.constexpr, TAPS: tl.constexpr,
                             COMPUTE_GATES: tl.constexpr, SAVE_GATES: tl.constexpr, CONV: tl.constexpr,
                             NORM: tl.constexpr, HISTORY_IN_PLACE: tl.constexpr, PATH: tl.constexpr,
-                            PDL: tl.constexpr):
+                            BP: tl.constexpr, PDL: tl.constexpr):
         pdl.begin(PDL)
         pid = tl.program_id(0)
         slices = tl.cdiv(V, BV)
@@ -347,8 +350,11 @@ if triton is not None:
             qk_owner = qk_owner & False
             v_owner = qk_owner
         C = 2 * KEY_HEADS * K + VALUE_HEADS * V
+        if PATH:  # the path in registers: a load of its index per step would serialise each step's input loads
+            lanes = tl.arange(0, BP)
+            path = tl.load(rows + lanes, mask=lanes < T, other=0)
         for t in range(T):
-            source = tl.load(rows + t) if PATH else t  # the input row of token t: a kept path's node, or t
+            source = _pick(path, lanes, t) if PATH else t  # the input row of token t: a kept path's node, or t
             if CONV:
                 q = _conv_silu(x, s_x, history, conv_w, window, mixed, t, hk * K + ks, k_ok, C, TAPS, qk_owner)
                 k = _conv_silu(x, s_x, history, conv_w, window, mixed, t, (KEY_HEADS + hk) * K + ks, k_ok, C, TAPS,
