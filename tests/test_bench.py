@@ -234,3 +234,21 @@ def test_fixtures_directory_without_text_files_is_refused_naming_the_flag(tmp_pa
     code = main(["bench", "--synthetic", "tiny", "--fixtures", str(tmp_path), "--device", "cpu"])
     err = capsys.readouterr().err
     assert code == 2 and f"--fixtures {tmp_path}: no text files found" in err and err.count("\n") == 1, err
+
+
+def test_tree_acceptance_bench_runs_on_the_cpu(tiny_checkpoint, tiny_drafter, tmp_path):
+    """bench/tree_acceptance.py (the draft trees' acceptance on the trained pair) on the planted tiny pair: every
+    budget measured on the same cuts, and a tree, which holds the chain, never accepts less than it."""
+    target = tiny_checkpoint(seed=0, planted=True)
+    drafter = tiny_drafter(target, window=16, noise=1.0)
+    spec = importlib.util.spec_from_file_location("tree_acceptance",
+                                                  Path(__file__).parent.parent / "bench" / "tree_acceptance.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    summary = script.main(["--model", str(target), "--drafter", str(drafter), "--budgets", "0,4,12", "--cuts", "6",
+                           "--context-length", "256", "--json-out", str(tmp_path / "trees.json")])
+    written = json.loads((tmp_path / "trees.json").read_text())["budgets"]
+    lengths = [written[b]["mean_accepted_length"] for b in ("0", "4", "12")]
+    assert [written[b]["cuts"] for b in ("0", "4", "12")] == [6, 6, 6]
+    assert lengths == [summary["budgets"][b]["mean_accepted_length"] for b in (0, 4, 12)]
+    assert 1.0 <= lengths[0] <= lengths[1] <= lengths[2], lengths
