@@ -1,8 +1,10 @@
 """The few-row dense matmul kernel (kernels/linear_triton.py) against F.linear in float32, through the Triton
-interpreter in a subprocess: both inner products (MMA tile, CUDA-core row), with and without split-K (the last
-program of a tile adds the partials; counters left clean), odd K and N; the config table; the module wrapper."""
+interpreter in a subprocess: both inner products (MMA tiles of 8 to 64 rows, CUDA-core row), with and without
+split-K (the last program of a tile adds the partials; counters left clean), odd K and N; the config table; the module
+wrapper."""
 
 import json
+from dataclasses import replace
 
 import torch
 from helpers import patch_triton_interpreter, run_in_triton_interpreter
@@ -17,6 +19,9 @@ CASES = [  # rows, N, K, config (sms = 4 in the interpreter: waves * 4 programs 
     (5, 70, 200, LinearConfig(32, 32, True, waves=1)), (8, 33, 128, LinearConfig(16, 32, True, waves=2)),
     (12, 40, 96, LinearConfig(16, 32, True, waves=8)), (1, 17, 1000, LinearConfig(16, 128, False, waves=8)),
     (1, 45, 520, LinearConfig(8, 256, False, waves=1)),
+    # draft trees' passes: 32- and 64-row tiles, rows past M masked
+    (17, 40, 96, LinearConfig(16, 32, True, waves=8)), (33, 30, 130, LinearConfig(16, 64, True, waves=1)),
+    (64, 24, 200, LinearConfig(32, 32, True, waves=2)),
 ]
 
 
@@ -47,7 +52,11 @@ def test_default_configs_follow_the_measured_table():
     assert linear_triton.default_config(1, 34816, 5120).waves == 1    # gate_up: no split
     assert linear_triton.default_config(1, 5120, 6144).block_n == 8   # o / gdn out, one row: 8-row tiles
     assert linear_triton.default_config(8, 5120, 6144) is None        # o / gdn out, 8 rows: cuBLAS
-    assert linear_triton.default_config(16, 34816, 5120) is None      # more than 8 rows: cuBLAS
+    for m in (9, 17, 33, 64):  # a verification pass of any length: the 8-row choice (MMA tiles)
+        assert linear_triton.default_config(m, 34816, 5120) == linear_triton.default_config(8, 34816, 5120)
+        assert linear_triton.default_config(m, 5120, 17408) == linear_triton.default_config(8, 5120, 17408)
+        assert linear_triton.default_config(m, 5120, 6144) is None
+    assert linear_triton.default_config(65, 34816, 5120) is None      # longer than any pass (prefill): cuBLAS
     assert linear_triton.default_config(1, 248320, 5120) is None      # vocabulary head: cuBLAS
 
 
@@ -74,4 +83,8 @@ def test_configs_that_do_not_fit_shared_memory_keep_cublas(monkeypatch):
     monkeypatch.setattr(linear_triton, "_shared_memory", lambda device: 99 * 1024)  # RTX 4090
     assert not linear_triton.fits(wide, 8, gpu)
     assert linear_triton.fits(linear_triton.default_config(1, 5120, 17408), 1, gpu)  # the one-row dot: 40 KB
+    monkeypatch.setattr(linear_triton, "_shared_memory", lambda device: 227 * 1024)
+    assert linear_triton.fits(wide, 64, gpu)  # the 64-row x tile: 192 KB
+    assert not linear_triton.fits(replace(wide, stages=4), 64, gpu)  # 256 KB
+    assert linear_triton.fits(replace(wide, stages=4), 8, gpu)  # 144 KB: the x tile counts
     assert linear_triton.fits(wide, 8, torch.device("cpu"))  # the interpreter has no such limit

@@ -82,9 +82,9 @@ QUANTIZED_27B = {"mode": "dflash2", "target_quantization": "int4", "vocabulary_q
                  "dflash2_quantization": "int8", "context_length": 32768}
 
 
-def estimates_27b(**settings):
-    """The 27B's estimate (synthetic preset, published drafter's shapes) with QUANTIZED_27B, and the bytes of its
-    decoder layers dense."""
+def estimates_27b(max_partial=16, **settings):
+    """The 27B's estimate (synthetic preset, published drafter's shapes) with QUANTIZED_27B and passes of up to
+    max_partial rows, and the bytes of its decoder layers dense."""
     from blockspec.drafter.config import DrafterConfig
     from blockspec.models.qwen3_5 import TargetModel
     from blockspec.synthetic import preset, synthetic_drafter_config
@@ -93,8 +93,8 @@ def estimates_27b(**settings):
     drafter = DrafterConfig.from_dict(synthetic_drafter_config(target))
     with torch.device("meta"):
         layers = sum(p.numel() for p in TargetModel(target).layers.parameters()) * 2  # bf16
-    return memory.estimate(target, PredictConfig.build(QUANTIZED_27B), execution="cuda-graphs", max_partial=16,
-                           drafter=drafter, **settings), layers
+    return memory.estimate(target, PredictConfig.build(QUANTIZED_27B), execution="cuda-graphs",
+                           max_partial=max_partial, drafter=drafter, **settings), layers
 
 
 def test_the_synthetic_27b_quantized_at_load_fits_a_32gb_card(monkeypatch):
@@ -124,6 +124,14 @@ def test_a_stored_int4_27b_loads_within_its_resident_bytes():
     assert stored.needed == sum(stored.resident.values()) < 24e9
     assert max(stored.loading.values()) < 0.95 * sum(stored.resident.values())
     assert at_load.needed < stored.needed  # no zero points
+
+
+def test_graph_pools_grow_with_the_longest_pass():
+    """A draft tree's 64-row pass: its activations and logits (and the sampler's) take 4x a 16-row chain's."""
+    chain, _ = estimates_27b()
+    tree, _ = estimates_27b(max_partial=64)
+    assert tree.resident["graph_pools"] == 4 * chain.resident["graph_pools"] == 2 ** 30
+    assert tree.resident["deltanet_state"] > chain.resident["deltanet_state"]  # the pending rows of a path commit
 
 
 def test_expandable_segments_unless_the_user_configured_the_allocator(monkeypatch):

@@ -42,7 +42,9 @@ from .state import DecodeState
 from .weights import QUANTIZE_BLOCK_ELEMENTS
 
 GB = 1e9
-GRAPH_POOL_BYTES = 256 * 2 ** 20   # captured passes of at most 16 rows: their activations, the sampler's, commits
+# captured passes, per row of the longest (256 MB at 16 rows): their activations and float32 logits, the sampler's
+# copies of those, commits
+GRAPH_POOL_ROW_BYTES = 16 * 2 ** 20
 LIBRARY_BYTES = 512 * 2 ** 20      # cuBLAS workspace, Triton kernels' modules, allocator rounding
 # the RTN quantizers' float32 working copies of one block of weights (engine/weights.py by_row_blocks): 16.5 bytes a
 # weight measured on the CPU (int4; int8 15, FP8 12)
@@ -132,7 +134,8 @@ class MemoryEstimate:
 def estimate(target: TargetConfig, config: PredictConfig, *, execution: str, max_partial: int,
              stored: Layout | None = None, drafter: DrafterConfig | None = None) -> MemoryEstimate:
     """The memory `config` needs with the target `target` (stored: the layout of a quantized checkpoint's
-    projections, None for a dense one) and, for mode dflash2, the drafter `drafter`."""
+    projections, None for a dense one) and, for mode dflash2, the drafter `drafter`; max_partial: the rows of its
+    longest pass (engine.pass_rows)."""
     dtype, mode = config.torch_dtype, config.decode_mode
     snapshots = config.prefix_snapshots if config.prefix_reuse else 0  # prefix reuse's (engine/reuse.py)
     at_load = Layout(config.target_quantization, 128) if config.target_quantization != "none" else Layout()
@@ -180,7 +183,7 @@ def estimate(target: TargetConfig, config: PredictConfig, *, execution: str, max
             target.num_key_value_heads * target.head_dim * dtype.itemsize
     r["prefill_activations"] = prefill_bytes(target, min(config.prefill_chunk_size, config.context_length), dtype)
     if execution == "cuda-graphs":
-        r["graph_pools"] = GRAPH_POOL_BYTES
+        r["graph_pools"] = GRAPH_POOL_ROW_BYTES * max_partial
     r["libraries"] = LIBRARY_BYTES
     projections = [m for name, m in model.named_modules() if type(m) is nn.Linear and not not_layers(name)]
     if stored is not None:  # the stored parts of one projection beside the built ones (checkpoint.py)

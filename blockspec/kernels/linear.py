@@ -1,5 +1,5 @@
-"""Dense projections. The reference is F.linear (cuBLAS on CUDA); few-row bf16/fp16 products whose shape has a
-measured faster config run on the Triton kernel of linear_triton.py.
+"""Dense projections. The reference is F.linear (cuBLAS on CUDA); bf16/fp16 products of up to a verification pass's
+rows whose shape has a config in the table of linear_triton.py (measured faster up to 8 rows) run on its kernel.
 
 `linear_float32` is the vocabulary head's product: accumulated in float32 and returned unrounded. Why: at logit
 magnitudes around 100 a bfloat16 result steps by 0.5, so the top two logits often tie exactly, and passes of

@@ -1,11 +1,14 @@
-"""Dense (bf16 / fp16) matmul for few activation rows in Triton: y[M, N] = x[M, K] @ w[N, K]^T, M <= 8; F.linear
-(cuBLAS) stays the reference and serves every other shape.
+"""Dense (bf16 / fp16) matmul for few activation rows in Triton: y[M, N] = x[M, K] @ w[N, K]^T, M up to
+MAX_PASS_TOKENS (a verification pass: a chain's or a draft tree's rows); F.linear (cuBLAS) stays the reference and
+serves every other shape.
 
 Why, beside cuBLAS: for the MLP's down projection (17408 -> 5120 on the 27B) cuBLAS picks a split-K kernel plus a
 memset and a reduction launch, ~51 us per call where the weight alone streams in ~44 us. Here split-K partial sums
 are added by the last program to finish a tile (`split_k_total`, shared with the W4A16 kernel): one launch, no
-memset. Programs: (BN output rows, a range of BK-wide input blocks); up to 8 rows an 8-row MMA tile (mma.sync), or
-for one row a CUDA-core dot (dot=False).
+memset. Programs: (BN output rows, a range of BK-wide input blocks); an MMA tile (mma.sync) of BM = 8, 16, 32 or 64
+rows (the next power of two of M, at least 8), or for one row a CUDA-core dot (dot=False). The weights stream alike at
+any row count (the products are bound by their reads): on the H200 a whole 27B pass of projections took 11.9 ms at
+8 rows on this kernel, 13.0 ms at 34 rows on cuBLAS.
 
 `default_config` holds the H200 measurements of bench/linear_kernels.py (bf16, weight copies > 400 MB in a CUDA
 graph; us per call, cuBLAS -> this kernel):
@@ -15,6 +18,9 @@ graph; us per call, cuBLAS -> this kernel):
   o / gdn out 5120 x 6144 M=1 18.53 -> 17.96 (n8 k256 fma s5: 640 programs spread evenly over 132 SMs, where
   16-row tiles leave 2 or 3 per SM; another machine's run); M=8 cuBLAS 18.6 vs 19.9 (kept)
   attention qkv 14336 x 5120: cuBLAS within 2 % (kept).
+9..MAX_PASS_TOKENS rows take the 8-row configs with the bigger x tile (192 KB of shared memory at 64 rows, n64 k256
+s3, within the H200's 227 KB), expected to cost little more than 8 rows do: unmeasured until an H200 run of
+bench/linear_kernels.py --rows.
 Not done, because slower: SwiGLU's activation computed on the down projection's input load (every program re-reads
 and re-activates the whole input): 51.4 vs 46.2 us (activation launch + this kernel) at one row, 71.6 vs 48.7 at 8.
 """
@@ -27,6 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..config import MAX_PASS_TOKENS
 from . import arrival_counters, launch_fitting, pdl, triton_runs_on
 
 try:
@@ -40,7 +47,7 @@ except ImportError:  # pragma: no cover - CPU-only installs use F.linear
 class LinearConfig:
     block_n: int
     block_k: int
-    dot: bool = True      # MMA (block_m 8 / 16 rows); False: CUDA-core dot, one row only
+    dot: bool = True      # MMA (`block_rows`); False: CUDA-core dot, one row only
     warps: int = 4
     stages: int = 4
     waves: int = 2        # split K until about waves * SMs programs
@@ -52,8 +59,8 @@ class LinearConfig:
 
 def default_config(m: int, n: int, k: int) -> LinearConfig | None:
     """The measured winners (module docstring); None where cuBLAS is as fast, or where nothing was measured (more
-    than 8 rows, the vocabulary head)."""
-    if m > 8 or n > 65536:
+    than MAX_PASS_TOKENS rows, the vocabulary head). Rows 9..MAX_PASS_TOKENS take the 8-row choice (unmeasured)."""
+    if m > MAX_PASS_TOKENS or n > 65536:
         return None
     if n >= 16384:  # wide outputs: enough tiles without splitting K
         return LinearConfig(64, 256, True, 4, 3, 1)
@@ -66,11 +73,15 @@ def default_config(m: int, n: int, k: int) -> LinearConfig | None:
 
 def fits(config: LinearConfig, m: int, device: torch.device) -> bool:
     """Whether the config's pipeline (stages x (weight tile + input tile), bf16) fits the device's shared memory per
-    block: the H200's winners need up to ~110 KB, more than consumer Ampere / Ada cards give (~100 KB), which then
-    keep cuBLAS."""
-    block_m = 1 if not config.dot else (8 if m <= 8 else 16)
-    need = config.stages * (config.block_n + block_m) * config.block_k * 2
+    block: the H200's 8-row winners need up to ~110 KB (192 KB at 64 rows), more than consumer Ampere / Ada cards give
+    (~100 KB), which then keep cuBLAS."""
+    need = config.stages * (config.block_n + block_rows(config, m)) * config.block_k * 2
     return device.type != "cuda" or need <= _shared_memory(device)
+
+
+def block_rows(config: LinearConfig, m: int) -> int:
+    """Rows of the program's input tile: the next power of two of M, at least MMA's 8; one for the CUDA-core dot."""
+    return max(8, 1 << (m - 1).bit_length()) if config.dot else 1
 
 
 def split_blocks(tiles: int, blocks: int, programs: int) -> tuple[int, int]:
@@ -88,13 +99,13 @@ def available(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 def linear_rows(x: torch.Tensor, weight: torch.Tensor, config: LinearConfig, out: torch.Tensor | None = None,
                 sms: int | None = None) -> torch.Tensor:
-    """x [M, K] @ weight[N, K]^T with `config` (M <= 8 for 8-row tiles, 16 otherwise; one row for dot=False)."""
+    """x [M, K] @ weight[N, K]^T with `config` (one row for dot=False)."""
     m, k = x.shape
     n = weight.shape[0]
     if x.stride(-1) != 1:
         x = x.contiguous()
     out = out if out is not None else torch.empty(m, n, device=x.device, dtype=x.dtype)
-    block_m = 1 if not config.dot else (8 if m <= 8 else 16)
+    block_m = block_rows(config, m)
     if not config.dot and m != 1:
         raise ValueError("the CUDA-core variant takes one row")
     tiles = -(-n // config.block_n)
@@ -104,7 +115,7 @@ def linear_rows(x: torch.Tensor, weight: torch.Tensor, config: LinearConfig, out
                                    per_split, x.device)
     sync = config.dot and x.is_cuda
     if sync:
-        os.environ["DISABLE_MMA_V3"] = "1"  # mma.sync for 8-row tiles; read by the compiler on a first call
+        os.environ["DISABLE_MMA_V3"] = "1"  # mma.sync (measured at 8 rows); read by the compiler on a first call
     try:
         launch_fitting(_linear_kernel, (tiles, split), x, weight, out, ws, arrival_counters(x.device, tiles), m, n,
                        k, x.stride(0), weight.stride(0), out.stride(0), per_split, split, stages_key="STAGES",

@@ -5,9 +5,9 @@ launches. Folded, two: proj_a's launch writes the new residual x = x + delta, ro
 tile, each row's sum of x^2 (`w4a16_triton.wq_matmul_add_norm`); proj_b's launch reads rows and scales its result by
 the row's 1 / rms = rsqrt(sum of the tiles' sums / width + eps). One number per row commutes with the matmul:
 proj_b(x / rms * (1 + w)) = proj_b(x * (1 + w)) / rms. The rounding differs from the plain path (rows are rounded
-before the 1 / rms scale, the sums are summed per tile), but every pass of <= 16 tokens (plain decoding's one,
-verification's 4-8) runs this same code row by row, so speculative decoding stays token-identical to plain decoding;
-longer passes (prefill) keep the plain path in every mode.
+before the 1 / rms scale, the sums are summed per tile), but every pass of <= MAX_FOLDED_ROWS (MAX_PASS_TOKENS)
+tokens (plain decoding's one, a chain's or a draft tree's verification) runs this same code row by row, so speculative
+decoding stays token-identical to plain decoding; longer passes (prefill) keep the plain path in every mode.
 
 A layer folds when every projection of it is a bias-free W4A16 / W8A16 module (`Int4Linear`, also int8 and FP8)
 whose kernel runs on its device: an INT4 or FP8 target on CUDA. The post-attention norm then folds into (o_proj or

@@ -42,8 +42,8 @@ class DecoderLayer(nn.Module):
     def forward(self, x, delta, layer_state, positions, rope, visible, tree=None):
         """The residual stream is x + delta, delta being the previous layer's MLP output (None for the first):
         each residual add is left to the next norm, which does both in one kernel. Returns (x, delta) likewise.
-        Folded norms (passes of <= 16 tokens): delta may be a FoldedNorm (x already holds the sum, the norm is
-        begun), and the layer returns one when it folds the next layer's input norm."""
+        Folded norms (passes of <= MAX_FOLDED_ROWS tokens): delta may be a FoldedNorm (x already holds the sum, the
+        norm is begun), and the layer returns one when it folds the next layer's input norm."""
         h = delta if isinstance(delta, FoldedNorm) else None
         if h is None:
             x, h = self.input_layernorm.add_forward(x, delta)

@@ -30,7 +30,7 @@ from . import w4a16_triton as wq
 BITS = 4
 QMIN, QMAX = -8, 7
 DEFAULT_GROUP_SIZE = 128
-MAX_FOLDED_ROWS = 16  # the rows one W4A16 launch with a norm epilogue takes (layers/folded_norm.py)
+MAX_FOLDED_ROWS = wq.MAX_KERNEL_ROWS  # one W4A16 launch with a norm epilogue: every verification pass
 
 
 @dataclass

@@ -20,10 +20,12 @@ Kernel (tensor cores, exact numerics)
   cp.async into shared memory, num_stages deep) and the block's scales (prefetched one block ahead by hand), then per
   group i: A = (u_i - z) in x's dtype, exact;
   part[BN, BM] = A @ x_i^T (one MMA chain, fp32), acc += part * s_i (fp32). M <= 8 uses BM = 8 with mma.sync
-  (`sync`: compiled under DISABLE_MMA_V3), M 9..16 BM = 16. Under split-K the last program to arrive at a tile adds
-  the fp32 partials in a fixed order (kernels/linear_triton.split_k_total; no memset). Results are
-  deterministic and a row does not depend on the other rows (row 0 of an M = 8 launch == the M = 1 launch), but
-  the config (through BM and the split) sets the summation order: M <= 8 and M 9..16 may differ in the last bits.
+  (`sync`: compiled under DISABLE_MMA_V3), more rows BM = 16, 32 or 64 (the next power of two): one launch serves
+  every verification pass (up to MAX_PASS_TOKENS rows), streaming the weights once. Under split-K the last program
+  to arrive at a tile adds the fp32 partials in a fixed order (kernels/linear_triton.split_k_total; no memset).
+  Results are deterministic and a row does not depend on the other rows (row 0 of an M = 8 launch == the M = 1
+  launch), but the config (through BM and the split) sets the summation order: M <= 8 and more rows may differ in
+  the last bits.
   The counters are shared per device: launches on one stream at a time.
   Epilogues (`wq_matmul_add_norm`, `wq_matmul(rms=...)`, `wq_matmul_swiglu`; why: layers/folded_norm.py): the
   program holding a finished tile may add it to the residual stream, write rows * (1 + w) and the tile's per-row
@@ -67,6 +69,8 @@ it the summation order, i.e. the numerics), the H200 winners of bench/quant_kern
            a short last round balanced over the SMs (`schedule`: gate_up 5-6 % faster)
   M 9..16: wgmma; vocabulary (N >= 131072) n128 s3, ~4 waves; K > 8192 (down) n64 s2, ~4 waves; else n64 s3, ~1 wave
            (one wave of 3-stage programs: the mid-size projections 5-10 % faster than ~4 waves)
+  M 17..64: the M 9..16 entry with BM 32 / 64, unmeasured until an H200 run of bench/quant_kernels.py --rows
+           (`launch_fitting` lowers the stages where the taller x tiles overflow the shared memory)
   int8 group 32: M <= 8 n64 (N >= 16384) or n128, s3; M 9..16 n128 m16 s6 sync (by analogy, not measured)
   8-bit group 128 (e4m3, the int8 head): M <= 8 n64 s3, ~4 waves when N < 64 * 132 (down, o: 5-10 % faster than
            ~2 in bench/fp8_kernels.py --sweep; 3 stages: qkv 9 % faster than 2), else unsplit (DeltaNet in 8 %
@@ -74,8 +78,8 @@ it the summation order, i.e. the numerics), the H200 winners of bench/quant_kern
            H200s; on another, slower one only at 8 rows: docs/benchmarks.md)
 Shallow pipelines win: 64-row tiles with 2-3 stages (32-48 KB of shared memory, 4-7 programs per SM) beat 4-stage
 ones (3 per SM) by 1-16 %: more resident programs hide the memory latency better than a deeper pipeline per program.
-M > 16 (prefill): up to 64 rows in 16-row launches; beyond, each slice of <= 16M weights is dequantized to x's dtype
-and multiplied with F.linear (the kernel's numerics are not kept there).
+M > MAX_PASS_TOKENS (prefill): each slice of <= 16M weights is dequantized to x's dtype and multiplied with F.linear
+(the kernel's numerics are not kept there).
 The plain PyTorch functions here (pack / unpack / dequantize / reference_matmul) are the CPU path and the tests'
 oracle; the kernel runs on CUDA, or on CPU tensors under TRITON_INTERPRET=1 (fp32 dots, no PTX).
 """
@@ -86,11 +90,12 @@ import contextvars
 import functools
 import os
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
 
+from ..config import MAX_PASS_TOKENS
 from ..kernels import arrival_counters, launch_fitting, pdl
 from ..kernels.linear_triton import split_blocks
 
@@ -103,8 +108,7 @@ except ImportError:  # pragma: no cover - depends on the environment
     triton = None
     tl = None
 
-MAX_KERNEL_ROWS = 16      # rows per launch
-CHUNKED_ROWS = 64         # up to this many rows: 16-row launches; beyond: dequantize + F.linear
+MAX_KERNEL_ROWS = MAX_PASS_TOKENS  # rows of one launch; beyond (prefill): dequantize + F.linear
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -457,7 +461,7 @@ def kernels_available(device: torch.device | str) -> bool:
 @dataclass(frozen=True)
 class KernelConfig:
     block_n: int          # output rows per program
-    block_m: int          # activation rows per program: 8 (M <= 8) or 16
+    block_m: int          # activation rows per program: 8 (M <= 8), else M's next power of two
     warps: int
     stages: int           # cp.async pipeline depth
     sync: bool = True     # mma.sync (compiled under DISABLE_MMA_V3); False: wgmma where Triton picks it
@@ -472,6 +476,8 @@ class KernelConfig:
 
 def default_config(m: int, n: int, k: int, bits: int = 4, group_size: int = 128) -> KernelConfig:
     """The config table of the module docstring (H200 winners of bench/quant_kernels.py --sweep)."""
+    if m > 16:  # a draft tree's pass: the 9..16-row entry with a taller x tile (unmeasured)
+        return replace(default_config(16, n, k, bits, group_size), block_m=1 << (m - 1).bit_length())
     asm = True  # int8 too: PTX unpacking checked on the H200 and 9-48 % faster than plain Triton (quant_kernels.py)
     if group_size < 128:  # short groups (int8 g32: 64 B per row and step): 3 stages, 64-row tiles for wide outputs
         if m <= 8:
@@ -559,8 +565,8 @@ def _launch(x2: torch.Tensor, pw: PackedWeight, cfg: KernelConfig, out: torch.Te
         raise RuntimeError(f"the Triton kernel cannot run on {x2.device} here (CPU tensors need TRITON_INTERPRET=1)")
     if cuda and x2.dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(f"on CUDA the kernel takes bf16 or fp16 activations, got {x2.dtype}")
-    if m > cfg.block_m or cfg.block_m not in (8, 16):
-        raise ValueError(f"config {cfg.short()} takes block_m 8 or 16 and at most block_m rows, got {m}")
+    if m > cfg.block_m or cfg.block_m < 8 or cfg.block_m & (cfg.block_m - 1):
+        raise ValueError(f"config {cfg.short()} takes a power-of-two block_m >= 8 and at most block_m rows, got {m}")
     nblk = pw.q.shape[1] // pw.group_size
     whole, split, bps = schedule(cfg, pw.n, nblk, sm_count(x2.device))
     n_tiles = -(-pw.n // cfg.block_n)
@@ -616,9 +622,9 @@ def _one_launch(x2: torch.Tensor, pw: PackedWeight, config: KernelConfig | None,
 def wq_matmul_add_norm(x: torch.Tensor, pw: PackedWeight, residual: torch.Tensor, norm_weight: torch.Tensor,
                        config: KernelConfig | None = None):
     """A projection whose output joins the residual stream, with the next zero-centred RMSNorm begun in the same
-    launch (<= 16 rows): returns (out = residual + x @ W^T rounded as the plain add, rows = out * (1 + w) in out's
-    dtype, partials fp32 [tiles, M]: each output tile's sum of out^2 per row). `wq_matmul(rows, W2, rms=(partials,
-    eps))` then completes the norm: it scales its result by each row's 1 / rms."""
+    launch (up to MAX_KERNEL_ROWS rows): returns (out = residual + x @ W^T rounded as the plain add, rows = out *
+    (1 + w) in out's dtype, partials fp32 [tiles, M]: each output tile's sum of out^2 per row). `wq_matmul(rows, W2,
+    rms=(partials, eps))` then completes the norm: it scales its result by each row's 1 / rms."""
     x2 = _rows(x, pw)
     cfg = _one_launch(x2, pw, config, "wq_matmul_add_norm")
     m = x2.shape[0]
@@ -643,7 +649,8 @@ def _rms(rms: tuple[torch.Tensor, float] | None, m: int) -> dict:
 def wq_matmul_swiglu(x: torch.Tensor, pw: PackedWeight, rms: tuple[torch.Tensor, float] | None = None,
                      config: KernelConfig | None = None) -> torch.Tensor:
     """silu(gate) * up [M, N / 2] of a packed [gate; up] projection (W's first N / 2 rows gate, the rest up) in one
-    launch (<= 16 rows), rounded as two launches (projection, then activation) round it; `rms` as in wq_matmul."""
+    launch (up to MAX_KERNEL_ROWS rows), rounded as two launches (projection, then activation) round it; `rms` as in
+    wq_matmul."""
     x2 = _rows(x, pw)
     cfg = _one_launch(x2, pw, config, "wq_matmul_swiglu")
     if pw.n % 2:
@@ -659,26 +666,21 @@ def wq_matmul(x: torch.Tensor, pw: PackedWeight, config: KernelConfig | None = N
     """y = x @ dequant(W)^T for x [..., K] (bf16/fp16 on CUDA; any float dtype under the interpreter), in
     `out_dtype` (default x's; float32 keeps the kernel's float32 sums unrounded).
 
-    Up to 16 rows: one launch (`config`, default `default_config`); up to 64: 16-row launches; more:
-    dequantize slices of the weight to x's dtype and F.linear (prefill; the kernel's numerics are not kept there).
-    `rms` (partials, eps) of `wq_matmul_add_norm` (one launch, <= 16 rows): y is scaled by each row's 1 / rms.
+    Up to MAX_KERNEL_ROWS rows: one launch (`config`, default `default_config`); more: dequantize slices of the
+    weight to x's dtype and F.linear (prefill; the kernel's numerics are not kept there).
+    `rms` (partials, eps) of `wq_matmul_add_norm` (one launch): y is scaled by each row's 1 / rms.
     """
     lead = x.shape[:-1]
     x2 = _rows(x, pw)
     m = x2.shape[0]
     if out is None:
         out = torch.empty(m, pw.n, dtype=out_dtype or x.dtype, device=x.device)
-    if rms is not None:
-        _launch(x2, pw, _one_launch(x2, pw, config, "wq_matmul with rms"), out, Epilogue(0, **_rms(rms, m)))
-    elif m > CHUNKED_ROWS and config is None:
+    if m > MAX_KERNEL_ROWS and config is None and rms is None:
         step = max(1, (1 << 24) // (pw.q.shape[1] * 16 // pw.bits))  # rows of <= 16M weights per slice
         for r0 in range(0, pw.n, step):
             out[:, r0:r0 + step] = F.linear(x2, pw.dequantize(x2.dtype, rows=slice(r0, r0 + step)))
     else:
-        for r0 in range(0, m, MAX_KERNEL_ROWS):
-            xs = x2[r0:r0 + MAX_KERNEL_ROWS]
-            cfg = config or default_config(xs.shape[0], pw.n, pw.k, pw.bits, pw.group_size)
-            _launch(xs, pw, cfg, out[r0:r0 + MAX_KERNEL_ROWS])
+        _launch(x2, pw, _one_launch(x2, pw, config, "wq_matmul"), out, Epilogue(0, **_rms(rms, m)))
     return out.reshape(*lead, pw.n)
 
 
