@@ -21,7 +21,8 @@
 #   memory     peak GPU memory of the INT4 target + int8 head + int8 DFlash2 drafter at 32k, 8k and 128k context
 #              (MEMORY_CONTEXTS; results' "memory": loading and decoding peaks, their parts, the estimate; the log:
 #              each process's highest GPU memory by nvidia-smi, which other processes on the GPU do not inflate)
-#   kernels    the W4A16 / W8A16 kernel's checks and table (bench/quant_kernels.py)
+#   kernels    the W4A16 / W8A16 kernel's checks and table (bench/quant_kernels.py; KERNELS_ARGS, e.g.
+#              "--rows 8,17,33,64": a draft tree's passes)
 #   fp8_kernels  the FP8 kernel against cuBLAS bf16 at 1, 8 and 16 rows (bench/fp8_kernels.py; FP8_ARGS=--sweep)
 #   schedules  W4A16 / W8A16 launch schedules, balanced or not: FP8, INT4 at 1 and 8 rows (bench/kernel_schedules.py)
 #   variants   the graphed step under variants of the kernels' constants, alternated with the default
@@ -33,7 +34,7 @@
 #   gdn        the DeltaNet kernels' configs (bench/gdn_kernel.py)
 #   norm       the RMSNorm kernel's warps (bench/norm_kernel.py)
 #   linear     the few-row bf16 matmul against cuBLAS (bench/linear_kernels.py; LINEAR_ARGS=--quick: the chosen
-#              configs only)
+#              configs only; --rows 8,17,33,64: those row counts)
 #   profile    where a step / cycle goes, kernel tables (bench/profile_cycle.py $PROFILE_ARGS, e.g.
 #              "--modes none --quant int4 --vocab-quant int8 --pdl-level 0")
 #   pair_target    the demo pair's target (train-target on the machine's installed packages' .py files, 78M tokens,
@@ -89,7 +90,7 @@ for part in ${PARTS:-bf16 warm int4 vocab}; do
               echo "## $ctx: GPU memory held per process (nvidia-smi, MiB, highest): $(awk -F', ' \
                 '$2 > m[$1] {m[$1] = $2} END {for (p in m) printf "pid %s %s; ", p, m[p]}' "$OUT/.apps")" >> "$LOG"
             done; rm -f "$OUT/.apps" ;;
-    kernels) kernel_bench quant_kernels ${KERNELS_S:-240} quant_kernels ;;
+    kernels) kernel_bench quant_kernels ${KERNELS_S:-240} quant_kernels ${KERNELS_ARGS:-} ;;
     fp8_kernels) kernel_bench fp8_kernels ${FP8_KERNELS_S:-300} fp8_kernels ${FP8_ARGS:-} ;;
     schedules) kernel_bench kernel_schedules 150 kernel_schedules ;;
     variants) kernel_bench step_variants ${VARIANTS_S:-540} step_variants ${VARIANTS_ARGS:---quant fp8} ;;
@@ -98,7 +99,7 @@ for part in ${PARTS:-bf16 warm int4 vocab}; do
     attention) kernel_bench attention_kernels 60 attention_kernels ;;
     gdn) kernel_bench gdn_kernel 60 gdn_kernel ;;
     norm) kernel_bench norm_kernel 40 norm_kernel ;;
-    linear) kernel_bench linear_kernels 150 linear_kernels ${LINEAR_ARGS:-} ;;
+    linear) kernel_bench linear_kernels ${LINEAR_S:-150} linear_kernels ${LINEAR_ARGS:-} ;;
     profile) kernel_bench profile_cycle ${PROFILE_S:-300} profile_cycle ${PROFILE_ARGS:-} ;;
     pair_target) SITE=$(python3 -c "import os, site; print(' '.join(p for p in site.getsitepackages() if os.path.isdir(p)))")
            run 560 python3 -m blockspec.cli train-target --data $SITE --suffixes .py --out .pair/target --hidden 384 \

@@ -1,13 +1,15 @@
 """Few-row bf16 matmuls on the 27B's projection shapes: cuBLAS (F.linear) against the Triton kernel of
-blockspec/kernels/linear_triton.py for a sweep of configs, at 1 and 8 rows. Weight copies > 400 MB in one CUDA
-graph (no L2 reuse), median of replays; GB/s of weight bytes. Usage (GPU; ~2 minutes on an H200, --quick ~20 s):
-python bench/linear_kernels.py [--quick: the configs default_config chooses only]; JSON to $OUT/linear_kernels.json.
+blockspec/kernels/linear_triton.py for a sweep of configs, at 1 and 8 rows (--rows: those row counts, e.g. a draft
+tree's 17, 33, 64). Weight copies > 400 MB in one CUDA graph (no L2 reuse), median of replays; GB/s of weight bytes.
+Usage (GPU; ~2 minutes on an H200, --quick ~20 s; about as long per two row counts):
+python bench/linear_kernels.py [--quick: the configs default_config chooses only] [--rows 1,8,17,33,64];
+JSON to $OUT/linear_kernels.json.
 """
 
+import argparse
 import itertools
 import json
 import os
-import sys
 
 import torch
 import torch.nn.functional as F
@@ -29,14 +31,14 @@ def configs(m, n, k, quick):
             yield LinearConfig(bn, bk, False, 4, stages, waves)
 
 
-def main(quick=False):
+def main(quick=False, rows=(1, 8)):
     dev = torch.device("cuda")
     results = {}
     for name, (n, k) in SHAPES.items():
         nbytes = n * k * 2
         copies = max(2, -(-400_000_000 // nbytes))
         weights = [torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
-        for m in (1, 8):
+        for m in rows:
             x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
             ref = F.linear(x, weights[0]).float()
             base = replay_ms(lambda: [F.linear(x, w) for w in weights]) * 1e3 / copies
@@ -55,7 +57,7 @@ def main(quick=False):
                 row.update(triton_us=round(best[0], 2), triton_gb_s=round(nbytes / best[0] / 1e3),
                            config=best[1].short(), max_err=best[2])
             results[f"{name} M={m}"] = row
-            print(f"{name:18s} M={m}  cuBLAS {base:7.2f} us {nbytes / base / 1e3:6.0f} GB/s   "
+            print(f"{name:18s} M={m:<2d} cuBLAS {base:7.2f} us {nbytes / base / 1e3:6.0f} GB/s   "
                   f"triton {row.get('triton_us', 0):7.2f} us {row.get('triton_gb_s', 0):6.0f} GB/s "
                   f"[{row.get('config')}] err {row.get('max_err', 0):.1e}", flush=True)
         weights.clear()  # free before the next shape
@@ -64,5 +66,9 @@ def main(quick=False):
 
 
 if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--quick", action="store_true", help="the configs default_config chooses only")
+    parser.add_argument("--rows", default="1,8", help="comma-separated row counts (default 1,8)")
+    args = parser.parse_args()
     with torch.no_grad():
-        main("--quick" in sys.argv)
+        main(args.quick, [int(m) for m in args.rows.split(",")])

@@ -1,18 +1,19 @@
 """Check and time the W4A16 / W8A16 Triton kernel (blockspec.quant.w4a16_triton) on the 27B projections the engine
 runs (packed: gate_up, GDN in_proj, attention qkv; down, o / out_proj, the vocabulary head).
 
-One command on a GPU machine (repo root; ~2 minutes on an H200):   python bench/quant_kernels.py
+One command on a GPU machine (repo root; ~2 minutes on an H200):   python bench/quant_kernels.py [--rows 8,17,33,64]
 CPU dry run of the harness (tiny shapes, Triton interpreter):      TRITON_INTERPRET=1 python bench/quant_kernels.py
 
-1. Checks (exit code 1 if any production check fails): every distinct default config against the dequantized
-   reference with zero points, odd N and K, bf16 and fp16 activations; Int4Linear / Int8Linear (RTN) at M = 1, 3, 12,
-   40 (16-row launches) and 100 (dequantize + F.linear); row 0 of an M = 8 launch == the M = 1 launch (bitwise); a
-   CUDA-graph replay of a split-K launch == the eager result.
+1. Checks (exit code 1 if any production check fails): every distinct default config of the timed row counts
+   against the dequantized reference with zero points, odd N and K, bf16 and fp16 activations; Int4Linear /
+   Int8Linear (RTN) at M = 1, 3, 12, 40 (one 64-row launch) and 100 (dequantize + F.linear); row 0 of an M = 8 launch
+   == the M = 1 launch (bitwise); a CUDA-graph replay of a split-K launch == the eager result.
 2. Timing: per (shape, M), C weight copies (> 200 MB together, so L2 never hits) run back to back in one CUDA
    graph, replayed 7 times between CUDA events, median / C; % of 3990 GB/s of packed bytes. Every timed config is
    first checked on 256 rows. int4 group 128: each shape at M = 1, 2, 4, 8, 16 against bf16 F.linear (its own 4x
    larger weight); M = 1 also with waves = 4. int8 (drafter group 32, vocabulary head group 128): M = 1 and 8, PTX
-   (default) and plain-Triton unpacking.
+   (default) and plain-Triton unpacking. --rows: every shape at those row counts instead (e.g. a draft tree's
+   passes: 8,17,33,64).
 Writes $OUT/quant_kernels.json when OUT is set.
 `--sweep` (~4 minutes): instead, tile width / pipeline depth / warps / K splits / wgmma around the default config,
 every int4 shape at M = 1, 8 and 16 and the int8 shapes at M = 1 and 8 (SWEEP_VARIANTS, INT8_SWEEP; SWEEP_SET=deep:
@@ -76,14 +77,14 @@ def random_weight(n, k, bits, gs, zp=False) -> wq.PackedWeight:
     return wq.PackedWeight(q, s, z, bits, gs, n, k)
 
 
-def run_checks(checks: list) -> None:
+def run_checks(checks: list, ms: list) -> None:
     def add(name, ok, **kw):
         checks.append(dict(check=name, ok=bool(ok), **kw))
         print(f"  {'ok  ' if ok else 'FAIL'} {name} {kw}", flush=True)
 
     g = torch.Generator(device="cpu").manual_seed(0)
-    cfgs = {(wq.default_config(m, n, k, bits, gs), bits, gs) for m in MS for _, n, k in SHAPES for bits, gs in
-            ((4, 128), (8, 128))} | {(wq.default_config(m, n, k, 8, gs), 8, gs) for m in MS for _, n, k, gs in
+    cfgs = {(wq.default_config(m, n, k, bits, gs), bits, gs) for m in ms for _, n, k in SHAPES for bits, gs in
+            ((4, 128), (8, 128))} | {(wq.default_config(m, n, k, 8, gs), 8, gs) for m in ms for _, n, k, gs in
                                       INT8_SHAPES}
     for cfg, bits, gs in sorted(cfgs, key=str):  # zero points, odd N and K, both activation dtypes
         pw = random_weight(37 if DRY else 1037, 1013 if DRY else 3013, bits, gs, zp=True)
@@ -134,8 +135,8 @@ def time_shape(records, name, n, k, bits, gs, variants) -> None:
                 continue
             cfg = cfg_of(m)
             rec = dict(shape=name, n=n, k=k, m=m, bits=bits, group=gs, variant=label, copies=copies, bytes=nb,
-                       cfg=asdict(cfg), cfg_str=cfg.short(), split=wq.split_k(cfg, n, probe.q.shape[1] // gs,
-                                                                             132 if DRY else wq.sm_count(DEV))[0])
+                       cfg=asdict(cfg), cfg_str=cfg.short(), split=wq.schedule(cfg, n, probe.q.shape[1] // gs,
+                                                                               wq.sm_count(DEV))[1])
             try:
                 wq.wq_matmul(x, probe, cfg, out=out)
                 rec["rel_err"] = rel_err(out[:, rows], x.float() @ w_rows.t())
@@ -238,20 +239,21 @@ def main() -> None:
         patch_triton_interpreter()
     name = "cpu (interpreter dry run)" if DRY else torch.cuda.get_device_name(DEV)
     print(f"device {name}; torch {torch.__version__}", flush=True)
+    rows = [int(m) for m in sys.argv[sys.argv.index("--rows") + 1].split(",")] if "--rows" in sys.argv else None
     checks, records = [], []
     print("checks:", flush=True)
-    run_checks(checks)
+    run_checks(checks, rows or MS)
     for sname, n, k in SHAPES:
-        time_shape(records, sname, n, k, 4, 128, [("default", lambda m: wq.default_config(m, n, k), MS),
+        time_shape(records, sname, n, k, 4, 128, [("default", lambda m: wq.default_config(m, n, k), rows or MS),
                                                   ("waves4", lambda m: replace(wq.default_config(m, n, k), waves=4),
                                                    [1])])
         if not DRY:
-            time_bf16(records, sname, n, k, MS)
+            time_bf16(records, sname, n, k, rows or MS)
             torch.cuda.empty_cache()
     for sname, n, k, gs in INT8_SHAPES:
         default = lambda m, n=n, k=k, gs=gs: wq.default_config(m, n, k, 8, gs)  # noqa: E731
-        time_shape(records, sname, n, k, 8, gs, [("default", default, [1, 8]),
-                                                 ("triton", lambda m: replace(default(m), asm=False), [1, 8])])
+        time_shape(records, sname, n, k, 8, gs, [("default", default, rows or [1, 8]),
+                                                 ("triton", lambda m: replace(default(m), asm=False), rows or [1, 8])])
         if not DRY:
             torch.cuda.empty_cache()
     prod_fail = [c["check"] for c in checks if not c["ok"]] + \
