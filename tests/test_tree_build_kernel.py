@@ -1,0 +1,100 @@
+"""The draft tree's best-first build in one Triton program (drafter/tree_triton.py) against build_tree_reference,
+through the Triton interpreter in a subprocess: tokens, parents, depth and valid equal, on transition and marginal
+tables, tables of a few values (exact ties everywhere), with -inf and NaN entries, budgets below the rows (the chain
+cut short), at the rows, up to 63, and past what the candidates can fill (padding)."""
+
+import sys
+
+import pytest
+import torch
+from helpers import interpreter_part, patch_triton_interpreter, report_parts, run_in_triton_interpreter, selected_parts
+
+from blockspec.drafter import tree_triton
+from blockspec.drafter.tree import DraftTree, build_tree, build_tree_reference, chain_scores
+
+STYLES = ("transition", "marginal", "ties", "ties_marginal", "masked", "nan")
+
+
+def budgets(rows: int) -> list[int]:
+    return sorted({max(rows - 1, 1), rows, 16, 33, 63})
+
+
+QUICK = [(16, 16, 63, "ties"), (16, 16, 15, "transition"), (8, 7, 33, "ties_marginal"), (8, 7, 33, "nan"),
+         (8, 7, 6, "masked"), (4, 2, 33, "masked"), (4, 1, 16, "ties"), (4, 7, 1, "transition")]
+FULL = [(k, rows, budget, style) for k in (4, 8, 16) for rows in (1, 7, 16) for budget in budgets(rows)
+        for style in STYLES]
+
+
+def inputs(k: int, rows: int, style: str, seed: int):
+    """(table, candidates, anchor, chain): table [R, K, K] in the given style, the chain random candidate indices."""
+    gen = torch.Generator().manual_seed(seed)
+    chain = torch.randint(0, k, (rows,), generator=gen)
+    if style.startswith("ties"):  # 4 values, all sums exact: ties between nodes, children, paths
+        table = -torch.randint(0, 4, (rows, k, k), generator=gen).float() / 2
+        table[(table == 0) & (torch.rand(rows, k, k, generator=gen) < 0.5)] = -0.0
+        table[torch.arange(rows), :, chain] = -0.0  # the chain through -0.0 entries (_mismatches)
+    else:
+        table = torch.log_softmax(torch.randn(rows, k, k, generator=gen) * 2, -1)
+    if style.endswith("marginal"):  # the rows' own distributions: the same whatever the pick before
+        table = table[:, :1].expand(rows, k, k).contiguous()
+    if style in ("masked", "nan"):  # some children impossible, some whole rows of children
+        table[torch.rand(rows, k, k, generator=gen) < 0.3] = float("-inf")
+        table[torch.rand(rows, k, generator=gen) < 0.2] = float("-inf")
+    if style == "nan":  # either sign (x86's -inf - -inf is a negative NaN)
+        table[torch.rand(rows, k, k, generator=gen) < 0.03] = float("nan")
+        table[torch.rand(rows, k, k, generator=gen) < 0.03] = -float("nan")
+    candidates = torch.randint(0, 1000, (rows, k), generator=gen)
+    return table, candidates, torch.tensor([1000 + seed]), chain
+
+
+def _mismatches(cases):  # in the interpreter subprocess
+    """Per case: the outputs of build_tree (the kernel wherever Triton runs) that differ from the reference's (none
+    expected), the reference's padding nodes, and whether the kernel took the case."""
+    results = []
+    for i, (k, rows, budget, style) in enumerate(cases):
+        args = inputs(k, rows, style, seed=i)
+        want = build_tree_reference(*args, budget)
+        trees = [build_tree(*args, budget)]
+        if style.startswith("ties"):  # also its scores summed from the first entry (no 0.0 before): -0.0 ties 0.0
+            scores = chain_scores(args[0], args[3][:min(budget, rows)])
+            trees.append(DraftTree(*tree_triton.build_tree(*args, torch.where(scores == 0, -0.0, scores), budget)))
+        differ = sorted({name for name in ("tokens", "parents", "depth", "valid") for got in trees
+                         if not torch.equal(getattr(got, name), getattr(want, name))})
+        results.append({"case": [k, rows, budget, style], "differ": differ, "padded": int((~want.valid).sum()),
+                        "kernel": tree_triton.available(args[0], budget)})
+    return results
+
+
+@pytest.fixture(scope="module")
+def interpreted(request):
+    return run_in_triton_interpreter(__file__, *selected_parts(request, PARTS))
+
+
+PARTS = {"test_tree_build_matches_reference_in_interpreter": "quick",
+         "test_tree_build_every_shape_and_style_in_interpreter": "full"}
+
+
+def _check(results, cases):
+    assert [r["case"] for r in results] == [list(c) for c in cases]
+    assert all(r["kernel"] for r in results)
+    assert [r for r in results if r["differ"]] == []
+
+
+def test_tree_build_matches_reference_in_interpreter(interpreted):
+    results = interpreter_part(interpreted, "quick")
+    _check(results, QUICK)
+    assert any(r["padded"] for r in results)  # padding is exercised
+
+
+@pytest.mark.slow
+def test_tree_build_every_shape_and_style_in_interpreter(interpreted):
+    _check(interpreter_part(interpreted, "full"), FULL)
+
+
+def test_cpu_takes_the_reference():
+    assert not tree_triton.available(torch.zeros(2, 4, 4), 16)
+
+
+if __name__ == "__main__":  # python test_tree_build_kernel.py PART..., with TRITON_INTERPRET=1
+    patch_triton_interpreter()
+    report_parts({"quick": lambda: _mismatches(QUICK), "full": lambda: _mismatches(FULL)}, sys.argv[1:])
