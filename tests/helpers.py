@@ -72,7 +72,13 @@ def cli(*args):
 
 
 def patch_triton_interpreter():
-    """numpy >= 2 refuses int() of a 1-element array, and the interpreter's program ids are such arrays."""
+    """numpy >= 2 refuses int() of a 1-element array, and the interpreter's program ids are such arrays. And the
+    interpreter patches triton.language again at every call of a device function (inspecting the modules: about 3 ms a
+    call, half the time of a kernel that calls small helpers in its loop), with the same replacements its launch
+    made: a call whose language modules the running launch has patched already skips that."""
+    import inspect
+
+    import triton.language as tl
     import triton.runtime.interpreter as interp
 
     orig = interp._patch_lang_tensor
@@ -82,6 +88,30 @@ def patch_triton_interpreter():
         scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
 
     interp._patch_lang_tensor = patched
+
+    launch, patch_lang = interp.GridExecutor.__call__, interp._patch_lang
+    patched_modules = set()  # ids of the language modules the running launch has patched
+
+    def languages(fn):
+        return {id(v) for v in fn.__globals__.values() if inspect.ismodule(v) and v in (tl, tl.core)}
+
+    def run(self, *args, **kwargs):
+        patched_modules.clear()
+        try:
+            return launch(self, *args, **kwargs)
+        finally:
+            patched_modules.clear()  # the launch restores the modules
+
+    def patch_once(fn):
+        wanted = languages(fn)
+        if patched_modules and wanted <= patched_modules:
+            return interp._LangPatchScope()  # nothing to restore
+        scope = patch_lang(fn)
+        patched_modules.update(wanted)
+        return scope
+
+    interp.GridExecutor.__call__ = run
+    interp._patch_lang = patch_once
 
 
 def run_in_triton_interpreter(test_file, *args) -> list:
