@@ -3,9 +3,14 @@ heads, 128 x 128 state per head, bf16 activations), microseconds per layer at 1 
 in one CUDA graph, median of replays):
   - the recurrence alone for each (BLOCK_V, num_warps), against the state's bytes (read + write);
   - the layer's mixer as three launches (conv, recurrence, gated norm) against one (`short_pass`) per config;
-  - the conv kernel alone for each channel block (BLOCK_C) and num_warps.
-Usage (GPU; under a minute on an H200): python bench/gdn_kernel.py [--parts recurrence,mixer,conv]; JSON to
-$OUT/gdn_kernel.json.
+  - the conv kernel alone for each channel block (BLOCK_C) and num_warps;
+  - the draft-tree mixer (`tree_pass`, conv + recurrence + norm) with each recurrence variant (each leaf's path; the
+    preorder walk) at 9 nodes (the drafter's chain), 17, 33, 49 and 64: the drafter's shape (its chain to depth 8,
+    then nodes hanging best first, shallow ones first) and the comb (a spine of T/2 + 1 nodes with a leaf on each:
+    the paths variant's worst case); each against the reference (max abs error of layer 0's output) and against the
+    preorder walk (the same arithmetic: 0 expected).
+Usage (GPU; under a minute on an H200 either way): python bench/gdn_kernel.py [--parts recurrence,mixer,conv] or
+--parts tree; JSON to $OUT/gdn_kernel.json.
 """
 
 import json
@@ -15,11 +20,17 @@ import sys
 import torch
 from timing import replay_ms  # bench/timing.py, beside this script
 
-from blockspec.kernels.gdn_triton import causal_conv1d, gated_delta_short, short_pass
+from blockspec.kernels import gdn
+from blockspec.kernels.gdn_triton import causal_conv1d, gated_delta_short, short_pass, tree_pass
+from blockspec.kernels.norm import gated_rms_norm_reference
 from blockspec.kernels.norm_triton import gated_rms_norm_rows
+from blockspec.layers.tree import TreeLayout
 
 HK, DK, HV, DV, LAYERS, TAPS = 16, 128, 48, 128, 48, 4
 CHANNELS = 2 * HK * DK + HV * DV
+TREE_SIZES = (9, 17, 33, 49, 64)
+# (variant, BV, warps); the paths variant runs 48 x 128 / BV programs a leaf, and an H200 SM holds 32 programs
+TREE_CONFIGS = (("preorder", 16, 1), ("paths", 16, 1), ("paths", 8, 1), ("paths", 32, 2), ("paths", 64, 4))
 
 
 def main(parts):
@@ -34,11 +45,11 @@ def main(parts):
     state_bytes = 2 * HV * DK * DV * 4
     results = {}
 
-    def report(key, us, err, extra=""):
-        results[key] = {"us_per_layer": round(us, 2), "max_err": err}
+    def report(key, us, err, extra="", **fields):
+        results[key] = {"us_per_layer": round(us, 2), "max_err": err, **fields}
         print(f"{key:40s} {us:7.2f} us/layer  {extra}err {err:.1e}", flush=True)
 
-    for t in (1, 8):
+    for t in (1, 8) if any(part in parts for part in ("recurrence", "mixer", "conv")) else ():
         proj = torch.randn(t, CHANNELS + 2 * HV * DV, device=dev, dtype=bf16)  # qkv | z | (b, a) as in the pack
         x, z = proj[:, :CHANNELS], proj[:, CHANNELS:CHANNELS + HV * DV].view(t, HV, DV)
         b, a = proj[:, -2 * HV:-HV], proj[:, -HV:]
@@ -82,8 +93,75 @@ def main(parts):
                                        windows[i], mixeds[i], block_v=bv, num_warps=w)[0] for i in range(LAYERS)]
                 err = (one()[0].float() - mixer_ref).abs().max().item()
                 report(f"T={t} mixer, one launch BLOCK_V={block_v} warps={warps}", replay_ms(one) * 1e3 / LAYERS, err)
+    if "tree" in parts:
+        trees(report, dev, bf16)
     with open(os.path.join(os.environ.get("OUT", "."), "gdn_kernel.json"), "w") as f:
         json.dump(results, f, indent=2)
+
+
+def tree_parents(kind: str, t: int, gen) -> list:
+    """parents (the root's 0): "drafted", the drafter's chain 0..8, then parents of depth < 8 drawn with weight
+    2^-depth (best first takes the likelier, shallower alternatives first); "comb", a spine 0..T//2 with a leaf on
+    each spine node in order."""
+    if kind == "comb":
+        spine = t // 2 + 1
+        return [max(i - 1, 0) for i in range(spine)] + list(range(t - spine))
+    parents = [max(i - 1, 0) for i in range(min(t, 9))]
+    depth = list(range(len(parents)))
+    while len(parents) < t:
+        weights = torch.tensor([0.5 ** d if d < 8 else 0.0 for d in depth])
+        parents.append(int(torch.multinomial(weights, 1, generator=gen)))
+        depth.append(depth[parents[-1]] + 1)
+    return parents
+
+
+def trees(report, dev, dtype, shape=(HK, DK, HV, DV), layers=LAYERS, sizes=TREE_SIZES, configs=TREE_CONFIGS,
+          timed=True):
+    """The tree part (module docstring): each tree's inputs as a layer passes them, each config's tree_pass over
+    `layers` layers (timed: in one CUDA graph). Untimed (the interpreter's dry run on the CPU), correctness only."""
+    hk, dk, hv, dv = shape
+    channels = 2 * hk * dk + hv * dv
+    gen = torch.Generator().manual_seed(0)
+    states = [torch.randn(hv, dk, dv, generator=gen).to(dev) * 0.01 for _ in range(layers)]
+    histories = [torch.randn(TAPS - 1, channels, generator=gen).to(dev, dtype) for _ in range(layers)]
+    conv_w = (torch.randn(channels, 1, TAPS, generator=gen) * 0.3).to(dev, dtype)
+    norm_w = torch.randn(dv, generator=gen).to(dev, dtype)
+    a_log, dt_bias = torch.randn(hv, generator=gen).to(dev), torch.randn(hv, generator=gen).to(dev)
+    for t in sizes:
+        for kind in ("drafted",) if t <= 9 else ("drafted", "comb"):
+            parents = tree_parents(kind, t, gen)
+            depth = [0] * t
+            for i in range(1, t):
+                depth[i] = depth[parents[i]] + 1
+            leaves = sorted(set(range(t)) - set(parents[1:]))
+            print(f"T={t} {kind}: depth {max(depth)}, {len(leaves)} leaves, {sum(depth[i] + 1 for i in leaves)} "
+                  "steps along the leaves' paths", flush=True)
+            parents = torch.tensor(parents, device=dev)
+            rows = TreeLayout.build(parents, torch.tensor(depth, device=dev), 0, TAPS).window_rows
+            proj = torch.randn(t, channels + 2 * hv * dv, generator=gen).to(dev, dtype)  # qkv | z | (b, a)
+            x, z = proj[:, :channels], proj[:, channels:channels + hv * dv].view(t, hv, dv)
+            gates = ("ab", proj[:, -2 * hv:-hv], proj[:, -hv:], a_log, dt_bias)
+            windows = [torch.empty(TAPS - 1 + t, channels, device=dev, dtype=dtype) for _ in range(layers)]
+            mixeds = [torch.empty(t, channels, device=dev, dtype=dtype) for _ in range(layers)]
+            gate_bufs = [(torch.empty(t, hv, device=dev), torch.empty(t, hv, device=dev)) for _ in range(layers)]
+            mixed, _ = gdn.causal_conv1d_tree_reference(x, histories[0], conv_w, rows)
+            g, beta = gdn.deltanet_gates.reference(*gates[1:])
+            reference = gdn.gated_delta_tree_reference(*gdn.deltanet_qkv.reference(mixed, *shape), g, beta, states[0],
+                                                       parents).to(dtype)
+            reference = gated_rms_norm_reference.reference(reference, z, norm_w, 1e-6).float()
+            preorder = None
+            for variant, block_v, warps in configs:
+                def run(variant=variant, bv=block_v, w=warps):
+                    return [tree_pass(x, histories[i], conv_w, gates, states[i], shape, z, norm_w, 1e-6, rows,
+                                      parents, windows[i], mixeds[i], gate_bufs[i], block_v=bv, num_warps=w,
+                                      variant=variant)[0] for i in range(layers)]
+                out = run()[0].float()
+                preorder = out if variant == "preorder" else preorder
+                err = (out - reference).abs().max().item()
+                diff = (out - preorder).abs().max().item() if preorder is not None else float("nan")
+                us = replay_ms(run) * 1e3 / layers if timed else float("nan")
+                report(f"T={t} {kind} tree {variant} BLOCK_V={block_v} warps={warps}", us, err,
+                       f"vs preorder {diff:.1e}  ", vs_preorder=diff)
 
 
 if __name__ == "__main__":

@@ -32,6 +32,7 @@
 #   sweep      the W4A16 config sweep (bench/quant_kernels.py --sweep; SWEEP_S seconds at most)
 #   attention  split-KV attention against SDPA (bench/attention_kernels.py)
 #   gdn        the DeltaNet kernels' configs (bench/gdn_kernel.py)
+#   gdn_tree   the draft-tree DeltaNet mixer, both recurrence variants (bench/gdn_kernel.py --parts tree)
 #   norm       the RMSNorm kernel's warps (bench/norm_kernel.py)
 #   linear     the few-row bf16 matmul against cuBLAS (bench/linear_kernels.py; LINEAR_ARGS=--quick: the chosen
 #              configs only; --rows 8,17,33,64: those row counts)
@@ -98,6 +99,7 @@ for part in ${PARTS:-bf16 warm int4 vocab}; do
     sweep) kernel_bench quant_sweep ${SWEEP_S:-300} quant_kernels --sweep ;;
     attention) kernel_bench attention_kernels 60 attention_kernels ;;
     gdn) kernel_bench gdn_kernel 60 gdn_kernel ;;
+    gdn_tree) kernel_bench gdn_tree 90 gdn_kernel --parts tree ;;
     norm) kernel_bench norm_kernel 40 norm_kernel ;;
     linear) kernel_bench linear_kernels ${LINEAR_S:-150} linear_kernels ${LINEAR_ARGS:-} ;;
     profile) kernel_bench profile_cycle ${PROFILE_S:-300} profile_cycle ${PROFILE_ARGS:-} ;;

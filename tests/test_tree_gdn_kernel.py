@@ -1,9 +1,12 @@
-"""The DeltaNet mixer of a draft-tree pass in one launch (kernels/gdn_triton.py `tree_pass`) against its reference
-(the tree conv, per-node recurrence from the parent's state, gated norm of kernels/gdn.py), through the Triton
-interpreter in a subprocess: random trees, a comb (the drafter's chain first, then a leaf on each chain node: every
-stack slot used), a chain (also equal to the chain's reference), gates computed and stored or given; out, window,
-conv output, gates, and the committed state untouched. And the reference itself, independently: each node's output
-is the chain reference run over that node's path alone."""
+"""The DeltaNet mixer of a draft-tree pass (kernels/gdn_triton.py `tree_pass`, both recurrence variants: each leaf's
+path, the preorder walk) against its reference (the tree conv, per-node recurrence from the parent's state, gated norm
+of kernels/gdn.py), through the Triton interpreter in a subprocess: random trees, the drafter's shape (its chain, then
+shallow nodes), a comb (the drafter's chain first, then a leaf on each chain node: every stack slot used), a chain
+(also equal to the chain's reference), gates computed and stored or given; out, window, conv output, gates, and the
+committed state untouched; the two variants' outputs bitwise equal (the same step arithmetic). Outputs the kernel
+allocates start as NaN: a row no program writes fails; where the value dimension is split in slices, so does a row
+two leaves' programs write and norm (one norms a row the other's slice overwrote). And the reference itself,
+independently: each node's output is the chain reference run over that node's path alone."""
 
 import sys
 
@@ -25,16 +28,31 @@ SMALL = [  # (key heads, key dim, value heads, value dim, nodes, tree, BLOCK_V, 
 LARGE = [  # every stack slot; the 27B's grouping (3 value heads a key head) with dims that are not powers of two
     (2, 16, 4, 16, 33, "comb", 16, "ab"), (2, 24, 6, 20, 17, "random", 8, "ab"),
 ]
+TREES = [  # 1..64 nodes: the drafter's shape (depth <= 8), a 20-deep chain, a deep random tree; two value slices
+    (1, 16, 2, 16, t, kind, 8, "ab") for t, kind in [
+        (1, "drafted"), (2, "drafted"), (3, "drafted"), (5, "drafted"), (9, "drafted"), (17, "drafted"),
+        (33, "drafted"), (64, "drafted"), (20, "chain"), (28, "random")]
+]
+VARIANTS = ("paths", "preorder")
 
 
 def tree_parents(kind: str, t: int, gen) -> torch.Tensor:
     """parents [T] int64 (parents[i] < i, the root's 0): random (half the nodes continue the node before them, so
-    that paths run deep), a chain, or a comb (chain 0..t//2, then a leaf on each of its nodes, in order)."""
+    that paths run deep), drafted (the drafter's chain 0..8, then parents of depth < 8 drawn with weight 2^-depth), a
+    chain, or a comb (chain 0..t//2, then a leaf on each of its nodes, in order)."""
     if kind == "chain":
         return torch.arange(t).clamp(min=1) - 1
     if kind == "comb":
         spine = t // 2 + 1
         return torch.cat([torch.arange(spine).clamp(min=1) - 1, torch.arange(t - spine)])
+    if kind == "drafted":
+        parents = (torch.arange(min(t, 9)).clamp(min=1) - 1).tolist()
+        depth = list(range(len(parents)))
+        while len(parents) < t:
+            weights = torch.tensor([0.5 ** d if d < 8 else 0.0 for d in depth])
+            parents.append(int(torch.multinomial(weights, 1, generator=gen)))
+            depth.append(depth[parents[-1]] + 1)
+        return torch.tensor(parents)
     parents = [0] * t
     for i in range(1, t):
         parents[i] = i - 1 if torch.rand(1, generator=gen).item() < 0.5 else int(torch.randint(i, (1,), generator=gen))
@@ -88,8 +106,21 @@ def _err(got, want) -> float:
     return float("inf") if bool(diff.isnan().any()) else float(diff.max())
 
 
+class _NaNEmpty:
+    """`torch` as gdn_triton sees it in these tests: torch.empty fills with NaN."""
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+    @staticmethod
+    def empty(*size, **kwargs):
+        return torch.full(size, float("nan"), **kwargs)
+
+
 def _kernel_cases(cases):  # in the interpreter subprocess
-    from blockspec.kernels.gdn_triton import tree_pass
+    from unittest import mock
+
+    from blockspec.kernels import gdn_triton
 
     results = []
     for i, (hk, dk, hv, dv, t, kind, block_v, gate_kind) in enumerate(cases):
@@ -98,24 +129,51 @@ def _kernel_cases(cases):  # in the interpreter subprocess
         rows = layout(parents).window_rows
         ref_out, ref_window, ref_mixed, ref_g, ref_beta = reference(args, rows, parents)
         committed = args["state"].clone()
-        window, mixed = torch.full_like(ref_window, float("nan")), torch.full_like(ref_mixed, float("nan"))
-        g_buf, beta_buf = torch.full((t, hv), float("nan")), torch.full((t, hv), float("nan"))
-        if gate_kind == "given":
-            args["gates"] = ("given", ref_g, ref_beta)
-            g_buf, beta_buf = ref_g, ref_beta
-        out, returned = tree_pass(**args, window_rows=rows, parents=parents, window_out=window, mixed_out=mixed,
-                                  gates_out=(g_buf, beta_buf) if gate_kind == "ab" else None, block_v=block_v)
-        r = {"case": [hk, dk, hv, dv, t, kind, block_v, gate_kind], "out": _err(out, ref_out),
-             "window": _err(window, ref_window), "mixed": _err(mixed, ref_mixed),
-             "gates": max(_err(g_buf, ref_g), _err(beta_buf, ref_beta)),
-             "state_untouched": bool(torch.equal(args["state"], committed)), "window_returned": returned is window,
-             "counters_clean": int(kernels._COUNTERS[("cpu", None)].abs().sum()) == 0}
-        if kind == "chain":
-            r["chain"] = _err(out, chain_reference(args))
-        if i == 1 and cases is SMALL:  # deltanet_tree_mixer takes the kernel wherever Triton runs
-            r["dispatched"] = _err(gdn.deltanet_tree_mixer(**args, window_rows=rows, parents=parents)[0], out)
+        given = ("given", ref_g, ref_beta)
+        r, outs, gates = {"case": [hk, dk, hv, dv, t, kind, block_v, gate_kind]}, {}, {}
+        for variant in VARIANTS:
+            window, mixed = torch.full_like(ref_window, float("nan")), torch.full_like(ref_mixed, float("nan"))
+            g_buf, beta_buf = (ref_g, ref_beta) if gate_kind == "given" else (torch.full((t, hv), float("nan")),
+                                                                              torch.full((t, hv), float("nan")))
+            with mock.patch.object(gdn_triton, "torch", _NaNEmpty()):
+                out, returned = gdn_triton.tree_pass(
+                    **{**args, "gates": given if gate_kind == "given" else args["gates"]}, window_rows=rows,
+                    parents=parents, window_out=window, mixed_out=mixed,
+                    gates_out=(g_buf, beta_buf) if gate_kind == "ab" else None, block_v=block_v, variant=variant)
+            outs[variant], gates[variant] = out, (g_buf, beta_buf)
+            r[variant] = {"out": _err(out, ref_out), "window": _err(window, ref_window),
+                          "mixed": _err(mixed, ref_mixed), "gates": max(_err(g_buf, ref_g), _err(beta_buf, ref_beta)),
+                          "state_untouched": bool(torch.equal(args["state"], committed)),
+                          "window_returned": returned is window,
+                          "counters_clean": int(kernels._COUNTERS[("cpu", None)].abs().sum()) == 0}
+            if kind == "chain":
+                r[variant]["chain"] = _err(out, chain_reference(args))
+        r["bitwise"] = bool(torch.equal(outs["paths"], outs["preorder"])) and all(
+            torch.equal(x, y) for x, y in zip(gates["paths"], gates["preorder"]))
+        if i == 1 and cases is SMALL:  # deltanet_tree_mixer takes the kernel (paths) wherever Triton runs
+            r["dispatched"] = _err(gdn.deltanet_tree_mixer(**args, window_rows=rows, parents=parents)[0],
+                                   outs["paths"])
         results.append(r)
     return results
+
+
+def _bench_dry_run():  # in the interpreter subprocess: bench/gdn_kernel.py's tree part, untimed, on tiny shapes
+    import importlib.util
+    from pathlib import Path
+
+    bench = Path(__file__).resolve().parent.parent / "bench"
+    sys.path.insert(0, str(bench))  # its `timing` import
+    spec = importlib.util.spec_from_file_location("gdn_kernel", bench / "gdn_kernel.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    reported = {}
+
+    def report(key, us, err, extra="", **fields):
+        reported[key] = {"err": err, **fields}
+
+    module.trees(report, torch.device("cpu"), torch.float32, shape=(1, 16, 2, 16), layers=1, sizes=(9, 17),
+                 configs=(("preorder", 16, 1), ("paths", 8, 1)), timed=False)
+    return reported
 
 
 @pytest.fixture(scope="module")
@@ -125,14 +183,20 @@ def interpreted(request):
 
 
 PARTS = {"test_tree_pass_matches_reference_in_interpreter": "small",
-         "test_tree_pass_large_trees_in_interpreter": "large"}
+         "test_tree_pass_large_trees_in_interpreter": "large",
+         "test_tree_pass_variants_agree_over_trees_in_interpreter": "trees",
+         "test_bench_tree_part_dry_run_in_interpreter": "bench"}
 
 
 def _check(results, cases):
     assert [r["case"] for r in results] == [list(c) for c in cases]
     for r in results:  # NaN-filled buffers: an element the kernel forgets to write fails here
-        assert max(r["out"], r["window"], r["mixed"], r["gates"], r.get("chain", 0.0)) < 1e-4, r
-        assert r["state_untouched"] and r["window_returned"] and r["counters_clean"], r
+        for variant in VARIANTS:
+            v = r[variant]
+            assert max(v["out"], v["window"], v["mixed"], v["gates"], v.get("chain", 0.0)) < 1e-4, (r["case"], variant,
+                                                                                                   v)
+            assert v["state_untouched"] and v["window_returned"] and v["counters_clean"], (r["case"], variant, v)
+        assert r["bitwise"], r
 
 
 def test_tree_pass_matches_reference_in_interpreter(interpreted):
@@ -144,6 +208,23 @@ def test_tree_pass_matches_reference_in_interpreter(interpreted):
 @pytest.mark.slow
 def test_tree_pass_large_trees_in_interpreter(interpreted):
     _check(interpreter_part(interpreted, "large"), LARGE)
+
+
+@pytest.mark.slow
+def test_tree_pass_variants_agree_over_trees_in_interpreter(interpreted):
+    """Each leaf's path against the preorder walk and the reference over trees of 1..64 nodes, shallow and deep."""
+    _check(interpreter_part(interpreted, "trees"), TREES)
+
+
+@pytest.mark.slow
+def test_bench_tree_part_dry_run_in_interpreter(interpreted):
+    """bench/gdn_kernel.py --parts tree (the H200's measurement) on tiny shapes, untimed: its trees, inputs and
+    reference check run, and both variants agree with the reference and with each other."""
+    reported = interpreter_part(interpreted, "bench")
+    assert list(reported) == [f"T={t} {kind} tree {config}" for t, kind in [(9, "drafted"), (17, "drafted"),
+                                                                             (17, "comb")]
+                              for config in ("preorder BLOCK_V=16 warps=1", "paths BLOCK_V=8 warps=1")], reported
+    assert all(r["err"] < 1e-4 and r["vs_preorder"] == 0.0 for r in reported.values()), reported
 
 
 @pytest.mark.parametrize("kind,t", [("random", 9), ("random", 33), ("comb", 17), ("chain", 6)])
@@ -164,4 +245,5 @@ def test_tree_reference_is_the_chain_along_each_path(kind, t):
 
 if __name__ == "__main__":  # python test_tree_gdn_kernel.py PART..., with TRITON_INTERPRET=1
     patch_triton_interpreter()
-    report_parts({"small": lambda: _kernel_cases(SMALL), "large": lambda: _kernel_cases(LARGE)}, sys.argv[1:])
+    report_parts({"small": lambda: _kernel_cases(SMALL), "large": lambda: _kernel_cases(LARGE),
+                  "trees": lambda: _kernel_cases(TREES), "bench": _bench_dry_run}, sys.argv[1:])
