@@ -552,3 +552,21 @@ def test_tree_equals_plain_bf16(wide_margin_pair, compile_mode, budget):
     a, b = plain.generate(ids, 200, stop_at_eos=False), tree.generate(ids, 200, stop_at_eos=False)
     print(f"bf16 tree {budget} compile_mode {compile_mode}: mean accepted length {b.stats['mean_accepted_length']}")
     assert a.tokens == b.tokens
+
+
+@pytest.mark.parametrize("style", ["transition", "ties", "masked"])
+def test_tree_build_kernel_equals_reference_on_cuda(style):
+    """drafter/tree_triton.py compiled for the GPU against build_tree_reference (the interpreter cannot check
+    the GPU's tie-break and comparison semantics): every budget, equal trees."""
+    from test_tree_build_kernel import inputs
+
+    from blockspec.drafter import tree_triton
+    from blockspec.drafter.tree import build_tree, build_tree_reference
+    for k, rows in ((16, 7), (8, 16), (4, 7)):
+        table, candidates, anchor, chain = (x.cuda() for x in inputs(k, rows, style, seed=k + rows))
+        for budget in (1, rows, 16, 33, 63):
+            assert tree_triton.available(table, budget)
+            got, expected = build_tree(table, candidates, anchor, chain, budget), \
+                build_tree_reference(table, candidates, anchor, chain, budget)
+            for field in ("tokens", "parents", "depth", "valid"):
+                assert torch.equal(getattr(got, field), getattr(expected, field)), (style, k, rows, budget, field)
