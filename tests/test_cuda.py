@@ -224,7 +224,7 @@ def test_folded_norms_on_gpu(wide_margin_pair):
     assert (folded - plain).abs().max() <= 0.05 * plain.abs().max()
 
 
-@pytest.mark.parametrize("rows", [1, 8])
+@pytest.mark.parametrize("rows", [1, 8, 17, 33, 64])
 def test_dense_linear_kernel_bf16_on_gpu(rows):
     """The few-row Triton matmul at the 27B shapes it serves (kernels.linear's dispatch), against cuBLAS; and the
     DeltaNet mixer in one launch against its three launches."""
