@@ -253,20 +253,21 @@ def test_demo_context_length_fits_max_tokens(monkeypatch, capsys, demo_prompt_le
             assert len(ids) + max_tokens <= seen[-1].context_length
             return iter(())
 
-    def one_cycle(engine, sequences, cuts, seed):
+    def one_cycle(engine, sequences, cuts, seed, tree_budgets=None):
         measured.append(max(len(s) for s in sequences))
-        return {"mean_accepted_length": 1.0, "acceptance_rate": 0.0}
+        result = {"mean_accepted_length": 1.0, "acceptance_rate": 0.0}
+        return {b: result for b in tree_budgets} if tree_budgets else result
 
     monkeypatch.setattr(engine_module, "Engine", Recorder)
     monkeypatch.setattr(demo, "one_cycle_acceptance", one_cycle)
     assert main(["demo", "--max-tokens", "5000"]) == 0
-    assert [c.context_length for c in seen] == [demo_prompt_length + 5000] * 3
+    assert [c.context_length for c in seen] == [demo_prompt_length + 5000] * 4
     assert main(["demo", "--max-tokens", "10"]) == 0
     assert seen[-1].context_length == 512
     assert main(["demo", "--max-tokens", "10", "--context-length", str(demo_prompt_length + 10)]) == 0
     assert seen[-1].context_length == demo_prompt_length + 10
     assert "identical to plain greedy: yes" in capsys.readouterr().out
-    assert len(measured) == 6 and max(measured) == demo.MEASURE_TOKENS
+    assert len(measured) == 6 and max(measured) == demo.MEASURE_TOKENS  # mtp, and the chain with the tree
 
 
 @pytest.mark.parametrize("damage,message", [("missing", "not found"), ("corrupt", "corrupt zip file"),
