@@ -294,6 +294,21 @@ if triton is not None:
             tl.store(history + r * C + cols, tl.load(window + source * C + cols, mask=ok), mask=ok)
 
     @triton.jit
+    def _head_tile(pid, KEY_HEADS: tl.constexpr, VALUE_HEADS: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                   BV: tl.constexpr, BK: tl.constexpr):
+        """Program pid's (value head, BV slice) of the recurrence: (slice index, value head, its key head, key and
+        value channel ranges with their masks, the state tile's offsets and mask)."""
+        slices = tl.cdiv(V, BV)
+        i_v = pid % slices
+        hv = pid // slices
+        hk = hv // (VALUE_HEADS // KEY_HEADS)
+        ks = tl.arange(0, BK)
+        vs = i_v * BV + tl.arange(0, BV)
+        k_ok, v_ok = ks < K, vs < V
+        tile = hv * K * V + ks[:, None] * V + vs[None, :]
+        return i_v, hv, hk, ks, vs, k_ok, v_ok, tile, k_ok[:, None] & v_ok[None, :]
+
+    @triton.jit
     def _gate_constants(a_log, dt_bias, hv, COMPUTE_GATES: tl.constexpr):
         """Value head hv's -exp(A_log) and dt_bias (zeros when the gates are given)."""
         if COMPUTE_GATES:
@@ -376,16 +391,8 @@ if triton is not None:
                             NORM: tl.constexpr, HISTORY_IN_PLACE: tl.constexpr, PATH: tl.constexpr,
                             BP: tl.constexpr, PDL: tl.constexpr):
         pdl.begin(PDL)
-        pid = tl.program_id(0)
-        slices = tl.cdiv(V, BV)
-        i_v = pid % slices
-        hv = pid // slices
-        hk = hv // (VALUE_HEADS // KEY_HEADS)
-        ks = tl.arange(0, BK)
-        vs = i_v * BV + tl.arange(0, BV)
-        k_ok, v_ok = ks < K, vs < V
-        tile = hv * K * V + ks[:, None] * V + vs[None, :]
-        tile_ok = k_ok[:, None] & v_ok[None, :]
+        i_v, hv, hk, ks, vs, k_ok, v_ok, tile, tile_ok = _head_tile(tl.program_id(0), KEY_HEADS, VALUE_HEADS, K, V,
+                                                                    BV, BK)
         state = tl.load(h0 + tile, mask=tile_ok, other=0.0)
         decay_rate, bias = _gate_constants(a_log, dt_bias, hv, COMPUTE_GATES)
         # who writes the window and conv output a replay needs: one program per key head its q, k channels; each
@@ -425,12 +432,12 @@ if triton is not None:
             tl.debug_barrier()  # every read of this program's history is done
             _shift_history(x, history, 2 * KEY_HEADS * K + hv * V + vs, v_ok, C, TAPS)
             arrivals = counters + VALUE_HEADS + hk
-            if tl.atomic_add(arrivals, 1, sem="acq_rel") == slices * (VALUE_HEADS // KEY_HEADS) - 1:
+            if tl.atomic_add(arrivals, 1, sem="acq_rel") == tl.cdiv(V, BV) * (VALUE_HEADS // KEY_HEADS) - 1:
                 _shift_history(x, history, hk * K + ks, k_ok, C, TAPS)  # the key head's q and k channels
                 _shift_history(x, history, (KEY_HEADS + hk) * K + ks, k_ok, C, TAPS)
                 tl.atomic_xchg(arrivals, 0)
         if NORM:  # the head's last program to finish norms its whole output
-            _output_norm(out, z, s_z_t, s_z_h, norm_w, eps, counters, hv, slices, T, VALUE_HEADS, V, BVN, 1)
+            _output_norm(out, z, s_z_t, s_z_h, norm_w, eps, counters, hv, tl.cdiv(V, BV), T, VALUE_HEADS, V, BVN, 1)
 
     @triton.jit
     def _pick(values, lanes, node):
@@ -445,16 +452,8 @@ if triton is not None:
                      NORM_ROWS: tl.constexpr, COMPUTE_GATES: tl.constexpr, SAVE_GATES: tl.constexpr,
                      PDL: tl.constexpr):
         pdl.begin(PDL)
-        pid = tl.program_id(0)
-        slices = tl.cdiv(V, BV)
-        i_v = pid % slices
-        hv = pid // slices
-        hk = hv // (VALUE_HEADS // KEY_HEADS)
-        ks = tl.arange(0, BK)
-        vs = i_v * BV + tl.arange(0, BV)
-        k_ok, v_ok = ks < K, vs < V
-        tile = hv * K * V + ks[:, None] * V + vs[None, :]
-        tile_ok = k_ok[:, None] & v_ok[None, :]
+        i_v, hv, hk, ks, vs, k_ok, v_ok, tile, tile_ok = _head_tile(tl.program_id(0), KEY_HEADS, VALUE_HEADS, K, V,
+                                                                    BV, BK)
         slot_size = VALUE_HEADS * K * V
         state = tl.load(h0 + tile, mask=tile_ok, other=0.0)
         C = 2 * KEY_HEADS * K + VALUE_HEADS * V
@@ -471,7 +470,7 @@ if triton is not None:
         # maximum is the first child of the deepest node of the path that has one.
         parent = tl.load(parents + lanes, mask=(lanes > 0) & in_tree, other=-1).to(tl.int32)
         key = tl.full([BT], -1, tl.int32)
-        node = pid * 0
+        node = hv * 0  # an int32 scalar tensor, as the walk updates it
         depth, slot = node, node
         q = tl.load(mixed + q_cols, mask=k_ok, other=0.0).to(tl.float32)
         k = tl.load(mixed + k_cols, mask=k_ok, other=0.0).to(tl.float32)
@@ -502,7 +501,7 @@ if triton is not None:
             state = tl.where(reload, saved, state)
             node, depth, slot = nxt, top >> 12, nxt_slot
             tl.debug_barrier()  # a saved tile is read back by whichever threads a later load's layout gives it
-        _output_norm(out, z, s_z_t, s_z_h, norm_w, eps, counters, hv, slices, T, VALUE_HEADS, V, BVN, NORM_ROWS)
+        _output_norm(out, z, s_z_t, s_z_h, norm_w, eps, counters, hv, tl.cdiv(V, BV), T, VALUE_HEADS, V, BVN, NORM_ROWS)
 
     @triton.jit(do_not_specialize=["T"])
     def _tree_paths_kernel(mixed, parents, b, a, s_ab, a_log, dt_bias, g_buf, beta_buf, h0, out, scale, T,
@@ -516,11 +515,9 @@ if triton is not None:
         gates). A node's output is written by one program: that of the leaf reached from it by lowest-index
         children, whose head's last slice to finish also norms those rows."""
         pdl.begin(PDL)
-        pid = tl.program_id(0)
         leaf = tl.program_id(1)  # the node whose path this program runs, if it is a leaf
-        slices = tl.cdiv(V, BV)
-        i_v = pid % slices
-        hv = pid // slices
+        i_v, hv, hk, ks, vs, k_ok, v_ok, tile, tile_ok = _head_tile(tl.program_id(0), KEY_HEADS, VALUE_HEADS, K, V,
+                                                                    BV, BK)
         lanes = tl.arange(0, BT)
         in_tree = lanes < T
         parent = tl.load(parents + lanes, mask=(lanes > 0) & in_tree, other=-1).to(tl.int32)  # the root's: -1
@@ -531,15 +528,10 @@ if triton is not None:
                                    decay_rate, bias, (i_v == 0) & (lanes == leaf), VALUE_HEADS, COMPUTE_GATES,
                                    SAVE_GATES)
         if tl.sum((parent == leaf).to(tl.int32), 0) == 0:
-            hk = hv // (VALUE_HEADS // KEY_HEADS)
-            ks = tl.arange(0, BK)
-            vs = i_v * BV + tl.arange(0, BV)
-            k_ok, v_ok = ks < K, vs < V
-            tile_ok = k_ok[:, None] & v_ok[None, :]
             C = 2 * KEY_HEADS * K + VALUE_HEADS * V
             q_cols, k_cols, v_cols = hk * K + ks, (KEY_HEADS + hk) * K + ks, 2 * KEY_HEADS * K + hv * V + vs
             # the root's inputs first: the walk up below runs while they arrive
-            state = tl.load(h0 + hv * K * V + ks[:, None] * V + vs[None, :], mask=tile_ok, other=0.0)
+            state = tl.load(h0 + tile, mask=tile_ok, other=0.0)
             q = tl.load(mixed + q_cols, mask=k_ok, other=0.0).to(tl.float32)
             k = tl.load(mixed + k_cols, mask=k_ok, other=0.0).to(tl.float32)
             v = tl.load(mixed + v_cols, mask=v_ok, other=0.0).to(tl.float32)
@@ -574,7 +566,7 @@ if triton is not None:
                 node = nxt
             # the rows this leaf wrote, normed by the last of its head's slices, NORM_ROWS at a time
             counter = counters + leaf * VALUE_HEADS + hv
-            if _last_to_arrive(counter, slices):
+            if _last_to_arrive(counter, tl.cdiv(V, BV)):
                 owned = on_path & (lanes >= first_owned)
                 rank = tl.cumsum(owned.to(tl.int32), 0) - 1
                 n_owned = tl.sum(owned.to(tl.int32), 0)
