@@ -236,14 +236,14 @@ def test_dense_linear_kernel_bf16_on_gpu(rows):
     torch.manual_seed(rows)
     bf = dict(device="cuda", dtype=torch.bfloat16)
     for n, k in [(5120, 17408), (34816, 5120), (16480, 5120), (5120, 6144)]:
-        config = linear_triton.default_config(rows, n, k)
+        config = linear_triton.default_config(min(rows, 8), n, k)  # more rows: the 8-row configs, given
         if config is None:
             continue
         x, w = torch.randn(rows, k, **bf), torch.randn(n, k, **bf) * k ** -0.5
         ref = torch.nn.functional.linear(x, w).float()
         got = linear_triton.linear_rows(x, w, config)
         assert (got.float() - ref).abs().max() <= 0.02 * ref.abs().max()
-        if linear_triton.fits(config, rows, x.device):  # the dispatch takes the kernel
+        if rows <= 8 and linear_triton.fits(config, rows, x.device):  # the dispatch takes the kernel
             assert torch.equal(linear(x, w), got)
     shape, channels = (16, 128, 48, 128), 10240
     proj = torch.randn(1, channels + 6144, **bf)

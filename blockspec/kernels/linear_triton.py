@@ -6,9 +6,8 @@ Why, beside cuBLAS: for the MLP's down projection (17408 -> 5120 on the 27B) cuB
 memset and a reduction launch, ~51 us per call where the weight alone streams in ~44 us. Here split-K partial sums
 are added by the last program to finish a tile (`split_k_total`, shared with the W4A16 kernel): one launch, no
 memset. Programs: (BN output rows, a range of BK-wide input blocks); an MMA tile (mma.sync) of BM = 8, 16, 32 or 64
-rows (the next power of two of M, at least 8), or for one row a CUDA-core dot (dot=False). The weights stream alike at
-any row count (the products are bound by their reads): on the H200 a whole 27B pass of projections took 11.9 ms at
-8 rows on this kernel, 13.0 ms at 34 rows on cuBLAS.
+rows (the next power of two of M, at least 8), or for one row a CUDA-core dot (dot=False). On the H200 a whole 27B pass
+of projections took 10.5-11.9 ms at 8 rows on this kernel.
 
 `default_config` holds the H200 measurements of bench/linear_kernels.py (bf16, weight copies > 400 MB in a CUDA
 graph; us per call, cuBLAS -> this kernel):
@@ -18,9 +17,10 @@ graph; us per call, cuBLAS -> this kernel):
   o / gdn out 5120 x 6144 M=1 18.53 -> 17.96 (n8 k256 fma s5: 640 programs spread evenly over 132 SMs, where
   16-row tiles leave 2 or 3 per SM; another machine's run); M=8 cuBLAS 18.6 vs 19.9 (kept)
   attention qkv 14336 x 5120: cuBLAS within 2 % (kept).
-9..MAX_PASS_TOKENS rows take the 8-row configs with the bigger x tile (192 KB of shared memory at 64 rows, n64 k256
-s3, within the H200's 227 KB), expected to cost little more than 8 rows do: unmeasured until an H200 run of
-bench/linear_kernels.py --rows.
+More rows keep cuBLAS: with the 8-row configs and a 64-row tile (192 KB of shared memory, n64 k256 s3) a whole
+27B pass of projections at 34 rows took 14.0 ms on this kernel against ~12.2 ms on cuBLAS (H200, profiled in a
+graphed tree pass; the mma.sync tile's arithmetic, 8x the 8-row one, no longer hides under the weight stream). The
+kernel serves those rows when given a config (bench/linear_kernels.py --rows sweeps them).
 Not done, because slower: SwiGLU's activation computed on the down projection's input load (every program re-reads
 and re-activates the whole input): 51.4 vs 46.2 us (activation launch + this kernel) at one row, 71.6 vs 48.7 at 8.
 """
@@ -58,9 +58,9 @@ class LinearConfig:
 
 
 def default_config(m: int, n: int, k: int) -> LinearConfig | None:
-    """The measured winners (module docstring); None where cuBLAS is as fast, or where nothing was measured (more
-    than MAX_PASS_TOKENS rows, the vocabulary head). Rows 9..MAX_PASS_TOKENS take the 8-row choice (unmeasured)."""
-    if m > MAX_PASS_TOKENS or n > 65536:
+    """The measured winners (module docstring); None where cuBLAS is as fast (more than 8 rows measured at 34), or
+    where nothing was measured (the vocabulary head)."""
+    if m > 8 or n > 65536:
         return None
     if n >= 16384:  # wide outputs: enough tiles without splitting K
         return LinearConfig(64, 256, True, 4, 3, 1)
@@ -99,8 +99,10 @@ def available(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 def linear_rows(x: torch.Tensor, weight: torch.Tensor, config: LinearConfig, out: torch.Tensor | None = None,
                 sms: int | None = None) -> torch.Tensor:
-    """x [M, K] @ weight[N, K]^T with `config` (one row for dot=False)."""
+    """x [M, K] @ weight[N, K]^T with `config` (M <= MAX_PASS_TOKENS; one row for dot=False)."""
     m, k = x.shape
+    if m > MAX_PASS_TOKENS:
+        raise ValueError(f"the few-row kernel takes at most {MAX_PASS_TOKENS} rows, got {m}")
     n = weight.shape[0]
     if x.stride(-1) != 1:
         x = x.contiguous()
