@@ -69,8 +69,9 @@ it the summation order, i.e. the numerics), the H200 winners of bench/quant_kern
            a short last round balanced over the SMs (`schedule`: gate_up 5-6 % faster)
   M 9..16: wgmma; vocabulary (N >= 131072) n128 s3, ~4 waves; K > 8192 (down) n64 s2, ~4 waves; else n64 s3, ~1 wave
            (one wave of 3-stage programs: the mid-size projections 5-10 % faster than ~4 waves)
-  M 17..64: the M 9..16 entry with BM 32 / 64, unmeasured until an H200 run of bench/quant_kernels.py --rows
-           (`launch_fitting` lowers the stages where the taller x tiles overflow the shared memory)
+  M 17..64: the M 9..16 entry with BM 32 / 64 (`launch_fitting` lowers the stages where the taller x tiles
+           overflow the shared memory), not tuned: in a graphed 27B tree pass of 34 rows on the H200 its launches
+           took 17.7 ms against 6.9 ms at 8 rows (bench/quant_kernels.py --rows 17,33,64 --sweep is the next step)
   int8 group 32: M <= 8 n64 (N >= 16384) or n128, s3; M 9..16 n128 m16 s6 sync (by analogy, not measured)
   8-bit group 128 (e4m3, the int8 head): M <= 8 n64 s3, ~4 waves when N < 64 * 132 (down, o: 5-10 % faster than
            ~2 in bench/fp8_kernels.py --sweep; 3 stages: qkv 9 % faster than 2), else unsplit (DeltaNet in 8 %
@@ -476,7 +477,7 @@ class KernelConfig:
 
 def default_config(m: int, n: int, k: int, bits: int = 4, group_size: int = 128) -> KernelConfig:
     """The config table of the module docstring (H200 winners of bench/quant_kernels.py --sweep)."""
-    if m > 16:  # a draft tree's pass: the 9..16-row entry with a taller x tile (unmeasured)
+    if m > 16:  # a draft tree's pass: the 9..16-row entry with a taller x tile (not tuned: module docstring)
         return replace(default_config(16, n, k, bits, group_size), block_m=1 << (m - 1).bit_length())
     asm = True  # int8 too: PTX unpacking checked on the H200 and 9-48 % faster than plain Triton (quant_kernels.py)
     if group_size < 128:  # short groups (int8 g32: 64 B per row and step): 3 stages, 64-row tiles for wide outputs
