@@ -53,10 +53,12 @@ greedy's tokens, and what each proposer's drafts are worth on code it never saw.
 
 # The pair's one-cycle figures over 500 contexts of 10 standard-library modules, measured with `blockspec bench
 # --model DIR/target --drafter DIR/drafter --mode none,mtp,dflash2 --fixtures stdlib --one-cycle 500` on a 2-core
-# CPU (--device cpu --dtype float32 --context-length 1024) and on an H200 (bfloat16).
+# CPU (--device cpu --dtype float32 --context-length 1024) and on an H200 (bfloat16); the trees' with
+# `python bench/tree_acceptance.py --model DIR/target --drafter DIR/drafter` (CPU, float32).
 PAIR_FIGURES = ("the pair over 500 contexts of 10 standard-library modules (blockspec bench --fixtures stdlib "
                 "--one-cycle 500):\n  CPU float32, context 1024: mtp 2.300 (43.3 %), dflash2 2.060 (15.1 %); "
                 "H200 bfloat16: mtp 2.172, dflash2 2.012\n"
+                "  draft trees (bench/tree_acceptance.py, 500 contexts): chain 1.964, tree 16 2.488, tree 32 2.668\n"
                 "the published DFlash2 drafter reaches ~5.5 tokens per cycle on the 27B target")
 
 
