@@ -4,11 +4,10 @@ in one CUDA graph, median of replays):
   - the recurrence alone for each (BLOCK_V, num_warps), against the state's bytes (read + write);
   - the layer's mixer as three launches (conv, recurrence, gated norm) against one (`short_pass`) per config;
   - the conv kernel alone for each channel block (BLOCK_C) and num_warps;
-  - the draft-tree mixer (`tree_pass`, conv + recurrence + norm) with each recurrence variant (each leaf's path; the
-    preorder walk) at 9 nodes (the drafter's chain), 17, 33, 49 and 64: the drafter's shape (its chain to depth 8,
-    then nodes hanging best first, shallow ones first) and the comb (a spine of T/2 + 1 nodes with a leaf on each:
-    the paths variant's worst case); each against the reference (max abs error of layer 0's output) and against the
-    preorder walk (the same arithmetic: 0 expected).
+  - the draft-tree mixer (`tree_pass`: conv, then the preorder recurrence + norm) at 9 nodes (the drafter's chain),
+    17, 33, 49 and 64: the drafter's shape (its chain to depth 8, then nodes hanging best first, shallow ones first)
+    and the comb (a spine of T/2 + 1 nodes with a leaf on each: every stack slot used, a saved state reloaded for
+    each leaf); each against the reference (max abs error of layer 0's output).
 Usage (GPU; under a minute on an H200 either way): python bench/gdn_kernel.py [--parts recurrence,mixer,conv] or
 --parts tree; JSON to $OUT/gdn_kernel.json.
 """
@@ -29,8 +28,7 @@ from blockspec.layers.tree import TreeLayout
 HK, DK, HV, DV, LAYERS, TAPS = 16, 128, 48, 128, 48, 4
 CHANNELS = 2 * HK * DK + HV * DV
 TREE_SIZES = (9, 17, 33, 49, 64)
-# (variant, BV, warps); the paths variant runs 48 x 128 / BV programs a leaf, and an H200 SM holds 32 programs
-TREE_CONFIGS = (("preorder", 16, 1), ("paths", 16, 1), ("paths", 8, 1), ("paths", 32, 2), ("paths", 64, 4))
+TREE_CONFIGS = ((16, 1),)  # (BV, warps): tree_pass's default
 
 
 def main(parts):
@@ -45,8 +43,8 @@ def main(parts):
     state_bytes = 2 * HV * DK * DV * 4
     results = {}
 
-    def report(key, us, err, extra="", **fields):
-        results[key] = {"us_per_layer": round(us, 2), "max_err": err, **fields}
+    def report(key, us, err, extra=""):
+        results[key] = {"us_per_layer": round(us, 2), "max_err": err}
         print(f"{key:40s} {us:7.2f} us/layer  {extra}err {err:.1e}", flush=True)
 
     for t in (1, 8) if any(part in parts for part in ("recurrence", "mixer", "conv")) else ():
@@ -133,9 +131,10 @@ def trees(report, dev, dtype, shape=(HK, DK, HV, DV), layers=LAYERS, sizes=TREE_
             depth = [0] * t
             for i in range(1, t):
                 depth[i] = depth[parents[i]] + 1
-            leaves = sorted(set(range(t)) - set(parents[1:]))
-            print(f"T={t} {kind}: depth {max(depth)}, {len(leaves)} leaves, {sum(depth[i] + 1 for i in leaves)} "
-                  "steps along the leaves' paths", flush=True)
+            children = [parents[1:].count(i) for i in range(t)]
+            # the preorder walk's scratch traffic: a state tile saved per branching node, reloaded per later child
+            print(f"T={t} {kind}: depth {max(depth)}, {children.count(0)} leaves, "
+                  f"{sum(c > 1 for c in children)} branching nodes", flush=True)
             parents = torch.tensor(parents, device=dev)
             rows = TreeLayout.build(parents, torch.tensor(depth, device=dev), 0, TAPS).window_rows
             proj = torch.randn(t, channels + 2 * hv * dv, generator=gen).to(dev, dtype)  # qkv | z | (b, a)
@@ -149,19 +148,14 @@ def trees(report, dev, dtype, shape=(HK, DK, HV, DV), layers=LAYERS, sizes=TREE_
             reference = gdn.gated_delta_tree_reference(*gdn.deltanet_qkv.reference(mixed, *shape), g, beta, states[0],
                                                        parents).to(dtype)
             reference = gated_rms_norm_reference.reference(reference, z, norm_w, 1e-6).float()
-            preorder = None
-            for variant, block_v, warps in configs:
-                def run(variant=variant, bv=block_v, w=warps):
+            for block_v, warps in configs:
+                def run(bv=block_v, w=warps):
                     return [tree_pass(x, histories[i], conv_w, gates, states[i], shape, z, norm_w, 1e-6, rows,
-                                      parents, windows[i], mixeds[i], gate_bufs[i], block_v=bv, num_warps=w,
-                                      variant=variant)[0] for i in range(layers)]
-                out = run()[0].float()
-                preorder = out if variant == "preorder" else preorder
-                err = (out - reference).abs().max().item()
-                diff = (out - preorder).abs().max().item() if preorder is not None else float("nan")
+                                      parents, windows[i], mixeds[i], gate_bufs[i], block_v=bv, num_warps=w)[0]
+                            for i in range(layers)]
+                err = (run()[0].float() - reference).abs().max().item()
                 us = replay_ms(run) * 1e3 / layers if timed else float("nan")
-                report(f"T={t} {kind} tree {variant} BLOCK_V={block_v} warps={warps}", us, err,
-                       f"vs preorder {diff:.1e}  ", vs_preorder=diff)
+                report(f"T={t} {kind} tree BLOCK_V={block_v} warps={warps}", us, err)
 
 
 if __name__ == "__main__":

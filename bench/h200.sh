@@ -32,7 +32,8 @@
 #   sweep      the W4A16 config sweep (bench/quant_kernels.py --sweep; SWEEP_S seconds at most)
 #   attention  split-KV attention against SDPA (bench/attention_kernels.py)
 #   gdn        the DeltaNet kernels' configs (bench/gdn_kernel.py)
-#   gdn_tree   the draft-tree DeltaNet mixer, both recurrence variants (bench/gdn_kernel.py --parts tree)
+#   gdn_tree   the draft-tree DeltaNet mixer (tree_pass) on drafted trees and combs of 9..64 nodes
+#              (bench/gdn_kernel.py --parts tree)
 #   norm       the RMSNorm kernel's warps (bench/norm_kernel.py)
 #   linear     the few-row bf16 matmul against cuBLAS (bench/linear_kernels.py; LINEAR_ARGS=--quick: the chosen
 #              configs only; --rows 8,17,33,64: those row counts)

@@ -18,9 +18,8 @@ replays from), and the gated output norm (the last program of a value head to fi
 norms the head's whole output). That is 3 launches -> 1 per layer, 48 per 27B step.
 
 `tree_pass` is the mixer of a draft-tree pass (each node's conv and recurrence along its own path): the tree conv,
-then one recurrence launch that norms too: either each leaf's programs run its root-to-leaf path (latency of the
-depth, shared prefixes recomputed), or each program walks the whole tree in preorder with a stack of saved states
-(T steps, nothing recomputed).
+then one recurrence launch that walks the tree in preorder with a stack of saved states (T steps, nothing
+recomputed), and norms.
 """
 
 from __future__ import annotations
@@ -96,7 +95,7 @@ def short_pass(x, history, conv_weight, gates, state_in, state_out, shape, z, no
 
 
 def tree_pass(x, history, conv_weight, gates, state, shape, z, norm_weight, eps, window_rows, parents,
-              window_out=None, mixed_out=None, gates_out=None, block_v=None, num_warps=None, variant="paths"):
+              window_out=None, mixed_out=None, gates_out=None, block_v=None, num_warps=None):
     """A DeltaNet layer's mixer over a draft tree's T <= 64 nodes (layers/tree.py): the contract of
     blockspec.kernels.gdn.deltanet_tree_mixer. Node i convolves the rows window_rows[i] [K] of [history; x] and
     steps from its parent's state (the root from the committed `state` [Hv, Dk, Dv] float32, which is left as it
@@ -106,85 +105,63 @@ def tree_pass(x, history, conv_weight, gates, state, shape, z, norm_weight, eps,
     tensor: CUDA-graph capturable.
 
     Two launches: the conv (`_tree_conv_kernel`, nodes x channel blocks), then the recurrence with the gated output
-    norm. The conv stays out of the recurrence kernel because there every program of a key head convolves its
+    norm (`_tree_kernel`, programs (value head, BV slice) as `short_pass`'s, the head's last program norming its
+    rows). The conv stays out of the recurrence kernel because there every program of a key head convolves its
     q/k channels again (24 programs a key head on the 27B), node after node: on the H200 that fused form cost
-    50.9 / 100.4 us per 27B layer at 17 / 33 nodes against 24.6 / 52.1 for two launches (preorder recurrence).
+    50.9 / 100.4 us per 27B layer at 17 / 33 nodes against 24.6 / 52.1 for these two launches.
 
-    The recurrence is latency-bound: a program's steps are a serial chain (the 8-token chain's recurrence alone:
-    10.9 us per 27B layer on the H200, its 384 one-warp programs leaving the 132 SMs nearly idle). Two variants,
-    the same per-step arithmetic (`_delta_step`, each node's inputs and gates alike), so the same outputs:
+    The recurrence takes T steps, not T x depth: each program walks the tree once in DFS preorder, worked out
+    in-kernel from `parents`, and its state tile stays in registers from a node to its first child. A node with
+    several children stores its state in a slot of a global scratch (`tree_stack`); each later child (a node that
+    follows a leaf) reloads it. The slot is the number of such branching ancestors: at most (T-3)/2 for a branching
+    node (each one on its path has a child off the path), so (T-1)//2 slots hold any tree (a depth bound would
+    serve too, but the kernel is not told the depth). The next node's conv rows and its parent's saved tile are
+    loaded before the current step's arithmetic, which hides their latency. Scratch traffic per layer: one state
+    tile per branching node written and one per node that follows a leaf read, each Hv x Dk x Dv x 4 bytes = 3.1 MB
+    at the 27B's shapes (Hv 48, Dk = Dv = 128), mostly from L2 since the writer reads it back. A tree with b
+    branching nodes and l leaves moves (b + l - 1) x 3.1 MB: none for a chain, 97 MB for the 27B's 33-node comb
+    (a chain of 15 with a leaf on each node, b = 15, l = 17). The scratch holds (T-1)//2 tiles (25 / 50 / 97 MB at
+    17 / 33 / 64 nodes), allocated once per device and shared by every layer. Measured on the H200 (us per 27B
+    layer, 48 layers in one graph, the whole tree pass): 8-node chain 15.7 (chain kernels: recurrence alone 11.2,
+    three launches 17.4, `short_pass` 26.8); 17 nodes (chain of 15 + a leaf) 24.6; 33 nodes 40.4 (b 7, l 10) to
+    52.1 (the comb), of which the recurrence 37.6 at 33 nodes: its T serial steps.
 
-    variant="paths" (`_tree_paths_kernel`): a fixed grid of programs (value head x BV slice, node), the number of
-    leaves being data: a leaf's programs run the recurrence from the committed state down the leaf's path, the
-    other nodes' programs store their node's gates and exit. Latency: depth + 1 steps, as the chain of that
-    length, whatever T. Work: every leaf recomputes its shared prefix, so sum over leaves of (depth + 1) steps in
-    all (a 33-node tree of depth 8 with 20 leaves: <= 180 against 33) in leaves x Hv x Dv/BV programs (7680 at 20
-    leaves on the 27B with BV 16, spread over the idle SMs; an H200 SM holds at most 32 programs, 4224 in all, so
-    BV 32 with 2 warps runs them in half the programs), and each leaf's programs read the committed state (3.1 MB
-    at the 27B's shapes: Hv 48, Dk = Dv = 128; from L2 after the first: 62 MB at 20 leaves). Each node's output is
-    written by the programs of one leaf, the one reached from the node by lowest-index children (in-kernel from
-    `parents`), and normed by the last of that leaf's slices of the head (an atomic count per leaf and head): a
-    few rows per leaf in parallel rather than T rows by one program. The path (the leaf's ancestors: a walk up,
-    one register reduction per level) is found while the root's state and inputs load. Worst case: deep trees
-    with many leaves, e.g. the comb (a spine with a leaf on each node: T^2/8 steps, the spine's depth in latency).
+    Not chosen: recomputing along each leaf's path (each leaf's programs run the recurrence from the committed state
+    down its path: latency of the depth, work the sum of the paths; bitwise the same outputs) measured slower on
+    every tree, drafted or comb, 9 to 64 nodes (the whole tree pass, us per 27B layer, its best BV and warps against
+    this kernel's BV 16, 1 warp): 50.2 against 40.6 at 33 drafted nodes, 94.0 against 68.6 at 64, 201.0 against
+    101.6 at a 64-node comb.
 
-    variant="preorder" (`_tree_kernel`): programs (value head, BV slice) as `short_pass`'s, each walking the
-    whole tree in DFS preorder (worked out in-kernel from `parents`): T steps, no step recomputed; its state tile
-    stays in registers from a node to its first child. A node with several children stores its state in a slot
-    of a global scratch (`tree_stack`); each later child (a node that follows a leaf) reloads it. The slot is the
-    number of such branching ancestors: at most (T-3)/2 for a branching node (each one on its path has a child off
-    the path), so (T-1)//2 slots hold any tree. The next node's conv rows and its parent's saved tile are loaded
-    before the current step's arithmetic, which hides their latency. Scratch traffic: one state tile per branching
-    node written and one per node that follows a leaf read, 3.1 MB each: a tree with b branching nodes and l
-    leaves moves (b + l - 1) x 3.1 MB (none for a chain, 97 MB for a 33-node comb, a chain of 15 with a leaf on
-    each node), mostly from L2; the scratch holds (T-1)//2 tiles (25 / 50 / 97 MB at 17 / 33 / 64 nodes),
-    allocated once per device and shared by every layer. Measured on the H200 (us per 27B layer, 48 layers in one
-    graph, the whole tree pass): 8-node chain 15.7 (chain kernels: recurrence alone 11.2, three launches 17.4,
-    `short_pass` 26.8); 17 nodes (chain of 15 + a leaf) 24.6; 33 nodes 40.4 (b 7, l 10) to 52.1 (the comb), of
-    which the recurrence 37.6 at 33 nodes: its T serial steps.
-
-    bench/gdn_kernel.py --parts tree times both on the 27B's shapes."""
+    bench/gdn_kernel.py --parts tree times it on the 27B's shapes."""
     t, channels = x.shape
     if t > MAX_TREE_NODES:
         raise ValueError(f"a tree pass runs at most {MAX_TREE_NODES} nodes, got {t}")
-    if variant not in ("paths", "preorder"):
-        raise ValueError(f"tree_pass variant is 'paths' or 'preorder', got {variant!r}")
     key_heads, key_dim, value_heads, value_dim = shape
     taps = conv_weight.shape[-1]
     window = window_out if window_out is not None else x.new_empty(taps - 1 + t, channels)
     mixed = mixed_out if mixed_out is not None else x.new_empty(t, channels)
     out = torch.empty(t, value_heads, value_dim, device=x.device, dtype=x.dtype)
     b, a, a_log, dt_bias, g_buf, beta_buf = _gate_args(gates, gates_out, out)
+    slots = max(1, (t - 1) // 2)
+    stack = tree_stack(x.device, slots * value_heads * key_dim * value_dim)
     block_v, num_warps = block_v or BLOCK_V, num_warps or NUM_WARPS
     window_rows, parents = window_rows.contiguous(), parents.contiguous()
     _tree_conv_kernel[(triton.cdiv(channels, CONV_BLOCK_C), triton.cdiv(t, TREE_CONV_ROWS))](
         x, x.stride(0), history, conv_weight, window, mixed, window_rows, t, channels, TAPS=taps, BLOCK_C=CONV_BLOCK_C,
         ROWS=TREE_CONV_ROWS, num_warps=CONV_WARPS, **pdl.options(x))
-    heads = dict(KEY_HEADS=key_heads, VALUE_HEADS=value_heads, K=key_dim, V=value_dim, BV=block_v,
-                 BK=triton.next_power_of_2(key_dim), BVN=triton.next_power_of_2(value_dim), BT=MAX_TREE_NODES,
-                 COMPUTE_GATES=gates[0] == "ab", SAVE_GATES=gates[0] == "ab" and gates_out is not None,
-                 num_warps=num_warps, num_stages=3, **pdl.options(out))
-    programs = value_heads * triton.cdiv(value_dim, block_v)
-    if variant == "paths":
-        _tree_paths_kernel[(programs, t)](
-            mixed, parents, b, a, b.stride(0), a_log, dt_bias, g_buf, beta_buf, state, out, key_dim ** -0.5, t, z,
-            z.stride(0), z.stride(1), norm_weight, eps, arrival_counters(x.device, t * value_heads),
-            NORM_ROWS=PATHS_NORM_ROWS, **heads)
-    else:
-        slots = max(1, (t - 1) // 2)
-        stack = tree_stack(x.device, slots * value_heads * key_dim * value_dim)
-        _tree_kernel[(programs,)](
-            mixed, parents, b, a, b.stride(0), a_log, dt_bias, g_buf, beta_buf, state, stack, slots, out,
-            key_dim ** -0.5, t, z, z.stride(0), z.stride(1), norm_weight, eps, arrival_counters(x.device, value_heads),
-            NORM_ROWS=TREE_NORM_ROWS, **heads)
+    _tree_kernel[(value_heads * triton.cdiv(value_dim, block_v),)](
+        mixed, parents, b, a, b.stride(0), a_log, dt_bias, g_buf, beta_buf, state, stack, slots, out, key_dim ** -0.5,
+        t, z, z.stride(0), z.stride(1), norm_weight, eps, arrival_counters(x.device, value_heads),
+        KEY_HEADS=key_heads, VALUE_HEADS=value_heads, K=key_dim, V=value_dim, BV=block_v,
+        BK=triton.next_power_of_2(key_dim), BVN=triton.next_power_of_2(value_dim), BT=MAX_TREE_NODES,
+        NORM_ROWS=TREE_NORM_ROWS, COMPUTE_GATES=gates[0] == "ab",
+        SAVE_GATES=gates[0] == "ab" and gates_out is not None, num_warps=num_warps, num_stages=3, **pdl.options(out))
     return out, window
 
 
 MAX_TREE_NODES = 64  # the walk packs node indices into 6 bits
 MAX_PATH = 16  # nodes of a kept path: a drafter block's rows at most
-# rows the preorder kernel's norm epilogue (T rows of a head) / a tree conv program take at a time
-TREE_NORM_ROWS, TREE_CONV_ROWS = 8, 16
-PATHS_NORM_ROWS = 16  # a leaf's rows in one piece: the 9 of a path of depth 8
+TREE_NORM_ROWS, TREE_CONV_ROWS = 8, 16  # rows the norm epilogue / a tree conv program takes at a time
 _STACKS: dict = {}
 _OUTGROWN_STACKS: list = []  # replaced by larger ones: CUDA graphs recorded with them still use them
 
@@ -346,40 +323,27 @@ if triton is not None:
         return state, tl.sum(state * q[:, None], 0)
 
     @triton.jit
-    def _last_to_arrive(counter, count):
-        """Whether this program is the last of `count` to count itself in at `counter` (an atomic, acquire and
-        release: the others' stores before theirs are visible to the last one)."""
-        tl.debug_barrier()
-        return tl.atomic_add(counter, 1, sem="acq_rel") == count - 1
-
-    @triton.jit
-    def _norm_rows(out, z, s_z_t, s_z_h, weight, eps, hv, rows, here_rows, VALUE_HEADS: tl.constexpr,
-                   V: tl.constexpr, BVN: tl.constexpr):
-        """The gated output norm of value head hv's rows `rows` of `out` (where here_rows), in place; weight [BVN]
-        is the norm weight in out's dtype. Reads `out` from L2: other programs wrote it."""
-        cols = tl.arange(0, BVN)
-        ok = cols < V
-        dtype = out.dtype.element_ty
-        here = here_rows[:, None] & ok[None, :]
-        at = out + (rows[:, None] * VALUE_HEADS + hv) * V + cols[None, :]
-        o = tl.load(at, mask=here, other=0.0, cache_modifier=".cg").to(tl.float32)
-        normed = (o * tl.rsqrt(tl.sum(o * o, 1) / V + eps)[:, None]).to(dtype)
-        gate = tl.load(z + rows[:, None] * s_z_t + hv * s_z_h + cols[None, :], mask=here, other=0.0)
-        gate = gate.to(tl.float32)
-        y = (normed * weight[None, :]).to(tl.float32) * gate * tl.sigmoid(gate)
-        tl.store(at, y.to(dtype), mask=here)
-
-    @triton.jit
     def _output_norm(out, z, s_z_t, s_z_h, norm_w, eps, counters, hv, slices, T, VALUE_HEADS: tl.constexpr,
                      V: tl.constexpr, BVN: tl.constexpr, ROWS: tl.constexpr):
         """The gated output norm of value head hv's T rows of `out`, in place, ROWS rows at a time, by the last of
-        the head's `slices` programs to finish (the other slices read back via L2), which resets the counter."""
-        if _last_to_arrive(counters + hv, slices):
+        the head's `slices` programs to finish (an atomic count, acquire and release: the others' stores before
+        theirs are visible to it, read back via L2), which resets the counter."""
+        tl.debug_barrier()
+        if tl.atomic_add(counters + hv, 1, sem="acq_rel") == slices - 1:
             cols = tl.arange(0, BVN)
-            weight = tl.load(norm_w + cols, mask=cols < V, other=0.0).to(out.dtype.element_ty)
+            ok = cols < V
+            dtype = out.dtype.element_ty
+            weight = tl.load(norm_w + cols, mask=ok, other=0.0).to(dtype)
             for t0 in range(0, T, ROWS):
                 t = t0 + tl.arange(0, ROWS)
-                _norm_rows(out, z, s_z_t, s_z_h, weight, eps, hv, t, t < T, VALUE_HEADS, V, BVN)
+                here = (t < T)[:, None] & ok[None, :]
+                at = out + (t[:, None] * VALUE_HEADS + hv) * V + cols[None, :]
+                o = tl.load(at, mask=here, other=0.0, cache_modifier=".cg").to(tl.float32)
+                normed = (o * tl.rsqrt(tl.sum(o * o, 1) / V + eps)[:, None]).to(dtype)
+                gate = tl.load(z + t[:, None] * s_z_t + hv * s_z_h + cols[None, :], mask=here, other=0.0)
+                gate = gate.to(tl.float32)
+                y = (normed * weight[None, :]).to(tl.float32) * gate * tl.sigmoid(gate)
+                tl.store(at, y.to(dtype), mask=here)
             tl.atomic_xchg(counters + hv, 0)  # clean for the next launch / graph replay
 
     @triton.jit(do_not_specialize=["T"])
@@ -502,81 +466,6 @@ if triton is not None:
             node, depth, slot = nxt, top >> 12, nxt_slot
             tl.debug_barrier()  # a saved tile is read back by whichever threads a later load's layout gives it
         _output_norm(out, z, s_z_t, s_z_h, norm_w, eps, counters, hv, tl.cdiv(V, BV), T, VALUE_HEADS, V, BVN, NORM_ROWS)
-
-    @triton.jit(do_not_specialize=["T"])
-    def _tree_paths_kernel(mixed, parents, b, a, s_ab, a_log, dt_bias, g_buf, beta_buf, h0, out, scale, T,
-                           z, s_z_t, s_z_h, norm_w, eps, counters,
-                           KEY_HEADS: tl.constexpr, VALUE_HEADS: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                           BV: tl.constexpr, BK: tl.constexpr, BVN: tl.constexpr, BT: tl.constexpr,
-                           NORM_ROWS: tl.constexpr, COMPUTE_GATES: tl.constexpr, SAVE_GATES: tl.constexpr,
-                           PDL: tl.constexpr):
-        """Programs (value head x BV slice, node): node `leaf`'s program runs the recurrence from the committed
-        state down the path root .. leaf when the node is a leaf, and exits otherwise (besides storing its node's
-        gates). A node's output is written by one program: that of the leaf reached from it by lowest-index
-        children, whose head's last slice to finish also norms those rows."""
-        pdl.begin(PDL)
-        leaf = tl.program_id(1)  # the node whose path this program runs, if it is a leaf
-        i_v, hv, hk, ks, vs, k_ok, v_ok, tile, tile_ok = _head_tile(tl.program_id(0), KEY_HEADS, VALUE_HEADS, K, V,
-                                                                    BV, BK)
-        lanes = tl.arange(0, BT)
-        in_tree = lanes < T
-        parent = tl.load(parents + lanes, mask=(lanes > 0) & in_tree, other=-1).to(tl.int32)  # the root's: -1
-        decay_rate, bias = _gate_constants(a_log, dt_bias, hv, COMPUTE_GATES)
-        # gates as [BT] vectors like the preorder kernel's, of the lanes needed: this program's node (stored) and the
-        # root (a leaf's first step); the rest of a leaf's path once it is known
-        root_g, root_beta = _gates(b, a, s_ab, g_buf, beta_buf, lanes, in_tree & ((lanes == 0) | (lanes == leaf)), hv,
-                                   decay_rate, bias, (i_v == 0) & (lanes == leaf), VALUE_HEADS, COMPUTE_GATES,
-                                   SAVE_GATES)
-        if tl.sum((parent == leaf).to(tl.int32), 0) == 0:
-            C = 2 * KEY_HEADS * K + VALUE_HEADS * V
-            q_cols, k_cols, v_cols = hk * K + ks, (KEY_HEADS + hk) * K + ks, 2 * KEY_HEADS * K + hv * V + vs
-            # the root's inputs first: the walk up below runs while they arrive
-            state = tl.load(h0 + tile, mask=tile_ok, other=0.0)
-            q = tl.load(mixed + q_cols, mask=k_ok, other=0.0).to(tl.float32)
-            k = tl.load(mixed + k_cols, mask=k_ok, other=0.0).to(tl.float32)
-            v = tl.load(mixed + v_cols, mask=v_ok, other=0.0).to(tl.float32)
-            g, beta = _pick(root_g, lanes, 0), _pick(root_beta, lanes, 0)
-            # the path's nodes: ancestors have lower indices, so in index order they run from the root down
-            on_path = lanes == leaf
-            node = leaf
-            while node > 0:
-                node = _pick(parent, lanes, node)
-                on_path = on_path | (lanes == node)
-            # this leaf writes the nodes of its path below the deepest one with a lower-index sibling (that one
-            # included), the root when there is none: the leaf reached from each by lowest-index children
-            later_child = tl.sum(((parent[None, :] == parent[:, None]) & (lanes[None, :] < lanes[:, None])).to(
-                tl.int32), 1) > 0
-            first_owned = tl.max(tl.where(on_path & later_child, lanes, 0), 0)
-            # read during the first step
-            all_g, all_beta = _gates(b, a, s_ab, g_buf, beta_buf, lanes, on_path & (lanes > 0), hv, decay_rate, bias,
-                                     False, VALUE_HEADS, COMPUTE_GATES, False)
-            node = leaf * 0
-            for _ in range(tl.sum(on_path.to(tl.int32), 0)):
-                # the next node's inputs before this step's arithmetic, which they do not depend on
-                nxt = tl.min(tl.where(on_path & (lanes > node), lanes, BT), 0)
-                more = nxt < BT
-                q_next = tl.load(mixed + nxt * C + q_cols, mask=k_ok & more, other=0.0)
-                k_next = tl.load(mixed + nxt * C + k_cols, mask=k_ok & more, other=0.0)
-                v_next = tl.load(mixed + nxt * C + v_cols, mask=v_ok & more, other=0.0)
-                state, o = _delta_step(state, q, k, v, g, beta, scale)
-                tl.store(out + (node * VALUE_HEADS + hv) * V + vs, o.to(out.dtype.element_ty),
-                         mask=v_ok & (node >= first_owned))
-                q, k, v = q_next.to(tl.float32), k_next.to(tl.float32), v_next.to(tl.float32)
-                g, beta = _pick(all_g, lanes, nxt), _pick(all_beta, lanes, nxt)
-                node = nxt
-            # the rows this leaf wrote, normed by the last of its head's slices, NORM_ROWS at a time
-            counter = counters + leaf * VALUE_HEADS + hv
-            if _last_to_arrive(counter, tl.cdiv(V, BV)):
-                owned = on_path & (lanes >= first_owned)
-                rank = tl.cumsum(owned.to(tl.int32), 0) - 1
-                n_owned = tl.sum(owned.to(tl.int32), 0)
-                cols = tl.arange(0, BVN)
-                weight = tl.load(norm_w + cols, mask=cols < V, other=0.0).to(out.dtype.element_ty)
-                for r0 in range(0, n_owned, NORM_ROWS):
-                    r = r0 + tl.arange(0, NORM_ROWS)
-                    rows = tl.sum(tl.where(owned[None, :] & (rank[None, :] == r[:, None]), lanes[None, :], 0), 1)
-                    _norm_rows(out, z, s_z_t, s_z_h, weight, eps, hv, rows, r < n_owned, VALUE_HEADS, V, BVN)
-                tl.atomic_xchg(counter, 0)  # clean for the next launch / graph replay
 
     @triton.jit
     def _tree_conv_kernel(x, s_x, history, weight, window, mixed, window_rows, T, C, TAPS: tl.constexpr,
