@@ -18,11 +18,12 @@ torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"].split(",")[0]))
 
 
 # Under pytest-xdist (-n N, its default --dist load): the tests of these modules share a module fixture too costly to
-# build on every worker (the server processes of test_server.py and test_server_hostile.py, test_folded_norm.py's
-# interpreter subprocess), so each module goes to one worker whole; every other test is scheduled on its own. (xdist's
-# --dist loadgroup would say it with marks, but it groups nothing under pytest >= 9.2:
-# github.com/pytest-dev/pytest-xdist/issues/1386.)
-WHOLE_MODULES = ("test_server.py", "test_server_hostile.py", "test_folded_norm.py")
+# build on every worker (the server processes of test_server.py and test_server_hostile.py, the interpreter
+# subprocesses of test_folded_norm.py and the tree kernels' tests), so each module goes to one worker whole; every
+# other test is scheduled on its own. (xdist's --dist loadgroup would say it with marks, but it groups nothing under
+# pytest >= 9.2: github.com/pytest-dev/pytest-xdist/issues/1386.)
+WHOLE_MODULES = ("test_server.py", "test_server_hostile.py", "test_folded_norm.py", "test_tree_attention_kernel.py",
+                 "test_tree_build_kernel.py", "test_tree_gdn_kernel.py")
 
 
 @pytest.hookimpl(optionalhook=True)
