@@ -45,6 +45,9 @@
 #                  ~8 minutes) into .pair/drafter and .pair/mtp (the target with its head); archives in $OUT
 #   pair_bench     the pair on standard-library code: tokens/s of the three modes, acceptance over whole
 #                  generations and from 500 real contexts (bench --fixtures stdlib --one-cycle 500; ~5 minutes)
+#   demo_trees     the shipped demo pair (blockspec demo --save) with draft trees (DEMO_TREE_BUDGETS, default 0,16,32):
+#                  tokens/s of plain decoding and each budget on standard-library code (bf16, graphs), then one-cycle
+#                  acceptance sampled at DEMO_TREE_TEMPERATURES (default 0.7 1; bench/tree_acceptance.py, fp32)
 #   drafter_train  train-drafter's step on the synthetic 27B with the published drafter (bench/drafter_training.py;
 #                  ~3 minutes, most of it building the synthetic target)
 #   ckpt       users' downloads: the 27B's shapes written as a checkpoint in each published format (CKPT_FORMATS,
@@ -118,6 +121,14 @@ for part in ${PARTS:-bf16 warm int4 vocab}; do
     pair_bench) run ${PAIR_BENCH_S:-400} python3 -m blockspec.cli bench --model ${PAIR_MODEL:-.pair/mtp} --drafter .pair/drafter \
              --mode none,mtp,dflash2 --fixtures stdlib --one-cycle 500 --max-tokens 128 --repeats 1 \
              --json-out "$OUT/pair_bench.json" ;;
+    demo_trees) rm -rf .demo && python3 -m blockspec.cli demo --save .demo > /dev/null
+           run ${DEMO_TREES_S:-300} python3 -m blockspec.cli bench --model .demo/target --drafter .demo/drafter \
+             --mode none,dflash2 --tree-budget ${DEMO_TREE_BUDGETS:-0,16,32} --fixtures stdlib --max-tokens 128 \
+             --repeats 1 --json-out "$OUT/demo_trees_bench.json"
+           for t in ${DEMO_TREE_TEMPERATURES:-0.7 1}; do
+             kernel_bench demo_trees_t$t ${DEMO_ACCEPTANCE_S:-240} tree_acceptance --model ../.demo/target --drafter ../.demo/drafter \
+               --budgets ${DEMO_TREE_BUDGETS:-0,16,32} --temperature $t --device cuda --json-out "$OUT/tree_acceptance_t$t.json"
+           done ;;
     drafter_train) kernel_bench drafter_training ${DRAFTER_TRAIN_S:-420} drafter_training --json-out "$OUT/drafter_training.json" ;;
     ckpt) kernel_bench checkpoint_loading ${CKPT_S:-560} checkpoint_loading --format ${CKPT_FORMATS:-gptq,awq,fp8} ;;
     *) echo "## unknown part $part" >> "$LOG" ;;

@@ -17,7 +17,8 @@ CPU dry run of the harness (tiny shapes, Triton interpreter):      TRITON_INTERP
 Writes $OUT/quant_kernels.json when OUT is set.
 `--sweep` (~4 minutes): instead, tile width / pipeline depth / warps / K splits / wgmma around the default config,
 every int4 shape at M = 1, 8 and 16 and the int8 shapes at M = 1 and 8 (SWEEP_VARIANTS, INT8_SWEEP; SWEEP_SET=deep:
-deeper pipelines with fewer splits, DEEP_VARIANTS; SWEEP_SHAPES=o,down,...: those int4 shapes only); each config
+deeper pipelines with fewer splits, DEEP_VARIANTS; SWEEP_SET=tree: the int4 shapes at a draft tree's 17 and 33 rows,
+TREE_VARIANTS; SWEEP_SHAPES=o,down,...: those int4 shapes only); each config
 checked on 256 rows and once more after the timed graph replays (replayed output == an eager launch, bitwise).
 `default_config` holds the winners of this sweep. Writes $OUT/quant_sweep.json.
 """
@@ -184,6 +185,12 @@ SWEEP_VARIANTS = {  # label: changes to the default config; by activation rows (
 DEEP_VARIANTS = {8: {f"n64 s{s} wv{w}": dict(block_n=64, stages=s, waves=w) for w in (0, 1, 2) for s in (3, 4, 6)},
                  16: {f"n64 s{s} wg wv{w}": dict(block_n=64, stages=s, sync=False, waves=w)
                       for w in (0, 1, 2) for s in (3, 4, 6)}}
+# SWEEP_SET=tree: a draft tree's passes (17 and 33 rows: x tiles of 32 and 64 rows). Every program reads its x rows
+# over its K range, so wider output tiles (fewer programs) cut the x traffic that grows with the rows
+TREE_VARIANTS = {f"n{n} s{s} wg w{w} wv{v}": dict(block_n=n, stages=s, warps=w, sync=False, waves=v)
+                 for n, s, w, v in [(64, 2, 4, 1), (64, 3, 4, 1), (64, 2, 4, 4), (128, 2, 4, 1), (128, 2, 4, 2),
+                                    (128, 3, 8, 1), (128, 2, 8, 4), (256, 2, 8, 1), (256, 3, 8, 1), (256, 2, 8, 2)]}
+TREE_ROWS = [17, 33]
 INT8_SWEEP = {"s4": dict(stages=4), "s3": dict(stages=3), "n64 s4": dict(block_n=64, stages=4),
               "n64 s3": dict(block_n=64, stages=3)}
 
@@ -192,16 +199,16 @@ def sweep() -> None:
     """Tile width, pipeline depth and K splits around the default config: every int4 shape at M = 1, 8 and 16,
     the int8 shapes at M = 1 and 8."""
     records = []
-    deep = os.environ.get("SWEEP_SET") == "deep"
+    deep, tree = os.environ.get("SWEEP_SET") == "deep", os.environ.get("SWEEP_SET") == "tree"
     only = os.environ.get("SWEEP_SHAPES", "").split(",") if os.environ.get("SWEEP_SHAPES") else None
     for sname, n, k in [s for s in SHAPES if only is None or s[0] in only]:
-        variants = [("default", lambda m: wq.default_config(m, n, k), [1, 8, 16])]
-        for bm, table in (DEEP_VARIANTS if deep else SWEEP_VARIANTS).items():
-            variants += [(label, lambda m, v=v: replace(wq.default_config(m, n, k), **v), [1, 8] if bm == 8 else [16])
-                         for label, v in table.items()]
+        variants = [("default", lambda m: wq.default_config(m, n, k), TREE_ROWS if tree else [1, 8, 16])]
+        for bm, table in ({0: TREE_VARIANTS} if tree else DEEP_VARIANTS if deep else SWEEP_VARIANTS).items():
+            variants += [(label, lambda m, v=v: replace(wq.default_config(m, n, k), **v),
+                          TREE_ROWS if tree else [1, 8] if bm == 8 else [16]) for label, v in table.items()]
         time_shape(records, sname, n, k, 4, 128, variants)
         torch.cuda.empty_cache() if not DRY else None
-    for sname, n, k, gs in [] if only else INT8_SHAPES:
+    for sname, n, k, gs in [] if only or tree else INT8_SHAPES:
         variants = [("default", lambda m: wq.default_config(m, n, k, 8, gs), [1, 8])]
         variants += [(label, lambda m, v=v: replace(wq.default_config(m, n, k, 8, gs), **v), [1, 8])
                      for label, v in INT8_SWEEP.items()]
@@ -209,7 +216,7 @@ def sweep() -> None:
         torch.cuda.empty_cache() if not DRY else None
     print("\nbest per shape and M (us, % of 3990 GB/s; default):")
     for sname in dict.fromkeys(r["shape"] + f" int{r['bits']}" for r in records):
-        for m in (1, 8, 16):
+        for m in TREE_ROWS if tree else (1, 8, 16):
             rs = [r for r in records if f"{r['shape']} int{r['bits']}" == sname and r["m"] == m and "us" in r]
             if rs:
                 best, default = min(rs, key=lambda r: r["us"]), [r for r in rs if r["variant"] == "default"]

@@ -285,8 +285,9 @@ def test_default_configs():
             for m in range(1, wq.MAX_KERNEL_ROWS + 1):  # every verification pass in one launch
                 cfg = wq.default_config(m, n, k, bits, gs)
                 assert cfg.block_m == max(8, 1 << (m - 1).bit_length()) and cfg.asm  # PTX unpacking: int4 and int8
-                if m > 16:  # a draft tree's pass: the 9..16-row entry, its x tile as tall as the pass
-                    assert cfg == replace(wq.default_config(16, n, k, bits, gs), block_m=cfg.block_m)
+                if m > 16:  # a draft tree's pass: its x tile as tall as the pass; int4 wgmma
+                    assert (not cfg.sync if (bits, gs) == (4, 128)
+                            else cfg == replace(wq.default_config(16, n, k, bits, gs), block_m=cfg.block_m))
                 nblk = wq.padded_k(k, bits, gs) // wq.block_size(bits, gs)
                 whole, split, bps = wq.schedule(cfg, n, nblk, 132)
                 assert 1 <= split <= nblk and (split - 1) * bps < nblk <= split * bps  # no empty split
@@ -301,6 +302,10 @@ def test_default_configs():
     cfg = wq.default_config(16, 5120, 6144)  # mid-size rows at 9-16 rows: one wave of 3-stage programs
     assert (cfg.stages, cfg.sync, wq.schedule(cfg, 5120, 12)) == (3, False, (0, 2, 6))
     assert wq.schedule(wq.default_config(16, 5120, 17408), 5120, 34) == (0, 7, 5)  # down keeps ~4 waves
+    # a draft tree's 17..32 rows: 2 stages, narrow outputs ~4 waves; 33..64 rows: 3 stages, one wave
+    assert wq.schedule(wq.default_config(17, 5120, 17408), 5120, 34) == (0, 7, 5)
+    assert wq.default_config(17, 34816, 5120).stages == 2 and wq.default_config(33, 34816, 5120).stages == 3
+    assert wq.default_config(33, 248320, 5120).block_n == 64 and wq.default_config(17, 248320, 5120).warps == 8
 
 
 def test_balanced_schedule():

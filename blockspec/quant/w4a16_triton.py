@@ -69,9 +69,12 @@ it the summation order, i.e. the numerics), the H200 winners of bench/quant_kern
            a short last round balanced over the SMs (`schedule`: gate_up 5-6 % faster)
   M 9..16: wgmma; vocabulary (N >= 131072) n128 s3, ~4 waves; K > 8192 (down) n64 s2, ~4 waves; else n64 s3, ~1 wave
            (one wave of 3-stage programs: the mid-size projections 5-10 % faster than ~4 waves)
-  M 17..64: the M 9..16 entry with BM 32 / 64 (`launch_fitting` lowers the stages where the taller x tiles
-           overflow the shared memory), not tuned: in a graphed 27B tree pass of 34 rows on the H200 its launches
-           took 17.7 ms against 6.9 ms at 8 rows (bench/quant_kernels.py --rows 17,33,64 --sweep is the next step)
+  M 17..32 (int4): n64 s2 wgmma, ~4 waves for narrow outputs (N <= 8192: down, o), else ~1; vocabulary n128 w8 s3
+  M 33..64 (int4): n64 s3 wgmma, ~1 wave. Every program reads its x rows over its K range, so the x traffic grows
+           with the rows (at 33 rows gate_up's programs read 2x its weights' bytes of x from L2): the H200 sweep
+           (SWEEP_SET=tree) at 17 / 33 rows, us: gate_up 54.3 / 87.8, down 33.8 / 60.7, GDN in_proj 24.2 / 36.4,
+           o 15.5 / 26.7, vocabulary 268 / 510 (2.6x / 5.0x its 8-row 177: wider or 8-warp tiles measured slower
+           on the mid-size shapes); 8-bit codes: the M 9..16 entry with BM 32 / 64 (not measured)
   int8 group 32: M <= 8 n64 (N >= 16384) or n128, s3; M 9..16 n128 m16 s6 sync (by analogy, not measured)
   8-bit group 128 (e4m3, the int8 head): M <= 8 n64 s3, ~4 waves when N < 64 * 132 (down, o: 5-10 % faster than
            ~2 in bench/fp8_kernels.py --sweep; 3 stages: qkv 9 % faster than 2), else unsplit (DeltaNet in 8 %
@@ -477,7 +480,13 @@ class KernelConfig:
 
 def default_config(m: int, n: int, k: int, bits: int = 4, group_size: int = 128) -> KernelConfig:
     """The config table of the module docstring (H200 winners of bench/quant_kernels.py --sweep)."""
-    if m > 16:  # a draft tree's pass: the 9..16-row entry with a taller x tile (not tuned: module docstring)
+    if m > 16 and bits == 4 and group_size == 128:  # a draft tree's pass: wgmma, x tiles of 32 or 64 rows
+        if m > 32:
+            return KernelConfig(64, 64, 4, 3, False, 1)
+        if n >= 131072:
+            return KernelConfig(128, 32, 8, 3, False, 1)
+        return KernelConfig(64, 32, 4, 2, False, 4 if n <= 8192 else 1)
+    if m > 16:  # 8-bit codes: the 9..16-row entry with a taller x tile (not measured)
         return replace(default_config(16, n, k, bits, group_size), block_m=1 << (m - 1).bit_length())
     asm = True  # int8 too: PTX unpacking checked on the H200 and 9-48 % faster than plain Triton (quant_kernels.py)
     if group_size < 128:  # short groups (int8 g32: 64 B per row and step): 3 stages, 64-row tiles for wide outputs
