@@ -12,8 +12,10 @@
 #              temperature 1, top-k 20, top-p 0.95 (the published DFlash2 acceptance's settings), both at the forced
 #              rates; column "x greedy" / JSON cost_vs_greedy: a sampled DFlash2 cycle's (plain: step's) cost over
 #              the greedy one's (~4 minutes)
-#   trees      DFlash2 with draft trees (TREE_BUDGETS, default 0,8,16,24,32,48; bf16, then INT4 + int8 head), forced
-#              chain acceptance at the published rates: cycle ms and x plain step per budget (rows dflash2:N)
+#   trees      DFlash2 with draft trees (TREE_BUDGETS, default 0,8,16,24,32,48; bf16, then INT4 + int8 head unless
+#              TREES_INT4 is empty), forced chain acceptance at the published rates: cycle ms and x plain step per
+#              budget (rows dflash2:N); TREE_MODES (default none,dflash2), TREES_ARGS add to both runs (e.g. the
+#              sampling part's settings and --compare-greedy: a sampled tree cycle's cost over the greedy one's)
 #   fp8        the FP8 target (block-wise e4m3, quantized at load) in every mode: the FP8 table
 #   reuse      prefix reuse over a scripted 10-turn chat of 1000-token turns and 128-token replies (bench/multi_turn.py;
 #              REUSE_MODES, default none,dflash2, one run each): time to first token of each turn without and with
@@ -47,7 +49,8 @@
 #                  generations and from 500 real contexts (bench --fixtures stdlib --one-cycle 500; ~5 minutes)
 #   demo_trees     the shipped demo pair (blockspec demo --save) with draft trees (DEMO_TREE_BUDGETS, default 0,16,32):
 #                  tokens/s of plain decoding and each budget on standard-library code (bf16, graphs), then one-cycle
-#                  acceptance sampled at DEMO_TREE_TEMPERATURES (default 0.7 1; bench/tree_acceptance.py, fp32)
+#                  acceptance sampled at DEMO_TREE_TEMPERATURES (default 0.7 1, empty: none; bench/tree_acceptance.py,
+#                  fp32); DEMO_BENCH_ARGS adds to the tokens/s run (e.g. "--temperature 1 --seed 0": sampled)
 #   drafter_train  train-drafter's step on the synthetic 27B with the published drafter (bench/drafter_training.py;
 #                  ~3 minutes, most of it building the synthetic target)
 #   ckpt       users' downloads: the 27B's shapes written as a checkpoint in each published format (CKPT_FORMATS,
@@ -81,10 +84,10 @@ for part in ${PARTS:-bf16 warm int4 vocab}; do
     vocab) run 200 $BENCH --draft-vocabulary 32768 --mode ${VOCAB_MODES:-mtp,dflash2} $FORCED --json-out "$OUT/bench_draft_vocabulary.json" ;;
     sampling) run 420 $BENCH --mode ${SAMPLING_MODES:-none,dflash2} $FORCED --temperature 1 --top-k 20 --top-p 0.95 \
                 --seed 0 --compare-greedy --json-out "$OUT/bench_sampling.json" ;;
-    trees) run ${TREES_S:-560} $BENCH --mode none,dflash2 --tree-budget ${TREE_BUDGETS:-0,8,16,24,32,48} $FORCED \
-             --json-out "$OUT/bench_trees_bf16.json"
-           [ -n "${TREES_INT4:-1}" ] && run ${TREES_S:-560} $BENCH $Q --mode none,dflash2 \
-             --tree-budget ${TREE_BUDGETS:-0,8,16,24,32,48} $FORCED --json-out "$OUT/bench_trees_int4.json" ;;
+    trees) run ${TREES_S:-560} $BENCH --mode ${TREE_MODES:-none,dflash2} --tree-budget ${TREE_BUDGETS:-0,8,16,24,32,48} \
+             $FORCED ${TREES_ARGS:-} --json-out "$OUT/bench_trees_bf16.json"
+           [ -n "${TREES_INT4-1}" ] && run ${TREES_S:-560} $BENCH $Q --mode ${TREE_MODES:-none,dflash2} \
+             --tree-budget ${TREE_BUDGETS:-0,8,16,24,32,48} $FORCED ${TREES_ARGS:-} --json-out "$OUT/bench_trees_int4.json" ;;
     fp8) run 240 $BENCH --target-quantization fp8 --mode none,mtp,dflash2 $FORCED --json-out "$OUT/bench_fp8.json" --png-out "$OUT/bench_fp8.png" ;;
     reuse) for mode in $(echo ${REUSE_MODES:-none,dflash2} | tr , ' '); do
              kernel_bench multi_turn_$mode 300 multi_turn --mode $mode --json-out "$OUT/multi_turn_$mode.json"; done ;;
@@ -124,8 +127,8 @@ for part in ${PARTS:-bf16 warm int4 vocab}; do
     demo_trees) rm -rf .demo && python3 -m blockspec.cli demo --save .demo > /dev/null
            run ${DEMO_TREES_S:-300} python3 -m blockspec.cli bench --model .demo/target --drafter .demo/drafter \
              --mode none,dflash2 --tree-budget ${DEMO_TREE_BUDGETS:-0,16,32} --fixtures stdlib --max-tokens 128 \
-             --repeats 1 --json-out "$OUT/demo_trees_bench.json"
-           for t in ${DEMO_TREE_TEMPERATURES:-0.7 1}; do
+             --repeats 1 ${DEMO_BENCH_ARGS:-} --json-out "$OUT/demo_trees_bench.json"
+           for t in ${DEMO_TREE_TEMPERATURES-0.7 1}; do
              kernel_bench demo_trees_t$t ${DEMO_ACCEPTANCE_S:-240} tree_acceptance --model ../.demo/target --drafter ../.demo/drafter \
                --budgets ${DEMO_TREE_BUDGETS:-0,16,32} --temperature $t --device cuda --json-out "$OUT/tree_acceptance_t$t.json"
            done ;;

@@ -116,17 +116,28 @@ class ForcedAcceptance(Proposer):
         """The real tree with its chain (nodes 1..R, drafter/tree.py) forced as `propose` forces a chain: the
         other nodes keep the drafter's tokens (wrong for the trajectory on synthetic weights, so rarely taken)."""
         tree = self.inner.propose_tree(anchor, position)
-        forced = self.forced(position, min(self.max_proposals, tree.size - 1))
-        tree.tokens[1:1 + len(forced)] = torch.tensor(forced, device=tree.tokens.device)
+        self.chain = self.forced(position, min(self.max_proposals, tree.size - 1))
+        tree.tokens[1:1 + len(self.chain)] = torch.tensor(self.chain, device=tree.tokens.device)
         return tree
 
     def draft(self):
         """Under sampling: each forced proposal drawn from a point mass on it (q = 1), which keeps the rule exact;
         the target then accepts a proposal with its own probability of it (~1 for the trajectory's token on the
         planted synthetic target, ~0 for the wrong ones). Shaped as the real proposer's, which it also reads."""
-        ids, probs = self.inner.draft()
-        forced = torch.tensor(self.proposals, device=ids.device)[:, None].expand_as(ids)
-        return forced, torch.zeros_like(probs).index_fill_(1, torch.tensor([0], device=probs.device), 1.0)
+        return point_masses(*self.inner.draft(), self.proposals)
+
+    def tree_draft(self):
+        """As `draft`, for the forced chain of the last tree."""
+        return point_masses(*self.inner.tree_draft(), self.chain)
+
+
+def point_masses(ids: torch.Tensor, probs: torch.Tensor, tokens: list[int]):
+    """Draft (ids, q) [R, C] whose first len(tokens) rows are a point mass on each token."""
+    ids, probs, n = ids.clone(), probs.clone(), len(tokens)
+    ids[:n] = torch.tensor(tokens, device=ids.device)[:, None]
+    probs[:n] = 0
+    probs[:n, 0] = 1
+    return ids, probs
 
 
 def tree_budgets(text: str) -> list[int]:

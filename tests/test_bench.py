@@ -202,15 +202,17 @@ def test_repeat_split_counts_cycles_that_start_inside_a_repeat():
 
 def test_sampled_runs_beside_greedy_ones(tmp_path):
     """--compare-greedy: each mode greedy, then sampled; forced acceptance holds under sampling (the planted
-    synthetic target is all but certain of its next token), so the sampled cycle is compared at the same acceptance."""
-    result, stdout = bench(tmp_path, "--prompt", "hello", "--mode", "none,dflash2", "--max-tokens", 24, "--repeats", 1,
-                           "--forced-acceptance", 0.5, "--temperature", 1, "--top-k", 20, "--seed", 3,
-                           "--compare-greedy")
+    synthetic target is all but certain of its next token), so the sampled cycle is compared at the same acceptance;
+    so does a draft tree's forced chain."""
+    result, stdout = bench(tmp_path, "--prompt", "hello", "--mode", "none,dflash2", "--tree-budget", "0,8",
+                           "--max-tokens", 24, "--repeats", 1, "--forced-acceptance", 0.5, "--temperature", 1,
+                           "--top-k", 20, "--seed", 3, "--compare-greedy")
     assert "sampling temperature 1, top-k 20, seed 3" in result["label"]
     rows = result["rows"]
-    assert [(r["mode"], r["sampling"]["temperature"]) for r in rows] == [("none", 0.0), ("none", 1.0),
-                                                                         ("dflash2", 0.0), ("dflash2", 1.0)]
-    assert rows[3]["acceptance_rate"] == rows[2]["acceptance_rate"] == pytest.approx(0.5, abs=0.05)
+    assert [(r["mode"], r["sampling"]["temperature"]) for r in rows] == [
+        ("none", 0.0), ("none", 1.0), ("dflash2", 0.0), ("dflash2", 1.0), ("dflash2:8", 0.0), ("dflash2:8", 1.0)]
+    for row in rows[2:]:
+        assert row["acceptance_rate"] == pytest.approx(0.5, abs=0.05), row
     assert "cost_vs_greedy" not in rows[0] and rows[1]["cost_vs_greedy"] > 0 and rows[3]["cost_vs_greedy"] > 0
     assert rows[3]["cycle_vs_plain_step"] > 0  # against the sampled plain step
     assert "x greedy" in stdout.splitlines()[1] and stdout.splitlines()[-1].split()[-2] == "sampled"

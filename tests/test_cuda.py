@@ -525,20 +525,21 @@ def test_fp8_projections_on_gpu(dtype, asm):
 @pytest.mark.parametrize("budget", [8, 32])
 def test_tree_graph_replay_equals_eager_and_plain(pair, budget):
     """Draft trees under CUDA graphs (the drafter's pass and tree, the tree pass, the path commits) against eager
-    trees and plain greedy, float32; and sampled, graphed == eager for one seed."""
+    trees and plain greedy, float32; and sampled (the walk's graph of each ranking width), graphed == eager for one
+    seed."""
     target, drafter = pair
     kw = dict(mode="dflash2", compute_dtype="float32", dflash2_model=str(drafter), dflash2_tree_budget=budget)
     eager, graphed = engine(target, compile_mode=-1, **kw), engine(target, **kw)
     assert graphed.target.tree_pass is not None and graphed.proposer.tree_graph is not None
+    assert len(graphed.target.sampled_walks) == 2
     ids = eager.tokenizer.encode("hello world")
     plain = engine(target, compute_dtype="float32").generate(ids, 150, stop_at_eos=False).tokens
     a, b = eager.generate(ids, 150, stop_at_eos=False), graphed.generate(ids, 150, stop_at_eos=False)
     assert a.tokens == b.tokens == plain
     assert a.stats["accepted_per_cycle"] == b.stats["accepted_per_cycle"]
-    settings = dict(temperature=0.8, top_k=40, seed=5)
-    a, b = eager.generate(ids, 120, stop_at_eos=False, **settings), graphed.generate(ids, 120, stop_at_eos=False,
-                                                                                      **settings)
-    assert a.tokens == b.tokens and a.stats["accepted_per_cycle"] == b.stats["accepted_per_cycle"]
+    for settings in (dict(temperature=0.8, top_k=40, seed=5), dict(temperature=1.0, top_p=0.95, seed=6)):
+        a, b = (e.generate(ids, 120, stop_at_eos=False, **settings) for e in (eager, graphed))
+        assert a.tokens == b.tokens and a.stats["accepted_per_cycle"] == b.stats["accepted_per_cycle"], settings
 
 
 @pytest.mark.parametrize("compile_mode", [-1, 0])

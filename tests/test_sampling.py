@@ -4,7 +4,8 @@ The distribution tests draw the first three tokens of thousands of requests in e
 target is softened (its head scaled down), and compare their empirical joint distribution with the exact one,
 enumerated from the target's logits with transformers' logits processors as the reference, by a chi-square test at
 a fixed significance. The same test rejects deliberately biased variants (acceptance by argmax match; the DFlash2
-selector reporting a q that is not the one it drew from), so it can fail.
+selector reporting a q that is not the one it drew from; a draft tree walked by argmax, or its chain's rejected
+proposals redrawn from p instead of the residual), so it can fail.
 """
 
 import shutil
@@ -17,6 +18,7 @@ from safetensors.torch import load_file, save_file
 
 from blockspec.drafter import selector
 from blockspec.engine import sampling, tree
+from blockspec.engine import target as engine_target
 from blockspec.engine.engine import Engine
 from blockspec.engine.sampling import TOP_K_CAP, draw, processed_probs, ranked_probs
 from blockspec.engine.state import DecodeState
@@ -225,25 +227,39 @@ TRUE_WALK = selector.sampled_walk_reference
 TRUE_TREE_WALK = tree.walk
 
 
-def tree_walk_descending_on_argmax(logits, draft_tree, max_depth, sampler=None, uniforms=None):
+def tree_walk_descending_on_argmax(logits, draft_tree, max_depth, uniforms=None, draft=None, filters=None,
+                                   width=None):
     """Biased: the tree walked by the target's argmax (greedy), then the token after the path drawn from p."""
     result = TRUE_TREE_WALK(logits, draft_tree, max_depth).clone()
     if uniforms is not None:
-        ids, probs = ranked_probs(logits, *sampler.filters(), width=sampler.width())
+        ids, probs = ranked_probs(logits, *filters, width=width)
         leaf = result[2 + result[0]]
         result[1] = ids[leaf, draw(probs[leaf].reshape(1, -1), uniforms[:1])[0]]
     return result
 
 
-@pytest.mark.parametrize("variant", ["argmax-match acceptance", "per-position q", "tree walked by argmax"])
+TRUE_PROPOSAL_TESTS = sampling.proposal_tests
+
+
+def chain_tests_redrawing_from_p(ids, p, vocab_size, proposals, draft_ids, draft_probs, uniforms):
+    """Biased: a rejected proposal of the tree's chain is redrawn from p instead of the residual max(p - q, 0)."""
+    accepted, _ = TRUE_PROPOSAL_TESTS(ids, p, vocab_size, proposals, draft_ids, draft_probs, uniforms)
+    return accepted, p
+
+
+@pytest.mark.parametrize("variant", ["argmax-match acceptance", "per-position q", "tree walked by argmax",
+                                     "tree chain redrawn from p"])
 def test_biased_variants_are_rejected(engines, monkeypatch, variant):
     mode = "dflash2"
     if variant == "argmax-match acceptance":
         monkeypatch.setattr(sampling, "speculative_accept", argmax_match_accept)
     elif variant == "per-position q":
         monkeypatch.setattr(selector, "sampled_walk_reference", walk_reporting_per_position_q)
+    elif variant == "tree walked by argmax":
+        monkeypatch.setattr(engine_target, "walk", tree_walk_descending_on_argmax)
+        mode = "dflash2 tree"
     else:
-        monkeypatch.setattr(tree, "walk", tree_walk_descending_on_argmax)
+        monkeypatch.setattr(tree, "proposal_tests", chain_tests_redrawing_from_p)
         mode = "dflash2 tree"
     _, p = distribution_test(engines[mode], SETTINGS["T0.7"], f"{mode} T0.7 with {variant}")
     assert p < REJECTED

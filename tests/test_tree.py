@@ -10,7 +10,9 @@ import torch
 from helpers import cli, run_pass
 
 from blockspec.drafter.tree import DraftTree, build_tree, transition_log_probs
+from blockspec.config import SamplingSettings
 from blockspec.engine.engine import Engine
+from blockspec.engine.sampling import Sampler, speculative_accept
 from blockspec.engine.state import DecodeState
 from blockspec.engine.tree import walk
 from blockspec.layers.tree import TreeLayout
@@ -109,6 +111,36 @@ def test_walk_follows_the_targets_choices():
     assert walk(choices([12, 0, 0, 0, 0, 0, 0]), tree, 3).tolist()[:3] == [0, 12, 0]
     tree.valid[2] = False  # padding is never entered
     assert walk(choices([11, 0, 20, 0, 0, 7, 0]), tree, 3).tolist()[:2] == [0, 11]
+
+
+def test_sampled_walk_accepts_what_the_chain_accepts_and_more():
+    """Under sampling, with the same uniforms, the tree walk's tests of its chain are the chain verification's
+    (engine/sampling.py speculative_accept): it accepts at least the chain's proposals on every draw, and more where
+    a rejected proposal's residual draw is one of the node's other children."""
+    #          0
+    #        1   4        chain: 1, 2, 3 (tokens 3, 5, 7); others: 4 (token 4), 5 (token 6), 6 (token 8)
+    #      2   5
+    #      3  6
+    tree = DraftTree(torch.tensor([0, 3, 5, 7, 4, 6, 8]), torch.tensor([0, 0, 1, 2, 0, 1, 5]),
+                     torch.tensor([0, 1, 2, 3, 1, 2, 3]), torch.ones(7, dtype=torch.bool))
+    sampler = Sampler("cpu")
+    sampler.begin(SamplingSettings(temperature=1.0))
+    gen = torch.Generator().manual_seed(0)
+    more = 0
+    for _ in range(300):
+        logits = 2 * torch.randn(7, 10, generator=gen)
+        candidates = torch.tensor([[3, 4, 1, 2], [5, 6, 0, 1], [7, 8, 0, 2]])
+        q = torch.softmax(torch.randn(3, 4, generator=gen), -1)
+        uniforms = 1 - torch.rand(8, generator=gen, dtype=torch.float64)
+        chain_rows = torch.tensor([0, 1, 2, 3])
+        chain = speculative_accept(logits[chain_rows], tree.tokens[chain_rows], candidates, q, uniforms[:4],
+                                   sampler.filters())
+        result = walk(logits, tree, 3, uniforms, (candidates, q), sampler.filters(), sampler.width())
+        accepted, chain_accepted = int(result[0]), int(chain[0])
+        assert accepted >= chain_accepted
+        assert result[2:3 + chain_accepted].tolist() == list(range(chain_accepted + 1))
+        more += accepted > chain_accepted
+    assert more > 10
 
 
 def load(target, drafter=None, budget=0, **kw):

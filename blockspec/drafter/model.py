@@ -283,14 +283,15 @@ class DFlash2Drafter(nn.Module):
 
     @torch.no_grad()
     def propose_tree(self, anchor_token: torch.Tensor | int, anchor_position: torch.Tensor | int, budget: int,
-                     marginal: bool = False) -> DraftTree:
-        """A draft tree of `budget` nodes for positions anchor_position + 1 ... (drafter/tree.py), from one pass."""
+                     marginal: bool = False, selection: Selection | None = None) -> DraftTree:
+        """A draft tree of `budget` nodes for positions anchor_position + 1 ... (drafter/tree.py), from one pass;
+        with a `selection` its chain is the sampled walk's (selector.py)."""
         if isinstance(anchor_position, int) and anchor_position != self.context.length:
             raise ValueError(f"proposal at {anchor_position}, but the context holds {self.context.length} positions")
         anchor = self._anchor(anchor_token)
         hidden = self.forward_block(anchor, anchor_position)[1:]
         return self.candidate_selector.tree(hidden, self.draft_logits(hidden), anchor, budget, self.vocabulary,
-                                            marginal)
+                                            marginal, selection)
 
     def _anchor(self, token: torch.Tensor | int) -> torch.Tensor:
         if isinstance(token, int):

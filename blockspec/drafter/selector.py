@@ -63,17 +63,23 @@ class CandidateSelector(nn.Module):
         selection.candidates = candidates
         return chosen
 
-
     def tree(self, hidden: torch.Tensor, logits: torch.Tensor, anchor: torch.Tensor, budget: int,
-             vocabulary: torch.Tensor | None = None, marginal: bool = False) -> DraftTree:
-        """A draft tree of `budget` nodes (drafter/tree.py) holding the greedy walk's chain; no host
+             vocabulary: torch.Tensor | None = None, marginal: bool = False,
+             selection: Selection | None = None) -> DraftTree:
+        """A draft tree of `budget` nodes (drafter/tree.py) holding the walk's chain: the greedy walk's, or with a
+        `selection` the sampled walk's (its candidates and probs filled as `walk` fills them); no host
         synchronisation."""
         unary, candidates = torch.topk(logits, self.top_k, dim=-1, sorted=False)
         if vocabulary is not None:
             candidates = vocabulary[candidates]
         codebooks = self.predecessor_codebook.weight, self.successor_codebook.weight
         projected = self.hidden_projection(hidden)
-        chain = greedy_walk(unary, candidates, projected, anchor.reshape(1), *codebooks)
+        if selection is None:
+            chain = greedy_walk(unary, candidates, projected, anchor.reshape(1), *codebooks)
+        else:
+            chain, selection.probs = sampled_walk(unary, candidates, projected, anchor.reshape(1), *codebooks,
+                                                  selection.temperature, selection.uniforms)
+            selection.candidates = candidates
         chain_index = (candidates == chain[:, None]).to(torch.uint8).argmax(-1)
         table = transition_log_probs(unary, candidates, projected, anchor, *codebooks, marginal=marginal)
         return build_tree(table, candidates, anchor, chain_index, budget)

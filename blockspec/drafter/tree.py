@@ -1,12 +1,13 @@
-"""A draft tree from one DFlash2 proposal pass: the greedy chain, then the drafter's most likely other continuations.
+"""A draft tree from one DFlash2 proposal pass: the selector's chain, then the drafter's likeliest other continuations.
 
 The drafter's pass scores the top-K candidates of each of its R rows, and the candidate selector (selector.py)
 gives the probability of each candidate given the pick before it: q(c | prev) = softmax over the row's candidates of
 unary[c] + < predecessor[prev] * P h_row, successor[c] >. A path's score is the sum of its log q. The tree holds the
-root (the anchor), the chain the greedy walk proposes (so a cycle never accepts less than the chain would), then,
-best first, the highest-scoring children of the nodes already in it, until `budget` nodes. A path's score only falls
-as it grows, so best-first order always takes a parent before its children: node indices are topological, as
-layers/tree.py needs. With `marginal` the rows' own distributions (softmax of unary) replace the transition model.
+root (the anchor), the chain the selector's walk proposes (greedy, or drawn from q under sampling: so a cycle never
+accepts less than the chain would; engine/tree.py), then, best first, the highest-scoring children of the nodes
+already in it, until `budget` nodes. A path's score only falls as it grows, so best-first order always takes a parent
+before its children: node indices are topological, as layers/tree.py needs. With `marginal` the rows' own
+distributions (softmax of unary) replace the transition model.
 
 Everything stays on the device, in fixed shapes: no host synchronisation, so a CUDA graph records it. A budget the
 candidates cannot fill (K + K^2 + ... nodes) is padded with invalid nodes, which the acceptance walk never enters.

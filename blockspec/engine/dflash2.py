@@ -38,6 +38,7 @@ class DFlash2Proposer(Proposer):
         self.draft_width = drafter.config.selector_top_k
         self.graph, self.tree_graph, self.append_graphs = None, None, {}  # CUDA graphs only
         self.selection, self.proposed = None, 0  # the last proposal's sampling walk, and how many were proposed
+        self.tree_selection = None  # the last tree's sampling walk
 
     def reset(self):
         self.drafter.reset()
@@ -78,12 +79,25 @@ class DFlash2Proposer(Proposer):
         return self.proposals[:k].tolist()
 
     def propose_tree(self, anchor, position):
+        """The cycle's draft tree. Under sampling its chain is the selector's sampled walk, whose proposals and q
+        `tree_draft` returns for the walk's speculative-sampling tests (engine/tree.py)."""
+        sampled = self.sampler is not None and not self.sampler.greedy
+        uniforms = self.sampler.uniforms(self.max_proposals) if sampled else None
         if self.tree_graph is None:
-            return self.drafter.propose_tree(anchor, position, self.tree_budget, self.tree_marginal)
+            self.tree_selection = (Selection(self.sampler.temperature, uniforms.to(self.drafter.device))
+                                   if sampled else None)
+            return self.drafter.propose_tree(anchor, position, self.tree_budget, self.tree_marginal,
+                                             self.tree_selection)
         self.anchor.fill_(anchor)
         self.position.fill_(position)
+        if sampled:
+            self.tree_selection.uniforms.copy_(uniforms, non_blocking=True)
         self.tree_graph.replay()
         return self.tree
+
+    def tree_draft(self):
+        """(candidate ids, q) [rows, K] of the last sampled tree's chain."""
+        return self.tree_selection.candidates, self.tree_selection.probs
 
     def draft(self):
         k = self.proposed
@@ -91,9 +105,10 @@ class DFlash2Proposer(Proposer):
 
     def capture_graphs(self, pool=None, warmup: int = 2):
         """With CUDA graphs, at load time: the whole proposal (embedding, layers, convolutions, logits, selector walk;
-        with a tree budget, also the tree's) as one CUDA graph over a static anchor and position, and the context append of each verification length
-        (1..block_size committed rows) as one graph each. With a sampler the walk reads the request's temperature
-        and uniforms from the device (greedy at temperature 0): one proposal graph serves both."""
+        with a tree budget, also the tree's) as one CUDA graph over a static anchor and position, and the context
+        append of each verification length (1..block_size committed rows) as one graph each. With a sampler the
+        walk reads the request's temperature and uniforms from the device (greedy at temperature 0): one proposal
+        graph serves both."""
         drafter, device = self.drafter, self.drafter.device
         self.anchor = torch.zeros(1, dtype=torch.long, device=device)
         self.position = torch.zeros((), dtype=torch.long, device=device)
@@ -104,8 +119,10 @@ class DFlash2Proposer(Proposer):
                                                                             self.selection), warmup, pool)
         if self.tree_budget:  # the drafter's pass and the tree built from it, as one graph, in a pool of its own:
             # the tree is read after the target's pass, which would overwrite outputs in the shared pool
+            if self.sampler is not None:  # its own outputs; the same temperature, uniforms of its own
+                self.tree_selection = Selection(self.sampler.temperature, self.selection.uniforms.clone())
             self.tree_graph, self.tree = graphs.capture(lambda: drafter.propose_tree(
-                self.anchor, self.position, self.tree_budget, self.tree_marginal), warmup)
+                self.anchor, self.position, self.tree_budget, self.tree_marginal, self.tree_selection), warmup)
         block = drafter.block_size
         width = len(drafter.target_layer_ids) * drafter.config.hidden_size  # the target's captured layers
         self.features_in = torch.zeros(block, width, device=device, dtype=drafter.dtype)

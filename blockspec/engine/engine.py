@@ -196,7 +196,8 @@ class Engine:
         lengths = (1, 1 + self.proposer.max_proposals)
         tree = self.proposer.tree_budget
         target = GraphedTarget(self.model, self.state, capture, lengths=lengths,
-                               tree_size=tree + 1 if tree else 0, tree_depth=self.proposer.max_proposals)
+                               tree_size=tree + 1 if tree else 0, tree_depth=self.proposer.max_proposals,
+                               sampler=self.sampler, draft_width=max(self.proposer.draft_width, 1))
         self.sampler.capture_graphs(lengths, self.vocab_size, self.proposer.draft_width, target.pool)
         self.load_times["target_graphs_s"] = round(time.perf_counter() - start, 3)
         if hasattr(self.proposer, "capture_graphs"):

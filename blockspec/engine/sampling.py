@@ -101,16 +101,23 @@ def speculative_accept(logits, tokens, draft_ids, draft_probs, uniforms, filters
     k = tokens.shape[0] - 1
     if k == 0:
         return torch.cat([torch.zeros(1, dtype=torch.long, device=p.device), ids[0, draw(p, uniforms[:1])]])
-    q = torch.zeros(k, logits.shape[1], device=p.device).scatter_add_(1, draft_ids, draft_probs.float())
-    proposals = tokens[1:, None]
-    p_proposed = torch.where(ids[:k] == proposals, p[:k], 0.0).sum(-1)
-    ok = uniforms[:k] * q.gather(1, proposals)[:, 0] < p_proposed
+    ok, residual = proposal_tests(ids[:k], p[:k], logits.shape[1], tokens[1:], draft_ids, draft_probs, uniforms[:k])
     accepted = ok.long().cumprod(0).sum()
-    residual = (p[:k] - q.gather(1, ids[:k])).clamp_min(0)
-    residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p[:k])  # p == q: nothing is ever rejected
     final = torch.cat([residual, p[k:]]).index_select(0, accepted.reshape(1))   # row k: the bonus token's p
     row_ids = ids.index_select(0, accepted.reshape(1))
     return torch.cat([accepted.reshape(1), row_ids[0, draw(final, uniforms[k:])]])
+
+
+def proposal_tests(ids, p, vocab_size: int, proposals, draft_ids, draft_probs, uniforms):
+    """The rule's test of each row's proposal: p [k, C] over ranked ids [k, C] (ranked_probs), proposals [k] drawn
+    from q over draft_ids / draft_probs [k, C'] (repeated ids add up), uniforms [k] float64. Returns (whether each
+    is accepted [k], the residual max(p - q, 0) [k, C] over the same ids: p where q equals p, which never rejects)."""
+    q = torch.zeros(ids.shape[0], vocab_size, device=p.device).scatter_add_(1, draft_ids, draft_probs.float())
+    proposals = proposals.reshape(-1, 1)
+    p_proposed = torch.where(ids == proposals, p, 0.0).sum(-1)
+    accepted = uniforms * q.gather(1, proposals)[:, 0] < p_proposed
+    residual = (p - q.gather(1, ids)).clamp_min(0)
+    return accepted, torch.where(residual.sum(-1, keepdim=True) > 0, residual, p)
 
 
 def fresh_seed() -> int:

@@ -16,6 +16,7 @@ import torch
 from ..drafter.tree import DraftTree
 from ..layers.tree import TreeLayout
 from . import graphs
+from .sampling import TOP_K_CAP
 from .tree import walk
 
 
@@ -38,28 +39,36 @@ class EagerTarget:
         out, greedy = self.run(block)
         return out, greedy.tolist()
 
-    def run_tree(self, tree, depth: int):
+    def run_tree(self, tree, depth: int, sampler=None, draft=None):
         """One pass over a draft tree's nodes (drafter/tree.py, at most `depth` below the root) from the committed
-        length; returns (out, its TreeLayout, the greedy walk of engine/tree.py as a device tensor), the pass left
-        pending for DecodeState.commit_path."""
+        length; returns (out, its TreeLayout, the walk of engine/tree.py as a device tensor), the pass left pending
+        for DecodeState.commit_path. The walk is greedy, or sampled with a sampler (not greedy) and the chain's draft
+        (candidate ids, q), its uniforms drawn from the sampler."""
         start = self.state.begin(tree.size)
         layout = TreeLayout.build(tree.parents, tree.depth, start, self.model.config.linear_conv_kernel_dim)
         out = self.model(tree.tokens, self.state.layers, start=start, capture=self.capture, tree=layout)
-        return out, layout, walk(out.logits, tree, depth)
+        if sampler is None:
+            return out, layout, walk(out.logits, tree, depth)
+        uniforms = sampler.uniforms(2 * (depth + 1)).to(self.device)
+        return out, layout, walk(out.logits, tree, depth, uniforms, draft, sampler.filters(), sampler.width())
 
 
 class GraphedTarget(EagerTarget):
     execution = "cuda-graphs"
 
-    def __init__(self, model, state, capture=(), lengths=(1,), warmup=2, tree_size=0, tree_depth=0):
+    def __init__(self, model, state, capture=(), lengths=(1,), warmup=2, tree_size=0, tree_depth=0, sampler=None,
+                 draft_width=1):
         super().__init__(model, state, capture)
         self.pool = torch.cuda.graph_pool_handle()
         self.passes = {t: self._capture_pass(t, warmup) for t in sorted(set(lengths))}
         state.capture_commits(lengths, self.pool, warmup)
         self.tree_depth = tree_depth
         self.tree_pass = self._capture_tree(tree_size, tree_depth, warmup) if tree_size else None
+        self.sampled_walks = {}
         if tree_size:
             state.capture_path_commits(tree_depth + 1, self.pool, warmup)
+            if sampler is not None:
+                self._capture_sampled_walks(sampler, draft_width, warmup)
         state.reset()  # warm-ups ran on scratch data
 
     def _capture_tree(self, size, depth, warmup):
@@ -79,15 +88,37 @@ class GraphedTarget(EagerTarget):
         graph, outputs = graphs.capture(run, warmup, self.pool)
         return graph, tree, start, outputs
 
-    def run_tree(self, tree, depth: int):
+    def _capture_sampled_walks(self, sampler, draft_width, warmup):
+        """The sampled walk of the tree pass's logits (its static outputs), one graph per ranking width (Sampler),
+        over static uniforms and draft and the request's filters, in a pool of their own: the walk's result is read
+        after the path's commit, whose graph would overwrite outputs in the shared pool."""
+        _, tree, _, (out, _, _) = self.tree_pass
+        depth = self.tree_depth
+        uniforms = torch.ones(2 * (depth + 1), dtype=torch.float64, device=self.device)
+        draft = (torch.zeros(depth, draft_width, dtype=torch.long, device=self.device),
+                 torch.zeros(depth, draft_width, device=self.device))
+        pool = torch.cuda.graph_pool_handle()
+        for width in (None, TOP_K_CAP):
+            graph, result = graphs.capture(lambda: walk(out.logits, tree, depth, uniforms, draft, sampler.filters(),
+                                                        width), warmup, pool)
+            self.sampled_walks[width] = graph, uniforms, draft, result
+
+    def run_tree(self, tree, depth: int, sampler=None, draft=None):
         if self.tree_pass is None or self.tree_pass[1].size != tree.size or depth != self.tree_depth:
-            return super().run_tree(tree, depth)
+            return super().run_tree(tree, depth, sampler, draft)
         graph, static, start, outputs = self.tree_pass
         for field in ("tokens", "parents", "depth", "valid"):
             getattr(static, field).copy_(getattr(tree, field))
         start.fill_(self.state.begin(tree.size))
         graph.replay()
-        return outputs
+        if sampler is None:
+            return outputs
+        walk_graph, uniforms, static_draft, result = self.sampled_walks[sampler.width()]
+        uniforms.copy_(sampler.uniforms(uniforms.shape[0]), non_blocking=True)
+        for static_part, part in zip(static_draft, draft):
+            static_part.copy_(part)
+        walk_graph.replay()
+        return outputs[0], outputs[1], result
 
     def _capture_pass(self, t, warmup):
         ids = torch.zeros(t, dtype=torch.long, device=self.device)

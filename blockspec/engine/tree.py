@@ -1,17 +1,22 @@
 """One draft-tree cycle: the drafter's tree (drafter/tree.py) verified in one target pass, walked, and its accepted
 path kept through the state transaction.
 
-The walk. At every node the target chooses the token that follows the node's path: its argmax (greedy), or a draw
-from its filtered distribution p with the uniform of the node's depth (sampled). From the root, the walk moves to
+The walk. At every node the target chooses the token that follows the node's path; from the root, the walk moves to
 the child holding the token chosen at the node it stands on, and stops where no child does; the token chosen there
-is the bonus. Greedy, the output is plain greedy decoding's, token for token. Sampled, every emitted token is drawn
-from p given the tokens before it (only one node per depth is ever stood on, so the draws along the path use
-independent uniforms): the output is distributed exactly as plain sampling. For a tree fixed before the target's
-pass, no lossless rule leaves a node with higher probability than this one: the token emitted at a node must be
-distributed as p, so it lies among the node's children with probability p(children) at most, which this rule
-reaches. (Multi-candidate rejection sampling gains only where the candidates were drawn at random.)
+is the bonus.
+- Greedy, the target's argmax: the output is plain greedy decoding's, token for token.
+- Sampled, a token distributed as the target's filtered distribution p given the path. At a node off the chain, a
+  draw from p. At a node of the chain, whose chain child s the selector drew from its q (drafter/selector.py), the
+  speculative-sampling rule (engine/sampling.py): s with probability min(1, p(s) / q(s)), else a draw from the
+  residual max(p - q, 0), which may still be one of the node's other children. Only one node per depth is ever
+  stood on, so each depth's two uniforms are used once: every emitted token is drawn from p given the tokens before
+  it, and the output is distributed exactly as plain sampling. The walk leaves a chain node at least as often as a
+  chain's verification accepts its proposal, and also when the residual's draw is another child: it accepts at
+  least what the chain accepts. At a node off the chain no lossless rule leaves with higher probability than the
+  draw from p, which leaves with probability p(children).
 
-The greedy walk runs with the target's pass (engine/target.py: in its CUDA graph); a sampled one after it.
+The greedy walk runs with the target's pass (engine/target.py: in its CUDA graph); a sampled one after it (with
+graphs: in a graph of its own per ranking width, over the pass's outputs).
 The host reads back once per cycle: the accepted count, the bonus, the path's nodes and tokens.
 """
 
@@ -21,19 +26,28 @@ import torch
 
 from ..drafter.tree import DraftTree
 from ..models.qwen3_5 import TargetOutput
-from .sampling import Sampler, draw, ranked_probs
+from .sampling import Sampler, draw, proposal_tests, ranked_probs
 
 
-def walk(logits: torch.Tensor, tree: DraftTree, max_depth: int, sampler: Sampler | None = None,
-         uniforms: torch.Tensor | None = None) -> torch.Tensor:
-    """The walk (module docstring) on the device: logits [T, V] of the tree pass; uniforms [max_depth + 1] float64
-    when sampled. Returns int64 [2 + 2 (max_depth + 1)]: accepted nodes n, the bonus token, the path's node indices
-    (root first; entries past n + 1 are 0), the path's tokens."""
+def walk(logits: torch.Tensor, tree: DraftTree, max_depth: int, uniforms: torch.Tensor | None = None, draft=None,
+         filters=None, width: int | None = None) -> torch.Tensor:
+    """The walk (module docstring) on the device: logits [T, V] of the tree pass. Sampled: uniforms [2 (max_depth
+    + 1)] float64 (each depth's test, then each depth's draw), draft, (candidate ids, q) [max_depth, K] of the
+    chain held in nodes 1, 2, ... (drafter/tree.py), and the request's filters and ranking width (Sampler).
+    Returns int64 [2 + 2 (max_depth + 1)]: accepted nodes n, the
+    bonus token, the path's node indices (root first; entries past n + 1 are 0), the path's tokens."""
     if uniforms is None:
         chosen = logits.argmax(-1)
     else:
-        ids, probs = ranked_probs(logits, *sampler.filters(), width=sampler.width())
-        chosen = ids.gather(1, draw(probs, uniforms[tree.depth]).reshape(-1, 1))[:, 0]
+        ids, probs = ranked_probs(logits, *filters, width=width)
+        tests, draws = uniforms[:max_depth + 1], uniforms[max_depth + 1:]
+        chosen = ids.gather(1, draw(probs, draws[tree.depth]).reshape(-1, 1))[:, 0]
+        chain = min(tree.size - 1, max_depth)  # nodes 0 .. chain - 1 hold the chain's nodes 1 .. chain as children
+        proposals = tree.tokens[1:chain + 1]
+        passed, residual = proposal_tests(ids[:chain], probs[:chain], logits.shape[1], proposals,
+                                          draft[0][:chain], draft[1][:chain], tests[:chain])
+        redrawn = ids[:chain].gather(1, draw(residual, draws[:chain]).reshape(-1, 1))[:, 0]
+        chosen = torch.cat([torch.where(passed, proposals, redrawn), chosen[chain:]])
     on_path = tree.depth == 0
     follows = tree.valid & (tree.tokens == chosen[tree.parents])
     for level in range(1, max_depth + 1):
@@ -51,9 +65,8 @@ def tree_cycle(target, proposer, anchor: int, position: int, sampler: Sampler | 
     the emitted tokens: the accepted ones and the bonus)."""
     tree = proposer.propose_tree(anchor, position)
     depth = proposer.max_proposals
-    out, layout, result = target.run_tree(tree, depth)  # the greedy walk, in the pass's graph
-    if sampler is not None and not sampler.greedy:
-        result = walk(out.logits, tree, depth, sampler, sampler.uniforms(depth + 1).to(out.logits.device))
+    sampled = sampler is not None and not sampler.greedy
+    out, layout, result = target.run_tree(tree, depth, *((sampler, proposer.tree_draft()) if sampled else ()))
     values = result.tolist()  # the cycle's one read back
     accepted, bonus = values[:2]
     path = result[2:3 + accepted]
