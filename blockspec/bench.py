@@ -23,8 +23,8 @@ from pathlib import Path
 
 import torch
 
-from .cli_common import add_sampling_args, add_weight_args, check_output_path, describe_sampling, sampling_overrides, \
-    weight_overrides
+from .cli_common import (add_sampling_args, add_weight_args, check_folder, check_output_path, describe_sampling,
+                         sampling_overrides, weight_overrides)
 from .config import PredictConfig, SamplingSettings
 from .engine import memory
 from .engine.decode import Proposer
@@ -234,7 +234,7 @@ def build_engine(args, mode: str, tree_budget: int = 0):
     config = PredictConfig.build(overrides, source="bench")
     device = resolve_device(config.device)
     memory.use_expandable_segments(device)  # as the engine does: the weights are built before it
-    needed = check_synthetic_fits(args.synthetic, config, device) if device.type == "cuda" else None
+    needed = check_synthetic_fits(args.synthetic, config, device)
     seed = args.seed or 0
     # target_quantization: each layer's projections quantized as it is built, as a checkpoint's as it is read
     model, head = synthetic_target(args.synthetic, device, config.torch_dtype, seed=seed,
@@ -249,13 +249,27 @@ def build_engine(args, mode: str, tree_budget: int = 0):
         build_tiny_checkpoint(tok_dir)  # only its byte-level tokenizer and chat template are used
         tokenizer = Tokenizer(tok_dir)
     engine = Engine(config, model=model, mtp_tensors=mtp, drafter=drafter, tokenizer=tokenizer)
-    if needed is not None:
-        engine.memory["estimate"] = needed.as_dict()
+    engine.memory["estimate"] = needed.as_dict()
     return engine
 
 
+def available_ram() -> int | None:
+    """Bytes of RAM the system can give without swapping (psutil's figure, else /proc/meminfo's MemAvailable; None
+    where neither is there)."""
+    try:
+        import psutil
+    except ImportError:
+        try:
+            with open("/proc/meminfo") as f:
+                return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+        except (OSError, StopIteration, ValueError):
+            return None
+    return psutil.virtual_memory().available
+
+
 def check_synthetic_fits(name: str, config: PredictConfig, device) -> memory.MemoryEstimate:
-    """The synthetic weights are built on the GPU: refused first if the estimate exceeds its free memory."""
+    """The synthetic weights are built where they run: refused first if the estimate exceeds the GPU's free memory,
+    or on the CPU the RAM available (a build past it is killed by the system, without a word)."""
     from .config import TargetConfig
     from .drafter.config import DrafterConfig
     from .engine.engine import pass_rows, resolve_execution
@@ -265,7 +279,13 @@ def check_synthetic_fits(name: str, config: PredictConfig, device) -> memory.Mem
     drafter = DrafterConfig.from_dict(synthetic_drafter_config(target)) if config.decode_mode == "dflash2" else None
     needed = memory.estimate(target, config, execution=resolve_execution(config, device),
                              max_partial=pass_rows(config), drafter=drafter)
-    memory.check_fits(needed, config, device)
+    if device.type == "cuda":
+        memory.check_fits(needed, config, device)
+        return needed
+    available = available_ram()
+    if available is not None and needed.needed > available:
+        raise BlockspecError(f"estimated memory needed {needed.needed / memory.GB:.1f} GB, but only "
+                             f"{available / memory.GB:.1f} GB of RAM is available: {memory.remedies(needed, config)}")
     return needed
 
 
@@ -300,6 +320,8 @@ def check_arguments(args) -> tuple[list[str], list[dict], list[float] | None]:
     that the result files can be written (see cli_common.check_output_path) and drawn."""
     if not args.synthetic and not args.model:
         raise BlockspecError("give --model DIR or --synthetic PRESET")
+    if args.model:
+        check_folder("--model", args.model)
     if args.repeats < 1 or args.max_tokens < 1:
         raise BlockspecError("--repeats and --max-tokens must be at least 1")
     modes = args.mode.split(",")
@@ -311,6 +333,8 @@ def check_arguments(args) -> tuple[list[str], list[dict], list[float] | None]:
         raise BlockspecError(f"--one-cycle must be 0 or more (got {args.one_cycle})")
     if args.one_cycle and args.synthetic:
         raise BlockspecError("--one-cycle measures real acceptance: it needs --model (and --drafter), not --synthetic")
+    if args.one_cycle and modes == ["none"]:
+        raise BlockspecError("--one-cycle measures the acceptance of proposals: add mtp or dflash2 to --mode")
     if args.forced_acceptance is not None and not args.synthetic:
         raise BlockspecError("--forced-acceptance needs --synthetic weights (it replaces real proposals)")
     rates = parse_rates(args.forced_acceptance, len(fixtures))

@@ -1,4 +1,4 @@
-"""Command line: `blockspec generate | demo | bench | chat | serve`.
+"""Command line: `blockspec generate | chat | serve | bench | demo | draft-vocabulary | train-target | train-drafter`.
 
 User errors print one line (`blockspec: error: ...`) and exit with code 2, never a traceback.
 """
@@ -10,7 +10,9 @@ import json
 import sys
 from pathlib import Path
 
-from .cli_common import OneLineParser, add_engine_args, describe_sampling, engine_config, format_stats, stream_text
+from . import __version__
+from .cli_common import (OneLineParser, add_engine_args, check_folder, check_output_path, check_seed, describe_sampling,
+                         engine_config, format_stats, stream_text)
 from .config import ServerSettings
 from .errors import BlockspecError
 
@@ -107,7 +109,11 @@ def cmd_draft_vocabulary(args):
 
     if args.size < 1:
         raise BlockspecError(f"--size must be at least 1, got {args.size}")
-    target = TargetConfig.from_file(Path(args.model) / "config.json")
+    target = TargetConfig.from_file(check_folder("--model", args.model) / "config.json")
+    if args.size >= target.vocab_size:
+        raise BlockspecError(f"--size {args.size} is not smaller than the vocabulary ({target.vocab_size} ids): "
+                             "nothing to leave out (draft_vocabulary 0 proposes over every id)")
+    check_output_path("--out", args.out)
     tokenizer = Tokenizer(args.model, target.eos_token_ids)
     texts = []
     for name in args.texts:
@@ -121,94 +127,128 @@ def cmd_draft_vocabulary(args):
         Path(args.out).write_text(json.dumps(ids))
     except OSError as exc:
         raise BlockspecError(f"--out {args.out}: {exc.strerror}") from None
-    prefix = range(min(args.size, target.vocab_size))
+    prefix = range(args.size)
     print(f"wrote {len(ids)} ids to {args.out}: they cover {100 * coverage(ids, token_lists):.1f}% of the "
           f"{sum(map(len, token_lists))} tokens of the texts (ids 0..{args.size - 1}: "
           f"{100 * coverage(prefix, token_lists):.1f}%)")
 
 
+def training_fields(args, cls) -> dict:
+    """The run's settings from the flags given: on --resume the saved run's, with the given ones checked against
+    them (train/loop.py); otherwise the given ones (the dataclass has the defaults)."""
+    from .train.loop import check_output, resumed_settings
+
+    given = {k: v for k, v in vars(args).items() if k in cls.__dataclass_fields__ and v is not None}
+    if not args.resume:
+        return given
+    check_output(Path(args.out), resume=True)
+    settings = resumed_settings(Path(args.out), given)
+    return {k: v for k, v in settings.items() if k in cls.__dataclass_fields__}
+
+
 def cmd_train_drafter(args):
     from .train.run import DrafterTraining, train
 
-    layer_ids = None
     if args.target_layer_ids:
         try:
-            layer_ids = [int(i) for i in args.target_layer_ids.split(",")]
+            args.target_layer_ids = [int(i) for i in args.target_layer_ids.split(",")]
         except ValueError:
             raise BlockspecError(f"--target-layer-ids must be comma-separated integers (got "
                                  f"{args.target_layer_ids!r})") from None
-    fields = {k: v for k, v in vars(args).items() if k in DrafterTraining.__dataclass_fields__ and v is not None}
-    train(DrafterTraining(**{**fields, "target_layer_ids": layer_ids}))
+    train(DrafterTraining(**training_fields(args, DrafterTraining)))
+
+
+def default(cls, name: str) -> str:
+    """'(default: VALUE)' of a training flag: the flags themselves default to None, so that --resume can tell the
+    ones given from the saved run's."""
+    return f"(default: {getattr(cls, name)})"
 
 
 def add_train_drafter_parser(sub):
     from .train.run import DrafterTraining as D
 
     p = sub.add_parser("train-drafter", help="train a DFlash2 drafter (or the native MTP head) for a target on your "
-                       "text", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--target", required=True, help="the target's checkpoint directory (frozen; its tokenizer too)")
-    p.add_argument("--data", required=True, nargs="+", help="text files or directories of them")
+                       "text")
+    p.add_argument("--target", required=True, metavar="DIR",
+                   help="the target's checkpoint directory (frozen; its tokenizer too)")
+    p.add_argument("--data", required=True, nargs="+", metavar="PATH", help="text files or directories of them")
     add_suffixes_arg(p)
-    p.add_argument("--out", required=True, help="directory to write: the drafter (config.json, model.safetensors), "
-                   "or for --kind mtp a copy of the target with its mtp.* tensors")
-    p.add_argument("--kind", choices=["dflash2", "mtp"], default=D.kind, help="what to train")
-    p.add_argument("--layers", type=int, default=D.layers, help="drafter layers")
-    p.add_argument("--block-size", type=int, default=D.block_size, help="tokens per block (proposals + 1)")
-    p.add_argument("--window", type=int, default=D.window, help="sliding window over the target's features")
-    p.add_argument("--target-layer-ids", help="comma-separated target layers the drafter reads (default: five, "
-                   "spread evenly)")
-    p.add_argument("--heads", type=int, help="attention heads (default: the target's)")
-    p.add_argument("--intermediate-size", type=int, help="MLP width (default: the target's)")
-    p.add_argument("--selector-rank", type=int, default=D.selector_rank, help="candidate selector rank")
-    p.add_argument("--selector-top-k", type=int, default=D.selector_top_k, help="candidates per row")
-    p.add_argument("--loss-decay", type=float, default=D.loss_decay, help="row j weighs exp(-(j-1)/decay)")
-    p.add_argument("--eval-cuts", type=int, default=D.eval_cuts,
-                   help="held-out contexts for the final one-cycle acceptance (0: none)")
+    p.add_argument("--out", required=True, metavar="DIR", help="directory to write: the drafter (config.json, "
+                   "model.safetensors), or for --kind mtp a copy of the target with its mtp.* tensors")
+    p.add_argument("--kind", choices=["dflash2", "mtp"], help="what to train " + default(D, "kind"))
+    p.add_argument("--replace-mtp", action="store_true", default=None,
+                   help="--kind mtp on a target that already has an MTP head: train a new head in its place")
+    p.add_argument("--layers", type=int, metavar="N", help="drafter layers " + default(D, "layers"))
+    p.add_argument("--block-size", type=int, metavar="N",
+                   help="tokens per block (proposals + 1) " + default(D, "block_size"))
+    p.add_argument("--window", type=int, metavar="N",
+                   help="sliding window over the target's features " + default(D, "window"))
+    p.add_argument("--target-layer-ids", metavar="IDS", help="comma-separated target layers the drafter reads "
+                   "(default: five, spread evenly)")
+    p.add_argument("--heads", type=int, metavar="N", help="attention heads (default: the target's)")
+    p.add_argument("--intermediate-size", type=int, metavar="N", help="MLP width (default: the target's)")
+    p.add_argument("--selector-rank", type=int, metavar="N",
+                   help="candidate selector rank " + default(D, "selector_rank"))
+    p.add_argument("--selector-top-k", type=int, metavar="K",
+                   help="candidates per row " + default(D, "selector_top_k"))
+    p.add_argument("--loss-decay", type=float, metavar="D",
+                   help="row j weighs exp(-(j-1)/decay) " + default(D, "loss_decay"))
+    p.add_argument("--eval-cuts", type=int, metavar="N", help="held-out contexts for the final one-cycle "
+                   "acceptance (0: none) " + default(D, "eval_cuts"))
     add_training_args(p, D, "block tokens")
     p.set_defaults(func=cmd_train_drafter)
 
 
 def add_suffixes_arg(p):
-    p.add_argument("--suffixes", nargs="+", help="file suffixes taken from directories (default: common text and "
-                   "source suffixes)")
+    p.add_argument("--suffixes", nargs="+", metavar="SUFFIX", help="file suffixes taken from directories (default: "
+                   "common text and source suffixes)")
 
 
 def add_training_args(p, defaults, unit: str):
-    """The optimisation flags every training command takes (train/loop.py)."""
-    p.add_argument("--steps", type=int, default=defaults.steps, help="optimizer steps")
-    p.add_argument("--tokens", type=int, help=f"train on this many {unit} instead of --steps")
-    p.add_argument("--lr", type=float, default=defaults.lr, help="peak learning rate (linear warm-up, cosine decay)")
-    p.add_argument("--batch-tokens", type=int, default=defaults.batch_tokens, help=f"{unit} per step")
-    p.add_argument("--seq-len", type=int, default=defaults.seq_len, help="tokens per training sequence")
-    p.add_argument("--heldout", type=float, default=defaults.heldout, help="share of the texts held out for evaluation")
-    p.add_argument("--checkpoint-every", type=int, default=defaults.checkpoint_every,
-                   help="steps between checkpoints")
-    p.add_argument("--seed", type=int, default=defaults.seed, help="seed of sampling and initialisation")
-    p.add_argument("--resume", action="store_true", help="continue the run saved in --out")
-    p.add_argument("--device", choices=["cpu", "cuda", "auto"], default=defaults.device,
-                   help="auto: the GPU if there is one")
+    """The optimisation flags every training command takes (train/loop.py). On --resume, those left out are the
+    saved run's."""
+    p.add_argument("--steps", type=int, metavar="N", help="optimizer steps " + default(defaults, "steps"))
+    p.add_argument("--tokens", type=int, metavar="N", help=f"train on this many {unit} instead of --steps")
+    p.add_argument("--lr", type=float, metavar="LR",
+                   help="peak learning rate (linear warm-up, cosine decay) " + default(defaults, "lr"))
+    p.add_argument("--batch-tokens", type=int, metavar="N", help=f"{unit} per step " + default(defaults,
+                                                                                             "batch_tokens"))
+    p.add_argument("--seq-len", type=int, metavar="N",
+                   help="tokens per training sequence " + default(defaults, "seq_len"))
+    p.add_argument("--heldout", type=float, metavar="SHARE",
+                   help="share of the texts held out for evaluation " + default(defaults, "heldout"))
+    p.add_argument("--checkpoint-every", type=int, metavar="N",
+                   help="steps between checkpoints " + default(defaults, "checkpoint_every"))
+    p.add_argument("--seed", type=check_seed, metavar="N",
+                   help="seed of sampling and initialisation, 0..2^63-1 " + default(defaults, "seed"))
+    p.add_argument("--resume", action="store_true", help="continue the run saved in --out, with its settings (flags "
+                   "that would change its model or optimisation are refused; --steps, --tokens, --checkpoint-every "
+                   "and --eval-cuts may change)")
+    p.add_argument("--device", choices=["cpu", "cuda", "auto"],
+                   help="auto: the GPU if there is one " + default(defaults, "device"))
 
 
 def cmd_train_target(args):
     from .train.target import TargetTraining, train_target
 
-    train_target(TargetTraining(**{k: v for k, v in vars(args).items()
-                                   if k in TargetTraining.__dataclass_fields__ and v is not None}))
+    train_target(TargetTraining(**training_fields(args, TargetTraining)))
 
 
 def add_train_target_parser(sub):
     from .train.target import TargetTraining as T
 
     p = sub.add_parser("train-target", help="train a small Qwen3.5-architecture target (and its tokenizer) from "
-                       "scratch on your text", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--data", required=True, nargs="+", help="text files or directories of them")
+                       "scratch on your text")
+    p.add_argument("--data", required=True, nargs="+", metavar="PATH", help="text files or directories of them")
     add_suffixes_arg(p)
-    p.add_argument("--out", required=True, help="checkpoint directory to write")
-    p.add_argument("--vocab", type=int, default=T.vocab, help="byte-level BPE vocabulary size")
-    p.add_argument("--hidden", type=int, default=T.hidden, help="hidden size")
-    p.add_argument("--layers", type=int, default=T.layers, help="layers (a multiple of 4: 3 DeltaNet + 1 attention)")
-    p.add_argument("--heads", type=int, default=T.heads, help="attention heads (2 key/value heads)")
-    p.add_argument("--intermediate", type=int, default=T.intermediate, help="MLP width")
+    p.add_argument("--out", required=True, metavar="DIR", help="checkpoint directory to write")
+    p.add_argument("--vocab", type=int, metavar="N", help="byte-level BPE vocabulary size " + default(T, "vocab"))
+    p.add_argument("--hidden", type=int, metavar="N", help="hidden size " + default(T, "hidden"))
+    p.add_argument("--layers", type=int, metavar="N",
+                   help="layers (a multiple of 4: 3 DeltaNet + 1 attention) " + default(T, "layers"))
+    p.add_argument("--heads", type=int, metavar="N",
+                   help="attention heads (2 key/value heads) " + default(T, "heads"))
+    p.add_argument("--intermediate", type=int, metavar="N", help="MLP width " + default(T, "intermediate"))
     add_training_args(p, T, "tokens")
     p.set_defaults(func=cmd_train_target)
 
@@ -242,6 +282,7 @@ def add_serve_parser(sub):
 
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineParser(prog="blockspec", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"blockspec {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
 
     gen = sub.add_parser("generate", help="generation from a prompt (greedy, or sampled)")
@@ -270,7 +311,7 @@ def build_parser() -> argparse.ArgumentParser:
     vocab.add_argument("--texts", nargs="+", required=True, metavar="FILE", help="UTF-8 text files like your traffic")
     vocab.add_argument("--size", type=int, default=32768, metavar="N", help="ids to keep (the EOS ids are added)")
     vocab.add_argument("--out", required=True, metavar="FILE",
-                       help="JSON file to write (pass it as --draft-vocabulary)")
+                       help="JSON file to write (pass it as --draft-vocabulary; missing folders are created)")
     vocab.set_defaults(func=cmd_draft_vocabulary)
 
     add_train_drafter_parser(sub)

@@ -82,8 +82,8 @@ def add_sampling_args(p: argparse.ArgumentParser, scope: str):
                        "probability reaches P, in (0, 1] " + config_default("top_p"))
     group.add_argument("--min-p", type=float, metavar="P", help="drop tokens less likely than P times the most "
                        "likely one, in [0, 1] " + config_default("min_p"))
-    group.add_argument("--seed", type=int, metavar="N", help="seed of sampling: the same seed repeats a request's "
-                       "tokens (default: fresh randomness per request, config key seed)")
+    group.add_argument("--seed", type=check_seed, metavar="N", help="seed of sampling, 0..2^63-1: the same seed "
+                       "repeats a request's tokens (default: fresh randomness per request, config key seed)")
 
 
 def sampling_overrides(args) -> dict:
@@ -131,8 +131,33 @@ def engine_config(args) -> PredictConfig:
                  **sampling_overrides(args), **weight_overrides(args), "load_progress": True}
     overrides = {k: v for k, v in overrides.items() if v is not None}
     if args.config:
-        return PredictConfig.from_yaml(args.config, **overrides)
-    return PredictConfig.build(overrides, source="command line")
+        config = PredictConfig.from_yaml(args.config, **overrides)
+    else:
+        config = PredictConfig.build(overrides, source="command line")
+    if config.model:
+        check_folder("--model" if args.model else f"model (in {args.config})", config.model)
+    return config
+
+
+def check_folder(flag: str, path: str | Path) -> Path:
+    """An input folder (a checkpoint): a missing path, or a file, refused in one line naming the flag."""
+    path = Path(path)
+    if not path.exists():
+        raise BlockspecError(f"{flag} {path}: no such folder")
+    if not path.is_dir():
+        raise BlockspecError(f"{flag} {path}: is a file, not a folder (give the checkpoint's folder)")
+    return path
+
+
+def check_seed(text: str) -> int:
+    """argparse type of the seed flags: an integer in 0..2^63-1 (what torch's generators take)."""
+    try:
+        seed = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
+    if not 0 <= seed < 2 ** 63:
+        raise argparse.ArgumentTypeError(f"{seed} is outside 0..2^63-1")
+    return seed
 
 
 def check_output_path(flag: str, path: str) -> Path:

@@ -337,3 +337,102 @@ def test_demo_save_refuses_a_folder_that_is_not_empty(tmp_path):
     (tmp_path / "file").write_text("")
     code, out, err = cli("demo", "--save", tmp_path / "file")
     assert code == 2 and "is not a folder" in err
+
+
+# ------------------------------------------------------------------------ paths, seeds, pre-flight, version
+
+
+def one_line_refusal(capsys, argv) -> str:
+    assert main([str(a) for a in argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("blockspec: error: ") and err.count("\n") == 1, err
+    return err
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["generate", "--model", "{weights}", "--prompt", "a"], "--model {weights}: is a file, not a folder"),
+    (["generate", "--model", "{missing}", "--prompt", "a"], "--model {missing}: no such folder"),
+    (["chat", "--model", "{notes}"], "--model {notes}: is a file, not a folder"),
+    (["bench", "--model", "{notes}"], "--model {notes}: is a file, not a folder"),
+    (["draft-vocabulary", "--model", "{notes}", "--texts", "{notes}", "--out", "{tmp}/v.json"],
+     "--model {notes}: is a file, not a folder"),
+    (["train-drafter", "--target", "{notes}", "--data", "{notes}", "--out", "{tmp}/o"],
+     "--target {notes}: is a file, not a folder"),
+    (["train-drafter", "--target", "{tiny}", "--data", "{notes}", "--out", "{notes}/o"],
+     "--out {notes}/o: {notes} is a file, not a folder"),
+    (["train-target", "--data", "{notes}", "--out", "{notes}/o"], "--out {notes}/o: {notes} is a file, not a folder"),
+    (["train-target", "--data", "{notes}", "--out", "{notes}"], "--out {notes}: is a file, not a folder"),
+], ids=lambda v: " ".join(v[:3]) if isinstance(v, list) else None)
+def test_a_wrong_kind_of_path_is_one_line(tiny, tmp_path, capsys, argv, message):
+    notes = tmp_path / "notes.txt"
+    notes.write_text("some text")
+    names = {"weights": tiny / "model.safetensors", "missing": tmp_path / "nope", "notes": notes, "tmp": tmp_path,
+             "tiny": tiny}
+    device = [] if argv[0] == "draft-vocabulary" else ["--device", "cpu"]
+    err = one_line_refusal(capsys, [a.format(**names) for a in argv] + device)
+    assert message.format(**names) in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]  # nothing written
+
+
+def test_draft_vocabulary_creates_the_out_folder_and_refuses_a_size_past_the_vocabulary(tiny, tmp_path, capsys):
+    texts = tmp_path / "t.txt"
+    texts.write_text("abc abd abe " * 20)
+    err = one_line_refusal(capsys, ["draft-vocabulary", "--model", tiny, "--texts", texts, "--size", 100000,
+                                    "--out", tmp_path / "new" / "v.json"])
+    assert "--size 100000 is not smaller than the vocabulary (259 ids)" in err
+    assert not (tmp_path / "new").exists()
+    assert main(["draft-vocabulary", "--model", str(tiny), "--texts", str(texts), "--size", "50",
+                 "--out", str(tmp_path / "new" / "v.json")]) == 0
+    assert "ids 0..49:" in capsys.readouterr().out
+    assert len(json.loads((tmp_path / "new" / "v.json").read_text())) >= 50
+
+
+@pytest.mark.parametrize("command", [["train-target", "--data", "d", "--out", "o"], ["bench", "--synthetic", "tiny"],
+                                     ["generate", "--model", "m", "--prompt", "a"]])
+@pytest.mark.parametrize("seed", ["-1", str(2 ** 64), str(2 ** 63)])
+def test_seeds_outside_the_generators_range_are_refused(capsys, command, seed):
+    err = one_line_refusal(capsys, command + ["--seed", seed])
+    assert f"argument --seed: {seed} is outside 0..2^63-1" in err
+
+
+def test_bench_one_cycle_needs_a_speculative_mode(tiny, capsys):
+    err = one_line_refusal(capsys, ["bench", "--model", tiny, "--one-cycle", 5, "--mode", "none", "--device", "cpu"])
+    assert "--one-cycle measures the acceptance of proposals: add mtp or dflash2 to --mode" in err
+
+
+def test_bench_synthetic_on_the_cpu_is_refused_past_the_available_ram(monkeypatch, capsys):
+    import blockspec.bench as bench
+    import blockspec.synthetic as synthetic
+
+    def built(*args, **kwargs):
+        raise AssertionError("the weights were built before the memory check")
+    monkeypatch.setattr(synthetic, "synthetic_target", built)
+    monkeypatch.setattr(bench, "available_ram", lambda: 10 ** 6)
+    err = one_line_refusal(capsys, ["bench", "--synthetic", "tiny", "--device", "cpu", "--dtype", "float32"])
+    assert re.search(r"estimated memory needed \d+\.\d GB, but only 0\.0 GB of RAM is available", err), err
+
+
+def test_version_and_the_commands_listed(capsys):
+    from blockspec import __version__
+    from blockspec.cli import build_parser
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["--version"])
+    assert exit_.value.code == 0 and capsys.readouterr().out == f"blockspec {__version__}\n"
+    description = build_parser().description
+    for command in ("generate", "chat", "serve", "bench", "demo", "draft-vocabulary", "train-target", "train-drafter"):
+        assert command in description
+
+
+@pytest.mark.parametrize("command", ["train-target", "train-drafter"])
+def test_training_help_shows_each_default_once_and_none_on_required_flags(command):
+    import argparse
+
+    from blockspec.cli import build_parser
+
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[command]
+    text = " ".join(sub.format_help().split())
+    assert "(default: None)" not in text
+    assert "(default: 0.02)" in text or "(default: 0.05)" in text  # the dataclass's default of --heldout
+    assert not re.search(r"\(default: [^)]*\) \(default:", text), text

@@ -2,6 +2,7 @@
 loads in blockspec and in the `dflash` reference with identical proposals, speculative output stays plain greedy's,
 resume continues, and bad input is refused in one line before any training."""
 
+import json
 import random
 
 import pytest
@@ -13,6 +14,7 @@ from blockspec.checkpoint import load_target
 from blockspec.cli import main
 from blockspec.config import TargetConfig
 from blockspec.engine.engine import Engine
+from blockspec.errors import BlockspecError
 from blockspec.tiny import build_tiny_checkpoint
 from blockspec.train.dflash2 import drafter_config, drafter_hidden, new_drafter, sample_anchors
 from blockspec.train.run import DrafterTraining, train
@@ -25,7 +27,9 @@ WORDS = "the quick brown fox jumps over a lazy dog while seven small birds sing 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     root = tmp_path_factory.mktemp("train")
-    target = build_tiny_checkpoint(root / "target", seed=0, planted=True)
+    target = build_tiny_checkpoint(root / "target", seed=0, planted=True)  # with an MTP head
+    (target / "training.json").write_text('{"steps": 7}')  # as train-target leaves it
+    (target / "mtp_training.json").write_text('{"steps": 3}')  # an earlier head's run, not the target's
     data = root / "data"
     data.mkdir()
     rng = random.Random(0)
@@ -119,7 +123,7 @@ def test_shared_context_forward_equals_dflash_block_by_block(setup):
     (["--data", "/no/such/dir"], "--data /no/such/dir: no such file or directory"),
     (["--target-layer-ids", "0,9"], "layer 9 is outside the target's 4 layers"),
     (["--block-size", "1"], "--block-size must be 2..16"),
-    (["--target", "/no/target"], "/no/target/config.json: file not found"),
+    (["--target", "/no/target"], "--target /no/target: no such folder"),
 ])
 def test_bad_input_is_one_line_before_training(setup, capsys, args, message):
     root, target, data = setup
@@ -133,6 +137,29 @@ def test_bad_input_is_one_line_before_training(setup, capsys, args, message):
     assert not (root / "refused").exists()  # nothing written
 
 
+def test_resume_reads_the_saved_settings_and_refuses_other_ones(trained, capsys):
+    from blockspec.cli import build_parser, training_fields
+
+    root, target, data, _ = trained
+    base = ["train-drafter", "--target", str(target), "--data", str(data), "--out", str(root / "out"), "--resume"]
+    fields = training_fields(build_parser().parse_args(base + ["--steps", "20"]), DrafterTraining)
+    assert (fields["seq_len"], fields["batch_tokens"], fields["eval_cuts"], fields["steps"]) == (96, 128, 4, 20)
+    assert main(base + ["--seq-len", "64", "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--seq-len 64 differs from the run saved in" in err and "(--seq-len 96)" in err
+    with pytest.raises(BlockspecError, match="--window 16 differs"):  # the API checks as the command line does
+        train(run_config(root, target, data, window=16, resume=True), log=lambda *_: None)
+
+
+def test_mtp_refuses_to_replace_a_head_without_replace_mtp(setup, capsys):
+    root, target, data = setup
+    assert main(["train-drafter", "--kind", "mtp", "--target", str(target), "--data", str(data), "--out",
+                 str(root / "no_head"), "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "already has an MTP head" in err and "--replace-mtp" in err
+    assert not (root / "no_head").exists()
+
+
 def test_non_empty_out_needs_resume(trained, capsys):
     root, target, data, _ = trained
     assert main(["train-drafter", "--target", str(target), "--data", str(data), "--out", str(root / "out"),
@@ -143,8 +170,8 @@ def test_non_empty_out_needs_resume(trained, capsys):
 @pytest.fixture(scope="module")
 def trained_mtp(setup):
     root, target, data = setup
-    summary = train(run_config(root, target, data, out="with_mtp", kind="mtp", batch_tokens=192, lr=2e-3),
-                    log=lambda *_: None)
+    summary = train(run_config(root, target, data, out="with_mtp", kind="mtp", batch_tokens=192, lr=2e-3,
+                               replace_mtp=True), log=lambda *_: None)
     return root, target, summary
 
 
@@ -155,6 +182,8 @@ def test_mtp_head_training_lowers_the_loss_and_writes_a_loadable_copy(trained_mt
     assert summary["evaluation"]["cuts"] == 4
     out = root / "with_mtp"
     assert (out / "mtp.safetensors").is_file() and (out / "tokenizer.json").is_file()
+    assert (out / "training.json").read_text() == (target / "training.json").read_text()  # the target's own
+    assert json.loads((out / "mtp_training.json").read_text())["kind"] == "mtp"  # this run's, not the stale one
     plain = Engine.load(target, device="cpu", compute_dtype="float32")
     mtp = Engine.load(out, device="cpu", compute_dtype="float32", mode="mtp")
     ids = plain.tokenizer.encode("the old tree")
@@ -198,7 +227,7 @@ def test_train_target_writes_a_checkpoint_blockspec_and_transformers_agree_on(tm
     assert main(["train-target", "--data", str(data), "--suffixes", ".py", "--out", str(tmp_path / "t"), "--vocab",
                  "300", "--hidden", "64", "--layers", "4", "--heads", "2", "--intermediate", "128", "--seq-len", "32",
                  "--batch-tokens", "128", "--steps", "8", "--lr", "3e-3", "--heldout", "0.2", "--device", "cpu"]) == 0
-    summary = __import__("json").loads((tmp_path / "t" / "training.json").read_text())
+    summary = json.loads((tmp_path / "t" / "training.json").read_text())
     assert summary["vocab"] <= 300 and summary["heldout_bits_per_token"] > 0
     engine = Engine.load(tmp_path / "t", device="cpu", compute_dtype="float32")
     reference_model = Qwen3_5ForCausalLM.from_pretrained(tmp_path / "t").eval()
@@ -211,6 +240,21 @@ def test_train_target_writes_a_checkpoint_blockspec_and_transformers_agree_on(tm
     assert (ours - expected).abs().max() <= 1e-4 * max(1.0, float(expected.abs().max()))
     assert main(["train-target", "--data", str(data), "--out", str(tmp_path / "t"), "--device", "cpu"]) == 2
     assert "is not empty" in capsys.readouterr().err
+    assert len({p.stat().st_mode for p in (tmp_path / "t").iterdir()}) == 1  # the weights as readable as the rest
+    assert main(["train-target", "--data", str(data), "--out", str(tmp_path / "t"), "--resume", "--hidden", "128",
+                 "--device", "cpu"]) == 2
+    assert "--hidden 128 differs from the run saved in" in capsys.readouterr().err
+
+
+def test_a_refused_train_target_leaves_no_folder(tmp_path, capsys):
+    (tmp_path / "short.txt").write_text("too short for one sequence")
+    argv = ["train-target", "--data", str(tmp_path / "short.txt"), "--out", str(tmp_path / "t"), "--vocab", "300",
+            "--seq-len", "64", "--batch-tokens", "64", "--device", "cpu"]
+    for _ in range(2):  # the retry is refused for the same reason, not for what the first left behind
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "fewer than one sequence (64)" in err, err
+        assert not (tmp_path / "t").exists()
 
 
 def test_default_feature_layers_sit_at_the_published_drafters_depths():

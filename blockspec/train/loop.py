@@ -6,36 +6,109 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import random
+import shutil
 import time
+from contextlib import contextmanager
+from dataclasses import asdict
 from pathlib import Path
 from typing import Callable
 
 import torch
 
+from ..errors import BlockspecError
+
 STATE_FILE = "training_state.pt"
+RUN_FILE = "training_run.json"  # the settings of the run saved beside it, which --resume continues with
+# Settings a resumed run may change: how long it trains, how often it checkpoints, how much it evaluates at the end.
+# The inputs (paths, device) are given again on every run and are not saved.
+RESUMABLE_CHANGES = {"steps", "tokens", "checkpoint_every", "eval_cuts"}
+NOT_SAVED = {"target", "data", "suffixes", "out", "resume", "device", "replace_mtp"}
 
 
 def check_output(out: Path, resume: bool):
-    """A run writes into a new or empty directory, or continues the one saved there (--resume)."""
-    from ..errors import BlockspecError
-
+    """A run writes into a new or empty directory, or continues the one saved there (--resume); a directory that
+    cannot be made or written is refused now, not after the loading."""
     if out.exists() and not out.is_dir():
-        raise BlockspecError(f"--out {out} exists and is not a directory")
+        raise BlockspecError(f"--out {out}: is a file, not a folder")
+    existing = next(folder for folder in [out, *out.parents] if folder.exists())
+    if not existing.is_dir():
+        raise BlockspecError(f"--out {out}: {existing} is a file, not a folder")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise BlockspecError(f"--out {out}: {existing} is not writable")
     if resume and not (out / STATE_FILE).is_file():
         raise BlockspecError(f"--resume: {out / STATE_FILE} does not exist (nothing to resume)")
     if not resume and out.is_dir() and any(out.iterdir()):
         raise BlockspecError(f"--out {out} is not empty: choose a new directory or pass --resume")
 
 
-def write_summary(out: Path, summary: dict, points: int = 100):
-    """OUT/training.json: the run's summary with its learning curve (every step's figures, thinned to `points`
-    rows, the last step always kept)."""
+def saved_settings(out: Path) -> dict:
+    """The settings of the run saved in `out` ({} when it predates RUN_FILE)."""
+    try:
+        return json.loads((out / RUN_FILE).read_text())
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as exc:
+        raise BlockspecError(f"--resume: {out / RUN_FILE} cannot be read ({exc})") from None
+
+
+def settings_to_save(run) -> dict:
+    return {k: v for k, v in asdict(run).items() if k not in NOT_SAVED}
+
+
+def resumed_settings(out: Path, given: dict) -> dict:
+    """The settings a resumed run continues with: the saved run's, with the flags given again (`given`); a given
+    value that would change the saved model or its optimisation is refused in one line."""
+    saved = saved_settings(out)
+    for key, value in given.items():
+        if key in saved and key not in RESUMABLE_CHANGES and value != saved[key]:
+            flag = "--" + key.replace("_", "-")
+            raise BlockspecError(f"--resume: {flag} {value} differs from the run saved in {out} ({flag} {saved[key]}); "
+                                 f"leave {flag} out to continue that run")
+    if "steps" in given and "tokens" not in given:
+        saved.pop("tokens", None)  # a new --steps replaces the saved --tokens
+    return {**saved, **given}
+
+
+def check_resumed(run):
+    """A resumed run's settings (however given) must be the saved run's, except RESUMABLE_CHANGES."""
+    if run.resume:
+        resumed_settings(Path(run.out), settings_to_save(run))
+
+
+@contextmanager
+def output_folder(out: Path):
+    """Leaves no folder behind when the run stops before its first checkpoint (a refusal, an error, Ctrl-C): a
+    retry then starts as this run did. A folder that existed before, or holds a checkpoint, is kept."""
+    created = not out.exists()
+    try:
+        yield
+    except BaseException:
+        if created and out.is_dir() and not (out / STATE_FILE).exists():
+            shutil.rmtree(out, ignore_errors=True)
+        raise
+
+
+def write_summary(out: Path, summary: dict, name: str = "training.json", points: int = 100):
+    """OUT/`name`: the run's summary with its learning curve (every step's figures, thinned to `points` rows, the
+    last step always kept)."""
     history = summary.get("history", [])
     stride = max(1, math.ceil(len(history) / points))
     curve = history[::stride] + ([history[-1]] if history and (len(history) - 1) % stride else [])
     record = {**{k: v for k, v in summary.items() if k != "history"}, "learning_curve": curve}
-    (out / "training.json").write_text(json.dumps(record, indent=2))
+    (out / name).write_text(json.dumps(record, indent=2))
+
+
+def plural(count: int, noun: str) -> str:
+    return f"{count} {noun}" + ("" if count == 1 else "s")
+
+
+def token_count(count: int) -> str:
+    """'812 tokens', '45.3k tokens', '12.1M tokens'."""
+    if count < 10_000:
+        return plural(count, "token")
+    return f"{count / 1e3:.1f}k tokens" if count < 10_000_000 else f"{count / 1e6:.1f}M tokens"
 
 
 def learning_rate(step: int, steps: int, peak: float) -> float:
@@ -47,16 +120,21 @@ def learning_rate(step: int, steps: int, peak: float) -> float:
 
 class Trainer:
     def __init__(self, module: torch.nn.Module, out: Path, lr: float, device: torch.device,
-                 save_weights: Callable[[Path], None], checkpoint_every: int, seed: int):
+                 save_weights: Callable[[Path], None], checkpoint_every: int, seed: int, settings: dict):
         self.module, self.out, self.lr, self.device = module, out, lr, device
-        self.save_weights, self.checkpoint_every = save_weights, checkpoint_every
+        self.save_weights, self.checkpoint_every, self.settings = save_weights, checkpoint_every, settings
         self.optimizer = torch.optim.AdamW(module.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.01)
         self.step, self.history = 0, []
         self.rng = random.Random(seed)
 
     def resume(self):
         state = torch.load(self.out / STATE_FILE, weights_only=False, map_location=self.device)
-        self.module.load_state_dict(state["module"])
+        try:
+            self.module.load_state_dict(state["module"])
+        except RuntimeError as exc:  # a run saved before RUN_FILE, resumed with other shapes
+            first = str(exc).strip().splitlines()[-1].strip()
+            raise BlockspecError(f"--resume: the run saved in {self.out} has other shapes than these settings "
+                                 f"({first}); give the flags it was started with") from None
         self.optimizer.load_state_dict(state["optimizer"])
         self.step, self.history = state["step"], state["history"]
         self.rng.setstate(state["rng"])
@@ -66,11 +144,14 @@ class Trainer:
         """The kind's own output (its weights where blockspec loads them), then the state --resume needs, each file
         replaced only once its successor is complete."""
         self.out.mkdir(parents=True, exist_ok=True)
-        self.save_weights(self.out)
+        with quiet_saving():
+            self.save_weights(self.out)
         state = {"step": self.step, "module": self.module.state_dict(), "optimizer": self.optimizer.state_dict(),
                  "history": self.history, "rng": self.rng.getstate(), "torch_rng": torch.get_rng_state()}
+        (self.out / RUN_FILE).write_text(json.dumps(self.settings, indent=2))
         torch.save(state, self.out / (STATE_FILE + ".tmp"))
         (self.out / (STATE_FILE + ".tmp")).replace(self.out / STATE_FILE)
+        ordinary_modes(self.out)
 
     @torch.enable_grad()  # whatever the caller's grad mode (the target itself stays frozen)
     def fit(self, steps: int, step_loss: Callable[[random.Random], tuple[torch.Tensor, dict, int]]) -> float:
@@ -98,6 +179,32 @@ class Trainer:
                 self.checkpoint()
         self.module.eval()
         return tokens / max(time.perf_counter() - began, 1e-9)
+
+
+@contextmanager
+def quiet_saving():
+    """No progress bar of transformers' for each checkpoint's weights (the training bar is the one to watch)."""
+    try:
+        from transformers.utils import logging
+    except ImportError:
+        yield
+        return
+    shown = logging.is_progress_bar_enabled()
+    logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if shown:
+            logging.enable_progress_bar()
+
+
+def ordinary_modes(folder: Path):
+    """Files as the umask makes them (transformers writes its weights through a private temporary file, 0600)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    for path in folder.iterdir():
+        if path.is_file():
+            path.chmod(0o666 & ~umask)
 
 
 def _progress(steps, start, total):

@@ -20,6 +20,7 @@ from torch import nn
 from ..errors import BlockspecError
 
 MTP_FILE = "mtp.safetensors"
+MTP_SUMMARY = "mtp_training.json"  # the head's run; the copied training.json stays the target's own
 
 
 def text_config(target_dir: Path):
@@ -72,15 +73,31 @@ class MTPModule(nn.Module):
         return {"mtp." + k: v.detach().to(dtype).contiguous() for k, v in self.state_dict().items()}
 
 
+def has_mtp_head(target_dir: Path) -> bool:
+    """Whether the checkpoint holds mtp.* tensors (read from the safetensors headers, not the tensors)."""
+    from safetensors import safe_open
+
+    from ..checkpoint import checkpoint_files
+
+    for path in checkpoint_files(target_dir):
+        with safe_open(str(path), framework="pt") as f:
+            if any(name.startswith("mtp.") for name in f.keys()):
+                return True
+    return False
+
+
 def copy_target(source: Path, out: Path):
     """Copy the target checkpoint to `out` without any MTP head it has (shards holding mtp.* tensors are written
-    again without them), declare one MTP layer in its config."""
+    again without them), declare one MTP layer in its config. The target's training.json comes along; the state of
+    a training run and an earlier head's summary do not."""
     from safetensors import safe_open
     from safetensors.torch import save_file
 
+    from .loop import RUN_FILE, STATE_FILE
+
     out.mkdir(parents=True, exist_ok=True)
     for path in sorted(source.iterdir()):
-        if not path.is_file() or path.name in (MTP_FILE, "training_state.pt", "training.json"):
+        if not path.is_file() or path.name in (MTP_FILE, MTP_SUMMARY, STATE_FILE, RUN_FILE):
             continue
         if path.suffix != ".safetensors":
             shutil.copy2(path, out / path.name)

@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from ..checkpoint import load_target, stored_dtype
+from ..cli_common import check_folder
 from ..config import TargetConfig
 from ..engine.state import DecodeState
 from ..engine.target import EagerTarget
@@ -18,7 +19,7 @@ from ..errors import BlockspecError
 from ..tokenizer import Tokenizer
 from .data import split_corpus
 from .evaluate import one_cycle_acceptance
-from .loop import Trainer, check_output, write_summary
+from .loop import Trainer, check_output, check_resumed, output_folder, plural, settings_to_save, write_summary
 
 
 @dataclass
@@ -50,11 +51,12 @@ class DrafterTraining:
     seed: int = 0
     resume: bool = False
     device: str = "auto"
+    replace_mtp: bool = False                   # kind mtp: a target that has a head gets a new one, trained anew
 
 
 def check_run(run: DrafterTraining) -> TargetConfig:
     """Refuse, in one line and before any work, what cannot be trained."""
-    target = TargetConfig.from_file(Path(run.target) / "config.json")
+    target = TargetConfig.from_file(check_folder("--target", run.target) / "config.json")
     checks = [
         (run.kind not in ("dflash2", "mtp"), f"--kind must be dflash2 or mtp (got {run.kind!r})"),
         (run.kind == "mtp" and Path(run.out).resolve() == Path(run.target).resolve(),
@@ -71,6 +73,10 @@ def check_run(run: DrafterTraining) -> TargetConfig:
          f"target hidden_size {target.hidden_size} is not a multiple of 16 (the drafter's convolution groups)"),
         (run.heads is not None and run.heads < 1, f"--heads must be at least 1 (got {run.heads})"),
         (run.selector_top_k > target.vocab_size, f"--selector-top-k {run.selector_top_k} exceeds the vocabulary"),
+        (run.checkpoint_every < 1, f"--checkpoint-every must be at least 1 (got {run.checkpoint_every})"),
+        (run.eval_cuts < 0, f"--eval-cuts must be 0 or more (got {run.eval_cuts})"),
+        (not 0 <= run.seed < 2 ** 63, f"--seed must be in 0..2^63-1 (got {run.seed})"),
+        (run.replace_mtp and run.kind != "mtp", "--replace-mtp applies to --kind mtp"),
     ]
     for bad, why in checks:
         if bad:
@@ -80,6 +86,13 @@ def check_run(run: DrafterTraining) -> TargetConfig:
         raise BlockspecError(f"--target-layer-ids {run.target_layer_ids}: layer {bad_ids[0]} is outside the target's "
                              f"{target.num_hidden_layers} layers (0..{target.num_hidden_layers - 1})")
     check_output(Path(run.out), run.resume)
+    check_resumed(run)
+    if run.kind == "mtp" and not run.replace_mtp and not run.resume:
+        from .mtp import has_mtp_head
+
+        if has_mtp_head(Path(run.target)):
+            raise BlockspecError(f"--target {run.target} already has an MTP head: --kind mtp would train a new one "
+                                 "from scratch in its place; pass --replace-mtp to do so")
     return target
 
 
@@ -99,8 +112,14 @@ class TargetFeatures:
 
 
 def train(run: DrafterTraining, log=print) -> dict:
-    """Train, checkpoint, evaluate; returns the summary (also written to OUT/training.json)."""
+    """Train, checkpoint, evaluate; returns the summary (also written to OUT/training.json, or for kind mtp to
+    OUT/mtp_training.json beside the copied target's own)."""
     target_config = check_run(run)
+    with output_folder(Path(run.out)):
+        return _train(run, target_config, log)
+
+
+def _train(run: DrafterTraining, target_config: TargetConfig, log) -> dict:
     from ..engine.engine import resolve_device
 
     device = resolve_device(run.device)
@@ -123,9 +142,9 @@ def train(run: DrafterTraining, log=print) -> dict:
         def save(directory):
             module.save_pretrained(directory, state_dict={k: v.to(stored) for k, v in module.state_dict().items()})
         rows = math.prod(step_shape(run)) * run.block_size
-        what = f"DFlash2 drafter reading target layers {layer_ids}"
+        what = f"a DFlash2 drafter reading target layers {layer_ids}"
     else:
-        from .mtp import MTPModule, copy_target, mtp_step, save_head, text_config
+        from .mtp import MTP_SUMMARY, MTPModule, copy_target, mtp_step, save_head, text_config
 
         module = MTPModule(text_config(Path(run.target)), run.seed).to(device)
         copy_target(Path(run.target), out)  # again on --resume: the copy's files are rewritten as they were
@@ -133,13 +152,13 @@ def train(run: DrafterTraining, log=print) -> dict:
         step_loss = mtp_step(module, model, target, sequences, run.batch_tokens)
         save, rows = (lambda directory: save_head(module, directory, stored)), \
             max(1, run.batch_tokens // run.seq_len) * (run.seq_len - 2)
-        what = "MTP head"
-    trainer = Trainer(module, out, run.lr, device, save, run.checkpoint_every, run.seed)
+        what = "an MTP head"
+    trainer = Trainer(module, out, run.lr, device, save, run.checkpoint_every, run.seed, settings_to_save(run))
     if run.resume:
         trainer.resume()
     steps = run.steps if run.tokens is None else math.ceil(run.tokens / rows)
     log(f"train-drafter: {len(sequences)} training / {len(heldout)} held-out sequences of {run.seq_len} tokens; "
-        f"{sum(p.numel() for p in module.parameters()) / 1e6:.1f}M parameters of a {what}; {steps} steps of "
+        f"{sum(p.numel() for p in module.parameters()) / 1e6:.1f}M parameters of {what}; {plural(steps, 'step')} of "
         f"{rows} tokens on {device}")
     summary = {"kind": run.kind, "steps": steps, "training_tokens_per_s": round(trainer.fit(steps, step_loss), 1)}
     summary["history"] = trainer.history
@@ -147,7 +166,7 @@ def train(run: DrafterTraining, log=print) -> dict:
         summary["evaluation"] = evaluate(run, out, heldout, device)
         log(f"held-out: mean accepted length {summary['evaluation']['mean_accepted_length']:.3f} per cycle over "
             f"{summary['evaluation']['cuts']} contexts")
-    write_summary(out, summary)
+    write_summary(out, summary, MTP_SUMMARY if run.kind == "mtp" else "training.json")
     return summary
 
 

@@ -20,7 +20,8 @@ import torch
 
 from ..errors import BlockspecError
 from .data import read_texts, text_files
-from .loop import Trainer, check_output, write_summary
+from .loop import Trainer, check_output, check_resumed, output_folder, plural, settings_to_save, token_count, \
+    write_summary
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 TOKENIZER_SAMPLE_BYTES = 64 << 20  # the BPE merges are learnt on this much of the text (more changes them little)
@@ -62,11 +63,14 @@ def check_run(run: TargetTraining):
         (run.seq_len < 16 or run.batch_tokens < run.seq_len, "--seq-len must be >= 16 and <= --batch-tokens"),
         (run.steps < 1 or (run.tokens is not None and run.tokens < 1), "--steps and --tokens must be at least 1"),
         (not run.lr > 0, f"--lr must be positive (got {run.lr})"),
+        (run.checkpoint_every < 1, f"--checkpoint-every must be at least 1 (got {run.checkpoint_every})"),
+        (not 0 <= run.seed < 2 ** 63, f"--seed must be in 0..2^63-1 (got {run.seed})"),
     ]
     for bad, why in checks:
         if bad:
             raise BlockspecError(why)
     check_output(Path(run.out), run.resume)
+    check_resumed(run)
 
 
 def train_tokenizer(texts: list[str], vocab: int):
@@ -128,10 +132,9 @@ def train_target(run: TargetTraining, log=print) -> dict:
     device = resolve_device(run.device)
     hide_fla_where_its_backward_refuses(device)
     try:
-        from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+        import transformers  # noqa: F401  (checked before any work)
     except ImportError:
         raise BlockspecError("train-target needs the 'train' extra: pip install 'blockspec[train]'") from None
-    from ..tiny import CHAT_TEMPLATE
 
     out = Path(run.out)
     texts = read_texts(text_files(run.data, run.suffixes))
@@ -139,6 +142,15 @@ def train_target(run: TargetTraining, log=print) -> dict:
     generator = torch.Generator().manual_seed(run.seed)
     order = torch.randperm(len(texts), generator=generator).tolist()
     train_texts, heldout_texts = [texts[i] for i in order[held:]], [texts[i] for i in order[:held]]
+    with output_folder(out):
+        return _train(run, out, device, train_texts, heldout_texts, log)
+
+
+def _train(run: TargetTraining, out: Path, device, train_texts: list[str], heldout_texts: list[str], log) -> dict:
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    from ..tiny import CHAT_TEMPLATE
+
     out.mkdir(parents=True, exist_ok=True)
     if run.resume:
         from tokenizers import Tokenizer
@@ -174,13 +186,13 @@ def train_target(run: TargetTraining, log=print) -> dict:
         raw.update({k: config[k] for k in ("mtp_num_hidden_layers", "eos_token_id", "layer_types")})
         (directory / "config.json").write_text(json.dumps(raw, indent=2))
 
-    trainer = Trainer(model, out, run.lr, device, save, run.checkpoint_every, run.seed)
+    trainer = Trainer(model, out, run.lr, device, save, run.checkpoint_every, run.seed, settings_to_save(run))
     if run.resume:
         trainer.resume()
     steps = run.steps if run.tokens is None else math.ceil(run.tokens / (rows * run.seq_len))
     log(f"train-target: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters, vocabulary {vocab}, "
-        f"{stream.numel() / 1e6:.1f}M training tokens from {len(train_texts)} texts ({len(heldout_texts)} held out); "
-        f"{steps} steps of {rows} x {run.seq_len} tokens on {device}")
+        f"{token_count(stream.numel())} of training text from {plural(len(train_texts), 'text')} "
+        f"({len(heldout_texts)} held out); {plural(steps, 'step')} of {rows} x {run.seq_len} tokens on {device}")
     summary = {"steps": steps, "training_tokens_per_s": round(trainer.fit(steps, step_loss), 1),
                "parameters": sum(p.numel() for p in model.parameters()), "vocab": vocab}
     summary["history"] = trainer.history
