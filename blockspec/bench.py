@@ -320,8 +320,6 @@ def check_arguments(args) -> tuple[list[str], list[dict], list[float] | None]:
     that the result files can be written (see cli_common.check_output_path) and drawn."""
     if not args.synthetic and not args.model:
         raise BlockspecError("give --model DIR or --synthetic PRESET")
-    if args.model:
-        check_folder("--model", args.model)
     if args.repeats < 1 or args.max_tokens < 1:
         raise BlockspecError("--repeats and --max-tokens must be at least 1")
     modes = args.mode.split(",")
@@ -338,6 +336,8 @@ def check_arguments(args) -> tuple[list[str], list[dict], list[float] | None]:
     if args.forced_acceptance is not None and not args.synthetic:
         raise BlockspecError("--forced-acceptance needs --synthetic weights (it replaces real proposals)")
     rates = parse_rates(args.forced_acceptance, len(fixtures))
+    if args.model:
+        check_folder("--model", args.model)
     if tree_budgets(args.tree_budget) != [0] and "dflash2" not in modes:
         raise BlockspecError(f"--tree-budget {args.tree_budget}: trees verify DFlash2 proposals: add dflash2 to --mode")
     sampling_variants(args)
