@@ -56,7 +56,8 @@ def _dry_run(script):
     finally:
         sys.argv = argv
         os.environ["TRITON_INTERPRET"] = "1"
-    return {"exit": code, "stdout": stdout.getvalue()[-3000:], "stderr": stderr.getvalue()[-3000:], "seconds": round(time.perf_counter() - start, 1),
+    return {"exit": code, "stdout": stdout.getvalue()[-3000:], "stderr": stderr.getvalue()[-3000:],
+            "seconds": round(time.perf_counter() - start, 1),
             "json": {f.name: json.loads(f.read_text()) for f in Path(out).glob("*.json")}}
 
 
