@@ -4,29 +4,37 @@ SDPA under PyTorch's backend choice (the reference path, it must read the whole 
 split-KV Triton kernel blockspec uses for 1..16 queries (reads only the filled prefix). Two capacities, two fills.
 Prints microseconds per layer (16 layers back-to-back in one CUDA graph, median of replays); JSON to $OUT.
 Usage (GPU; under a minute on an H200): python bench/attention_kernels.py
+CPU dry run (tiny shapes, one capacity and fill, untimed):
+TRITON_INTERPRET=1 python bench/attention_kernels.py --dry-run
 """
 
 import json
 import os
+import sys
 
 import torch
-from timing import replay_ms  # bench/timing.py, beside this script
+from timing import dry_run, replay_ms  # bench/timing.py, beside this script
 
 from blockspec.kernels.attention import cached_attention_sdpa
 from blockspec.kernels.attention_triton import cached_attention_triton
 
 HQ, HKV, D, LAYERS = 24, 4, 256, 16
+CAPACITIES, FILLS, QUERIES = (4096, 32768), (1000, 4000), (1, 8, 16)
 
 
 def main():
-    dev = torch.device("cuda")
+    dev, dtype = torch.device("cuda"), torch.bfloat16
+    if "--dry-run" in sys.argv:
+        global HQ, HKV, D, LAYERS, CAPACITIES, FILLS, QUERIES
+        dev, dtype = dry_run(), torch.float32
+        HQ, HKV, D, LAYERS, CAPACITIES, FILLS, QUERIES = 4, 2, 16, 1, (128,), (100,), (1, 8)
     results = {}
-    for capacity in (4096, 32768):
-        caches = [(torch.randn(capacity, HKV, D, device=dev, dtype=torch.bfloat16),
-                   torch.randn(capacity, HKV, D, device=dev, dtype=torch.bfloat16)) for _ in range(LAYERS)]
-        for filled in (1000, 4000):
-            for t in (1, 8, 16):
-                q = torch.randn(t, HQ, D, device=dev, dtype=torch.bfloat16)
+    for capacity in CAPACITIES:
+        caches = [(torch.randn(capacity, HKV, D, device=dev, dtype=dtype),
+                   torch.randn(capacity, HKV, D, device=dev, dtype=dtype)) for _ in range(LAYERS)]
+        for filled in FILLS:
+            for t in QUERIES:
+                q = torch.randn(t, HQ, D, device=dev, dtype=dtype)
                 positions = torch.arange(filled - t, filled, device=dev)
                 ref = cached_attention_sdpa(q, *caches[0], positions, D ** -0.5).float()
                 for name, fn in (("sdpa", cached_attention_sdpa), ("triton", cached_attention_triton)):

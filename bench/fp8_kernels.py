@@ -4,7 +4,8 @@ against the float32 reference, us per launch and GB/s of the bytes read (e4m3 co
 128 inputs; bf16: 2 bytes per weight), with the PTX unpacking (the engine's) and the plain Triton one. Weight copies
 > 400 MB in one CUDA graph (no L2 reuse), median of replays. --sweep: tile widths and pipeline depths around the
 default config at 1 and 16 rows. Usage (GPU; ~1 minute on an H200): python bench/fp8_kernels.py [--sweep]; JSON to
-$OUT/fp8_kernels.json.
+$OUT/fp8_kernels.json. CPU dry run (one tiny shape at 1 and 16 rows, untimed):
+TRITON_INTERPRET=1 python bench/fp8_kernels.py --dry-run
 """
 
 import itertools
@@ -15,7 +16,7 @@ from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
-from timing import replay_ms  # bench/timing.py, beside this script
+from timing import dry_run, replay_ms  # bench/timing.py, beside this script
 
 from blockspec.quant.fp8 import Fp8Linear, dequantize, quantize
 from blockspec.quant.w4a16_triton import default_config, wq_matmul
@@ -39,18 +40,20 @@ def timed(x, weights, cfg):
     return replay_ms(lambda: [wq_matmul(x, w, cfg) for w in weights]) * 1e3 / len(weights)
 
 
-def main(sweep=False):
-    dev = torch.device("cuda")
+def main(sweep=False, dry=False):
+    dev, dtype, shapes, bytes_timed, rows = torch.device("cuda"), torch.bfloat16, SHAPES, 400_000_000, (1, 8, 16)
+    if dry:  # the rows of both block_m
+        dev, dtype, shapes, bytes_timed, rows = dry_run(), torch.float32, {"tiny": (200, 384)}, 0, (1, 16)
     results = {}
-    for name, (n, k) in SHAPES.items():
-        copies = max(2, -(-400_000_000 // (n * k)))
+    for name, (n, k) in shapes.items():
+        copies = max(2, -(-bytes_timed // (n * k)))
         blocks = quantize(torch.randn(n, k, device=dev) * k ** -0.5)
         weights = [Fp8Linear.from_blocks(*blocks).packed() for _ in range(copies)]
         reference = dequantize(*blocks)
         del blocks
-        dense = [torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02 for _ in range(max(2, copies // 2))]
-        for m in (1, 8, 16):
-            x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+        dense = [torch.randn(n, k, device=dev, dtype=dtype) * 0.02 for _ in range(max(2, copies // 2))]
+        for m in rows:
+            x = torch.randn(m, k, device=dev, dtype=dtype)
             ref = x.float() @ reference.t()
             cublas = replay_ms(lambda: [F.linear(x, d) for d in dense]) * 1e3 / len(dense)
             row = {"cublas_bf16_us": round(cublas, 2), "cublas_bf16_gb_s": round(n * k * 2 / cublas / 1e3)}
@@ -84,4 +87,4 @@ def main(sweep=False):
 
 if __name__ == "__main__":
     with torch.no_grad():
-        main("--sweep" in sys.argv)
+        main("--sweep" in sys.argv, "--dry-run" in sys.argv)

@@ -8,14 +8,16 @@ launches of 2, 3 and 4 whole tiles per SM (16896, 25344, 33792 outputs): the slo
 intercept a launch's fixed cost. The machine's read bandwidth first (H200s of one pool differ by up to 15 %).
 
 Usage (GPU, from bench/; ~1 minute on an H200): python kernel_schedules.py; JSON to $OUT/kernel_schedules.json.
+CPU dry run (one tiny shape, untimed, no bandwidth): TRITON_INTERPRET=1 python kernel_schedules.py --dry-run
 """
 
 import json
 import os
+import sys
 from dataclasses import replace
 
 import torch
-from timing import replay_ms  # bench/timing.py, beside this script
+from timing import dry_run, replay_ms  # bench/timing.py, beside this script
 
 from blockspec.bench import measure_read_bandwidth
 from blockspec.quant.fp8 import Fp8Linear, quantize
@@ -25,11 +27,12 @@ from blockspec.quant.w4a16_triton import default_config, schedule, sm_count, wq_
 SHAPES = {"gate_up": (34816, 5120), "gdn_in": (16480, 5120), "qkv": (14336, 5120), "down": (5120, 17408),
           "out": (5120, 6144)}
 ROUND_SHAPES = (16896, 25344, 33792)  # gate_up-shaped FP8, 2 / 3 / 4 tiles of 64 rows per SM of 132
+ROUND_K, BYTES_TIMED, ROWS = 5120, 400_000_000, (1, 8)
 
 
 def weights(kind, n, k, device):
     w = torch.randn(n, k, device=device) * k ** -0.5
-    copies = max(2, -(-400_000_000 // (n * k // (1 if kind == "fp8" else 2))))
+    copies = max(2, -(-BYTES_TIMED // (n * k // (1 if kind == "fp8" else 2))))
     if kind == "fp8":
         return [Fp8Linear.from_blocks(*quantize(w)).packed() for _ in range(copies)]
     return [Int4Linear.from_float(w, 128, True, scale_dtype=torch.bfloat16).packed() for _ in range(copies)]
@@ -43,16 +46,20 @@ def timed(x, packed, cfg):
 
 
 def main():
-    dev = torch.device("cuda")
-    bandwidth = measure_read_bandwidth(dev)
+    global SHAPES, ROUND_SHAPES, ROUND_K, BYTES_TIMED, ROWS
+    dev, dtype = torch.device("cuda"), torch.bfloat16
+    if "--dry-run" in sys.argv:
+        dev, dtype = dry_run(), torch.float32
+        SHAPES, ROUND_SHAPES, ROUND_K, BYTES_TIMED, ROWS = {"tiny": (200, 640)}, (136,), 384, 0, (1,)
+    bandwidth = measure_read_bandwidth(dev) or 0.0  # none on the CPU
     print(f"read bandwidth {bandwidth:.0f} GB/s", flush=True)
     results = [{"read_bandwidth_gb_s": round(bandwidth)}]
     for kind in ("fp8", "int4"):
         bits = 8 if kind == "fp8" else 4
         for name, (n, k) in SHAPES.items():
             packed = weights(kind, n, k, dev)
-            for m in (1, 8):
-                x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+            for m in ROWS:
+                x = torch.randn(m, k, device=dev, dtype=dtype)
                 base = default_config(m, n, k, bits)
                 variants = {"default": base, "unbalanced": replace(base, balance=False)}
                 if kind == "fp8" and base.waves == 1:
@@ -69,11 +76,11 @@ def main():
                     for label, r in row.items() if isinstance(r, dict)), flush=True)
             packed.clear()
     for n in ROUND_SHAPES:
-        packed = weights("fp8", n, 5120, dev)
-        x = torch.randn(1, 5120, device=dev, dtype=torch.bfloat16)
-        r = timed(x, packed, default_config(1, n, 5120, 8))
+        packed = weights("fp8", n, ROUND_K, dev)
+        x = torch.randn(1, ROUND_K, device=dev, dtype=dtype)
+        r = timed(x, packed, default_config(1, n, ROUND_K, 8))
         results.append({"kind": "fp8", "shape": f"gate_up rows {n}", "rows": 1, "default": r})
-        print(f"fp8  {n} x 5120 M=1  {r['us']:6.2f} us {r['gb_s']:5d} GB/s {tuple(r['schedule'])}", flush=True)
+        print(f"fp8  {n} x {ROUND_K} M=1  {r['us']:6.2f} us {r['gb_s']:5d} GB/s {tuple(r['schedule'])}", flush=True)
         packed.clear()
     with open(os.path.join(os.environ.get("OUT", "."), "kernel_schedules.json"), "w") as f:
         json.dump(results, f, indent=2)

@@ -4,6 +4,8 @@ tree's 17, 33, 64). Weight copies > 400 MB in one CUDA graph (no L2 reuse), medi
 Usage (GPU; ~2 minutes on an H200, --quick ~20 s; about as long per two row counts):
 python bench/linear_kernels.py [--quick: the configs default_config chooses only] [--rows 1,8,17,33,64];
 JSON to $OUT/linear_kernels.json.
+CPU dry run (one tiny shape, the first two configs of the sweep, untimed):
+TRITON_INTERPRET=1 python bench/linear_kernels.py --dry-run
 """
 
 import argparse
@@ -13,7 +15,7 @@ import os
 
 import torch
 import torch.nn.functional as F
-from timing import replay_ms  # bench/timing.py, beside this script
+from timing import dry_run, replay_ms  # bench/timing.py, beside this script
 
 from blockspec.kernels.linear_triton import LinearConfig, default_config, linear_rows
 
@@ -31,20 +33,22 @@ def configs(m, n, k, quick):
             yield LinearConfig(bn, bk, False, 4, stages, waves)
 
 
-def main(quick=False, rows=(1, 8)):
-    dev = torch.device("cuda")
+def main(quick=False, rows=(1, 8), dry=False):
+    dev, dtype, shapes, bytes_timed, sweep = torch.device("cuda"), torch.bfloat16, SHAPES, 400_000_000, None
+    if dry:
+        dev, dtype, shapes, bytes_timed, sweep = dry_run(), torch.float32, {"tiny": (96, 640)}, 0, 2
     results = {}
-    for name, (n, k) in SHAPES.items():
+    for name, (n, k) in shapes.items():
         nbytes = n * k * 2
-        copies = max(2, -(-400_000_000 // nbytes))
-        weights = [torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
+        copies = max(2, -(-bytes_timed // nbytes))
+        weights = [torch.randn(n, k, device=dev, dtype=dtype) * 0.02 for _ in range(copies)]
         for m in rows:
-            x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+            x = torch.randn(m, k, device=dev, dtype=dtype)
             ref = F.linear(x, weights[0]).float()
             base = replay_ms(lambda: [F.linear(x, w) for w in weights]) * 1e3 / copies
             row = {"cublas_us": round(base, 2), "cublas_gb_s": round(nbytes / base / 1e3)}
             best = None
-            for cfg in configs(m, n, k, quick):
+            for cfg in itertools.islice(configs(m, n, k, quick), sweep):
                 try:
                     err = (linear_rows(x, weights[0], cfg).float() - ref).abs().max().item()
                     us = replay_ms(lambda c=cfg: [linear_rows(x, w, c) for w in weights]) * 1e3 / copies
@@ -69,6 +73,8 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="the configs default_config chooses only")
     parser.add_argument("--rows", default="1,8", help="comma-separated row counts (default 1,8)")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="CPU, Triton interpreter: a tiny shape, the sweep's first two configs, untimed")
     args = parser.parse_args()
     with torch.no_grad():
-        main(args.quick, [int(m) for m in args.rows.split(",")])
+        main(args.quick, [int(m) for m in args.rows.split(",")], args.dry_run)

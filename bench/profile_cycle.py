@@ -15,6 +15,8 @@ $OUT/profile_cycle.json.
 Usage (GPU, repo root; ~2-3 minutes on an H200 for the three modes):
   python bench/profile_cycle.py [--modes none,mtp,dflash2] [--quant int4 --vocab-quant int8] [--pdl-level 0]
                                 [--tree-budget 16]
+CPU dry run (the tiny preset, a 16-token prompt, PyTorch's CPU paths, untimed, CPU ops in the tables):
+  python bench/profile_cycle.py --dry-run
 """
 
 import argparse
@@ -36,37 +38,45 @@ from blockspec.engine.weights import rtn  # noqa: E402
 from blockspec.kernels import use  # noqa: E402
 from blockspec.models.qwen3_5 import TargetOutput  # noqa: E402
 from blockspec.synthetic import synthetic_drafter, synthetic_target  # noqa: E402
-from timing import event_ms  # noqa: E402  (bench/timing.py, beside this script)
+from timing import dry_run, event_ms  # noqa: E402  (bench/timing.py, beside this script)
 
 PROMPT_TOKENS = 512
+DEVICE, PRESET, PROFILED = torch.device("cuda"), "qwen3.5-27b", torch.autograd.DeviceType.CUDA
 
 
 def kernel_table(fn, top=18, sequence=0):
     """The kernels of a few calls of fn, grouped by name: (name, calls per fn call, us per fn call); with
     `sequence`, also the first that many kernels of one call in launch order (what one layer runs)."""
     fn()
-    torch.cuda.synchronize()
-    reps = 5
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+    sync = torch.cuda.synchronize if DEVICE.type == "cuda" else lambda: None
+    sync()
+    reps = 1 if DEVICE.type == "cpu" else 5
+    activity = torch.profiler.ProfilerActivity.CUDA if DEVICE.type == "cuda" else torch.profiler.ProfilerActivity.CPU
+    with torch.profiler.profile(activities=[activity]) as prof:
         for _ in range(reps):
             fn()
-        torch.cuda.synchronize()
+        sync()
     rows = {}
     for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA:
+        if e.device_type == PROFILED:
             calls, total = rows.get(e.name, (0, 0.0))
-            rows[e.name] = (calls + 1, total + e.device_time)
+            rows[e.name] = (calls + 1, total + _us(e))
     table = sorted(((n[:90], c / reps, t / reps) for n, (c, t) in rows.items()), key=lambda r: -r[2])
-    ordered = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+    ordered = sorted((e for e in prof.events() if e.device_type == PROFILED),
                      key=lambda e: e.time_range.start)
     return {"total_kernel_us": round(sum(r[2] for r in table), 1), "kernels_per_call": sum(r[1] for r in table),
             "top": [(n, c, round(t, 1)) for n, c, t in table[:top]],
-            "sequence": [(e.name[:70], round(e.device_time, 1)) for e in ordered[:sequence]]}
+            "sequence": [(e.name[:70], round(_us(e), 1)) for e in ordered[:sequence]]}
+
+
+def _us(event):
+    """A kernel's GPU time; on the CPU (dry run) an operator's own time."""
+    return event.device_time if PROFILED == torch.autograd.DeviceType.CUDA else event.self_cpu_time_total
 
 
 def build_engine(mode, args):
     """An engine on a fresh synthetic target (quantization and norm folding change the model in place)."""
-    overrides = {"mode": mode, "device": "cuda", "context_length": args.context_length,
+    overrides = {"mode": mode, "device": DEVICE.type, "context_length": args.context_length,
                  "target_quantization": args.quant, "vocabulary_quantization": args.vocab_quant,
                  "fold_norms": not args.no_fold_norms}
     if args.pdl_level is not None:
@@ -74,7 +84,7 @@ def build_engine(mode, args):
     if mode == "dflash2" and args.tree_budget:
         overrides["dflash2_tree_budget"] = args.tree_budget
     config = PredictConfig.build(overrides, source="profile_cycle")
-    model, head = synthetic_target("qwen3.5-27b", torch.device("cuda"), config.torch_dtype,
+    model, head = synthetic_target(PRESET, DEVICE, config.torch_dtype,
                                    quantize=rtn(config.target_quantization, 128, config.torch_dtype))
     mtp = {"mtp." + k: v for k, v in head.state_dict().items()}
     drafter = synthetic_drafter(model) if mode == "dflash2" else None
@@ -163,8 +173,12 @@ def main():
                     help="INT4: residual adds, norms and SwiGLU as kernels of their own (fold_norms: false)")
     ap.add_argument("--context-length", type=int, default=4096)
     ap.add_argument("--tree-budget", type=int, default=0, help="dflash2: also the pieces of a draft tree of N nodes")
+    ap.add_argument("--dry-run", action="store_true", help="CPU: the tiny preset, a 16-token prompt, untimed")
     args = ap.parse_args()
-    bandwidth = measure_read_bandwidth(torch.device("cuda"))  # GB/s
+    if args.dry_run:
+        global DEVICE, PRESET, PROFILED, PROMPT_TOKENS
+        DEVICE, PRESET, PROFILED, PROMPT_TOKENS = dry_run(False), "tiny", torch.autograd.DeviceType.CPU, 16
+    bandwidth = measure_read_bandwidth(DEVICE) or float("nan")  # GB/s; none on the CPU
     results = {"bandwidth_gbs": round(bandwidth, 1), "quant": args.quant, "vocab_quant": args.vocab_quant}
     kernels = {}
     for mode in args.modes.split(","):
@@ -176,7 +190,8 @@ def main():
         for key, value in results[mode].items():
             print(f"{mode:8s} {key:32s} {value}", flush=True)
         del engine
-        torch.cuda.empty_cache()
+        if DEVICE.type == "cuda":
+            torch.cuda.empty_cache()
     for label, table in kernels.items():
         print(f"\n== {label}: {table['kernels_per_call']:.0f} kernels, {table['total_kernel_us']:.0f} us of kernels")
         for name, calls, us in table["top"]:

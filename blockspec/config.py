@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Annotated, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from .errors import BlockspecError
 
@@ -33,10 +33,23 @@ class CheckedSettings(BaseModel):
 
 
 # The sampling settings' ranges, shared by PredictConfig and the per-request SamplingSettings.
-Temperature = Annotated[float, Field(ge=0.0, allow_inf_nan=False)]  # 0: greedy
-TopK = Annotated[int, Field(ge=0)]                                  # 0: no limit
+MAX_TEMPERATURE = 100.0  # past it a distribution is uniform in all but name
+# A positive temperature below this decodes greedily: the float32 logits divided by it would overflow to inf (NaN
+# probabilities), and long before that the softmax is one-hot at the argmax anyway (vLLM uses the same 1e-5).
+MIN_TEMPERATURE = 1e-5
+MAX_SEED = 2 ** 63 - 1   # what torch's generators take
+
+
+def _tiny_is_greedy(temperature: float) -> float:
+    return 0.0 if temperature < MIN_TEMPERATURE else temperature
+
+
+Temperature = Annotated[float, Field(ge=0.0, le=MAX_TEMPERATURE, allow_inf_nan=False),
+                        AfterValidator(_tiny_is_greedy)]            # 0 (or below MIN_TEMPERATURE): greedy
+TopK = Annotated[int, Field(ge=0, le=2 ** 63 - 1)]                  # 0, or past the vocabulary: no limit
 TopP = Annotated[float, Field(gt=0.0, le=1.0)]                      # 1: no limit
 MinP = Annotated[float, Field(ge=0.0, le=1.0)]                      # 0: no limit
+Seed = Annotated[int, Field(ge=0, le=MAX_SEED)]
 SAMPLING_KEYS = ("temperature", "top_k", "top_p", "min_p", "seed")
 
 
@@ -44,8 +57,9 @@ class SamplingSettings(CheckedSettings):
     """How a request chooses its tokens. Temperature 0 is greedy (the filters then play no part); above 0 each token
     is drawn from the target's float32 logits processed in the order vLLM and transformers use: temperature, then
     top-k (the k most likely tokens, ties with the k-th kept), top-p (the most likely tokens until their probability
-    reaches top_p), min-p (tokens at least min_p times as likely as the most likely one). seed None: fresh
-    randomness for each request."""
+    reaches top_p), min-p (tokens at least min_p times as likely as the most likely one). Temperature is at most
+    MAX_TEMPERATURE; one below MIN_TEMPERATURE is taken as 0 (greedy). A top_k past the vocabulary keeps every token.
+    seed: 0..MAX_SEED; None: fresh randomness for each request."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -53,7 +67,7 @@ class SamplingSettings(CheckedSettings):
     top_k: TopK = 0
     top_p: TopP = 1.0
     min_p: MinP = 0.0
-    seed: int | None = None
+    seed: Seed | None = None
 
     @property
     def greedy(self) -> bool:
@@ -74,7 +88,7 @@ class PredictConfig(CheckedSettings):
     top_k: TopK = 0
     top_p: TopP = 1.0
     min_p: MinP = 0.0
-    seed: int | None = None
+    seed: Seed | None = None
     compute_dtype: Literal["float32", "bfloat16", "float16", "fp32", "bf16", "fp16"] = "bfloat16"
     device: Literal["cpu", "cuda", "auto"] = "auto"
     gpu_ranks: list[int] = Field(default_factory=lambda: [0])

@@ -81,6 +81,9 @@ def patch_triton_interpreter():
     import triton.language as tl
     import triton.runtime.interpreter as interp
 
+    if getattr(interp, "_blockspec_patched", False):
+        return  # patched in this process already (bench scripts run one after another): a second would wrap the first
+    interp._blockspec_patched = True
     orig = interp._patch_lang_tensor
 
     def patched(tensor, scope):

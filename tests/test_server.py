@@ -289,9 +289,26 @@ COMPLETION = {"prompt": "hi"}
 REFUSALS = [
     ("chat", {**CHAT, "temperature": -0.5}, "temperature", "temperature=-0.5"),
     ("chat", {**CHAT, "top_p": 1.5}, "top_p", "(0, 1]"),
-    ("completion", {**COMPLETION, "top_k": -2}, "top_k", "0 or -1 (no limit) or more"),
+    ("completion", {**COMPLETION, "top_k": -2}, "top_k", "-1 or 0 (no limit), or 1 up to the vocabulary size (259)"),
+    ("completion", {**COMPLETION, "top_k": 260}, "top_k", "up to the vocabulary size (259)"),
+    ("completion", {**COMPLETION, "top_k": 2 ** 63}, "top_k", "up to the vocabulary size"),
+    ("completion", {**COMPLETION, "top_k": 2 ** 64}, "top_k", "up to the vocabulary size"),
+    ("completion", {**COMPLETION, "temperature": 1e39}, "temperature", "[0, 100]"),
+    ("completion", {**COMPLETION, "temperature": 100.5}, "temperature", "[0, 100]"),
     ("completion", {**COMPLETION, "min_p": 2}, "min_p", "[0, 1]"),
     ("chat", {**CHAT, "seed": "seven"}, "seed", "integer"),
+    ("chat", {**CHAT, "seed": -1}, "seed", "0..2^63-1"),
+    ("chat", {**CHAT, "seed": 2 ** 63}, "seed", "0..2^63-1"),
+    ("chat", {**CHAT, "tools": 0}, "tools", "must be an array"),
+    ("chat", {**CHAT, "tool_choice": "auto"}, "tool_choice", "function calling"),
+    ("chat", {**CHAT, "parallel_tool_calls": False}, "parallel_tool_calls", "function calling"),
+    ("chat", {**CHAT, "stop": ""}, "stop", "empty string"),
+    ("chat", {**CHAT, "stop": ["a", 1]}, "stop", "array of strings"),
+    ("chat", {**CHAT, "logit_bias": ""}, "logit_bias", "must be an object"),
+    ("chat", {**CHAT, "response_format": {"a": 1}}, "response_format", "string 'type'"),
+    ("completion", {**COMPLETION, "logprobs": 0}, "logprobs", "logprobs"),
+    ("completion", {**COMPLETION, "suffix": 0}, "suffix", "must be a string"),
+    ("completion", {**COMPLETION, "stream_options": {"include_usage": 0}}, "stream_options", "boolean"),
     ("chat", {**CHAT, "temperature": "hot"}, "temperature", "number"),
     ("chat", {**CHAT, "n": 2}, "n", "n=2"),
     ("chat", {**CHAT, "logprobs": True}, "logprobs", "logprobs"),
@@ -337,9 +354,10 @@ def test_refusals_answer_400_naming_the_field(server, tiny, reference):
         for raw in (b"{not json", b"", b"[1, 2]"):
             r = http.post("/v1/chat/completions", content=raw, headers={"content-type": "application/json"})
             assert r.status_code == 400 and "JSON" in r.json()["error"]["message"], r.text
-        # explicit greedy settings are fine, and the refusals left the engine undisturbed
+        # explicit greedy settings and empty lists are fine, and the refusals left the engine undisturbed
         r = http.post("/v1/completions", json={**COMPLETION, "temperature": 0, "top_p": 1, "n": 1, "stop": [],
-                                                "max_tokens": 6})
+                                                "tools": [], "logit_bias": {}, "response_format": {"type": "text"},
+                                                "top_k": 259, "max_tokens": 6})
         assert r.status_code == 200, r.text
         assert r.json()["choices"][0]["text"] == reference(reference.engine.tokenizer.encode("hi"), 6).text
     assert server.health()["running"] == 0
@@ -361,7 +379,9 @@ class FakeEngine:
         self.tokenizer, self.reply, self.last_stats = tokenizer, reply, {}
         self.config = SimpleNamespace(model="fake", max_tokens=64)
 
-    def stream(self, prompt_ids, max_tokens, stop_at_eos=True, snapshot_at=None):
+    def stream(self, prompt_ids, max_tokens, stop_at_eos=True, snapshot_at=None, stop=None):
+        if self.reply is None:
+            raise RuntimeError("CUDA error at /secret/path/kernel.cu:12")
         tokens = self.tokenizer.encode(self.reply) + [min(self.tokenizer.eos_token_ids)]
         try:
             for token in tokens[:max_tokens]:
@@ -403,6 +423,43 @@ def test_eos_and_multibyte_text_in_process(tiny):
         assert short["choices"][0]["finish_reason"] == "length"
 
 
+class Undecodable:
+    """A tokenizer whose decode fails: a bug in the app's own code, outside the engine."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+
+    def __getattr__(self, name):
+        return getattr(self.tokenizer, name)
+
+    def decode(self, ids):
+        return 1 / 0
+
+
+def test_internal_errors_answer_500_with_a_request_id_only(tiny, caplog):
+    """An exception in the engine (the worker thread) or in the app's own code answers 500 naming a request id, never
+    the exception's text; the log has the traceback once, under that id."""
+    from starlette.testclient import TestClient
+
+    from blockspec.config import ServerSettings
+    from blockspec.server import create_app
+    from blockspec.tokenizer import Tokenizer
+
+    tok = Tokenizer(tiny, [])
+    failing = FakeEngine(tok, None)
+    undecodable = FakeEngine(Undecodable(tok), "fine")
+    for engine in (failing, undecodable):
+        caplog.clear()
+        with TestClient(create_app(engine, ServerSettings()), base_url="http://localhost") as http:
+            r = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 3})
+        error = r.json()["error"]
+        assert r.status_code == 500 and error["code"] == "internal_error", r.text
+        request_id = error["message"].split("request id ")[1].split(")")[0]
+        assert not any(word in r.text for word in ("secret", "RuntimeError", "ZeroDivisionError", "division"))
+        failures = [rec for rec in caplog.records if rec.exc_info]
+        assert len(failures) == 1 and request_id in failures[0].getMessage(), caplog.text
+
+
 # --------------------------------------------------------------------------------- arguments checked before loading
 
 
@@ -419,6 +476,19 @@ def test_busy_port_refused_before_the_model_loads(tmp_path, capsys):
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1 and "Traceback" not in err, err
     assert f"--port {port}: 127.0.0.1:{port} is already in use" in err and "no-such-model" not in err, err
+
+
+def test_host_check_warning_names_the_risk_and_the_flag():
+    from blockspec.config import ServerSettings
+    from blockspec.server.access import AccessGuard, host_check_warning
+
+    for host, allowed, warned in (("0.0.0.0", (), True), ("0.0.0.0", ("*",), True), ("192.0.2.1", (), True),
+                                  ("0.0.0.0", ("box.lan",), False), ("127.0.0.1", (), False), ("::1", (), False)):
+        settings = ServerSettings(host=host, allowed_hosts=allowed)
+        warning = host_check_warning(settings, host)
+        assert (warning is not None) == warned == (not AccessGuard(None, settings, host).check_host), (host, allowed)
+        if warned:
+            assert "DNS rebinding" in warning and "--allowed-hosts" in warning and "\n" not in warning
 
 
 @pytest.mark.parametrize("args,message", [
@@ -462,6 +532,23 @@ def test_sampling_fields(server, tiny):
     assert seeds[0] != seeds[1]  # fresh randomness per request, and the seed it used is reported
     greedy = httpx.post(server.url + "/v1/completions", json={"prompt": prompt, "max_tokens": 4}, timeout=60).json()
     assert greedy["blockspec"]["sampling"] == {"temperature": 0.0}  # no generation_config.json: greedy
+    for tiny_temperature in (1e-300, 1e-38, 9e-6):  # too small to divide float32 logits by: decoded greedily
+        reply = httpx.post(server.url + "/v1/completions", timeout=60, json={
+            "prompt": prompt, "max_tokens": 4, "temperature": tiny_temperature, "seed": 3}).json()
+        assert reply["choices"][0]["text"] == greedy["choices"][0]["text"], (tiny_temperature, reply)
+        assert reply["blockspec"]["sampling"] == {"temperature": 0.0}
+
+
+def test_sampling_settings_bounds():
+    from blockspec.config import MAX_SEED, SamplingSettings
+    from blockspec.errors import BlockspecError
+
+    for bad in ({"seed": -1}, {"seed": MAX_SEED + 1}, {"temperature": 100.01}, {"temperature": 1e39},
+                {"top_k": 2 ** 63}):
+        with pytest.raises(BlockspecError, match=next(iter(bad))):
+            SamplingSettings.build(bad)
+    assert SamplingSettings.build({"temperature": 1e-6, "top_k": 2 ** 63 - 1}).greedy
+    assert not SamplingSettings.build({"temperature": 1e-5, "seed": MAX_SEED}).greedy
 
 
 def test_fields_left_out_take_generation_config_then_flags(tiny, tmp_path):

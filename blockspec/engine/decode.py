@@ -100,17 +100,21 @@ def _sync(device):
 
 
 def prefill(target, prompt: torch.Tensor, start: int, chunk: int, proposer: Proposer,
-            sampler: Sampler | None = None, checkpoint: tuple[int, Callable] | None = None):
+            sampler: Sampler | None = None, checkpoint: tuple[int, Callable] | None = None,
+            stop: Callable[[], bool] | None = None):
     """Chunked prefill of prompt[start:] (the state holds the first `start` positions); returns the first generated
     token (greedy without a sampler), and the last pass's output with the row of the last prompt position.
     checkpoint (position, call): a chunk ends at that position (when it lies past start) and call(out, row) runs
-    there."""
+    there. stop: asked before each chunk after the first; when it answers True prefill returns None, the state
+    holding part of the prompt."""
     length = prompt.shape[0]
     ends = {*range(start + chunk, length, chunk), length}
     if checkpoint is not None and start < checkpoint[0] < length:
         ends.add(checkpoint[0])
     begin = start
     for end in sorted(ends):
+        if stop is not None and begin > start and stop():
+            return None
         ids = prompt[begin:end]
         out = target.forward(ids, all_logits=False)
         target.state.commit(ids.shape[0])
@@ -128,10 +132,12 @@ def prefill(target, prompt: torch.Tensor, start: int, chunk: int, proposer: Prop
 
 def decode(target, proposer: Proposer, prompt: list[int], max_tokens: int, eos: set[int], chunk: int,
            stats: DecodeStats, sampler: Sampler | None = None, prefix: PrefixCache | None = None,
-           snapshot_at: int | None = None):
+           snapshot_at: int | None = None, stop: Callable[[], bool] | None = None):
     """Generator of tokens; `target` is an EagerTarget or GraphedTarget; `sampler` holds the request's sampling
     (begun; None: greedy); `prefix` the kept conversation to resume from and keep this request in (None: start
-    afresh, keep nothing), with a snapshot at prompt position `snapshot_at` too; `stats` is filled as it goes."""
+    afresh, keep nothing), with a snapshot at prompt position `snapshot_at` too; `stats` is filled as it goes.
+    `stop` (prefill's) ends the generator without a token when it answers True between prefill chunks: a caller
+    that stops at a token boundary cannot stop a long prefill, which yields nothing until its end."""
     state, device = target.state, target.device
     greedy = sampler is None or sampler.greedy
     stats.tree_budget = proposer.tree_budget
@@ -147,8 +153,13 @@ def decode(target, proposer: Proposer, prompt: list[int], max_tokens: int, eos: 
         checkpoint = None
         if prefix is not None and snapshot_at is not None:
             checkpoint = (snapshot_at, lambda out, row: prefix.save(prompt[:snapshot_at], out, row))
-        anchor, out, row = prefill(target, torch.tensor(prompt, device=device), stats.cached_tokens, chunk, proposer,
-                                   sampler, checkpoint)
+        prefilled = prefill(target, torch.tensor(prompt, device=device), stats.cached_tokens, chunk, proposer,
+                            sampler, checkpoint, stop)
+        if prefilled is None:  # stopped: the state holds part of the prompt, so nothing of it may be kept
+            if prefix is not None:
+                prefix.clear()
+            return
+        anchor, out, row = prefilled
         if prefix is not None:
             prefix.save(committed, out, row)
     except BaseException:

@@ -274,8 +274,11 @@ class Engine:
 
     def stream(self, prompt_ids: list[int], max_tokens: int, stop_at_eos: bool = True, proposer: Proposer = None, *,
                temperature: float | None = None, top_k: int | None = None, top_p: float | None = None,
-               min_p: float | None = None, seed: int | None = None, snapshot_at: int | None = None):
+               min_p: float | None = None, seed: int | None = None, snapshot_at: int | None = None,
+               stop: Callable[[], bool] | None = None):
         """Yield tokens one by one; closing the generator stops the work. Stats land in last_stats.
+        `stop` is asked between prefill chunks: True ends the stream there, without a token (a server's client that
+        left during a long prefill).
         `proposer` replaces the engine's own for this request (one reading the same target features: the bench's
         forced acceptance). The sampling arguments override the config's for this request (None: the config's).
         With prefix reuse, `snapshot_at` adds a snapshot at that prompt position, where a later prompt is expected
@@ -293,7 +296,7 @@ class Engine:
         # parameters never require grad, so no autograd graph is built; the kernel settings are this engine's only
         # while it works (between yields the caller may run another engine)
         steps = decode(self.target, proposer, [int(t) for t in prompt_ids], max_tokens, eos,
-                       self.config.prefill_chunk_size, stats, self.sampler, prefix, snapshot_at)
+                       self.config.prefill_chunk_size, stats, self.sampler, prefix, snapshot_at, stop)
         try:
             while True:
                 with use(self.kernels):

@@ -121,7 +121,8 @@ def proposal_tests(ids, p, vocab_size: int, proposals, draft_ids, draft_probs, u
 
 
 def fresh_seed() -> int:
-    return int.from_bytes(os.urandom(8), "little")
+    """A seed within SamplingSettings' range, so that the one a request reports can be sent back."""
+    return int.from_bytes(os.urandom(8), "little") >> 1
 
 
 @dataclass
@@ -165,7 +166,7 @@ class Sampler:
         self.settings = settings
         self.seed = None if settings.greedy else settings.seed if settings.seed is not None else fresh_seed()
         if self.seed is not None:
-            self.generator.manual_seed(self.seed % (1 << 64))
+            self.generator.manual_seed(self.seed)
         values = (settings.temperature, settings.top_k, settings.top_p, settings.min_p)
         for tensor, value in zip(self.filters(), values):
             tensor.fill_(value)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hmac
 import ipaddress
+from urllib.parse import urlsplit
 
 from starlette.datastructures import Headers
 from starlette.responses import Response
@@ -21,6 +22,7 @@ from .requests import ApiError
 from ..config import ServerSettings
 
 CORS_METHODS = "GET, POST, OPTIONS"
+DEFAULT_PORTS = {"http": 80, "https": 443}
 
 
 def is_loopback(address: str) -> bool:
@@ -39,13 +41,38 @@ def host_name(host_header: str) -> str:
     return (name if name and port.isdigit() else host).rstrip(".")
 
 
+def checks_host(settings: ServerSettings, bound_address: str) -> bool:
+    return (is_loopback(bound_address) or bool(settings.allowed_hosts)) and "*" not in settings.allowed_hosts
+
+
+def host_check_warning(settings: ServerSettings, bound_address: str) -> str | None:
+    """The one line `serve` prints when the Host header goes unchecked: bound to an address other machines reach."""
+    if checks_host(settings, bound_address):
+        return None
+    return (f"--host {settings.host} is not a loopback address, so the Host header is not checked: a web page can "
+            "reach this server by re-pointing its own domain at this machine (DNS rebinding); keep the check by "
+            "naming the host names clients use with --allowed-hosts")
+
+
+def same_origin(origin: str, host: str | None, scheme: str) -> bool:
+    """Whether a web page's Origin is this server as the request reached it: scheme, host and port (a port left out
+    is the scheme's default)."""
+    if host is None:
+        return False
+    try:
+        page, server = urlsplit(origin), urlsplit(f"{scheme}://{host.strip()}")
+        return (page.scheme, page.hostname, page.port or DEFAULT_PORTS.get(page.scheme)) == \
+            (scheme, server.hostname, server.port or DEFAULT_PORTS.get(scheme))
+    except ValueError:  # a port that is not a number
+        return False
+
+
 class AccessGuard:
     """ASGI middleware: Host, Origin and API key checks; CORS headers for allowed origins."""
 
     def __init__(self, app, settings: ServerSettings, bound_address: str):
         self.app = app
-        self.check_host = ((is_loopback(bound_address) or bool(settings.allowed_hosts))
-                           and "*" not in settings.allowed_hosts)
+        self.check_host = checks_host(settings, bound_address)
         self.hosts = {"localhost", settings.host.lower(), *(h.lower() for h in settings.allowed_hosts)}
         self.origins = {o.rstrip("/").lower() for o in settings.allowed_origins}
         self.key = settings.api_key.encode() if settings.api_key else None
@@ -56,10 +83,11 @@ class AccessGuard:
         name = host_name(host)
         return name in self.hosts or is_loopback(name)
 
-    def origin_allowed(self, origin: str, host: str | None) -> bool:
+    def origin_allowed(self, origin: str, host: str | None, scheme: str) -> bool:
+        if same_origin(origin, host, scheme):
+            return True
         origin = origin.rstrip("/").lower()
-        same_origin = host is not None and origin.partition("://")[2] == host.strip().lower()
-        return same_origin or "*" in self.origins or origin in self.origins
+        return "*" in self.origins or origin in self.origins
 
     def key_valid(self, authorization: str | None) -> bool:
         scheme, _, token = (authorization or "").partition(" ")
@@ -74,7 +102,7 @@ class AccessGuard:
             return await ApiError(403, f"Host '{host}' is not allowed: this server answers requests to a loopback "
                                   "address or localhost (--allowed-hosts adds names)", type_="permission_error",
                                   code="host_not_allowed").response()(scope, receive, send)
-        if origin is not None and not self.origin_allowed(origin, host):
+        if origin is not None and not self.origin_allowed(origin, host, scope.get("scheme", "http")):
             return await ApiError(403, f"cross-origin request from '{origin}' refused (--allowed-origins allows "
                                   "origins)", type_="permission_error",
                                   code="origin_not_allowed").response()(scope, receive, send)

@@ -11,6 +11,7 @@ import gc
 import logging
 import signal
 import socket
+import sys
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -22,9 +23,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..config import ServerSettings
 from ..errors import BlockspecError
-from .access import AccessGuard
+from .access import AccessGuard, host_check_warning
 from .connection import ClientLeft, TimedH11Protocol, read_body, shutting_down, until_disconnected
-from .requests import ApiError, Prepared, RequestParser
+from .requests import ApiError, Prepared, RequestParser, internal_error
 from .responses import JobStreamingResponse, sse, stats_extension, usage
 from .text import IncrementalText
 from .worker import Closed, Job, QueueFull, Worker, job_events, wait_started
@@ -34,14 +35,46 @@ log = logging.getLogger("blockspec.server")
 # uvicorn's logging, with the server's own one-line notes (a client leaving, shutdown) beside its access lines
 LOG_CONFIG = copy.deepcopy(uvicorn.config.LOGGING_CONFIG)
 LOG_CONFIG["loggers"]["blockspec"] = {"handlers": ["default"], "level": "INFO", "propagate": False}
+# A body above this many bytes, or of unknown length (chunked), is read and parsed in the large bodies' lane
+LARGE_BODY = 64 * 1024
+
+
+class InternalErrors:
+    """ASGI middleware: an exception no handler answered (a bug) is logged once, with its traceback, under a request
+    id, and the client gets a 500 naming only that id (Starlette's own last handler would let uvicorn log the
+    traceback again). A streamed answer already begun just ends."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started = False
+
+        async def send_noting_start(message):
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_noting_start)
+        except Exception:
+            request_id = uuid.uuid4().hex[:16]
+            log.exception("request %s (%s %s) failed", request_id, scope["method"], scope["path"])
+            if not started:
+                await internal_error(request_id).response()(scope, receive, send)
 
 
 def create_app(engine, settings: ServerSettings = ServerSettings(), bound_address: str | None = None) -> FastAPI:
     """The app; bound_address (the listening socket's address, default settings.host) decides the Host check."""
     worker = Worker(engine, settings.queue_size)
-    # JSON parsing, validation and tokenization run here, never on the event loop: a multi-megabyte body leaves
-    # /health and the running stream answering
+    # JSON parsing, validation and tokenization run on these threads, never on the event loop, in two lanes: large
+    # bodies one at a time, at most `large_limit` of them read or parsed at once (more are answered 429 before their
+    # body is read), so that a flood of them neither holds memory nor delays the small bodies' own lane
     parsing = ThreadPoolExecutor(max_workers=2, thread_name_prefix="blockspec-parse")
+    parsing_large = ThreadPoolExecutor(max_workers=1, thread_name_prefix="blockspec-parse-large")
+    large_limit, large_now = settings.queue_size + 1, 0
     closing = asyncio.Event()
 
     @contextlib.asynccontextmanager
@@ -49,9 +82,11 @@ def create_app(engine, settings: ServerSettings = ServerSettings(), bound_addres
         yield
         worker.stop()
         parsing.shutdown(wait=False)
+        parsing_large.shutdown(wait=False)
 
     app = FastAPI(title="blockspec", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
     app.add_middleware(AccessGuard, settings=settings, bound_address=bound_address or settings.host)
+    app.add_middleware(InternalErrors)
     parser = RequestParser(engine)
     started_at = int(time.time())
     eos = engine.tokenizer.eos_token_ids
@@ -79,10 +114,6 @@ def create_app(engine, settings: ServerSettings = ServerSettings(), bound_addres
     async def client_left(request, exc: ClientLeft):
         log.info("client left %s", exc)
         return Response(status_code=499)  # nobody reads it: the connection is closed
-
-    @app.exception_handler(Exception)
-    async def server_error(request, exc: Exception):  # a bug: uvicorn logs its traceback, the client gets JSON
-        return ApiError(500, f"internal error: {type(exc).__name__}", type_="server_error").response()
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request, exc):
@@ -130,11 +161,27 @@ def create_app(engine, settings: ServerSettings = ServerSettings(), bound_addres
         """The client closed its connection: its job gives its place up at once and stops at its next token (a
         queued one's handler notes it, answering ClientLeft)."""
         if not watcher.cancelled() and watcher.exception() is None and worker.cancel(job) == "running":
-            log.info("client left during its generation: stopped at the next token")
+            log.info("client left during its generation: stopped at the next token or prefill chunk")
+
+    async def parse(request: Request, kind: str) -> Prepared:
+        nonlocal large_now
+        declared = request.headers.get("content-length", "")
+        size = int(declared) if declared.isdigit() else None
+        large = size is None or size > LARGE_BODY
+        if large and large_now >= large_limit and (size or 0) <= settings.max_body_bytes:  # else read_body's 413
+            raise ApiError(429, f"server busy: {large_now} large request bodies (over {LARGE_BODY // 1024} KiB) are "
+                           f"already being read or parsed (at most queue-size + 1 = {large_limit}); retry later",
+                           type_="rate_limit_error", code="parse_queue_full", headers={"Retry-After": "1"})
+        large_now += 1 if large else 0
+        try:
+            raw = await read_body(request, settings.max_body_bytes, settings.receive_timeout_s, closing)
+            return await asyncio.get_running_loop().run_in_executor(parsing_large if large else parsing,
+                                                                    parser.parse, raw, kind)
+        finally:
+            large_now -= 1 if large else 0
 
     async def handle(request: Request, kind: str):
-        raw = await read_body(request, settings.max_body_bytes, settings.receive_timeout_s, closing)
-        prepared = await asyncio.get_running_loop().run_in_executor(parsing, parser.parse, raw, kind)
+        prepared = await parse(request, kind)
         job = submit(prepared)
         watcher = asyncio.ensure_future(until_disconnected(request))
         watcher.add_done_callback(lambda _: on_disconnect(watcher, job))
@@ -266,6 +313,8 @@ def serve(engine, settings: ServerSettings = ServerSettings(), log_level: str = 
     app = create_app(engine, settings, bound_address=address)
     print(f"blockspec: serving '{engine.model_name}' (mode {engine.mode}, context {engine.context_length}) at "
           f"http://{settings.host}:{port}/v1 - one request at a time, up to {settings.queue_size} waiting", flush=True)
+    if warning := host_check_warning(settings, address):
+        print(f"blockspec: warning: {warning}", file=sys.stderr, flush=True)
     # uvicorn waits this long for the requests to end, past the grace period the app gives the running one
     protocol = functools.partial(TimedH11Protocol, receive_timeout_s=settings.receive_timeout_s)
     config = uvicorn.Config(app, host=settings.host, port=port, http=protocol, log_level=log_level,

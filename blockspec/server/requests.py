@@ -9,16 +9,19 @@ from dataclasses import dataclass
 
 from fastapi.responses import JSONResponse
 
-from ..config import SamplingSettings
+from ..config import MAX_TEMPERATURE, MIN_TEMPERATURE, SamplingSettings
 from ..errors import BlockspecError
 from ..tokenizer import TooManyTokens
 
 CHAT_ROLES = {"system", "user", "assistant", "tool", "developer"}
-RANGES = {"temperature": "must be a finite number, 0 or more (0: greedy)", "top_p": "must be in (0, 1]",
-          "top_k": "must be 0 or -1 (no limit) or more", "min_p": "must be in [0, 1]", "seed": "must be an integer"}
+RANGES = {"temperature": f"must be a finite number in [0, {MAX_TEMPERATURE:g}] (0, or below {MIN_TEMPERATURE:g}: "
+                         "greedy)",
+          "top_p": "must be in (0, 1]", "top_k": "must be -1 or 0 (no limit), or 1 up to the vocabulary size ({vocab})",
+          "min_p": "must be in [0, 1]", "seed": "must be an integer in 0..2^63-1"}
 IMAGE_PART_TYPES = {"image_url", "input_image", "image"}
 MESSAGE_EXTRAS = {"name": str, "tool_calls": list, "tool_call_id": str, "reasoning_content": str}  # for the template
 MAX_DEPTH = 32                               # arrays and objects inside one another in a request body
+SCAN_PIECE = 1 << 16                         # bytes json_values scans at a time, the GIL free between pieces
 LONE_SURROGATE = re.compile("[\ud800-\udfff]")  # what a JSON \ud800 escape without its pair decodes to
 
 
@@ -38,16 +41,28 @@ class ApiError(Exception):
         return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
 
+def internal_error(request_id: str) -> ApiError:
+    """The answer to a request that failed inside the server: its id only, which the log's traceback carries too
+    (exception text could hold paths, shapes or memory addresses)."""
+    return ApiError(500, f"internal error (request id {request_id}); the server's log has the details",
+                    type_="server_error", code="internal_error")
+
+
 def bad(message: str, param: str | None = None) -> ApiError:
     return ApiError(400, message, param)
 
 
-def parse_json(raw: bytes):
-    """The request body as JSON, or ApiError 400 naming where it goes wrong: UTF-8, standard JSON (NaN and Infinity
-    are not JSON), at most MAX_DEPTH levels deep, every string and key made of Unicode scalar values (a lone
-    surrogate escape such as \\ud800 is refused: no tokenizer or answer could carry it)."""
+def parse_json(raw: bytes, max_values: int):
+    """The request body as JSON, or ApiError 400 naming where it goes wrong: at most max_values values (counted
+    before json.loads, which holds the GIL throughout: a body of a million empty arrays would stall the event loop
+    for ~0.5 s), UTF-8, standard JSON (NaN and Infinity are not JSON), at most MAX_DEPTH levels deep, every string
+    and key made of Unicode scalar values (a lone surrogate escape such as \\ud800 is refused: no tokenizer or
+    answer could carry it)."""
     if not raw.strip():
         raise bad("the request body is empty: send a JSON object")
+    if json_values(raw, max_values) > max_values:
+        raise bad(f"the request body holds more than {max_values} JSON values (array elements, object members and "
+                  "containers); a request that fits the context needs far fewer")
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -60,6 +75,28 @@ def parse_json(raw: bytes):
         raise bad(f"the request body is not valid JSON: {str(exc).split(';')[0]}") from None
     _check_nesting_and_text(body)
     return body
+
+
+def json_values(raw: bytes, limit: int) -> int:
+    """The values of a JSON text, as its ',' '[' and '{' outside strings count them (every element or member past
+    a container's first, and every container), exactly while at most `limit`, else some number above it. In C-speed
+    passes: first over the whole text, counting inside strings too (an upper bound, enough for almost every body),
+    then, past the limit, outside strings only, SCAN_PIECE bytes at a time so that the event loop runs between
+    pieces. Escapes are removed first, so every '"' left opens or closes a string (in a text that is not JSON the
+    count may be wrong only past its first error, where json.loads stops)."""
+    upper = sum(raw.count(c) for c in b",[{")
+    if upper <= limit:
+        return upper
+    text = raw.replace(b"\\\\", b"").replace(b'\\"', b"")
+    count, inside = 0, False
+    for start in range(0, len(text), SCAN_PIECE):
+        parts = text[start:start + SCAN_PIECE].split(b'"')
+        outside = b"".join(parts[1 if inside else 0::2])
+        count += outside.count(b",") + outside.count(b"[") + outside.count(b"{")
+        if count > limit:
+            break
+        inside ^= len(parts) % 2 == 0
+    return count
 
 
 def _refuse_constant(name: str):
@@ -165,6 +202,9 @@ class RequestParser:
     def __init__(self, engine):
         self.engine = engine
         self.sampling_defaults = engine.serving_defaults()
+        # a prompt that fits the context has fewer values than ~4 per token (a message or content part per token at
+        # worst) plus the other fields: json.loads of this many stays within ~10 ms per 10^5 values
+        self.max_values = 4 * engine.context_length + 4096
 
     def refuse_unless(self, param: str, hint: str = "", **request):
         """Ask the engine whether it serves this one field (on a trivially valid prompt) and name the field."""
@@ -181,11 +221,17 @@ class RequestParser:
         if values["top_k"] == -1:  # vLLM's "no limit", which its clients send
             values["top_k"] = 0
         for name, value in values.items():
-            if value is not None:
-                try:
-                    SamplingSettings.build({name: value})
-                except BlockspecError:
-                    raise bad(f"{name}={body[name]}: {RANGES[name]}", name) from None
+            if value is None:
+                continue
+            try:
+                SamplingSettings.build({name: value})
+                valid = name != "top_k" or value <= self.engine.vocab_size
+            except BlockspecError:
+                valid = False
+            if not valid:
+                given = str(body[name])
+                raise bad(f"{name}={given if len(given) <= 40 else given[:40] + '...'}: "
+                          f"{RANGES[name].format(vocab=self.engine.vocab_size)}", name)
         return {**self.sampling_defaults, **{k: v for k, v in values.items() if v is not None}}
 
     def common(self, body: dict, kind: str) -> tuple[bool, bool, str]:
@@ -200,41 +246,58 @@ class RequestParser:
         if best_of != 1:
             raise bad(f"best_of={best_of}: blockspec generates one sequence per request", "best_of")
         logprobs = body.get("logprobs")
-        if logprobs not in (None, False):
+        if logprobs is not None and not isinstance(logprobs, int):
+            raise bad(f"'logprobs' must be a boolean (chat) or an integer (got {_json_type(logprobs)})", "logprobs")
+        if logprobs is not None and logprobs is not False:  # an integer, 0 included, asks for logprobs
             self.refuse_unless("logprobs", logprobs=True)
-        if body.get("top_logprobs") not in (None, 0):
+        if get_int(body, "top_logprobs", 0) != 0:
             self.refuse_unless("top_logprobs", logprobs=True)
         stop = body.get("stop")
-        if stop is not None and not isinstance(stop, (str, list)):
-            raise bad(f"'stop' must be a string or an array of strings (got {_json_type(stop)})", "stop")
-        if stop:
-            self.refuse_unless("stop", stop=stop)
+        if stop is not None:
+            if not (isinstance(stop, str) or isinstance(stop, list) and all(isinstance(s, str) for s in stop)):
+                raise bad(f"'stop' must be a string or an array of strings (got {_json_type(stop)})", "stop")
+            if stop == "" or isinstance(stop, list) and "" in stop:
+                raise bad("'stop' must not hold an empty string", "stop")
+            if stop:
+                self.refuse_unless("stop", stop=stop)
         for name, neutral, bounds in (("frequency_penalty", 0.0, (-2.0, 2.0)), ("presence_penalty", 0.0, (-2.0, 2.0)),
                                       ("repetition_penalty", 1.0, (0.0, math.inf))):
             value = get_number(body, name, neutral, bounds)
             if value != neutral:
                 raise bad(f"{name}={body[name]}: penalties are not supported by blockspec, in any mode (omit {name})",
                           name)
-        if body.get("logit_bias"):
+        if get_object(body, "logit_bias"):
             self.refuse_unless("logit_bias", constraints=True)
         response_format = get_object(body, "response_format")
-        if response_format and response_format.get("type", "text") != "text":
-            self.refuse_unless("response_format", constraints=True)
+        if response_format is not None:
+            if not isinstance(response_format.get("type"), str):
+                raise bad("'response_format' must be an object with a string 'type' ('text'; 'json_object' and "
+                          "'json_schema' are refused)", "response_format")
+            if response_format["type"] != "text":
+                self.refuse_unless("response_format", constraints=True)
         for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar"):
-            if body.get(name):
+            if body.get(name) is not None:
                 self.refuse_unless(name, constraints=True)
-        if body.get("tools"):
-            raise bad("tools: function calling is not supported by blockspec", "tools")
-        if body.get("functions"):
-            raise bad("functions: function calling is not supported by blockspec", "functions")
+        for name in ("tools", "functions"):  # an empty array asks for nothing
+            value = body.get(name)
+            if value is not None and not isinstance(value, list):
+                raise bad(f"'{name}' must be an array (got {_json_type(value)})", name)
+            if value:
+                raise bad(f"{name}: function calling is not supported by blockspec", name)
+        for name in ("tool_choice", "parallel_tool_calls", "function_call"):  # as OpenAI: only beside tools
+            if body.get(name) is not None:
+                raise bad(f"{name}: function calling is not supported by blockspec (omit {name})", name)
         if kind == "completion":
             if get_bool(body, "echo"):
                 raise bad("echo: returning the prompt with the completion is not supported by blockspec", "echo")
-            if body.get("suffix"):
+            suffix = body.get("suffix")
+            if suffix is not None and not isinstance(suffix, str):
+                raise bad(f"'suffix' must be a string (got {_json_type(suffix)})", "suffix")
+            if suffix:
                 raise bad("suffix: insertion (fill-in-the-middle) is not supported by blockspec", "suffix")
         stream = get_bool(body, "stream", False)
         options = get_object(body, "stream_options") or {}
-        include_usage = options.get("include_usage") or False
+        include_usage = options.get("include_usage", False)
         if not isinstance(include_usage, bool):
             raise bad("'stream_options.include_usage' must be a boolean", "stream_options")
         return stream, include_usage, model or self.engine.model_name
@@ -322,7 +385,7 @@ class RequestParser:
 
     def parse(self, raw: bytes, kind: str) -> Prepared:
         """The request body (bytes) as a Prepared job. CPU-heavy (JSON, tokenization): run off the event loop."""
-        body = parse_json(raw)
+        body = parse_json(raw, self.max_values)
         if not isinstance(body, dict):
             raise bad(f"the request body must be a JSON object (got {_json_type(body)})")
         stream, include_usage, model = self.common(body, kind)

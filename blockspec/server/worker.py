@@ -6,12 +6,13 @@ import asyncio
 import logging
 import threading
 import time
+import uuid
 from collections import deque
 from dataclasses import dataclass, field
 
 from ..errors import BlockspecError
 from .connection import ClientLeft
-from .requests import ApiError
+from .requests import ApiError, internal_error
 
 log = logging.getLogger("blockspec.server")
 
@@ -76,7 +77,8 @@ class Worker:
 
     def cancel(self, job: Job) -> str | None:
         """Stop a job whose client left: a queued one leaves the queue at once, a running one gives its place up at
-        once and stops at its next token. Returns the state the job was in when it still had work, else None."""
+        once and stops at its next token or prefill chunk. Returns the state the job was in when it still had work,
+        else None."""
         job.cancelled.set()
         with self.lock:
             if job.state == "queued":
@@ -139,7 +141,8 @@ class Worker:
     def execute(self, job: Job) -> tuple[str, object]:
         """Run one job, streaming its tokens; return its final event: ("done", stats) or ("error", ApiError)."""
         job.started = time.perf_counter()
-        tokens = self.engine.stream(job.prompt_ids, job.max_tokens, **job.sampling, snapshot_at=job.snapshot_at)
+        tokens = self.engine.stream(job.prompt_ids, job.max_tokens, **job.sampling, snapshot_at=job.snapshot_at,
+                                    stop=job.cancelled.is_set)
         try:
             for token in tokens:
                 job.emit("token", token)
@@ -153,9 +156,10 @@ class Worker:
             return "done", stats
         except BlockspecError as exc:
             return "error", ApiError(400, str(exc))
-        except Exception as exc:  # a bug or a device error: the request fails, the server stays up
-            log.exception("generation failed")
-            return "error", ApiError(500, f"generation failed: {type(exc).__name__}: {exc}", type_="server_error")
+        except Exception:  # a bug or a device error: the request fails, the server stays up
+            request_id = uuid.uuid4().hex[:16]
+            log.exception("request %s: generation failed", request_id)
+            return "error", internal_error(request_id)
         finally:
             tokens.close()
 

@@ -1,0 +1,134 @@
+"""Every script in bench/ runs: the H200 measurements' CPU dry runs (tiny shapes, the Triton kernels in the
+interpreter, timers run once), all in one interpreter subprocess (one start of Python, torch and Triton), each
+script as `python bench/SCRIPT.py ARGS` with its own $OUT; each test asserts on what its script wrote. Scripts run
+by other test modules are named in ELSEWHERE, and a script in neither fails `test_every_bench_script_has_a_dry_run`."""
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+from helpers import interpreter_part, patch_triton_interpreter, report_parts, run_in_triton_interpreter
+
+BENCH = Path(__file__).resolve().parent.parent / "bench"
+HELPER_MODULES = {"timing"}  # imported by the scripts, measures nothing
+DRY_RUNS = {  # script: its arguments ({out}: its $OUT)
+    "attention_kernels": ["--dry-run"],
+    "norm_kernel": ["--dry-run"],
+    "linear_kernels": ["--dry-run"],
+    "fp8_kernels": ["--dry-run"],
+    "kernel_schedules": ["--dry-run"],
+    "quant_kernels": [],  # TRITON_INTERPRET=1 alone is its dry run
+    "drafter_training": ["--preset", "tiny", "--seq-len", "64", "--batch-tokens", "64", "--steps", "1",
+                         "--json-out", "{out}/drafter_training.json"],
+    "profile_cycle": ["--dry-run", "--modes", "mtp,dflash2"],
+    # GraphedTarget's CUDA graphs have no CPU path: their imports and their argument check only
+    "step_variants": ["--variants", "no such variant"],
+    "launch_timeline": ["--variants", "no such variant"],
+}
+# no Triton on the CPU: PyTorch's paths, as on a machine without CUDA (not interpreted)
+NATIVE = {"drafter_training", "profile_cycle"}
+ELSEWHERE = {"checkpoint_loading": "test_checkpoint_loading.py", "multi_turn": "test_bench.py",
+             "tree_acceptance": "test_bench.py", "gdn_kernel": "test_tree_gdn_kernel.py"}
+
+
+def _dry_run(script):
+    """In the interpreter subprocess: runs bench/SCRIPT.py as __main__ with its DRY_RUNS arguments, stdout captured;
+    its exit code, stdout's and stderr's ends, the JSON files it wrote under its $OUT and its seconds."""
+    import contextlib
+    import io
+    import runpy
+    import tempfile
+    import time
+
+    out = tempfile.mkdtemp(prefix=f"{script}-")
+    path = str(BENCH / f"{script}.py")
+    argv, sys.argv = sys.argv, [path, *(arg.format(out=out) for arg in DRY_RUNS[script])]
+    os.environ["OUT"], stdout, stderr, code, start = out, io.StringIO(), io.StringIO(), 0, time.perf_counter()
+    if script in NATIVE:  # read at each call (blockspec.kernels.triton_runs_on)
+        del os.environ["TRITON_INTERPRET"]
+    try:
+        with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+            runpy.run_path(path, run_name="__main__")
+    except SystemExit as stop:  # quant_kernels exits with its verdict, a refused argument with 2
+        code = stop.code
+    finally:
+        sys.argv = argv
+        os.environ["TRITON_INTERPRET"] = "1"
+    return {"exit": code, "stdout": stdout.getvalue()[-3000:], "stderr": stderr.getvalue()[-3000:],
+            "seconds": round(time.perf_counter() - start, 1),
+            "json": {f.name: json.loads(f.read_text()) for f in Path(out).glob("*.json")}}
+
+
+@pytest.fixture(scope="module")
+def dry_runs(request):
+    """The dry runs of the scripts whose tests this session runs (after -k / -m)."""
+    scripts = [item.callspec.params["script"] for item in request.session.items
+               if item.module is request.module and item.originalname == "test_dry_run"]
+    return run_in_triton_interpreter(__file__, *scripts)
+
+
+def _max_errors(rows, key):
+    return [row[key] for row in rows.values()]
+
+
+def _refused(run):
+    return run["exit"] == 2 and run["stderr"].startswith("unknown variant 'no such variant'; the variants: mixer BV")
+
+
+CHECKS = {  # script: what its dry run must have written (the JSON files under its $OUT)
+    "attention_kernels": lambda out: (
+        sorted(out["attention_kernels.json"]) == sorted(f"capacity=128 filled=100 T={t} {name}" for t in (1, 8)
+                                                        for name in ("sdpa", "triton"))
+        and max(_max_errors(out["attention_kernels.json"], "max_err")) < 1e-5),
+    "norm_kernel": lambda out: sorted(out["norm_kernel.json"]) == sorted(
+        f"rows={rows} warps={warps}{' (default)' if warps == 16 else ''}" for rows in (1, 8) for warps in (1, 16)),
+    "linear_kernels": lambda out: (
+        sorted(out["linear_kernels.json"]) == ["tiny M=1", "tiny M=8"]
+        and max(_max_errors(out["linear_kernels.json"], "max_err")) < 1e-5),
+    "fp8_kernels": lambda out: (
+        sorted(out["fp8_kernels.json"]) == ["tiny M=1", "tiny M=16"]
+        and max(_max_errors(out["fp8_kernels.json"], "fp8_relative_err")
+                + _max_errors(out["fp8_kernels.json"], "fp8_plain_relative_err")) < 1e-4),
+    "kernel_schedules": lambda out: (
+        [(r.get("kind"), r.get("shape")) for r in out["kernel_schedules.json"][1:]]
+        == [("fp8", "tiny"), ("int4", "tiny"), ("fp8", "gate_up rows 136")]
+        and all(r[v]["max_diff"] < 1e-4 for r in out["kernel_schedules.json"][1:3] for v in ("default", "unbalanced"))),
+    "quant_kernels": lambda out: (
+        out["quant_kernels.json"]["production_failures"] == out["quant_kernels.json"]["alternative_failures"] == []
+        and len(out["quant_kernels.json"]["checks"]) > 20 and all(c["ok"] for c in out["quant_kernels.json"]["checks"])
+        and all(r["rel_err"] < 1e-2 and r["graph_equal"] for r in out["quant_kernels.json"]["records"])),
+    "drafter_training": lambda out: (
+        out["drafter_training.json"]["steps"] == 1 and out["drafter_training.json"]["block_rows_per_step"] == 64),
+    "profile_cycle": lambda out: (
+        set(out["profile_cycle.json"]["results"]) >= {"mtp", "dflash2"}
+        and "verify_8_commit_8_ms" in out["profile_cycle.json"]["results"]["dflash2"]
+        and out["profile_cycle.json"]["kernels"]["mtp mtp_observe_4_chain_3_graph_ms"]["kernels_per_call"] > 0),
+}
+REFUSED = {"step_variants", "launch_timeline"}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("script", list(DRY_RUNS))
+def test_dry_run(dry_runs, script):
+    run = interpreter_part(dry_runs, script)
+    assert _refused(run) if script in REFUSED else run["exit"] == 0 and CHECKS[script](run["json"]), run
+
+
+def test_every_bench_script_has_a_dry_run():
+    """A script added to bench/ without a dry run here or in another test module fails; so does a test module that
+    no longer names the script it is said to run."""
+    scripts = {path.stem for path in BENCH.glob("*.py")} - HELPER_MODULES
+    assert scripts == set(DRY_RUNS) | set(ELSEWHERE) and set(DRY_RUNS).isdisjoint(ELSEWHERE), scripts
+    tests = Path(__file__).parent
+    for script, module in ELSEWHERE.items():
+        assert f'"{script}.py"' in (tests / module).read_text(), (script, module)
+
+
+if __name__ == "__main__":  # python test_bench_scripts.py SCRIPT..., with TRITON_INTERPRET=1
+    sys.path.insert(0, str(BENCH))  # the scripts' `timing` import
+    patch_triton_interpreter()
+    # the native ones last: Triton's jit reads TRITON_INTERPRET when a module is first imported
+    scripts = sorted(sys.argv[1:], key=lambda script: script in NATIVE)
+    report_parts({script: lambda script=script: _dry_run(script) for script in DRY_RUNS}, scripts)
