@@ -7,7 +7,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from .config import SAMPLING_KEYS, PredictConfig
+from .config import MAX_SEED, SAMPLING_KEYS, PredictConfig
 from .errors import BlockspecError
 
 DTYPES = ["float32", "bfloat16", "float16"]
@@ -155,7 +155,7 @@ def check_seed(text: str) -> int:
         seed = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
-    if not 0 <= seed < 2 ** 63:
+    if not 0 <= seed <= MAX_SEED:
         raise argparse.ArgumentTypeError(f"{seed} is outside 0..2^63-1")
     return seed
 

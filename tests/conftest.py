@@ -23,7 +23,7 @@ torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"].split(",")[0]))
 # other test is scheduled on its own. (xdist's --dist loadgroup would say it with marks, but it groups nothing under
 # pytest >= 9.2: github.com/pytest-dev/pytest-xdist/issues/1386.)
 WHOLE_MODULES = ("test_server.py", "test_server_hostile.py", "test_folded_norm.py", "test_tree_attention_kernel.py",
-                 "test_tree_build_kernel.py", "test_tree_gdn_kernel.py")
+                 "test_tree_build_kernel.py", "test_tree_gdn_kernel.py", "test_bench_scripts.py")
 
 
 @pytest.hookimpl(optionalhook=True)

@@ -12,7 +12,7 @@ import torch
 
 from ..checkpoint import load_target, stored_dtype
 from ..cli_common import check_folder
-from ..config import TargetConfig
+from ..config import MAX_SEED, TargetConfig
 from ..engine.state import DecodeState
 from ..engine.target import EagerTarget
 from ..errors import BlockspecError
@@ -75,7 +75,7 @@ def check_run(run: DrafterTraining) -> TargetConfig:
         (run.selector_top_k > target.vocab_size, f"--selector-top-k {run.selector_top_k} exceeds the vocabulary"),
         (run.checkpoint_every < 1, f"--checkpoint-every must be at least 1 (got {run.checkpoint_every})"),
         (run.eval_cuts < 0, f"--eval-cuts must be 0 or more (got {run.eval_cuts})"),
-        (not 0 <= run.seed < 2 ** 63, f"--seed must be in 0..2^63-1 (got {run.seed})"),
+        (not 0 <= run.seed <= MAX_SEED, f"--seed must be in 0..2^63-1 (got {run.seed})"),
         (run.replace_mtp and run.kind != "mtp", "--replace-mtp applies to --kind mtp"),
     ]
     for bad, why in checks:

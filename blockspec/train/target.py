@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from ..config import MAX_SEED
 from ..errors import BlockspecError
 from .data import read_texts, text_files
 from .loop import Trainer, check_output, check_resumed, output_folder, plural, settings_to_save, token_count, \
@@ -64,7 +65,7 @@ def check_run(run: TargetTraining):
         (run.steps < 1 or (run.tokens is not None and run.tokens < 1), "--steps and --tokens must be at least 1"),
         (not run.lr > 0, f"--lr must be positive (got {run.lr})"),
         (run.checkpoint_every < 1, f"--checkpoint-every must be at least 1 (got {run.checkpoint_every})"),
-        (not 0 <= run.seed < 2 ** 63, f"--seed must be in 0..2^63-1 (got {run.seed})"),
+        (not 0 <= run.seed <= MAX_SEED, f"--seed must be in 0..2^63-1 (got {run.seed})"),
     ]
     for bad, why in checks:
         if bad:
