@@ -23,8 +23,9 @@ from pathlib import Path
 
 import torch
 
-from .cli_common import (add_sampling_args, add_weight_args, check_folder, check_output_path, describe_sampling,
-                         sampling_overrides, weight_overrides)
+from .checkpoint import check_folder
+from .cli_common import (add_sampling_args, add_weight_args, check_output_path, describe_sampling, sampling_overrides,
+                         weight_overrides)
 from .config import PredictConfig, SamplingSettings
 from .engine import memory
 from .engine.decode import Proposer

@@ -75,6 +75,16 @@ def generation_defaults(directory: str | Path) -> dict:
     return values
 
 
+def check_folder(flag: str, path: str | Path) -> Path:
+    """An input folder (a checkpoint): a missing path, or a file, refused in one line naming the flag."""
+    path = Path(path)
+    if not path.exists():
+        raise BlockspecError(f"{flag} {path}: no such folder")
+    if not path.is_dir():
+        raise BlockspecError(f"{flag} {path}: is a file, not a folder (give the checkpoint's folder)")
+    return path
+
+
 def checkpoint_files(directory: Path) -> list[Path]:
     if not directory.is_dir():
         raise BlockspecError(f"model directory {directory} does not exist")

@@ -11,8 +11,8 @@ import sys
 from pathlib import Path
 
 from . import __version__
-from .cli_common import (OneLineParser, add_engine_args, check_folder, check_output_path, check_seed, describe_sampling,
-                         engine_config, format_stats, stream_text)
+from .cli_common import (OneLineParser, add_engine_args, check_output_path, check_seed, describe_sampling, engine_config,
+                         format_stats, stream_text)
 from .config import ServerSettings
 from .errors import BlockspecError
 
@@ -86,9 +86,9 @@ def cmd_serve(args):
     from .server import bind_socket, serve  # fails with a one-line hint when the 'serve' extras are missing
     from .engine.engine import Engine
 
-    config = engine_config(args)
     sock = bind_socket(settings.host, settings.port)  # a busy port is refused now, not after the model has loaded
     try:
+        config = engine_config(args)
         engine = Engine(config)
         print(f"blockspec: requests that leave out the sampling fields: {describe_sampling(engine.serving_defaults())}",
               flush=True)
@@ -103,6 +103,7 @@ def comma_list(text: str) -> tuple[str, ...]:
 
 def cmd_draft_vocabulary(args):
     """Count token frequencies over the user's texts and write the most frequent ids (a `draft_vocabulary` file)."""
+    from .checkpoint import check_folder
     from .config import TargetConfig
     from .layers.draft_head import coverage, most_frequent_ids
     from .tokenizer import Tokenizer
@@ -113,14 +114,14 @@ def cmd_draft_vocabulary(args):
     if args.size >= target.vocab_size:
         raise BlockspecError(f"--size {args.size} is not smaller than the vocabulary ({target.vocab_size} ids): "
                              "nothing to leave out (draft_vocabulary 0 proposes over every id)")
-    check_output_path("--out", args.out)
-    tokenizer = Tokenizer(args.model, target.eos_token_ids)
     texts = []
     for name in args.texts:
         try:
             texts.append(Path(name).read_text(encoding="utf-8"))
         except (OSError, UnicodeDecodeError) as exc:
             raise BlockspecError(f"--texts {name}: {getattr(exc, 'strerror', None) or exc}") from None
+    check_output_path("--out", args.out)
+    tokenizer = Tokenizer(args.model, target.eos_token_ids)
     token_lists = [tokenizer.encode(text) for text in texts]
     ids = most_frequent_ids(token_lists, args.size, target.vocab_size, tokenizer.eos_token_ids)
     try:

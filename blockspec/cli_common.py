@@ -134,19 +134,7 @@ def engine_config(args) -> PredictConfig:
         config = PredictConfig.from_yaml(args.config, **overrides)
     else:
         config = PredictConfig.build(overrides, source="command line")
-    if config.model:
-        check_folder("--model" if args.model else f"model (in {args.config})", config.model)
     return config
-
-
-def check_folder(flag: str, path: str | Path) -> Path:
-    """An input folder (a checkpoint): a missing path, or a file, refused in one line naming the flag."""
-    path = Path(path)
-    if not path.exists():
-        raise BlockspecError(f"{flag} {path}: no such folder")
-    if not path.is_dir():
-        raise BlockspecError(f"{flag} {path}: is a file, not a folder (give the checkpoint's folder)")
-    return path
 
 
 def check_seed(text: str) -> int:

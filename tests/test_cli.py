@@ -350,9 +350,9 @@ def one_line_refusal(capsys, argv) -> str:
 
 
 @pytest.mark.parametrize("argv,message", [
-    (["generate", "--model", "{weights}", "--prompt", "a"], "--model {weights}: is a file, not a folder"),
-    (["generate", "--model", "{missing}", "--prompt", "a"], "--model {missing}: no such folder"),
-    (["chat", "--model", "{notes}"], "--model {notes}: is a file, not a folder"),
+    (["generate", "--model", "{weights}", "--prompt", "a"], "model {weights}: is a file, not a folder"),
+    (["generate", "--model", "{missing}", "--prompt", "a"], "model {missing}: no such folder"),
+    (["chat", "--model", "{notes}"], "model {notes}: is a file, not a folder"),
     (["bench", "--model", "{notes}"], "--model {notes}: is a file, not a folder"),
     (["draft-vocabulary", "--model", "{notes}", "--texts", "{notes}", "--out", "{tmp}/v.json"],
      "--model {notes}: is a file, not a folder"),

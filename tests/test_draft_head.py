@@ -153,11 +153,11 @@ def test_draft_vocabulary_command_counts_the_texts(planted, tmp_path, capsys):
     # the file drives proposals as --draft-vocabulary FILE, and bad input is one line with exit code 2
     engine = load(planted, draft_vocabulary=str(out))
     assert engine.proposer.draft_head.ids.tolist() == ids
-    assert main(["draft-vocabulary", "--model", str(planted), "--texts", str(tmp_path / "none.txt"),
+    assert main(["draft-vocabulary", "--model", str(planted), "--texts", str(tmp_path / "none.txt"), "--size", "12",
                  "--out", str(out)]) == 2
     assert main(["draft-vocabulary", "--model", str(planted), "--texts", str(texts), "--size", "0",
                  "--out", str(out)]) == 2
-    assert main(["draft-vocabulary", "--model", str(planted), "--texts", str(texts),
-                 "--out", str(tmp_path / "no" / "such" / "dir.json")]) == 2
+    assert main(["draft-vocabulary", "--model", str(planted), "--texts", str(texts), "--size", "12",
+                 "--out", str(texts / "dir.json")]) == 2
     err = capsys.readouterr().err
     assert "--texts" in err and "--size must be at least 1" in err and "--out" in err and err.count("\n") == 3

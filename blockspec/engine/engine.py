@@ -10,7 +10,7 @@ from typing import Callable
 
 import torch
 
-from ..checkpoint import generation_defaults, load_mtp_head, load_target
+from ..checkpoint import check_folder, generation_defaults, load_mtp_head, load_target
 from ..config import SAMPLING_KEYS, PredictConfig, SamplingSettings
 from ..drafter.model import QUANTIZED_PROJECTIONS, DFlash2Drafter
 from ..errors import BlockspecError, UnsupportedRequest
@@ -77,6 +77,8 @@ class Engine:
         self.config = config
         self.mode = config.decode_mode
         self.check_config(drafter_given=drafter is not None)
+        if model is None:
+            check_folder("model", config.model)
         self.device = resolve_device(config.device)
         self.execution = resolve_execution(config, self.device)
         self.note_ignored_settings()

@@ -10,8 +10,7 @@ from pathlib import Path
 
 import torch
 
-from ..checkpoint import load_target, stored_dtype
-from ..cli_common import check_folder
+from ..checkpoint import check_folder, load_target, stored_dtype
 from ..config import MAX_SEED, TargetConfig
 from ..engine.state import DecodeState
 from ..engine.target import EagerTarget
