@@ -53,10 +53,12 @@ def code_fixtures(path: str) -> list[dict]:
     else:
         files = text_files([path], flag="--fixtures")
         files = sorted(random.Random(0).sample(files, min(CODE_FIXTURE_FILES, len(files))))
+    stems = [file.stem for file in files]
     fixtures = []
-    for file in files:
+    for file in files:  # the file's stem, or with its folder where two stems are alike (__init__)
         text = file.read_text(encoding="utf-8", errors="replace")
-        fixtures.append({"name": file.stem[:12], "prompt": text[:CODE_PROMPT_CHARS], "text": text, "chat": False})
+        name = file.stem if stems.count(file.stem) == 1 else f"{file.parent.name}/{file.stem}"
+        fixtures.append({"name": name, "prompt": text[:CODE_PROMPT_CHARS], "text": text, "chat": False})
     return fixtures
 
 
@@ -369,6 +371,9 @@ def bench(args) -> dict:
     bandwidth = args.bandwidth or measure_read_bandwidth(resolve_device(args.device))
     budgets = tree_budgets(args.tree_budget)
     runs = [(m, b) for m in ["none"] + [m for m in modes if m != "none"] for b in (budgets if m == "dflash2" else [0])]
+    # the name columns as wide as the longest name the rows will hold
+    widths = {"mode": max(len(f"{m}:{b}" if b else m) for m, b in runs),
+              "fixture": max(len(f["name"]) for f in fixtures)}
     for mode, budget in runs:
         if mode not in modes and args.forced_acceptance is None:
             continue
@@ -392,7 +397,7 @@ def bench(args) -> dict:
             if args.synthetic and rates is None and any(m != "none" for m in modes):
                 results["note"] = RANDOM_ACCEPTANCE_NOTE
                 print(RANDOM_ACCEPTANCE_NOTE)
-            print(format_header(), flush=True)
+            print(format_header(widths), flush=True)
         for fixture in fixtures:
             ids = (engine.tokenizer.encode(fixture["prompt"]) if fixture.get("chat") is False else
                    engine.tokenizer.chat_prompt_ids([{"role": "user", "content": fixture["prompt"]}]))
@@ -408,7 +413,7 @@ def bench(args) -> dict:
                     row["repeats_split"] = summarize_generations([repeat_split(
                         ids, measured[0].tokens, measured[0].stats["accepted_per_cycle"])])
                 results["rows"].append(row)
-                print(format_row(row), flush=True)
+                print(format_row(row, widths), flush=True)
         if args.one_cycle and mode != "none" and mode in modes:
             sequences = [engine.tokenizer.encode(f.get("text", f["prompt"])) for f in fixtures]
             for sampling in variants:  # "MODE" greedy, "MODE sampled" with the flags' sampling
@@ -468,22 +473,27 @@ COLUMNS = [  # header, width, how a row's value is shown ("-" when the row has n
     ("sampling", -8, lambda r: "greedy" if r["sampling"]["temperature"] == 0 else "sampled"),
     ("x greedy", 9, lambda r: f"{r['cost_vs_greedy']:.4f}" if "cost_vs_greedy" in r else None),
 ]
-# mode: dflash2:N a tree of N draft nodes per cycle; tok/s: median decode tokens/s; GB/s: the weight bandwidth that speed implies (plain-step bytes x tokens/s);
+# mode: dflash2:N a tree of N draft nodes per cycle; tok/s: median decode tokens/s; GB/s: the weight bandwidth that
+# speed implies (plain-step bytes x tokens/s);
 # roofline: % of the read bandwidth measured in the same run; accept: accepted / proposed; cycle ms, x plain: one
 # speculative cycle and its cost in plain decode steps (of the same sampling); x greedy (--compare-greedy): a sampled
 # cycle's (plain: step's) cost relative to the greedy one of the same mode and fixture
 
 
-def _cells(values) -> str:
-    return "  ".join(f"{v:<{-w}}" if w < 0 else f"{v:>{w}}" for v, (_, w, _) in zip(values, COLUMNS)).rstrip()
+def _cells(values, widths: dict) -> str:
+    """One line of the table; `widths` widens the named left-aligned columns (mode, fixture) to fit their values."""
+    cells = []
+    for v, (name, w, _) in zip(values, COLUMNS):
+        cells.append(f"{v:<{max(-w, widths.get(name, 0))}}" if w < 0 else f"{v:>{w}}")
+    return "  ".join(cells).rstrip()
 
 
-def format_header() -> str:
-    return _cells([name for name, _, _ in COLUMNS])
+def format_header(widths: dict | None = None) -> str:
+    return _cells([name for name, _, _ in COLUMNS], widths or {})
 
 
-def format_row(row) -> str:
-    return _cells([(show(row) or "-") for _, _, show in COLUMNS])
+def format_row(row, widths: dict | None = None) -> str:
+    return _cells([(show(row) or "-") for _, _, show in COLUMNS], widths or {})
 
 
 def draw_chart(results, path):
@@ -493,16 +503,17 @@ def draw_chart(results, path):
 
     fixtures = list(dict.fromkeys(r["fixture"] for r in results["rows"]))
     modes = list(dict.fromkeys(r["mode"] for r in results["rows"]))
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig, ax = plt.subplots(figsize=(max(7, 0.9 * len(fixtures) + 2), 4.5))
     width = 0.8 / max(len(modes), 1)
     for i, mode in enumerate(modes):
         values = [next((r["decode_tokens_per_s"] for r in results["rows"]
                         if r["mode"] == mode and r["fixture"] == f), 0) for f in fixtures]
         ax.bar([j + i * width for j in range(len(fixtures))], values, width, label=mode)
-    ax.set_xticks([j + width * (len(modes) - 1) / 2 for j in range(len(fixtures))], fixtures)
+    ax.set_xticks([j + width * (len(modes) - 1) / 2 for j in range(len(fixtures))], fixtures,
+                  rotation=30 if len(fixtures) > 4 else 0, ha="right" if len(fixtures) > 4 else "center")
     ax.set_ylabel("decode tokens/s (median)")
     ax.set_title(results["label"], fontsize=9)
-    ax.legend()
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0))  # beside the bars, never over one
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)

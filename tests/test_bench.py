@@ -254,3 +254,25 @@ def test_tree_acceptance_bench_runs_on_the_cpu(tiny_checkpoint, tiny_drafter, tm
     assert [written[b]["cuts"] for b in ("0", "4", "12")] == [6, 6, 6]
     assert lengths == [summary["budgets"][b]["mean_accepted_length"] for b in (0, 4, 12)]
     assert 1.0 <= lengths[0] <= lengths[1] <= lengths[2], lengths
+
+
+def test_table_columns_fit_long_names_and_fixture_names_stay_whole(tmp_path):
+    """The mode and fixture columns widen to the longest name (every value stays under its header), and a
+    directory's files keep their whole stems, with the folder where two stems are alike."""
+    from blockspec.bench import code_fixtures, format_header, format_row
+
+    row = {"mode": "dflash2:32", "fixture": "a_rather_long_module_name", "decode_tokens_per_s": 12.5,
+           "weight_gb_s": 1.0, "roofline_pct": None, "acceptance_rate": 0.5, "cycle_ms": 2.0,
+           "cycle_vs_plain_step": 1.1, "generated": 4, "prefill_s": 0.1, "sampling": {"temperature": 0}}
+    widths = {"mode": len(row["mode"]), "fixture": len(row["fixture"])}
+    header, line = format_header(widths), format_row(row, widths)
+    assert line.split()[:3] == ["dflash2:32", "a_rather_long_module_name", "12.50"]
+    for column in ("tok/s", "accept", "x plain"):  # right-aligned: a value ends where its header ends
+        end = header.index(column) + len(column)
+        assert line[end - 1] != " " and line[end] == " ", (column, header, line)
+    for folder in ("pkg_a", "pkg_b"):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "__init__.py").write_text("x = 1\n" * 50)
+    (tmp_path / "pkg_a" / "a_rather_long_module_name.py").write_text("y = 2\n" * 50)
+    names = sorted(f["name"] for f in code_fixtures(str(tmp_path)))
+    assert names == ["a_rather_long_module_name", "pkg_a/__init__", "pkg_b/__init__"]
