@@ -4,10 +4,11 @@ in one CUDA graph, median of replays):
   - the recurrence alone for each (BLOCK_V, num_warps), against the state's bytes (read + write);
   - the layer's mixer as three launches (conv, recurrence, gated norm) against one (`short_pass`) per config;
   - the conv kernel alone for each channel block (BLOCK_C) and num_warps;
-  - the draft-tree mixer (`tree_pass`: conv, then the preorder recurrence + norm) at 9 nodes (the drafter's chain),
-    17, 33, 49 and 64: the drafter's shape (its chain to depth 8, then nodes hanging best first, shallow ones first)
-    and the comb (a spine of T/2 + 1 nodes with a leaf on each: every stack slot used, a saved state reloaded for
-    each leaf); each against the reference (max abs error of layer 0's output).
+  - the draft-tree mixer (`tree_pass`: conv, then the closed-form recurrence + norm) at 9 nodes (the drafter's
+    chain), 17, 33 and 64 (the closed form's matrices cover the T - 1 nodes below the root, padded to 16, 32, 64):
+    the drafter's shape (its chain to depth 8, then nodes hanging best first, shallow ones first) and the comb (a
+    spine of T/2 + 1 nodes with a leaf on each: as deep as a tree of T nodes with leaves gets), for each config
+    (BV, warps, precision); each against the reference (max abs error of layer 0's output).
 Usage (GPU; under a minute on an H200 either way): python bench/gdn_kernel.py [--parts recurrence,mixer,conv] or
 --parts tree; JSON to $OUT/gdn_kernel.json.
 """
@@ -27,8 +28,10 @@ from blockspec.layers.tree import TreeLayout
 
 HK, DK, HV, DV, LAYERS, TAPS = 16, 128, 48, 128, 48, 4
 CHANNELS = 2 * HK * DK + HV * DV
-TREE_SIZES = (9, 17, 33, 49, 64)
-TREE_CONFIGS = ((16, 1),)  # (BV, warps): tree_pass's default
+TREE_SIZES = (9, 17, 33, 64)
+# (BV, warps, tl.dot's precision); tree_pass's default first
+TREE_CONFIGS = ((64, 8, "tf32x3"), (64, 4, "tf32x3"), (128, 8, "tf32x3"), (32, 4, "tf32x3"), (64, 8, "tf32"),
+                (128, 8, "tf32"))
 
 
 def main(parts):
@@ -132,30 +135,30 @@ def trees(report, dev, dtype, shape=(HK, DK, HV, DV), layers=LAYERS, sizes=TREE_
             for i in range(1, t):
                 depth[i] = depth[parents[i]] + 1
             children = [parents[1:].count(i) for i in range(t)]
-            # the preorder walk's scratch traffic: a state tile saved per branching node, reloaded per later child
             print(f"T={t} {kind}: depth {max(depth)}, {children.count(0)} leaves, "
                   f"{sum(c > 1 for c in children)} branching nodes", flush=True)
             parents = torch.tensor(parents, device=dev)
-            rows = TreeLayout.build(parents, torch.tensor(depth, device=dev), 0, TAPS).window_rows
+            tree = TreeLayout.build(parents, torch.tensor(depth, device=dev), 0, TAPS, max(depth))
             proj = torch.randn(t, channels + 2 * hv * dv, generator=gen).to(dev, dtype)  # qkv | z | (b, a)
             x, z = proj[:, :channels], proj[:, channels:channels + hv * dv].view(t, hv, dv)
             gates = ("ab", proj[:, -2 * hv:-hv], proj[:, -hv:], a_log, dt_bias)
             windows = [torch.empty(TAPS - 1 + t, channels, device=dev, dtype=dtype) for _ in range(layers)]
             mixeds = [torch.empty(t, channels, device=dev, dtype=dtype) for _ in range(layers)]
             gate_bufs = [(torch.empty(t, hv, device=dev), torch.empty(t, hv, device=dev)) for _ in range(layers)]
-            mixed, _ = gdn.causal_conv1d_tree_reference(x, histories[0], conv_w, rows)
+            mixed, _ = gdn.causal_conv1d_tree_reference(x, histories[0], conv_w, tree.window_rows)
             g, beta = gdn.deltanet_gates.reference(*gates[1:])
             reference = gdn.gated_delta_tree_reference(*gdn.deltanet_qkv.reference(mixed, *shape), g, beta, states[0],
                                                        parents).to(dtype)
             reference = gated_rms_norm_reference.reference(reference, z, norm_w, 1e-6).float()
-            for block_v, warps in configs:
-                def run(bv=block_v, w=warps):
-                    return [tree_pass(x, histories[i], conv_w, gates, states[i], shape, z, norm_w, 1e-6, rows,
-                                      parents, windows[i], mixeds[i], gate_bufs[i], block_v=bv, num_warps=w)[0]
+            for block_v, warps, precision in configs:
+                def run(bv=block_v, w=warps, p=precision):
+                    return [tree_pass(x, histories[i], conv_w, gates, states[i], shape, z, norm_w, 1e-6,
+                                      tree.window_rows, tree.ancestors, tree.max_depth, windows[i], mixeds[i],
+                                      gate_bufs[i], block_v=bv, num_warps=w, precision=p)[0]
                             for i in range(layers)]
                 err = (run()[0].float() - reference).abs().max().item()
                 us = replay_ms(run) * 1e3 / layers if timed else float("nan")
-                report(f"T={t} {kind} tree BLOCK_V={block_v} warps={warps}", us, err)
+                report(f"T={t} {kind} tree BLOCK_V={block_v} warps={warps} {precision}", us, err)
 
 
 if __name__ == "__main__":

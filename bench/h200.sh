@@ -106,7 +106,7 @@ for part in ${PARTS:-bf16 warm int4 vocab}; do
     sweep) kernel_bench quant_sweep ${SWEEP_S:-300} quant_kernels --sweep ;;
     attention) kernel_bench attention_kernels 60 attention_kernels ;;
     gdn) kernel_bench gdn_kernel 60 gdn_kernel ;;
-    gdn_tree) kernel_bench gdn_tree 90 gdn_kernel --parts tree ;;
+    gdn_tree) kernel_bench gdn_tree 300 gdn_kernel --parts tree ;;
     norm) kernel_bench norm_kernel 40 norm_kernel ;;
     linear) kernel_bench linear_kernels ${LINEAR_S:-150} linear_kernels ${LINEAR_ARGS:-} ;;
     profile) kernel_bench profile_cycle ${PROFILE_S:-300} profile_cycle ${PROFILE_ARGS:-} ;;

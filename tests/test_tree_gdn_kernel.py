@@ -1,11 +1,11 @@
-"""The DeltaNet mixer of a draft-tree pass (kernels/gdn_triton.py `tree_pass`: the tree conv, then the preorder walk
-with its stack of saved states) against its reference (the tree conv, per-node recurrence from the parent's state,
-gated norm of kernels/gdn.py), through the Triton interpreter in a subprocess: random trees, the drafter's shape (its
-chain, then shallow nodes) at 1..64 nodes, a comb (the drafter's chain first, then a leaf on each chain node: every
-stack slot used), a chain (also equal to the chain's reference), gates computed and stored or given; out, window,
-conv output, gates, and the committed state untouched. Outputs the kernel allocates start as NaN: a row no program
-writes fails. And the reference itself, independently: each node's output is the chain reference run over that
-node's path alone."""
+"""The DeltaNet mixer of a draft-tree pass (kernels/gdn_triton.py `tree_pass`: the tree conv, then the recurrence
+solved in closed form under ancestor masks) against its reference (the tree conv, per-node recurrence from the
+parent's state, gated norm of kernels/gdn.py), through the Triton interpreter in a subprocess: random trees, the
+drafter's shape (its chain, then shallow nodes) at 1..64 nodes, a comb (a chain first, then a leaf on each chain
+node), a chain (also equal to the chain's reference), gates computed and stored or given; out, window, conv output,
+gates, and the committed state untouched; each with the tightest depth bound, so a closed form with a product too
+few fails. Outputs the kernel allocates start as NaN: a row no program writes fails. And the reference itself,
+independently: each node's output is the chain reference run over that node's path alone."""
 
 import sys
 
@@ -19,16 +19,18 @@ from blockspec.kernels.norm import gated_rms_norm_reference
 from blockspec.layers.tree import TreeLayout
 
 TAPS = 4
-SMALL = [  # (key heads, key dim, value heads, value dim, nodes, tree, BLOCK_V, gates)
-    (2, 16, 4, 16, 1, "random", 8, "ab"), (2, 16, 4, 16, 8, "random", 8, "ab"),
-    (2, 16, 4, 16, 8, "random", 16, "given"), (2, 16, 4, 16, 12, "chain", 8, "ab"),
+SMALL = [  # (key heads, key dim, value heads, value dim, nodes, tree, BLOCK_V, gates); 32 over 16: two slices
+    (2, 16, 4, 16, 1, "random", 16, "ab"), (2, 16, 4, 32, 8, "random", 64, "ab"),
+    (2, 16, 4, 16, 8, "random", 16, "given"), (2, 16, 4, 32, 12, "chain", 16, "ab"),
     (2, 16, 4, 16, 33, "random", 16, "ab"),
 ]
-LARGE = [  # every stack slot; the 27B's grouping (3 value heads a key head) with dims that are not powers of two
-    (2, 16, 4, 16, 33, "comb", 16, "ab"), (2, 24, 6, 20, 17, "random", 8, "ab"),
+LARGE = [  # a comb 16 deep; the 27B's grouping (3 value heads a key head) with dims that are not powers of two; key
+    # channels in two loads (the second part-masked)
+    (2, 16, 4, 16, 33, "comb", 16, "ab"), (2, 24, 6, 20, 17, "random", 16, "ab"),
+    (1, 48, 2, 16, 24, "drafted", 16, "ab"),
 ]
 TREES = [  # 1..64 nodes: the drafter's shape (depth <= 8), a 20-deep chain, a deep random tree; two value slices
-    (1, 16, 2, 16, t, kind, 8, "ab") for t, kind in [
+    (1, 16, 2, 32, t, kind, 16, "ab") for t, kind in [
         (1, "drafted"), (2, "drafted"), (3, "drafted"), (5, "drafted"), (9, "drafted"), (17, "drafted"),
         (33, "drafted"), (64, "drafted"), (20, "chain"), (28, "random")]
 ]
@@ -58,10 +60,11 @@ def tree_parents(kind: str, t: int, gen) -> torch.Tensor:
 
 
 def layout(parents: torch.Tensor) -> TreeLayout:
+    """The tree's layout, its depth bound the deepest node's depth (the tightest the kernel's closed form takes)."""
     depth = torch.zeros_like(parents)
     for i in range(1, parents.shape[0]):
         depth[i] = depth[parents[i]] + 1
-    return TreeLayout.build(parents, depth, 0, TAPS)
+    return TreeLayout.build(parents, depth, 0, TAPS, int(depth.max()))
 
 
 def inputs(hk, dk, hv, dv, t, seed):
@@ -124,7 +127,8 @@ def _kernel_cases(cases):  # in the interpreter subprocess
     for i, (hk, dk, hv, dv, t, kind, block_v, gate_kind) in enumerate(cases):
         args, gen = inputs(hk, dk, hv, dv, t, seed=100 * i + t)
         parents = tree_parents(kind, t, gen)
-        rows = layout(parents).window_rows
+        tree = layout(parents)
+        rows = tree.window_rows
         ref_out, ref_window, ref_mixed, ref_g, ref_beta = reference(args, rows, parents)
         committed = args["state"].clone()
         window, mixed = torch.full_like(ref_window, float("nan")), torch.full_like(ref_mixed, float("nan"))
@@ -133,7 +137,8 @@ def _kernel_cases(cases):  # in the interpreter subprocess
             args["gates"] = ("given", ref_g, ref_beta)
             g_buf, beta_buf = ref_g, ref_beta
         with mock.patch.object(gdn_triton, "torch", _NaNEmpty()):
-            out, returned = gdn_triton.tree_pass(**args, window_rows=rows, parents=parents, window_out=window,
+            out, returned = gdn_triton.tree_pass(**args, window_rows=rows, ancestors=tree.ancestors,
+                                                 max_depth=tree.max_depth, window_out=window,
                                                  mixed_out=mixed,
                                                  gates_out=(g_buf, beta_buf) if gate_kind == "ab" else None,
                                                  block_v=block_v)
@@ -145,7 +150,7 @@ def _kernel_cases(cases):  # in the interpreter subprocess
         if kind == "chain":
             r["chain"] = _err(out, chain_reference(args))
         if i == 1 and cases is SMALL:  # deltanet_tree_mixer takes the kernel wherever Triton runs
-            r["dispatched"] = _err(gdn.deltanet_tree_mixer(**args, window_rows=rows, parents=parents)[0], out)
+            r["dispatched"] = _err(gdn.deltanet_tree_mixer(**args, tree=tree)[0], out)
         results.append(r)
     return results
 
@@ -164,9 +169,9 @@ def _bench_dry_run():  # in the interpreter subprocess: bench/gdn_kernel.py's tr
     def report(key, us, err, extra=""):
         reported[key] = err
 
-    # BV 8 beside the default: two value slices a head, so the last-arriving slice norms the others' rows
-    module.trees(report, torch.device("cpu"), torch.float32, shape=(1, 16, 2, 16), layers=1, sizes=(9, 17),
-                 configs=module.TREE_CONFIGS + ((8, 1),), timed=False)
+    # value dim 32: with BV 16 two value slices a head, so the last-arriving slice norms the others' rows
+    module.trees(report, torch.device("cpu"), torch.float32, shape=(1, 16, 2, 32), layers=1, sizes=(9, 17),
+                 configs=((16, 4, "tf32x3"), (32, 4, "tf32")), timed=False)
     return reported
 
 
@@ -202,7 +207,7 @@ def test_tree_pass_large_trees_in_interpreter(interpreted):
 
 @pytest.mark.slow
 def test_tree_pass_over_trees_of_1_to_64_nodes_in_interpreter(interpreted):
-    """The preorder walk against the reference over trees of 1..64 nodes, shallow and deep."""
+    """The closed form against the reference over trees of 1..64 nodes, shallow and deep."""
     _check(interpreter_part(interpreted, "trees"), TREES)
 
 
@@ -213,7 +218,7 @@ def test_bench_tree_part_dry_run_in_interpreter(interpreted):
     reported = interpreter_part(interpreted, "bench")
     assert list(reported) == [f"T={t} {kind} tree {config}" for t, kind in [(9, "drafted"), (17, "drafted"),
                                                                              (17, "comb")]
-                              for config in ("BLOCK_V=16 warps=1", "BLOCK_V=8 warps=1")], reported
+                              for config in ("BLOCK_V=16 warps=4 tf32x3", "BLOCK_V=32 warps=4 tf32")], reported
     assert all(err < 1e-4 for err in reported.values()), reported
 
 
@@ -224,7 +229,7 @@ def test_tree_reference_is_the_chain_along_each_path(kind, t):
     args, gen = inputs(2, 16, 6, 12, t, seed=t)
     parents = tree_parents(kind, t, gen)
     committed = args["state"].clone()
-    out, window = gdn.deltanet_tree_mixer(**args, window_rows=layout(parents).window_rows, parents=parents)
+    out, window = gdn.deltanet_tree_mixer(**args, tree=layout(parents))
     for i in range(t):
         path = [i]
         while path[-1] != 0:

@@ -45,7 +45,7 @@ class EagerTarget:
         for DecodeState.commit_path. The walk is greedy, or sampled with a sampler (not greedy) and the chain's draft
         (candidate ids, q), its uniforms drawn from the sampler."""
         start = self.state.begin(tree.size)
-        layout = TreeLayout.build(tree.parents, tree.depth, start, self.model.config.linear_conv_kernel_dim)
+        layout = TreeLayout.build(tree.parents, tree.depth, start, self.model.config.linear_conv_kernel_dim, depth)
         out = self.model(tree.tokens, self.state.layers, start=start, capture=self.capture, tree=layout)
         if sampler is None:
             return out, layout, walk(out.logits, tree, depth)
@@ -82,7 +82,7 @@ class GraphedTarget(EagerTarget):
         kernel = self.model.config.linear_conv_kernel_dim
 
         def run():
-            layout = TreeLayout.build(tree.parents, tree.depth, start, kernel)
+            layout = TreeLayout.build(tree.parents, tree.depth, start, kernel, depth)
             out = self.model(tree.tokens, self.state.layers, capture=self.capture, tree=layout)
             return out, layout, walk(out.logits, tree, depth)
         graph, outputs = graphs.capture(run, warmup, self.pool)

@@ -173,17 +173,18 @@ def delta_step(state, q, k, v, g, beta):
     return state, torch.einsum("...hk,...hkv->...hv", q, state)
 
 
-def deltanet_tree_mixer(x, history, conv_weight, gates, state, shape, z, norm_weight, eps, window_rows, parents,
-                        window_out=None, mixed_out=None, gates_out=None):
-    """deltanet_mixer over a draft tree's nodes (layers/tree.py): the conv and the recurrence follow each node's
-    path; the committed state is left as it is. Returns (out [T, Hv, Dv] in x's dtype, window). On CUDA: one Triton
-    kernel (gdn_triton.tree_pass); else the reference chain (tree conv, per-node recurrence, gated norm)."""
+def deltanet_tree_mixer(x, history, conv_weight, gates, state, shape, z, norm_weight, eps, tree, window_out=None,
+                        mixed_out=None, gates_out=None):
+    """deltanet_mixer over a draft tree's nodes, laid out by `tree` (layers/tree.py TreeLayout): the conv and the
+    recurrence follow each node's path; the committed state is left as it is. Returns (out [T, Hv, Dv] in x's
+    dtype, window). On CUDA: two Triton kernels (gdn_triton.tree_pass); else the reference chain (tree conv,
+    per-node recurrence, gated norm)."""
     if (x.shape[0] <= gdn_triton.MAX_TREE_NODES and gdn_triton.available(x) and x.stride(-1) == 1
             and z.stride(-1) == 1):
-        return gdn_triton.tree_pass(x, history, conv_weight, gates, state, shape, z, norm_weight, eps, window_rows,
-                                    parents, window_out, mixed_out, gates_out)
-    mixed, window = causal_conv1d_tree(x, history, conv_weight, window_rows, window_out, mixed_out)
-    out = gated_delta_tree(mixed, gates, state, shape, parents, gates_out, x.dtype)
+        return gdn_triton.tree_pass(x, history, conv_weight, gates, state, shape, z, norm_weight, eps,
+                                    tree.window_rows, tree.ancestors, tree.max_depth, window_out, mixed_out, gates_out)
+    mixed, window = causal_conv1d_tree(x, history, conv_weight, tree.window_rows, window_out, mixed_out)
+    out = gated_delta_tree(mixed, gates, state, shape, tree.parents, gates_out, x.dtype)
     return gated_rms_norm(out, z, norm_weight, eps), window
 
 

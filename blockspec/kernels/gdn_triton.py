@@ -18,8 +18,8 @@ replays from), and the gated output norm (the last program of a value head to fi
 norms the head's whole output). That is 3 launches -> 1 per layer, 48 per 27B step.
 
 `tree_pass` is the mixer of a draft-tree pass (each node's conv and recurrence along its own path): the tree conv,
-then one recurrence launch that walks the tree in preorder with a stack of saved states (T steps, nothing
-recomputed), and norms.
+then one launch that solves the recurrence over the whole tree in closed form (matrix products under ancestor
+masks, no serial steps) and norms.
 """
 
 from __future__ import annotations
@@ -94,45 +94,40 @@ def short_pass(x, history, conv_weight, gates, state_in, state_out, shape, z, no
     return out, window
 
 
-def tree_pass(x, history, conv_weight, gates, state, shape, z, norm_weight, eps, window_rows, parents,
-              window_out=None, mixed_out=None, gates_out=None, block_v=None, num_warps=None):
+def tree_pass(x, history, conv_weight, gates, state, shape, z, norm_weight, eps, window_rows, ancestors, max_depth,
+              window_out=None, mixed_out=None, gates_out=None, block_v=None, num_warps=None, precision=None):
     """A DeltaNet layer's mixer over a draft tree's T <= 64 nodes (layers/tree.py): the contract of
     blockspec.kernels.gdn.deltanet_tree_mixer. Node i convolves the rows window_rows[i] [K] of [history; x] and
     steps from its parent's state (the root from the committed `state` [Hv, Dk, Dv] float32, which is left as it
-    is: a kept path is replayed at commit); parents[i] < i for i > 0, parents[0] = 0. Gates, z and the norm as
-    `short_pass`. Writes the window [K-1+T, C], the conv output [T, C] and the gates (computed ones) into the given
-    buffers (or scratch); returns (out [T, Hv, Dv] in x's dtype, window). No host synchronisation and no ordering
-    tensor: CUDA-graph capturable.
+    is: a kept path is replayed at commit); ancestors [T, T] bool: node j on node i's path (i included), no node
+    deeper than max_depth. Gates, z and the norm as `short_pass`. Writes the window [K-1+T, C], the conv output
+    [T, C] and the gates (computed ones) into the given buffers (or scratch); returns (out [T, Hv, Dv] in x's
+    dtype, window). No host synchronisation: CUDA-graph capturable.
 
     Two launches: the conv (`_tree_conv_kernel`, nodes x channel blocks), then the recurrence with the gated output
-    norm (`_tree_kernel`, programs (value head, BV slice) as `short_pass`'s, the head's last program norming its
-    rows). The conv stays out of the recurrence kernel because there every program of a key head convolves its
-    q/k channels again (24 programs a key head on the 27B), node after node: on the H200 that fused form cost
-    50.9 / 100.4 us per 27B layer at 17 / 33 nodes against 24.6 / 52.1 for these two launches.
+    norm (`_tree_kernel`, programs (value head, BV slice), the head's last program norming its rows). The conv stays
+    out of the recurrence kernel because there every program of a key head would convolve its q/k channels again.
 
-    The recurrence takes T steps, not T x depth: each program walks the tree once in DFS preorder, worked out
-    in-kernel from `parents`, and its state tile stays in registers from a node to its first child. A node with
-    several children stores its state in a slot of a global scratch (`tree_stack`); each later child (a node that
-    follows a leaf) reloads it. The slot is the number of such branching ancestors: at most (T-3)/2 for a branching
-    node (each one on its path has a child off the path), so (T-1)//2 slots hold any tree (a depth bound would
-    serve too, but the kernel is not told the depth). The next node's conv rows and its parent's saved tile are
-    loaded before the current step's arithmetic, which hides their latency. Scratch traffic per layer: one state
-    tile per branching node written and one per node that follows a leaf read, each Hv x Dk x Dv x 4 bytes = 3.1 MB
-    at the 27B's shapes (Hv 48, Dk = Dv = 128), mostly from L2 since the writer reads it back. A tree with b
-    branching nodes and l leaves moves (b + l - 1) x 3.1 MB: none for a chain, 97 MB for the 27B's 33-node comb
-    (a chain of 15 with a leaf on each node, b = 15, l = 17). The scratch holds (T-1)//2 tiles (25 / 50 / 97 MB at
-    17 / 33 / 64 nodes), allocated once per device and shared by every layer. Measured on the H200 (us per 27B
-    layer, 48 layers in one graph, the whole tree pass): 8-node chain 15.7 (chain kernels: recurrence alone 11.2,
-    three launches 17.4, `short_pass` 26.8); 17 nodes (chain of 15 + a leaf) 24.6; 33 nodes 40.4 (b 7, l 10) to
-    52.1 (the comb), of which the recurrence 37.6 at 33 nodes: its T serial steps.
+    The recurrence is solved in closed form over the whole tree at once instead of stepping node by node. The
+    root takes its one step (S_r = e^g_0 (I - b_0 k_0 k_0^T) S_0 + b_0 k_0 v_0^T, kept as S_0 and a rank-one term);
+    below it, along a path, the gated delta rule S_i = e^g_i (I - b_i k_i k_i^T) S_parent + b_i k_i v_i^T unrolls to
+        S_i = d_i S_r + sum_{j on i's path} (d_i / d_j) k_j u_j^T,   d_i = exp(sum of g over i's path below the root),
+        u_i = b_i (v_i - d_i S_r^T k_i - sum_{j strict ancestor of i} (d_i / d_j) (k_i . k_j) u_j),
+    so (I + A) U = R with A[i, j] = b_i (d_i / d_j) (k_i . k_j) on strict ancestors only, and
+        o_i = d_i S_r^T q_i + sum_{j on i's path} (d_i / d_j) (q_i . k_j) u_j:
+    the tree form of the chunked delta rule (fla's chunk kernels use the causal mask where these use the ancestor
+    masks). A is nilpotent (a product of n factors follows n strict-ancestor steps: A^D = 0 when no node lies deeper
+    than D), so (I + A)^-1 = (I - A)(I + A^2)(I + A^4)..., bit_length(D - 1) factors applied to R by as many matrix
+    products. Every step is a matrix product on the tensor cores over the T - 1 nodes below the root (padded to 16,
+    32 or 64: the root's own step keeps 17 and 33 nodes at 16 and 32); nothing runs T serial steps and no state per
+    node is kept. The products take TF32 on bfloat16 / float16 activations (relative error ~2^-11, under the
+    output's own rounding at 2^-9; the committed state is never built from them: a kept path is replayed) and
+    TF32x3 on float32 ones (about float32's precision, three TF32 products a product).
 
-    Not chosen: recomputing along each leaf's path (each leaf's programs run the recurrence from the committed state
-    down its path: latency of the depth, work the sum of the paths; bitwise the same outputs) measured slower on
-    every tree, drafted or comb, 9 to 64 nodes (the whole tree pass, us per 27B layer, its best BV and warps against
-    this kernel's BV 16, 1 warp): 50.2 against 40.6 at 33 drafted nodes, 94.0 against 68.6 at 64, 201.0 against
-    101.6 at a 64-node comb.
-
-    bench/gdn_kernel.py --parts tree times it on the 27B's shapes."""
+    Measured on the H200 (bench/gdn_kernel.py --parts tree; us per 27B layer, 48 layers in one graph, the whole
+    tree pass with its conv and norm): 21.5 / 24.9 / 34.1 at 17 / 33 / 64 drafted nodes, where the preorder walk it
+    replaced (one delta step a node, a stack of saved states in a scratch) took 25.6 / 40.7 / 68.8: its T serial
+    steps. At 9 nodes (16 padded rows) 20.8 against the walk's 17.5: the products' fixed cost."""
     t, channels = x.shape
     if t > MAX_TREE_NODES:
         raise ValueError(f"a tree pass runs at most {MAX_TREE_NODES} nodes, got {t}")
@@ -142,39 +137,30 @@ def tree_pass(x, history, conv_weight, gates, state, shape, z, norm_weight, eps,
     mixed = mixed_out if mixed_out is not None else x.new_empty(t, channels)
     out = torch.empty(t, value_heads, value_dim, device=x.device, dtype=x.dtype)
     b, a, a_log, dt_bias, g_buf, beta_buf = _gate_args(gates, gates_out, out)
-    slots = max(1, (t - 1) // 2)
-    stack = tree_stack(x.device, slots * value_heads * key_dim * value_dim)
-    block_v, num_warps = block_v or BLOCK_V, num_warps or NUM_WARPS
-    window_rows, parents = window_rows.contiguous(), parents.contiguous()
+    rows = max(16, triton.next_power_of_2(t - 1))  # the nodes below the root, as tl.dot takes them
+    block_v = block_v or TREE_BLOCK_V
+    num_warps = num_warps or (4 if rows <= 16 else 8)
+    precision = precision or ("tf32x3" if x.dtype == torch.float32 else "tf32")
+    window_rows = window_rows.contiguous()
     _tree_conv_kernel[(triton.cdiv(channels, CONV_BLOCK_C), triton.cdiv(t, TREE_CONV_ROWS))](
         x, x.stride(0), history, conv_weight, window, mixed, window_rows, t, channels, TAPS=taps, BLOCK_C=CONV_BLOCK_C,
         ROWS=TREE_CONV_ROWS, num_warps=CONV_WARPS, **pdl.options(x))
     _tree_kernel[(value_heads * triton.cdiv(value_dim, block_v),)](
-        mixed, parents, b, a, b.stride(0), a_log, dt_bias, g_buf, beta_buf, state, stack, slots, out, key_dim ** -0.5,
-        t, z, z.stride(0), z.stride(1), norm_weight, eps, arrival_counters(x.device, value_heads),
-        KEY_HEADS=key_heads, VALUE_HEADS=value_heads, K=key_dim, V=value_dim, BV=block_v,
-        BK=triton.next_power_of_2(key_dim), BVN=triton.next_power_of_2(value_dim), BT=MAX_TREE_NODES,
-        NORM_ROWS=TREE_NORM_ROWS, COMPUTE_GATES=gates[0] == "ab",
-        SAVE_GATES=gates[0] == "ab" and gates_out is not None, num_warps=num_warps, num_stages=3, **pdl.options(out))
+        mixed, ancestors.contiguous().view(torch.uint8), b, a, b.stride(0), a_log, dt_bias, g_buf, beta_buf, state,
+        out, key_dim ** -0.5, t, z, z.stride(0), z.stride(1), norm_weight, eps,
+        arrival_counters(x.device, value_heads), KEY_HEADS=key_heads, VALUE_HEADS=value_heads, K=key_dim, V=value_dim,
+        BV=block_v, BK=TREE_BLOCK_K, BVN=triton.next_power_of_2(value_dim), BT=rows,
+        DOUBLINGS=max(0, min(max_depth, t - 1) - 1).bit_length(), PRECISION=precision, NORM_ROWS=TREE_NORM_ROWS,
+        COMPUTE_GATES=gates[0] == "ab", SAVE_GATES=gates[0] == "ab" and gates_out is not None, num_warps=num_warps,
+        **pdl.options(out))
     return out, window
 
 
 MAX_TREE_NODES = 64  # the walk packs node indices into 6 bits
 MAX_PATH = 16  # nodes of a kept path: a drafter block's rows at most
 TREE_NORM_ROWS, TREE_CONV_ROWS = 8, 16  # rows the norm epilogue / a tree conv program takes at a time
-_STACKS: dict = {}
-_OUTGROWN_STACKS: list = []  # replaced by larger ones: CUDA graphs recorded with them still use them
-
-
-def tree_stack(device: torch.device, numel: int) -> torch.Tensor:
-    """float32 scratch of at least numel elements on `device` for tree_pass's saved states: one buffer per device
-    for every layer and launch (nothing in it outlives a launch), grown when a larger tree or shape needs it."""
-    key = (device.type, device.index)
-    if key not in _STACKS or _STACKS[key].numel() < numel:
-        if key in _STACKS:
-            _OUTGROWN_STACKS.append(_STACKS[key])
-        _STACKS[key] = torch.empty(numel, dtype=torch.float32, device=device)
-    return _STACKS[key]
+# the closed-form tree recurrence: value channels a program (tl.dot needs >= 16), key channels a load
+TREE_BLOCK_V, TREE_BLOCK_K = 64, 32
 
 
 def _gate_args(gates, gates_out, out):
@@ -405,67 +391,98 @@ if triton is not None:
 
     @triton.jit
     def _pick(values, lanes, node):
-        """values[node] of a [BT] vector held in registers."""
+        """values[node] of a vector held in registers."""
         return tl.sum(tl.where(lanes == node, values, 0), 0)
 
-    @triton.jit(do_not_specialize=["T", "SLOTS"])
-    def _tree_kernel(mixed, parents, b, a, s_ab, a_log, dt_bias, g_buf, beta_buf, h0, stack, SLOTS, out, scale, T,
+    @triton.jit(do_not_specialize=["T"])
+    def _tree_kernel(mixed, ancestors, b, a, s_ab, a_log, dt_bias, g_buf, beta_buf, h0, out, scale, T,
                      z, s_z_t, s_z_h, norm_w, eps, counters,
                      KEY_HEADS: tl.constexpr, VALUE_HEADS: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                      BV: tl.constexpr, BK: tl.constexpr, BVN: tl.constexpr, BT: tl.constexpr,
-                     NORM_ROWS: tl.constexpr, COMPUTE_GATES: tl.constexpr, SAVE_GATES: tl.constexpr,
-                     PDL: tl.constexpr):
+                     DOUBLINGS: tl.constexpr, PRECISION: tl.constexpr, NORM_ROWS: tl.constexpr,
+                     COMPUTE_GATES: tl.constexpr, SAVE_GATES: tl.constexpr, PDL: tl.constexpr):
+        """tree_pass's closed form (its docstring) for value head hv's BV value channels: the root's step first,
+        then the other nodes solved from the root's state; their matrices are [BT, BT], row r for node r + 1, rows
+        past the tree zero."""
         pdl.begin(PDL)
-        i_v, hv, hk, ks, vs, k_ok, v_ok, tile, tile_ok = _head_tile(tl.program_id(0), KEY_HEADS, VALUE_HEADS, K, V,
-                                                                    BV, BK)
-        slot_size = VALUE_HEADS * K * V
-        state = tl.load(h0 + tile, mask=tile_ok, other=0.0)
+        slices = tl.cdiv(V, BV)
+        i_v, hv = tl.program_id(0) % slices, tl.program_id(0) // slices
+        hk = hv // (VALUE_HEADS // KEY_HEADS)
         C = 2 * KEY_HEADS * K + VALUE_HEADS * V
-        q_cols, k_cols, v_cols = hk * K + ks, (KEY_HEADS + hk) * K + ks, 2 * KEY_HEADS * K + hv * V + vs
-        # every node's gates, computed (and stored) at once and kept in registers: a step picks its node's pair
-        lanes = tl.arange(0, BT)
-        in_tree = lanes < T
+        q_at, k_at, v_at = hk * K, (KEY_HEADS + hk) * K, 2 * KEY_HEADS * K + hv * V
+        nodes = 1 + tl.arange(0, BT)
+        in_tree = nodes < T
+        vs = i_v * BV + tl.arange(0, BV)
+        v_ok = vs < V
         decay_rate, bias = _gate_constants(a_log, dt_bias, hv, COMPUTE_GATES)
-        all_g, all_beta = _gates(b, a, s_ab, g_buf, beta_buf, lanes, in_tree, hv, decay_rate, bias, i_v == 0,
-                                 VALUE_HEADS, COMPUTE_GATES, SAVE_GATES)
-        # The walk, in preorder (children by index). Per node: its depth and stack slot (the number of its
-        # ancestors with several children). key[c] of a node not yet processed whose parent was (the only
-        # candidates: every other processed node's subtree is done) packs (depth, slot, 63 - c), so that the
-        # maximum is the first child of the deepest node of the path that has one.
-        parent = tl.load(parents + lanes, mask=(lanes > 0) & in_tree, other=-1).to(tl.int32)
-        key = tl.full([BT], -1, tl.int32)
-        node = hv * 0  # an int32 scalar tensor, as the walk updates it
-        depth, slot = node, node
-        q = tl.load(mixed + q_cols, mask=k_ok, other=0.0).to(tl.float32)
-        k = tl.load(mixed + k_cols, mask=k_ok, other=0.0).to(tl.float32)
-        v = tl.load(mixed + v_cols, mask=v_ok, other=0.0).to(tl.float32)
-        g, beta = _pick(all_g, lanes, node), _pick(all_beta, lanes, node)
-        for step in range(T):
-            # the next node and what it reads, first: none of it depends on this step's state, so the loads (its
-            # conv output; its parent's saved state when this node is a leaf) overlap this step's arithmetic
-            kids = parent == node
-            n_kids = tl.sum(kids.to(tl.int32), 0)
-            branches = n_kids > 1
-            key = tl.where(kids, ((depth + 1) << 12) | ((slot + branches.to(tl.int32)) << 6) | (63 - lanes), key)
-            top = tl.max(key, 0)
-            nxt, nxt_slot = 63 - (top & 63), (top >> 6) & 63
-            key = tl.where(lanes == nxt, -1, key)
-            more = step + 1 < T
-            q_next = tl.load(mixed + nxt * C + q_cols, mask=k_ok & more, other=0.0)
-            k_next = tl.load(mixed + nxt * C + k_cols, mask=k_ok & more, other=0.0)
-            v_next = tl.load(mixed + nxt * C + v_cols, mask=v_ok & more, other=0.0)
-            reload = more & (n_kids == 0) & (nxt_slot > 0) & (nxt_slot <= SLOTS)  # a leaf: nxt's parent branches
-            saved = tl.load(stack + (nxt_slot - 1) * slot_size + tile, mask=tile_ok & reload, other=0.0)
-            # this node's step; a branching node keeps its state for its later children
-            state, o = _delta_step(state, q, k, v, g, beta, scale)
-            tl.store(out + (node * VALUE_HEADS + hv) * V + vs, o.to(out.dtype.element_ty), mask=v_ok)
-            tl.store(stack + slot * slot_size + tile, state, mask=tile_ok & branches & (slot < SLOTS))
-            q, k, v = q_next.to(tl.float32), k_next.to(tl.float32), v_next.to(tl.float32)
-            g, beta = _pick(all_g, lanes, nxt), _pick(all_beta, lanes, nxt)
-            state = tl.where(reload, saved, state)
-            node, depth, slot = nxt, top >> 12, nxt_slot
-            tl.debug_barrier()  # a saved tile is read back by whichever threads a later load's layout gives it
-        _output_norm(out, z, s_z_t, s_z_h, norm_w, eps, counters, hv, tl.cdiv(V, BV), T, VALUE_HEADS, V, BVN, NORM_ROWS)
+        g, beta = _gates(b, a, s_ab, g_buf, beta_buf, nodes, in_tree, hv, decay_rate, bias, i_v == 0, VALUE_HEADS,
+                         COMPUTE_GATES, SAVE_GATES)
+        g0, beta0 = _gates(b, a, s_ab, g_buf, beta_buf, 0, hv >= 0, hv, decay_rate, bias, i_v == 0, VALUE_HEADS,
+                           COMPUTE_GATES, SAVE_GATES)
+        on_path = tl.load(ancestors + nodes[:, None] * T + nodes[None, :],
+                          mask=in_tree[:, None] & in_tree[None, :], other=0) != 0
+        log_decay = tl.sum(tl.where(on_path, g[None, :], 0.0), 1)  # log d_i from the root's state: g over i's path
+        # raw dot products over the key channels (the L2 norms scale them afterwards): of the nodes' q and k with
+        # each other, with the root's k (k0) and with S_0; and the root's q0, k0 with S_0
+        kk = tl.zeros([BT, BT], tl.float32)
+        qk = tl.zeros([BT, BT], tl.float32)
+        ks = tl.zeros([BT, BV], tl.float32)
+        qs = tl.zeros([BT, BV], tl.float32)
+        k_sq, q_sq, k_k0, q_k0 = (tl.zeros([BT], tl.float32), tl.zeros([BT], tl.float32), tl.zeros([BT], tl.float32),
+                                  tl.zeros([BT], tl.float32))
+        k0s, q0s = tl.zeros([BV], tl.float32), tl.zeros([BV], tl.float32)
+        k0_sq, q0_sq, q0k0 = tl.sum(k0s, 0), tl.sum(k0s, 0), tl.sum(k0s, 0)
+        for c0 in tl.static_range(0, K, BK):
+            cols = c0 + tl.arange(0, BK)
+            c_ok = cols < K
+            rows_ok = in_tree[:, None] & c_ok[None, :]
+            q = tl.load(mixed + nodes[:, None] * C + q_at + cols[None, :], mask=rows_ok, other=0.0).to(tl.float32)
+            k = tl.load(mixed + nodes[:, None] * C + k_at + cols[None, :], mask=rows_ok, other=0.0).to(tl.float32)
+            q0 = tl.load(mixed + q_at + cols, mask=c_ok, other=0.0).to(tl.float32)
+            k0 = tl.load(mixed + k_at + cols, mask=c_ok, other=0.0).to(tl.float32)
+            s0 = tl.load(h0 + hv * K * V + cols[:, None] * V + vs[None, :], mask=c_ok[:, None] & v_ok[None, :],
+                         other=0.0)
+            q_sq += tl.sum(q * q, 1)
+            k_sq += tl.sum(k * k, 1)
+            k_k0 += tl.sum(k * k0[None, :], 1)
+            q_k0 += tl.sum(q * k0[None, :], 1)
+            k0s += tl.sum(k0[:, None] * s0, 0)
+            q0s += tl.sum(q0[:, None] * s0, 0)
+            k0_sq += tl.sum(k0 * k0, 0)
+            q0_sq += tl.sum(q0 * q0, 0)
+            q0k0 += tl.sum(q0 * k0, 0)
+            kt = tl.trans(k)
+            kk = tl.dot(k, kt, kk, input_precision=PRECISION)
+            qk = tl.dot(q, kt, qk, input_precision=PRECISION)
+            ks = tl.dot(k, s0, ks, input_precision=PRECISION)
+            qs = tl.dot(q, s0, qs, input_precision=PRECISION)
+        k_norm, q_norm = tl.rsqrt(k_sq + 1e-6), tl.rsqrt(q_sq + 1e-6) * scale
+        k0_norm, q0_norm = tl.rsqrt(k0_sq + 1e-6), tl.rsqrt(q0_sq + 1e-6) * scale
+        # the root's step: S_r = e^g0 S_0 + k0 delta0^T, so x^T S_r = e^g0 x^T S_0 + (x . k0) delta0
+        decay0 = tl.exp(g0)
+        v0 = tl.load(mixed + v_at + vs, mask=v_ok, other=0.0).to(tl.float32)
+        delta0 = beta0 * (v0 - decay0 * k0_norm * k0s)
+        o0 = decay0 * q0_norm * q0s + (q0_norm * k0_norm * q0k0) * delta0
+        tl.store(out + hv * V + vs, o0.to(out.dtype.element_ty), mask=v_ok)
+        ks = decay0 * k_norm[:, None] * ks + (k_k0 * k_norm * k0_norm)[:, None] * delta0[None, :]  # k^T S_r
+        qs = decay0 * q_norm[:, None] * qs + (q_k0 * q_norm * k0_norm)[:, None] * delta0[None, :]  # q^T S_r
+        # the other nodes from S_r
+        v = tl.load(mixed + nodes[:, None] * C + v_at + vs[None, :], mask=in_tree[:, None] & v_ok[None, :],
+                    other=0.0).to(tl.float32)
+        ratio = tl.exp(tl.where(on_path, log_decay[:, None] - log_decay[None, :], 0.0))  # d_i / d_j along a path
+        decay = tl.exp(log_decay)
+        strict = on_path & (nodes[:, None] != nodes[None, :])
+        power = tl.where(strict, -(kk * k_norm[:, None] * k_norm[None, :]) * ratio * beta[:, None], 0.0)  # -A
+        u = beta[:, None] * (v - decay[:, None] * ks)  # R
+        for step in tl.static_range(DOUBLINGS):  # u <- (I + (-A)^(2^step)) u
+            u = tl.dot(power, u, u, input_precision=PRECISION)
+            if step + 1 < DOUBLINGS:
+                power = tl.dot(power, power, input_precision=PRECISION)
+        scores = tl.where(on_path, qk * q_norm[:, None] * k_norm[None, :] * ratio, 0.0)
+        o = tl.dot(scores, u, decay[:, None] * qs, input_precision=PRECISION)
+        tl.store(out + (nodes[:, None] * VALUE_HEADS + hv) * V + vs[None, :], o.to(out.dtype.element_ty),
+                 mask=in_tree[:, None] & v_ok[None, :])
+        _output_norm(out, z, s_z_t, s_z_h, norm_w, eps, counters, hv, slices, T, VALUE_HEADS, V, BVN, NORM_ROWS)
 
     @triton.jit
     def _tree_conv_kernel(x, s_x, history, weight, window, mixed, window_rows, T, C, TAPS: tl.constexpr,

@@ -151,7 +151,7 @@ class GatedDeltaNet(nn.Module):
             if window_buffer is None:
                 raise RuntimeError(f"a {t}-node tree pass is longer than the state records ({state.max_partial})")
             out, _ = deltanet_tree_mixer(qkv, state.history, self.conv1d.weight, gates, state.recurrent, state.shape,
-                                         z, self.norm.weight, self.eps, tree.window_rows, tree.parents,
+                                         z, self.norm.weight, self.eps, tree,
                                          window_buffer, mixed_buffer, gate_buffers)
             return out.reshape(t, -1)
         out, window = deltanet_mixer(qkv, state.history, self.conv1d.weight, gates, state.recurrent,

@@ -12,6 +12,7 @@ synchronisation, so a CUDA graph records it):
   window_rows  [T, K]: the rows of [conv history (K-1 rows); the nodes' inputs] a node's causal conv reads, oldest
                first, the node itself last
   parents      [T]: each node's parent (the root its own)
+  max_depth    no node lies deeper below the root (a Python int: the DeltaNet kernel's closed form needs no more)
 """
 
 from __future__ import annotations
@@ -28,16 +29,19 @@ class TreeLayout:
     ancestors: torch.Tensor
     window_rows: torch.Tensor
     parents: torch.Tensor
+    max_depth: int
 
     @classmethod
-    def build(cls, parents: torch.Tensor, depth: torch.Tensor, start, conv_kernel: int) -> TreeLayout:
+    def build(cls, parents: torch.Tensor, depth: torch.Tensor, start, conv_kernel: int,
+              max_depth: int | None = None) -> TreeLayout:
         """parents / depth [T] (int64, the root's parent 0); start: the committed length (an int, or a 0-dim device
-        tensor under CUDA graphs)."""
+        tensor under CUDA graphs); max_depth: a bound on depth (default T - 1)."""
         t = parents.shape[0]
+        max_depth = t - 1 if max_depth is None else min(max_depth, t - 1)
         nodes = torch.arange(t, device=parents.device)
         ancestors = nodes[:, None] == nodes[None, :]
         jump = parents
-        for _ in range(max(t - 1, 1).bit_length()):  # pointer doubling: paths of up to 2^steps nodes
+        for _ in range(max(max_depth, 1).bit_length()):  # pointer doubling: paths of up to 2^steps nodes
             ancestors = ancestors | ancestors[jump]
             jump = jump[jump]
         # the ancestor of each node at each depth 0..deepest reachable by the conv (the node's depth - (K-1) ..)
@@ -46,4 +50,4 @@ class TreeLayout:
         at_depth = ancestors[:, None, :] & (depth[None, None, :] == wanted[:, :, None])  # [T, K, T]
         ancestor = at_depth.to(torch.uint8).argmax(-1)                                  # node index (when wanted >= 0)
         window_rows = (conv_kernel - 1) + torch.where(wanted >= 0, ancestor, wanted)
-        return cls(start + depth, start + nodes, ancestors, window_rows, parents)
+        return cls(start + depth, start + nodes, ancestors, window_rows, parents, max_depth)
