@@ -35,7 +35,7 @@ MIN_CONTEXT_LENGTH = 512
 
 MEASURE_FILES = ("fractions.py", "shutil.py", "calendar.py", "random.py")  # contexts of the one-cycle measure
 MEASURE_CUTS = 30
-MEASURE_TOKENS = 496  # contexts are cut from each file's first tokens: short prefills keep the measure quick
+MEASURE_TOKENS = 256  # contexts are cut from each file's first tokens: short prefills keep the measure quick
 MEASURE_SEED = 0
 DEMO_TREE_BUDGET = 32  # nodes of the demo's draft tree (mode dflash2 verifying a tree beside the chain)
 TREE = f"dflash2 tree {DEMO_TREE_BUDGET}"  # the tree engine's name in the demo's output

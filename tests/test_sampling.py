@@ -199,7 +199,10 @@ def distribution_test(engine, settings, label, n=SAMPLES):
     return impossible, p
 
 
-@pytest.mark.parametrize("mode,setting", [(mode, setting) for mode in ("none", "mtp", "dflash2") for setting in SETTINGS]
+# plain sampling at its two ranking paths (a full sort; top-k's narrow ranking): its filters are checked against
+# transformers' above, setting by setting; the speculative modes at every setting
+@pytest.mark.parametrize("mode,setting", [("none", "T1.0-top_p0.9"), ("none", "T1.0-top_k20")]
+                         + [(mode, setting) for mode in ("mtp", "dflash2") for setting in SETTINGS]
                          + [("dflash2 tree", "T1.0-top_k20")])
 def test_first_tokens_follow_the_target_distribution(engines, mode, setting):
     impossible, p = distribution_test(engines[mode], SETTINGS[setting], f"{mode} {setting}")

@@ -20,7 +20,7 @@ SMALL = [  # (query heads, kv heads, head dim, nodes, committed length, cache en
     (24, 4, 32, 1, 70, 9), (24, 4, 32, 9, 0, 50), (24, 4, 32, 33, 150, 1),  # the 27B's grouping: 198 rows at 33
 ]
 LARGE = [  # 384 rows: 6 row blocks (the interpreter runs the merge's 4 x 384 programs one by one: ~12 s a case)
-    (24, 4, 32, 64, 0, 0), (24, 4, 32, 64, 100, 236), (24, 4, 256, 33, 50, 80),  # the last: the 27B's head dim
+    (24, 4, 32, 64, 100, 236), (24, 4, 256, 33, 50, 80),  # the last: the 27B's head dim
 ]
 
 

@@ -21,7 +21,7 @@ def budgets(rows: int) -> list[int]:
 
 QUICK = [(16, 16, 63, "ties"), (16, 16, 15, "transition"), (8, 7, 33, "ties_marginal"), (8, 7, 33, "nan"),
          (8, 7, 6, "masked"), (4, 2, 33, "masked"), (4, 1, 16, "ties"), (4, 7, 1, "transition")]
-FULL = [(k, rows, budget, style) for k in (4, 8, 16) for rows in (1, 7, 16) for budget in budgets(rows)
+FULL = [(k, rows, budget, style) for k in (8, 16) for rows in (1, 7, 16) for budget in budgets(rows)
         for style in STYLES]
 
 
