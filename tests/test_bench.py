@@ -1,6 +1,8 @@
 """`blockspec bench` on the tiny synthetic preset (CPU): output schema, fixtures, forced acceptance."""
 
+import contextlib
 import importlib.util
+import io
 import json
 import subprocess
 import sys
@@ -11,19 +13,28 @@ import pytest
 from blockspec.cli import main
 
 
-def bench(tmp_path, *args):
+def bench(tmp_path, *args, subprocess_run=False):
+    """`blockspec bench --synthetic tiny` on the CPU: (its JSON, its stdout); in-process, or through the console entry
+    point in a subprocess."""
     out = tmp_path / "bench.json"
-    proc = subprocess.run([sys.executable, "-m", "blockspec.cli", "bench", "--synthetic", "tiny", "--device", "cpu",
-                           "--dtype", "float32", "--json-out", str(out), *map(str, args)],
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr
-    return json.loads(out.read_text()), proc.stdout
+    argv = ["bench", "--synthetic", "tiny", "--device", "cpu", "--dtype", "float32", "--json-out", str(out),
+            *map(str, args)]
+    if subprocess_run:
+        proc = subprocess.run([sys.executable, "-m", "blockspec.cli", *argv], capture_output=True, text=True,
+                              timeout=600)
+        assert proc.returncode == 0, proc.stderr
+        return json.loads(out.read_text()), proc.stdout
+    stdout = io.StringIO()
+    with contextlib.redirect_stdout(stdout):
+        code = main(argv)
+    assert code == 0
+    return json.loads(out.read_text()), stdout.getvalue()
 
 
 def test_schema_default_fixtures_and_forced_rates(tmp_path):
     rates = [0.553, 0.297, 0.516]
     result, stdout = bench(tmp_path, "--mode", "none,mtp,dflash2", "--max-tokens", 64, "--repeats", 2,
-                           "--forced-acceptance", ",".join(map(str, rates)))
+                           "--forced-acceptance", ",".join(map(str, rates)), subprocess_run=True)
     assert "SYNTHETIC" in result["label"] and "FORCED" in result["label"] and "SYNTHETIC" in stdout
     assert {"device", "bytes_per_plain_step", "rows", "max_tokens", "repeats"} <= set(result)
     assert result["bytes_per_plain_step"] > 0

@@ -124,10 +124,7 @@ def tree_pass(x, history, conv_weight, gates, state, shape, z, norm_weight, eps,
     output's own rounding at 2^-9; the committed state is never built from them: a kept path is replayed) and
     TF32x3 on float32 ones (about float32's precision, three TF32 products a product).
 
-    Measured on the H200 (bench/gdn_kernel.py --parts tree; us per 27B layer, 48 layers in one graph, the whole
-    tree pass with its conv and norm): 21.5 / 24.9 / 34.1 at 17 / 33 / 64 drafted nodes, where the preorder walk it
-    replaced (one delta step a node, a stack of saved states in a scratch) took 25.6 / 40.7 / 68.8: its T serial
-    steps. At 9 nodes (16 padded rows) 20.8 against the walk's 17.5: the products' fixed cost."""
+    bench/gdn_kernel.py --parts tree times it on the 27B's shapes (docs/benchmarks.md, "Draft trees")."""
     t, channels = x.shape
     if t > MAX_TREE_NODES:
         raise ValueError(f"a tree pass runs at most {MAX_TREE_NODES} nodes, got {t}")

@@ -88,12 +88,3 @@ def summarize_generations(splits: list[dict]) -> dict:
             "cycles_in_repeats": len(loop), "mean_accepted_length_in_repeats": mean(loop),
             "mean_accepted_length_elsewhere": mean(fresh),
             "distinct_8gram_ratio": round(sum(s["distinct_8grams"] for s in splits) / grams, 4) if grams else None}
-
-
-def generation_acceptance(engine, prompts: list[list[int]], max_tokens: int) -> dict:
-    """Whole greedy generations from the prompts, summarized (summarize_generations)."""
-    splits = []
-    for prompt in prompts:
-        result = engine.generate(prompt, max_tokens, stop_at_eos=False)
-        splits.append(repeat_split(prompt, result.tokens, result.stats.get("accepted_per_cycle", [])))
-    return {"generations": len(prompts), "max_tokens": max_tokens, **summarize_generations(splits)}
