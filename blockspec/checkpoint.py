@@ -86,8 +86,7 @@ def check_folder(flag: str, path: str | Path) -> Path:
 
 
 def checkpoint_files(directory: Path) -> list[Path]:
-    if not directory.is_dir():
-        raise BlockspecError(f"model directory {directory} does not exist")
+    directory = check_folder("model", directory)
     index = directory / "model.safetensors.index.json"
     if index.exists():
         try:
