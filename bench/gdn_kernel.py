@@ -8,7 +8,9 @@ in one CUDA graph, median of replays):
     chain), 17, 33 and 64 (the closed form's matrices cover the T - 1 nodes below the root, padded to 16, 32, 64):
     the drafter's shape (its chain to depth 8, then nodes hanging best first, shallow ones first) and the comb (a
     spine of T/2 + 1 nodes with a leaf on each: as deep as a tree of T nodes with leaves gets), for each config
-    (BV, warps, precision); each against the reference (max abs error of layer 0's output).
+    (BV, warps, precision); each against the reference (max abs error of layer 0's output); then `keep_path`
+    committing the root alone and the path to the deepest node from the pass's deltas (max abs error of the state
+    against keep_path_reference).
 Usage (GPU; under a minute on an H200 either way): python bench/gdn_kernel.py [--parts recurrence,mixer,conv] or
 --parts tree; JSON to $OUT/gdn_kernel.json.
 """
@@ -21,7 +23,7 @@ import torch
 from timing import replay_ms  # bench/timing.py, beside this script
 
 from blockspec.kernels import gdn
-from blockspec.kernels.gdn_triton import causal_conv1d, gated_delta_short, short_pass, tree_pass
+from blockspec.kernels.gdn_triton import MAX_PATH, causal_conv1d, gated_delta_short, keep_path, short_pass, tree_pass
 from blockspec.kernels.norm import gated_rms_norm_reference
 from blockspec.kernels.norm_triton import gated_rms_norm_rows
 from blockspec.layers.tree import TreeLayout
@@ -32,6 +34,8 @@ TREE_SIZES = (9, 17, 33, 64)
 # (BV, warps, tl.dot's precision); tree_pass's default first
 TREE_CONFIGS = ((64, 8, "tf32x3"), (64, 4, "tf32x3"), (128, 8, "tf32x3"), (32, 4, "tf32x3"), (64, 8, "tf32"),
                 (128, 8, "tf32"))
+# keep_path's (BV, warps), its default first; all at 17 drafted nodes, the default elsewhere
+PATH_CONFIGS = ((16, 2), (16, 1), (32, 4), (32, 2), (64, 4))
 
 
 def main(parts):
@@ -117,7 +121,7 @@ def tree_parents(kind: str, t: int, gen) -> list:
 
 
 def trees(report, dev, dtype, shape=(HK, DK, HV, DV), layers=LAYERS, sizes=TREE_SIZES, configs=TREE_CONFIGS,
-          timed=True):
+          path_configs=PATH_CONFIGS, timed=True):
     """The tree part (module docstring): each tree's inputs as a layer passes them, each config's tree_pass over
     `layers` layers (timed: in one CUDA graph). Untimed (the interpreter's dry run on the CPU), correctness only."""
     hk, dk, hv, dv = shape
@@ -147,19 +151,43 @@ def trees(report, dev, dtype, shape=(HK, DK, HV, DV), layers=LAYERS, sizes=TREE_
             gate_bufs = [(torch.empty(t, hv, device=dev), torch.empty(t, hv, device=dev)) for _ in range(layers)]
             mixed, _ = gdn.causal_conv1d_tree_reference(x, histories[0], conv_w, tree.window_rows)
             g, beta = gdn.deltanet_gates.reference(*gates[1:])
-            reference = gdn.gated_delta_tree_reference(*gdn.deltanet_qkv.reference(mixed, *shape), g, beta, states[0],
-                                                       parents).to(dtype)
-            reference = gated_rms_norm_reference.reference(reference, z, norm_w, 1e-6).float()
+            reference, ref_deltas = gdn.gated_delta_tree_reference(*gdn.deltanet_qkv.reference(mixed, *shape), g, beta,
+                                                                   states[0], parents)
+            reference = gated_rms_norm_reference.reference(reference.to(dtype), z, norm_w, 1e-6).float()
+            deltas = [torch.empty(t, hv, dv, device=dev) for _ in range(layers)]
             for block_v, warps, precision in configs:
                 def run(bv=block_v, w=warps, p=precision):
                     return [tree_pass(x, histories[i], conv_w, gates, states[i], shape, z, norm_w, 1e-6,
                                       tree.window_rows, tree.ancestors, tree.max_depth, windows[i], mixeds[i],
-                                      gate_bufs[i], block_v=bv, num_warps=w, precision=p)[0]
+                                      gate_bufs[i], deltas[i], block_v=bv, num_warps=w, precision=p)[0]
                             for i in range(layers)]
                 err = (run()[0].float() - reference).abs().max().item()
                 us = replay_ms(run) * 1e3 / layers if timed else float("nan")
                 report(f"T={t} {kind} tree BLOCK_V={block_v} warps={warps} {precision}", us, err)
+            deepest = max(range(t), key=depth.__getitem__)
+            path = [deepest]
+            while path[-1]:
+                path.append(parents[path[-1]].item())
+            for kept in ([0], path[::-1][:MAX_PATH]):  # a kept root, the deepest path (as much as a commit keeps)
+                history_rows = tree.window_rows[kept[-1], 1:]
+                kept = torch.tensor(kept, device=dev)
+                want = states[0].clone()
+                gdn.keep_path_reference(mixeds[0], gate_bufs[0][0], want, shape, kept, deltas[0], windows[0],
+                                        history_rows, torch.empty_like(histories[0]))
+                for block_v, warps in path_configs if (t, kind) == (17, "drafted") else path_configs[:1]:
+                    copies = [s.clone() for s in states]
+                    history_copies = [h.clone() for h in histories]
+                    keep_path(mixeds[0], gate_bufs[0][0], copies[0], shape, kept, deltas[0], windows[0],
+                              history_rows, history_copies[0], block_v, warps)
+                    err = (copies[0] - want).abs().max().item()
 
+                    def commit(n=kept, bv=block_v, w=warps):
+                        for i in range(layers):
+                            keep_path(mixeds[i], gate_bufs[i][0], copies[i], shape, n, deltas[i], windows[i],
+                                      history_rows, history_copies[i], bv, w)
+                    us = replay_ms(commit) * 1e3 / layers if timed else float("nan")
+                    report(f"T={t} {kind} keep_path of {kept.shape[0]} nodes BLOCK_V={block_v} warps={warps}", us,
+                           err)
 
 if __name__ == "__main__":
     with torch.no_grad():

@@ -17,15 +17,20 @@ import torch
 import torch.nn.functional as F
 from timing import dry_run, replay_ms  # bench/timing.py, beside this script
 
-from blockspec.kernels.linear_triton import LinearConfig, default_config, linear_rows
+from blockspec.kernels.linear_triton import LinearConfig, default_config, fits, linear_rows
 
 SHAPES = {"mlp down": (5120, 17408), "gdn out / attn o": (5120, 6144), "mlp gate_up": (34816, 5120),
           "gdn in (packed)": (16480, 5120), "attn qkv (packed)": (14336, 5120)}
 
 
-def configs(m, n, k, quick):
+def configs(m, n, k, quick, device):
     if quick:  # the table's choice only
         yield from filter(None, [default_config(m, n, k)])
+        return
+    if m > 8:  # a tree's rows: taller x tiles, mma.sync against wgmma (whose tile is 64 weight rows a warp group)
+        space = itertools.product((64, 128), (128, 256), (1, 2, 4), (3, 4), (True, False))
+        candidates = (LinearConfig(bn, bk, True, 4, stages, waves, sync) for bn, bk, waves, stages, sync in space)
+        yield from (c for c in candidates if fits(c, m, device))
         return
     for bn, bk, waves, stages in itertools.product((16, 32, 64), (128, 256), (1, 2, 4), (3, 5)):
         yield LinearConfig(bn, bk, True, 4, stages, waves)
@@ -47,8 +52,8 @@ def main(quick=False, rows=(1, 8), dry=False):
             ref = F.linear(x, weights[0]).float()
             base = replay_ms(lambda: [F.linear(x, w) for w in weights]) * 1e3 / copies
             row = {"cublas_us": round(base, 2), "cublas_gb_s": round(nbytes / base / 1e3)}
-            best = None
-            for cfg in itertools.islice(configs(m, n, k, quick), sweep):
+            best, by_kind = None, {}  # by_kind: the best of each multiply (fma, mma.sync "dot", wgmma)
+            for cfg in itertools.islice(configs(m, n, k, quick, dev), sweep):
                 try:
                     err = (linear_rows(x, weights[0], cfg).float() - ref).abs().max().item()
                     us = replay_ms(lambda c=cfg: [linear_rows(x, w, c) for w in weights]) * 1e3 / copies
@@ -57,13 +62,16 @@ def main(quick=False, rows=(1, 8), dry=False):
                     continue
                 if best is None or us < best[0]:
                     best = (us, cfg, err)
+                kind = cfg.short().split()[2]
+                by_kind[kind] = min(by_kind.get(kind, us), us)
             if best:
                 row.update(triton_us=round(best[0], 2), triton_gb_s=round(nbytes / best[0] / 1e3),
-                           config=best[1].short(), max_err=best[2])
+                           config=best[1].short(), max_err=best[2], best_us_by_kind=by_kind)
             results[f"{name} M={m}"] = row
             print(f"{name:18s} M={m:<2d} cuBLAS {base:7.2f} us {nbytes / base / 1e3:6.0f} GB/s   "
                   f"triton {row.get('triton_us', 0):7.2f} us {row.get('triton_gb_s', 0):6.0f} GB/s "
-                  f"[{row.get('config')}] err {row.get('max_err', 0):.1e}", flush=True)
+                  f"[{row.get('config')}] err {row.get('max_err', 0):.1e} "
+                  + " ".join(f"{kind} {us:.2f}" for kind, us in by_kind.items()), flush=True)
         weights.clear()  # free before the next shape
     with open(os.path.join(os.environ.get("OUT", "."), "linear_kernels.json"), "w") as f:
         json.dump(results, f, indent=2)

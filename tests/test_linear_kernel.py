@@ -52,9 +52,15 @@ def test_default_configs_follow_the_measured_table():
     assert linear_triton.default_config(1, 34816, 5120).waves == 1    # gate_up: no split
     assert linear_triton.default_config(1, 5120, 6144).block_n == 8   # o / gdn out, one row: 8-row tiles
     assert linear_triton.default_config(8, 5120, 6144) is None        # o / gdn out, 8 rows: cuBLAS
-    for m in (9, 17, 33, 64):  # more rows: cuBLAS (faster at 34 rows on the H200)
+    for m in (9, 17, 32):  # a tree's rows: wgmma, but onto o / gdn out
+        assert linear_triton.default_config(m, 34816, 5120).sync is False
+        assert linear_triton.default_config(m, 5120, 17408).sync is False
+        assert linear_triton.default_config(m, 5120, 6144) is None
+    for m in (33, 64):  # above 32 rows only gdn in and attention qkv beat cuBLAS
         assert linear_triton.default_config(m, 34816, 5120) is None
         assert linear_triton.default_config(m, 5120, 17408) is None
+        assert linear_triton.default_config(m, 16480, 5120).sync is False
+    assert linear_triton.default_config(65, 16480, 5120) is None      # prefill chunks: cuBLAS
     assert linear_triton.default_config(1, 248320, 5120) is None      # vocabulary head: cuBLAS
 
 

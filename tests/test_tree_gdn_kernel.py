@@ -82,12 +82,13 @@ def inputs(hk, dk, hv, dv, t, seed):
 
 
 def reference(args, rows, parents):
-    """The reference chain of deltanet_tree_mixer, whatever the dispatch: (out, window, mixed, g, beta)."""
+    """The reference chain of deltanet_tree_mixer, whatever the dispatch: (out, window, mixed, g, beta, deltas)."""
     mixed, window = gdn.causal_conv1d_tree_reference(args["x"], args["history"], args["conv_weight"], rows)
     g, beta = gdn.deltanet_gates.reference(*args["gates"][1:])
-    out = gdn.gated_delta_tree_reference(*gdn.deltanet_qkv.reference(mixed, *args["shape"]), g, beta, args["state"],
-                                         parents).to(args["x"].dtype)
-    return gated_rms_norm_reference.reference(out, args["z"], args["norm_weight"], args["eps"]), window, mixed, g, beta
+    out, deltas = gdn.gated_delta_tree_reference(*gdn.deltanet_qkv.reference(mixed, *args["shape"]), g, beta,
+                                                 args["state"], parents)
+    out = gated_rms_norm_reference.reference(out.to(args["x"].dtype), args["z"], args["norm_weight"], args["eps"])
+    return out, window, mixed, g, beta, deltas
 
 
 def chain_reference(args, nodes=None):
@@ -129,9 +130,10 @@ def _kernel_cases(cases):  # in the interpreter subprocess
         parents = tree_parents(kind, t, gen)
         tree = layout(parents)
         rows = tree.window_rows
-        ref_out, ref_window, ref_mixed, ref_g, ref_beta = reference(args, rows, parents)
+        ref_out, ref_window, ref_mixed, ref_g, ref_beta, ref_deltas = reference(args, rows, parents)
         committed = args["state"].clone()
         window, mixed = torch.full_like(ref_window, float("nan")), torch.full_like(ref_mixed, float("nan"))
+        deltas = torch.full_like(ref_deltas, float("nan"))
         g_buf, beta_buf = torch.full((t, hv), float("nan")), torch.full((t, hv), float("nan"))
         if gate_kind == "given":
             args["gates"] = ("given", ref_g, ref_beta)
@@ -139,11 +141,11 @@ def _kernel_cases(cases):  # in the interpreter subprocess
         with mock.patch.object(gdn_triton, "torch", _NaNEmpty()):
             out, returned = gdn_triton.tree_pass(**args, window_rows=rows, ancestors=tree.ancestors,
                                                  max_depth=tree.max_depth, window_out=window,
-                                                 mixed_out=mixed,
+                                                 mixed_out=mixed, deltas_out=deltas,
                                                  gates_out=(g_buf, beta_buf) if gate_kind == "ab" else None,
                                                  block_v=block_v)
         r = {"case": [hk, dk, hv, dv, t, kind, block_v, gate_kind], "out": _err(out, ref_out),
-             "window": _err(window, ref_window), "mixed": _err(mixed, ref_mixed),
+             "window": _err(window, ref_window), "mixed": _err(mixed, ref_mixed), "deltas": _err(deltas, ref_deltas),
              "gates": max(_err(g_buf, ref_g), _err(beta_buf, ref_beta)),
              "state_untouched": bool(torch.equal(args["state"], committed)), "window_returned": returned is window,
              "counters_clean": int(kernels._COUNTERS[("cpu", None)].abs().sum()) == 0}
@@ -171,7 +173,7 @@ def _bench_dry_run():  # in the interpreter subprocess: bench/gdn_kernel.py's tr
 
     # value dim 32: with BV 16 two value slices a head, so the last-arriving slice norms the others' rows
     module.trees(report, torch.device("cpu"), torch.float32, shape=(1, 16, 2, 32), layers=1, sizes=(9, 17),
-                 configs=((16, 4, "tf32x3"), (32, 4, "tf32")), timed=False)
+                 configs=((16, 4, "tf32x3"), (32, 4, "tf32")), path_configs=((16, 2), (32, 4)), timed=False)
     return reported
 
 
@@ -190,7 +192,7 @@ PARTS = {"test_tree_pass_matches_reference_in_interpreter": "small",
 def _check(results, cases):
     assert [r["case"] for r in results] == [list(c) for c in cases]
     for r in results:  # NaN-filled buffers: an element the kernel forgets to write fails here
-        assert max(r["out"], r["window"], r["mixed"], r["gates"], r.get("chain", 0.0)) < 1e-4, r
+        assert max(r["out"], r["window"], r["mixed"], r["gates"], r["deltas"], r.get("chain", 0.0)) < 1e-4, r
         assert r["state_untouched"] and r["window_returned"] and r["counters_clean"], r
 
 
@@ -214,11 +216,16 @@ def test_tree_pass_over_trees_of_1_to_64_nodes_in_interpreter(interpreted):
 @pytest.mark.slow
 def test_bench_tree_part_dry_run_in_interpreter(interpreted):
     """bench/gdn_kernel.py --parts tree (the H200's measurement) on tiny shapes, untimed: its trees, inputs and
-    reference check run, and each config agrees with the reference."""
+    reference check run, each config agrees with the reference, and so does keep_path of the root and of the
+    deepest path (the drafted trees' chain of 9 nodes, the comb of 17: its spine of 9)."""
     reported = interpreter_part(interpreted, "bench")
-    assert list(reported) == [f"T={t} {kind} tree {config}" for t, kind in [(9, "drafted"), (17, "drafted"),
-                                                                             (17, "comb")]
-                              for config in ("BLOCK_V=16 warps=4 tf32x3", "BLOCK_V=32 warps=4 tf32")], reported
+    assert list(reported) == [key for t, kind in [(9, "drafted"), (17, "drafted"), (17, "comb")]
+                              for key in [f"T={t} {kind} tree BLOCK_V=16 warps=4 tf32x3",
+                                          f"T={t} {kind} tree BLOCK_V=32 warps=4 tf32",
+                                          *[f"T={t} {kind} keep_path of {n} nodes BLOCK_V={config}" for n in (1, 9)
+                                            for config in (("16 warps=2", "32 warps=4") if (t, kind) == (17, "drafted")
+                                                           else ("16 warps=2",))]]
+                              ], reported
     assert all(err < 1e-4 for err in reported.values()), reported
 
 

@@ -6,7 +6,8 @@ left pending. Then exactly one of:
              exactly at the boundary after token n;
   discard()  forget the pass; the committed state is untouched.
 A draft tree's pass (engine/tree.py) is kept with commit_path(path, history_rows) instead: the kept path's
-attention entries move to contiguous positions and DeltaNet layers re-run the recurrence over its nodes.
+attention entries move to contiguous positions and DeltaNet layers build the state after its nodes from the
+deltas the tree pass recorded.
 The counters (`length`, `pending`) change here and nowhere else. With CUDA graphs the buffer updates of each
 commit(n) are captured once (`capture_commits`) and commit replays them; the bookkeeping stays plain Python.
 Buffers are allocated once per engine; reset() starts a new request without reallocating.

@@ -103,19 +103,26 @@ def gated_delta(mixed, gates, state_in, state_out, shape, gates_out=None, out_dt
     return out.to(out_dtype or torch.float32)
 
 
-def keep_path(mixed, g, beta, state, shape, path, window, history_rows, history):
-    """Keep the path `path` [n] (row indices) of a recorded pass (conv output mixed [T, C], gates g, beta [T, Hv],
-    conv window [K-1+T, C]): the recurrence alone over those rows, in place over `state`, and the conv history
-    [K-1, C] set to the window rows history_rows [K-1]. On CUDA one Triton launch (gdn_triton.keep_path), else
-    the reference."""
-    if path.shape[0] <= SHORT_PASS and gdn_triton.available(mixed):
-        return gdn_triton.keep_path(mixed, g, beta, state, shape, path, window, history_rows, history)
-    return keep_path_reference(mixed, g, beta, state, shape, path, window, history_rows, history)
+def keep_path(mixed, g, state, shape, path, deltas, window, history_rows, history):
+    """Keep the root-to-node path `path` [n] (node indices, root first) of a recorded tree pass (conv output
+    mixed [T, C], log decays g [T, Hv], the nodes' deltas [T, Hv, Dv] from gated_delta_tree, conv window
+    [K-1+T, C]): the state after the path, in place over `state`, in closed form, and the conv history [K-1, C] set
+    to the window rows history_rows [K-1]. On CUDA one Triton launch (gdn_triton.keep_path), else the reference."""
+    if gdn_triton.available(mixed):
+        return gdn_triton.keep_path(mixed, g, state, shape, path, deltas, window, history_rows, history)
+    return keep_path_reference(mixed, g, state, shape, path, deltas, window, history_rows, history)
 
 
-def keep_path_reference(mixed, g, beta, state, shape, path, window, history_rows, history):
-    gated_delta(mixed.index_select(0, path), ("given", g.index_select(0, path), beta.index_select(0, path)), state,
-                state, shape)
+def keep_path_reference(mixed, g, state, shape, path, deltas, window, history_rows, history):
+    """Each node's step adds its key times its delta to its decayed parent state (delta_step), so the state after
+    the path is the committed one decayed by the whole path plus each kept node's k u^T decayed by the nodes after
+    it: S = e^(G_n) S_0 + sum_i e^(G_n - G_i) k_i u_i^T, G_i the sum of g over the path's nodes up to i. No serial
+    steps: one product of the path's keys with its deltas."""
+    _, k, _ = deltanet_qkv(mixed.index_select(0, path), *shape)
+    log_decay = g.index_select(0, path).float().cumsum(0)  # [n, Hv]
+    weights = (log_decay[-1] - log_decay).exp()
+    state.mul_(log_decay[-1].exp()[:, None, None]).add_(
+        torch.einsum("nhk,nhv->hkv", k * weights[..., None], deltas.index_select(0, path)))
     history.copy_(window.index_select(0, history_rows))
 
 
@@ -136,55 +143,61 @@ def deltanet_mixer(x, history, conv_weight, gates, state_in, state_out, shape, z
     return gated_rms_norm(out, z, norm_weight, eps), window
 
 
-def gated_delta_tree(mixed, gates, state, shape, parents, gates_out=None, out_dtype=None):
+def gated_delta_tree(mixed, gates, state, shape, parents, gates_out=None, out_dtype=None, deltas_out=None):
     """The recurrence over a draft tree's nodes: node i's state is its parent's after token i (the root's: the
-    committed `state` after token 0), so each node's output follows its own path. `state` is not modified (a tree
-    pass is kept by re-running the kept path at commit). Gates as gated_delta's; returns out [T, Hv, Dv]."""
+    committed `state` after token 0), so each node's output follows its own path. `state` is not modified (a kept
+    path is committed from the nodes' deltas: keep_path). Gates as gated_delta's; returns out [T, Hv, Dv]; the
+    deltas [T, Hv, Dv] float32 into deltas_out when given."""
     g, beta = deltanet_gates(*gates[1:], out=gates_out) if gates[0] == "ab" else gates[1:]
-    out = gated_delta_tree_reference(*deltanet_qkv(mixed, *shape), g, beta, state, parents)
+    out, deltas = gated_delta_tree_reference(*deltanet_qkv(mixed, *shape), g, beta, state, parents)
+    if deltas_out is not None:
+        deltas_out.copy_(deltas)
     return out.to(out_dtype or torch.float32)
 
 
 def gated_delta_tree_reference(q, k, v, g, beta, state, parents):
     """Per-node states, each from its parent's (float32 reference; q, k, v, g, beta as gated_delta_rule_reference;
     parents [T], the root's ignored). The nodes whose parents are done step together, one depth at a time (a tree
-    of 33 nodes and depth 8 takes 9 batched steps, not 33). Returns out [T, H, Dv] float32."""
+    of 33 nodes and depth 8 takes 9 batched steps, not 33). Returns (out, deltas), [T, H, Dv] float32 each."""
     states = state.new_empty(q.shape[0] + 1, *state.shape)  # row 0: the committed state, row i + 1: node i's
     states[0] = state
     before = torch.cat([parents.new_zeros(1), parents[1:] + 1])  # the row each node's step starts from
     done = torch.zeros(q.shape[0] + 1, dtype=torch.bool, device=q.device)
     done[0] = True
     out = torch.empty(v.shape, dtype=torch.float32, device=v.device)
+    deltas = torch.empty_like(out)
     while not bool(done.all()):
         nodes = (~done[1:] & done[before]).nonzero()[:, 0]
-        states[nodes + 1], out[nodes] = delta_step(states[before[nodes]], q[nodes], k[nodes], v[nodes], g[nodes],
-                                                   beta[nodes])
+        states[nodes + 1], out[nodes], deltas[nodes] = delta_step(states[before[nodes]], q[nodes], k[nodes],
+                                                                  v[nodes], g[nodes], beta[nodes])
         done[nodes + 1] = True
-    return out
+    return out, deltas
 
 
 def delta_step(state, q, k, v, g, beta):
-    """One token of the gated delta rule: (the state after it, the token's output); leading dimensions batch
-    independent tokens (a tree's nodes of one depth)."""
+    """One token of the gated delta rule: (the state after it, the token's output, its delta u: the state after
+    it is the decayed state plus k u^T); leading dimensions batch independent tokens (a tree's nodes of one
+    depth)."""
     state = state * g.exp()[..., None, None]
     predicted = torch.einsum("...hk,...hkv->...hv", k, state)
     delta = (v - predicted) * beta[..., None]
     state = state + k[..., None] * delta[..., None, :]
-    return state, torch.einsum("...hk,...hkv->...hv", q, state)
+    return state, torch.einsum("...hk,...hkv->...hv", q, state), delta
 
 
 def deltanet_tree_mixer(x, history, conv_weight, gates, state, shape, z, norm_weight, eps, tree, window_out=None,
-                        mixed_out=None, gates_out=None):
+                        mixed_out=None, gates_out=None, deltas_out=None):
     """deltanet_mixer over a draft tree's nodes, laid out by `tree` (layers/tree.py TreeLayout): the conv and the
     recurrence follow each node's path; the committed state is left as it is. Returns (out [T, Hv, Dv] in x's
     dtype, window). On CUDA: two Triton kernels (gdn_triton.tree_pass); else the reference chain (tree conv,
-    per-node recurrence, gated norm)."""
+    per-node recurrence, gated norm). The nodes' deltas (keep_path's input) into deltas_out when given."""
     if (x.shape[0] <= gdn_triton.MAX_TREE_NODES and gdn_triton.available(x) and x.stride(-1) == 1
             and z.stride(-1) == 1):
         return gdn_triton.tree_pass(x, history, conv_weight, gates, state, shape, z, norm_weight, eps,
-                                    tree.window_rows, tree.ancestors, tree.max_depth, window_out, mixed_out, gates_out)
+                                    tree.window_rows, tree.ancestors, tree.max_depth, window_out, mixed_out, gates_out,
+                                    deltas_out)
     mixed, window = causal_conv1d_tree(x, history, conv_weight, tree.window_rows, window_out, mixed_out)
-    out = gated_delta_tree(mixed, gates, state, shape, tree.parents, gates_out, x.dtype)
+    out = gated_delta_tree(mixed, gates, state, shape, tree.parents, gates_out, x.dtype, deltas_out)
     return gated_rms_norm(out, z, norm_weight, eps), window
 
 
@@ -221,5 +234,5 @@ def gated_delta_rule_reference(q, k, v, g, beta, state):
     """
     out = torch.empty(v.shape, dtype=torch.float32, device=v.device)
     for t in range(q.shape[0]):
-        state, out[t] = delta_step(state, q[t], k[t], v[t], g[t], beta[t])
+        state, out[t], _ = delta_step(state, q[t], k[t], v[t], g[t], beta[t])
     return out, state

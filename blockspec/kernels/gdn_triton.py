@@ -1,6 +1,6 @@
 """Gated DeltaNet kernels in Triton, the fast paths beside the references of blockspec.kernels.gdn: the depthwise
 causal conv (any length, window and output written by one launch) and the gated delta rule for short passes
-(decode, verification, a partial commit's replay, a kept tree path's replay).
+(decode, verification, a partial commit's replay), and a draft tree's pass and kept path.
 
 The recurrence kernel does in one launch what the reference spreads over a dozen: it reads the convolved
 projection `mixed` as is (q and k L2-normalised in-kernel, q scaled, each key head shared by its value heads
@@ -8,8 +8,7 @@ without a repeat), computes the gates g = -exp(A_log) * softplus(a + dt_bias) an
 back for a replay), runs the recurrence from the committed state and writes the final state straight into the
 given buffer (the pending state of the pass, or the committed state itself when a partial commit replays n
 tokens: each program reads its tile before writing it). Programs: (value head, slice of BV value channels), as
-fla-core's fused recurrent kernel. `keep_path` replays a draft tree's kept path the same way, reading each node's
-recorded row through the path (no gathered copies) and copying the kept conv history in the same launch.
+fla-core's fused recurrent kernel.
 
 `short_pass` is the whole DeltaNet mixer of a decode or verification pass in that one launch: it also runs the
 causal conv (each program convolves the q/k channels of its key head and its own v slice, from the history and
@@ -19,7 +18,8 @@ norms the head's whole output). That is 3 launches -> 1 per layer, 48 per 27B st
 
 `tree_pass` is the mixer of a draft-tree pass (each node's conv and recurrence along its own path): the tree conv,
 then one launch that solves the recurrence over the whole tree in closed form (matrix products under ancestor
-masks, no serial steps) and norms.
+masks, no serial steps) and norms. `keep_path` commits a kept path from the nodes' deltas that pass wrote: one
+product of the path's keys with its deltas, and the kept conv history, in one launch.
 """
 
 from __future__ import annotations
@@ -56,18 +56,24 @@ def gated_delta_short(mixed, state_in, state_out, shape, gates, gates_out=None, 
     return out
 
 
-def keep_path(mixed, g, beta, state, shape, path, window, history_rows, history, block_v=None, num_warps=None):
-    """A kept path of a recorded pass in one launch: the recurrence alone over the rows `path` [n] of the conv
-    output mixed [T, C] and the gates g, beta [T, Hv] float32, in place over `state` [Hv, Dk, Dv] float32, and the
-    conv history [K-1, C] set to the rows history_rows [K-1] of the recorded window. The contract of
-    blockspec.kernels.gdn.keep_path_reference, bitwise where that runs `gated_delta_short` (each step reads the row
-    the gathered copy would hold). The history's channels are copied by their owners as the conv's window is
-    written: each program its v slice, one program per key head its q and k channels."""
-    if path.shape[0] > MAX_PATH:
-        raise ValueError(f"a kept path holds at most {MAX_PATH} nodes, got {path.shape[0]}")
-    out = torch.empty(path.shape[0], shape[2], shape[3], device=mixed.device, dtype=torch.float32)  # written, not kept
-    _launch(mixed, state, state, shape, ("given", g, beta), None, out, None, None, block_v, num_warps,
-            (path.contiguous(), window, history_rows.contiguous(), history))
+def keep_path(mixed, g, state, shape, path, deltas, window, history_rows, history, block_v=None, num_warps=None):
+    """A kept path of a recorded tree pass in one launch: the contract of blockspec.kernels.gdn.keep_path_reference
+    (the state after the path's n <= MAX_PATH nodes in closed form, in place over `state` [Hv, Dk, Dv] float32,
+    from the rows `path` [n] of the conv output mixed [T, C], the log decays g [T, Hv] and the deltas [T, Hv, Dv];
+    the conv history [K-1, C] set to the rows history_rows [K-1] of the recorded window). Programs (value head, BV
+    value channels): the path's keys normalised and weighted by the decay after each node, then one float32
+    product [Dk, n] x [n, BV] added to the decayed state tile; the history's channels are copied by their owners as
+    in the recurrence kernel."""
+    n = path.shape[0]
+    if n > MAX_PATH:
+        raise ValueError(f"a kept path holds at most {MAX_PATH} nodes, got {n}")
+    key_heads, key_dim, value_heads, value_dim = shape
+    block_v = block_v or PATH_BLOCK_V
+    _keep_path_kernel[(value_heads * triton.cdiv(value_dim, block_v),)](
+        mixed, mixed.stride(0), g, deltas, state, path.contiguous(), n, window, history_rows.contiguous(), history,
+        KEY_HEADS=key_heads, VALUE_HEADS=value_heads, K=key_dim, V=value_dim, BV=block_v,
+        BK=triton.next_power_of_2(key_dim), BP=MAX_PATH, TAPS=history.shape[0] + 1,
+        num_warps=num_warps or PATH_WARPS, **pdl.options(state))
 
 
 def short_pass(x, history, conv_weight, gates, state_in, state_out, shape, z, norm_weight, eps, window_out=None,
@@ -95,14 +101,15 @@ def short_pass(x, history, conv_weight, gates, state_in, state_out, shape, z, no
 
 
 def tree_pass(x, history, conv_weight, gates, state, shape, z, norm_weight, eps, window_rows, ancestors, max_depth,
-              window_out=None, mixed_out=None, gates_out=None, block_v=None, num_warps=None, precision=None):
+              window_out=None, mixed_out=None, gates_out=None, deltas_out=None, block_v=None, num_warps=None,
+              precision=None):
     """A DeltaNet layer's mixer over a draft tree's T <= 64 nodes (layers/tree.py): the contract of
     blockspec.kernels.gdn.deltanet_tree_mixer. Node i convolves the rows window_rows[i] [K] of [history; x] and
     steps from its parent's state (the root from the committed `state` [Hv, Dk, Dv] float32, which is left as it
-    is: a kept path is replayed at commit); ancestors [T, T] bool: node j on node i's path (i included), no node
-    deeper than max_depth. Gates, z and the norm as `short_pass`. Writes the window [K-1+T, C], the conv output
-    [T, C] and the gates (computed ones) into the given buffers (or scratch); returns (out [T, Hv, Dv] in x's
-    dtype, window). No host synchronisation: CUDA-graph capturable.
+    is); ancestors [T, T] bool: node j on node i's path (i included), no node deeper than max_depth. Gates, z and
+    the norm as `short_pass`. Writes the window [K-1+T, C], the conv output [T, C], the gates (computed ones) and
+    the nodes' deltas [T, Hv, Dv] float32 (keep_path's input) into the given buffers (or scratch); returns
+    (out [T, Hv, Dv] in x's dtype, window). No host synchronisation: CUDA-graph capturable.
 
     Two launches: the conv (`_tree_conv_kernel`, nodes x channel blocks), then the recurrence with the gated output
     norm (`_tree_kernel`, programs (value head, BV slice), the head's last program norming its rows). The conv stays
@@ -120,9 +127,10 @@ def tree_pass(x, history, conv_weight, gates, state, shape, z, norm_weight, eps,
     than D), so (I + A)^-1 = (I - A)(I + A^2)(I + A^4)..., bit_length(D - 1) factors applied to R by as many matrix
     products. Every step is a matrix product on the tensor cores over the T - 1 nodes below the root (padded to 16,
     32 or 64: the root's own step keeps 17 and 33 nodes at 16 and 32); nothing runs T serial steps and no state per
-    node is kept. The products take TF32 on bfloat16 / float16 activations (relative error ~2^-11, under the
-    output's own rounding at 2^-9; the committed state is never built from them: a kept path is replayed) and
-    TF32x3 on float32 ones (about float32's precision, three TF32 products a product).
+    node is kept: u_i is node i's delta, from which keep_path builds a kept path's state. The products take TF32 on
+    bfloat16 / float16 activations (relative error ~2^-11, under the output's own rounding at 2^-9; a kept state
+    carries it in its deltas' share) and TF32x3 on float32 ones (about float32's precision, three TF32 products a
+    product).
 
     bench/gdn_kernel.py --parts tree times it on the 27B's shapes (docs/benchmarks.md, "Draft trees")."""
     t, channels = x.shape
@@ -133,6 +141,8 @@ def tree_pass(x, history, conv_weight, gates, state, shape, z, norm_weight, eps,
     window = window_out if window_out is not None else x.new_empty(taps - 1 + t, channels)
     mixed = mixed_out if mixed_out is not None else x.new_empty(t, channels)
     out = torch.empty(t, value_heads, value_dim, device=x.device, dtype=x.dtype)
+    deltas = deltas_out if deltas_out is not None else torch.empty(t, value_heads, value_dim, device=x.device,
+                                                                   dtype=torch.float32)
     b, a, a_log, dt_bias, g_buf, beta_buf = _gate_args(gates, gates_out, out)
     rows = max(16, triton.next_power_of_2(t - 1))  # the nodes below the root, as tl.dot takes them
     block_v = block_v or TREE_BLOCK_V
@@ -144,7 +154,7 @@ def tree_pass(x, history, conv_weight, gates, state, shape, z, norm_weight, eps,
         ROWS=TREE_CONV_ROWS, num_warps=CONV_WARPS, **pdl.options(x))
     _tree_kernel[(value_heads * triton.cdiv(value_dim, block_v),)](
         mixed, ancestors.contiguous().view(torch.uint8), b, a, b.stride(0), a_log, dt_bias, g_buf, beta_buf, state,
-        out, key_dim ** -0.5, t, z, z.stride(0), z.stride(1), norm_weight, eps,
+        out, deltas, key_dim ** -0.5, t, z, z.stride(0), z.stride(1), norm_weight, eps,
         arrival_counters(x.device, value_heads), KEY_HEADS=key_heads, VALUE_HEADS=value_heads, K=key_dim, V=value_dim,
         BV=block_v, BK=TREE_BLOCK_K, BVN=triton.next_power_of_2(value_dim), BT=rows,
         DOUBLINGS=max(0, min(max_depth, t - 1) - 1).bit_length(), PRECISION=precision, NORM_ROWS=TREE_NORM_ROWS,
@@ -155,6 +165,7 @@ def tree_pass(x, history, conv_weight, gates, state, shape, z, norm_weight, eps,
 
 MAX_TREE_NODES = 64  # the walk packs node indices into 6 bits
 MAX_PATH = 16  # nodes of a kept path: a drafter block's rows at most
+PATH_BLOCK_V, PATH_WARPS = 16, 2  # keep_path: bench/gdn_kernel.py --parts tree, 8.4 us a 27B layer (32, 4: 9.5)
 TREE_NORM_ROWS, TREE_CONV_ROWS = 8, 16  # rows the norm epilogue / a tree conv program takes at a time
 # the closed-form tree recurrence: value channels a program (tl.dot needs >= 16), key channels a load
 TREE_BLOCK_V, TREE_BLOCK_K = 64, 32
@@ -170,27 +181,23 @@ def _gate_args(gates, gates_out, out):
     return g_buf, g_buf, g_buf, g_buf, g_buf, beta_buf
 
 
-def _launch(mixed, state_in, state_out, shape, gates, gates_out, out, conv, norm, block_v, num_warps, path=None):
+def _launch(mixed, state_in, state_out, shape, gates, gates_out, out, conv, norm, block_v, num_warps):
     key_heads, key_dim, value_heads, value_dim = shape
     b, a, a_log, dt_bias, g_buf, beta_buf = _gate_args(gates, gates_out, out)
     x, history, conv_weight, window, update_history = conv if conv is not None else (mixed, mixed, mixed, mixed,
                                                                                       False)
     taps = conv_weight.shape[-1] if conv is not None else 1
-    rows, history_rows = mixed, mixed  # placeholders unless a path is kept
-    if path is not None:
-        rows, window, history_rows, history = path
-        taps = history.shape[0] + 1
     z, norm_weight, eps = norm if norm is not None else (out, out, 0.0)
     block_v, num_warps = block_v or BLOCK_V, num_warps or NUM_WARPS
     counters = arrival_counters(out.device, value_heads + key_heads) if norm is not None else out
     _gated_delta_kernel[(value_heads * triton.cdiv(value_dim, block_v),)](
-        mixed, mixed.stride(0), rows, b, a, b.stride(0), a_log, dt_bias, g_buf, beta_buf, state_in, state_out, out,
-        key_dim ** -0.5, out.shape[0], x, x.stride(0), history, conv_weight, window, history_rows, z, z.stride(0),
+        mixed, mixed.stride(0), b, a, b.stride(0), a_log, dt_bias, g_buf, beta_buf, state_in, state_out, out,
+        key_dim ** -0.5, out.shape[0], x, x.stride(0), history, conv_weight, window, z, z.stride(0),
         z.stride(1) if norm is not None else 0, norm_weight, eps, counters, KEY_HEADS=key_heads,
         VALUE_HEADS=value_heads, K=key_dim, V=value_dim, BV=block_v, BK=triton.next_power_of_2(key_dim),
         BVN=triton.next_power_of_2(value_dim), TAPS=taps, COMPUTE_GATES=gates[0] == "ab",
         SAVE_GATES=gates[0] == "ab" and gates_out is not None, CONV=conv is not None, NORM=norm is not None,
-        HISTORY_IN_PLACE=update_history, PATH=path is not None, BP=MAX_PATH, num_warps=num_warps, num_stages=3,
+        HISTORY_IN_PLACE=update_history, num_warps=num_warps, num_stages=3,
         **pdl.options(out))
 
 
@@ -330,13 +337,12 @@ if triton is not None:
             tl.atomic_xchg(counters + hv, 0)  # clean for the next launch / graph replay
 
     @triton.jit(do_not_specialize=["T"])
-    def _gated_delta_kernel(mixed, s_mixed, rows, b, a, s_ab, a_log, dt_bias, g_buf, beta_buf, h0, ht, out, scale,
-                            T, x, s_x, history, conv_w, window, history_rows, z, s_z_t, s_z_h, norm_w, eps, counters,
+    def _gated_delta_kernel(mixed, s_mixed, b, a, s_ab, a_log, dt_bias, g_buf, beta_buf, h0, ht, out, scale,
+                            T, x, s_x, history, conv_w, window, z, s_z_t, s_z_h, norm_w, eps, counters,
                             KEY_HEADS: tl.constexpr, VALUE_HEADS: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                             BV: tl.constexpr, BK: tl.constexpr, BVN: tl.constexpr, TAPS: tl.constexpr,
                             COMPUTE_GATES: tl.constexpr, SAVE_GATES: tl.constexpr, CONV: tl.constexpr,
-                            NORM: tl.constexpr, HISTORY_IN_PLACE: tl.constexpr, PATH: tl.constexpr,
-                            BP: tl.constexpr, PDL: tl.constexpr):
+                            NORM: tl.constexpr, HISTORY_IN_PLACE: tl.constexpr, PDL: tl.constexpr):
         pdl.begin(PDL)
         i_v, hv, hk, ks, vs, k_ok, v_ok, tile, tile_ok = _head_tile(tl.program_id(0), KEY_HEADS, VALUE_HEADS, K, V,
                                                                     BV, BK)
@@ -350,11 +356,7 @@ if triton is not None:
             qk_owner = qk_owner & False
             v_owner = qk_owner
         C = 2 * KEY_HEADS * K + VALUE_HEADS * V
-        if PATH:  # the path in registers: a load of its index per step would serialise each step's input loads
-            lanes = tl.arange(0, BP)
-            path = tl.load(rows + lanes, mask=lanes < T, other=0)
         for t in range(T):
-            source = _pick(path, lanes, t) if PATH else t  # the input row of token t: a kept path's node, or t
             if CONV:
                 q = _conv_silu(x, s_x, history, conv_w, window, mixed, t, hk * K + ks, k_ok, C, TAPS, qk_owner)
                 k = _conv_silu(x, s_x, history, conv_w, window, mixed, t, (KEY_HEADS + hk) * K + ks, k_ok, C, TAPS,
@@ -362,19 +364,15 @@ if triton is not None:
                 v = _conv_silu(x, s_x, history, conv_w, window, mixed, t, 2 * KEY_HEADS * K + hv * V + vs, v_ok, C,
                                TAPS, v_owner)
             else:
-                row = mixed + source * s_mixed
+                row = mixed + t * s_mixed
                 q = tl.load(row + hk * K + ks, mask=k_ok, other=0.0).to(tl.float32)
                 k = tl.load(row + (KEY_HEADS + hk) * K + ks, mask=k_ok, other=0.0).to(tl.float32)
                 v = tl.load(row + 2 * KEY_HEADS * K + hv * V + vs, mask=v_ok, other=0.0).to(tl.float32)
-            g, beta = _gates(b, a, s_ab, g_buf, beta_buf, source, t < T, hv, decay_rate, bias, i_v == 0,
+            g, beta = _gates(b, a, s_ab, g_buf, beta_buf, t, t < T, hv, decay_rate, bias, i_v == 0,
                              VALUE_HEADS, COMPUTE_GATES, SAVE_GATES)
             state, o = _delta_step(state, q, k, v, g, beta, scale)
             tl.store(out + (t * VALUE_HEADS + hv) * V + vs, o.to(out.dtype.element_ty), mask=v_ok)
         tl.store(ht + tile, state, mask=tile_ok)
-        if PATH:  # the kept path's conv history, from the recorded window (nothing else here reads either)
-            _copy_rows(window, history_rows, history, hk * K + ks, k_ok & qk_owner, C, TAPS)
-            _copy_rows(window, history_rows, history, (KEY_HEADS + hk) * K + ks, k_ok & qk_owner, C, TAPS)
-            _copy_rows(window, history_rows, history, 2 * KEY_HEADS * K + hv * V + vs, v_ok, C, TAPS)
         if HISTORY_IN_PLACE:  # one token: history rows 0..TAPS-2 <- rows 1.., then the input
             tl.debug_barrier()  # every read of this program's history is done
             _shift_history(x, history, 2 * KEY_HEADS * K + hv * V + vs, v_ok, C, TAPS)
@@ -386,13 +384,37 @@ if triton is not None:
         if NORM:  # the head's last program to finish norms its whole output
             _output_norm(out, z, s_z_t, s_z_h, norm_w, eps, counters, hv, tl.cdiv(V, BV), T, VALUE_HEADS, V, BVN, 1)
 
-    @triton.jit
-    def _pick(values, lanes, node):
-        """values[node] of a vector held in registers."""
-        return tl.sum(tl.where(lanes == node, values, 0), 0)
+    @triton.jit(do_not_specialize=["N"])
+    def _keep_path_kernel(mixed, s_mixed, g_buf, deltas, state, path, N, window, history_rows, history,
+                          KEY_HEADS: tl.constexpr, VALUE_HEADS: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                          BV: tl.constexpr, BK: tl.constexpr, BP: tl.constexpr, TAPS: tl.constexpr,
+                          PDL: tl.constexpr):
+        """keep_path's closed form for value head hv's BV value channels (keep_path_reference's docstring)."""
+        pdl.begin(PDL)
+        i_v, hv, hk, ks, vs, k_ok, v_ok, tile, tile_ok = _head_tile(tl.program_id(0), KEY_HEADS, VALUE_HEADS, K, V,
+                                                                    BV, BK)
+        C = 2 * KEY_HEADS * K + VALUE_HEADS * V
+        lanes = tl.arange(0, BP)
+        kept = lanes < N
+        nodes = tl.load(path + lanes, mask=kept, other=0)
+        log_decay = tl.cumsum(tl.load(g_buf + nodes * VALUE_HEADS + hv, mask=kept, other=0.0), 0)
+        total = tl.sum(tl.where(lanes == N - 1, log_decay, 0.0), 0)
+        weights = tl.where(kept, tl.exp(total - log_decay), 0.0)
+        k = tl.load(mixed + nodes[:, None] * s_mixed + (KEY_HEADS + hk) * K + ks[None, :],
+                    mask=kept[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+        k = k * (tl.rsqrt(tl.sum(k * k, 1) + 1e-6) * weights)[:, None]
+        u = tl.load(deltas + (nodes[:, None] * VALUE_HEADS + hv) * V + vs[None, :], mask=kept[:, None] & v_ok[None, :],
+                    other=0.0)
+        state_tile = tl.load(state + tile, mask=tile_ok, other=0.0) * tl.exp(total)
+        state_tile = tl.dot(tl.trans(k), u, state_tile, input_precision="ieee")
+        tl.store(state + tile, state_tile, mask=tile_ok)
+        qk_owner = (hv % (VALUE_HEADS // KEY_HEADS) == 0) & (i_v == 0)  # one program per key head
+        _copy_rows(window, history_rows, history, hk * K + ks, k_ok & qk_owner, C, TAPS)
+        _copy_rows(window, history_rows, history, (KEY_HEADS + hk) * K + ks, k_ok & qk_owner, C, TAPS)
+        _copy_rows(window, history_rows, history, 2 * KEY_HEADS * K + hv * V + vs, v_ok, C, TAPS)
 
     @triton.jit(do_not_specialize=["T"])
-    def _tree_kernel(mixed, ancestors, b, a, s_ab, a_log, dt_bias, g_buf, beta_buf, h0, out, scale, T,
+    def _tree_kernel(mixed, ancestors, b, a, s_ab, a_log, dt_bias, g_buf, beta_buf, h0, out, deltas, scale, T,
                      z, s_z_t, s_z_h, norm_w, eps, counters,
                      KEY_HEADS: tl.constexpr, VALUE_HEADS: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                      BV: tl.constexpr, BK: tl.constexpr, BVN: tl.constexpr, BT: tl.constexpr,
@@ -461,6 +483,7 @@ if triton is not None:
         delta0 = beta0 * (v0 - decay0 * k0_norm * k0s)
         o0 = decay0 * q0_norm * q0s + (q0_norm * k0_norm * q0k0) * delta0
         tl.store(out + hv * V + vs, o0.to(out.dtype.element_ty), mask=v_ok)
+        tl.store(deltas + hv * V + vs, delta0, mask=v_ok)
         ks = decay0 * k_norm[:, None] * ks + (k_k0 * k_norm * k0_norm)[:, None] * delta0[None, :]  # k^T S_r
         qs = decay0 * q_norm[:, None] * qs + (q_k0 * q_norm * k0_norm)[:, None] * delta0[None, :]  # q^T S_r
         # the other nodes from S_r
@@ -475,6 +498,8 @@ if triton is not None:
             u = tl.dot(power, u, u, input_precision=PRECISION)
             if step + 1 < DOUBLINGS:
                 power = tl.dot(power, power, input_precision=PRECISION)
+        tl.store(deltas + (nodes[:, None] * VALUE_HEADS + hv) * V + vs[None, :], u,
+                 mask=in_tree[:, None] & v_ok[None, :])
         scores = tl.where(on_path, qk * q_norm[:, None] * k_norm[None, :] * ratio, 0.0)
         o = tl.dot(scores, u, decay[:, None] * qs, input_precision=PRECISION)
         tl.store(out + (nodes[:, None] * VALUE_HEADS + hv) * V + vs[None, :], o.to(out.dtype.element_ty),

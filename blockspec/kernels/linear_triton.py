@@ -17,10 +17,14 @@ graph; us per call, cuBLAS -> this kernel):
   o / gdn out 5120 x 6144 M=1 18.53 -> 17.96 (n8 k256 fma s5: 640 programs spread evenly over 132 SMs, where
   16-row tiles leave 2 or 3 per SM; another machine's run); M=8 cuBLAS 18.6 vs 19.9 (kept)
   attention qkv 14336 x 5120: cuBLAS within 2 % (kept).
-More rows keep cuBLAS: with the 8-row configs and a 64-row tile (192 KB of shared memory, n64 k256 s3) a whole
-27B pass of projections at 34 rows took 14.0 ms on this kernel against ~12.2 ms on cuBLAS (H200, profiled in a
-graphed tree pass; the mma.sync tile's arithmetic, 8x the 8-row one, no longer hides under the weight stream). The
-kernel serves those rows when given a config (bench/linear_kernels.py --rows sweeps them).
+A draft tree's 9..64 rows take Hopper's wgmma (`sync=False`: a 64-row weight tile a warp group, the x rows as its
+N side, asynchronous), where mma.sync's 32- and 64-row tiles no longer hide their arithmetic under the weight
+stream (8-row configs with a 64-row tile: 14.0 ms for a whole 27B pass at 34 rows, cuBLAS ~12.2).
+`bench/linear_kernels.py --rows 16,17,32,33` (us per call, cuBLAS -> this kernel, n64 k128 wgmma):
+  down    M=16 49.9 -> 48.4, M=17 52.9 -> 49.7, M=32 51.0 vs 52.0 (cuBLAS kept above 32 rows: 50.9 vs 55.0 at 33)
+  gate_up M=16 91.4 -> 89.7, M=17 93.0 -> 91.3 (s3, 4 waves), M=33 96.6 vs 101.3 (kept)
+  gdn in  M=16 46.4 -> 43.3, M=17 45.5 -> 43.2, M=33 46.2 -> 43.8;  attn qkv M=17 39.4 -> 38.2, M=33 40.0 -> 39.4
+  o / gdn out: cuBLAS (18.8 vs 21.0 at 17 rows).
 Not done, because slower: SwiGLU's activation computed on the down projection's input load (every program re-reads
 and re-activates the whole input): 51.4 vs 46.2 us (activation launch + this kernel) at one row, 71.6 vs 48.7 at 8.
 """
@@ -28,13 +32,12 @@ and re-activates the whole input): 51.4 vs 46.2 us (activation launch + this ker
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass
 
 import torch
 
 from ..config import MAX_PASS_TOKENS
-from . import arrival_counters, launch_fitting, pdl, triton_runs_on
+from . import arrival_counters, launch_fitting, pdl, sm_count, triton_runs_on
 
 try:
     import triton
@@ -51,17 +54,24 @@ class LinearConfig:
     warps: int = 4
     stages: int = 4
     waves: int = 2        # split K until about waves * SMs programs
+    sync: bool = True     # MMA as mma.sync; False: Hopper's wgmma where Triton picks it
 
     def short(self) -> str:
-        kind = "dot" if self.dot else "fma"
+        kind = ("dot" if self.sync else "wgmma") if self.dot else "fma"
         return f"n{self.block_n} k{self.block_k} {kind} w{self.warps} s{self.stages} wv{self.waves}"
 
 
 def default_config(m: int, n: int, k: int) -> LinearConfig | None:
-    """The measured winners (module docstring); None where cuBLAS is as fast (more than 8 rows measured at 34), or
-    where nothing was measured (the vocabulary head)."""
-    if m > 8 or n > 65536:
+    """The measured winners (module docstring); None where cuBLAS is as fast or faster, or where nothing was
+    measured (the vocabulary head)."""
+    if n > 65536 or m > MAX_PASS_TOKENS:
         return None
+    if m > 8:  # a draft tree's rows: wgmma tiles, except onto narrow outputs from short inputs (o / gdn out)
+        if k < 12288 and n <= 8192 or m > 32 and not 8192 < n < 32768:
+            return None
+        if n >= 32768:  # gate_up
+            return LinearConfig(64, 128, True, 4, 3, 4 if m > 16 else 1, sync=False)
+        return LinearConfig(64, 128, True, 4, 4 if m <= 32 else 3, 1, sync=False)
     if n >= 16384:  # wide outputs: enough tiles without splitting K
         return LinearConfig(64, 256, True, 4, 3, 1)
     if k >= 12288:  # long inputs onto a narrow output: one row as CUDA-core dots (no split), more rows split K
@@ -111,22 +121,16 @@ def linear_rows(x: torch.Tensor, weight: torch.Tensor, config: LinearConfig, out
     if not config.dot and m != 1:
         raise ValueError("the CUDA-core variant takes one row")
     tiles = -(-n // config.block_n)
-    split, per_split = split_blocks(tiles, -(-k // config.block_k), config.waves * (sms or _sm_count(x.device)))
+    split, per_split = split_blocks(tiles, -(-k // config.block_k), config.waves * (sms or sm_count(x.device)))
     ws = torch.empty(split * m * n if split > 1 else 1, device=x.device, dtype=torch.float32)
     prefetch = pdl.prefetch_blocks(config.block_n * config.block_k * weight.element_size(), tiles * split,
                                    per_split, x.device)
-    sync = config.dot and x.is_cuda
-    if sync:
-        os.environ["DISABLE_MMA_V3"] = "1"  # mma.sync (measured at 8 rows); read by the compiler on a first call
-    try:
-        launch_fitting(_linear_kernel, (tiles, split), x, weight, out, ws, arrival_counters(x.device, tiles), m, n,
-                       k, x.stride(0), weight.stride(0), out.stride(0), per_split, split, stages_key="STAGES",
-                       BN=config.block_n, BK=config.block_k, BM=block_m, STAGES=config.stages, DOT=config.dot,
-                       EVEN_K=k % config.block_k == 0, SYNC=sync, F32DOT=not x.is_cuda, PREFETCH=prefetch,
-                       LINE=128 // weight.element_size(), num_warps=config.warps, **pdl.options(x))
-    finally:
-        if sync:
-            os.environ.pop("DISABLE_MMA_V3", None)
+    sync = config.dot and config.sync and x.is_cuda
+    launch_fitting(_linear_kernel, (tiles, split), x, weight, out, ws, arrival_counters(x.device, tiles), m, n, k,
+                   x.stride(0), weight.stride(0), out.stride(0), per_split, split, stages_key="STAGES", mma_sync=sync,
+                   BN=config.block_n, BK=config.block_k, BM=block_m, STAGES=config.stages, DOT=config.dot,
+                   EVEN_K=k % config.block_k == 0, SYNC=sync, F32DOT=not x.is_cuda, PREFETCH=prefetch,
+                   LINE=128 // weight.element_size(), num_warps=config.warps, **pdl.options(x))
     return out
 
 
@@ -134,11 +138,6 @@ def linear_rows(x: torch.Tensor, weight: torch.Tensor, config: LinearConfig, out
 def _shared_memory(device: torch.device) -> int:
     props = torch.cuda.get_device_properties(device)
     return getattr(props, "shared_memory_per_block_optin", props.shared_memory_per_block)
-
-
-@functools.cache
-def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
 
 
 if triton is not None:

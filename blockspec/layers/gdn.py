@@ -3,7 +3,8 @@
 The state of a DeltaNet layer is a short convolution history plus one recurrent matrix per value head. A pass over
 k tokens leaves the committed state untouched and records what commit(n) needs: the final state (n == k), or the
 per-token inputs of the recurrence so that the state after n tokens is recomputed by rerunning only the cheap
-recurrence over n tokens, never a second target pass.
+recurrence over n tokens, never a second target pass. A draft tree's pass records each node's delta instead, from
+which the state after a kept path is one product (keep_path).
 """
 
 import torch
@@ -32,6 +33,8 @@ class GDNState:
         self.pending_mixed = torch.zeros(max_partial, conv_dim, device=device, dtype=dtype)
         self.pending_g = torch.zeros(max_partial, value_heads, **f32)
         self.pending_beta = torch.zeros_like(self.pending_g)
+        # a tree pass's nodes' deltas: a kept path's state is built from them (keep_path)
+        self.pending_deltas = torch.zeros(max_partial, value_heads, value_dim, **f32)
         self.allocate_snapshots(0)
 
     def allocate_snapshots(self, count: int) -> int:
@@ -101,10 +104,10 @@ class GDNState:
         self.history.copy_(self.pending_window[n:n + keep])
 
     def keep_path(self, path: torch.Tensor, history_rows: torch.Tensor):
-        """Keep the path `path` [n] (node indices, root first) of the pending tree pass: the recurrence alone over
-        its nodes from their recorded inputs, in place; the conv history from the window rows `history_rows`
-        [K-1] (the last kept node's conv inputs after its oldest)."""
-        keep_path(self.pending_mixed, self.pending_g, self.pending_beta, self.recurrent, self.shape, path,
+        """Keep the path `path` [n] (node indices, root first) of the pending tree pass: the state after its nodes
+        from their recorded keys, decays and deltas, in place; the conv history from the window rows
+        `history_rows` [K-1] (the last kept node's conv inputs after its oldest)."""
+        keep_path(self.pending_mixed, self.pending_g, self.recurrent, self.shape, path, self.pending_deltas,
                   self.pending_window, history_rows, self.history)
 
 
@@ -152,7 +155,7 @@ class GatedDeltaNet(nn.Module):
                 raise RuntimeError(f"a {t}-node tree pass is longer than the state records ({state.max_partial})")
             out, _ = deltanet_tree_mixer(qkv, state.history, self.conv1d.weight, gates, state.recurrent, state.shape,
                                          z, self.norm.weight, self.eps, tree,
-                                         window_buffer, mixed_buffer, gate_buffers)
+                                         window_buffer, mixed_buffer, gate_buffers, state.pending_deltas[:t])
             return out.reshape(t, -1)
         out, window = deltanet_mixer(qkv, state.history, self.conv1d.weight, gates, state.recurrent,
                                      state.pending_recurrent, state.shape, z, self.norm.weight, self.eps,

@@ -20,7 +20,7 @@ Kernel (tensor cores, exact numerics)
   cp.async into shared memory, num_stages deep) and the block's scales (prefetched one block ahead by hand), then per
   group i: A = (u_i - z) in x's dtype, exact;
   part[BN, BM] = A @ x_i^T (one MMA chain, fp32), acc += part * s_i (fp32). M <= 8 uses BM = 8 with mma.sync
-  (`sync`: compiled under DISABLE_MMA_V3), more rows BM = 16, 32 or 64 (the next power of two): one launch serves
+  (`sync`: launch_fitting's mma_sync), more rows BM = 16, 32 or 64 (the next power of two): one launch serves
   every verification pass (up to MAX_PASS_TOKENS rows), streaming the weights once. Under split-K the last program
   to arrive at a tile adds the fp32 partials in a fixed order (kernels/linear_triton.split_k_total; no memset).
   Results are deterministic and a row does not depend on the other rows (row 0 of an M = 8 launch == the M = 1
@@ -100,7 +100,7 @@ import torch
 import torch.nn.functional as F
 
 from ..config import MAX_PASS_TOKENS
-from ..kernels import arrival_counters, launch_fitting, pdl
+from ..kernels import arrival_counters, launch_fitting, pdl, sm_count
 from ..kernels.linear_triton import split_blocks
 
 try:  # triton is optional: CPU-only installs use the plain PyTorch reference paths
@@ -321,7 +321,7 @@ if triton is not None:
                    TRACE: tl.constexpr):
         """Program pid < WHOLE: tile pid, every block; the others (pid_n, pid_k) of the REST tiles after them: rows
         [pid_n*BN, +BN), blocks [pid_k*BPS, +BPS) (`schedule`); one block (C groups) per step.
-        SYNC only keys the compile cache (the launcher sets DISABLE_MMA_V3 while it compiles). RMS: the finished tile
+        SYNC only keys the compile cache (launch_fitting compiles it to mma.sync). RMS: the finished tile
         is first scaled by its rows' 1 / rms (the input is the rows of an EPI 1 launch, whose partials give the rms).
         EPI: then stored as is (0), added to a residual stream with the next norm begun (1, `_add_norm_epilogue`),
         or, for a [gate; up] projection, silu(gate) * up stored (2, `_swiglu_epilogue`: a program's first BN / 2
@@ -468,7 +468,7 @@ class KernelConfig:
     block_m: int          # activation rows per program: 8 (M <= 8), else M's next power of two
     warps: int
     stages: int           # cp.async pipeline depth
-    sync: bool = True     # mma.sync (compiled under DISABLE_MMA_V3); False: wgmma where Triton picks it
+    sync: bool = True     # mma.sync (launch_fitting's mma_sync); False: wgmma where Triton picks it
     waves: int = 2        # split K until about waves * SMs programs
     asm: bool = True      # PTX unpacking on CUDA (the interpreter always takes the plain path)
     balance: bool = False  # unsplit tiles beyond the last full round of SMs: split so each SM streams ~as much
@@ -502,11 +502,6 @@ def default_config(m: int, n: int, k: int, bits: int = 4, group_size: int = 128)
     if k > 8192:  # long rows (down): K splits to ~4 waves
         return KernelConfig(64, 16, 4, 2, False, 4, asm)
     return KernelConfig(64, 16, 4, 3, False, 1, asm)  # one wave of 3-stage programs: 5-10 % faster than ~4
-
-
-@functools.lru_cache(maxsize=None)
-def sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
 
 
 MIN_PIECE = 4        # blocks: a shorter split part costs more in its pipeline's start than it balances
@@ -607,13 +602,7 @@ def _launch(x2: torch.Tensor, pw: PackedWeight, cfg: KernelConfig, out: torch.Te
                 PREFETCH=pdl.prefetch_blocks(cfg.block_n * pw.group_size * 2, programs, bps, x2.device),
                 EPI=epi.kind, RMS=epi.rms, PBLOCK=triton.next_power_of_2(parts.shape[0]) if epi.rms else 1,
                 E4M3=e4m3, TRACE=timeline is not None)
-    if meta["SYNC"]:
-        os.environ["DISABLE_MMA_V3"] = "1"  # read by the compiler; only a first call per config compiles
-    try:
-        launch_fitting(_wq_kernel, (programs,), *args, stages_key="STAGES", **meta)
-    finally:
-        if meta["SYNC"]:
-            os.environ.pop("DISABLE_MMA_V3", None)
+    launch_fitting(_wq_kernel, (programs,), *args, stages_key="STAGES", mma_sync=meta["SYNC"], **meta)
 
 
 def _rows(x: torch.Tensor, pw: PackedWeight) -> torch.Tensor:
