@@ -13,14 +13,17 @@ in one CUDA graph, median of replays):
     against keep_path_reference).
 Usage (GPU; under a minute on an H200 either way): python bench/gdn_kernel.py [--parts recurrence,mixer,conv] or
 --parts tree; JSON to $OUT/gdn_kernel.json.
+CPU dry run of the first three parts (tiny heads, one layer, each sweep's first config, untimed):
+TRITON_INTERPRET=1 python bench/gdn_kernel.py --dry-run (the tree part's: tests/test_tree_gdn_kernel.py)
 """
 
+import itertools
 import json
 import os
 import sys
 
 import torch
-from timing import replay_ms  # bench/timing.py, beside this script
+from timing import dry_run, replay_ms  # bench/timing.py, beside this script
 
 from blockspec.kernels import gdn
 from blockspec.kernels.gdn_triton import MAX_PATH, causal_conv1d, gated_delta_short, keep_path, short_pass, tree_pass
@@ -38,16 +41,19 @@ TREE_CONFIGS = ((64, 8, "tf32x3"), (64, 4, "tf32x3"), (128, 8, "tf32x3"), (32, 4
 PATH_CONFIGS = ((16, 2), (16, 1), (32, 4), (32, 2), (64, 4))
 
 
-def main(parts):
-    dev, bf16 = torch.device("cuda"), torch.bfloat16
-    shape = (HK, DK, HV, DV)
-    states = [torch.randn(HV, DK, DV, device=dev) * 0.01 for _ in range(LAYERS)]
+def main(parts, dry=False):
+    dev, bf16, shape, layers, sweep = torch.device("cuda"), torch.bfloat16, (HK, DK, HV, DV), LAYERS, None
+    if dry:  # the interpreter: tiny heads, one layer, each sweep's first config, float32 (its bf16 is numpy's gap)
+        dev, bf16, shape, layers, sweep = dry_run(), torch.float32, (2, 16, 4, 16), 1, 1
+    hk, dk, hv, dv = shape
+    channels = 2 * hk * dk + hv * dv
+    states = [torch.randn(hv, dk, dv, device=dev) * 0.01 for _ in range(layers)]
     finals = [torch.empty_like(s) for s in states]
-    histories = [torch.randn(TAPS - 1, CHANNELS, device=dev, dtype=bf16) for _ in range(LAYERS)]
-    conv_w = torch.randn(CHANNELS, 1, TAPS, device=dev, dtype=bf16) * 0.3
-    norm_w = torch.randn(DV, device=dev, dtype=bf16)
-    a_log, dt_bias = torch.randn(HV, device=dev), torch.randn(HV, device=dev)
-    state_bytes = 2 * HV * DK * DV * 4
+    histories = [torch.randn(TAPS - 1, channels, device=dev, dtype=bf16) for _ in range(layers)]
+    conv_w = torch.randn(channels, 1, TAPS, device=dev, dtype=bf16) * 0.3
+    norm_w = torch.randn(dv, device=dev, dtype=bf16)
+    a_log, dt_bias = torch.randn(hv, device=dev), torch.randn(hv, device=dev)
+    state_bytes = 2 * hv * dk * dv * 4
     results = {}
 
     def report(key, us, err, extra=""):
@@ -55,34 +61,34 @@ def main(parts):
         print(f"{key:40s} {us:7.2f} us/layer  {extra}err {err:.1e}", flush=True)
 
     for t in (1, 8) if any(part in parts for part in ("recurrence", "mixer", "conv")) else ():
-        proj = torch.randn(t, CHANNELS + 2 * HV * DV, device=dev, dtype=bf16)  # qkv | z | (b, a) as in the pack
-        x, z = proj[:, :CHANNELS], proj[:, CHANNELS:CHANNELS + HV * DV].view(t, HV, DV)
-        b, a = proj[:, -2 * HV:-HV], proj[:, -HV:]
+        proj = torch.randn(t, channels + 2 * hv * dv, device=dev, dtype=bf16)  # qkv | z | (b, a) as in the pack
+        x, z = proj[:, :channels], proj[:, channels:channels + hv * dv].view(t, hv, dv)
+        b, a = proj[:, -2 * hv:-hv], proj[:, -hv:]
         gates = ("ab", b, a, a_log, dt_bias)
-        windows = [torch.empty(TAPS - 1 + t, CHANNELS, device=dev, dtype=bf16) for _ in range(LAYERS)]
-        mixeds = [torch.empty(t, CHANNELS, device=dev, dtype=bf16) for _ in range(LAYERS)]
+        windows = [torch.empty(TAPS - 1 + t, channels, device=dev, dtype=bf16) for _ in range(layers)]
+        mixeds = [torch.empty(t, channels, device=dev, dtype=bf16) for _ in range(layers)]
         mixed = causal_conv1d(x, histories[0], conv_w)[0]
         reference = gated_delta_short(mixed, states[0], finals[0], shape, gates, out_dtype=bf16)
-        for block_c in (64, 128, 256, 512) if "conv" in parts else ():
-            for warps in (1, 2, 4):
-                def conv(bc=block_c, w=warps):
-                    return [causal_conv1d(x, histories[i], conv_w, windows[i], mixeds[i], bc, w)[0]
-                            for i in range(LAYERS)]
-                err = (conv()[0].float() - mixed.float()).abs().max().item()
-                report(f"T={t} conv BLOCK_C={block_c} warps={warps}", replay_ms(conv) * 1e3 / LAYERS, err)
-        for block_v in (8, 16, 32) if "recurrence" in parts else ():
-            for warps in (1, 2, 4):
-                def run(bv=block_v, w=warps):
-                    return [gated_delta_short(mixed, s, f, shape, gates, out_dtype=bf16, block_v=bv, num_warps=w)
-                            for s, f in zip(states, finals)]
-                err = (run()[0].float() - reference.float()).abs().max().item()
-                us = replay_ms(run) * 1e3 / LAYERS
-                report(f"T={t} recurrence BLOCK_V={block_v} warps={warps}", us, err,
-                       f"{state_bytes / us / 1e3:7.1f} GB/s of state  ")
+        conv_configs = itertools.product((64, 128, 256, 512), (1, 2, 4)) if "conv" in parts else ()
+        for block_c, warps in itertools.islice(conv_configs, sweep):
+            def conv(bc=block_c, w=warps):
+                return [causal_conv1d(x, histories[i], conv_w, windows[i], mixeds[i], bc, w)[0]
+                        for i in range(layers)]
+            err = (conv()[0].float() - mixed.float()).abs().max().item()
+            report(f"T={t} conv BLOCK_C={block_c} warps={warps}", replay_ms(conv) * 1e3 / layers, err)
+        recurrence_configs = itertools.product((8, 16, 32), (1, 2, 4)) if "recurrence" in parts else ()
+        for block_v, warps in itertools.islice(recurrence_configs, sweep):
+            def run(bv=block_v, w=warps):
+                return [gated_delta_short(mixed, s, f, shape, gates, out_dtype=bf16, block_v=bv, num_warps=w)
+                        for s, f in zip(states, finals)]
+            err = (run()[0].float() - reference.float()).abs().max().item()
+            us = replay_ms(run) * 1e3 / layers
+            report(f"T={t} recurrence BLOCK_V={block_v} warps={warps}", us, err,
+                   f"{state_bytes / us / 1e3:7.1f} GB/s of state  ")
 
-        def three(layers=range(LAYERS)):
+        def three():
             outs = []
-            for i in layers:
+            for i in range(layers):
                 m, _ = causal_conv1d(x, histories[i], conv_w, windows[i], mixeds[i])
                 o = gated_delta_short(m, states[i], finals[i], shape, gates, out_dtype=bf16)
                 outs.append(gated_rms_norm_rows(o, z, norm_w, 1e-6))
@@ -90,15 +96,14 @@ def main(parts):
         if "mixer" not in parts:
             continue
         mixer_ref = three()[0].float()
-        report(f"T={t} mixer, three launches", replay_ms(three) * 1e3 / LAYERS, 0.0)
-        for block_v in (8, 16, 32):
-            for warps in (1, 2, 4):
-                def one(bv=block_v, w=warps):
-                    return [short_pass(x, histories[i], conv_w, gates, states[i], finals[i], shape, z, norm_w, 1e-6,
-                                       windows[i], mixeds[i], block_v=bv, num_warps=w)[0] for i in range(LAYERS)]
-                err = (one()[0].float() - mixer_ref).abs().max().item()
-                report(f"T={t} mixer, one launch BLOCK_V={block_v} warps={warps}", replay_ms(one) * 1e3 / LAYERS, err)
-    if "tree" in parts:
+        report(f"T={t} mixer, three launches", replay_ms(three) * 1e3 / layers, 0.0)
+        for block_v, warps in itertools.islice(itertools.product((8, 16, 32), (1, 2, 4)), sweep):
+            def one(bv=block_v, w=warps):
+                return [short_pass(x, histories[i], conv_w, gates, states[i], finals[i], shape, z, norm_w, 1e-6,
+                                   windows[i], mixeds[i], block_v=bv, num_warps=w)[0] for i in range(layers)]
+            err = (one()[0].float() - mixer_ref).abs().max().item()
+            report(f"T={t} mixer, one launch BLOCK_V={block_v} warps={warps}", replay_ms(one) * 1e3 / layers, err)
+    if "tree" in parts:  # its dry run: tests/test_tree_gdn_kernel.py
         trees(report, dev, bf16)
     with open(os.path.join(os.environ.get("OUT", "."), "gdn_kernel.json"), "w") as f:
         json.dump(results, f, indent=2)
@@ -191,4 +196,5 @@ def trees(report, dev, dtype, shape=(HK, DK, HV, DV), layers=LAYERS, sizes=TREE_
 
 if __name__ == "__main__":
     with torch.no_grad():
-        main(sys.argv[sys.argv.index("--parts") + 1] if "--parts" in sys.argv else "recurrence,mixer,conv")
+        main(sys.argv[sys.argv.index("--parts") + 1] if "--parts" in sys.argv else "recurrence,mixer,conv",
+             "--dry-run" in sys.argv)

@@ -14,13 +14,7 @@ import torch
 from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-
-CHAT_TEMPLATE = (
-    "{%- for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
-    "{%- endfor %}{%- if add_generation_prompt %}<|im_start|>assistant\n"
-    "{%- if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{%- endif %}"
-    "{%- endif %}")
+from .tokenizer import CHAT_TEMPLATE, SPECIAL_TOKENS
 
 TINY_CONFIG = dict(
     vocab_size=259, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,

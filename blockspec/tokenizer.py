@@ -16,6 +16,16 @@ from tokenizers import Tokenizer as HFTokenizer
 from .errors import BlockspecError
 
 
+# ChatML, the format of Qwen's chat templates, with its special tokens: the template of the checkpoints this package
+# makes itself (train-target's, the tests' tiny ones)
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CHAT_TEMPLATE = (
+    "{%- for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{%- endfor %}{%- if add_generation_prompt %}<|im_start|>assistant\n"
+    "{%- if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{%- endif %}"
+    "{%- endif %}")
+
+
 class TooManyTokens(BlockspecError):
     """A text certainly longer than the tokens allowed for it, found without tokenizing it."""
 

@@ -17,6 +17,7 @@ DRY_RUNS = {  # script: its arguments ({out}: its $OUT)
     "attention_kernels": ["--dry-run"],
     "norm_kernel": ["--dry-run"],
     "linear_kernels": ["--dry-run"],
+    "gdn_kernel": ["--dry-run"],  # its tree part's dry run: test_tree_gdn_kernel.py
     "fp8_kernels": ["--dry-run"],
     "kernel_schedules": ["--dry-run"],
     "quant_kernels": [],  # TRITON_INTERPRET=1 alone is its dry run
@@ -30,7 +31,7 @@ DRY_RUNS = {  # script: its arguments ({out}: its $OUT)
 # no Triton on the CPU: PyTorch's paths, as on a machine without CUDA (not interpreted)
 NATIVE = {"drafter_training", "profile_cycle"}
 ELSEWHERE = {"checkpoint_loading": "test_checkpoint_loading.py", "multi_turn": "test_bench.py",
-             "tree_acceptance": "test_bench.py", "gdn_kernel": "test_tree_gdn_kernel.py"}
+             "tree_acceptance": "test_bench.py"}
 
 
 def _dry_run(script):
@@ -87,6 +88,11 @@ CHECKS = {  # script: what its dry run must have written (the JSON files under i
     "linear_kernels": lambda out: (
         sorted(out["linear_kernels.json"]) == ["tiny M=1", "tiny M=8"]
         and max(_max_errors(out["linear_kernels.json"], "max_err")) < 1e-5),
+    "gdn_kernel": lambda out: (
+        sorted(out["gdn_kernel.json"]) == sorted(
+            f"T={t} {name}" for t in (1, 8) for name in ("conv BLOCK_C=64 warps=1", "recurrence BLOCK_V=8 warps=1",
+                                                         "mixer, three launches", "mixer, one launch BLOCK_V=8 warps=1"))
+        and max(_max_errors(out["gdn_kernel.json"], "max_err")) < 1e-5),
     "fp8_kernels": lambda out: (
         sorted(out["fp8_kernels.json"]) == ["tiny M=1", "tiny M=16"]
         and max(_max_errors(out["fp8_kernels.json"], "fp8_relative_err")

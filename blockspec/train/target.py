@@ -20,6 +20,7 @@ import torch
 
 from ..config import MAX_SEED
 from ..errors import BlockspecError
+from ..tokenizer import CHAT_TEMPLATE
 from .data import read_texts, text_files
 from .loop import Trainer, check_output, check_resumed, output_folder, plural, settings_to_save, token_count, \
     write_summary
@@ -149,8 +150,6 @@ def train_target(run: TargetTraining, log=print) -> dict:
 
 def _train(run: TargetTraining, out: Path, device, train_texts: list[str], heldout_texts: list[str], log) -> dict:
     from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
-
-    from ..tiny import CHAT_TEMPLATE
 
     out.mkdir(parents=True, exist_ok=True)
     if run.resume:
