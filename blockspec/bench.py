@@ -228,7 +228,7 @@ def build_engine(args, mode: str, tree_budget: int = 0):
     overrides = {k: v for k, v in overrides.items() if v is not None}
     if not args.synthetic:
         return Engine(PredictConfig.build({"model": args.model, **overrides}, source="bench"))
-    from .engine.engine import resolve_device
+    from .engine.load import resolve_device
     from .engine.weights import rtn
     from .synthetic import synthetic_drafter, synthetic_target
     from .tiny import build_tiny_checkpoint
@@ -275,7 +275,7 @@ def check_synthetic_fits(name: str, config: PredictConfig, device) -> memory.Mem
     or on the CPU the RAM available (a build past it is killed by the system, without a word)."""
     from .config import TargetConfig
     from .drafter.config import DrafterConfig
-    from .engine.engine import pass_rows, resolve_execution
+    from .engine.load import pass_rows, resolve_execution
     from .synthetic import preset, synthetic_drafter_config
 
     target = TargetConfig.from_dict(preset(name), source=f"synthetic preset {name}")
@@ -367,7 +367,7 @@ def bench(args) -> dict:
     results = {"label": label, "rows": [], "max_tokens": args.max_tokens, "repeats": args.repeats,
                "context_length": args.context_length, "torch": torch.__version__}
     trajectories = {}
-    from .engine.engine import resolve_device
+    from .engine.load import resolve_device
     bandwidth = args.bandwidth or measure_read_bandwidth(resolve_device(args.device))
     budgets = tree_budgets(args.tree_budget)
     runs = [(m, b) for m in ["none"] + [m for m in modes if m != "none"] for b in (budgets if m == "dflash2" else [0])]

@@ -11,7 +11,8 @@ import blockspec.checkpoint
 from blockspec.cli import main
 from blockspec.config import PredictConfig, TargetConfig
 from blockspec.engine import memory
-from blockspec.engine.engine import MAX_VERIFY_TOKENS, Engine
+from blockspec.engine.engine import Engine
+from blockspec.engine.load import MAX_VERIFY_TOKENS
 from blockspec.errors import BlockspecError
 
 TOLERANCE = 0.01  # the layouts are sized exactly; FP8 block rows differ slightly between packed and unpacked

@@ -135,7 +135,7 @@ def estimate(target: TargetConfig, config: PredictConfig, *, execution: str, max
              stored: Layout | None = None, drafter: DrafterConfig | None = None) -> MemoryEstimate:
     """The memory `config` needs with the target `target` (stored: the layout of a quantized checkpoint's
     projections, None for a dense one) and, for mode dflash2, the drafter `drafter`; max_partial: the rows of its
-    longest pass (engine.pass_rows)."""
+    longest pass (load.pass_rows)."""
     dtype, mode = config.torch_dtype, config.decode_mode
     snapshots = config.prefix_snapshots if config.prefix_reuse else 0  # prefix reuse's (engine/reuse.py)
     at_load = Layout(config.target_quantization, 128) if config.target_quantization != "none" else Layout()

@@ -119,7 +119,7 @@ def train(run: DrafterTraining, log=print) -> dict:
 
 
 def _train(run: DrafterTraining, target_config: TargetConfig, log) -> dict:
-    from ..engine.engine import resolve_device
+    from ..engine.load import resolve_device
 
     device = resolve_device(run.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32

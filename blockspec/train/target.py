@@ -129,7 +129,7 @@ def hide_fla_where_its_backward_refuses(device: torch.device):
 
 def train_target(run: TargetTraining, log=print) -> dict:
     check_run(run)
-    from ..engine.engine import resolve_device
+    from ..engine.load import resolve_device
 
     device = resolve_device(run.device)
     hide_fla_where_its_backward_refuses(device)
