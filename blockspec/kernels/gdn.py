@@ -143,16 +143,40 @@ def deltanet_mixer(x, history, conv_weight, gates, state_in, state_out, shape, z
     return gated_rms_norm(out, z, norm_weight, eps), window
 
 
-def gated_delta_tree(mixed, gates, state, shape, parents, gates_out=None, out_dtype=None, deltas_out=None):
+def gated_delta_tree(mixed, gates, state, shape, ancestors, gates_out=None, out_dtype=None, deltas_out=None):
     """The recurrence over a draft tree's nodes: node i's state is its parent's after token i (the root's: the
-    committed `state` after token 0), so each node's output follows its own path. `state` is not modified (a kept
-    path is committed from the nodes' deltas: keep_path). Gates as gated_delta's; returns out [T, Hv, Dv]; the
-    deltas [T, Hv, Dv] float32 into deltas_out when given."""
+    committed `state` after token 0), so each node's output follows its own path; ancestors [T, T] bool (layers/tree.py).
+    `state` is not modified (a kept path is committed from the nodes' deltas: keep_path). Gates as gated_delta's;
+    returns out [T, Hv, Dv]; the deltas [T, Hv, Dv] float32 into deltas_out when given. The closed form
+    (gated_delta_tree_closed), whose reference is gated_delta_tree_reference."""
     g, beta = deltanet_gates(*gates[1:], out=gates_out) if gates[0] == "ab" else gates[1:]
-    out, deltas = gated_delta_tree_reference(*deltanet_qkv(mixed, *shape), g, beta, state, parents)
+    out, deltas = gated_delta_tree_closed(*deltanet_qkv(mixed, *shape), g, beta, state, ancestors)
     if deltas_out is not None:
         deltas_out.copy_(deltas)
     return out.to(out_dtype or torch.float32)
+
+
+def gated_delta_tree_closed(q, k, v, g, beta, state, ancestors):
+    """gated_delta_tree_reference's contract in closed form, in float32 torch ops (the derivation in
+    gdn_triton.tree_pass's docstring): the root's step, then the nodes below it at once, (I + A) U = R solved per
+    head, where the reference steps one depth at a time with a state per node. Returns (out, deltas)."""
+    s_root = state * g[0].exp()[:, None, None]
+    delta0 = (v[0] - torch.einsum("hk,hkv->hv", k[0], s_root)) * beta[0][:, None]
+    s_root = s_root + k[0][:, :, None] * delta0[:, None, :]
+    out0 = torch.einsum("hk,hkv->hv", q[0], s_root)
+    if q.shape[0] == 1:
+        return out0[None], delta0[None]
+    on_path = ancestors[1:, 1:]  # [n, n]: j on i's path below the root, i included
+    log_decay = on_path.float() @ g[1:]  # [n, H]
+    ratio = torch.where(on_path[None], (log_decay.T[:, :, None] - log_decay.T[:, None, :]), -torch.inf).exp()
+    eye = torch.eye(on_path.shape[0], device=q.device)
+    qn, kn = q[1:].transpose(0, 1), k[1:].transpose(0, 1)  # [H, n, Dk]
+    a = beta[1:].T[:, :, None] * ratio * (kn @ kn.transpose(1, 2)) * (1 - eye)  # strict ancestors only
+    decay = log_decay.T.exp()[:, :, None]  # [H, n, 1]
+    r = beta[1:].T[:, :, None] * (v[1:].transpose(0, 1) - decay * (kn @ s_root))
+    u = torch.linalg.solve(eye + a, r)
+    out = decay * (qn @ s_root) + (ratio * (qn @ kn.transpose(1, 2))) @ u
+    return torch.cat([out0[None], out.transpose(0, 1)]), torch.cat([delta0[None], u.transpose(0, 1)])
 
 
 def gated_delta_tree_reference(q, k, v, g, beta, state, parents):
@@ -197,7 +221,7 @@ def deltanet_tree_mixer(x, history, conv_weight, gates, state, shape, z, norm_we
                                     tree.window_rows, tree.ancestors, tree.max_depth, window_out, mixed_out, gates_out,
                                     deltas_out)
     mixed, window = causal_conv1d_tree(x, history, conv_weight, tree.window_rows, window_out, mixed_out)
-    out = gated_delta_tree(mixed, gates, state, shape, tree.parents, gates_out, x.dtype, deltas_out)
+    out = gated_delta_tree(mixed, gates, state, shape, tree.ancestors, gates_out, x.dtype, deltas_out)
     return gated_rms_norm(out, z, norm_weight, eps), window
 
 
