@@ -26,6 +26,7 @@ import torch
 from timing import dry_run, replay_ms  # bench/timing.py, beside this script
 
 from blockspec.kernels import gdn
+from blockspec.kernels.gdn_gates import GateProjections, deltanet_gates
 from blockspec.kernels.gdn_triton import MAX_PATH, causal_conv1d, gated_delta_short, keep_path, short_pass, tree_pass
 from blockspec.kernels.norm import gated_rms_norm_reference
 from blockspec.kernels.norm_triton import gated_rms_norm_rows
@@ -64,7 +65,7 @@ def main(parts, dry=False):
         proj = torch.randn(t, channels + 2 * hv * dv, device=dev, dtype=bf16)  # qkv | z | (b, a) as in the pack
         x, z = proj[:, :channels], proj[:, channels:channels + hv * dv].view(t, hv, dv)
         b, a = proj[:, -2 * hv:-hv], proj[:, -hv:]
-        gates = ("ab", b, a, a_log, dt_bias)
+        gates = GateProjections(b, a, a_log, dt_bias)
         windows = [torch.empty(TAPS - 1 + t, channels, device=dev, dtype=bf16) for _ in range(layers)]
         mixeds = [torch.empty(t, channels, device=dev, dtype=bf16) for _ in range(layers)]
         mixed = causal_conv1d(x, histories[0], conv_w)[0]
@@ -150,12 +151,12 @@ def trees(report, dev, dtype, shape=(HK, DK, HV, DV), layers=LAYERS, sizes=TREE_
             tree = TreeLayout.build(parents, torch.tensor(depth, device=dev), 0, TAPS, max(depth))
             proj = torch.randn(t, channels + 2 * hv * dv, generator=gen).to(dev, dtype)  # qkv | z | (b, a)
             x, z = proj[:, :channels], proj[:, channels:channels + hv * dv].view(t, hv, dv)
-            gates = ("ab", proj[:, -2 * hv:-hv], proj[:, -hv:], a_log, dt_bias)
+            gates = GateProjections(proj[:, -2 * hv:-hv], proj[:, -hv:], a_log, dt_bias)
             windows = [torch.empty(TAPS - 1 + t, channels, device=dev, dtype=dtype) for _ in range(layers)]
             mixeds = [torch.empty(t, channels, device=dev, dtype=dtype) for _ in range(layers)]
             gate_bufs = [(torch.empty(t, hv, device=dev), torch.empty(t, hv, device=dev)) for _ in range(layers)]
             mixed, _ = gdn.causal_conv1d_tree_reference(x, histories[0], conv_w, tree.window_rows)
-            g, beta = gdn.deltanet_gates.reference(*gates[1:])
+            g, beta = deltanet_gates.reference(gates.b, gates.a, gates.A_log, gates.dt_bias)
             reference, ref_deltas = gdn.gated_delta_tree_reference(*gdn.deltanet_qkv.reference(mixed, *shape), g, beta,
                                                                    states[0], parents)
             reference = gated_rms_norm_reference.reference(reference.to(dtype), z, norm_w, 1e-6).float()

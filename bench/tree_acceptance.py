@@ -5,9 +5,14 @@ last token: blockspec.train.evaluate.one_cycle_acceptance), greedy or sampled.
 Prints the mean tokens per cycle (accepted + 1) of each budget and its ratio to the chain's (budget 0); JSON to
 --json-out (default $OUT/tree_acceptance.json when OUT is set). The contexts are `blockspec bench --fixtures stdlib`'s
 files; the engine runs eagerly (the sweep resumes snapshots between passes), built for the largest budget.
+
+With --tokens-per-s N, also whole generations: N greedy tokens from each file's prompt (as `blockspec bench`), by
+plain decoding and by each budget (one engine each, the device's default execution), the engines taking turns file
+by file and round by round (--rounds), so that a machine whose speed drifts over minutes (a shared CPU) weighs on
+every budget alike; tokens/s (all tokens after each first over all decode time) and the ratio to the chain's.
 Usage: python bench/tree_acceptance.py --model DIR/target --drafter DIR/drafter [--budgets 0,8,16,24,32,48]
 [--scores transition|marginal] [--temperature 0] [--cuts 500] [--device cpu] [--dtype float32]
-[--context-length 1024]
+[--context-length 1024] [--tokens-per-s 64 --rounds 2 --threads 2]
 """
 
 import argparse
@@ -35,10 +40,14 @@ def main(argv=None):
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--context-length", type=int, default=1024)
+    p.add_argument("--tokens-per-s", type=int, default=0, metavar="N", help="also time N-token generations")
+    p.add_argument("--rounds", type=int, default=2, help="rounds over the files of the generations' timing")
+    p.add_argument("--threads", type=int, default=1, help="torch's CPU threads (the pair's matrices gain little "
+                                                          "from a second one: blockspec/demo.py)")
     p.add_argument("--json-out")
     args = p.parse_args(argv)
     budgets = tree_budgets(args.budgets)
-    torch.set_num_threads(1)  # the pair's matrices gain nothing from a second thread (blockspec/demo.py)
+    torch.set_num_threads(args.threads)
     engine = Engine.load(args.model, mode="dflash2", dflash2_model=args.drafter, device=args.device,
                          compute_dtype=args.dtype, context_length=args.context_length, compile_mode=-1,
                          dflash2_tree_budget=max(budgets), dflash2_tree_scores=args.scores)
@@ -52,11 +61,40 @@ def main(argv=None):
     for budget, m in measured.items():
         print(f"budget {budget:2d}: {m['mean_accepted_length']:.3f} tokens per cycle "
               f"({m['mean_accepted_length'] / chain:.3f}x budget {budgets[0]})", flush=True)
+    if args.tokens_per_s:
+        del engine
+        summary["tokens_per_s"] = tokens_per_s(args, budgets)
     out = args.json_out or (os.path.join(os.environ["OUT"], "tree_acceptance.json") if "OUT" in os.environ else None)
     if out:
         with open(out, "w") as f:
             json.dump(summary, f, indent=1)
     return summary
+
+
+def tokens_per_s(args, budgets) -> dict:
+    """The --tokens-per-s measurement (module docstring): {"none" and each budget: tokens/s}."""
+    engines = {"none": Engine.load(args.model, device=args.device, compute_dtype=args.dtype,
+                                   context_length=args.context_length, prefix_reuse=False)}
+    for budget in budgets:
+        engines[budget] = Engine.load(args.model, mode="dflash2", dflash2_model=args.drafter, device=args.device,
+                                      compute_dtype=args.dtype, context_length=args.context_length,
+                                      dflash2_tree_budget=budget, dflash2_tree_scores=args.scores,
+                                      prefix_reuse=False)
+    room = args.context_length - args.tokens_per_s  # a prompt's tokens beyond the context's room are cut
+    prompts = [engines["none"].tokenizer.encode(f["prompt"])[:room] for f in code_fixtures(args.fixtures)]
+    tokens, seconds = dict.fromkeys(engines, 0), dict.fromkeys(engines, 0.0)
+    for _ in range(args.rounds):
+        for ids in prompts:
+            for name, engine in engines.items():
+                stats = engine.generate(ids, args.tokens_per_s, stop_at_eos=False).stats
+                tokens[name] += stats["generated"] - 1
+                seconds[name] += stats["decode_s"]
+    rates = {name: round(tokens[name] / seconds[name], 2) for name in engines}
+    chain = rates[budgets[0]]
+    for name, rate in rates.items():
+        label = "plain decoding" if name == "none" else f"budget {name:2d}"
+        print(f"{label}: {rate:.1f} tokens/s ({rate / chain:.3f}x budget {budgets[0]})", flush=True)
+    return rates
 
 
 if __name__ == "__main__":

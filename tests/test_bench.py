@@ -251,7 +251,8 @@ def test_fixtures_directory_without_text_files_is_refused_naming_the_flag(tmp_pa
 
 def test_tree_acceptance_bench_runs_on_the_cpu(tiny_checkpoint, tiny_drafter, tmp_path):
     """bench/tree_acceptance.py (the draft trees' acceptance on the trained pair) on the planted tiny pair: every
-    budget measured on the same cuts, and a tree, which holds the chain, never accepts less than it."""
+    budget measured on the same cuts, and a tree, which holds the chain, never accepts less than it; the
+    generations' tokens/s of plain decoding and of each budget."""
     target = tiny_checkpoint(seed=0, planted=True)
     drafter = tiny_drafter(target, window=16, noise=1.0)
     spec = importlib.util.spec_from_file_location("tree_acceptance",
@@ -259,12 +260,15 @@ def test_tree_acceptance_bench_runs_on_the_cpu(tiny_checkpoint, tiny_drafter, tm
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
     summary = script.main(["--model", str(target), "--drafter", str(drafter), "--budgets", "0,4,12", "--cuts", "6",
-                           "--context-length", "256", "--json-out", str(tmp_path / "trees.json")])
+                           "--context-length", "256", "--tokens-per-s", "4", "--rounds", "1",
+                           "--json-out", str(tmp_path / "trees.json")])
     written = json.loads((tmp_path / "trees.json").read_text())["budgets"]
     lengths = [written[b]["mean_accepted_length"] for b in ("0", "4", "12")]
     assert [written[b]["cuts"] for b in ("0", "4", "12")] == [6, 6, 6]
     assert lengths == [summary["budgets"][b]["mean_accepted_length"] for b in (0, 4, 12)]
     assert 1.0 <= lengths[0] <= lengths[1] <= lengths[2], lengths
+    rates = json.loads((tmp_path / "trees.json").read_text())["tokens_per_s"]
+    assert sorted(rates) == ["0", "12", "4", "none"] and all(rate > 0 for rate in rates.values()), rates
 
 
 def test_table_columns_fit_long_names_and_fixture_names_stay_whole(tmp_path):

@@ -229,6 +229,7 @@ def test_dense_linear_kernel_bf16_on_gpu(rows):
     """The few-row Triton matmul at the 27B shapes it serves (kernels.linear's dispatch), against cuBLAS; and the
     DeltaNet mixer in one launch against its three launches."""
     from blockspec.kernels import linear_triton
+    from blockspec.kernels.gdn_gates import GateProjections
     from blockspec.kernels.gdn_triton import causal_conv1d, gated_delta_short, short_pass
     from blockspec.kernels.linear import linear
     from blockspec.kernels.norm_triton import gated_rms_norm_rows
@@ -249,8 +250,8 @@ def test_dense_linear_kernel_bf16_on_gpu(rows):
     proj = torch.randn(1, channels + 6144, **bf)
     x, z = proj[:, :channels], proj[:, channels:].view(1, 48, 128)
     hist, cw, nw = torch.randn(3, channels, **bf), torch.randn(channels, 1, 4, **bf) * 0.3, torch.randn(128, **bf)
-    gates = ("ab", torch.randn(1, 48, **bf), torch.randn(1, 48, **bf), torch.randn(48, device="cuda"),
-             torch.randn(48, device="cuda"))
+    gates = GateProjections(torch.randn(1, 48, **bf), torch.randn(1, 48, **bf), torch.randn(48, device="cuda"),
+                            torch.randn(48, device="cuda"))
     state = torch.randn(48, 128, 128, device="cuda") * 0.01
     final_one, final_three = torch.empty_like(state), torch.empty_like(state)
     one, window = short_pass(x, hist, cw, gates, state, final_one, shape, z, nw, 1e-6)

@@ -12,6 +12,7 @@ from helpers import patch_triton_interpreter, run_in_triton_interpreter
 
 from blockspec import kernels
 from blockspec.kernels import gdn
+from blockspec.kernels.gdn_gates import GateProjections, Gates, deltanet_gates
 from blockspec.kernels.gdn_triton import gated_delta_short, short_pass
 from blockspec.kernels.norm import gated_rms_norm_reference
 
@@ -27,7 +28,7 @@ def _err(got, want) -> float:
 
 
 def reference(mixed, b, a, a_log, dt_bias, state, shape):
-    g, beta = gdn.deltanet_gates.reference(b, a, a_log, dt_bias)
+    g, beta = deltanet_gates.reference(b, a, a_log, dt_bias)
     q, k, v = gdn.deltanet_qkv.reference(mixed, *shape)
     out, final = gdn.gated_delta_rule_reference(q, k, v, g, beta, state)
     return out, final, g, beta
@@ -47,9 +48,9 @@ def _run_cases():  # executed in a subprocess with TRITON_INTERPRET=1
         out_ref, final_ref, g_ref, beta_ref = reference(mixed, b, a, a_log, dt_bias, state, shape)
         final = torch.full_like(state, float("nan"))
         g_buf, beta_buf = torch.zeros(t, hv), torch.zeros(t, hv)
-        out = gated_delta_short(mixed, state, final, shape, ("ab", b, a, a_log, dt_bias), (g_buf, beta_buf))
+        out = gated_delta_short(mixed, state, final, shape, GateProjections(b, a, a_log, dt_bias), (g_buf, beta_buf))
         replayed = state.clone()
-        gated_delta_short(mixed[:n], replayed, replayed, shape, ("given", g_buf[:n], beta_buf[:n]))
+        gated_delta_short(mixed[:n], replayed, replayed, shape, Gates(g_buf[:n], beta_buf[:n]))
         partial_ref = reference(mixed[:n], b[:n], a[:n], a_log, dt_bias, state, shape)[1]
         results.append({"case": [hk, dk, hv, dv, t, n], "out": _err(out, out_ref),
                         "final": _err(final, final_ref),
@@ -68,11 +69,12 @@ def _mixer_cases():
         x, z = packed[:, :channels], packed[:, channels:channels + hv * dv].view(t, hv, dv)
         history, conv_w = torch.randn(3, channels, generator=gen), torch.randn(channels, 1, 4, generator=gen) * 0.5
         ab = torch.randn(t, 2 * hv, generator=gen) * 3
-        gates = ("ab", ab[:, :hv], ab[:, hv:], torch.randn(hv, generator=gen), torch.randn(hv, generator=gen))
+        gates = GateProjections(ab[:, :hv], ab[:, hv:], torch.randn(hv, generator=gen), torch.randn(hv, generator=gen))
         norm_w = torch.randn(dv, generator=gen) * 0.1 + 1
         state = torch.randn(hv, dk, dv, generator=gen)
         ref_mixed, ref_window = gdn.causal_conv1d_reference.reference(x, history, conv_w)
-        ref_out, ref_final, ref_g, ref_beta = reference(ref_mixed, *gates[1:], state, shape)
+        ref_out, ref_final, ref_g, ref_beta = reference(ref_mixed, gates.b, gates.a, gates.A_log, gates.dt_bias, state,
+                                                        shape)
         ref_out = gated_rms_norm_reference.reference(ref_out, z, norm_w, 1e-6)
         in_place = state.clone()  # plain decoding's in-place pass: the state is read and written by one launch
         window, mixed = torch.full_like(ref_window, float("nan")), torch.full_like(ref_mixed, float("nan"))

@@ -15,6 +15,7 @@ from helpers import interpreter_part, patch_triton_interpreter, report_parts, ru
 
 from blockspec import kernels
 from blockspec.kernels import gdn
+from blockspec.kernels.gdn_gates import GateProjections, Gates, deltanet_gates
 from blockspec.kernels.norm import gated_rms_norm_reference
 from blockspec.layers.tree import TreeLayout
 
@@ -76,7 +77,7 @@ def inputs(hk, dk, hv, dv, t, seed):
     b, a = packed[:, channels + hv * dv:channels + hv * dv + hv] * 3, packed[:, -hv - 3:-3] * 3
     history = torch.randn(TAPS - 1, channels, generator=gen)
     conv_w = torch.randn(channels, 1, TAPS, generator=gen) * 0.5
-    gates = ("ab", b, a, torch.randn(hv, generator=gen), torch.randn(hv, generator=gen))
+    gates = GateProjections(b, a, torch.randn(hv, generator=gen), torch.randn(hv, generator=gen))
     return dict(x=x, history=history, conv_weight=conv_w, gates=gates, state=torch.randn(hv, dk, dv, generator=gen),
                 shape=(hk, dk, hv, dv), z=z, norm_weight=torch.randn(dv, generator=gen) * 0.1 + 1, eps=1e-6), gen
 
@@ -84,7 +85,8 @@ def inputs(hk, dk, hv, dv, t, seed):
 def reference(args, rows, parents):
     """The reference chain of deltanet_tree_mixer, whatever the dispatch: (out, window, mixed, g, beta, deltas)."""
     mixed, window = gdn.causal_conv1d_tree_reference(args["x"], args["history"], args["conv_weight"], rows)
-    g, beta = gdn.deltanet_gates.reference(*args["gates"][1:])
+    gates = args["gates"]
+    g, beta = deltanet_gates.reference(gates.b, gates.a, gates.A_log, gates.dt_bias)
     out, deltas = gdn.gated_delta_tree_reference(*gdn.deltanet_qkv.reference(mixed, *args["shape"]), g, beta,
                                                  args["state"], parents)
     out = gated_rms_norm_reference.reference(out.to(args["x"].dtype), args["z"], args["norm_weight"], args["eps"])
@@ -95,8 +97,8 @@ def chain_reference(args, nodes=None):
     """The chain's reference (conv, gated delta rule, gated norm) over the nodes `nodes` (default all) in order."""
     nodes = torch.arange(args["x"].shape[0]) if nodes is None else nodes
     mixed, _ = gdn.causal_conv1d_reference.reference(args["x"][nodes], args["history"], args["conv_weight"])
-    b, a, a_log, dt_bias = args["gates"][1:]
-    g, beta = gdn.deltanet_gates.reference(b[nodes], a[nodes], a_log, dt_bias)
+    gates = args["gates"]
+    g, beta = deltanet_gates.reference(gates.b[nodes], gates.a[nodes], gates.A_log, gates.dt_bias)
     out, _ = gdn.gated_delta_rule_reference(*gdn.deltanet_qkv.reference(mixed, *args["shape"]), g, beta,
                                             args["state"])
     return gated_rms_norm_reference.reference(out, args["z"][nodes], args["norm_weight"], args["eps"])
@@ -136,7 +138,7 @@ def _kernel_cases(cases):  # in the interpreter subprocess
         deltas = torch.full_like(ref_deltas, float("nan"))
         g_buf, beta_buf = torch.full((t, hv), float("nan")), torch.full((t, hv), float("nan"))
         if gate_kind == "given":
-            args["gates"] = ("given", ref_g, ref_beta)
+            args["gates"] = Gates(ref_g, ref_beta)
             g_buf, beta_buf = ref_g, ref_beta
         with mock.patch.object(gdn_triton, "torch", _NaNEmpty()):
             out, returned = gdn_triton.tree_pass(**args, window_rows=rows, ancestors=tree.ancestors,

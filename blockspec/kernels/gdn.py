@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from . import fused, gdn_triton
+from .gdn_gates import computed
 from .norm import gated_rms_norm
 
 
@@ -61,17 +62,6 @@ def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 
 
 @fused
-def deltanet_gates(b, a, A_log, dt_bias, out: tuple | None = None):
-    """Log-decay g = -exp(A_log) * softplus(a + dt_bias) and write strength beta = sigmoid(b), [T, Hv] float32;
-    with `out` written into those buffers."""
-    g = -A_log.float().exp() * F.softplus(a.float() + dt_bias.float())
-    beta = torch.sigmoid(b.float())
-    if out is not None:
-        return out[0].copy_(g), out[1].copy_(beta)
-    return g, beta
-
-
-@fused
 def deltanet_qkv(mixed, key_heads: int, key_dim: int, value_heads: int, value_dim: int):
     """Split the convolved projection into the recurrence's q (L2-normalised, pre-scaled) and k (L2-normalised),
     each repeated to the value heads, and v; float32."""
@@ -92,13 +82,13 @@ FUSED_MIXER_TOKENS = 1
 
 def gated_delta(mixed, gates, state_in, state_out, shape, gates_out=None, out_dtype=None):
     """A DeltaNet layer's recurrence from its convolved projection `mixed` [T, C]: returns out [T, Hv, Dv] and writes
-    the final state into state_out (which may be state_in). shape = (Hk, Dk, Hv, Dv); gates = ("ab", b, a, A_log,
-    dt_bias), or ("given", g, beta) as stored by an earlier pass through gates_out. Short passes on CUDA: one Triton
-    kernel; else fla-core's chunked kernel (CUDA) or the reference, after preparing the inputs."""
+    the final state into state_out (which may be state_in). shape = (Hk, Dk, Hv, Dv); gates: GateProjections, or Gates
+    as stored by an earlier pass through gates_out (gdn_gates.py). Short passes on CUDA: one Triton kernel; else
+    fla-core's chunked kernel (CUDA) or the reference, after preparing the inputs."""
     if mixed.shape[0] <= SHORT_PASS and gdn_triton.available(mixed):
         return gdn_triton.gated_delta_short(mixed, state_in, state_out, shape, gates, gates_out, out_dtype)
-    g, beta = deltanet_gates(*gates[1:], out=gates_out) if gates[0] == "ab" else gates[1:]
-    out, final = gated_delta_rule(*deltanet_qkv(mixed, *shape), g, beta, state_in)
+    gates = computed(gates, gates_out)
+    out, final = gated_delta_rule(*deltanet_qkv(mixed, *shape), gates.g, gates.beta, state_in)
     state_out.copy_(final)
     return out.to(out_dtype or torch.float32)
 
@@ -145,12 +135,12 @@ def deltanet_mixer(x, history, conv_weight, gates, state_in, state_out, shape, z
 
 def gated_delta_tree(mixed, gates, state, shape, ancestors, gates_out=None, out_dtype=None, deltas_out=None):
     """The recurrence over a draft tree's nodes: node i's state is its parent's after token i (the root's: the
-    committed `state` after token 0), so each node's output follows its own path; ancestors [T, T] bool (layers/tree.py).
-    `state` is not modified (a kept path is committed from the nodes' deltas: keep_path). Gates as gated_delta's;
-    returns out [T, Hv, Dv]; the deltas [T, Hv, Dv] float32 into deltas_out when given. The closed form
-    (gated_delta_tree_closed), whose reference is gated_delta_tree_reference."""
-    g, beta = deltanet_gates(*gates[1:], out=gates_out) if gates[0] == "ab" else gates[1:]
-    out, deltas = gated_delta_tree_closed(*deltanet_qkv(mixed, *shape), g, beta, state, ancestors)
+    committed `state` after token 0), so each node's output follows its own path; ancestors [T, T] bool
+    (layers/tree.py). `state` is not modified (a kept path is committed from the nodes' deltas: keep_path). Gates
+    as gated_delta's; returns out [T, Hv, Dv]; the deltas [T, Hv, Dv] float32 into deltas_out when given. The
+    closed form (gated_delta_tree_closed), whose reference is gated_delta_tree_reference."""
+    gates = computed(gates, gates_out)
+    out, deltas = gated_delta_tree_closed(*deltanet_qkv(mixed, *shape), gates.g, gates.beta, state, ancestors)
     if deltas_out is not None:
         deltas_out.copy_(deltas)
     return out.to(out_dtype or torch.float32)

@@ -27,6 +27,7 @@ from __future__ import annotations
 import torch
 
 from . import arrival_counters, pdl, triton_runs_on
+from .gdn_gates import GateProjections
 
 try:
     import triton
@@ -48,9 +49,9 @@ def available(x: torch.Tensor) -> bool:
 def gated_delta_short(mixed, state_in, state_out, shape, gates, gates_out=None, out_dtype=None, block_v=None,
                       num_warps=None):
     """mixed [T, 2*Hk*Dk + Hv*Dv] (conv output, rows may be strided); state_in / state_out [Hv, Dk, Dv] float32
-    (may be the same tensor); shape = (Hk, Dk, Hv, Dv); gates = ("ab", b, a, A_log, dt_bias) with b, a [T, Hv]
-    (rows may be strided), or ("given", g, beta) [T, Hv] float32. With gates_out = (g, beta) buffers the computed
-    gates are stored there (for a later replay). Returns out [T, Hv, Dv] (out_dtype, default float32)."""
+    (may be the same tensor); shape = (Hk, Dk, Hv, Dv); gates: GateProjections (b, a rows may be strided) or Gates
+    (gdn_gates.py). With gates_out = (g, beta) buffers the computed gates are stored there (for a later replay).
+    Returns out [T, Hv, Dv] (out_dtype, default float32)."""
     out = torch.empty(mixed.shape[0], shape[2], shape[3], device=mixed.device, dtype=out_dtype or torch.float32)
     _launch(mixed, state_in, state_out, shape, gates, gates_out, out, None, None, block_v, num_warps)
     return out
@@ -144,6 +145,7 @@ def tree_pass(x, history, conv_weight, gates, state, shape, z, norm_weight, eps,
     deltas = deltas_out if deltas_out is not None else torch.empty(t, value_heads, value_dim, device=x.device,
                                                                    dtype=torch.float32)
     b, a, a_log, dt_bias, g_buf, beta_buf = _gate_args(gates, gates_out, out)
+    computes = isinstance(gates, GateProjections)
     rows = max(16, triton.next_power_of_2(t - 1))  # the nodes below the root, as tl.dot takes them
     block_v = block_v or TREE_BLOCK_V
     num_warps = num_warps or (4 if rows <= 16 else 8)
@@ -158,7 +160,7 @@ def tree_pass(x, history, conv_weight, gates, state, shape, z, norm_weight, eps,
         arrival_counters(x.device, value_heads), KEY_HEADS=key_heads, VALUE_HEADS=value_heads, K=key_dim, V=value_dim,
         BV=block_v, BK=TREE_BLOCK_K, BVN=triton.next_power_of_2(value_dim), BT=rows,
         DOUBLINGS=max(0, min(max_depth, t - 1) - 1).bit_length(), PRECISION=precision, NORM_ROWS=TREE_NORM_ROWS,
-        COMPUTE_GATES=gates[0] == "ab", SAVE_GATES=gates[0] == "ab" and gates_out is not None, num_warps=num_warps,
+        COMPUTE_GATES=computes, SAVE_GATES=computes and gates_out is not None, num_warps=num_warps,
         **pdl.options(out))
     return out, window
 
@@ -173,17 +175,16 @@ TREE_BLOCK_V, TREE_BLOCK_K = 64, 32
 
 def _gate_args(gates, gates_out, out):
     """(b, a, A_log, dt_bias, g buffer, beta buffer) for the kernels; placeholders where unused."""
-    if gates[0] == "ab":
-        _, b, a, a_log, dt_bias = gates
+    if isinstance(gates, GateProjections):
         g_buf, beta_buf = gates_out if gates_out is not None else (out, out)  # unused unless SAVE_GATES
-        return b, a, a_log, dt_bias, g_buf, beta_buf
-    _, g_buf, beta_buf = gates
-    return g_buf, g_buf, g_buf, g_buf, g_buf, beta_buf
+        return gates.b, gates.a, gates.A_log, gates.dt_bias, g_buf, beta_buf
+    return gates.g, gates.g, gates.g, gates.g, gates.g, gates.beta
 
 
 def _launch(mixed, state_in, state_out, shape, gates, gates_out, out, conv, norm, block_v, num_warps):
     key_heads, key_dim, value_heads, value_dim = shape
     b, a, a_log, dt_bias, g_buf, beta_buf = _gate_args(gates, gates_out, out)
+    computes = isinstance(gates, GateProjections)
     x, history, conv_weight, window, update_history = conv if conv is not None else (mixed, mixed, mixed, mixed,
                                                                                       False)
     taps = conv_weight.shape[-1] if conv is not None else 1
@@ -195,8 +196,8 @@ def _launch(mixed, state_in, state_out, shape, gates, gates_out, out, conv, norm
         key_dim ** -0.5, out.shape[0], x, x.stride(0), history, conv_weight, window, z, z.stride(0),
         z.stride(1) if norm is not None else 0, norm_weight, eps, counters, KEY_HEADS=key_heads,
         VALUE_HEADS=value_heads, K=key_dim, V=value_dim, BV=block_v, BK=triton.next_power_of_2(key_dim),
-        BVN=triton.next_power_of_2(value_dim), TAPS=taps, COMPUTE_GATES=gates[0] == "ab",
-        SAVE_GATES=gates[0] == "ab" and gates_out is not None, CONV=conv is not None, NORM=norm is not None,
+        BVN=triton.next_power_of_2(value_dim), TAPS=taps, COMPUTE_GATES=computes,
+        SAVE_GATES=computes and gates_out is not None, CONV=conv is not None, NORM=norm is not None,
         HISTORY_IN_PLACE=update_history, num_warps=num_warps, num_stages=3,
         **pdl.options(out))
 

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from ..kernels.gdn import deltanet_mixer, deltanet_tree_mixer, gated_delta, keep_path
+from ..kernels.gdn_gates import GateProjections, Gates
 
 
 class GDNState:
@@ -99,7 +100,7 @@ class GDNState:
         if t > self.max_partial:
             raise RuntimeError(f"partial commit of a {t}-token pass (max {self.max_partial})")
         # the recurrence alone over the first n tokens, in place, from the recorded inputs
-        gates = ("given", self.pending_g[:n], self.pending_beta[:n])
+        gates = Gates(self.pending_g[:n], self.pending_beta[:n])
         gated_delta(self.pending_mixed[:n], gates, self.recurrent, self.recurrent, self.shape)
         self.history.copy_(self.pending_window[n:n + keep])
 
@@ -148,7 +149,7 @@ class GatedDeltaNet(nn.Module):
         t = x.shape[0]
         qkv, z, b, a = self.in_proj(x)
         window_buffer, mixed_buffer, gate_buffers = state.short_pass_buffers(t)
-        gates = ("ab", b, a, self.A_log, self.dt_bias)
+        gates = GateProjections(b, a, self.A_log, self.dt_bias)
         z = z.view(t, self.value_heads, self.value_dim)
         if tree is not None:
             if window_buffer is None:
