@@ -68,7 +68,7 @@ def head_rows(model, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     head = model.lm_head
     if head is None:  # tied: the head is the embedding table
         return model.embed_tokens.weight[ids.to(model.embed_tokens.weight.device)].to(dtype)
-    if not isinstance(head, nn.Linear):  # quantized (Int4Linear / Int8Linear / Fp8Linear)
+    if not isinstance(head, nn.Linear):  # quantized (a QuantLinear)
         return head.dequantize(dtype, rows=ids.to(next(head.buffers()).device))
     return head.weight[ids.to(head.weight.device)].to(dtype)
 

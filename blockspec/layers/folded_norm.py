@@ -9,7 +9,7 @@ before the 1 / rms scale, the sums are summed per tile), but every pass of <= MA
 tokens (plain decoding's one, a chain's or a draft tree's verification) runs this same code row by row, so speculative
 decoding stays token-identical to plain decoding; longer passes (prefill) keep the plain path in every mode.
 
-A layer folds when every projection of it is a bias-free W4A16 / W8A16 module (`Int4Linear`, also int8 and FP8)
+A layer folds when every projection of it is a bias-free W4A16 / W8A16 module (`QuantLinear`: int4, int8 or FP8)
 whose kernel runs on its device: an INT4 or FP8 target on CUDA. The post-attention norm then folds into (o_proj or
 out_proj, its MLP's gate/up); the next layer's input norm into (down_proj, the next mixer's input projections) when
 that layer folds too. The first input norm and the final norm stay norm kernels.
@@ -25,16 +25,16 @@ from __future__ import annotations
 from torch import nn
 
 from ..quant import w4a16_triton as wq
-from ..quant.int4 import MAX_FOLDED_ROWS, FoldedNorm, Int4Linear
+from ..quant.linear import MAX_FOLDED_ROWS, FoldedNorm, QuantLinear
 
 __all__ = ["MAX_FOLDED_ROWS", "FoldedNorm", "foldable", "enable"]
 
 
 def foldable(layer: nn.Module) -> bool:
     """Whether every projection of a decoder layer runs the W4A16 kernel without a bias."""
-    projections = [m for m in layer.modules() if isinstance(m, (nn.Linear, Int4Linear))]
+    projections = [m for m in layer.modules() if isinstance(m, (nn.Linear, QuantLinear))]
     return bool(projections) and all(
-        isinstance(m, Int4Linear) and m.bias is None and wq.kernels_available(m.qweight.device) for m in projections)
+        isinstance(m, QuantLinear) and m.bias is None and wq.kernels_available(m.qweight.device) for m in projections)
 
 
 def enable(model: nn.Module, on: bool = True) -> int:

@@ -21,9 +21,7 @@ import torch
 from torch import nn
 
 from ..kernels.linear import linear
-from ..quant.int4 import Int4Linear
-
-QUANTIZED = (Int4Linear,)  # Int8Linear and Fp8Linear are Int4Linears
+from ..quant.linear import QuantLinear
 
 
 class DenseLinear(nn.Linear):
@@ -41,7 +39,7 @@ class DenseLinear(nn.Linear):
 
 
 def _pack_key(linear: nn.Module) -> tuple:
-    if isinstance(linear, QUANTIZED):
+    if isinstance(linear, QuantLinear):
         return linear.pack_key()
     if type(linear) is not nn.Linear:
         raise TypeError(f"cannot pack {type(linear).__name__}")
@@ -50,7 +48,7 @@ def _pack_key(linear: nn.Module) -> tuple:
 
 def _concat(linears: list[nn.Module]) -> nn.Module:
     first = linears[0]
-    if isinstance(first, QUANTIZED):
+    if isinstance(first, QuantLinear):
         return type(first).concat(linears)
     out = nn.Linear(first.in_features, sum(m.out_features for m in linears), bias=first.bias is not None,
                     device="meta")

@@ -1,7 +1,9 @@
-"""Weight-only quantization: int4 group-128 (W4A16, compressed-tensors checkpoints or RTN at load) and
-int8 group-32 (RTN), with Triton kernels for few-row matmuls on CUDA and plain PyTorch references elsewhere."""
+"""Weight-only quantization: the QuantLinear module and its kinds, int4 group-128 (W4A16, compressed-tensors / GPTQ /
+AWQ checkpoints or RTN at load), int8 group-32 (RTN) and block-scaled FP8, with Triton kernels for few-row matmuls on
+CUDA and plain PyTorch references elsewhere."""
 
 from .int4 import Int4Linear, from_compressed_tensors
 from .int8 import Int8Linear
+from .linear import QuantLinear
 
-__all__ = ["Int4Linear", "Int8Linear", "from_compressed_tensors"]
+__all__ = ["QuantLinear", "Int4Linear", "Int8Linear", "from_compressed_tensors"]

@@ -6,7 +6,7 @@ w[n, k] = fp8[n, k] * scale[n // 128, k // 128].
 
 `dequantize` is the format's reference. `Fp8Linear` keeps the stored e4m3 bytes as they are (never dequantized at
 load) as 8-bit codes of the W4A16 / W8A16 kernel's q16 layout (quant/w4a16_triton.py: `pack_e4m3`), with each
-output's block scale repeated per 128 inputs (4 bytes per 128 weights): it is an Int4Linear in every other respect,
+output's block scale repeated per 128 inputs (4 bytes per 128 weights): a QuantLinear like the int4 and int8 ones,
 so FP8 projections pack, run inside the CUDA graphs and take the folded norms' epilogues as INT4 ones do. Packed
 projections whose sizes are not multiples of 128 keep their own blocks. `quantize` makes the same format from dense
 weights (target_quantization: fp8, round to nearest with scale = block max / 448).
@@ -25,7 +25,8 @@ from torch import nn
 from ..errors import BlockspecError
 from . import w4a16_triton as wq
 from .hf_quantization import SCALE_DTYPES, check_converted, check_shape, config_value, not_converted, part
-from .int4 import Int4Linear, group_weights, scheme_for
+from .int4 import group_weights, scheme_for
+from .linear import QuantLinear
 
 BLOCK = 128  # the format's block: 128 outputs x 128 inputs
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
@@ -51,7 +52,7 @@ def dequantize(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return weight.to(torch.float32) * per_weight
 
 
-class Fp8Linear(Int4Linear):
+class Fp8Linear(QuantLinear):
     """y = x @ dequant(W)^T with W in block-scaled FP8, held as e4m3 codes in the q16 layout (module docstring)."""
 
     bits = 8

@@ -17,7 +17,8 @@ import torch.nn.functional as F
 
 from ..errors import BlockspecError
 from . import w4a16_triton as wq
-from .int4 import Int4Linear, _round_scale_up
+from .int4 import _round_scale_up
+from .linear import QuantLinear
 
 QMAX = 127
 DEFAULT_GROUP_SIZE = 32
@@ -44,8 +45,8 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, group_size: int = DEFAULT_G
     return (q.to(torch.float32) * scale.to(torch.float32).repeat_interleave(group_size, dim=1)[:, :k]).to(dtype)
 
 
-class Int8Linear(Int4Linear):
-    """Like Int4Linear with 8-bit symmetric codes (default group 32)."""
+class Int8Linear(QuantLinear):
+    """A QuantLinear with 8-bit symmetric codes (default group 32)."""
 
     bits = 8
 
