@@ -84,10 +84,14 @@ class ForcedAcceptance(Proposer):
     """Runs the real proposer, then replaces its proposals: the first m are the plain-greedy continuation, the rest
     wrong, with m chosen so that accepted / proposed tracks `rate` (a deterministic running target)."""
 
-    def __init__(self, inner: Proposer, rate: float, vocab_size: int):
-        self.inner, self.rate, self.vocab = inner, rate, vocab_size
+    def __init__(self, inner: Proposer, vocab_size: int):
+        self.inner, self.vocab = inner, vocab_size
         self.capture_layers, self.max_proposals = inner.capture_layers, inner.max_proposals
-        self.trajectory: list[int] = []
+        self.aim(0.0, [])
+
+    def aim(self, rate: float, trajectory: list[int]):
+        """The acceptance to force and the plain-greedy continuation (prompt and tokens) it forces from."""
+        self.rate, self.trajectory = rate, trajectory
         self.proposed = self.accepted = 0
 
     def reset(self):
@@ -225,6 +229,9 @@ def build_engine(args, mode: str, tree_budget: int = 0):
         overrides.pop("dflash2_quantization")  # applies to the dflash2 rows only
     if mode == "none":
         overrides.pop("draft_vocabulary")  # the speculative rows only
+    forced = args.forced_acceptance is not None and mode != "none"
+    if forced:  # each request from a fresh state, as the forced proposals are aimed per request
+        overrides["prefix_reuse"] = False
     overrides = {k: v for k, v in overrides.items() if v is not None}
     if not args.synthetic:
         return Engine(PredictConfig.build({"model": args.model, **overrides}, source="bench"))
@@ -251,7 +258,9 @@ def build_engine(args, mode: str, tree_budget: int = 0):
     with tempfile.TemporaryDirectory(prefix="blockspec-synthetic-tok-") as tok_dir:
         build_tiny_checkpoint(tok_dir)  # only its byte-level tokenizer and chat template are used
         tokenizer = Tokenizer(tok_dir)
-    engine = Engine(config, model=model, mtp_tensors=mtp, drafter=drafter, tokenizer=tokenizer)
+    vocab = model.config.vocab_size
+    engine = Engine(config, model=model, mtp_tensors=mtp, drafter=drafter, tokenizer=tokenizer,
+                    wrap_proposer=(lambda proposer: ForcedAcceptance(proposer, vocab)) if forced else None)
     engine.memory["estimate"] = needed.as_dict()
     return engine
 
@@ -293,13 +302,10 @@ def check_synthetic_fits(name: str, config: PredictConfig, device) -> memory.Mem
 
 
 def run_fixture(engine, ids, args, trajectory, rate, sampling: dict):
-    proposer = None
-    if rate is not None and engine.mode != "none":
-        proposer = ForcedAcceptance(engine.proposer, rate, engine.vocab_size)
-        proposer.trajectory = trajectory
-    engine.generate(ids, min(WARMUP_TOKENS, args.max_tokens), stop_at_eos=False, proposer=proposer,
-                    **sampling)  # warm-up
-    return [engine.generate(ids, args.max_tokens, stop_at_eos=not args.synthetic, proposer=proposer, **sampling)
+    if rate is not None and engine.mode != "none":  # the engine's proposer is a ForcedAcceptance (build_engine)
+        engine.proposer.aim(rate, trajectory)
+    engine.generate(ids, min(WARMUP_TOKENS, args.max_tokens), stop_at_eos=False, **sampling)  # warm-up
+    return [engine.generate(ids, args.max_tokens, stop_at_eos=not args.synthetic, **sampling)
             for _ in range(args.repeats)]
 
 

@@ -26,10 +26,12 @@ class GenerationResult:
 
 class Engine:
     def __init__(self, config: PredictConfig, *, model=None, mtp_tensors=None,
-                 drafter: DFlash2Drafter | Callable[[TargetModel], DFlash2Drafter] | None = None, tokenizer=None):
+                 drafter: DFlash2Drafter | Callable[[TargetModel], DFlash2Drafter] | None = None, tokenizer=None,
+                 wrap_proposer: Callable[[Proposer], Proposer] | None = None):
         """Loads the config's model (engine/load.py `load`, which also takes the `model` / `mtp_tensors` /
-        `drafter` / `tokenizer` that stand in for a checkpoint's)."""
-        parts = load(config, model=model, mtp_tensors=mtp_tensors, drafter=drafter, tokenizer=tokenizer)
+        `drafter` / `tokenizer` that stand in for a checkpoint's, and the bench's `wrap_proposer`)."""
+        parts = load(config, model=model, mtp_tensors=mtp_tensors, drafter=drafter, tokenizer=tokenizer,
+                     wrap_proposer=wrap_proposer)
         self.config, self.mode, self.context_length = config, config.decode_mode, config.context_length
         self.device, self.execution, self.dtype = parts.device, parts.execution, parts.dtype
         self.model_name = Path(config.model).name if config.model else "synthetic"
@@ -95,31 +97,26 @@ class Engine:
         defaults.update({k: getattr(self.config, k) for k in SAMPLING_KEYS if k in self.config.model_fields_set})
         return defaults
 
-    def stream(self, prompt_ids: list[int], max_tokens: int, stop_at_eos: bool = True, proposer: Proposer = None, *,
+    def stream(self, prompt_ids: list[int], max_tokens: int, stop_at_eos: bool = True, *,
                temperature: float | None = None, top_k: int | None = None, top_p: float | None = None,
                min_p: float | None = None, seed: int | None = None, snapshot_at: int | None = None,
                stop: Callable[[], bool] | None = None):
         """Yield tokens one by one; closing the generator stops the work. Stats land in last_stats.
         `stop` is asked between prefill chunks: True ends the stream there, without a token (a server's client that
         left during a long prefill).
-        `proposer` replaces the engine's own for this request (one reading the same target features: the bench's
-        forced acceptance). The sampling arguments override the config's for this request (None: the config's).
+        The sampling arguments override the config's for this request (None: the config's).
         With prefix reuse, `snapshot_at` adds a snapshot at that prompt position, where a later prompt is expected
         to part from this one (a chat: the end of the conversation before the generation prompt, which the next
         turn renders differently; Tokenizer.conversation_length)."""
         settings = self.sampling_settings(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed)
         self.check_request(prompt_ids, max_tokens)
-        prefix = self.prefix if proposer in (None, self.proposer) else None
-        if prefix is None and self.prefix is not None:  # another proposer's request: the kept state goes stale
-            self.prefix.clear()
-        proposer = proposer or self.proposer
         stats = DecodeStats()
         eos = self.tokenizer.eos_token_ids if stop_at_eos else set()
         self.sampler.begin(settings)
         # parameters never require grad, so no autograd graph is built; the kernel settings are this engine's only
         # while it works (between yields the caller may run another engine)
-        steps = decode(self.target, proposer, [int(t) for t in prompt_ids], max_tokens, eos,
-                       self.config.prefill_chunk_size, stats, self.sampler, prefix, snapshot_at, stop)
+        steps = decode(self.target, self.proposer, [int(t) for t in prompt_ids], max_tokens, eos,
+                       self.config.prefill_chunk_size, stats, self.sampler, self.prefix, snapshot_at, stop)
         try:
             while True:
                 with use(self.kernels):
@@ -137,7 +134,7 @@ class Engine:
                                    target_quantization=self.target_quantization,
                                    vocabulary_quantization=self.config.vocabulary_quantization,
                                    sampling=self.sampler.describe())
-            draft_head = getattr(proposer, "draft_head", None)
+            draft_head = getattr(self.proposer, "draft_head", None)
             if draft_head is not None:  # proposals only: acceptance, not output, depends on it
                 self.last_stats["draft_vocabulary"] = draft_head.ids.numel()
 
@@ -146,11 +143,11 @@ class Engine:
         if self.prefix is not None:
             self.prefix.clear()
 
-    def generate(self, prompt_ids: list[int], max_tokens: int, stop_at_eos: bool = True, proposer: Proposer = None, *,
+    def generate(self, prompt_ids: list[int], max_tokens: int, stop_at_eos: bool = True, *,
                  temperature: float | None = None, top_k: int | None = None, top_p: float | None = None,
                  min_p: float | None = None, seed: int | None = None,
                  snapshot_at: int | None = None) -> GenerationResult:
         """All of stream's tokens at once, with their text and stats."""
-        tokens = list(self.stream(prompt_ids, max_tokens, stop_at_eos, proposer, temperature=temperature,
+        tokens = list(self.stream(prompt_ids, max_tokens, stop_at_eos, temperature=temperature,
                                   top_k=top_k, top_p=top_p, min_p=min_p, seed=seed, snapshot_at=snapshot_at))
         return GenerationResult(tokens, self.tokenizer.decode(tokens), dict(self.last_stats))

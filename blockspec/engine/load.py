@@ -118,12 +118,14 @@ class LoadedParts:
 
 
 def load(config: PredictConfig, *, model=None, mtp_tensors=None,
-         drafter: DFlash2Drafter | Callable[[TargetModel], DFlash2Drafter] | None = None,
-         tokenizer=None) -> LoadedParts:
+         drafter: DFlash2Drafter | Callable[[TargetModel], DFlash2Drafter] | None = None, tokenizer=None,
+         wrap_proposer: Callable[[Proposer], Proposer] | None = None) -> LoadedParts:
     """Loads config.model, unless `model` (a packed TargetModel already on the device, e.g. synthetic weights),
     its `mtp_tensors` and a `tokenizer` are given; mode dflash2 loads config.dflash2_model unless `drafter` (a
     packed DFlash2Drafter around this model, or a function building one from the prepared model: then it is built
-    where a checkpoint's would be read, after the target's head is quantized) is given."""
+    where a checkpoint's would be read, after the target's head is quantized) is given. `wrap_proposer` turns the
+    built proposer into the one requests use, running it inside (the bench's forced acceptance); graphs and
+    snapshots stay the built one's."""
     if not config.model and model is None:
         raise BlockspecError("no model given: set 'model' in the config or pass --model DIR")
     check_config(config, drafter_given=drafter is not None)
@@ -160,6 +162,8 @@ def load(config: PredictConfig, *, model=None, mtp_tensors=None,
         parts.memory["caches"] = memory.cache_bytes(parts.state, parts.proposer,
                                                     parts.prefix.bytes if parts.prefix is not None else 0)
         parts.target = build_target(parts)
+    if wrap_proposer is not None:
+        parts.proposer = wrap_proposer(parts.proposer)
     parts.sampler.begin(config.sampling)  # the device's values follow the settings until a request begins its own
     if device.type == "cuda":  # what loading left cached (dense weights quantized since) goes back
         torch.cuda.empty_cache()
