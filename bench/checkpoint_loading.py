@@ -47,8 +47,8 @@ from blockspec.errors import BlockspecError  # noqa: E402
 from blockspec.models.mtp import MTPHead  # noqa: E402
 from blockspec.models.qwen3_5 import TargetModel  # noqa: E402
 from blockspec.quant import fp8  # noqa: E402
-from blockspec.synthetic import preset  # noqa: E402
-from blockspec.tiny import CHAT_TEMPLATE, byte_tokenizer  # noqa: E402
+from blockspec.fixtures.synthetic import preset  # noqa: E402
+from blockspec.fixtures.tiny import CHAT_TEMPLATE, byte_tokenizer  # noqa: E402
 
 GROUP = 128
 KEEP_DENSE = ("in_proj_a", "in_proj_b")  # 48 outputs in the 27B: Qwen3.5 quantization recipes leave them dense

@@ -26,7 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from blockspec.synthetic import synthetic_drafter_config, synthetic_target  # noqa: E402
+from blockspec.fixtures.synthetic import synthetic_drafter_config, synthetic_target  # noqa: E402
 from blockspec.train.dflash2 import dflash2_step, new_drafter  # noqa: E402
 from blockspec.train.run import TargetFeatures  # noqa: E402
 

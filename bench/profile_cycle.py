@@ -37,7 +37,7 @@ from blockspec.engine.engine import Engine  # noqa: E402
 from blockspec.engine.weights import rtn  # noqa: E402
 from blockspec.kernels import use  # noqa: E402
 from blockspec.models.qwen3_5 import TargetOutput  # noqa: E402
-from blockspec.synthetic import synthetic_drafter, synthetic_target  # noqa: E402
+from blockspec.fixtures.synthetic import synthetic_drafter, synthetic_target  # noqa: E402
 from timing import dry_run, event_ms  # noqa: E402  (bench/timing.py, beside this script)
 
 PROMPT_TOKENS = 512

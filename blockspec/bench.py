@@ -237,8 +237,8 @@ def build_engine(args, mode: str, tree_budget: int = 0):
         return Engine(PredictConfig.build({"model": args.model, **overrides}, source="bench"))
     from .engine.load import resolve_device
     from .engine.weights import rtn
-    from .synthetic import synthetic_drafter, synthetic_target
-    from .tiny import build_tiny_checkpoint
+    from .fixtures.synthetic import synthetic_drafter, synthetic_target
+    from .fixtures.tiny import build_tiny_checkpoint
     from .tokenizer import Tokenizer
 
     config = PredictConfig.build(overrides, source="bench")
@@ -285,7 +285,7 @@ def check_synthetic_fits(name: str, config: PredictConfig, device) -> memory.Mem
     from .config import TargetConfig
     from .drafter.config import DrafterConfig
     from .engine.load import pass_rows, resolve_execution
-    from .synthetic import preset, synthetic_drafter_config
+    from .fixtures.synthetic import preset, synthetic_drafter_config
 
     target = TargetConfig.from_dict(preset(name), source=f"synthetic preset {name}")
     drafter = DrafterConfig.from_dict(synthetic_drafter_config(target)) if config.decode_mode == "dflash2" else None

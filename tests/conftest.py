@@ -93,9 +93,9 @@ def _built(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def tiny_checkpoint(_built):
-    """tiny_checkpoint(**kwargs) -> the directory of blockspec.tiny.build_tiny_checkpoint(directory, **kwargs), built
+    """tiny_checkpoint(**kwargs) -> the directory of blockspec.fixtures.tiny.build_tiny_checkpoint(directory, **kwargs), built
     once per session for those arguments. Shared: do not modify it."""
-    from blockspec.tiny import build_tiny_checkpoint
+    from blockspec.fixtures.tiny import build_tiny_checkpoint
 
     def get(**kwargs):
         kwargs = {"seed": 0, "planted": False, **kwargs}  # build_tiny_checkpoint's defaults, for the key
@@ -105,9 +105,9 @@ def tiny_checkpoint(_built):
 
 @pytest.fixture(scope="session")
 def tiny_drafter(_built):
-    """tiny_drafter(target, **kwargs) -> the directory of blockspec.tiny.build_tiny_drafter(directory, target,
+    """tiny_drafter(target, **kwargs) -> the directory of blockspec.fixtures.tiny.build_tiny_drafter(directory, target,
     **kwargs), built once per session for that target and those arguments. Shared: do not modify it."""
-    from blockspec.tiny import build_tiny_drafter
+    from blockspec.fixtures.tiny import build_tiny_drafter
 
     def get(target, **kwargs):
         kwargs = {"seed": 0, "window": 16, "noise": 0.0, **kwargs}  # build_tiny_drafter's defaults, for the key

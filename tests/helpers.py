@@ -52,7 +52,7 @@ def save_hf_target(directory, layer_types, seed=0, tie=False, **overrides):
     """Build transformers' Qwen3_5ForCausalLM with random weights, save it, return the (float32, eval) model."""
     from transformers import Qwen3_5ForCausalLM
 
-    from blockspec.tiny import CHAT_TEMPLATE, byte_tokenizer
+    from blockspec.fixtures.tiny import CHAT_TEMPLATE, byte_tokenizer
 
     torch.manual_seed(seed)
     model = randomize(Qwen3_5ForCausalLM(hf_config(layer_types, tie, **overrides)), seed).eval()

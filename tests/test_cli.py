@@ -408,7 +408,7 @@ def test_bench_one_cycle_needs_a_speculative_mode(tiny, capsys):
 
 def test_bench_synthetic_on_the_cpu_is_refused_past_the_available_ram(monkeypatch, capsys):
     import blockspec.bench as bench
-    import blockspec.synthetic as synthetic
+    import blockspec.fixtures.synthetic as synthetic
 
     def built(*args, **kwargs):
         raise AssertionError("the weights were built before the memory check")

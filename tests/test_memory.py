@@ -89,7 +89,7 @@ def estimates_27b(max_partial=16, **settings):
     max_partial rows, and the bytes of its decoder layers dense."""
     from blockspec.drafter.config import DrafterConfig
     from blockspec.models.qwen3_5 import TargetModel
-    from blockspec.synthetic import preset, synthetic_drafter_config
+    from blockspec.fixtures.synthetic import preset, synthetic_drafter_config
 
     target = TargetConfig.from_dict(preset("qwen3.5-27b"), source="synthetic preset qwen3.5-27b")
     drafter = DrafterConfig.from_dict(synthetic_drafter_config(target))

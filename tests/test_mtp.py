@@ -12,7 +12,7 @@ from test_verification import plain_greedy, run_forced
 from blockspec.cli import main
 from blockspec.engine.engine import Engine
 from blockspec.engine.state import DecodeState
-from blockspec.tiny import build_tiny_checkpoint
+from blockspec.fixtures.tiny import build_tiny_checkpoint
 from helpers import run_pass
 
 

@@ -23,7 +23,7 @@ from blockspec.engine.engine import Engine
 from blockspec.engine.sampling import TOP_K_CAP, draw, processed_probs, ranked_probs
 from blockspec.engine.state import DecodeState
 from blockspec.errors import BlockspecError
-from blockspec.tiny import build_tiny_checkpoint, build_tiny_drafter
+from blockspec.fixtures.tiny import build_tiny_checkpoint, build_tiny_drafter
 
 SIGNIFICANCE = 1e-3   # a lossless mode must not be rejected at this level
 REJECTED = 1e-6       # a biased variant must be rejected at least this clearly

@@ -1,4 +1,4 @@
-"""Synthetic weights (blockspec/synthetic.py): deterministic given the seed, planted, and quantized as each layer is
+"""Synthetic weights (blockspec/fixtures/synthetic.py): deterministic given the seed, planted, and quantized as each layer is
 built to exactly what quantizing the dense model after building gives."""
 
 import math
@@ -7,10 +7,10 @@ import pytest
 import torch
 from torch import nn
 
-from blockspec import synthetic
 from blockspec.engine.weights import prepare, rtn
+from blockspec.fixtures import synthetic
+from blockspec.fixtures.synthetic import synthetic_target
 from blockspec.models.qwen3_5 import DecoderLayer
-from blockspec.synthetic import synthetic_target
 
 
 def assert_same(a, b):

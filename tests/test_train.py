@@ -15,7 +15,7 @@ from blockspec.cli import main
 from blockspec.config import TargetConfig
 from blockspec.engine.engine import Engine
 from blockspec.errors import BlockspecError
-from blockspec.tiny import build_tiny_checkpoint
+from blockspec.fixtures.tiny import build_tiny_checkpoint
 from blockspec.train.dflash2 import drafter_config, drafter_hidden, new_drafter, sample_anchors
 from blockspec.train.run import DrafterTraining, train
 
@@ -258,7 +258,7 @@ def test_a_refused_train_target_leaves_no_folder(tmp_path, capsys):
 
 
 def test_default_feature_layers_sit_at_the_published_drafters_depths():
-    from blockspec.synthetic import DFLASH2_27B
+    from blockspec.fixtures.synthetic import DFLASH2_27B
     from blockspec.train.dflash2 import spread_layer_ids
 
     assert spread_layer_ids(64, 5) == DFLASH2_27B["dflash_config"]["target_layer_ids"]
