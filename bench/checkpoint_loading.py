@@ -38,7 +38,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 
-from blockspec.checkpoint import FLOAT32_SUFFIXES  # noqa: E402
+from blockspec.models.checkpoint import FLOAT32_SUFFIXES  # noqa: E402
 from blockspec.cli_common import check_output_path  # noqa: E402
 from blockspec.config import PredictConfig, TargetConfig  # noqa: E402
 from blockspec.engine import memory  # noqa: E402

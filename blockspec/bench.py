@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from .checkpoint import check_folder
+from .models.checkpoint import check_folder
 from .cli_common import (add_sampling_args, add_weight_args, check_output_path, describe_sampling, sampling_overrides,
                          weight_overrides)
 from .config import PredictConfig, SamplingSettings
@@ -239,7 +239,7 @@ def build_engine(args, mode: str, tree_budget: int = 0):
     from .engine.weights import rtn
     from .fixtures.synthetic import synthetic_drafter, synthetic_target
     from .fixtures.tiny import build_tiny_checkpoint
-    from .tokenizer import Tokenizer
+    from .models.tokenizer import Tokenizer
 
     config = PredictConfig.build(overrides, source="bench")
     device = resolve_device(config.device)

@@ -103,10 +103,10 @@ def comma_list(text: str) -> tuple[str, ...]:
 
 def cmd_draft_vocabulary(args):
     """Count token frequencies over the user's texts and write the most frequent ids (a `draft_vocabulary` file)."""
-    from .checkpoint import check_folder
+    from .models.checkpoint import check_folder
     from .config import TargetConfig
     from .layers.draft_head import coverage, most_frequent_ids
-    from .tokenizer import Tokenizer
+    from .models.tokenizer import Tokenizer
 
     if args.size < 1:
         raise BlockspecError(f"--size must be at least 1, got {args.size}")

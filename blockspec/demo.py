@@ -175,7 +175,7 @@ def measure_one_cycle(engines: dict, files: list[Path]) -> None:
 def run_demo(max_tokens: int, context_length: int | None) -> None:
     """The demo: the three modes' continuations of a standard-library prompt, then the one-cycle measure. Exits
     with code 1 when a speculative mode's tokens differ from plain greedy's."""
-    from .tokenizer import Tokenizer
+    from .models.tokenizer import Tokenizer
 
     prompt_file, measured_files = standard_library_modules()
     with tempfile.TemporaryDirectory(prefix="blockspec-demo-") as directory, one_thread():

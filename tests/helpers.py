@@ -181,7 +181,7 @@ def proposals_beside_dflash(drafter_dir, target_dir, tokens: list[int], starts) 
     import torch.nn.functional as F
     from dflash.model import DFlash2DraftModel
 
-    from blockspec.checkpoint import load_target
+    from blockspec.models.checkpoint import load_target
     from blockspec.drafter import DFlash2Drafter
     from blockspec.train.run import TargetFeatures
 

@@ -220,7 +220,7 @@ def test_every_option_has_help_and_shows_its_default():
 def demo_prompt_length(tmp_path_factory):
     """The demo's prompt in tokens (the pair's tokenizer, this Python's standard library)."""
     from blockspec import demo
-    from blockspec.tokenizer import Tokenizer
+    from blockspec.models.tokenizer import Tokenizer
 
     target, _ = demo.extract_pair(tmp_path_factory.mktemp("demo-pair"))
     tokenizer = Tokenizer(target)
@@ -245,7 +245,7 @@ def test_demo_context_length_fits_max_tokens(monkeypatch, capsys, demo_prompt_le
     short whatever the context length."""
     import blockspec.demo as demo
     import blockspec.engine.engine as engine_module
-    from blockspec.tokenizer import Tokenizer
+    from blockspec.models.tokenizer import Tokenizer
 
     seen, measured = [], []
 

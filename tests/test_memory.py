@@ -7,7 +7,7 @@ import re
 import pytest
 import torch
 
-import blockspec.checkpoint
+import blockspec.models.checkpoint
 from blockspec.cli import main
 from blockspec.config import PredictConfig, TargetConfig
 from blockspec.engine import memory
@@ -52,7 +52,7 @@ def test_a_gpu_too_small_is_refused_in_one_line_before_loading(tiny_checkpoint, 
 
     def no_reading(*args, **kwargs):
         raise AssertionError("tensors were read before the memory check")
-    monkeypatch.setattr(blockspec.checkpoint, "read_tensors", no_reading)
+    monkeypatch.setattr(blockspec.models.checkpoint, "read_tensors", no_reading)
     code = main(["generate", "--model", str(tiny_checkpoint(seed=0)), "--prompt", "hi", "--device", "cuda",
                  "--dtype", "float32", "--context-length", "262144"])
     err = capsys.readouterr().err
@@ -120,7 +120,7 @@ def test_the_synthetic_27b_quantized_at_load_fits_a_32gb_card(monkeypatch):
 
 
 def test_a_stored_int4_27b_loads_within_its_resident_bytes():
-    """A GPTQ / AWQ checkpoint's stored parts come to the GPU one projection at a time (checkpoint.py): its loading
+    """A GPTQ / AWQ checkpoint's stored parts come to the GPU one projection at a time (models/checkpoint.py): its loading
     moments stay below what decoding holds, as quantizing a dense checkpoint at load does."""
     stored, _ = estimates_27b(stored=memory.Layout("int4", 128, symmetric=False))
     at_load, _ = estimates_27b()

@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from blockspec import progress
-from blockspec.checkpoint import load_target
+from blockspec.models.checkpoint import load_target
 from blockspec.cli import main
 
 

@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 from test_quant_engine import PROMPT, forward, load, run_cli
 from torch import nn
 
-import blockspec.checkpoint
+import blockspec.models.checkpoint
 from blockspec.layers.linear import DenseLinear, PackedLinear
 from blockspec.quant import Int4Linear
 from blockspec.quant.fp8 import Fp8Linear, quantize as fp8_quantize
@@ -192,17 +192,17 @@ def test_quantized_checkpoint_matches_dequantized_reference(checkpoint, source, 
 
 def test_the_mtp_head_is_read_only_for_mode_mtp(checkpoint, monkeypatch):
     _, quantized, _ = checkpoint
-    model, mtp = blockspec.checkpoint.load_target(quantized)
+    model, mtp = blockspec.models.checkpoint.load_target(quantized)
     assert any(isinstance(v, nn.Module) for v in mtp.values())  # quantized MTP projections, built when asked for
     read = []
-    real = blockspec.checkpoint.read_tensors
+    real = blockspec.models.checkpoint.read_tensors
 
     def recording(*args, **kwargs):
         for name, tensor in real(*args, **kwargs):
             read.append(name)
             yield name, tensor
-    monkeypatch.setattr(blockspec.checkpoint, "read_tensors", recording)
-    alone, none = blockspec.checkpoint.load_target(quantized, mtp_head=False)
+    monkeypatch.setattr(blockspec.models.checkpoint, "read_tensors", recording)
+    alone, none = blockspec.models.checkpoint.load_target(quantized, mtp_head=False)
     assert none == {} and read and not any(name.startswith("mtp.") for name in read)
     for (name, a), (_, b) in zip(model.state_dict().items(), alone.state_dict().items()):
         assert torch.equal(a, b), name
@@ -226,7 +226,7 @@ def test_each_projection_is_built_once_its_last_shard_is_read(checkpoint, tmp_pa
         weight_map.update(dict.fromkeys(chunk, f"model-{j + 1}-of-3.safetensors"))
     (sharded / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
     events = []
-    real_read, real_build = blockspec.checkpoint.read_tensors, blockspec.checkpoint.quantized_linears
+    real_read, real_build = blockspec.models.checkpoint.read_tensors, blockspec.models.checkpoint.quantized_linears
 
     def reading(files, *args, **kwargs):
         events.append(("read", files[0].name))
@@ -235,9 +235,9 @@ def test_each_projection_is_built_once_its_last_shard_is_read(checkpoint, tmp_pa
     def building(parts, *args, **kwargs):
         events.append(("build", sorted(parts)))
         return real_build(parts, *args, **kwargs)
-    monkeypatch.setattr(blockspec.checkpoint, "read_tensors", reading)
-    monkeypatch.setattr(blockspec.checkpoint, "quantized_linears", building)
-    model, _ = blockspec.checkpoint.load_target(sharded)
+    monkeypatch.setattr(blockspec.models.checkpoint, "read_tensors", reading)
+    monkeypatch.setattr(blockspec.models.checkpoint, "quantized_linears", building)
+    model, _ = blockspec.models.checkpoint.load_target(sharded)
     reads = [i for i, e in enumerate(events) if e[0] == "read"]
     assert len(reads) == 3
     for j, at in enumerate(reads):  # after shard j: the modules whose last part it holds, all of their parts
@@ -245,7 +245,7 @@ def test_each_projection_is_built_once_its_last_shard_is_read(checkpoint, tmp_pa
         assert events[at + 1][0] == "build" and built, events[at + 1]
         assert {last[n.rsplit(".", 1)[0]] for n in built} == {j}
     assert [e[0] for e in events] == ["read", "build"] * 3  # nothing left for the end
-    reference, _ = blockspec.checkpoint.load_target(quantized)
+    reference, _ = blockspec.models.checkpoint.load_target(quantized)
     for (name, a), (_, b) in zip(reference.state_dict().items(), model.state_dict().items()):
         assert torch.equal(a, b), name
 

@@ -14,7 +14,7 @@ from helpers import cli, run_pass
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from blockspec.checkpoint import load_target
+from blockspec.models.checkpoint import load_target
 from blockspec.cli import main
 from blockspec.engine.engine import Engine
 from blockspec.engine.weights import prepare, rtn

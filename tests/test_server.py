@@ -396,7 +396,7 @@ def test_eos_and_multibyte_text_in_process(tiny):
 
     from blockspec.config import ServerSettings
     from blockspec.server import IncrementalText, create_app
-    from blockspec.tokenizer import Tokenizer
+    from blockspec.models.tokenizer import Tokenizer
 
     tok = Tokenizer(tiny, [])
     reply = "héllo wörld ✓ 😀!"
@@ -443,7 +443,7 @@ def test_internal_errors_answer_500_with_a_request_id_only(tiny, caplog):
 
     from blockspec.config import ServerSettings
     from blockspec.server import create_app
-    from blockspec.tokenizer import Tokenizer
+    from blockspec.models.tokenizer import Tokenizer
 
     tok = Tokenizer(tiny, [])
     failing = FakeEngine(tok, None)

@@ -4,7 +4,7 @@ import pytest
 import torch
 from helpers import LAYER_MIXES, run_pass, save_hf_target
 
-from blockspec.checkpoint import load_target
+from blockspec.models.checkpoint import load_target
 from blockspec.engine.decode import Proposer, prefill
 from blockspec.engine.state import DecodeState
 from blockspec.engine.target import EagerTarget

@@ -5,7 +5,7 @@ import torch
 from helpers import LAYER_MIXES, run_pass, save_hf_target
 from safetensors.torch import load_file, save_file
 
-from blockspec.checkpoint import load_target
+from blockspec.models.checkpoint import load_target
 from blockspec.engine.state import DecodeState
 
 CASES = [("mixed", False), ("mixed", True), ("attention", False), ("gdn", True), ("alternating", False)]

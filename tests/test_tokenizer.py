@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from blockspec.tokenizer import Tokenizer, TooManyTokens
+from blockspec.models.tokenizer import Tokenizer, TooManyTokens
 
 
 @pytest.fixture(scope="module")

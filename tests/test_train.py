@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from helpers import proposals_beside_dflash, run_pass
 
-from blockspec.checkpoint import load_target
+from blockspec.models.checkpoint import load_target
 from blockspec.cli import main
 from blockspec.config import TargetConfig
 from blockspec.engine.engine import Engine

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from ..checkpoint import generation_defaults
+from ..models.checkpoint import generation_defaults
 from ..config import SAMPLING_KEYS, PredictConfig, SamplingSettings
 from ..drafter.model import DFlash2Drafter
 from ..errors import BlockspecError, UnsupportedRequest

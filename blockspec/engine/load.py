@@ -16,7 +16,7 @@ from typing import Callable
 
 import torch
 
-from ..checkpoint import check_folder, load_mtp_head, load_target
+from ..models.checkpoint import check_folder, load_mtp_head, load_target
 from ..config import PredictConfig
 from ..drafter.model import QUANTIZED_PROJECTIONS, DFlash2Drafter
 from ..errors import BlockspecError, UnsupportedRequest
@@ -24,7 +24,7 @@ from ..kernels import KernelSettings, use
 from ..layers import folded_norm
 from ..layers.draft_head import DraftHead, draft_ids
 from ..models.qwen3_5 import TargetModel
-from ..tokenizer import Tokenizer
+from ..models.tokenizer import Tokenizer
 from . import memory
 from .decode import Proposer
 from .dflash2 import DFlash2Proposer

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..checkpoint import FLOAT32_SUFFIXES, checkpoint_quantization
+from ..models.checkpoint import FLOAT32_SUFFIXES, checkpoint_quantization
 from ..config import PredictConfig, TargetConfig
 from ..drafter.config import DrafterConfig
 from ..drafter.model import QUANTIZED_PROJECTIONS, DFlash2Drafter
@@ -186,7 +186,7 @@ def estimate(target: TargetConfig, config: PredictConfig, *, execution: str, max
         r["graph_pools"] = GRAPH_POOL_ROW_BYTES * max_partial
     r["libraries"] = LIBRARY_BYTES
     projections = [m for name, m in model.named_modules() if type(m) is nn.Linear and not not_layers(name)]
-    if stored is not None:  # the stored parts of one projection beside the built ones (checkpoint.py)
+    if stored is not None:  # the stored parts of one projection beside the built ones (models/checkpoint.py)
         dense["largest_stored_projection"] = max(linear_bytes(m, stored, dtype) for m in projections)
     elif layers.kind != "dense":  # quantized as read: one dense projection beside the quantized ones
         dense["largest_projection"] = max(linear_bytes(m, Layout(), dtype) for m in projections)

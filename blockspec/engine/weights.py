@@ -3,8 +3,8 @@
 One mechanism for all of them: `prepare` packs the projections (blockspec.layers.linear, if the loader has not), then
 swaps every `nn.Linear` whose qualified name passes a filter for its round-to-nearest quantized version
 (`replace_linears`). Embeddings, norms, convolutions and other parameters are never touched. A target quantized at
-load gets its layers' projections quantized by the loader as they are read (checkpoint.py, fixtures/synthetic.py), with the
-same quantizer (`rtn`).
+load gets its layers' projections quantized by the loader as they are read (models/checkpoint.py,
+fixtures/synthetic.py), with the same quantizer (`rtn`).
 """
 
 from __future__ import annotations

@@ -99,7 +99,7 @@ class Fp8Linear(QuantLinear):
 
 @dataclass(frozen=True)
 class FP8Scheme:
-    """The reader of a block-wise FP8 checkpoint (the interface of checkpoint.py's readers)."""
+    """The reader of a block-wise FP8 checkpoint (the interface of models/checkpoint.py's readers)."""
     not_converted: tuple[str, ...]
 
     kind = "fp8"

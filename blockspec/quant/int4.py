@@ -295,7 +295,7 @@ def from_compressed_tensors(tensors: dict, prefix: str, config: dict) -> Int4Lin
 
 @dataclass(frozen=True)
 class CompressedTensorsScheme:
-    """The checkpoint reader of a compressed-tensors pack-quantized config (the interface of checkpoint.py's
+    """The checkpoint reader of a compressed-tensors pack-quantized config (the interface of models/checkpoint.py's
     readers: from_config refuses what cannot load before any tensor is read; holds / read take the tensors)."""
     config: dict
 

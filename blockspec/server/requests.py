@@ -11,7 +11,7 @@ from fastapi.responses import JSONResponse
 
 from ..config import MAX_TEMPERATURE, MIN_TEMPERATURE, SamplingSettings
 from ..errors import BlockspecError
-from ..tokenizer import TooManyTokens
+from ..models.tokenizer import TooManyTokens
 
 CHAT_ROLES = {"system", "user", "assistant", "tool", "developer"}
 RANGES = {"temperature": f"must be a finite number in [0, {MAX_TEMPERATURE:g}] (0, or below {MIN_TEMPERATURE:g}: "

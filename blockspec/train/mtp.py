@@ -77,7 +77,7 @@ def has_mtp_head(target_dir: Path) -> bool:
     """Whether the checkpoint holds mtp.* tensors (read from the safetensors headers, not the tensors)."""
     from safetensors import safe_open
 
-    from ..checkpoint import checkpoint_files
+    from ..models.checkpoint import checkpoint_files
 
     for path in checkpoint_files(target_dir):
         with safe_open(str(path), framework="pt") as f:

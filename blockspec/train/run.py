@@ -10,12 +10,12 @@ from pathlib import Path
 
 import torch
 
-from ..checkpoint import check_folder, load_target, stored_dtype
+from ..models.checkpoint import check_folder, load_target, stored_dtype
 from ..config import MAX_SEED, TargetConfig
 from ..engine.state import DecodeState
 from ..engine.target import EagerTarget
 from ..errors import BlockspecError
-from ..tokenizer import Tokenizer
+from ..models.tokenizer import Tokenizer
 from .data import split_corpus
 from .evaluate import one_cycle_acceptance
 from .loop import Trainer, check_output, check_resumed, output_folder, plural, settings_to_save, write_summary

@@ -20,7 +20,7 @@ import torch
 
 from ..config import MAX_SEED
 from ..errors import BlockspecError
-from ..tokenizer import CHAT_TEMPLATE
+from ..models.tokenizer import CHAT_TEMPLATE
 from .data import read_texts, text_files
 from .loop import Trainer, check_output, check_resumed, output_folder, plural, settings_to_save, token_count, \
     write_summary

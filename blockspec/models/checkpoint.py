@@ -17,16 +17,16 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from .config import SamplingSettings, TargetConfig
-from .errors import BlockspecError
-from .layers.linear import pack_projections
-from .models.mtp import MTPHead
-from .models.qwen3_5 import TargetModel
-from .progress import ShardProgress
-from .quant.awq import AWQScheme
-from .quant.fp8 import CompressedTensorsFp8Scheme, FP8Scheme
-from .quant.gptq import GPTQScheme
-from .quant.int4 import CompressedTensorsScheme, group_format
+from ..config import SamplingSettings, TargetConfig
+from ..errors import BlockspecError
+from ..layers.linear import pack_projections
+from ..progress import ShardProgress
+from ..quant.awq import AWQScheme
+from ..quant.fp8 import CompressedTensorsFp8Scheme, FP8Scheme
+from ..quant.gptq import GPTQScheme
+from ..quant.int4 import CompressedTensorsScheme, group_format
+from .mtp import MTPHead
+from .qwen3_5 import TargetModel
 
 TEXT_PREFIXES = ("model.language_model.", "language_model.model.", "model.")
 SKIPPED_PREFIXES = ("model.visual.", "visual.", "model.vision_tower.")

@@ -13,7 +13,7 @@ from pathlib import Path
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 
-from .errors import BlockspecError
+from ..errors import BlockspecError
 
 
 # ChatML, the format of Qwen's chat templates, with its special tokens: the template of the checkpoints this package
