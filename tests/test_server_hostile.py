@@ -38,14 +38,17 @@ def tiny(tiny_checkpoint):
 
 
 @pytest.fixture(scope="module")
-def servers(tiny, tmp_path_factory):
+def servers(tiny, tiny_drafter, tmp_path_factory):
     """The guarded server most tests use, and two that the shutdown test stops (a long and a short grace period),
-    all loading at once. The patient one prefills 8 tokens a pass: a long prompt takes ~1 s to prefill."""
+    all loading at once, one per decoding mode: guarded plain, patient MTP, hasty DFlash2 (malformed and fuzzed
+    input go to all three). The patient one prefills 8 tokens a pass: a long prompt takes ~1 s to prefill."""
     logs = tmp_path_factory.mktemp("logs")
     guarded = Server(tiny, logs / "guarded.log", "--queue-size", 2, "--max-tokens", 8,  # bodies: 4 MB, the default
                      "--receive-timeout", RECEIVE_TIMEOUT, "--allowed-origins", TRUSTED, api_key=KEY)
-    patient = Server(tiny, logs / "patient.log", "--queue-size", 2, "--shutdown-grace", 60, "--prefill-chunk-size", 8)
-    hasty = Server(tiny, logs / "hasty.log", "--queue-size", 2, "--shutdown-grace", 0.2)
+    patient = Server(tiny, logs / "patient.log", "--queue-size", 2, "--shutdown-grace", 60, "--prefill-chunk-size", 8,
+                     "--mode", "mtp")
+    hasty = Server(tiny, logs / "hasty.log", "--queue-size", 2, "--shutdown-grace", 0.2,
+                   "--drafter", tiny_drafter(tiny, window=16))
     try:
         yield {"guarded": guarded.wait_ready(), "patient": patient.wait_ready(), "hasty": hasty.wait_ready()}
     finally:
@@ -293,7 +296,13 @@ MALFORMED = [
 ]
 
 
-def test_malformed_input_answers_400_naming_the_field(server):
+MODES = {"guarded": "none", "patient": "mtp", "hasty": "dflash2"}
+
+
+@pytest.mark.parametrize("name", MODES)
+def test_malformed_input_answers_400_naming_the_field(servers, name):
+    server = servers[name]
+    assert server.health()["mode"] == MODES[name]
     with httpx.Client(base_url=server.url, headers=server.headers(), timeout=30) as http:
         for endpoint, raw, status, param, words in MALFORMED:
             r = http.post(f"/v1/{endpoint}", content=raw.encode(), headers={"Content-Type": "application/json"})
@@ -321,7 +330,9 @@ def mutations(rng: random.Random, body: dict):
         yield mutated
 
 
-def test_fuzzed_fields_never_answer_5xx(server):
+@pytest.mark.parametrize("name", MODES)
+def test_fuzzed_fields_never_answer_5xx(servers, name):
+    server = servers[name]
     rng = random.Random(0)
     base_chat = {**CHAT, "stream": False, "stream_options": {"include_usage": True}, "n": 1, "stop": [],
                  "frequency_penalty": 0, "response_format": {"type": "text"}, "model": server.health()["model"]}
