@@ -147,21 +147,6 @@ def test_unsupported_requests_refused_before_model_work(tmp_path, capsys, yaml_t
     assert needle in capsys.readouterr().err
 
 
-def test_request_level_refusals(pair):
-    target, drafter = pair
-    engine = load(target, drafter)
-    for kwargs, needle in [({"n": 2}, "n=2"), ({"images": True}, "image"),
-                           ({"attention_output": True}, "attention output"), ({"prefix": True}, "prefixes"),
-                           ({"constraints": True}, "constraints"), ({"logprobs": True}, "logprobs")]:
-        with pytest.raises(Exception) as info:
-            engine.check_request([1, 2], 4, **kwargs)
-        assert needle in str(info.value) and ("in every mode" in str(info.value) or "in any mode" in str(info.value))
-    # a refused request leaves the engine usable and exact
-    ids = engine.tokenizer.encode("abc")
-    assert engine.generate(ids, 30, stop_at_eos=False).tokens == load(target).generate(ids, 30,
-                                                                                       stop_at_eos=False).tokens
-
-
 def test_drafter_that_does_not_fit_is_refused_at_load(tmp_path, pair):
     target, drafter = pair
     bad = tmp_path / "bad"

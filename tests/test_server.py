@@ -578,3 +578,14 @@ def test_top_k_minus_one_means_no_limit_as_in_vllm(tiny):
     parser = RequestParser(Engine.load(tiny, device="cpu", context_length=64))
     body = json.dumps({"prompt": "hi", "temperature": 0.7, "top_k": -1}).encode()
     assert parser.parse(body, "completion").sampling["top_k"] == 0
+
+
+def test_fields_served_in_no_mode_are_refused_naming_them():
+    """What an OpenAI request may ask that no mode serves: one line naming it (the parser answers 400 with it)."""
+    from blockspec.server.requests import unserved
+
+    for kwargs, needle in [({"n": 2}, "n=2"), ({"images": True}, "image"), ({"constraints": True}, "constraints"),
+                           ({"logprobs": True}, "logprobs"), ({"stop": ["x"]}, "stop sequences")]:
+        why = unserved(**kwargs)
+        assert needle in why and ("in every mode" in why or "in any mode" in why), why
+    assert unserved() is None and unserved(n=1, stop=[]) is None

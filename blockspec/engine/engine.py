@@ -10,7 +10,7 @@ from typing import Callable
 from ..models.checkpoint import generation_defaults
 from ..config import SAMPLING_KEYS, PredictConfig, SamplingSettings
 from ..drafter.model import DFlash2Drafter
-from ..errors import BlockspecError, UnsupportedRequest
+from ..errors import BlockspecError
 from ..kernels import use
 from ..models.qwen3_5 import TargetModel
 from .decode import DecodeStats, Proposer, decode
@@ -54,25 +54,9 @@ class Engine:
     def vocab_size(self) -> int:
         return self.model.config.vocab_size
 
-    def check_request(self, prompt_ids, max_tokens: int, *, n: int = 1, beam_size: int = 1, logprobs: bool = False,
-                      images: bool = False, stop=None, attention_output: bool = False, prefix: bool = False,
-                      constraints: bool = False):
-        """Raise BlockspecError / UnsupportedRequest naming the field a request gets wrong; do nothing else.
-        (Sampling settings are checked by sampling_settings.)"""
-        # every refusal holds in every mode
-        refusals = [
-            (n != 1, f"n={n}: blockspec generates one sequence per request, in every mode"),
-            (beam_size != 1, f"beam_size={beam_size}: beam search is not supported, in any mode"),
-            (logprobs, "logprobs: not supported by blockspec, in any mode"),
-            (images, "image inputs: blockspec serves text only, in every mode"),
-            (stop, "stop sequences: not supported by blockspec, in any mode (EOS ends generation)"),
-            (attention_output, "attention output: not supported by blockspec, in any mode"),
-            (prefix, "target prefixes: not supported by blockspec, in any mode"),
-            (constraints, "decode constraints: not supported by blockspec, in any mode"),
-        ]
-        for bad, why in refusals:
-            if bad:
-                raise UnsupportedRequest(why)
+    def check_request(self, prompt_ids, max_tokens: int):
+        """Raise BlockspecError naming what a request's prompt or length gets wrong; do nothing else. (Sampling
+        settings are checked by sampling_settings; an OpenAI request's other fields by server/requests.py.)"""
         if len(prompt_ids) == 0:
             raise BlockspecError("the prompt is empty: give at least one token")
         bad_ids = [t for t in prompt_ids if not 0 <= int(t) < self.vocab_size]

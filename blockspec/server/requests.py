@@ -195,6 +195,18 @@ class Prepared:
     snapshot_at: int | None = None  # a chat: where its conversation ends, before the generation prompt
 
 
+def unserved(n: int = 1, logprobs: bool = False, images: bool = False, stop=None, constraints: bool = False):
+    """Why a request asks for what blockspec serves in no mode (one line naming it), or None."""
+    refusals = [
+        (n != 1, f"n={n}: blockspec generates one sequence per request, in every mode"),
+        (logprobs, "logprobs: not supported by blockspec, in any mode"),
+        (images, "image inputs: blockspec serves text only, in every mode"),
+        (stop, "stop sequences: not supported by blockspec, in any mode (EOS ends generation)"),
+        (constraints, "decode constraints: not supported by blockspec, in any mode"),
+    ]
+    return next((why for asked, why in refusals if asked), None)
+
+
 class RequestParser:
     """Turns an OpenAI request body into token ids + max_tokens, refusing (ApiError 400) what blockspec cannot
     serve exactly. Uses only engine.check_request and the tokenizer: the decode state is never touched."""
@@ -207,11 +219,10 @@ class RequestParser:
         self.max_values = 4 * engine.context_length + 4096
 
     def refuse_unless(self, param: str, hint: str = "", **request):
-        """Ask the engine whether it serves this one field (on a trivially valid prompt) and name the field."""
-        try:
-            self.engine.check_request([0], 1, **request)
-        except BlockspecError as exc:
-            raise bad(f"{exc}{hint}", param) from None
+        """Refuse, naming the field, what `unserved` refuses of this one field."""
+        why = unserved(**request)
+        if why is not None:
+            raise bad(f"{why}{hint}", param)
 
     def sampling(self, body: dict) -> dict:
         """temperature, top_p, seed (OpenAI) and top_k, min_p (as vLLM accepts them): each the request's, else the
@@ -351,11 +362,7 @@ class RequestParser:
                     raise bad(f"{where}.content[{j}].text must be a string", "messages")
                 texts.append(text)
             elif kind in IMAGE_PART_TYPES:
-                try:
-                    self.engine.check_request([0], 1, images=True)
-                except BlockspecError as exc:
-                    raise bad(f"{where}.content[{j}]: {exc}", "messages") from None
-                raise bad(f"{where}.content[{j}]: image inputs are not supported", "messages")
+                raise bad(f"{where}.content[{j}]: {unserved(images=True)}", "messages")
             else:
                 raise bad(f"{where}.content[{j}]: content part type {shown(kind)} is not supported "
                           "(blockspec serves text parts only)", "messages")
