@@ -3,6 +3,9 @@
 Warm-up runs go on a side stream first, so that lazy initialisation, kernel autotuning and torch.compile happen
 outside the capture (none of them may run while a graph records); then one call is recorded. Whatever the
 recorded function returns are static tensors: each replay rewrites them in place.
+
+The rule every owner of a graph keeps: a graph holds no reference to a caller's tensors. It records over buffers its
+owner allocated once; a call copies its inputs into them, replays, and reads (or copies out) the outputs.
 """
 
 from __future__ import annotations

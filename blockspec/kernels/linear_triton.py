@@ -5,28 +5,13 @@ serves every other shape.
 Why, beside cuBLAS: for the MLP's down projection (17408 -> 5120 on the 27B) cuBLAS picks a split-K kernel plus a
 memset and a reduction launch, ~51 us per call where the weight alone streams in ~44 us. Here split-K partial sums
 are added by the last program to finish a tile (`split_k_total`, shared with the W4A16 kernel): one launch, no
-memset. Programs: (BN output rows, a range of BK-wide input blocks); an MMA tile (mma.sync) of BM = 8, 16, 32 or 64
-rows (the next power of two of M, at least 8), or for one row a CUDA-core dot (dot=False). On the H200 a whole 27B pass
-of projections took 10.5-11.9 ms at 8 rows on this kernel.
+memset. Programs: (BN output rows, a range of BK-wide input blocks); an MMA tile of BM = 8, 16, 32 or 64 rows
+(the next power of two of M, at least 8), or for one row a CUDA-core dot (dot=False).
 
-`default_config` holds the H200 measurements of bench/linear_kernels.py (bf16, weight copies > 400 MB in a CUDA
-graph; us per call, cuBLAS -> this kernel):
-  down   5120 x 17408  M=1 50.9 -> 45.3 (n16 k256 fma s5),   M=8 52.6 -> 46.8 (n64 k128 dot s3, split-K)
-  gate_up 34816 x 5120 M=1 88.0 -> 85.4, M=8 88.3 -> 85.8 (n64 k256 dot s3, no split)
-  gdn in 16480 x 5120  M=1 44.2 -> 42.2, M=8 45.7 -> 42.9 (the same)
-  o / gdn out 5120 x 6144 M=1 18.53 -> 17.96 (n8 k256 fma s5: 640 programs spread evenly over 132 SMs, where
-  16-row tiles leave 2 or 3 per SM; another machine's run); M=8 cuBLAS 18.6 vs 19.9 (kept)
-  attention qkv 14336 x 5120: cuBLAS within 2 % (kept).
-A draft tree's 9..64 rows take Hopper's wgmma (`sync=False`: a 64-row weight tile a warp group, the x rows as its
-N side, asynchronous), where mma.sync's 32- and 64-row tiles no longer hide their arithmetic under the weight
-stream (8-row configs with a 64-row tile: 14.0 ms for a whole 27B pass at 34 rows, cuBLAS ~12.2).
-`bench/linear_kernels.py --rows 16,17,32,33` (us per call, cuBLAS -> this kernel, n64 k128 wgmma):
-  down    M=16 49.9 -> 48.4, M=17 52.9 -> 49.7, M=32 51.0 vs 52.0 (cuBLAS kept above 32 rows: 50.9 vs 55.0 at 33)
-  gate_up M=16 91.4 -> 89.7, M=17 93.0 -> 91.3 (s3, 4 waves), M=33 96.6 vs 101.3 (kept)
-  gdn in  M=16 46.4 -> 43.3, M=17 45.5 -> 43.2, M=33 46.2 -> 43.8;  attn qkv M=17 39.4 -> 38.2, M=33 40.0 -> 39.4
-  o / gdn out: cuBLAS (18.8 vs 21.0 at 17 rows).
-Not done, because slower: SwiGLU's activation computed on the down projection's input load (every program re-reads
-and re-activates the whole input): 51.4 vs 46.2 us (activation launch + this kernel) at one row, 71.6 vs 48.7 at 8.
+`default_config` holds the H200 winners of bench/linear_kernels.py (docs/benchmarks.md, "Few-row bf16 matmul"):
+the one-row CUDA-core dot for down and o / gdn out, 8-row mma.sync tiles for down, gate_up and gdn in, and for a
+draft tree's 9..32 rows Hopper's wgmma (`sync=False`: a 64-row weight tile a warp group, the x rows as its N side,
+asynchronous) for down, gate_up, gdn in and attention qkv (above 32 rows gdn in and qkv only); cuBLAS elsewhere.
 """
 
 from __future__ import annotations

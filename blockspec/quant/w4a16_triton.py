@@ -31,57 +31,25 @@ Kernel (tensor cores, exact numerics)
   program holding a finished tile may add it to the residual stream, write rows * (1 + w) and the tile's per-row
   sums of squares; scale it by each row's 1 / rms from such sums; or store silu(gate) * up of a [gate; up]
   projection (its programs then take BN / 2 gate rows and the same up rows). The main loop is the same in every case.
-  Why it is fast: group i of a block is an ELEMENTWISE function of the loaded int16 tile (nibble/byte i of every
-  halfword), so the MMA-operand layout conversion is hoisted up to the load (ldmatrix of the int16 tile) and one
-  PTX block per 32-bit register makes the A fragment in place (int4: shift, LOP3 into the bf16 128 + u, one bf16x2
-  FMA = u - 8). No shared-memory round trip of a dequantized tile (storing and re-reading it would
-  cost ~4 B/weight of smem traffic, ~125 of an SM's 128 B/clk at 4 TB/s), 1.9-2.4 SASS instructions per weight in the
-  main loop (sm_90a) instead of 2.9, and a cp.async pipeline 2-3 tiles deep keeps enough bytes in flight.
-
-Measured on the H200 (bench/quant_kernels.py: weight copies > 200 MB back to back in one CUDA graph; us per launch
-and % of 3990 GB/s of packed bytes at 1 / 8 / 16 rows; bf16 F.linear of the same shape at 1 row for scale):
-  vocabulary 248320x5120 (656 MB)   172 / 177 / 200 us (96 / 93 / 82 %)     bf16 690 us
-  gate_up 34816x5120 (92 MB)        33.7 / 34.6 / 40.2 us (68 / 67 / 57 %)  bf16 92 us
-  GDN in_proj 16480x5120 (44 MB)    18.5 / 18.9 / 18.1 us (59 / 58 / 60 %)
-  down 5120x17408 (46 MB)           20.0 / 20.1 / 26.3 us (58 / 57 / 44 %)
-  o / out_proj 5120x6144 (16 MB)    10.1 / 10.2 / 13.1 us (40 / 40 / 31 %)  bf16 19 us
-The head streams at the read bandwidth. The per-layer projections are bound per launch and per program, not by
-memory: ~3 us of fixed cost per launch and ~1 us per block of a program's serial loop at any pipeline depth (weights
-already resident in L2 save only 1-1.3 us of 9-19).
-Rejected because they measured slower or are inexact: the scale folded into a bf16 tile (rounds every dequantized
-weight to bf16: rel err 2e-3 against 3e-7); a shared-memory round trip of a dequantized tile (28-48 % at M >= 2 on
-the large shapes); CUDA-core GEMVs (4.1-4.2 SASS instructions per weight, over the ~4.1 issue limit at 4 TB/s); plain
-Triton unpacking (2x slower); BN = 256 and 8-warp wgmma; a stream-K schedule (1.3-1.9x slower); scales loaded 2-3
-blocks ahead (1.1-1.7x slower) or prefetched into L1 (no change); two blocks per loop step in 8-warp programs
-(30-70 % slower); a hand-written CUDA kernel of the same numerics (with the engine's epilogues 0.83-1.09x this one at
-1-8 rows and slower at 16: ~3 % of the INT4 step at best, not worth a second weight layout and a run-time compiler).
-int8 (byte i of each halfword): plain Triton unpacking takes ~4.3 / 5.6 SASS instr per weight at group 128 / 32
-(budget ~8 for 1-byte weights at 4 TB/s), the PTX one (`asm=True`: PRMT into the fp32 2**23 + u, FADD, F2FP to
-bf16x2) 3.2 / 4.4 and measured 9-48 % faster on the H200, so it is the default. The int8 group-32 M 9..16 entry of
-the table below is by analogy (not measured).
+  Group i of a block is an elementwise function of the loaded int16 tile (nibble / byte i of every halfword), so the
+  MMA operand's layout conversion happens at the load and a PTX block per 32-bit register makes the A fragment in
+  place (`asm`; int8 too, the default), with no shared-memory round trip of a dequantized tile. Why, with the
+  figures and the alternatives measured slower: docs/benchmarks.md, "Per-kernel figures".
 e4m3 (FP8 checkpoints, quant/fp8.py): the float8_e4m3fn bytes as 8-bit codes, no zero point, one float32 scale per
 output and 128 inputs; the PTX unpacking moves each byte's bits into a bf16 / fp16 and scales it by a power of two
 (`unpack_asm`), exact, on any sm_80+ GPU; the configs are int8 group 128's.
 
 Configs: `default_config`, a fixed table (no autotuning: a timing-based choice would vary between runs, and with
-it the summation order, i.e. the numerics), the H200 winners of bench/quant_kernels.py --sweep:
-  M <= 8:  n64 m8 w4 sync, split-K to ~2 waves of 132 SMs; 3 stages above 80M weights, else 2; unsplit tiles with
-           a short last round balanced over the SMs (`schedule`: gate_up 5-6 % faster)
+it the summation order, i.e. the numerics), the H200 winners of bench/quant_kernels.py --sweep (docs/benchmarks.md):
+  M <= 8:  n64 m8 w4 sync, split-K to ~2 waves of the SMs; 3 stages above 80M weights, else 2; unsplit tiles with a
+           short last round balanced over the SMs (`schedule`)
   M 9..16: wgmma; vocabulary (N >= 131072) n128 s3, ~4 waves; K > 8192 (down) n64 s2, ~4 waves; else n64 s3, ~1 wave
-           (one wave of 3-stage programs: the mid-size projections 5-10 % faster than ~4 waves)
   M 17..32 (int4): n64 s2 wgmma, ~4 waves for narrow outputs (N <= 8192: down, o), else ~1; vocabulary n128 w8 s3
-  M 33..64 (int4): n64 s3 wgmma, ~1 wave. Every program reads its x rows over its K range, so the x traffic grows
-           with the rows (at 33 rows gate_up's programs read 2x its weights' bytes of x from L2): the H200 sweep
-           (SWEEP_SET=tree) at 17 / 33 rows, us: gate_up 54.3 / 87.8, down 33.8 / 60.7, GDN in_proj 24.2 / 36.4,
-           o 15.5 / 26.7, vocabulary 268 / 510 (2.6x / 5.0x its 8-row 177: wider or 8-warp tiles measured slower
-           on the mid-size shapes); 8-bit codes: the M 9..16 entry with BM 32 / 64 (not measured)
+  M 33..64 (int4): n64 s3 wgmma, ~1 wave; 8-bit codes: the M 9..16 entry with BM 32 / 64 (not measured)
   int8 group 32: M <= 8 n64 (N >= 16384) or n128, s3; M 9..16 n128 m16 s6 sync (by analogy, not measured)
-  8-bit group 128 (e4m3, the int8 head): M <= 8 n64 s3, ~4 waves when N < 64 * 132 (down, o: 5-10 % faster than
-           ~2 in bench/fp8_kernels.py --sweep; 3 stages: qkv 9 % faster than 2), else unsplit (DeltaNet in 8 %
-           faster than split in 2), a short last round balanced (gate_up 10-22 % faster at 1-8 rows on two
-           H200s; on another, slower one only at 8 rows: docs/benchmarks.md)
-Shallow pipelines win: 64-row tiles with 2-3 stages (32-48 KB of shared memory, 4-7 programs per SM) beat 4-stage
-ones (3 per SM) by 1-16 %: more resident programs hide the memory latency better than a deeper pipeline per program.
+  8-bit group 128 (e4m3, the int8 head): M <= 8 n64 s3, ~4 waves when N < 64 * 132 (down, o), else unsplit, a short
+           last round balanced
+Every program reads its x rows over its K range: at 17-64 rows that traffic grows with the rows.
 M > MAX_PASS_TOKENS (prefill): each slice of <= 16M weights is dequantized to x's dtype and multiplied with F.linear
 (the kernel's numerics are not kept there).
 The plain PyTorch functions here (pack / unpack / dequantize / reference_matmul) are the CPU path and the tests'
