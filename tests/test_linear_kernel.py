@@ -4,6 +4,7 @@ split-K (the last program of a tile adds the partials; counters left clean), odd
 wrapper."""
 
 import json
+import os
 from dataclasses import replace
 
 import torch
@@ -92,3 +93,26 @@ def test_configs_that_do_not_fit_shared_memory_keep_cublas(monkeypatch):
     assert not linear_triton.fits(replace(wide, stages=4), 64, gpu)  # 256 KB
     assert linear_triton.fits(replace(wide, stages=4), 8, gpu)  # 144 KB: the x tile counts
     assert linear_triton.fits(wide, 8, torch.device("cpu"))  # the interpreter has no such limit
+
+
+def test_mma_sync_switch_is_set_only_while_a_variant_first_compiles(monkeypatch):
+    """launch_fitting(mma_sync=True) sets DISABLE_MMA_V3 (Triton's only switch for mma.sync, read when it compiles)
+    around the first launch of each compiled variant only: not on later launches of it, again for a new
+    specialisation (an integer's divisibility by 16, a tensor's dtype), never for mma_sync=False, and a user's own
+    value is given back."""
+    from blockspec import kernels
+
+    seen = []
+
+    class Kernel:  # stands in for a Triton kernel: records the switch at each launch
+        def __getitem__(self, grid):
+            return lambda *args, **meta: seen.append(os.environ.get("DISABLE_MMA_V3"))
+
+    kernel = Kernel()
+    monkeypatch.setenv("DISABLE_MMA_V3", "user")
+    for n in (16, 16, 17, 32):
+        kernels.launch_fitting(kernel, (1,), torch.zeros(2), n, mma_sync=True, BM=8)
+    kernels.launch_fitting(kernel, (1,), torch.zeros(2, dtype=torch.float64), 16, mma_sync=True, BM=8)
+    kernels.launch_fitting(kernel, (1,), torch.zeros(2), 48, mma_sync=False, BM=8)
+    assert seen == ["1", "user", "1", "user", "1", "user"], seen
+    assert os.environ["DISABLE_MMA_V3"] == "user"

@@ -109,11 +109,15 @@ def launch_fitting(kernel, grid, *args, stages_key: str = "num_stages", mma_sync
                 result = kernel[grid](*args, **meta, **{stages_key: stages})
             else:
                 with _MMA_SYNC_LOCK:
+                    before = os.environ.get("DISABLE_MMA_V3")  # a user's own setting is given back
                     os.environ["DISABLE_MMA_V3"] = "1"
                     try:
                         result = kernel[grid](*args, **meta, **{stages_key: stages})
                     finally:
-                        del os.environ["DISABLE_MMA_V3"]
+                        if before is None:
+                            del os.environ["DISABLE_MMA_V3"]
+                        else:
+                            os.environ["DISABLE_MMA_V3"] = before
                 _MMA_SYNC_COMPILED.add(variant)
         except OutOfResources:
             if stages <= 1:
