@@ -9,7 +9,6 @@ function stays the reference. The DFlash2 drafter's ops have Triton kernels inst
 every start (1.2-1.6 s of the drafter's graph preparation on the H200), a Triton kernel loads from its disk cache.
 """
 
-import collections
 import contextvars
 import functools
 import importlib.util
@@ -49,8 +48,6 @@ def use(settings: KernelSettings):
         yield settings
     finally:
         _ACTIVE.reset(token)
-
-COMPILED_CALLS = collections.Counter()  # calls that took a compiled path, per op (tests: graphs record none)
 
 
 def triton_runs_on(x: torch.Tensor) -> bool:
@@ -145,17 +142,17 @@ def prepare_compilation():
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
 
 
-def fused(fn):
-    compiled = None
+COMPILED: dict = {}  # fn -> its torch.compile'd version, made at its first compiled call
 
+
+def fused(fn):
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
-        nonlocal compiled
         if active().fusion and args[0].is_cuda:
-            COMPILED_CALLS[fn.__qualname__] += 1
+            compiled = COMPILED.get(fn)
             if compiled is None:
                 prepare_compilation()
-                compiled = torch.compile(fn, fullgraph=True)
+                compiled = COMPILED[fn] = torch.compile(fn, fullgraph=True)
             return compiled(*args, **kwargs)
         return fn(*args, **kwargs)
 
