@@ -23,7 +23,6 @@ from pathlib import Path
 
 import torch
 
-from .models.checkpoint import check_folder
 from .cli_common import (add_sampling_args, add_weight_args, check_output_path, describe_sampling, sampling_overrides,
                          weight_overrides)
 from .config import PredictConfig, SamplingSettings
@@ -32,6 +31,7 @@ from .engine.decode import Proposer
 from .errors import BlockspecError
 from .kernels import pdl
 from .kernels import use
+from .models.checkpoint import check_folder
 from .train.evaluate import one_cycle_acceptance, repeat_split, summarize_generations
 
 WARMUP_TOKENS = 128

@@ -7,11 +7,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from ..models.checkpoint import generation_defaults
 from ..config import SAMPLING_KEYS, PredictConfig, SamplingSettings
 from ..drafter.model import DFlash2Drafter
 from ..errors import BlockspecError
 from ..kernels import use
+from ..models.checkpoint import generation_defaults
 from ..models.qwen3_5 import TargetModel
 from .decode import DecodeStats, Proposer, decode
 from .load import load

@@ -16,13 +16,13 @@ from typing import Callable
 
 import torch
 
-from ..models.checkpoint import check_folder, load_mtp_head, load_target
 from ..config import PredictConfig
 from ..drafter.model import QUANTIZED_PROJECTIONS, DFlash2Drafter
 from ..errors import BlockspecError, UnsupportedRequest
 from ..kernels import KernelSettings, use
 from ..layers import folded_norm
 from ..layers.draft_head import DraftHead, draft_ids
+from ..models.checkpoint import check_folder, load_mtp_head, load_target
 from ..models.qwen3_5 import TargetModel
 from ..models.tokenizer import Tokenizer
 from . import memory

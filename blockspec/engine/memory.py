@@ -26,13 +26,13 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..models.checkpoint import FLOAT32_SUFFIXES, checkpoint_quantization
 from ..config import PredictConfig, TargetConfig
 from ..drafter.config import DrafterConfig
 from ..drafter.model import QUANTIZED_PROJECTIONS, DFlash2Drafter
 from ..errors import BlockspecError
 from ..layers.attention import KVCache
 from ..layers.draft_head import draft_ids
+from ..models.checkpoint import FLOAT32_SUFFIXES, checkpoint_quantization
 from ..models.mtp import MTPHead
 from ..models.qwen3_5 import TargetModel
 from ..quant.fp8 import Fp8Linear

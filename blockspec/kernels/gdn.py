@@ -97,8 +97,9 @@ def keep_path(mixed, g, state, shape, path, deltas, window, history_rows, histor
     """Keep the root-to-node path `path` [n] (node indices, root first) of a recorded tree pass (conv output
     mixed [T, C], log decays g [T, Hv], the nodes' deltas [T, Hv, Dv] from gated_delta_tree, conv window
     [K-1+T, C]): the state after the path, in place over `state`, in closed form, and the conv history [K-1, C] set
-    to the window rows history_rows [K-1]. On CUDA one Triton launch (gdn_triton.keep_path), else the reference."""
-    if gdn_triton.available(mixed):
+    to the window rows history_rows [K-1]. On CUDA one Triton launch (gdn_triton.keep_path, paths of up to
+    MAX_PATH nodes), else the reference."""
+    if path.shape[0] <= gdn_triton.MAX_PATH and gdn_triton.available(mixed):
         return gdn_triton.keep_path(mixed, g, state, shape, path, deltas, window, history_rows, history)
     return keep_path_reference(mixed, g, state, shape, path, deltas, window, history_rows, history)
 

@@ -10,11 +10,11 @@ from pathlib import Path
 
 import torch
 
-from ..models.checkpoint import check_folder, load_target, stored_dtype
 from ..config import MAX_SEED, TargetConfig
 from ..engine.state import DecodeState
 from ..engine.target import EagerTarget
 from ..errors import BlockspecError
+from ..models.checkpoint import check_folder, load_target, stored_dtype
 from ..models.tokenizer import Tokenizer
 from .data import split_corpus
 from .evaluate import one_cycle_acceptance
