@@ -81,7 +81,7 @@ def build_engine(mode, args):
                  "fold_norms": not args.no_fold_norms}
     if args.pdl_level is not None:
         overrides["pdl_level"] = args.pdl_level
-    if mode == "dflash2" and args.tree_budget:
+    if mode == "dflash2":
         overrides["dflash2_tree_budget"] = args.tree_budget
     config = PredictConfig.build(overrides, source="profile_cycle")
     model, head = synthetic_target(PRESET, DEVICE, config.torch_dtype,

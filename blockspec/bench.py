@@ -25,7 +25,7 @@ import torch
 
 from .cli_common import (add_sampling_args, add_weight_args, check_output_path, describe_sampling, sampling_overrides,
                          weight_overrides)
-from .config import PredictConfig, SamplingSettings
+from .config import DEFAULT_TREE_BUDGETS, PredictConfig, SamplingSettings
 from .engine import memory
 from .engine.decode import Proposer
 from .errors import BlockspecError
@@ -218,7 +218,7 @@ def build_engine(args, mode: str, tree_budget: int = 0):
     from .engine.engine import Engine
 
     overrides = {**weight_overrides(args), "mode": mode, "device": args.device, "compute_dtype": args.dtype,
-                 "dflash2_tree_budget": tree_budget or None,
+                 "dflash2_tree_budget": tree_budget if mode == "dflash2" else None,
                  "context_length": args.context_length, "dflash2_model": args.drafter if mode == "dflash2" else None,
                  "load_progress": True}
     if args.compile_mode is not None:
@@ -290,7 +290,7 @@ def check_synthetic_fits(name: str, config: PredictConfig, device) -> memory.Mem
     target = TargetConfig.from_dict(preset(name), source=f"synthetic preset {name}")
     drafter = DrafterConfig.from_dict(synthetic_drafter_config(target)) if config.decode_mode == "dflash2" else None
     needed = memory.estimate(target, config, execution=resolve_execution(config, device),
-                             max_partial=pass_rows(config), drafter=drafter)
+                             max_partial=pass_rows(config.tree_budget_on(device.type)), drafter=drafter)
     if device.type == "cuda":
         memory.check_fits(needed, config, device)
         return needed
@@ -347,7 +347,7 @@ def check_arguments(args) -> tuple[list[str], list[dict], list[float] | None]:
     rates = parse_rates(args.forced_acceptance, len(fixtures))
     if args.model:
         check_folder("--model", args.model)
-    if tree_budgets(args.tree_budget) != [0] and "dflash2" not in modes:
+    if args.tree_budget is not None and tree_budgets(args.tree_budget) != [0] and "dflash2" not in modes:
         raise BlockspecError(f"--tree-budget {args.tree_budget}: trees verify DFlash2 proposals: add dflash2 to --mode")
     sampling_variants(args)
     if args.png_out:
@@ -374,8 +374,9 @@ def bench(args) -> dict:
                "context_length": args.context_length, "torch": torch.__version__}
     trajectories = {}
     from .engine.load import resolve_device
-    bandwidth = args.bandwidth or measure_read_bandwidth(resolve_device(args.device))
-    budgets = tree_budgets(args.tree_budget)
+    device = resolve_device(args.device)
+    bandwidth = args.bandwidth or measure_read_bandwidth(device)
+    budgets = tree_budgets(args.tree_budget) if args.tree_budget is not None else [DEFAULT_TREE_BUDGETS[device.type]]
     runs = [(m, b) for m in ["none"] + [m for m in modes if m != "none"] for b in (budgets if m == "dflash2" else [0])]
     # the name columns as wide as the longest name the rows will hold
     widths = {"mode": max(len(f"{m}:{b}" if b else m) for m, b in runs),
@@ -563,8 +564,9 @@ def add_bench_parser(sub):
     p.add_argument("--drafter", metavar="DIR", help="DFlash2 drafter directory, for mode dflash2 (default: none)")
     p.add_argument("--synthetic", metavar="PRESET", help="random weights with real shapes: qwen3.5-27b or tiny")
     p.add_argument("--mode", default="none", help="none, mtp, dflash2, or several comma-separated")
-    p.add_argument("--tree-budget", default="0", metavar="N[,N...]", help="dflash2: draft nodes verified as a tree "
-                   "per cycle, one engine per budget (rows dflash2:N); 0: the chain")
+    p.add_argument("--tree-budget", metavar="N[,N...]", help="dflash2: draft nodes verified as a tree per cycle, one "
+                   "engine per budget (rows dflash2:N); 0: the chain (default: the engine's for the device: "
+                   + ", ".join(f"{k} {v}" for k, v in DEFAULT_TREE_BUDGETS.items()) + ")")
     p.add_argument("--max-tokens", type=int, default=256, metavar="N", help="tokens generated per measured run")
     p.add_argument("--repeats", type=int, default=3, metavar="R", help="measured runs per fixture (the median is "
                    "reported)")

@@ -18,6 +18,10 @@ SUPPORTED_MODEL_TYPES = {"qwen3_5", "qwen3_5_text"}
 # The most tokens one target pass verifies (anchor + proposals, or a draft tree's root + nodes): the pending buffers
 # of a partial or path commit and the kernels' row limits are sized by it.
 MAX_PASS_TOKENS = 64
+# Draft-tree budget by device where none is set, the best measured against the chain (docs/benchmarks.md, "Draft
+# trees"): on the CPU a tree of 16 decodes the demo pair 1.24x faster; on a GPU the chain, since trees lose with an
+# INT4 target (0.91x projected on the 27B) and on launch-bound small models (0.95x, the demo pair on the H200).
+DEFAULT_TREE_BUDGETS = {"cpu": 16, "cuda": 0}
 SUPPORTED_ARCHITECTURES = {"Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration"}
 
 
@@ -103,8 +107,9 @@ class PredictConfig(CheckedSettings):
     dflash2_model: str | None = None
     dflash2_quantization: Literal["none", "int8"] = "none"
     # draft nodes a DFlash2 cycle verifies as a tree in one target pass (engine/tree.py): the greedy chain, then the
-    # drafter's most likely other continuations, best first; 0: the chain alone
-    dflash2_tree_budget: int = Field(0, ge=0, le=MAX_PASS_TOKENS - 1)
+    # drafter's most likely other continuations, best first; 0: the chain alone; None: the device's default
+    # (DEFAULT_TREE_BUDGETS, `tree_budget_on`)
+    dflash2_tree_budget: int | None = Field(None, ge=0, le=MAX_PASS_TOKENS - 1)
     # what orders the tree's nodes: the selector's transition model (a candidate given the pick before it), or each
     # row's marginal distribution (the drafter's logits alone)
     dflash2_tree_scores: Literal["transition", "marginal"] = "transition"
@@ -149,6 +154,13 @@ class PredictConfig(CheckedSettings):
     @property
     def sampling(self) -> SamplingSettings:
         return SamplingSettings(**{key: getattr(self, key) for key in SAMPLING_KEYS})
+
+    def tree_budget_on(self, device_type: str) -> int:
+        """The tree budget of this config's DFlash2 cycles on a device ("cpu", "cuda"): as set, else the device's
+        default; 0 in the other modes."""
+        if self.dflash2_tree_budget is not None:
+            return self.dflash2_tree_budget
+        return DEFAULT_TREE_BUDGETS[device_type] if self.decode_mode == "dflash2" else 0
 
     @property
     def decode_mode(self) -> str:

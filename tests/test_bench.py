@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from blockspec.cli import main
+from blockspec.config import DEFAULT_TREE_BUDGETS
 
 
 def bench(tmp_path, *args, subprocess_run=False):
@@ -39,8 +40,9 @@ def test_schema_default_fixtures_and_forced_rates(tmp_path):
     assert {"device", "bytes_per_plain_step", "rows", "max_tokens", "repeats"} <= set(result)
     assert result["bytes_per_plain_step"] > 0
     rows = result["rows"]
+    tree = f"dflash2:{DEFAULT_TREE_BUDGETS['cpu']}"  # the device's default budget, named in the rows
     assert [(r["mode"], r["fixture"]) for r in rows] == [
-        (m, f) for m in ("none", "mtp", "dflash2") for f in ("code", "english", "translation")]
+        (m, f) for m in ("none", "mtp", tree) for f in ("code", "english", "translation")]
     for row in rows:
         assert len(row["runs_tokens_per_s"]) == 2 and row["decode_tokens_per_s"] > 0
         assert row["generated"] == 64 and row["prefill_s"] > 0 and row["weight_gb_s"] >= 0
@@ -177,8 +179,8 @@ def test_code_fixtures_and_one_cycle_acceptance(tmp_path, tiny_checkpoint, tiny_
         (code / f"m{i}.py").write_text("".join(f"def f{j}(x):\n    return x + {j}\n" for j in range(40 * (i + 1))))
     out = tmp_path / "bench.json"
     code_ = main(["bench", "--model", str(target), "--drafter", str(tiny_drafter(target)), "--mode", "mtp,dflash2",
-                  "--fixtures", str(code), "--one-cycle", "6", "--max-tokens", "16", "--repeats", "1", "--device",
-                  "cpu", "--dtype", "float32", "--temperature", "0.7", "--seed", "1", "--compare-greedy",
+                  "--tree-budget", "0", "--fixtures", str(code), "--one-cycle", "6", "--max-tokens", "16", "--repeats",
+                  "1", "--device", "cpu", "--dtype", "float32", "--temperature", "0.7", "--seed", "1", "--compare-greedy",
                   "--json-out", str(out)])
     assert code_ == 0
     result = json.loads(out.read_text())

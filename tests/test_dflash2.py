@@ -91,7 +91,7 @@ def test_chunked_prefill_gives_same_drafter_context(pair):
 
 def test_proposal_length_comes_from_the_checkpoint(pair):
     target, drafter = pair
-    engine = load(target, drafter, self_speculative_num_tokens=2)
+    engine = load(target, drafter, self_speculative_num_tokens=2, dflash2_tree_budget=0)  # the chain's proposals
     assert engine.proposer.max_proposals == 7
     asked, propose = [], engine.proposer.propose
 

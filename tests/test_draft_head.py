@@ -45,7 +45,8 @@ def references(planted, drafter):
     prompt = load(planted, "none").tokenizer.encode("hello world")
     return prompt, load(planted, "none").generate(prompt, 200, stop_at_eos=False), \
         {"mtp": load(planted).generate(prompt, 200, stop_at_eos=False),
-         "dflash2": load(planted, "dflash2", dflash2_model=str(drafter)).generate(prompt, 200, stop_at_eos=False)}
+         "dflash2": load(planted, "dflash2", dflash2_model=str(drafter), dflash2_tree_budget=0).generate(
+             prompt, 200, stop_at_eos=False)}
 
 
 @pytest.mark.parametrize("mode, spec", [("mtp", 80), ("mtp", "file"), ("dflash2", 80)])  # greedy ids: 65..89
@@ -55,7 +56,7 @@ def test_proposals_over_draft_vocabulary_equal_plain_greedy(planted, drafter, re
     if spec == "file":  # every other id of the first 192: a set that is not a prefix
         spec = tmp_path / "ids.json"
         spec.write_text(json.dumps(list(range(0, 192, 2))))
-    extra = {"dflash2_model": str(drafter)} if mode == "dflash2" else {}
+    extra = {"dflash2_model": str(drafter), "dflash2_tree_budget": 0} if mode == "dflash2" else {}  # the chain's drafts
     engine = load(planted, mode, draft_vocabulary=spec if isinstance(spec, int) else str(spec), **extra)
     drafts = recording(engine)
     allowed = set(engine.proposer.draft_head.ids.tolist())

@@ -12,7 +12,7 @@ from blockspec.cli import main
 from blockspec.config import PredictConfig, TargetConfig
 from blockspec.engine import memory
 from blockspec.engine.engine import Engine
-from blockspec.engine.load import MAX_VERIFY_TOKENS
+from blockspec.engine.load import pass_rows
 from blockspec.errors import BlockspecError
 
 TOLERANCE = 0.01  # the layouts are sized exactly; FP8 block rows differ slightly between packed and unpacked
@@ -29,7 +29,8 @@ def test_estimate_matches_the_loaded_engine(tiny_checkpoint, tiny_drafter, mode,
     drafter = {"dflash2_model": str(tiny_drafter(target))} if mode == "dflash2" else {}
     config = PredictConfig.build({"model": str(target), "mode": mode, "device": "cpu", "compute_dtype": "float32",
                                   "context_length": 512, **settings, **drafter})
-    r = memory.checkpoint_estimate(config, execution="eager", max_partial=MAX_VERIFY_TOKENS).resident
+    rows = pass_rows(config.tree_budget_on("cpu"))  # a DFlash2 engine's on the CPU: a tree's by default
+    r = memory.checkpoint_estimate(config, execution="eager", max_partial=rows).resident
     engine = Engine(config)
     measured = {"target": engine.memory["target"]["final_bytes"], **engine.memory["caches"]}
     estimated = {"target": r["target_layers"] + r["embedding"] + r.get("head", 0),

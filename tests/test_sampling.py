@@ -122,7 +122,8 @@ def soft_pair(tmp_path_factory):
 def engines(soft_pair):
     target, drafter = soft_pair
     engines = {mode: Engine.load(target, device="cpu", compute_dtype="float32", context_length=256, mode=mode,
-                                 dflash2_model=str(drafter) if mode == "dflash2" else None)
+                                 **({"dflash2_model": str(drafter), "dflash2_tree_budget": 0} if mode == "dflash2"
+                                    else {}))
                for mode in ("none", "mtp", "dflash2")}
     engines["dflash2 tree"] = Engine.load(target, device="cpu", compute_dtype="float32", context_length=256,
                                           dflash2_model=str(drafter), dflash2_tree_budget=12)

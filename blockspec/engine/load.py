@@ -38,10 +38,10 @@ from .weights import prepare, quantize_head, resident_bytes, rtn
 MAX_VERIFY_TOKENS = 16  # longest chain pass (anchor + proposals) whose partial commit is supported
 
 
-def pass_rows(config: PredictConfig) -> int:
-    """The most tokens one verification pass of this config holds: a chain's, or a draft tree's root + nodes (the
-    rows the DeltaNet states record for a partial or path commit)."""
-    return max(MAX_VERIFY_TOKENS, config.dflash2_tree_budget + 1)
+def pass_rows(tree_budget: int) -> int:
+    """The most tokens one verification pass holds: a chain's, or a draft tree's root + nodes (the rows the DeltaNet
+    states record for a partial or path commit)."""
+    return max(MAX_VERIFY_TOKENS, tree_budget + 1)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -103,6 +103,7 @@ class LoadedParts:
     device: torch.device
     execution: str  # "cuda-graphs" or "eager"
     dtype: torch.dtype
+    tree_budget: int = 0  # the DFlash2 cycles' draft-tree budget on this device (PredictConfig.tree_budget_on)
     model: TargetModel = None
     tokenizer: Tokenizer = None
     target_quantization: str = "none"
@@ -115,6 +116,10 @@ class LoadedParts:
     target: EagerTarget | GraphedTarget = None
     memory: dict = field(default_factory=dict)      # resident bytes: weights (loaded, packed, final), caches, pools
     load_times: dict = field(default_factory=dict)  # seconds of the preparation, the graphs' capture
+
+    @property
+    def pass_rows(self) -> int:
+        return pass_rows(self.tree_budget)
 
 
 def load(config: PredictConfig, *, model=None, mtp_tensors=None,
@@ -132,11 +137,12 @@ def load(config: PredictConfig, *, model=None, mtp_tensors=None,
     if model is None:
         check_folder("model", config.model)
     device = resolve_device(config.device)
-    parts = LoadedParts(config, device, resolve_execution(config, device), config.torch_dtype)
+    parts = LoadedParts(config, device, resolve_execution(config, device), config.torch_dtype,
+                        config.tree_budget_on(device.type))
     note_ignored_settings(config)
     memory.use_expandable_segments(device)
     if model is None and device.type == "cuda":  # refused before any tensor is read
-        estimate = memory.checkpoint_estimate(config, execution=parts.execution, max_partial=pass_rows(config))
+        estimate = memory.checkpoint_estimate(config, execution=parts.execution, max_partial=parts.pass_rows)
         memory.check_fits(estimate, config, torch.device("cuda", config.gpu_ranks[0]))
         parts.memory["estimate"] = estimate.as_dict()
     if device.type == "cuda":
@@ -154,7 +160,7 @@ def load(config: PredictConfig, *, model=None, mtp_tensors=None,
     with use(parts.kernels):
         parts.proposer = build_proposer(parts, target_quantizer, mtp_tensors, drafter)
         snapshots = config.prefix_snapshots if config.prefix_reuse else 0
-        parts.state = DecodeState(model, config.context_length, pass_rows(config), device, parts.dtype,
+        parts.state = DecodeState(model, config.context_length, parts.pass_rows, device, parts.dtype,
                                   in_place=parts.proposer.max_proposals == 0, snapshots=snapshots)
         parts.prefix = PrefixCache(parts.state, parts.proposer, snapshots) if snapshots else None
         if parts.prefix is not None:
@@ -217,7 +223,7 @@ def build_proposer(parts: LoadedParts, target_quantizer, mtp_tensors, drafter) -
     # norms, convolution controls and the selector stay native: only fc and the layers' projections
     parts.memory["drafter"] = prepare(drafter, rtn(c.dflash2_quantization, 32, parts.dtype),
                                       QUANTIZED_PROJECTIONS.match)
-    return DFlash2Proposer(drafter, draft_head, parts.sampler, c.dflash2_tree_budget, c.dflash2_tree_scores)
+    return DFlash2Proposer(drafter, draft_head, parts.sampler, parts.tree_budget, c.dflash2_tree_scores)
 
 
 def build_draft_head(parts: LoadedParts):
