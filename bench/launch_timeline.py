@@ -1,12 +1,11 @@
 """Where a W4A16 / W8A16 launch's time goes inside the graphed plain decode step of a synthetic Qwen3.5-27B: every
-projection launch of the step records, per program, its start and end on the GPU's global timer and its start,
-main loop's end and end on its SM's clock (`w4a16_triton.launch_timeline`). From those, per launch: its span (first
-program's start to last program's end) against its bytes at the read bandwidth, the gap since the previous
-projection's end (the mixer, attention and small kernels run there), how long the programs take to start, each
-program's main loop and epilogue (the loops of the first and the last fifth of the programs in launch order apart),
-and the tail (last end minus the median end), the SMs used and the most programs one of them held (the GPU places
-a launch's programs breadth-first; with PDL, onto the SMs the previous launch frees first). Averaged per projection
-shape.
+projection launch of the step records, per program, its start and end on the GPU's global timer and its start, main
+loop's end and end on its SM's clock (`quant_matmul_triton.launch_timeline`). From those, per launch: its span (first
+program's start to last program's end) against its bytes at the read bandwidth, the gap since the previous projection's
+end (the mixer, attention and small kernels run there), how long the programs take to start, each program's main loop
+and epilogue (the loops of the first and the last fifth of the programs in launch order apart), and the tail (last end
+minus the median end), the SMs used and the most programs one of them held (the GPU places a launch's programs
+breadth-first; with PDL, onto the SMs the previous launch frees first). Averaged per projection shape.
 
 Usage (GPU, from bench/; ~2 minutes on an H200): python launch_timeline.py --quant fp8 [--pdl-levels 0,3]
   [--variants NAME,...] (bench/step_variants.py's, at the engine's PDL level)
@@ -30,7 +29,7 @@ from blockspec.bench import measure_read_bandwidth
 from blockspec.engine.decode import prefill
 from blockspec.engine.target import GraphedTarget
 from blockspec.kernels import use
-from blockspec.quant.w4a16_triton import launch_timeline
+from blockspec.kernels.quant_matmul_triton import launch_timeline
 
 EPILOGUES = {0: "store", 1: "add+norm", 2: "swiglu"}  # Epilogue.kind; with rms: "rms" before it (a store: "rms")
 

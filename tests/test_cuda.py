@@ -103,7 +103,7 @@ def test_quantized_paths_on_gpu(wide_margin_pair, mode, quantization):
     eager plain."""
     from blockspec.quant.fp8 import Fp8Linear
     from blockspec.quant.int4 import Int4Linear
-    from blockspec.quant.w4a16_triton import kernels_available
+    from blockspec.kernels.quant_matmul_triton import kernels_available
 
     assert kernels_available(torch.device("cuda"))
     target, drafter = wide_margin_pair
@@ -186,7 +186,7 @@ def test_folded_norms_on_gpu(wide_margin_pair):
     logits with and without folding within bf16 rounding."""
     from blockspec.kernels.activation import silu_mul
     from blockspec.layers import folded_norm
-    from blockspec.quant import w4a16_triton as wq
+    from blockspec.kernels import quant_matmul_triton as wq
     from blockspec.quant.int4 import Int4Linear
 
     torch.manual_seed(0)
@@ -273,7 +273,8 @@ def test_pdl_chain_in_graph_equals_serial_launches(rows):
     from blockspec.kernels import activation_triton, norm_triton, pdl
     from blockspec.kernels.linear import linear
     from blockspec.kernels import KernelSettings, use
-    from blockspec.quant.w4a16_triton import pack, wq_matmul
+    from blockspec.kernels.quant_matmul import pack
+    from blockspec.kernels.quant_matmul_triton import wq_matmul
 
     torch.manual_seed(rows)
     bf = dict(device="cuda", dtype=torch.bfloat16)
@@ -462,7 +463,7 @@ def test_launch_timeline_stamps_captured_launches():
     start <= main loop's end <= end on its SM's clock, start <= end on the global timer, an SM that exists; launches
     outside a capture are not recorded."""
     from blockspec.quant.fp8 import Fp8Linear, quantize
-    from blockspec.quant.w4a16_triton import launch_timeline, sm_count, wq_matmul, wq_matmul_swiglu
+    from blockspec.kernels.quant_matmul_triton import launch_timeline, sm_count, wq_matmul, wq_matmul_swiglu
 
     g = torch.Generator().manual_seed(0)
     packed = Fp8Linear.from_blocks(*quantize(torch.randn(5120, 6144, generator=g) * 0.01)).cuda().packed()
@@ -497,7 +498,7 @@ def test_fp8_projections_on_gpu(dtype, asm):
     from dataclasses import replace
 
     from blockspec.quant.fp8 import Fp8Linear, dequantize, quantize
-    from blockspec.quant.w4a16_triton import default_config, wq_matmul
+    from blockspec.kernels.quant_matmul_triton import default_config, wq_matmul
 
     g = torch.Generator().manual_seed(0)
     for sizes, k in [([5120], 17408), ([10240, 48, 48], 5120), ([34816], 5120)]:  # the last: balanced schedule

@@ -1,6 +1,8 @@
 """One function per op. Each file holds the plain PyTorch reference (CPU, float32, used by every CI test) and,
 beside it in `<op>_triton.py`, the fast GPU kernel that replaces it on CUDA (tested against the reference through
-Triton's CPU interpreter): attention, attention inputs, norms, DeltaNet conv and recurrence, gated activations.
+Triton's CPU interpreter): attention, attention inputs, norms, DeltaNet conv and recurrence, gated activations, the
+few-row matmul of dense and of weight-only quantized projections (`linear`, `quant_matmul`: the q16 layout of quant/'s
+formats).
 
 `fused` marks the elementwise-heavy ops that have no kernel of their own (DeltaNet prefill input preparation; the
 references of the kernels above where Triton cannot take the input): on CUDA with fusion on (the graphed path,
