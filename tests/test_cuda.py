@@ -322,7 +322,7 @@ def test_drafter_kernels_bf16_on_gpu():
     """The DFlash2 drafter's Triton kernels at the published drafter's shapes (5120 wide, 32 query heads over 8 KV
     heads of 128, a 2048-slot window + 8 block rows, conv groups of 16, selector rank 256 / top 16) against their
     references: bf16 within a few ulps; the selector walk exactly in float32."""
-    from blockspec.drafter import conv_triton, selector_triton
+    from blockspec.kernels import drafter_conv_triton, drafter_selector_triton
     from blockspec.drafter.conv import grouped_dynamic_causal_conv_reference
     from blockspec.drafter.selector import greedy_walk_reference
     from blockspec.kernels import attention_inputs_triton, attention_triton
@@ -336,7 +336,7 @@ def test_drafter_kernels_bf16_on_gpu():
     bf = dict(device="cuda", dtype=torch.bfloat16)
     x, static = torch.randn(8, 5120, **bf), torch.randn(2, 5120, **bf)
     dynamic = torch.randn(8, 2, 2, 320, **bf)[:, 1]
-    assert close(conv_triton.grouped_dynamic_causal_conv(x, dynamic, static, 16),
+    assert close(drafter_conv_triton.grouped_dynamic_causal_conv(x, dynamic, static, 16),
                  grouped_dynamic_causal_conv_reference(x.float(), dynamic.float(), static.float(), 16))
     q, k, v = torch.randn(8, 32, 128, **bf), torch.randn(2056, 8, 128, **bf), torch.randn(2056, 8, 128, **bf)
     visible = torch.rand(8, 2056, device="cuda") > 0.3
@@ -359,7 +359,7 @@ def test_drafter_kernels_bf16_on_gpu():
         codebooks = torch.randn(248320, 256, **f32), torch.randn(248320, 256, **f32)
         anchor = torch.randint(0, 248320, (1,), device="cuda")
         args = (unary, candidates, projected, anchor, *codebooks)
-        assert torch.equal(selector_triton.greedy_walk(*args), greedy_walk_reference(*args))
+        assert torch.equal(drafter_selector_triton.greedy_walk(*args), greedy_walk_reference(*args))
 
 
 def test_graphs_record_no_compiled_region(pair):
@@ -423,7 +423,7 @@ def test_head_returns_float32_sums_on_gpu(pair, vocabulary_quantization):
 def test_sampled_walk_on_gpu():
     """The selector's sampling walk (Triton) against its reference at the published drafter's shapes: the same picks
     and q; at temperature 0 the greedy walk's picks."""
-    from blockspec.drafter import selector_triton
+    from blockspec.kernels import drafter_selector_triton
     from blockspec.drafter.selector import greedy_walk_reference, sampled_walk_reference
 
     torch.manual_seed(0)
@@ -435,7 +435,7 @@ def test_sampled_walk_on_gpu():
         anchor = torch.randint(0, 248320, (1,), device="cuda")
         uniforms = 1 - torch.rand(7, device="cuda", dtype=torch.float64)
         args = (unary, candidates, projected, anchor, *codebooks)
-        got, q = selector_triton.sampled_walk(*args, torch.tensor(temperature, device="cuda"), uniforms)
+        got, q = drafter_selector_triton.sampled_walk(*args, torch.tensor(temperature, device="cuda"), uniforms)
         ref, ref_q = sampled_walk_reference(*args, torch.tensor(temperature, device="cuda"), uniforms)
         assert torch.equal(got, ref)
         if temperature > 0:
@@ -567,16 +567,16 @@ def test_tree_equals_plain_bf16(wide_margin_pair, compile_mode, budget):
 
 @pytest.mark.parametrize("style", ["transition", "ties", "masked"])
 def test_tree_build_kernel_equals_reference_on_cuda(style):
-    """drafter/tree_triton.py compiled for the GPU against build_tree_reference (the interpreter cannot check
+    """kernels/drafter_tree_triton.py compiled for the GPU against build_tree_reference (the interpreter cannot check
     the GPU's tie-break and comparison semantics): every budget, equal trees."""
     from test_tree_build_kernel import inputs
 
-    from blockspec.drafter import tree_triton
+    from blockspec.kernels import drafter_tree_triton
     from blockspec.drafter.tree import build_tree, build_tree_reference
     for k, rows in ((16, 7), (8, 16), (4, 7)):
         table, candidates, anchor, chain = (x.cuda() for x in inputs(k, rows, style, seed=k + rows))
         for budget in (1, rows, 16, 33, 63):
-            assert tree_triton.available(table, budget)
+            assert drafter_tree_triton.available(table, budget)
             got, expected = build_tree(table, candidates, anchor, chain, budget), \
                 build_tree_reference(table, candidates, anchor, chain, budget)
             for field in ("tokens", "parents", "depth", "valid"):

@@ -7,8 +7,9 @@ formats).
 `fused` marks the elementwise-heavy ops that have no kernel of their own (DeltaNet prefill input preparation; the
 references of the kernels above where Triton cannot take the input): on CUDA with fusion on (the graphed path,
 `KernelSettings`) they run through torch.compile, which turns each into one or a few kernels. The undecorated
-function stays the reference. The DFlash2 drafter's ops have Triton kernels instead: torch.compile traces again at
-every start (1.2-1.6 s of the drafter's graph preparation on the H200), a Triton kernel loads from its disk cache.
+function stays the reference. The DFlash2 drafter's ops have Triton kernels instead (`drafter_<op>_triton.py`, their
+references in drafter/, beside the differentiable model that uses them): torch.compile traces again at every start
+(1.2-1.6 s of the drafter's graph preparation on the H200), a Triton kernel loads from its disk cache.
 """
 
 import contextvars
