@@ -1,5 +1,6 @@
 """CUDA-only checks (skipped on the CPU): graph replay == eager, fla == torch reference, DFlash2 == plain in bf16."""
 
+from pathlib import Path
 from unittest import mock
 
 import pytest
@@ -458,12 +459,17 @@ def test_prefix_reuse_bf16_graphed(wide_margin_pair, mode):
     assert sum(cached for *_, cached, _ in with_reuse) > 0
 
 
-def test_launch_timeline_stamps_captured_launches():
-    """Launches captured under `launch_timeline` give the same results as untraced ones and stamp every program:
-    start <= main loop's end <= end on its SM's clock, start <= end on the global timer, an SM that exists; launches
-    outside a capture are not recorded."""
+def test_launch_timeline_stamps_captured_launches(monkeypatch):
+    """bench/launch_timeline.py's stamped variant of the W4A16 / W8A16 kernel, run for the launches captured under
+    its `launch_timeline`, gives the production kernel's results and stamps every program: start <= main loop's end
+    <= end on its SM's clock, start <= end on the global timer, an SM that exists; launches outside a capture run the
+    production kernel and are not recorded."""
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent.parent / "bench"))
+    from launch_timeline import launch_timeline
+
+    from blockspec.kernels import sm_count
+    from blockspec.kernels.quant_matmul_triton import wq_matmul, wq_matmul_swiglu
     from blockspec.quant.fp8 import Fp8Linear, quantize
-    from blockspec.kernels.quant_matmul_triton import launch_timeline, sm_count, wq_matmul, wq_matmul_swiglu
 
     g = torch.Generator().manual_seed(0)
     packed = Fp8Linear.from_blocks(*quantize(torch.randn(5120, 6144, generator=g) * 0.01)).cuda().packed()
