@@ -1,4 +1,4 @@
-"""FP8 projections (quant/fp8.py: e4m3 codes in the W4A16 / W8A16 kernel's q16 layout, blockspec/quant/w4a16_triton.py)
+"""FP8 projections (quant/fp8.py: e4m3 codes in the W4A16 / W8A16 kernel's q16 layout, kernels/quant_matmul.py)
 on the 27B's packed projection shapes at 1, 8 and 16 rows, against cuBLAS bf16 (F.linear) of the same shape: error
 against the float32 reference, us per launch and GB/s of the bytes read (e4m3 codes + a float32 scale per output and
 128 inputs; bf16: 2 bytes per weight), with the PTX unpacking (the engine's) and the plain Triton one. Weight copies
@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from timing import dry_run, replay_ms  # bench/timing.py, beside this script
 
 from blockspec.quant.fp8 import Fp8Linear, dequantize, quantize
-from blockspec.quant.w4a16_triton import default_config, wq_matmul
+from blockspec.kernels.quant_matmul_triton import default_config, wq_matmul
 
 SHAPES = {"vocabulary head": (248320, 5120), "mlp gate_up": (34816, 5120), "gdn in (packed)": (16480, 5120),
           "mlp down": (5120, 17408), "attn qkv (packed)": (14336, 5120), "gdn out / attn o": (5120, 6144)}

@@ -1,4 +1,4 @@
-"""How the W4A16 / W8A16 kernel's launch schedule (blockspec/quant/w4a16_triton.py: `schedule`) times on the 27B's
+"""How the W4A16 / W8A16 kernel's launch schedule (kernels/quant_matmul_triton.py: `schedule`) times on the 27B's
 projections, FP8 (e4m3, 128 x 128 blocks) and INT4 (group 128), at 1 and 8 rows: the default config against the same
 config without balancing (cfg.balance off) and, for FP8's wide outputs, against K split to ~2 waves (the schedule
 before FP8 kept them unsplit). For each: us per launch, GB/s of the bytes read, (whole tiles, split, blocks per
@@ -22,7 +22,7 @@ from timing import dry_run, replay_ms  # bench/timing.py, beside this script
 from blockspec.bench import measure_read_bandwidth
 from blockspec.quant.fp8 import Fp8Linear, quantize
 from blockspec.quant.int4 import Int4Linear
-from blockspec.quant.w4a16_triton import default_config, schedule, sm_count, wq_matmul
+from blockspec.kernels.quant_matmul_triton import default_config, schedule, sm_count, wq_matmul
 
 SHAPES = {"gate_up": (34816, 5120), "gdn_in": (16480, 5120), "qkv": (14336, 5120), "down": (5120, 17408),
           "out": (5120, 6144)}

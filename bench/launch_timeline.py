@@ -1,11 +1,12 @@
 """Where a W4A16 / W8A16 launch's time goes inside the graphed plain decode step of a synthetic Qwen3.5-27B: every
-projection launch of the step records, per program, its start and end on the GPU's global timer and its start,
-main loop's end and end on its SM's clock (`w4a16_triton.launch_timeline`). From those, per launch: its span (first
-program's start to last program's end) against its bytes at the read bandwidth, the gap since the previous
+projection launch of the step is captured with a stamped variant of the production kernel (its `main_loop` and
+`finish` with clock reads around them, defined here: `launch_timeline`), which records, per program, its start and end
+on the GPU's global timer and its start, main loop's end and end on its SM's clock. From those, per launch: its span
+(first program's start to last program's end) against its bytes at the read bandwidth, the gap since the previous
 projection's end (the mixer, attention and small kernels run there), how long the programs take to start, each
 program's main loop and epilogue (the loops of the first and the last fifth of the programs in launch order apart),
-and the tail (last end minus the median end), the SMs used and the most programs one of them held (the GPU places
-a launch's programs breadth-first; with PDL, onto the SMs the previous launch frees first). Averaged per projection
+and the tail (last end minus the median end), the SMs used and the most programs one of them held (the GPU places a
+launch's programs breadth-first; with PDL, onto the SMs the previous launch frees first). Averaged per projection
 shape.
 
 Usage (GPU, from bench/; ~2 minutes on an H200): python launch_timeline.py --quant fp8 [--pdl-levels 0,3]
@@ -19,18 +20,87 @@ import os
 import statistics
 import types
 from collections import defaultdict
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import replace
 
 import profile_cycle  # bench/profile_cycle.py, beside this script: the synthetic engine
 import step_variants  # bench/step_variants.py: the variants of the kernels' constants
 import torch
+import triton
+import triton.language as tl
 
 from blockspec.bench import measure_read_bandwidth
 from blockspec.engine.decode import prefill
 from blockspec.engine.target import GraphedTarget
-from blockspec.kernels import use
-from blockspec.quant.w4a16_triton import launch_timeline
+from blockspec.kernels import launch_fitting, use
+from blockspec.kernels import quant_matmul_triton as wq
+
+
+@triton.jit
+def _stamp(after, GLOBAL: tl.constexpr):
+    """A time read once `after` (an int32 scalar) is computed: %globaltimer (ns, one clock for every SM) or %clock64
+    (this SM's cycles)."""
+    if GLOBAL:
+        return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer; // $1", "=l,r", [after], dtype=tl.int64,
+                                         is_pure=False, pack=1)
+    return tl.inline_asm_elementwise("mov.u64 $0, %clock64; // $1", "=l,r", [after], dtype=tl.int64, is_pure=False,
+                                     pack=1)
+
+
+@triton.jit(do_not_specialize=["M", "WHOLE", "REST", "BPS", "SPLIT"])
+def _stamped_kernel(x_ptr, q_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, KH, NBLK, WHOLE, REST, BPS, SPLIT,
+                    stride_xm, stride_om, res_ptr, nw_ptr, rows_ptr, part_ptr, PARTS, eps, trace_ptr,
+                    BITS: tl.constexpr, G: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr,
+                    STAGES: tl.constexpr, HAS_ZP: tl.constexpr, EVEN_K: tl.constexpr, USE_ASM: tl.constexpr,
+                    F32DOT: tl.constexpr, SYNC: tl.constexpr, U0: tl.constexpr, U1: tl.constexpr,
+                    U2: tl.constexpr, U3: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr,
+                    EPI: tl.constexpr, RMS: tl.constexpr, PBLOCK: tl.constexpr, E4M3: tl.constexpr):
+    """quant_matmul_triton's `_wq_kernel` (its `main_loop`, then its `finish`, the same arguments), and the program's
+    row of trace_ptr [programs, 8] int64: its start and end on the global timer, its start, main loop's end and end
+    on its SM's clock, and its SM."""
+    pid = tl.program_id(0)
+    t_start = _stamp(pid, True)
+    c_start = _stamp(pid, False)
+    acc, sums = wq.main_loop(x_ptr, q_ptr, s_ptr, z_ptr, part_ptr, M, N, K, KH, NBLK, WHOLE, REST, BPS, SPLIT, PARTS,
+                             stride_xm, BITS, G, BN, BM, STAGES, HAS_ZP, EVEN_K, USE_ASM, F32DOT, U0, U1, U2, U3,
+                             PREFETCH, PDL, EPI, RMS, PBLOCK, E4M3)
+    c_loop = _stamp(tl.sum(tl.sum(acc, 1), 0).to(tl.int32, bitcast=True), False)
+    total = wq.finish(acc, sums, out_ptr, ws_ptr, cnt_ptr, res_ptr, nw_ptr, rows_ptr, part_ptr, M, N, K, WHOLE, REST,
+                      SPLIT, stride_om, eps, BN, BM, PDL, EPI, RMS)
+    after = tl.sum(tl.sum(total, 1), 0).to(tl.int32, bitcast=True)
+    row = trace_ptr + pid.to(tl.int64) * 8
+    tl.store(row + 1, _stamp(after, True))
+    tl.store(row + 4, _stamp(after, False))
+    tl.store(row, t_start)
+    tl.store(row + 2, c_start)
+    tl.store(row + 3, c_loop)
+    tl.store(row + 5, tl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r", [], dtype=tl.int32, is_pure=False,
+                                                pack=1).to(tl.int64))
+
+
+@contextmanager
+def launch_timeline():
+    """Within the block, each W4A16 / W8A16 launch captured into a CUDA graph runs `_stamped_kernel` instead of the
+    production kernel, with a new int64 [programs, 8] buffer for its stamps (launches outside a capture run as they
+    are): yields the list of {"trace", "n", "k", "bytes", "rows", "epilogue", "rms", "schedule", "config"}
+    (epilogue, rms: the launch's `Epilogue` kind and rms), one per stamped launch in launch order, whose buffers
+    hold the latest replay's stamps."""
+    launches, production = [], wq._launch
+
+    def stamped(x2, pw, cfg, out, epilogue=None):
+        if not (x2.is_cuda and torch.cuda.is_current_stream_capturing()):
+            return production(x2, pw, cfg, out, epilogue)
+        plan = wq.launch_plan(x2, pw, cfg, out, epilogue)
+        trace = torch.empty(plan.programs, 8, dtype=torch.int64, device=x2.device)  # no memset node in the graph
+        epi = epilogue or wq.Epilogue()
+        launches.append({"trace": trace, "n": pw.n, "k": pw.k, "bytes": pw.nbytes(), "rows": x2.shape[0],
+                         "epilogue": epi.kind, "rms": epi.rms, "schedule": plan.schedule, "config": cfg.short()})
+        launch_fitting(_stamped_kernel, (plan.programs,), *plan.args, trace, stages_key="STAGES",
+                       mma_sync=plan.meta["SYNC"], **plan.meta)
+
+    with step_variants.patched(wq, _launch=stamped):
+        yield launches
+
 
 EPILOGUES = {0: "store", 1: "add+norm", 2: "swiglu"}  # Epilogue.kind; with rms: "rms" before it (a store: "rms")
 

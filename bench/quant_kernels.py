@@ -1,4 +1,4 @@
-"""Check and time the W4A16 / W8A16 Triton kernel (blockspec.quant.w4a16_triton) on the 27B projections the engine
+"""Check and time the W4A16 / W8A16 Triton kernel (kernels/quant_matmul_triton.py) on the 27B projections the engine
 runs (packed: gate_up, GDN in_proj, attention qkv; down, o / out_proj, the vocabulary head).
 
 One command on a GPU machine (repo root; ~2 minutes on an H200):   python bench/quant_kernels.py [--rows 8,17,33,64]
@@ -37,7 +37,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from blockspec.quant import w4a16_triton as wq  # noqa: E402
+from blockspec.kernels import quant_matmul as qm  # noqa: E402
+from blockspec.kernels import quant_matmul_triton as wq  # noqa: E402
 from blockspec.quant.int4 import Int4Linear  # noqa: E402
 from blockspec.quant.int8 import Int8Linear  # noqa: E402
 from timing import replay_ms  # noqa: E402  (bench/timing.py, beside this script)
@@ -68,14 +69,14 @@ def rel_err(y, ref) -> float:
     return float((y.float() - ref).abs().max() / ref.abs().max().clamp(min=1e-9))
 
 
-def random_weight(n, k, bits, gs, zp=False) -> wq.PackedWeight:
+def random_weight(n, k, bits, gs, zp=False) -> qm.PackedWeight:
     """Random codes (every int16 is valid), scales in [0.005, 0.02] (and zero points), in the q16 layout."""
-    kp = wq.padded_k(k, bits, gs)
+    kp = qm.padded_k(k, bits, gs)
     q = torch.randint(-2 ** 15, 2 ** 15, (n, kp * bits // 16), dtype=torch.int16, device=DEV)
-    shape = (kp // wq.block_size(bits, gs), n, 16 // bits)
+    shape = (kp // qm.block_size(bits, gs), n, 16 // bits)
     s = (torch.rand(shape, device=DEV) * 0.015 + 0.005).to(torch.bfloat16)
     z = torch.randint(0, 1 << bits, shape, device=DEV).to(torch.bfloat16) if zp else None
-    return wq.PackedWeight(q, s, z, bits, gs, n, k)
+    return qm.PackedWeight(q, s, z, bits, gs, n, k)
 
 
 def run_checks(checks: list, ms: list) -> None:

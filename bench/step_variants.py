@@ -36,7 +36,7 @@ from blockspec.bench import bytes_per_plain_step, measure_read_bandwidth
 from blockspec.engine.decode import prefill
 from blockspec.engine.target import GraphedTarget
 from blockspec.kernels import gdn_triton, use
-from blockspec.quant import w4a16_triton as wq
+from blockspec.kernels import quant_matmul_triton as wq
 
 REPS = 50
 
@@ -102,8 +102,8 @@ READ_BLOCK, READ_WARPS, READ_PROGRAMS_PER_SM = 2048, 16, 4  # 16-byte loads by 5
 
 
 def read_only_launch(x2, pw, cfg, out, epilogue=None):
-    """Stands in for `w4a16_triton._launch`: reads the launch's codes and scales (zero points) and writes nothing,
-    so its outputs stay as they were; the step's timing, not its tokens, is what such a capture is for."""
+    """Stands in for `quant_matmul_triton._launch`: reads the launch's codes and scales (zero points) and writes
+    nothing, so its outputs stay as they were; the step's timing, not its tokens, is what such a capture is for."""
     spans = []
     for t in (pw.q, pw.s, pw.s[:0] if pw.z is None else pw.z):
         words = t.reshape(-1).view(torch.int32)

@@ -1,5 +1,6 @@
 """CUDA-only checks (skipped on the CPU): graph replay == eager, fla == torch reference, DFlash2 == plain in bf16."""
 
+from pathlib import Path
 from unittest import mock
 
 import pytest
@@ -103,7 +104,7 @@ def test_quantized_paths_on_gpu(wide_margin_pair, mode, quantization):
     eager plain."""
     from blockspec.quant.fp8 import Fp8Linear
     from blockspec.quant.int4 import Int4Linear
-    from blockspec.quant.w4a16_triton import kernels_available
+    from blockspec.kernels.quant_matmul_triton import kernels_available
 
     assert kernels_available(torch.device("cuda"))
     target, drafter = wide_margin_pair
@@ -186,7 +187,7 @@ def test_folded_norms_on_gpu(wide_margin_pair):
     logits with and without folding within bf16 rounding."""
     from blockspec.kernels.activation import silu_mul
     from blockspec.layers import folded_norm
-    from blockspec.quant import w4a16_triton as wq
+    from blockspec.kernels import quant_matmul_triton as wq
     from blockspec.quant.int4 import Int4Linear
 
     torch.manual_seed(0)
@@ -273,7 +274,8 @@ def test_pdl_chain_in_graph_equals_serial_launches(rows):
     from blockspec.kernels import activation_triton, norm_triton, pdl
     from blockspec.kernels.linear import linear
     from blockspec.kernels import KernelSettings, use
-    from blockspec.quant.w4a16_triton import pack, wq_matmul
+    from blockspec.kernels.quant_matmul import pack
+    from blockspec.kernels.quant_matmul_triton import wq_matmul
 
     torch.manual_seed(rows)
     bf = dict(device="cuda", dtype=torch.bfloat16)
@@ -321,7 +323,7 @@ def test_drafter_kernels_bf16_on_gpu():
     """The DFlash2 drafter's Triton kernels at the published drafter's shapes (5120 wide, 32 query heads over 8 KV
     heads of 128, a 2048-slot window + 8 block rows, conv groups of 16, selector rank 256 / top 16) against their
     references: bf16 within a few ulps; the selector walk exactly in float32."""
-    from blockspec.drafter import conv_triton, selector_triton
+    from blockspec.kernels import drafter_conv_triton, drafter_selector_triton
     from blockspec.drafter.conv import grouped_dynamic_causal_conv_reference
     from blockspec.drafter.selector import greedy_walk_reference
     from blockspec.kernels import attention_inputs_triton, attention_triton
@@ -335,7 +337,7 @@ def test_drafter_kernels_bf16_on_gpu():
     bf = dict(device="cuda", dtype=torch.bfloat16)
     x, static = torch.randn(8, 5120, **bf), torch.randn(2, 5120, **bf)
     dynamic = torch.randn(8, 2, 2, 320, **bf)[:, 1]
-    assert close(conv_triton.grouped_dynamic_causal_conv(x, dynamic, static, 16),
+    assert close(drafter_conv_triton.grouped_dynamic_causal_conv(x, dynamic, static, 16),
                  grouped_dynamic_causal_conv_reference(x.float(), dynamic.float(), static.float(), 16))
     q, k, v = torch.randn(8, 32, 128, **bf), torch.randn(2056, 8, 128, **bf), torch.randn(2056, 8, 128, **bf)
     visible = torch.rand(8, 2056, device="cuda") > 0.3
@@ -358,7 +360,7 @@ def test_drafter_kernels_bf16_on_gpu():
         codebooks = torch.randn(248320, 256, **f32), torch.randn(248320, 256, **f32)
         anchor = torch.randint(0, 248320, (1,), device="cuda")
         args = (unary, candidates, projected, anchor, *codebooks)
-        assert torch.equal(selector_triton.greedy_walk(*args), greedy_walk_reference(*args))
+        assert torch.equal(drafter_selector_triton.greedy_walk(*args), greedy_walk_reference(*args))
 
 
 def test_graphs_record_no_compiled_region(pair):
@@ -422,7 +424,7 @@ def test_head_returns_float32_sums_on_gpu(pair, vocabulary_quantization):
 def test_sampled_walk_on_gpu():
     """The selector's sampling walk (Triton) against its reference at the published drafter's shapes: the same picks
     and q; at temperature 0 the greedy walk's picks."""
-    from blockspec.drafter import selector_triton
+    from blockspec.kernels import drafter_selector_triton
     from blockspec.drafter.selector import greedy_walk_reference, sampled_walk_reference
 
     torch.manual_seed(0)
@@ -434,7 +436,7 @@ def test_sampled_walk_on_gpu():
         anchor = torch.randint(0, 248320, (1,), device="cuda")
         uniforms = 1 - torch.rand(7, device="cuda", dtype=torch.float64)
         args = (unary, candidates, projected, anchor, *codebooks)
-        got, q = selector_triton.sampled_walk(*args, torch.tensor(temperature, device="cuda"), uniforms)
+        got, q = drafter_selector_triton.sampled_walk(*args, torch.tensor(temperature, device="cuda"), uniforms)
         ref, ref_q = sampled_walk_reference(*args, torch.tensor(temperature, device="cuda"), uniforms)
         assert torch.equal(got, ref)
         if temperature > 0:
@@ -457,12 +459,17 @@ def test_prefix_reuse_bf16_graphed(wide_margin_pair, mode):
     assert sum(cached for *_, cached, _ in with_reuse) > 0
 
 
-def test_launch_timeline_stamps_captured_launches():
-    """Launches captured under `launch_timeline` give the same results as untraced ones and stamp every program:
-    start <= main loop's end <= end on its SM's clock, start <= end on the global timer, an SM that exists; launches
-    outside a capture are not recorded."""
+def test_launch_timeline_stamps_captured_launches(monkeypatch):
+    """bench/launch_timeline.py's stamped variant of the W4A16 / W8A16 kernel, run for the launches captured under
+    its `launch_timeline`, gives the production kernel's results and stamps every program: start <= main loop's end
+    <= end on its SM's clock, start <= end on the global timer, an SM that exists; launches outside a capture run the
+    production kernel and are not recorded."""
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent.parent / "bench"))
+    from launch_timeline import launch_timeline
+
+    from blockspec.kernels import sm_count
+    from blockspec.kernels.quant_matmul_triton import wq_matmul, wq_matmul_swiglu
     from blockspec.quant.fp8 import Fp8Linear, quantize
-    from blockspec.quant.w4a16_triton import launch_timeline, sm_count, wq_matmul, wq_matmul_swiglu
 
     g = torch.Generator().manual_seed(0)
     packed = Fp8Linear.from_blocks(*quantize(torch.randn(5120, 6144, generator=g) * 0.01)).cuda().packed()
@@ -497,7 +504,7 @@ def test_fp8_projections_on_gpu(dtype, asm):
     from dataclasses import replace
 
     from blockspec.quant.fp8 import Fp8Linear, dequantize, quantize
-    from blockspec.quant.w4a16_triton import default_config, wq_matmul
+    from blockspec.kernels.quant_matmul_triton import default_config, wq_matmul
 
     g = torch.Generator().manual_seed(0)
     for sizes, k in [([5120], 17408), ([10240, 48, 48], 5120), ([34816], 5120)]:  # the last: balanced schedule
@@ -566,16 +573,16 @@ def test_tree_equals_plain_bf16(wide_margin_pair, compile_mode, budget):
 
 @pytest.mark.parametrize("style", ["transition", "ties", "masked"])
 def test_tree_build_kernel_equals_reference_on_cuda(style):
-    """drafter/tree_triton.py compiled for the GPU against build_tree_reference (the interpreter cannot check
+    """kernels/drafter_tree_triton.py compiled for the GPU against build_tree_reference (the interpreter cannot check
     the GPU's tie-break and comparison semantics): every budget, equal trees."""
     from test_tree_build_kernel import inputs
 
-    from blockspec.drafter import tree_triton
+    from blockspec.kernels import drafter_tree_triton
     from blockspec.drafter.tree import build_tree, build_tree_reference
     for k, rows in ((16, 7), (8, 16), (4, 7)):
         table, candidates, anchor, chain = (x.cuda() for x in inputs(k, rows, style, seed=k + rows))
         for budget in (1, rows, 16, 33, 63):
-            assert tree_triton.available(table, budget)
+            assert drafter_tree_triton.available(table, budget)
             got, expected = build_tree(table, candidates, anchor, chain, budget), \
                 build_tree_reference(table, candidates, anchor, chain, budget)
             for field in ("tokens", "parents", "depth", "valid"):

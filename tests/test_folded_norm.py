@@ -10,7 +10,7 @@ from helpers import (interpreter_part, patch_triton_interpreter, report_parts, r
                      selected_parts)
 
 from blockspec import kernels
-from blockspec.quant import w4a16_triton as wq
+from blockspec.kernels import quant_matmul_triton as wq
 from blockspec.quant.int4 import Int4Linear
 
 K = wq.KernelConfig

@@ -1,5 +1,5 @@
 """Block-scaled FP8 projections (quant/fp8.py): the e4m3 bytes as codes of the W4A16 / W8A16 kernel's q16 layout
-(quant/w4a16_triton.pack_e4m3), lossless for every byte; Fp8Linear's quantization and packing against the format's
+(kernels/quant_matmul.pack_e4m3), lossless for every byte; Fp8Linear's quantization and packing against the format's
 reference (`dequantize`), including packed parts of sizes off the 128-row blocks; and the kernel on such packed
 projections in the Triton interpreter (a subprocess) against that reference, split-K and not, rows independent of
 the launch's row count."""
@@ -10,7 +10,8 @@ import torch
 from helpers import patch_triton_interpreter, run_in_triton_interpreter
 
 from blockspec.quant.fp8 import Fp8Linear, dequantize, quantize
-from blockspec.quant.w4a16_triton import KernelConfig, pack_e4m3, wq_matmul
+from blockspec.kernels.quant_matmul import pack_e4m3
+from blockspec.kernels.quant_matmul_triton import KernelConfig, wq_matmul
 
 CASES = [  # rows, part sizes (packed along the outputs), K, config
     (1, [200], 300, KernelConfig(64, 8, 4, 2, True, 1, False)),
@@ -31,8 +32,8 @@ def reference(x, parts):
 
 def _run_cases():  # executed in a subprocess with TRITON_INTERPRET=1
     patch_triton_interpreter()
-    from blockspec.quant import w4a16_triton
-    w4a16_triton.sm_count = lambda device: 4  # the balanced case: 9 tiles over 4 SMs
+    from blockspec.kernels import quant_matmul_triton
+    quant_matmul_triton.sm_count = lambda device: 4  # the balanced case: 9 tiles over 4 SMs
     results = []
     for m, sizes, k, cfg in CASES:
         parts = parts_of(sizes, k, m + k)
@@ -40,7 +41,7 @@ def _run_cases():  # executed in a subprocess with TRITON_INTERPRET=1
         x = torch.randn(m, k + 5, generator=torch.Generator().manual_seed(k))[:, :k]  # strided rows
         y = wq_matmul(x, module.packed(), cfg)
         first = wq_matmul(x[:1], module.packed(), cfg)
-        whole, split, _ = w4a16_triton.schedule(cfg, module.out_features, module.qweight.shape[1] // 128, 4)
+        whole, split, _ = quant_matmul_triton.schedule(cfg, module.out_features, module.qweight.shape[1] // 128, 4)
         results.append({"case": [m, sizes, k], "err": float((y - reference(x, parts)).abs().max()),
                         "row_independent": torch.equal(first[0], y[0]), "split": split, "whole": whole})
     print("RESULTS " + json.dumps(results))

@@ -11,8 +11,9 @@ from helpers import patch_triton_interpreter, run_in_triton_interpreter
 
 from blockspec import kernels
 from blockspec.errors import BlockspecError
+from blockspec.kernels import quant_matmul as qm
+from blockspec.kernels import quant_matmul_triton as wq
 from blockspec.quant import int4, int8
-from blockspec.quant import w4a16_triton as wq
 from blockspec.quant.int4 import Int4Linear, from_compressed_tensors
 from blockspec.quant.int8 import Int8Linear
 
@@ -82,13 +83,13 @@ def test_q16_pack_roundtrip_and_layout(bits, gs, k):
     codes = torch.randint(0, 1 << bits, (5, k), generator=g, dtype=torch.int32)
     scales = torch.rand(5, -(-k // gs), generator=g).to(torch.bfloat16)
     zeros = torch.randint(0, 1 << bits, scales.shape, generator=g).float()
-    pw = wq.pack(codes, scales, zeros, bits, gs)
-    cph, blk = 16 // bits, wq.block_size(bits, gs)
+    pw = qm.pack(codes, scales, zeros, bits, gs)
+    cph, blk = 16 // bits, qm.block_size(bits, gs)
     kp = -(-k // blk) * blk
     assert pw.q.dtype == torch.int16 and pw.q.shape == (5, kp // cph)
     assert pw.s.shape == pw.z.shape == (kp // blk, 5, cph) and pw.s.dtype == torch.bfloat16
-    assert torch.equal(wq.unpack_codes(pw.q, bits, gs, k), codes)
-    assert torch.equal(wq.unpack_groups(pw.s, k, gs), scales) and torch.equal(wq.unpack_groups(pw.z, k, gs), zeros)
+    assert torch.equal(qm.unpack_codes(pw.q, bits, gs, k), codes)
+    assert torch.equal(qm.unpack_groups(pw.s, k, gs), scales) and torch.equal(qm.unpack_groups(pw.z, k, gs), zeros)
     # the documented positions: bits [bits*i, bits*(i+1)) of halfword c of block b <-> k = b*C*G + i*G + c
     for kk in (0, 1, gs, k - 1):
         b, r = divmod(kk, blk)
@@ -147,7 +148,7 @@ def test_invalid_settings_refused():
     with pytest.raises(BlockspecError):
         Int8Linear.from_quantized(torch.full((2, 32), -128, dtype=torch.int8), torch.ones(2, 1))
     with pytest.raises(ValueError):
-        wq.check_format(3, 128)
+        qm.check_format(3, 128)
     with pytest.raises(ValueError):
         Int4Linear.from_float(w)(torch.randn(2, 100))
 
@@ -288,7 +289,7 @@ def test_default_configs():
                 if m > 16:  # a draft tree's pass: its x tile as tall as the pass; int4 wgmma
                     assert (not cfg.sync if (bits, gs) == (4, 128)
                             else cfg == replace(wq.default_config(16, n, k, bits, gs), block_m=cfg.block_m))
-                nblk = wq.padded_k(k, bits, gs) // wq.block_size(bits, gs)
+                nblk = qm.padded_k(k, bits, gs) // qm.block_size(bits, gs)
                 whole, split, bps = wq.schedule(cfg, n, nblk, 132)
                 assert 1 <= split <= nblk and (split - 1) * bps < nblk <= split * bps  # no empty split
                 assert 0 <= whole < -(-n // cfg.block_n) and (whole == 0 or split > 1)
@@ -357,7 +358,7 @@ def _run_kernel_cases():  # executed in a subprocess with TRITON_INTERPRET=1
         lin = Int4Linear.from_float(w, gs, sym) if bits == 4 else Int8Linear.from_float(w, gs)
         pw = lin.packed()
         x = torch.randn(m, k, generator=g).to(xdt)
-        ref = wq.reference_matmul(x.float(), pw)
+        ref = qm.reference_matmul(x.float(), pw)
         y = wq.wq_matmul(x, pw, cfg)
         y2 = wq.wq_matmul(x, pw, cfg)
         row0 = wq.wq_matmul(x[:1], pw, cfg)  # one row alone: the same config, so the same bits

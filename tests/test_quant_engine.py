@@ -20,7 +20,7 @@ from blockspec.engine.engine import Engine
 from blockspec.engine.weights import prepare, rtn
 from blockspec.layers.linear import PackedLinear, pack_projections
 from blockspec.quant import Int4Linear, Int8Linear
-from blockspec.quant.w4a16_triton import unpack_groups
+from blockspec.kernels.quant_matmul import unpack_groups
 
 PROMPT = "hello world, the quick brown fox jumps over"
 

@@ -8,10 +8,10 @@ import json
 import torch
 from helpers import patch_triton_interpreter, run_in_triton_interpreter
 
-from blockspec.drafter import conv_triton, selector_triton
 from blockspec.drafter.conv import grouped_dynamic_causal_conv_reference
 from blockspec.drafter.selector import greedy_walk_reference, sampled_walk_reference
-from blockspec.kernels import activation_triton, attention_inputs_triton, gdn_triton, norm_triton
+from blockspec.kernels import (activation_triton, attention_inputs_triton, drafter_conv_triton, drafter_selector_triton,
+                               gdn_triton, norm_triton)
 from blockspec.kernels.activation import sigmoid_mul_reference, silu_mul_reference
 from blockspec.kernels.attention import prepare_attention_inputs_reference
 from blockspec.kernels.gdn import causal_conv1d_reference
@@ -118,7 +118,7 @@ def _drafter_conv_errors():
         # the dynamic taps as the module slices them out of its projection: a strided view
         dynamic = torch.randn(t, 2, taps, channels // group, generator=g)[:, 1]
         static = torch.randn(taps, channels, generator=g)
-        got = conv_triton.grouped_dynamic_causal_conv(x, dynamic, static, group)
+        got = drafter_conv_triton.grouped_dynamic_causal_conv(x, dynamic, static, group)
         out.append(float((got - grouped_dynamic_causal_conv_reference(x, dynamic, static, group)).abs().max()))
     return out
 
@@ -133,7 +133,7 @@ def _walk_mismatches():
         projected = torch.randn(rows, rank, generator=g)
         anchor = torch.randint(0, vocab, (1,), generator=g)
         codebooks = torch.randn(vocab, rank, generator=g), torch.randn(vocab, rank, generator=g)
-        got = selector_triton.greedy_walk(unary, candidates, projected, anchor, *codebooks)
+        got = drafter_selector_triton.greedy_walk(unary, candidates, projected, anchor, *codebooks)
         ref = greedy_walk_reference(unary, candidates, projected, anchor, *codebooks)
         out.append(int((got != ref).sum()) if got.shape == ref.shape and got.dtype == ref.dtype else -1)
     return out
@@ -153,7 +153,7 @@ def _sampled_walk_mismatches():
         codebooks = torch.randn(vocab, rank, generator=g), torch.randn(vocab, rank, generator=g)
         uniforms = 1 - torch.rand(rows, generator=g, dtype=torch.float64)
         args = (unary, candidates, projected, anchor, *codebooks, torch.tensor(temperature), uniforms)
-        got, got_q = selector_triton.sampled_walk(*args)
+        got, got_q = drafter_selector_triton.sampled_walk(*args)
         ref, ref_q = sampled_walk_reference(*args)
         q_error = float((got_q - ref_q).abs().max()) if temperature > 0 else 0.0
         out.append([int((got != ref).sum()), q_error])

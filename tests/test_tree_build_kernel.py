@@ -1,7 +1,7 @@
-"""The draft tree's best-first build in one Triton program (drafter/tree_triton.py) against build_tree_reference,
-through the Triton interpreter in a subprocess: tokens, parents, depth and valid equal, on transition and marginal
-tables, tables of a few values (exact ties everywhere), with -inf and NaN entries, budgets below the rows (the chain
-cut short), at the rows, up to 63, and past what the candidates can fill (padding)."""
+"""The draft tree's best-first build in one Triton program (kernels/drafter_tree_triton.py) against
+build_tree_reference, through the Triton interpreter in a subprocess: tokens, parents, depth and valid equal, on
+transition and marginal tables, tables of a few values (exact ties everywhere), with -inf and NaN entries, budgets below
+the rows (the chain cut short), at the rows, up to 63, and past what the candidates can fill (padding)."""
 
 import sys
 
@@ -9,8 +9,8 @@ import pytest
 import torch
 from helpers import interpreter_part, patch_triton_interpreter, report_parts, run_in_triton_interpreter, selected_parts
 
-from blockspec.drafter import tree_triton
 from blockspec.drafter.tree import DraftTree, build_tree, build_tree_reference, chain_scores
+from blockspec.kernels import drafter_tree_triton
 
 STYLES = ("transition", "marginal", "ties", "ties_marginal", "masked", "nan")
 
@@ -57,11 +57,12 @@ def _mismatches(cases):  # in the interpreter subprocess
         trees = [build_tree(*args, budget)]
         if style.startswith("ties"):  # also its scores summed from the first entry (no 0.0 before): -0.0 ties 0.0
             scores = chain_scores(args[0], args[3][:min(budget, rows)])
-            trees.append(DraftTree(*tree_triton.build_tree(*args, torch.where(scores == 0, -0.0, scores), budget)))
+            tree = drafter_tree_triton.build_tree(*args, torch.where(scores == 0, -0.0, scores), budget)
+            trees.append(DraftTree(*tree))
         differ = sorted({name for name in ("tokens", "parents", "depth", "valid") for got in trees
                          if not torch.equal(getattr(got, name), getattr(want, name))})
         results.append({"case": [k, rows, budget, style], "differ": differ, "padded": int((~want.valid).sum()),
-                        "kernel": tree_triton.available(args[0], budget)})
+                        "kernel": drafter_tree_triton.available(args[0], budget)})
     return results
 
 
@@ -92,7 +93,7 @@ def test_tree_build_every_shape_and_style_in_interpreter(interpreted):
 
 
 def test_cpu_takes_the_reference():
-    assert not tree_triton.available(torch.zeros(2, 4, 4), 16)
+    assert not drafter_tree_triton.available(torch.zeros(2, 4, 4), 16)
 
 
 if __name__ == "__main__":  # python test_tree_build_kernel.py PART..., with TRITON_INTERPRET=1

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from blockspec.drafter import conv_triton
+from blockspec.kernels import drafter_conv_triton
 
 
 def _shift_rows(x: torch.Tensor, offset: int) -> torch.Tensor:
@@ -28,10 +28,10 @@ def grouped_dynamic_causal_conv(
     """y[t, c] = sum_o (static[o, c] + dynamic[t, o, c // group_size]) * x[t - o, c].
 
     x: [T, C] one block; dynamic: [T, K, C // group_size]; static: [K, C]. On CUDA the Triton kernel of
-    conv_triton.py (one kernel instead of ~5 per tap); else grouped_dynamic_causal_conv_reference.
+    kernels/drafter_conv_triton.py (one kernel instead of ~5 per tap); else grouped_dynamic_causal_conv_reference.
     """
-    if conv_triton.available(x, dynamic):
-        return conv_triton.grouped_dynamic_causal_conv(x, dynamic, static, group_size)
+    if drafter_conv_triton.available(x, dynamic):
+        return drafter_conv_triton.grouped_dynamic_causal_conv(x, dynamic, static, group_size)
     return grouped_dynamic_causal_conv_reference(x, dynamic, static, group_size)
 
 

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from blockspec.drafter import selector_triton
 from blockspec.drafter.tree import DraftTree, build_tree, transition_log_probs
+from blockspec.kernels import drafter_selector_triton
 
 
 @dataclass
@@ -88,9 +88,9 @@ class CandidateSelector(nn.Module):
 def greedy_walk(unary, candidates, projected, anchor, predecessor, successor):
     """From the anchor, pick in each row the candidate with the best unary + transition score given the pick
     before it (the same arithmetic as CandidateSelector.transition_scores). On CUDA one Triton program
-    (selector_triton.py) instead of ~6 ops per step; else greedy_walk_reference."""
-    if selector_triton.available(unary):
-        return selector_triton.greedy_walk(unary, candidates, projected, anchor, predecessor, successor)
+    (kernels/drafter_selector_triton.py) instead of ~6 ops per step; else greedy_walk_reference."""
+    if drafter_selector_triton.available(unary):
+        return drafter_selector_triton.greedy_walk(unary, candidates, projected, anchor, predecessor, successor)
     return greedy_walk_reference(unary, candidates, projected, anchor, predecessor, successor)
 
 
@@ -108,10 +108,10 @@ def greedy_walk_reference(unary, candidates, projected, anchor, predecessor, suc
 def sampled_walk(unary, candidates, projected, anchor, predecessor, successor, temperature, uniforms):
     """The walk drawing each row's pick from q = softmax(scores / temperature) (the pick before it given) by inverse
     CDF with the row's uniform; greedy where temperature is 0. Returns (chosen [n], q [n, K] float32; q is left
-    unset when greedy). On CUDA one Triton program (selector_triton.py); else sampled_walk_reference."""
-    if selector_triton.available(unary):
-        return selector_triton.sampled_walk(unary, candidates, projected, anchor, predecessor, successor,
-                                            temperature, uniforms)
+    unset when greedy). On CUDA one Triton program (kernels/drafter_selector_triton.py); else sampled_walk_reference."""
+    if drafter_selector_triton.available(unary):
+        return drafter_selector_triton.sampled_walk(unary, candidates, projected, anchor, predecessor, successor,
+                                                    temperature, uniforms)
     return sampled_walk_reference(unary, candidates, projected, anchor, predecessor, successor, temperature,
                                   uniforms)
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from blockspec.drafter import tree_triton
+from blockspec.kernels import drafter_tree_triton
 
 
 @dataclass
@@ -50,11 +50,11 @@ def build_tree(table: torch.Tensor, candidates: torch.Tensor, anchor: torch.Tens
                budget: int) -> DraftTree:
     """The tree of `budget` nodes (module docstring) from the transition table [R, K, K] (transition_log_probs), the
     rows' candidate ids [R, K], the anchor [1] and the greedy chain's candidate index in each row [R]. Where Triton
-    runs, one program (tree_triton.py) instead of ~30 ops per node; else build_tree_reference."""
-    if tree_triton.available(table, budget):
+    runs, one program (kernels/drafter_tree_triton.py) instead of ~30 ops per node; else build_tree_reference."""
+    if drafter_tree_triton.available(table, budget):
         picked = chain[:min(budget, candidates.shape[0])]
-        return DraftTree(*tree_triton.build_tree(table, candidates, anchor, chain, chain_scores(table, picked),
-                                                 budget))
+        return DraftTree(*drafter_tree_triton.build_tree(table, candidates, anchor, chain,
+                                                         chain_scores(table, picked), budget))
     return build_tree_reference(table, candidates, anchor, chain, budget)
 
 

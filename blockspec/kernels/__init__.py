@@ -1,12 +1,15 @@
 """One function per op. Each file holds the plain PyTorch reference (CPU, float32, used by every CI test) and,
 beside it in `<op>_triton.py`, the fast GPU kernel that replaces it on CUDA (tested against the reference through
-Triton's CPU interpreter): attention, attention inputs, norms, DeltaNet conv and recurrence, gated activations.
+Triton's CPU interpreter): attention, attention inputs, norms, DeltaNet conv and recurrence, gated activations, the
+few-row matmul of dense and of weight-only quantized projections (`linear`, `quant_matmul`: the q16 layout of quant/'s
+formats).
 
 `fused` marks the elementwise-heavy ops that have no kernel of their own (DeltaNet prefill input preparation; the
 references of the kernels above where Triton cannot take the input): on CUDA with fusion on (the graphed path,
 `KernelSettings`) they run through torch.compile, which turns each into one or a few kernels. The undecorated
-function stays the reference. The DFlash2 drafter's ops have Triton kernels instead: torch.compile traces again at
-every start (1.2-1.6 s of the drafter's graph preparation on the H200), a Triton kernel loads from its disk cache.
+function stays the reference. The DFlash2 drafter's ops have Triton kernels instead (`drafter_<op>_triton.py`, their
+references in drafter/, beside the differentiable model that uses them): torch.compile traces again at every start
+(1.2-1.6 s of the drafter's graph preparation on the H200), a Triton kernel loads from its disk cache.
 """
 
 import contextvars

@@ -1,8 +1,8 @@
 """Residual adds and RMSNorms finished inside the quantized projections around them (decode and verification).
 
 Plain, per norm of a 27B step (129 of them): delta = proj_a(a); x, h = add_rms_norm(x, delta); y = proj_b(h), three
-launches. Folded, two: proj_a's launch writes the new residual x = x + delta, rows = x * (1 + w) and, per output
-tile, each row's sum of x^2 (`w4a16_triton.wq_matmul_add_norm`); proj_b's launch reads rows and scales its result by
+launches. Folded, two: proj_a's launch writes the new residual x = x + delta, rows = x * (1 + w) and, per output tile,
+each row's sum of x^2 (`quant_matmul_triton.wq_matmul_add_norm`); proj_b's launch reads rows and scales its result by
 the row's 1 / rms = rsqrt(sum of the tiles' sums / width + eps). One number per row commutes with the matmul:
 proj_b(x / rms * (1 + w)) = proj_b(x * (1 + w)) / rms. The rounding differs from the plain path (rows are rounded
 before the 1 / rms scale, the sums are summed per tile), but every pass of <= MAX_FOLDED_ROWS (MAX_PASS_TOKENS)
@@ -16,7 +16,7 @@ that layer folds too. The first input norm and the final norm stay norm kernels.
 
 The same layers also fold SwiGLU's activation into a packed gate/up projection (`fuse_gate`, one quantized part):
 each program of that launch takes BN / 2 gate rows and the same up rows and stores silu(gate) * up, rounded as the
-activation kernel rounds it (`w4a16_triton.wq_matmul_swiglu`). PredictConfig.fold_norms: false turns both off
+activation kernel rounds it (`quant_matmul_triton.wq_matmul_swiglu`). PredictConfig.fold_norms: false turns both off
 (comparison runs).
 """
 
@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from ..quant import w4a16_triton as wq
+from ..kernels import quant_matmul_triton as wq
 from ..quant.linear import MAX_FOLDED_ROWS, FoldedNorm, QuantLinear
 
 __all__ = ["MAX_FOLDED_ROWS", "FoldedNorm", "foldable", "enable"]

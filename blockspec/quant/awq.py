@@ -21,7 +21,7 @@ from .hf_quantization import SCALE_DTYPES, check_converted, check_shape, config_
 from .int4 import BITS, from_unsigned, unpack_int32
 
 ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i of a word holds output ORDER[i] of its eight
-GROUP_SIZES = (16, 32, 64, 128, 256, 512, 1024)  # what the int4 layout holds (w4a16_triton.check_format)
+GROUP_SIZES = (16, 32, 64, 128, 256, 512, 1024)  # what the int4 layout holds (kernels/quant_matmul.check_format)
 PARTS = (".qweight", ".qzeros", ".scales")
 
 

@@ -5,7 +5,7 @@ and `<module>.weight_scale_inv` float32 [ceil(N / 128), ceil(K / 128)]):
 w[n, k] = fp8[n, k] * scale[n // 128, k // 128].
 
 `dequantize` is the format's reference. `Fp8Linear` keeps the stored e4m3 bytes as they are (never dequantized at
-load) as 8-bit codes of the W4A16 / W8A16 kernel's q16 layout (quant/w4a16_triton.py: `pack_e4m3`), with each
+load) as 8-bit codes of the W4A16 / W8A16 kernel's q16 layout (kernels/quant_matmul.py: `pack_e4m3`), with each
 output's block scale repeated per 128 inputs (4 bytes per 128 weights): a QuantLinear like the int4 and int8 ones,
 so FP8 projections pack, run inside the CUDA graphs and take the folded norms' epilogues as INT4 ones do. Packed
 projections whose sizes are not multiples of 128 keep their own blocks. `quantize` makes the same format from dense
@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from ..errors import BlockspecError
-from . import w4a16_triton as wq
+from ..kernels.quant_matmul import pack_e4m3, unpack_codes
 from .hf_quantization import SCALE_DTYPES, check_converted, check_shape, config_value, not_converted, part
 from .int4 import group_weights, scheme_for
 from .linear import QuantLinear
@@ -73,7 +73,7 @@ class Fp8Linear(QuantLinear):
     def from_row_scales(cls, weight: torch.Tensor, scale: torch.Tensor) -> "Fp8Linear":
         """From FP8 values [N, K] and float32 scales [N, ceil(K / 128)], one per output and 128 inputs (kept
         exactly): the form any per-tensor, per-output or per-group-of-128 scale takes."""
-        packed = wq.pack_e4m3(weight, scale, rows_per_scale=1)
+        packed = pack_e4m3(weight, scale, rows_per_scale=1)
         module = cls(packed.k, packed.n, device="meta")
         module.qweight, module.scales = packed.q, packed.s
         return module
@@ -91,7 +91,7 @@ class Fp8Linear(QuantLinear):
 
     def codes(self) -> torch.Tensor:
         """The FP8 values [out, in] as stored."""
-        return wq.unpack_codes(self.qweight, 8, BLOCK, self.in_features).to(torch.uint8).view(FLOAT8)
+        return unpack_codes(self.qweight, 8, BLOCK, self.in_features).to(torch.uint8).view(FLOAT8)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, fp8 e4m3, 128 x 128 block scales"

@@ -23,7 +23,7 @@ from ..errors import BlockspecError
 from .hf_quantization import SCALE_DTYPES, check_converted, check_shape, config_value, not_converted, part
 from .int4 import BITS, DEFAULT_GROUP_SIZE, from_unsigned, unpack_int32
 
-GROUP_SIZES = (-1, 16, 32, 64, 128, 256, 512, 1024)  # what the int4 layout holds (w4a16_triton.check_format)
+GROUP_SIZES = (-1, 16, 32, 64, 128, 256, 512, 1024)  # what the int4 layout holds (kernels/quant_matmul.check_format)
 FORMATS = {"gptq": 1, "gptq_v2": 0}  # checkpoint_format -> the offset added to a stored zero point
 PARTS = (".qweight", ".qzeros", ".scales", ".g_idx")
 

@@ -7,10 +7,10 @@ Conventions (those of compressed-tensors' pack-quantized format):
               q = clamp(round(w/s + zp), -8, 7).
   Rounding is round-half-to-even (torch.round). Every element inside the group's range is within scale/2.
 
-`Int4Linear` keeps the codes in the q16 layout of `w4a16_triton` (unsigned codes u = q + 8, zero points stored as
-unsigned z = zp + 8): buffers `qweight` int16 [N, Kp/4], `scales` [Kp/512, N, 4] and `zeros` (same, or None), Kp = K
-padded to a multiple of 512. Its forward runs the Triton kernel on CUDA (bf16/fp16 activations) and dequantize +
-matmul elsewhere.
+`Int4Linear` keeps the codes in the q16 layout of kernels/quant_matmul.py (unsigned codes u = q + 8, zero points stored
+as unsigned z = zp + 8): buffers `qweight` int16 [N, Kp/4], `scales` [Kp/512, N, 4] and `zeros` (same, or None), Kp = K
+padded to a multiple of 512. Its forward runs the Triton kernel on CUDA (bf16/fp16 activations) and dequantize + matmul
+elsewhere.
 `from_compressed_tensors` reads a `pack-quantized` checkpoint module (`weight_packed`, `weight_scale`,
 `weight_shape`, optional `weight_zero_point`).
 """

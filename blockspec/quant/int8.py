@@ -1,13 +1,13 @@
 """W8A16 weight-only quantization: symmetric int8 codes in groups of 32 along the input dimension, RTN.
 
   scale = max|w| / 127 per group; q = clamp(round(w / scale), -127, 127); w ~= q * scale (error <= scale/2).
-`Int8Linear` stores unsigned codes u = q + 128 in the q16 layout of `w4a16_triton` (2 codes per int16 halfword:
-qweight int16 [N, Kp/2], blocks of 2 groups, scales [Kp/(2G), N, 2]) and runs the same Triton kernel on CUDA (byte i
-of each halfword is group i of a block) and dequantize + matmul elsewhere. GPU status: the int8 kernel compiles for
-sm_90a (checked offline: ~4.3 SASS instructions per weight at group 128 and ~5.6 at group 32 with the default
-plain-Triton unpacking, 3.2 / 4.4 with the PTX one, against a budget of ~8 at 4 TB/s for 1-byte weights) and
-matches the reference under the Triton interpreter; it has not been run or timed on a GPU yet
-(bench/quant_kernels.py checks and times it, both unpackings).
+`Int8Linear` stores unsigned codes u = q + 128 in the q16 layout of kernels/quant_matmul.py (2 codes per int16 halfword:
+qweight int16 [N, Kp/2], blocks of 2 groups, scales [Kp/(2G), N, 2]) and runs the same Triton kernel on CUDA (byte i of
+each halfword is group i of a block) and dequantize + matmul elsewhere. GPU status: the int8 kernel compiles for sm_90a
+(checked offline: ~4.3 SASS instructions per weight at group 128 and ~5.6 at group 32 with the default plain-Triton
+unpacking, 3.2 / 4.4 with the PTX one, against a budget of ~8 at 4 TB/s for 1-byte weights) and matches the reference
+under the Triton interpreter; it has not been run or timed on a GPU yet (bench/quant_kernels.py checks and times it,
+both unpackings).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import BlockspecError
-from . import w4a16_triton as wq
+from ..kernels.quant_matmul import check_format
 from .int4 import _round_scale_up
 from .linear import QuantLinear
 
@@ -73,7 +73,7 @@ class Int8Linear(QuantLinear):
         if not weight.is_floating_point():
             raise BlockspecError("from_float needs a floating-point weight")
         try:
-            wq.check_format(8, group_size)
+            check_format(8, group_size)
         except ValueError as exc:
             raise BlockspecError(f"unsupported int8 group size {group_size}: {exc}") from None
         q, scale = quantize(weight.detach(), group_size, scale_dtype)

@@ -1,7 +1,7 @@
-"""The quantized projection module: W4A16 / W8A16 weights in the kernel's q16 layout (w4a16_triton.py), run by the
-Triton kernel on CUDA (bf16 / fp16 activations) and by dequantize + matmul elsewhere. `QuantLinear` is the module;
-its kinds (int4.py `Int4Linear`, int8.py `Int8Linear`, fp8.py `Fp8Linear`) set the code width and format and how a
-dense weight is quantized. `FoldedNorm` is what a projection's fused add + norm epilogue hands the next projections
+"""The quantized projection module: W4A16 / W8A16 weights in the kernel's q16 layout (kernels/quant_matmul.py), run by
+the Triton kernel on CUDA (bf16 / fp16 activations) and by dequantize + matmul elsewhere. `QuantLinear` is the module;
+its kinds (int4.py `Int4Linear`, int8.py `Int8Linear`, fp8.py `Fp8Linear`) set the code width and format and how a dense
+weight is quantized. `FoldedNorm` is what a projection's fused add + norm epilogue hands the next projections
 (layers/folded_norm.py)."""
 
 from __future__ import annotations
@@ -12,7 +12,9 @@ import torch
 from torch import nn
 
 from ..errors import BlockspecError
-from . import w4a16_triton as wq
+from ..kernels import quant_matmul_triton as wq
+from ..kernels.quant_matmul import (PackedWeight, check_format, pack_codes, pack_groups, padded_k,
+                                    unpack_codes)
 
 DEFAULT_GROUP_SIZE = 128
 MAX_FOLDED_ROWS = wq.MAX_KERNEL_ROWS  # one W4A16 launch with a norm epilogue: every verification pass
@@ -38,7 +40,7 @@ class FoldedNorm:
 
 class QuantLinear(nn.Module):
     """y = x @ dequant(W)^T (+ bias) with W group-quantized and held in the W4A16 / W8A16 kernel's q16 layout
-    (w4a16_triton.py); its kinds set the code width and format: Int4Linear, Int8Linear, Fp8Linear."""
+    (kernels/quant_matmul.py); its kinds set the code width and format: Int4Linear, Int8Linear, Fp8Linear."""
 
     bits: int  # 4 or 8
     code_format = "uint"  # Fp8Linear: "e4m3"
@@ -48,7 +50,7 @@ class QuantLinear(nn.Module):
                  device=None):
         super().__init__()
         try:
-            wq.check_format(self.bits, group_size)
+            check_format(self.bits, group_size)
         except ValueError as exc:
             raise BlockspecError(f"unsupported int{self.bits} group size {group_size}: {exc}") from None
         if in_features <= 0 or out_features <= 0:
@@ -57,7 +59,7 @@ class QuantLinear(nn.Module):
         self.out_features = out_features
         self.group_size = group_size
         self.symmetric = symmetric
-        kp, cph = wq.padded_k(in_features, self.bits, group_size), 16 // self.bits
+        kp, cph = padded_k(in_features, self.bits, group_size), 16 // self.bits
         sz = (kp // (cph * group_size), out_features, cph)
         self.register_buffer("qweight", torch.zeros(out_features, kp // cph, dtype=torch.int16, device=device))
         self.register_buffer("scales", torch.zeros(sz, dtype=scale_dtype, device=device))
@@ -88,10 +90,10 @@ class QuantLinear(nn.Module):
         mod = cls(k, n, group_size=group_size, symmetric=zero_point is None, bias=bias is not None,
                   scale_dtype=sdt, device=q.device)
         bias_off = 1 << (cls.bits - 1)
-        mod.qweight.copy_(wq.pack_codes(q, cls.bits, group_size, bias_off))
-        mod.scales.copy_(wq.pack_groups(scale.to(sdt), cls.bits, group_size, k, 0.0))
+        mod.qweight.copy_(pack_codes(q, cls.bits, group_size, bias_off))
+        mod.scales.copy_(pack_groups(scale.to(sdt), cls.bits, group_size, k, 0.0))
         if zero_point is not None:
-            mod.zeros.copy_(wq.pack_groups((zero_point.to(torch.float32) + bias_off).to(sdt), cls.bits, group_size,
+            mod.zeros.copy_(pack_groups((zero_point.to(torch.float32) + bias_off).to(sdt), cls.bits, group_size,
                                            k, float(bias_off)))
         if bias is not None:
             mod.bias.copy_(bias.detach().to(torch.float32).reshape(n))
@@ -118,8 +120,8 @@ class QuantLinear(nn.Module):
 
     # --- use ----------------------------------------------------------------------------------------------
 
-    def packed(self) -> wq.PackedWeight:
-        return wq.PackedWeight(self.qweight, self.scales, self.zeros, self.bits, self.group_size,
+    def packed(self) -> PackedWeight:
+        return PackedWeight(self.qweight, self.scales, self.zeros, self.bits, self.group_size,
                                self.out_features, self.in_features, self.code_format)
 
     def dequantize(self, dtype: torch.dtype = torch.float32, rows: torch.Tensor | None = None) -> torch.Tensor:
@@ -128,7 +130,7 @@ class QuantLinear(nn.Module):
 
     def codes(self) -> torch.Tensor:
         """Signed codes [out, in] (int8)."""
-        u = wq.unpack_codes(self.qweight, self.bits, self.group_size, self.in_features)
+        u = unpack_codes(self.qweight, self.bits, self.group_size, self.in_features)
         return (u - (1 << (self.bits - 1))).to(torch.int8)
 
     def forward(self, x: torch.Tensor | FoldedNorm, out_dtype: torch.dtype | None = None) -> torch.Tensor:

@@ -1,5 +1,6 @@
-"""The candidate selector's walk in one Triton program, greedy or sampling, the fast path beside
-`greedy_walk_reference` and `sampled_walk_reference` (blockspec.drafter.selector).
+"""The DFlash2 drafter's candidate selector walk in one Triton program, greedy or sampling, the fast path of
+`greedy_walk` and `sampled_walk` (blockspec.drafter.selector, beside the selector module), whose references are
+`greedy_walk_reference` and `sampled_walk_reference` there.
 
 Why: the walk is n dependent steps of a few tiny ops each; torch.compile makes it a few kernels but traces it
 again at every start (time the drafter's graph preparation would pay), while a Triton kernel loads from Triton's
@@ -15,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from ..kernels import pdl, triton_runs_on
+from . import pdl, triton_runs_on
 
 try:
     import triton

@@ -1,5 +1,6 @@
-"""The grouped dynamic causal convolution in one Triton kernel, the fast path beside `grouped_dynamic_causal_conv`
-(blockspec.drafter.conv), which stays the reference.
+"""The DFlash2 drafter's grouped dynamic causal convolution in one Triton kernel, the fast path of
+`grouped_dynamic_causal_conv` (blockspec.drafter.conv, beside the drafter's differentiable model), whose
+`grouped_dynamic_causal_conv_reference` is its reference.
 
 Why a kernel of its own: the reference is ~5 elementwise ops per tap; torch.compile makes it one kernel but traces
 it again at every start, while a Triton kernel loads from Triton's disk cache, so the drafter's graphs are ready in
@@ -11,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from ..kernels import pdl, triton_runs_on
+from . import pdl, triton_runs_on
 
 try:
     import triton

@@ -1,17 +1,6 @@
-"""Weight-only quantized matmul for few activation rows (decode, speculative verification), in Triton.
-
-y[M, N] = x[M, K] @ dequant(W)[N, K]^T, W in 4-bit (or 8-bit) unsigned codes u with one scale s (and optionally
-one unsigned zero point z) per group of G consecutive inputs of a row: w = (u - z) * s, z = 2**(bits-1) if absent.
-
-Layout "q16" (`pack`; `unpack_codes` / `dequantize` invert it)
---------------------------------------------------------------
-  C = 16 // bits codes per int16 halfword (4 for int4, 2 for int8); a block is C groups = C*G inputs; K is padded
-  to Kp, a multiple of the block (pad code = 2**(bits-1), i.e. weight 0).
-  q: int16 [N, Kp / C]. Halfword c of block b of a row holds, in bits [bits*i, bits*(i+1)), the code of input
-     k = b*C*G + i*G + c        (0 <= i < C, 0 <= c < G)   -- so group k // G is group i of block b.
-  s: [Kp / (C*G), N, C] (scale dtype: bf16/fp16/fp32); one C-vector per row and block (8 bytes for int4 bf16).
-  z: the same shape as s, or None.
-  int4 group 128: q [N, Kp/4], blocks of 512 inputs, s [Kp/512, N, 4]. int8 group 32: blocks of 64 inputs.
+"""Weight-only quantized matmul for few activation rows (decode, speculative verification), in Triton: y = x @
+dequant(W)^T for W in the q16 layout of quant_matmul.py (4- or 8-bit codes, or e4m3 bytes), whose plain PyTorch
+functions are the CPU path and the tests' oracle.
 
 Kernel (tensor cores, exact numerics)
 -------------------------------------
@@ -35,8 +24,7 @@ Kernel (tensor cores, exact numerics)
   MMA operand's layout conversion happens at the load and a PTX block per 32-bit register makes the A fragment in
   place (`asm`; int8 too, the default), with no shared-memory round trip of a dequantized tile. Why, with the
   figures and the alternatives measured slower: docs/benchmarks.md, "Per-kernel figures".
-e4m3 (FP8 checkpoints, quant/fp8.py): the float8_e4m3fn bytes as 8-bit codes, no zero point, one float32 scale per
-output and 128 inputs; the PTX unpacking moves each byte's bits into a bf16 / fp16 and scales it by a power of two
+e4m3 (FP8 checkpoints): the PTX unpacking moves each byte's bits into a bf16 / fp16 and scales it by a power of two
 (`unpack_asm`), exact, on any sm_80+ GPU; the configs are int8 group 128's.
 
 Configs: `default_config`, a fixed table (no autotuning: a timing-based choice would vary between runs, and with
@@ -52,152 +40,33 @@ it the summation order, i.e. the numerics), the H200 winners of bench/quant_kern
 Every program reads its x rows over its K range: at 17-64 rows that traffic grows with the rows.
 M > MAX_PASS_TOKENS (prefill): each slice of <= 16M weights is dequantized to x's dtype and multiplied with F.linear
 (the kernel's numerics are not kept there).
-The plain PyTorch functions here (pack / unpack / dequantize / reference_matmul) are the CPU path and the tests'
-oracle; the kernel runs on CUDA, or on CPU tensors under TRITON_INTERPRET=1 (fp32 dots, no PTX).
+The kernel runs on CUDA, or on CPU tensors under TRITON_INTERPRET=1 (fp32 dots, no PTX).
 """
 
 from __future__ import annotations
 
-import contextvars
 import functools
 import os
-from contextlib import contextmanager
 from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
 
 from ..config import MAX_PASS_TOKENS
-from ..kernels import arrival_counters, launch_fitting, pdl, sm_count
-from ..kernels.linear_triton import split_blocks
+from . import arrival_counters, launch_fitting, pdl, sm_count
+from .linear_triton import split_blocks
+from .quant_matmul import PackedWeight, block_size
 
 try:  # triton is optional: CPU-only installs use the plain PyTorch reference paths
     import triton
     import triton.language as tl
 
-    from ..kernels.linear_triton import split_k_total
+    from .linear_triton import split_k_total
 except ImportError:  # pragma: no cover - depends on the environment
     triton = None
     tl = None
 
 MAX_KERNEL_ROWS = MAX_PASS_TOKENS  # rows of one launch; beyond (prefill): dequantize + F.linear
-
-
-# ----------------------------------------------------------------------------------------------------------
-# Layout (pure PyTorch)
-# ----------------------------------------------------------------------------------------------------------
-
-def check_format(bits: int, group_size: int) -> None:
-    """Raises ValueError unless (bits, group_size) is a layout the kernel takes."""
-    if bits not in (4, 8):
-        raise ValueError(f"the q16 layout holds 4- or 8-bit codes, got {bits}")
-    if not (16 <= group_size <= 1024 and group_size & (group_size - 1) == 0):
-        raise ValueError(f"group size must be a power of two in [16, 1024], got {group_size}")
-
-
-def block_size(bits: int, group_size: int) -> int:
-    """Inputs per block (16 // bits groups)."""
-    return group_size * (16 // bits)
-
-
-def padded_k(k: int, bits: int, group_size: int) -> int:
-    blk = block_size(bits, group_size)
-    return -(-k // blk) * blk
-
-
-def pack_codes(codes: torch.Tensor, bits: int, group_size: int, offset: int = 0,
-               chunk_rows: int = 4096) -> torch.Tensor:
-    """Unsigned codes codes + offset [N, K] in [0, 2**bits) -> int16 [N, Kp * bits // 16]."""
-    check_format(bits, group_size)
-    n, k = codes.shape
-    kp, cph = padded_k(k, bits, group_size), 16 // bits
-    out = torch.empty(n, kp // cph, dtype=torch.int16, device=codes.device)
-    shifts = (torch.arange(cph, device=codes.device, dtype=torch.int32) * bits).view(1, 1, cph, 1)
-    for r0 in range(0, n, chunk_rows):
-        c = F.pad(codes[r0:r0 + chunk_rows].to(torch.int32) + offset, (0, kp - k), value=1 << (bits - 1))
-        h = (c.view(c.shape[0], -1, cph, group_size) << shifts).sum(2)  # disjoint bit fields: sum == or
-        out[r0:r0 + chunk_rows] = torch.where(h >= 1 << 15, h - (1 << 16), h).view(c.shape[0], -1).to(torch.int16)
-    return out
-
-
-def unpack_codes(q: torch.Tensor, bits: int, group_size: int, k: int) -> torch.Tensor:
-    """Inverse of `pack_codes`: int16 [N, Kp/C] -> unsigned codes int32 [N, k]."""
-    n, cph = q.shape[0], 16 // bits
-    shifts = (torch.arange(cph, device=q.device, dtype=torch.int32) * bits).view(1, 1, cph, 1)
-    u = (q.view(n, -1, 1, group_size).to(torch.int32) >> shifts) & ((1 << bits) - 1)  # the mask drops sign copies
-    return u.reshape(n, -1)[:, :k]
-
-
-def pack_groups(t: torch.Tensor, bits: int, group_size: int, k: int, pad: float) -> torch.Tensor:
-    """Per-group values [N, ceil(k/G)] (scales or zero points) -> [Kp/(C*G), N, C], same dtype."""
-    n, cph = t.shape[0], 16 // bits
-    gp = padded_k(k, bits, group_size) // group_size
-    t = F.pad(t.to(torch.float32), (0, gp - t.shape[1]), value=pad).to(t.dtype)
-    return t.view(n, gp // cph, cph).permute(1, 0, 2).contiguous()
-
-
-def unpack_groups(t: torch.Tensor, k: int, group_size: int) -> torch.Tensor:
-    """Inverse of `pack_groups`: [Kp/(C*G), N, C] -> [N, ceil(k/G)]."""
-    return t.permute(1, 0, 2).reshape(t.shape[1], -1)[:, :-(-k // group_size)]
-
-
-@dataclass
-class PackedWeight:
-    """A weight in the q16 layout and what the kernel needs to know about it."""
-    q: torch.Tensor                # int16 [N, Kp/C]
-    s: torch.Tensor                # [Kp/(C*G), N, C]
-    z: torch.Tensor | None         # like s (unsigned zero points as floats), or None (= 2**(bits-1))
-    bits: int
-    group_size: int
-    n: int
-    k: int
-    codes: str = "uint"            # or "e4m3": 8-bit codes that are float8_e4m3fn values, w = value * s (no zero)
-
-    def dequantize(self, dtype=torch.float32, rows=None) -> torch.Tensor:
-        """Dense weight [N, k] (or of `rows`: an index tensor or a slice), computed in fp32."""
-        q, s, z = self.q, self.s, self.z
-        if rows is not None:
-            q, s, z = q[rows], s[:, rows], None if z is None else z[:, rows]
-        r, g = q.shape[0], self.group_size
-        u = unpack_codes(q, self.bits, g, q.shape[1] * 16 // self.bits)
-        if self.codes == "e4m3":
-            u = u.to(torch.uint8).view(torch.float8_e4m3fn).to(torch.float32).view(r, -1, g)
-            zz = 0.0
-        else:
-            u = u.to(torch.float32).view(r, -1, g)
-            zz = float(1 << (self.bits - 1)) if z is None else z.permute(1, 0, 2).reshape(r, -1, 1).float()
-        w = (u - zz) * s.permute(1, 0, 2).reshape(r, -1, 1).to(torch.float32)
-        return w.view(r, -1)[:, :self.k].to(dtype).contiguous()  # (a copy only where K is padded)
-
-    def nbytes(self) -> int:
-        """Bytes the kernel reads for the weight: codes + scales (+ zero points)."""
-        return sum(t.numel() * t.element_size() for t in (self.q, self.s, self.z) if t is not None)
-
-
-def pack(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, bits: int,
-         group_size: int) -> PackedWeight:
-    """Unsigned codes [N, K], scales [N, ceil(K/G)] and unsigned zero points (same shape, or None) -> PackedWeight."""
-    n, k = codes.shape
-    z = None if zeros is None else pack_groups(zeros, bits, group_size, k, float(1 << (bits - 1)))
-    return PackedWeight(pack_codes(codes, bits, group_size), pack_groups(scales, bits, group_size, k, 0.0), z,
-                        bits, group_size, n, k)
-
-
-def pack_e4m3(weight: torch.Tensor, scale: torch.Tensor, rows_per_scale: int = 128) -> PackedWeight:
-    """A block-scaled FP8 weight (quant/fp8.py: float8_e4m3fn [N, K], float32 scales [ceil(N / 128), ceil(K / 128)];
-    with rows_per_scale 1, scales [N, ceil(K / 128)], one per output) in the q16 layout: its bytes as 8-bit codes (the
-    padding 0x80 is e4m3 -0), one float32 scale per output and 128 inputs (its block's). Lossless: dequantize() gives
-    the FP8 reference's weights."""
-    per_row = scale.to(torch.float32).repeat_interleave(rows_per_scale, dim=0)[:weight.shape[0]]  # [N, ceil(K/128)]
-    return PackedWeight(pack_codes(weight.view(torch.uint8), 8, 128),
-                        pack_groups(per_row, 8, 128, weight.shape[1], 0.0), None, 8, 128, weight.shape[0],
-                        weight.shape[1], "e4m3")
-
-
-def reference_matmul(x: torch.Tensor, pw: PackedWeight) -> torch.Tensor:
-    """x [..., K] @ dequant(W)^T in fp32, returned in x's dtype (the tests' oracle)."""
-    y = x.reshape(-1, pw.k).to(torch.float32) @ pw.dequantize(torch.float32).t()
-    return y.to(x.dtype).reshape(*x.shape[:-1], pw.n)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -269,39 +138,12 @@ if triton is not None:
         return acc + part * s.to(tl.float32)[:, None]
 
     @triton.jit
-    def _stamp(after, GLOBAL: tl.constexpr):
-        """A time read once `after` (an int32 scalar) is computed: %globaltimer (ns, one clock for every SM) or
-        %clock64 (this SM's cycles)."""
-        if GLOBAL:
-            return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer; // $1", "=l,r", [after], dtype=tl.int64,
-                                             is_pure=False, pack=1)
-        return tl.inline_asm_elementwise("mov.u64 $0, %clock64; // $1", "=l,r", [after], dtype=tl.int64,
-                                         is_pure=False, pack=1)
-
-    @triton.jit(do_not_specialize=["M", "WHOLE", "REST", "BPS", "SPLIT"])
-    def _wq_kernel(x_ptr, q_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, KH, NBLK, WHOLE, REST, BPS, SPLIT,
-                   stride_xm, stride_om, res_ptr, nw_ptr, rows_ptr, part_ptr, PARTS, eps, trace_ptr,
-                   BITS: tl.constexpr, G: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr,
-                   STAGES: tl.constexpr, HAS_ZP: tl.constexpr, EVEN_K: tl.constexpr, USE_ASM: tl.constexpr,
-                   F32DOT: tl.constexpr, SYNC: tl.constexpr, U0: tl.constexpr, U1: tl.constexpr,
-                   U2: tl.constexpr, U3: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr,
-                   EPI: tl.constexpr, RMS: tl.constexpr, PBLOCK: tl.constexpr, E4M3: tl.constexpr,
-                   TRACE: tl.constexpr):
-        """Program pid < WHOLE: tile pid, every block; the others (pid_n, pid_k) of the REST tiles after them: rows
-        [pid_n*BN, +BN), blocks [pid_k*BPS, +BPS) (`schedule`); one block (C groups) per step.
-        SYNC only keys the compile cache (launch_fitting compiles it to mma.sync). RMS: the finished tile
-        is first scaled by its rows' 1 / rms (the input is the rows of an EPI 1 launch, whose partials give the rms).
-        EPI: then stored as is (0), added to a residual stream with the next norm begun (1, `_add_norm_epilogue`),
-        or, for a [gate; up] projection, silu(gate) * up stored (2, `_swiglu_epilogue`: a program's first BN / 2
-        rows are gate rows, its last BN / 2 the up rows of the same channels). TRACE: the program's row of trace_ptr
-        [programs, 8] int64 gets its start and end on the global timer, its start, main loop's end and end on its
-        SM's clock, and the SM (`launch_timeline`)."""
-        C: tl.constexpr = 16 // BITS
-        ZB: tl.constexpr = 1 << (BITS - 1)
+    def _tile(WHOLE, REST, SPLIT, N, BN: tl.constexpr, EPI: tl.constexpr):
+        """This program's tile (`schedule`): program pid < WHOLE takes tile pid and every block, the others
+        (pid_n, pid_k) of the REST tiles after them take rows [pid_n*BN, +BN) and blocks [pid_k*BPS, +BPS).
+        Returns (pid_n, pid_k, whole, the tile's split, its output rows offs_n [BN], n_ok); with EPI 2 the rows
+        are BN / 2 gate channels, then the same channels' up rows."""
         pid = tl.program_id(0)
-        if TRACE:
-            t_start = _stamp(pid, True)
-            c_start = _stamp(pid, False)
         whole = pid < WHOLE
         piece = tl.maximum(pid - WHOLE, 0)  # tile-major: the split parts of one tile are REST programs apart
         rest = tl.maximum(REST, 1)
@@ -319,6 +161,21 @@ if triton is not None:
         else:
             offs_n = pid_n * BN + tl.arange(0, BN)
             n_ok = offs_n < N
+        return pid_n, pid_k, whole, tile_split, offs_n, n_ok
+
+    @triton.jit
+    def main_loop(x_ptr, q_ptr, s_ptr, z_ptr, part_ptr, M, N, K, KH, NBLK, WHOLE, REST, BPS, SPLIT, PARTS, stride_xm,
+                  BITS: tl.constexpr, G: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr, STAGES: tl.constexpr,
+                  HAS_ZP: tl.constexpr, EVEN_K: tl.constexpr, USE_ASM: tl.constexpr, F32DOT: tl.constexpr,
+                  U0: tl.constexpr, U1: tl.constexpr, U2: tl.constexpr, U3: tl.constexpr, PREFETCH: tl.constexpr,
+                  PDL: tl.constexpr, EPI: tl.constexpr, RMS: tl.constexpr, PBLOCK: tl.constexpr,
+                  E4M3: tl.constexpr):
+        """`_wq_kernel`'s first part, the program's tile over its blocks, one block (C groups) per step: returns
+        (acc [BN, BM] fp32, its partial y^T; sums [PBLOCK, BM], with RMS the input rows' sums of squares from part_ptr,
+        else zeros)."""
+        C: tl.constexpr = 16 // BITS
+        ZB: tl.constexpr = 1 << (BITS - 1)
+        pid_n, pid_k, whole, tile_split, offs_n, n_ok = _tile(WHOLE, REST, SPLIT, N, BN, EPI)
         offs_m = tl.arange(0, BM)
         offs_c = tl.arange(0, G)
         q_rows = q_ptr + offs_n[:, None].to(tl.int64) * KH + offs_c[None, :]
@@ -330,6 +187,7 @@ if triton is not None:
         acc = tl.zeros([BN, BM], tl.float32)
         pdl.prefetch_rows(q_ptr, offs_n, KH, b_lo * G, N, KH, PREFETCH * G, 64, PDL)  # int16 codes: 64 per line
         pdl.wait(PDL)
+        sums = tl.zeros([PBLOCK, BM], tl.float32)
         if RMS:  # issued before the loop, summed after it: its latency hides behind the weights
             p_rows = tl.arange(0, PBLOCK)
             sums = tl.load(part_ptr + p_rows[:, None] * M + offs_m[None, :],
@@ -359,8 +217,16 @@ if triton is not None:
             if C == 4:
                 acc = _group(acc, h, xb + 2 * G, x2m, s2, z2, 2, BITS, U2, BN, BM, HAS_ZP, USE_ASM, F32DOT, E4M3)
                 acc = _group(acc, h, xb + 3 * G, x3m, s3, z3, 3, BITS, U3, BN, BM, HAS_ZP, USE_ASM, F32DOT, E4M3)
-        if TRACE:
-            c_loop = _stamp(tl.sum(tl.sum(acc, 1), 0).to(tl.int32, bitcast=True), False)
+        return acc, sums
+
+    @triton.jit
+    def finish(acc, sums, out_ptr, ws_ptr, cnt_ptr, res_ptr, nw_ptr, rows_ptr, part_ptr, M, N, K, WHOLE, REST, SPLIT,
+               stride_om, eps, BN: tl.constexpr, BM: tl.constexpr, PDL: tl.constexpr, EPI: tl.constexpr,
+               RMS: tl.constexpr):
+        """`_wq_kernel`'s second part: releases the next launch (PDL), sums the tile's split-K partials (the last
+        program to arrive holds the total) and stores the finished tile through the epilogue; returns the total."""
+        pid_n, pid_k, _, tile_split, offs_n, n_ok = _tile(WHOLE, REST, SPLIT, N, BN, EPI)
+        offs_m = tl.arange(0, BM)
         pdl.release(PDL)
         total, done = split_k_total(acc, ws_ptr, cnt_ptr, offs_n, offs_m, M, N, pid_n, pid_k, tile_split)
         ok = n_ok[:, None] & (offs_m < M)[None, :] & done
@@ -374,16 +240,28 @@ if triton is not None:
         else:
             o_ptrs = out_ptr + offs_m[None, :] * stride_om + offs_n[:, None]
             tl.store(o_ptrs, total.to(out_ptr.dtype.element_ty), mask=ok)
-        if TRACE:
-            after = tl.sum(tl.sum(total, 1), 0).to(tl.int32, bitcast=True)
-            row = trace_ptr + pid.to(tl.int64) * 8
-            tl.store(row + 1, _stamp(after, True))
-            tl.store(row + 4, _stamp(after, False))
-            tl.store(row, t_start)
-            tl.store(row + 2, c_start)
-            tl.store(row + 3, c_loop)
-            tl.store(row + 5, tl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r", [], dtype=tl.int32,
-                                                        is_pure=False, pack=1).to(tl.int64))
+        return total
+
+    @triton.jit(do_not_specialize=["M", "WHOLE", "REST", "BPS", "SPLIT"])
+    def _wq_kernel(x_ptr, q_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, KH, NBLK, WHOLE, REST, BPS, SPLIT,
+                   stride_xm, stride_om, res_ptr, nw_ptr, rows_ptr, part_ptr, PARTS, eps,
+                   BITS: tl.constexpr, G: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr,
+                   STAGES: tl.constexpr, HAS_ZP: tl.constexpr, EVEN_K: tl.constexpr, USE_ASM: tl.constexpr,
+                   F32DOT: tl.constexpr, SYNC: tl.constexpr, U0: tl.constexpr, U1: tl.constexpr,
+                   U2: tl.constexpr, U3: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr,
+                   EPI: tl.constexpr, RMS: tl.constexpr, PBLOCK: tl.constexpr, E4M3: tl.constexpr):
+        """One program per tile, or per part of a split tile (`_tile`): `main_loop`, then `finish`, two jit
+        functions so that a variant can run between and around them (bench/launch_timeline.py stamps the times).
+        SYNC only keys the compile cache (launch_fitting compiles it to mma.sync). RMS: the finished tile
+        is first scaled by its rows' 1 / rms (the input is the rows of an EPI 1 launch, whose partials give the rms).
+        EPI: then stored as is (0), added to a residual stream with the next norm begun (1, `_add_norm_epilogue`),
+        or, for a [gate; up] projection, silu(gate) * up stored (2, `_swiglu_epilogue`: a program's first BN / 2
+        rows are gate rows, its last BN / 2 the up rows of the same channels)."""
+        acc, sums = main_loop(x_ptr, q_ptr, s_ptr, z_ptr, part_ptr, M, N, K, KH, NBLK, WHOLE, REST, BPS, SPLIT, PARTS,
+                              stride_xm, BITS, G, BN, BM, STAGES, HAS_ZP, EVEN_K, USE_ASM, F32DOT, U0, U1, U2, U3,
+                              PREFETCH, PDL, EPI, RMS, PBLOCK, E4M3)
+        finish(acc, sums, out_ptr, ws_ptr, cnt_ptr, res_ptr, nw_ptr, rows_ptr, part_ptr, M, N, K, WHOLE, REST, SPLIT,
+               stride_om, eps, BN, BM, PDL, EPI, RMS)
 
     @triton.jit
     def _swiglu_epilogue(total, done, out_ptr, stride_om, pid_n, offs_m, M, N, BN: tl.constexpr, BM: tl.constexpr):
@@ -512,27 +390,19 @@ class Epilogue:
     rows: torch.Tensor | None = None        # EPI 1: [M, N], out * (1 + weight): the next projections' input
 
 
-# Launches recorded with per-program time stamps (`launch_timeline`): a bench's instrument, off in the engine.
-_TIMELINE: contextvars.ContextVar[list | None] = contextvars.ContextVar("blockspec_wq_timeline", default=None)
+@dataclass
+class LaunchPlan:
+    """One launch of `_wq_kernel`: grid (programs,), the `schedule` (whole, split, blocks per split) it follows, and
+    the arguments and constants launch_fitting passes the kernel (STAGES the tuned depth, SYNC for mma_sync)."""
+    programs: int
+    schedule: tuple[int, int, int]
+    args: tuple
+    meta: dict
 
 
-@contextmanager
-def launch_timeline():
-    """Within the block, each launch of the kernel captured into a CUDA graph also writes, per program, its start
-    and end times and its SM into a new int64 [programs, 8] buffer (`_wq_kernel`'s TRACE): yields the list of
-    {"trace", "n", "k", "bytes", "rows", "epilogue", "rms", "schedule", "config"} (epilogue, rms: `Epilogue`'s kind
-    and rms), one per launch in launch order, whose buffers hold the latest replay's stamps
-    (bench/launch_timeline.py)."""
-    launches = []
-    token = _TIMELINE.set(launches)
-    try:
-        yield launches
-    finally:
-        _TIMELINE.reset(token)
-
-
-def _launch(x2: torch.Tensor, pw: PackedWeight, cfg: KernelConfig, out: torch.Tensor,
-            epilogue: Epilogue | None = None) -> None:
+def launch_plan(x2: torch.Tensor, pw: PackedWeight, cfg: KernelConfig, out: torch.Tensor,
+                epilogue: Epilogue | None = None) -> LaunchPlan:
+    """The launch of x2 [M, K] (contiguous rows) @ W^T into out under cfg; its split-K buffer is allocated here."""
     m, cuda = x2.shape[0], x2.device.type == "cuda"
     if not kernels_available(x2.device):
         raise RuntimeError(f"the Triton kernel cannot run on {x2.device} here (CPU tensors need TRITON_INTERPRET=1)")
@@ -550,27 +420,25 @@ def _launch(x2: torch.Tensor, pw: PackedWeight, cfg: KernelConfig, out: torch.Te
     e4m3 = pw.codes == "e4m3"
     unpack = [unpack_asm(pw.bits, i, fp16, e4m3) if i < 16 // pw.bits else "" for i in range(4)]
     epi = epilogue or Epilogue()
-    timeline = _TIMELINE.get()
-    if timeline is not None and not (cuda and torch.cuda.is_current_stream_capturing()):
-        timeline = None  # only captured launches are stamped
-    trace = out
-    if timeline is not None:
-        trace = torch.empty(programs, 8, dtype=torch.int64, device=x2.device)  # no memset node in the graph
-        timeline.append({"trace": trace, "n": pw.n, "k": pw.k, "bytes": pw.nbytes(), "rows": m,
-                         "epilogue": epi.kind, "rms": epi.rms, "schedule": (whole, split, bps), "config": cfg.short()})
     parts = ws if epi.partials is None else epi.partials  # (EPI 2 with an even N: as many tiles, of BN / 2 channels)
     args = (x2, pw.q, pw.s, pw.s if pw.z is None else pw.z, out, ws, cnt, m, pw.n, pw.k, pw.q.shape[1], nblk, whole,
             n_tiles - whole, bps, split, x2.stride(0), out.stride(0),
-            *(out if t is None else t for t in (epi.residual, epi.weight, epi.rows)), parts, parts.shape[0], epi.eps,
-            trace)
+            *(out if t is None else t for t in (epi.residual, epi.weight, epi.rows)), parts, parts.shape[0], epi.eps)
     meta = dict(BITS=pw.bits, G=pw.group_size, BN=cfg.block_n, BM=cfg.block_m, STAGES=cfg.stages,
                 HAS_ZP=pw.z is not None, EVEN_K=pw.k % block_size(pw.bits, pw.group_size) == 0,
                 USE_ASM=cuda and cfg.asm, F32DOT=not cuda, SYNC=cuda and cfg.sync, U0=unpack[0], U1=unpack[1],
                 U2=unpack[2], U3=unpack[3], num_warps=cfg.warps, **pdl.options(x2),
                 PREFETCH=pdl.prefetch_blocks(cfg.block_n * pw.group_size * 2, programs, bps, x2.device),
                 EPI=epi.kind, RMS=epi.rms, PBLOCK=triton.next_power_of_2(parts.shape[0]) if epi.rms else 1,
-                E4M3=e4m3, TRACE=timeline is not None)
-    launch_fitting(_wq_kernel, (programs,), *args, stages_key="STAGES", mma_sync=meta["SYNC"], **meta)
+                E4M3=e4m3)
+    return LaunchPlan(programs, (whole, split, bps), args, meta)
+
+
+def _launch(x2: torch.Tensor, pw: PackedWeight, cfg: KernelConfig, out: torch.Tensor,
+            epilogue: Epilogue | None = None) -> None:
+    plan = launch_plan(x2, pw, cfg, out, epilogue)
+    launch_fitting(_wq_kernel, (plan.programs,), *plan.args, stages_key="STAGES", mma_sync=plan.meta["SYNC"],
+                   **plan.meta)
 
 
 def _rows(x: torch.Tensor, pw: PackedWeight) -> torch.Tensor:
@@ -651,7 +519,5 @@ def wq_matmul(x: torch.Tensor, pw: PackedWeight, config: KernelConfig | None = N
     return out.reshape(*lead, pw.n)
 
 
-__all__ = ["PackedWeight", "KernelConfig", "check_format", "block_size", "padded_k", "pack", "pack_e4m3", "pack_codes",
-           "unpack_codes", "pack_groups", "unpack_groups", "unpack_asm", "reference_matmul", "kernels_available",
-           "launch_timeline",
-           "default_config", "schedule", "wq_matmul", "wq_matmul_add_norm", "wq_matmul_swiglu"]
+__all__ = ["KernelConfig", "MAX_KERNEL_ROWS", "Epilogue", "LaunchPlan", "unpack_asm", "kernels_available",
+           "default_config", "schedule", "launch_plan", "wq_matmul", "wq_matmul_add_norm", "wq_matmul_swiglu"]
