@@ -172,7 +172,10 @@ def add_train_drafter_parser(sub):
                        "text")
     p.add_argument("--target", required=True, metavar="DIR",
                    help="the target's checkpoint directory (frozen; its tokenizer too)")
-    p.add_argument("--data", required=True, nargs="+", metavar="PATH", help="text files or directories of them")
+    p.add_argument("--data", required=True, nargs="+", metavar="PATH",
+                   help="text files, .jsonl files (a record a line: {\"messages\": [{\"role\", \"content\"}...]} "
+                   "or ShareGPT's {\"conversations\": [{\"from\", \"value\"}...]}, rendered with the target's chat "
+                   "template and trained on their assistant turns only; or {\"text\": ...}), or directories of them")
     add_suffixes_arg(p)
     p.add_argument("--out", required=True, metavar="DIR", help="directory to write: the drafter (config.json, "
                    "model.safetensors), or for --kind mtp a copy of the target with its mtp.* tensors")
@@ -240,7 +243,9 @@ def add_train_target_parser(sub):
 
     p = sub.add_parser("train-target", help="train a small Qwen3.5-architecture target (and its tokenizer) from "
                        "scratch on your text")
-    p.add_argument("--data", required=True, nargs="+", metavar="PATH", help="text files or directories of them")
+    p.add_argument("--data", required=True, nargs="+", metavar="PATH",
+                   help="text files, .jsonl files (conversations or {\"text\": ...} records, as train-drafter's; a "
+                   "conversation is trained on in full, as its ChatML text), or directories of them")
     add_suffixes_arg(p)
     p.add_argument("--out", required=True, metavar="DIR", help="checkpoint directory to write")
     p.add_argument("--vocab", type=int, metavar="N", help="byte-level BPE vocabulary size " + default(T, "vocab"))
