@@ -181,7 +181,10 @@ def unit_tokens(units: list, tokenizer, eos: int | None) -> list[tuple[list[int]
             ids = next(encoded) + separator
             out.append((ids, [True] * len(ids)))
         else:
-            ids, mine = conversation_tokens(tokenizer, unit.messages)
+            try:
+                ids, mine = conversation_tokens(tokenizer, unit.messages)
+            except BlockspecError as exc:
+                raise BlockspecError(f"--data {unit.path}:{unit.line}: {exc}") from None
             out.append((ids + separator, mine + [False] * len(separator)))
     return out
 
