@@ -1,4 +1,4 @@
-"""Command line: `blockspec generate | chat | serve | bench | demo | draft-vocabulary | train-* | regenerate`.
+"""`blockspec generate | chat | serve | bench | demo | draft-vocabulary | train-target | train-drafter | regenerate`.
 
 User errors print one line (`blockspec: error: ...`) and exit with code 2, never a traceback.
 """
@@ -273,9 +273,9 @@ def add_regenerate_parser(sub):
                        "text), as training data for train-drafter")
     p.add_argument("--target", required=True, metavar="DIR", help="the target's Hugging Face checkpoint directory")
     p.add_argument("--prompts", required=True, nargs="+", metavar="PATH",
-                   help=".jsonl conversations (as train-drafter --data reads them; a last assistant turn is dropped and "
-                   "generated anew, a conversation that ends with another turn is answered), text files (cut into prompts of --prompt-tokens), or "
-                   "directories of them")
+                   help=".jsonl conversations (as train-drafter --data reads them; a last assistant turn is dropped "
+                   "and generated anew, a conversation that ends with another turn is answered), text files (cut into "
+                   "prompts of --prompt-tokens), or directories of them")
     add_suffixes_arg(p)
     p.add_argument("--out", required=True, metavar="FILE.jsonl", help="JSONL file to write (its folder must exist): "
                    "a {\"messages\": [...]} record per conversation, the reply last; a {\"text\": cut + "

@@ -8,13 +8,14 @@ per anchor, and equals the target's greedy continuation wherever the text follow
 greedy output, `blockspec regenerate --greedy`). Only trained labels count (train/data.py: a conversation's assistant
 tokens, all of a text).
 
-One step: anchors a are sampled across the sequences where the first label is trained; block = [token a, mask x (block - 1)] at positions a..a+block-1
-reads the features of positions < a inside the sliding window; the loss is the cross-entropy of rows 1.. against the
-trained labels, weighted toward early rows (row j by exp(-(j - 1) / loss_decay): a late row only counts if the earlier ones
-were accepted), plus the same weighted cross-entropy of the candidate selector's scores over its top-k candidates
-(predecessor: the previous label; rows whose label is not among the candidates are skipped). Embeddings and head
-are the target's, frozen. The trainable module is the `dflash` package's DFlash2DraftModel (the published
-architecture), so what is saved is its HF directory: blockspec and `dflash` load it as it is.
+One step: anchors a are sampled across the sequences where the first label is trained; block = [token a, mask x
+(block - 1)] at positions a..a+block-1 reads the features of positions < a inside the sliding window; the loss is
+the cross-entropy of rows 1.. against the trained labels, weighted toward early rows (row j by exp(-(j - 1) /
+loss_decay): a late row only counts if the earlier ones were accepted), plus the same weighted cross-entropy of the
+candidate selector's scores over its top-k candidates (predecessor: the previous label; rows whose label is not
+among the candidates are skipped). Embeddings and head are the target's, frozen. The trainable module is the
+`dflash` package's DFlash2DraftModel (the published architecture), so what is saved is its HF directory: blockspec
+and `dflash` load it as it is.
 """
 
 from __future__ import annotations

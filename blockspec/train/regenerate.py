@@ -1,11 +1,11 @@
 """`blockspec regenerate`: the target's own responses to prompts, written as training data for its drafter.
 
 Prompts are JSONL conversations (train/data.py's records: one that ends with an assistant turn has that turn
-dropped; the prompt is the conversation before it, or the whole of one that ends with another turn, rendered with the
-target's chat template and generation prompt as the engine's chat renders it) or texts (text files, `{"text": ...}` records), each cut into consecutive prompts of
-`prompt_tokens` tokens. The output holds one record per prompt, in the prompts' order: the conversation with the
-target's reply as its last assistant turn (OpenAI style), or `{"text": the cut and its continuation}`; `train-drafter
---data` reads it back.
+dropped; the prompt is the conversation before it, or the whole of one that ends with another turn, rendered with
+the target's chat template and generation prompt as the engine's chat renders it) or texts (text files, `{"text":
+...}` records), each cut into consecutive prompts of `prompt_tokens` tokens. The output holds one record per prompt,
+in the prompts' order: the conversation with the target's reply as its last assistant turn (OpenAI style), or
+`{"text": the cut and its continuation}`; `train-drafter --data` reads it back.
 
 Generation runs transformers' `generate` on the HF model, many prompts per pass (left padded, the longest first),
 greedy or sampled at the target's generation_config.json (temperature, top-k, top-p, min-p: what blockspec's own
