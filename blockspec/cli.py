@@ -1,4 +1,4 @@
-"""Command line: `blockspec generate | chat | serve | bench | demo | draft-vocabulary | train-target | train-drafter`.
+"""`blockspec generate | chat | serve | bench | demo | draft-vocabulary | train-target | train-drafter | regenerate`.
 
 User errors print one line (`blockspec: error: ...`) and exit with code 2, never a traceback.
 """
@@ -172,7 +172,10 @@ def add_train_drafter_parser(sub):
                        "text")
     p.add_argument("--target", required=True, metavar="DIR",
                    help="the target's checkpoint directory (frozen; its tokenizer too)")
-    p.add_argument("--data", required=True, nargs="+", metavar="PATH", help="text files or directories of them")
+    p.add_argument("--data", required=True, nargs="+", metavar="PATH",
+                   help="text files, .jsonl files (a record a line: {\"messages\": [{\"role\", \"content\"}...]} "
+                   "or ShareGPT's {\"conversations\": [{\"from\", \"value\"}...]}, rendered with the target's chat "
+                   "template and trained on their assistant turns only; or {\"text\": ...}), or directories of them")
     add_suffixes_arg(p)
     p.add_argument("--out", required=True, metavar="DIR", help="directory to write: the drafter (config.json, "
                    "model.safetensors), or for --kind mtp a copy of the target with its mtp.* tensors")
@@ -240,7 +243,9 @@ def add_train_target_parser(sub):
 
     p = sub.add_parser("train-target", help="train a small Qwen3.5-architecture target (and its tokenizer) from "
                        "scratch on your text")
-    p.add_argument("--data", required=True, nargs="+", metavar="PATH", help="text files or directories of them")
+    p.add_argument("--data", required=True, nargs="+", metavar="PATH",
+                   help="text files, .jsonl files (conversations or {\"text\": ...} records, as train-drafter's; a "
+                   "conversation is trained on in full, as its ChatML text), or directories of them")
     add_suffixes_arg(p)
     p.add_argument("--out", required=True, metavar="DIR", help="checkpoint directory to write")
     p.add_argument("--vocab", type=int, metavar="N", help="byte-level BPE vocabulary size " + default(T, "vocab"))
@@ -252,6 +257,41 @@ def add_train_target_parser(sub):
     p.add_argument("--intermediate", type=int, metavar="N", help="MLP width " + default(T, "intermediate"))
     add_training_args(p, T, "tokens")
     p.set_defaults(func=cmd_train_target)
+
+
+def cmd_regenerate(args):
+    from .train.regenerate import Regeneration, regenerate
+
+    regenerate(Regeneration(**{k: v for k, v in vars(args).items()
+                               if k in Regeneration.__dataclass_fields__ and v is not None}))
+
+
+def add_regenerate_parser(sub):
+    from .train.regenerate import Regeneration as R
+
+    p = sub.add_parser("regenerate", help="write the target's own replies to prompts (conversations, or cuts of "
+                       "text), as training data for train-drafter")
+    p.add_argument("--target", required=True, metavar="DIR", help="the target's Hugging Face checkpoint directory")
+    p.add_argument("--prompts", required=True, nargs="+", metavar="PATH",
+                   help=".jsonl conversations (as train-drafter --data reads them; a last assistant turn is dropped "
+                   "and generated anew, a conversation that ends with another turn is answered), text files (cut into "
+                   "prompts of --prompt-tokens), or directories of them")
+    add_suffixes_arg(p)
+    p.add_argument("--out", required=True, metavar="FILE.jsonl", help="JSONL file to write (its folder must exist): "
+                   "a {\"messages\": [...]} record per conversation, the reply last; a {\"text\": cut + "
+                   "continuation} record per text cut; in the prompts' order")
+    p.add_argument("--greedy", action="store_true", default=None,
+                   help="greedy replies (default: sampled at the target's generation_config.json: temperature, "
+                   "top-k, top-p, min-p; greedy without one)")
+    p.add_argument("--max-new-tokens", type=int, metavar="N", help="longest reply " + default(R, "max_new_tokens"))
+    p.add_argument("--prompt-tokens", type=int, metavar="N",
+                   help="tokens of each text cut " + default(R, "prompt_tokens"))
+    p.add_argument("--batch-size", type=int, metavar="N",
+                   help="prompts per generation pass " + default(R, "batch_size"))
+    p.add_argument("--seed", type=check_seed, metavar="N", help="seed of sampling " + default(R, "seed"))
+    p.add_argument("--device", choices=["cpu", "cuda", "auto"],
+                   help="auto: the GPU if there is one " + default(R, "device"))
+    p.set_defaults(func=cmd_regenerate)
 
 
 def add_serve_parser(sub):
@@ -317,6 +357,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_train_drafter_parser(sub)
     add_train_target_parser(sub)
+    add_regenerate_parser(sub)
 
     chat = sub.add_parser("chat", help="interactive chat in the terminal (chat template, streamed replies)")
     add_engine_args(chat)

@@ -426,7 +426,8 @@ def test_version_and_the_commands_listed(capsys):
         main(["--version"])
     assert exit_.value.code == 0 and capsys.readouterr().out == f"blockspec {__version__}\n"
     description = build_parser().description
-    for command in ("generate", "chat", "serve", "bench", "demo", "draft-vocabulary", "train-target", "train-drafter"):
+    for command in ("generate", "chat", "serve", "bench", "demo", "draft-vocabulary", "train-target", "train-drafter",
+                    "regenerate"):
         assert command in description
 
 

@@ -15,7 +15,7 @@ from blockspec.cli import main
 from blockspec.config import TargetConfig
 from blockspec.engine.engine import Engine
 from blockspec.errors import BlockspecError
-from blockspec.fixtures.tiny import build_tiny_checkpoint
+from blockspec.fixtures.tiny import build_tiny_checkpoint, byte_tokenizer, cycle_ids
 from blockspec.train.dflash2 import drafter_config, drafter_hidden, new_drafter, sample_anchors
 from blockspec.train.run import DrafterTraining, train
 
@@ -105,7 +105,7 @@ def test_shared_context_forward_equals_dflash_block_by_block(setup):
     length, block = 40, drafter.block_size
     features = torch.randn(2 * length, drafter.fc.in_features)
     rng = random.Random(2)
-    local = [(s, a) for s in range(2) for a in sample_anchors(length, 5, block, rng)]
+    local = [(s, a) for s in range(2) for a in sample_anchors([True] * length, 5, block, rng)]
     assert any(a < 16 for _, a in local) and any(a > 16 for _, a in local)  # inside and past the window
     ids = torch.full((len(local), block), 3)
     ids[:, 0] = torch.randint(0, 200, (len(local),))
@@ -263,3 +263,146 @@ def test_default_feature_layers_sit_at_the_published_drafters_depths():
 
     assert spread_layer_ids(64, 5) == DFLASH2_27B["dflash_config"]["target_layer_ids"]
     assert spread_layer_ids(8, 5)[-1] == 7 and spread_layer_ids(8, 5)[0] == 1  # a shallow target's top layer is read
+
+
+def conversation_records(count: int, seed: int = 0) -> list[dict]:
+    """Conversations whose user and system turns are upper-case letters and whose assistant turns lower-case ones,
+    OpenAI and ShareGPT style in turn."""
+    rng = random.Random(seed)
+    upper = lambda n: "".join(rng.choice("QWXYZ ") for _ in range(n))  # noqa: E731
+    lower = lambda n: " ".join(rng.choice(WORDS) for _ in range(n))  # noqa: E731
+    records = []
+    for i in range(count):
+        turns = [("system", upper(20)), ("user", upper(30)), ("assistant", lower(12)), ("user", upper(25)),
+                 ("assistant", lower(10))]
+        if i % 2:
+            names = {"system": "system", "user": "human", "assistant": "gpt"}
+            records.append({"conversations": [{"from": names[r], "value": c} for r, c in turns]})
+        else:
+            records.append({"messages": [{"role": r, "content": c} for r, c in turns]})
+    return records
+
+
+def write_jsonl(path, records):
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def test_conversations_train_on_assistant_tokens_and_texts_on_all(setup, tmp_path):
+    from blockspec.models.tokenizer import Tokenizer
+    from blockspec.train.data import split_corpus
+
+    _, target, _ = setup
+    tokenizer = Tokenizer(target, [258])
+    records = conversation_records(6) + [{"text": "0123456789 " * 20}]
+    write_jsonl(tmp_path / "chats.jsonl", records[:3])
+    write_jsonl(tmp_path / "more.jsonl", records[3:])
+    train_sequences, _ = split_corpus([str(tmp_path)], tokenizer, 64, 0.0, 0, 257)
+    trained_next, untrained_next = set(), set()
+    for s in train_sequences:
+        for p in range(len(s.ids) - 1):
+            (trained_next if s.trained[p] else untrained_next).add(s.ids[p + 1])
+    letters = lambda text: {tokenizer.encode(c)[0] for c in text}  # noqa: E731  (one token per byte)
+    assert not trained_next & letters("QWXYZ")  # no user or system token is a trained label
+    assert letters("".join(WORDS)) <= trained_next and 258 in trained_next  # every assistant letter, and the end
+    assert letters("0123456789") <= trained_next and not letters("0123456789") & untrained_next  # text: everywhere
+    assert letters("QWXYZ") <= untrained_next
+
+
+def test_masked_labels_leave_the_block_loss_alone(setup):
+    from blockspec.train.dflash2 import block_losses
+
+    root, target, data = setup
+    model, _ = load_target(target)
+    run = run_config(root, target, data, window=16, heads=2)
+    drafter = new_drafter(drafter_config(TargetConfig.from_file(target / "config.json"), run, mask_token_id=3), seed=1,
+                          device="cpu", dtype=torch.float32).eval()
+    length, block = 48, drafter.block_size
+    gen = torch.Generator().manual_seed(0)
+    cycle = torch.tensor(cycle_ids(byte_tokenizer()))  # the planted head tells these apart (every other row is 0)
+    tokens, labels = (cycle[torch.randint(0, len(cycle), (length,), generator=gen)] for _ in range(2))
+    features = torch.randn(length, drafter.fc.in_features, generator=gen)
+    trained = [20 <= p < 30 for p in range(length)]
+    anchors = sample_anchors(trained, 8, block, random.Random(0))
+    assert anchors and all(20 <= a < 30 for a in anchors)
+
+    def losses(labels):
+        with torch.no_grad():
+            block_ce, selector_ce, _ = block_losses(drafter, model.logits, model.embed, features, tokens, labels,
+                                                    torch.tensor(anchors), 4.0, trained=torch.tensor(trained))
+        return block_ce.item(), selector_ce.item()
+
+    untrained_changed, trained_changed = labels.clone(), labels.clone()
+    untrained_changed[30:] = labels[30:].roll(1)
+    trained_changed[anchors[0]] = cycle[(cycle == labels[anchors[0]]).int().argmax() - 1]
+    assert losses(untrained_changed) == losses(labels)
+    assert losses(trained_changed)[0] != losses(labels)[0]
+
+
+def test_mtp_loss_counts_trained_rows_only(setup):
+    from blockspec.engine.state import DecodeState
+    from blockspec.engine.target import EagerTarget
+    from blockspec.train.data import Sequence
+    from blockspec.train.mtp import MTPModule, mtp_step, text_config
+
+    _, target, _ = setup
+    model, _ = load_target(target)
+    head = MTPModule(text_config(target), seed=0)
+    eager = EagerTarget(model, DecodeState(model, 64, 16, torch.device("cpu"), torch.float32))
+    gen = torch.Generator().manual_seed(0)
+    shared = torch.randint(0, 256, (40,), generator=gen).tolist()
+    a, b = shared + torch.randint(0, 256, (24,), generator=gen).tolist(), \
+        shared + torch.randint(0, 256, (24,), generator=gen).tolist()
+    before = [p < 30 for p in range(64)]  # rows after position 30 see the tokens where a and b part
+
+    def loss(ids, trained):
+        with torch.no_grad():
+            return mtp_step(head, model, eager, [Sequence(ids, trained)], 64)(random.Random(0))[0].item()
+
+    assert loss(a, before) == loss(b, before)
+    assert loss(a, [True] * 64) != loss(b, [True] * 64)
+
+
+GOOD_RECORD = json.dumps({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]})
+
+
+@pytest.mark.parametrize("lines,message", [
+    ([GOOD_RECORD, '{"messages": [{"role": "user"'], "bad.jsonl:2: not JSON"),
+    ([GOOD_RECORD, "", '{"messages": [{"role": "user", "content": "hi"}]}'],
+     "bad.jsonl:3: the conversation has no assistant turn"),
+    (['{"messages": [{"role": "robot", "content": "x"}, {"role": "assistant", "content": "y"}]}'],
+     "bad.jsonl:1: message 0 has an unknown role 'robot'"),
+    (['{"conversations": [{"from": "human", "value": "x"}, {"from": "bot", "value": "y"}]}'],
+     "bad.jsonl:1: message 1 has an unknown from 'bot'"),
+    (['{"messages": [{"role": "assistant", "content": 3}]}'], "bad.jsonl:1: message 0 has no string \"content\""),
+    (['["a", "list"]'], "bad.jsonl:1: a JSON object expected, got list"),
+])
+def test_bad_jsonl_is_one_line_before_the_target_loads(setup, tmp_path, capsys, monkeypatch, lines, message):
+    import blockspec.train.run as run_module
+
+    _, target, data = setup
+    monkeypatch.setattr(run_module, "load_target", lambda *a, **k: pytest.fail("the target was loaded"))
+    (tmp_path / "bad.jsonl").write_text("\n".join(lines) + "\n")
+    assert main(["train-drafter", "--target", str(target), "--data", str(data), str(tmp_path / "bad.jsonl"),
+                 "--out", str(tmp_path / "out"), "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err and err.startswith("blockspec: error: --data "), err
+    assert not (tmp_path / "out").exists()
+
+
+def test_conversations_need_a_chat_template(setup, tmp_path, capsys, monkeypatch):
+    import shutil
+
+    import blockspec.train.run as run_module
+
+    _, target, _ = setup
+    bare = tmp_path / "bare"
+    shutil.copytree(target, bare)
+    (bare / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>"}))
+    write_jsonl(tmp_path / "chats.jsonl", conversation_records(2))
+    monkeypatch.setattr(run_module, "load_target", lambda *a, **k: pytest.fail("the target was loaded"))
+    assert main(["train-drafter", "--target", str(bare), "--data", str(tmp_path / "chats.jsonl"), "--out",
+                 str(tmp_path / "out"), "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "chats.jsonl: conversations are rendered with the target's chat template" in err
+    assert not (tmp_path / "out").exists()

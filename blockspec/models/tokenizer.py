@@ -7,7 +7,7 @@ import re
 import secrets
 import threading
 from datetime import datetime
-from functools import cached_property
+from functools import cached_property, lru_cache
 from pathlib import Path
 
 from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -24,6 +24,31 @@ CHAT_TEMPLATE = (
     "{%- endfor %}{%- if add_generation_prompt %}<|im_start|>assistant\n"
     "{%- if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{%- endif %}"
     "{%- endif %}")
+
+
+@lru_cache(maxsize=4)
+def _compiled(template: str):
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+
+    def raise_exception(message):
+        raise BlockspecError(f"chat template: {message}")
+
+    env.globals.update(raise_exception=raise_exception, strftime_now=lambda fmt: datetime.now().strftime(fmt))
+    env.filters["tojson"] = lambda value, indent=None, **_: json.dumps(value, ensure_ascii=False, indent=indent)
+    return env.from_string(template)
+
+
+def render_chat(template: str, messages: list[dict], add_generation_prompt: bool = True, bos_token: str = "",
+                eos_token: str = "") -> str:
+    """A chat template rendered on `messages`, thinking disabled (templates that know `enable_thinking`); compiled
+    once per template (training data renders many conversations)."""
+    try:
+        return _compiled(template).render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                          enable_thinking=False, bos_token=bos_token, eos_token=eos_token)
+    except BlockspecError:
+        raise
+    except Exception as exc:  # checkpoint code run on the caller's messages: any failure refuses the messages
+        raise BlockspecError(f"chat template failed to render these messages: {type(exc).__name__}: {exc}") from None
 
 
 class TooManyTokens(BlockspecError):
@@ -164,24 +189,8 @@ class Tokenizer:
         """Render the checkpoint's chat template with thinking disabled (templates that know `enable_thinking`)."""
         if not self.chat_template:
             raise BlockspecError("this checkpoint has no chat template (tokenizer_config.json: chat_template)")
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                            extensions=["jinja2.ext.loopcontrols"])
-
-        def raise_exception(message):
-            raise BlockspecError(f"chat template: {message}")
-
-        env.globals.update(raise_exception=raise_exception,
-                           strftime_now=lambda fmt: datetime.now().strftime(fmt))
-        env.filters["tojson"] = lambda value, indent=None, **_: json.dumps(value, ensure_ascii=False, indent=indent)
-        try:
-            return env.from_string(self.chat_template).render(
-                messages=messages, add_generation_prompt=add_generation_prompt, enable_thinking=False,
-                bos_token=self._special("bos_token"), eos_token=self._special("eos_token"))
-        except BlockspecError:
-            raise
-        except Exception as exc:  # checkpoint code run on the caller's messages: any failure refuses the messages
-            raise BlockspecError(f"chat template failed to render these messages: {type(exc).__name__}: {exc}") \
-                from None
+        return render_chat(self.chat_template, messages, add_generation_prompt, bos_token=self._special("bos_token"),
+                           eos_token=self._special("eos_token"))
 
     def _special(self, key: str) -> str:
         value = self.config.get(key) or ""

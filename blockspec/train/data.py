@@ -1,15 +1,44 @@
-"""Training text: files or directories of UTF-8 text, tokenized with the target's tokenizer and cut into
-fixed-length sequences; a held-out share (whole files, chosen by the seed) for evaluation."""
+"""Training data: text files, and JSONL files of records (conversations, or texts); tokenized with the target's
+tokenizer, laid end to end and cut into fixed-length sequences whose positions are marked trained or not; a held-out
+share (whole texts and conversations, chosen by the seed) for evaluation.
+
+A `.jsonl` file holds one record a line (blank lines are skipped): a conversation, OpenAI style
+`{"messages": [{"role": "system" | "user" | "assistant" | "tool", "content": "..."}, ...]}` or ShareGPT style
+`{"conversations": [{"from": "system" | "human" | "gpt", "value": "..."}, ...]}`, rendered with the target's chat
+template, or `{"text": "..."}`, a text like a text file's (what `blockspec regenerate` writes for text prompts). A
+conversation is trained on its assistant turns only; a text everywhere.
+"""
 
 from __future__ import annotations
 
+import json
 import random
+from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 from ..errors import BlockspecError
 
 TEXT_SUFFIXES = {".txt", ".md", ".py", ".rst", ".json", ".jsonl", ".c", ".h", ".cpp", ".rs", ".go", ".js", ".ts",
                  ".java", ".sh", ".toml", ".yaml", ".yml", ".html", ".css", ".tex"}
+RECORDS_SUFFIX = ".jsonl"
+ROLES = {"system": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
+SHAREGPT_ROLES = {"system": "system", "human": "user", "gpt": "assistant"}
+
+
+@dataclass
+class Conversation:
+    messages: list[dict]  # OpenAI style (ShareGPT's turned into it)
+    path: Path
+    line: int
+
+
+class Sequence(NamedTuple):
+    """A training sequence: its token ids and, per position, whether the label there (the target's token for the
+    next position) is trained on: the next token is an assistant's, or text."""
+
+    ids: list[int]
+    trained: list[bool]
 
 
 def text_files(paths: list[str], suffixes=None, flag: str = "--data") -> list[Path]:
@@ -30,40 +59,155 @@ def text_files(paths: list[str], suffixes=None, flag: str = "--data") -> list[Pa
     return sorted(files)
 
 
-def read_texts(files: list[Path]) -> list[str]:
-    texts, seen = [], set()
+def parse_record(line: str, where: str, need_assistant: bool = True) -> str | list[dict]:
+    """One JSONL line: its text, or its conversation's messages; anything else refused in one line naming `where`
+    (the flag, file:line)."""
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise BlockspecError(f"{where}: not JSON ({exc.msg} at column {exc.colno})") from None
+    if not isinstance(record, dict):
+        raise BlockspecError(f"{where}: a JSON object expected, got {type(record).__name__}")
+    if "messages" in record:
+        field, role_key, content_key, roles = "messages", "role", "content", ROLES
+    elif "conversations" in record:
+        field, role_key, content_key, roles = "conversations", "from", "value", SHAREGPT_ROLES
+    elif "text" in record:
+        if not isinstance(record["text"], str):
+            raise BlockspecError(f"{where}: \"text\" must be a string")
+        return record["text"]
+    else:
+        raise BlockspecError(f"{where}: no \"messages\", \"conversations\" or \"text\" field")
+    turns = record[field]
+    if not isinstance(turns, list) or not turns:
+        raise BlockspecError(f"{where}: \"{field}\" must be a non-empty list of messages")
+    messages = []
+    for i, turn in enumerate(turns):
+        if not isinstance(turn, dict):
+            raise BlockspecError(f"{where}: message {i} is not a JSON object")
+        role = turn.get(role_key)
+        if role not in roles:
+            raise BlockspecError(f"{where}: message {i} has an unknown {role_key} {role!r} "
+                                 f"(known: {', '.join(roles)})")
+        if not isinstance(turn.get(content_key), str):
+            raise BlockspecError(f"{where}: message {i} has no string \"{content_key}\"")
+        # OpenAI style keeps its other fields (tool_calls, name...) for the template
+        message = dict(turn) if field == "messages" else {"role": roles[role], "content": turn[content_key]}
+        messages.append(message)
+    if need_assistant and not any(m["role"] == "assistant" for m in messages):
+        raise BlockspecError(f"{where}: the conversation has no assistant turn (the loss is on assistant turns)")
+    return messages
+
+
+def read_records(path: Path, need_assistant: bool = True, flag: str = "--data") -> list[str | Conversation]:
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError as exc:
+        raise BlockspecError(f"{flag} {path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+    except OSError as exc:
+        raise BlockspecError(f"{flag} {path}: {exc.strerror}") from None
+    records = []
+    for number, line in enumerate(lines, 1):
+        if line.strip():
+            record = parse_record(line, f"{flag} {path}:{number}", need_assistant)
+            records.append(record if isinstance(record, str) else Conversation(record, path, number))
+    return records
+
+
+def read_data(files: list[Path], need_assistant: bool = True, flag: str = "--data") -> list[str | Conversation]:
+    """The texts and conversations of the files, in order: a .jsonl file's records (each line checked), every other
+    file's text (a file that is not UTF-8 text is skipped, like any binary file under a directory; identical texts
+    count once)."""
+    units, seen = [], set()
     for path in files:
+        if path.suffix == RECORDS_SUFFIX:
+            units += [u for u in read_records(path, need_assistant, flag) if not isinstance(u, str) or u.strip()]
+            continue
         try:
             text = path.read_text(encoding="utf-8")
         except UnicodeDecodeError:
-            continue  # not text after all: skipped, like any binary file under a directory
+            continue
         except OSError as exc:
-            raise BlockspecError(f"--data {path}: {exc.strerror}") from None
+            raise BlockspecError(f"{flag} {path}: {exc.strerror}") from None
         if text.strip() and text not in seen:  # identical files (vendored copies) count once
             seen.add(text)
-            texts.append(text)
-    if not texts:
-        raise BlockspecError("--data: every file is empty or not UTF-8 text")
-    return texts
+            units.append(text)
+    if not units:
+        raise BlockspecError(f"{flag}: every file is empty or not UTF-8 text")
+    return units
 
 
-def sequences(texts: list[str], tokenizer, length: int, eos: int | None) -> list[list[int]]:
-    """The texts' tokens, each text followed by `eos`, concatenated and cut into sequences of `length` tokens."""
-    stream: list[int] = []
-    for ids in tokenizer.encode_batch(texts):
-        stream += ids + ([eos] if eos is not None else [])
-    return [stream[i:i + length] for i in range(0, len(stream) - length + 1, length)]
+def check_chat_template(units: list, tokenizer, flag: str = "--data"):
+    """Conversations need the target's chat template: refused, naming the first one's file, when it has none."""
+    first = next((u for u in units if isinstance(u, Conversation)), None)
+    if first is not None and not tokenizer.chat_template:
+        raise BlockspecError(f"{flag} {first.path}: conversations are rendered with the target's chat template, and "
+                             "the target has none (tokenizer_config.json: chat_template)")
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def conversation_tokens(tokenizer, messages: list[dict]) -> tuple[list[int], list[bool]]:
+    """The conversation's token ids as the chat template renders it (control tokens from the template alone, as in
+    the engine's chat) and, per token, whether it is an assistant's. An assistant turn runs from where the prompt
+    the engine would give for it (the conversation before it with the generation prompt) parts from the rendering, to
+    the end-of-turn token that closes it (included: the target learns to stop)."""
+    ids = tokenizer.chat_prompt_ids(messages, generation_prompt=False)
+    mine = [False] * len(ids)
+    end = 0
+    for i, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        start = max(end, _common_prefix(tokenizer.chat_prompt_ids(messages[:i]), ids))
+        end = next((p + 1 for p in range(start, len(ids)) if ids[p] in tokenizer.eos_token_ids), len(ids))
+        mine[start:end] = [True] * (end - start)
+    return ids, mine
+
+
+def unit_tokens(units: list, tokenizer, eos: int | None) -> list[tuple[list[int], list[bool]]]:
+    """Each text's or conversation's tokens followed by `eos`, with the tokens the loss is on (a text's: all)."""
+    encoded = iter(tokenizer.encode_batch([u for u in units if isinstance(u, str)]))
+    separator = [eos] if eos is not None else []
+    out = []
+    for unit in units:
+        if isinstance(unit, str):
+            ids = next(encoded) + separator
+            out.append((ids, [True] * len(ids)))
+        else:
+            try:
+                ids, mine = conversation_tokens(tokenizer, unit.messages)
+            except BlockspecError as exc:
+                raise BlockspecError(f"--data {unit.path}:{unit.line}: {exc}") from None
+            out.append((ids + separator, mine + [False] * len(separator)))
+    return out
+
+
+def sequences(units: list[tuple[list[int], list[bool]]], length: int) -> list[Sequence]:
+    """The units' tokens concatenated and cut into sequences of `length` tokens; a position is trained when the
+    token after it is. Sequences with no trained position are left out."""
+    ids = [t for unit_ids, _ in units for t in unit_ids]
+    trained = [m for _, mine in units for m in mine][1:] + [False]
+    cuts = (Sequence(ids[i:i + length], trained[i:i + length]) for i in range(0, len(ids) - length + 1, length))
+    return [s for s in cuts if any(s.trained)]
 
 
 def split_corpus(paths: list[str], tokenizer, length: int, heldout: float, seed: int, eos: int | None,
-                 suffixes=None):
-    """(training sequences, held-out sequences): whole texts are held out, so no held-out text is seen in
-    training."""
-    texts = read_texts(text_files(paths, suffixes))
-    random.Random(seed).shuffle(texts)
-    held = max(1, round(heldout * len(texts))) if heldout > 0 and len(texts) > 1 else 0
-    train, evaluation = sequences(texts[held:], tokenizer, length, eos), sequences(texts[:held], tokenizer, length,
-                                                                                    eos)
+                 suffixes=None) -> tuple[list[Sequence], list[Sequence]]:
+    """(training sequences, held-out sequences): whole texts and conversations are held out, so none held out is
+    seen in training. Every record is checked, and the chat template found, before any tokenizing."""
+    units = read_data(text_files(paths, suffixes))
+    check_chat_template(units, tokenizer)
+    random.Random(seed).shuffle(units)
+    held = max(1, round(heldout * len(units))) if heldout > 0 and len(units) > 1 else 0
+    train = sequences(unit_tokens(units[held:], tokenizer, eos), length)
+    evaluation = sequences(unit_tokens(units[:held], tokenizer, eos), length)
     if not train:
-        raise BlockspecError(f"--data: fewer than {length} tokens of training text (lower --seq-len or add data)")
+        raise BlockspecError(f"--data: fewer than {length} tokens of training data (lower --seq-len or add data)")
     return train, evaluation

@@ -4,16 +4,18 @@ What it learns: the target's own greedy choices. Each training sequence runs onc
 (blockspec's own model, as at inference), which gives the features of `target_layer_ids` and the target's argmax at
 every position. The text is teacher-forced: the label of block row j after anchor a is the target's argmax at
 position a + j - 1 given the real text before it. That costs one target pass per sequence instead of one generation
-per anchor, and equals the target's greedy continuation wherever the text follows it (exactly so on text the target
-generated itself, as drafter recipes usually train on).
+per anchor, and equals the target's greedy continuation wherever the text follows it (exactly so on the target's own
+greedy output, `blockspec regenerate --greedy`). Only trained labels count (train/data.py: a conversation's assistant
+tokens, all of a text).
 
-One step: anchors a are sampled across the sequences; block = [token a, mask x (block - 1)] at positions a..a+block-1
-reads the features of positions < a inside the sliding window; the loss is the cross-entropy of rows 1.. against the
-labels, weighted toward early rows (row j by exp(-(j - 1) / loss_decay): a late row only counts if the earlier ones
-were accepted), plus the same weighted cross-entropy of the candidate selector's scores over its top-k candidates
-(predecessor: the previous label; rows whose label is not among the candidates are skipped). Embeddings and head
-are the target's, frozen. The trainable module is the `dflash` package's DFlash2DraftModel (the published
-architecture), so what is saved is its HF directory: blockspec and `dflash` load it as it is.
+One step: anchors a are sampled across the sequences where the first label is trained; block = [token a, mask x
+(block - 1)] at positions a..a+block-1 reads the features of positions < a inside the sliding window; the loss is
+the cross-entropy of rows 1.. against the trained labels, weighted toward early rows (row j by exp(-(j - 1) /
+loss_decay): a late row only counts if the earlier ones were accepted), plus the same weighted cross-entropy of the
+candidate selector's scores over its top-k candidates (predecessor: the previous label; rows whose label is not
+among the candidates are skipped). Embeddings and head are the target's, frozen. The trainable module is the
+`dflash` package's DFlash2DraftModel (the published architecture), so what is saved is its HF directory: blockspec
+and `dflash` load it as it is.
 """
 
 from __future__ import annotations
@@ -62,9 +64,15 @@ def mask_token(tokenizer, vocab_size: int) -> int:
     return vocab_size - 1
 
 
-def sample_anchors(length: int, count: int, block: int, rng) -> list[int]:
-    """`count` distinct anchor positions of a sequence of `length` tokens, each with a whole block after it."""
-    return sorted(rng.sample(range(1, length - block + 2), min(count, length - block + 1)))
+def anchor_positions(trained: list[bool], block: int) -> list[int]:
+    """The positions of a sequence that may anchor a block: a whole block after it, its first label trained."""
+    return [a for a in range(1, len(trained) - block + 2) if trained[a]]
+
+
+def sample_anchors(trained: list[bool], count: int, block: int, rng) -> list[int]:
+    """`count` distinct anchor positions (or all there are) of a sequence whose positions are `trained` or not."""
+    positions = anchor_positions(trained, block)
+    return sorted(rng.sample(positions, min(count, len(positions))))
 
 
 def context_mask(anchors: torch.Tensor, block: int, length: int, window: int, seq_len: int) -> torch.Tensor:
@@ -124,31 +132,36 @@ def drafter_hidden(model, features: torch.Tensor, noise: torch.Tensor, anchors: 
     return model.norm(hidden)
 
 
-def block_losses(model, head, embed, features, tokens, labels, anchors, decay: float, seq_len: int | None = None):
+def block_losses(model, head, embed, features, tokens, labels, anchors, decay: float, seq_len: int | None = None,
+                 trained: torch.Tensor | None = None):
     """(block cross-entropy, selector cross-entropy, per-row accuracy [block - 1]) of the anchor blocks of sequences
     of `seq_len` tokens laid end to end (default: one): `tokens` [L] their ids, `labels` [L] the target's greedy token
-    after each position, `anchors` [n] positions in that stream."""
+    after each position, `anchors` [n] positions in that stream, `trained` [L] (bool; default: all) the positions
+    whose labels count: a row whose label is not trained is left out of its row's mean."""
     block = model.block_size
     offsets = torch.arange(block, device=tokens.device)
     ids = torch.full((anchors.shape[0], block), model.mask_token_id, dtype=torch.long, device=tokens.device)
     ids[:, 0] = tokens[anchors]
     targets = labels[anchors[:, None] + offsets[None, :-1]]
+    counted = (torch.ones_like(targets, dtype=torch.bool) if trained is None
+               else trained[anchors[:, None] + offsets[None, :-1]])
+    rows = counted.sum(0).clamp_min(1)
     noise = embed(ids) * float(model.config.dflash_config.get("input_embedding_scale", 1.0))
     hidden = drafter_hidden(model, features, noise.to(features.dtype), anchors, seq_len)[:, 1:]
     logits = model.compute_logits(hidden, head).float()
     weights = torch.exp(-torch.arange(block - 1, device=tokens.device) / decay)
     weights = weights / weights.sum()
-    row_ce = F.cross_entropy(logits.transpose(1, 2), targets, reduction="none").mean(0)
+    row_ce = (F.cross_entropy(logits.transpose(1, 2), targets, reduction="none") * counted).sum(0) / rows
     selector = model.candidate_selector
     unary, candidates = torch.topk(logits, selector.top_k, dim=-1)
     previous = torch.cat([ids[:, :1], targets[:, :-1]], dim=1)
     query = selector.predecessor_codebook(previous) * selector.hidden_projection(hidden)
     scores = unary + torch.einsum("nbr,nbkr->nbk", query.float(), selector.successor_codebook(candidates).float())
     hit = candidates == targets[..., None]
-    present = hit.any(-1)
+    present = hit.any(-1) & counted
     picked = F.cross_entropy(scores.transpose(1, 2), hit.float().argmax(-1), reduction="none") * present
     selector_ce = picked.sum(0) / present.sum(0).clamp_min(1)
-    accuracy = (logits.argmax(-1) == targets).float().mean(0)
+    accuracy = ((logits.argmax(-1) == targets) & counted).sum(0) / rows
     return (weights * row_ce).sum(), (weights * selector_ce).sum(), accuracy
 
 
@@ -180,20 +193,25 @@ def step_shape(run) -> tuple[int, int]:
 
 
 def dflash2_step(drafter, model, features, sequences, run):
-    """step_loss for the Trainer: a few training sequences through the frozen target, then anchor blocks of each
-    (step_shape) through the drafter in one pass."""
-    block, length = run.block_size, len(sequences[0])
+    """step_loss for the Trainer: a few training sequences (data.Sequence) through the frozen target, then anchor
+    blocks of each (step_shape; anchored where the first label is trained) through the drafter in one pass."""
+    block, length = run.block_size, len(sequences[0].ids)
     count, per_sequence = step_shape(run)
     device = model.embed_tokens.weight.device
+    sequences = [s for s in sequences if anchor_positions(s.trained, block)]
+    if not sequences:
+        raise BlockspecError("--data: no training sequence has a trained token to anchor a block on")
 
     def step_loss(rng):
-        tokens = torch.tensor([sequences[rng.randrange(len(sequences))] for _ in range(count)], device=device)
+        picked = [sequences[rng.randrange(len(sequences))] for _ in range(count)]
+        tokens = torch.tensor([s.ids for s in picked], device=device)
         feats, labels = zip(*(features(row) for row in tokens))
-        anchors = torch.tensor([i * length + a for i in range(count)
-                                for a in sample_anchors(length, per_sequence, block, rng)], device=device)
+        anchors = torch.tensor([i * length + a for i, s in enumerate(picked)
+                                for a in sample_anchors(s.trained, per_sequence, block, rng)], device=device)
+        trained = torch.tensor([s.trained for s in picked], device=device).reshape(-1)
         block_ce, selector_ce, accuracy = block_losses(drafter, model.logits, model.embed, torch.cat(feats),
                                                        tokens.reshape(-1), torch.cat(labels), anchors,
-                                                       run.loss_decay, length)
+                                                       run.loss_decay, length, trained)
         figures = {"block_ce": block_ce.item(), "selector_ce": selector_ce.item(),
                    "first_row_accuracy": accuracy[0].item()}
         return block_ce + selector_ce, figures, anchors.numel() * block

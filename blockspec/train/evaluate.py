@@ -28,16 +28,21 @@ def standard_library_files(count: int | None = None, seed: int = 0) -> list[Path
 
 
 def one_cycle_acceptance(engine, sequences: list[list[int]], cuts: int, seed: int = 0,
-                         sampling: dict | None = None, tree_budgets: list[int] | None = None) -> dict:
+                         sampling: dict | None = None, tree_budgets: list[int] | None = None,
+                         trained: list[list[bool]] | None = None) -> dict:
     """One speculative cycle from each of `cuts` random prefixes of the token sequences (a cut leaves at least one
-    token before it), greedy or with `sampling` (Engine.generate's keywords): the mean number of tokens a cycle
-    emits (accepted + 1), its histogram, the acceptance rate. With `tree_budgets` (an eager DFlash2 engine whose
+    token before it; with `trained`, per sequence and position whether its label is trained on (data.Sequence), a
+    cut c only where the cycle's first proposal is a trained label, trained[c]), greedy or with `sampling`
+    (Engine.generate's keywords): the mean number of tokens a cycle emits (accepted + 1), its histogram, the
+    acceptance rate. With `tree_budgets` (an eager DFlash2 engine whose
     state records trees of the largest), each cut's cycle runs at every budget from one prefill (the later ones
     resume from a snapshot before the last prompt token, engine/reuse.py): {budget: the measure}."""
     rng = random.Random(seed)
     block = engine.proposer.max_proposals + 1
     longest = engine.config.context_length - 2 * max([block, *(b + 1 for b in tree_budgets or [])])
-    candidates = [s[:longest] for s in sequences if len(s) >= 2]
+    cut_points = [[c for c in range(1, min(len(s), longest)) if trained is None or trained[i][c]]
+                  for i, s in enumerate(sequences)]
+    candidates = [(s[:longest], points) for s, points in zip(sequences, cut_points) if points]
     budgets = tree_budgets or [engine.proposer.tree_budget]
     if tree_budgets and (engine.target.execution != "eager" or engine.prefix is None
                          or max(budgets) + 1 > engine.state.gdn[0].max_partial):
@@ -46,8 +51,8 @@ def one_cycle_acceptance(engine, sequences: list[list[int]], cuts: int, seed: in
     kept = engine.proposer.tree_budget
     try:
         for _ in range(cuts):
-            sequence = candidates[rng.randrange(len(candidates))]
-            cut = rng.randrange(1, len(sequence))
+            sequence, points = candidates[rng.randrange(len(candidates))]
+            cut = points[rng.randrange(len(points))]
             for budget in budgets:
                 engine.proposer.tree_budget = budget
                 stats = engine.generate(sequence[:cut], block + 1, stop_at_eos=False, snapshot_at=cut - 1,

@@ -2,7 +2,8 @@
 
 MTP row p reads the embedding of token p + 1 and the target's final-normed hidden state at p, and predicts the
 target's token for p + 2 (its argmax at p + 1, teacher-forced on the text, as for the DFlash2 drafter). All rows of a
-sequence train at once under a causal mask. The trainable module is built from `transformers`' Qwen3.5 decoder
+sequence run at once under a causal mask; the loss is the mean over the rows whose label is trained (train/data.py: a
+conversation's assistant tokens, all of a text). The trainable module is built from `transformers`' Qwen3.5 decoder
 layer (the reference blockspec's own layers are tested against), with the checkpoint's `mtp.*` names, so the head
 it writes into a copy of the target checkpoint is what blockspec's MTP mode loads.
 """
@@ -135,15 +136,20 @@ def save_head(head: MTPModule, out: Path, dtype: torch.dtype):
 
 
 def mtp_step(head: MTPModule, model, target, sequences, batch_tokens: int):
-    """step_loss for the Trainer: a few training sequences through the frozen target, then every MTP row of them
-    (row p: embedding of token p + 1, target hidden p; label: the target's argmax at p + 1)."""
+    """step_loss for the Trainer: a few training sequences (data.Sequence) through the frozen target, then every MTP
+    row of them (row p: embedding of token p + 1, target hidden p; label: the target's argmax at p + 1, counted where
+    trained)."""
     device = model.embed_tokens.weight.device
-    per_step = max(1, batch_tokens // len(sequences[0]))
+    per_step = max(1, batch_tokens // len(sequences[0].ids))
+    sequences = [s for s in sequences if any(s.trained[1:-1])]
+    if not sequences:
+        raise BlockspecError("--data: no training sequence has a trained token for the MTP head")
 
     def step_loss(rng):
-        embedded, hidden, labels = [], [], []
+        embedded, hidden, labels, counted = [], [], [], []
         for _ in range(per_step):
-            sequence = torch.tensor(sequences[rng.randrange(len(sequences))], device=device)
+            picked = sequences[rng.randrange(len(sequences))]
+            sequence = torch.tensor(picked.ids, device=device)
             with torch.no_grad():
                 target.state.reset()
                 out = target.forward(sequence)
@@ -152,10 +158,13 @@ def mtp_step(head: MTPModule, model, target, sequences, batch_tokens: int):
             embedded.append(model.embed(sequence[1:-1]))
             hidden.append(normed[:-2])
             labels.append(out.logits.argmax(-1)[1:-1])
-        embedded, hidden, labels = torch.stack(embedded), torch.stack(hidden), torch.stack(labels)
+            counted.append(torch.tensor(picked.trained[1:-1], device=device))
+        embedded, hidden, labels, counted = map(torch.stack, (embedded, hidden, labels, counted))
         positions = torch.arange(embedded.shape[1], device=device)[None].expand(embedded.shape[0], -1)
         logits = model.logits(head(embedded.to(hidden.dtype), hidden, positions)).float()
-        loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten())
-        accuracy = (logits.argmax(-1) == labels).float().mean()
+        rows = counted.sum()
+        loss = (F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="none") * counted.flatten()).sum() \
+            / rows
+        accuracy = ((logits.argmax(-1) == labels) & counted).sum() / rows
         return loss, {"accuracy": accuracy.item()}, labels.numel()
     return step_loss

@@ -16,7 +16,7 @@ from ..engine.target import EagerTarget
 from ..errors import BlockspecError
 from ..models.checkpoint import check_folder, load_target, stored_dtype
 from ..models.tokenizer import Tokenizer
-from .data import split_corpus
+from .data import Sequence, split_corpus
 from .evaluate import one_cycle_acceptance
 from .loop import Trainer, check_output, check_resumed, output_folder, plural, settings_to_save, write_summary
 
@@ -169,7 +169,7 @@ def _train(run: DrafterTraining, target_config: TargetConfig, log) -> dict:
     return summary
 
 
-def evaluate(run: DrafterTraining, out: Path, heldout: list[list[int]], device: torch.device) -> dict:
+def evaluate(run: DrafterTraining, out: Path, heldout: list[Sequence], device: torch.device) -> dict:
     """One-cycle acceptance of what was just written, on the held-out sequences (train/evaluate.py)."""
     from ..engine.engine import Engine
 
@@ -177,4 +177,5 @@ def evaluate(run: DrafterTraining, out: Path, heldout: list[list[int]], device: 
                          dflash2_model=str(out) if run.kind == "dflash2" else None,
                          compute_dtype="float32" if device.type == "cpu" else "bfloat16",
                          context_length=run.seq_len + 4 * run.block_size)
-    return one_cycle_acceptance(engine, heldout, run.eval_cuts, run.seed)
+    return one_cycle_acceptance(engine, [s.ids for s in heldout], run.eval_cuts, run.seed,
+                                trained=[s.trained for s in heldout])

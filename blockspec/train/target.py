@@ -2,7 +2,9 @@
 for trying blockspec with real (if small) weights: Gated DeltaNet and gated attention layers in the 3:1 pattern,
 partial RoPE, tied embeddings, one MTP layer declared (train it afterwards with `train-drafter --kind mtp`).
 
-The tokenizer is a byte-level BPE trained on the same text (`tokenizers`), with the chat special tokens. The model is
+The data are text files and JSONL records (train/data.py); a conversation is trained on as the text its chat template
+(ChatML, the one written with the checkpoint) renders, every token of it. The tokenizer is a byte-level BPE trained on
+the same text (`tokenizers`), with the chat special tokens. The model is
 `transformers`' Qwen3_5ForCausalLM (the reference blockspec's own layers are tested against); its DeltaNet layers
 train through transformers' chunked PyTorch form when fla-core is not installed (fla-core's backward refuses to run on
 Hopper with Triton < 3.7.1). The output directory is an ordinary checkpoint: config.json, model.safetensors,
@@ -20,8 +22,8 @@ import torch
 
 from ..config import MAX_SEED
 from ..errors import BlockspecError
-from ..models.tokenizer import CHAT_TEMPLATE
-from .data import read_texts, text_files
+from ..models.tokenizer import CHAT_TEMPLATE, render_chat
+from .data import read_data, text_files
 from .loop import Trainer, check_output, check_resumed, output_folder, plural, settings_to_save, token_count, \
     write_summary
 
@@ -139,7 +141,8 @@ def train_target(run: TargetTraining, log=print) -> dict:
         raise BlockspecError("train-target needs the 'train' extra: pip install 'blockspec[train]'") from None
 
     out = Path(run.out)
-    texts = read_texts(text_files(run.data, run.suffixes))
+    texts = [unit if isinstance(unit, str) else render_chat(CHAT_TEMPLATE, unit.messages, add_generation_prompt=False)
+             for unit in read_data(text_files(run.data, run.suffixes))]
     held = max(1, round(run.heldout * len(texts))) if run.heldout > 0 and len(texts) > 1 else 0
     generator = torch.Generator().manual_seed(run.seed)
     order = torch.randperm(len(texts), generator=generator).tolist()

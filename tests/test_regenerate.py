@@ -1,0 +1,127 @@
+"""`blockspec regenerate` on a tiny target: greedy replies are the target's own greedy continuations (blockspec's
+engine, mode none, from the same prompts), sampled ones repeat with the seed, the file trains a drafter, bad input is
+refused in one line before the target loads, and a failure leaves no file."""
+
+import json
+
+import pytest
+
+from blockspec.cli import main
+from blockspec.engine.engine import Engine
+from blockspec.fixtures.tiny import build_tiny_checkpoint
+
+pytest.importorskip("transformers")
+
+CONVERSATIONS = [
+    {"messages": [{"role": "user", "content": "the quick brown fox"}, {"role": "assistant", "content": "DROPPED"}]},
+    {"conversations": [{"from": "system", "value": "be brief"}, {"from": "human", "value": "hello there, lazy dog"},
+                       {"from": "gpt", "value": "kept"}, {"from": "human", "value": "and seven birds?"}]},
+    {"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
+                  {"role": "user", "content": "sing in the old tree"}, {"role": "assistant", "content": "DROPPED"}]},
+]
+TEXT = "jumps over a lazy dog while seven small birds sing in the old tree " * 2
+
+
+@pytest.fixture(scope="module")
+def prompts(tmp_path_factory):
+    root = tmp_path_factory.mktemp("regenerate")
+    target = build_tiny_checkpoint(root / "target", seed=0, planted=True)
+    (root / "chats.jsonl").write_text("".join(json.dumps(c) + "\n" for c in CONVERSATIONS))
+    (root / "notes.txt").write_text(TEXT)
+    return root, target
+
+
+def regenerate(root, target, out, *flags):
+    return main(["regenerate", "--target", str(target), "--prompts", str(root / "chats.jsonl"), str(root / "notes.txt"),
+                 "--out", str(out), "--max-new-tokens", "24", "--prompt-tokens", "50", "--batch-size", "3",
+                 "--device", "cpu", *flags])
+
+
+def records(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_greedy_replies_are_the_targets_greedy_continuations(prompts):
+    root, target = prompts
+    out = root / "greedy.jsonl"
+    assert regenerate(root, target, out, "--greedy") == 0
+    written = records(out)
+    engine = Engine.load(target, device="cpu", compute_dtype="float32")
+    tok = engine.tokenizer
+    cuts = [tok.encode(TEXT)[i:i + 50] for i in range(0, len(tok.encode(TEXT)), 50)]
+    assert len(written) == len(CONVERSATIONS) + len(cuts) and len(cuts) > 1
+    prompts_kept = [[{"role": "user", "content": "the quick brown fox"}],
+                    [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello there, lazy dog"},
+                     {"role": "assistant", "content": "kept"}, {"role": "user", "content": "and seven birds?"}],
+                    CONVERSATIONS[2]["messages"][:3]]
+    replies = []
+    for record, kept in zip(written, prompts_kept):
+        assert record["messages"][:-1] == kept and record["messages"][-1]["role"] == "assistant"
+        expected = engine.generate(tok.chat_prompt_ids(kept), 24).tokens
+        assert record["messages"][-1]["content"] == tok.decode(expected)
+        replies.append(expected)
+    for record, cut in zip(written[len(CONVERSATIONS):], cuts):
+        assert record["text"] == tok.decode(cut + engine.generate(cut, 24).tokens)
+    lengths = sorted([len(tok.chat_prompt_ids(kept)) for kept in prompts_kept] + list(map(len, cuts)), reverse=True)
+    assert all(len(set(lengths[i:i + 3])) > 1 for i in range(0, len(lengths), 3))  # every pass left-pads a prompt
+    assert all(replies) and "DROPPED" not in out.read_text()
+
+
+def test_sampled_regeneration_repeats_with_its_seed_and_trains_a_drafter(prompts, capsys):
+    root, target = prompts
+    (target / "generation_config.json").write_text(json.dumps({"temperature": 1.0, "top_k": 50}))
+    try:
+        assert regenerate(root, target, root / "a.jsonl", "--seed", "3") == 0
+        assert "sampled at generation_config.json: temperature 1, top-k 50" in capsys.readouterr().out
+        assert regenerate(root, target, root / "b.jsonl", "--seed", "3") == 0
+        assert regenerate(root, target, root / "c.jsonl", "--greedy") == 0
+    finally:
+        (target / "generation_config.json").unlink()
+    assert (root / "a.jsonl").read_text() == (root / "b.jsonl").read_text() != (root / "c.jsonl").read_text()
+    assert main(["train-drafter", "--target", str(target), "--data", str(root / "a.jsonl"), "--out",
+                 str(root / "drafter"), "--layers", "1", "--window", "32", "--seq-len", "48", "--batch-tokens", "64",
+                 "--steps", "3", "--selector-rank", "8", "--selector-top-k", "8", "--heldout", "0", "--device",
+                 "cpu"]) == 0
+    assert len(json.loads((root / "drafter" / "training.json").read_text())["learning_curve"]) == 3
+
+
+@pytest.mark.parametrize("change,message", [
+    ({"--out": "{root}/missing/out.jsonl"}, "--out {root}/missing/out.jsonl: the folder {root}/missing does not exist"),
+    ({"--out": "{root}/out.txt"}, "--out {root}/out.txt: give a .jsonl file"),
+    ({"--out": "{root}/folder.jsonl"}, "--out {root}/folder.jsonl: is a folder"),
+    ({"--prompts": "{root}/bad.jsonl"}, "--prompts {root}/bad.jsonl:2: message 0 has an unknown role 'robot'"),
+    ({"--max-new-tokens": "0"}, "--max-new-tokens must be at least 1"),
+])
+def test_bad_input_is_one_line_before_the_target_loads(prompts, tmp_path, capsys, monkeypatch, change, message):
+    import blockspec.train.regenerate as module
+
+    root, target = prompts
+    monkeypatch.setattr(module, "load_model", lambda *a, **k: pytest.fail("the target was loaded"))
+    (tmp_path / "folder.jsonl").mkdir()
+    (tmp_path / "bad.jsonl").write_text(json.dumps(CONVERSATIONS[0]) + "\n" +
+                                        '{"messages": [{"role": "robot", "content": "x"}]}\n')
+    flags = {"--target": str(target), "--prompts": str(root / "chats.jsonl"), "--out": str(tmp_path / "out.jsonl"),
+             **{k: v.format(root=tmp_path) for k, v in change.items()}}
+    assert main(["regenerate", "--device", "cpu", *[x for kv in flags.items() for x in kv]]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message.format(root=tmp_path) in err, err
+    assert not (tmp_path / "out.jsonl").exists()
+
+
+def test_a_failure_leaves_the_previous_file_and_no_partial_one(prompts, tmp_path, monkeypatch):
+    import blockspec.train.regenerate as module
+
+    root, target = prompts
+    out = tmp_path / "out.jsonl"
+    out.write_text("earlier\n")
+    calls = []
+
+    def failing(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("out of memory")
+        return [[65] for _ in args[1]]
+    monkeypatch.setattr(module, "generate_batch", failing)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        regenerate(root, target, out, "--greedy")
+    assert len(calls) == 2 and out.read_text() == "earlier\n" and [p.name for p in tmp_path.iterdir()] == ["out.jsonl"]
