@@ -27,6 +27,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from blockspec.fixtures.synthetic import synthetic_drafter_config, synthetic_target  # noqa: E402
+from blockspec.train import dflash2  # noqa: E402
+from blockspec.train.data import Sequence  # noqa: E402
 from blockspec.train.dflash2 import dflash2_step, new_drafter  # noqa: E402
 from blockspec.train.run import TargetFeatures  # noqa: E402
 
@@ -37,6 +39,10 @@ def main():
     p.add_argument("--seq-len", type=int, default=2048, help="tokens per training sequence")
     p.add_argument("--batch-tokens", type=int, default=4096, help="block rows per step")
     p.add_argument("--steps", type=int, default=10, help="timed steps (after 2 warm-up steps)")
+    p.add_argument("--window", type=int, help="the drafter's sliding window (default: the preset drafter's)")
+    p.add_argument("--attention", default="block-sparse", choices=["block-sparse", "dense"],
+                   help="the step's attention: flex_attention's block-sparse kernel (train-drafter's on CUDA) or "
+                   "scaled_dot_product_attention under a dense mask (its reference; the CPU's always)")
     p.add_argument("--json-out", help="write the figures as JSON")
     args = p.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -45,13 +51,18 @@ def main():
     model, _ = synthetic_target(args.preset, device, dtype, mtp_head=False)
     print(f"synthetic target built in {time.perf_counter() - start:.1f} s", flush=True)  # a slot's cost is visible
     config = dict(synthetic_drafter_config(model.config), num_target_layers=model.config.num_hidden_layers)
+    if args.window:
+        config["sliding_window"] = args.window
+    if args.attention == "dense":  # the reference mask in place of the block mask (the step is otherwise the same)
+        dflash2.step_mask = lambda layout, block_sparse: layout.dense_mask()
     drafter = new_drafter(config, seed=0, device=device, dtype=torch.float32)
     layer_ids = config["dflash_config"]["target_layer_ids"]
     features = TargetFeatures(model, layer_ids, args.seq_len, device, dtype)
     run = SimpleNamespace(batch_tokens=args.batch_tokens, block_size=config["dflash_config"]["block_size"],
                           seq_len=args.seq_len, loss_decay=4.0)
     rng = random.Random(0)
-    sequences = [[rng.randrange(model.config.vocab_size) for _ in range(args.seq_len)] for _ in range(4)]
+    sequences = [Sequence([rng.randrange(model.config.vocab_size) for _ in range(args.seq_len)], [True] * args.seq_len)
+                 for _ in range(4)]  # text: every label trained
     step_loss = dflash2_step(drafter, model, features, sequences, run)
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.01)
 
@@ -80,7 +91,7 @@ def main():
         print(f"step {i}: {rows} block rows, {time.perf_counter() - start:.2f} s", flush=True)
     sync()
     elapsed = time.perf_counter() - start
-    figures = {"preset": args.preset, "drafter_parameters": sum(p.numel() for p in drafter.parameters()),
+    figures = {"preset": args.preset, "attention": args.attention if device.type == "cuda" else "dense", "window": config["sliding_window"], "drafter_parameters": sum(p.numel() for p in drafter.parameters()),
                "seq_len": args.seq_len, "block_rows_per_step": rows // args.steps, "steps": args.steps,
                "step_s": round(elapsed / args.steps, 4), "block_tokens_per_s": round(rows / elapsed, 1),
                "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu"}

@@ -587,3 +587,28 @@ def test_tree_build_kernel_equals_reference_on_cuda(style):
                 build_tree_reference(table, candidates, anchor, chain, budget)
             for field in ("tokens", "parents", "depth", "valid"):
                 assert torch.equal(getattr(got, field), getattr(expected, field)), (style, k, rows, budget, field)
+
+
+def test_block_sparse_training_attention_on_gpu():
+    """A drafter training step's attention (train/block_attention.py): compiled flex_attention under the block
+    mask equals scaled_dot_product_attention under the dense mask, forward and backward (float32, grouped heads,
+    three sequences, anchors inside and past the window)."""
+    from blockspec.train.block_attention import BlockLayout, attend
+
+    torch.manual_seed(0)
+    seq_len, block, window = 300, 8, 128
+    anchors = torch.cat([s * seq_len + torch.randperm(seq_len - block)[:40].sort().values + 1 for s in range(3)])
+    layout = BlockLayout(anchors.cuda(), block, 3 * seq_len, window, seq_len)
+    q = torch.randn(1, 4, layout.rows, 64, device="cuda", requires_grad=True)
+    k, v = (torch.randn(1, 2, layout.length + layout.rows, 64, device="cuda", requires_grad=True) for _ in range(2))
+    outputs, grads = [], []
+    for mask in (layout.dense_mask(), layout.block_mask()):
+        out = attend(q, k, v, mask, 0.125)
+        out.square().sum().backward()
+        outputs.append(out.detach())
+        grads.append([t.grad.clone() for t in (q, k, v)])
+        for t in (q, k, v):
+            t.grad = None
+    torch.testing.assert_close(outputs[1], outputs[0], rtol=1e-4, atol=1e-4)
+    for flex, dense in zip(*grads):
+        torch.testing.assert_close(flex, dense, rtol=1e-3, atol=1e-3)

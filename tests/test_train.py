@@ -90,10 +90,13 @@ def test_resume_continues_the_run(setup):
     assert resumed["history"][:8] == first["history"]
 
 
-def test_shared_context_forward_equals_dflash_block_by_block(setup):
+@pytest.mark.parametrize("block_sparse", [False, True], ids=["dense-mask", "flex-attention"])
+def test_shared_context_forward_equals_dflash_block_by_block(setup, block_sparse):
     """Training runs the anchor blocks of several sequences (laid end to end) in one masked pass over features
     projected once; each block's rows must equal dflash's own forward on that anchor's context alone (its
-    sequence's features before the anchor, its sliding-window mask, its positions)."""
+    sequence's features before the anchor, its sliding-window mask, its positions), with the dense mask and with
+    flex_attention's block mask (unfused on the CPU; tests/test_cuda.py runs the compiled kernel, forward and
+    backward)."""
     root, target, data = setup
     model, _ = load_target(target)
     run = run_config(root, target, data, window=16, heads=2)
@@ -112,7 +115,7 @@ def test_shared_context_forward_equals_dflash_block_by_block(setup):
     noise = F.embedding(ids, model.embed_tokens.weight)
     anchors = torch.tensor([s * length + a for s, a in local])
     with torch.no_grad():
-        shared = drafter_hidden(drafter, features, noise, anchors, seq_len=length)
+        shared = drafter_hidden(drafter, features, noise, anchors, seq_len=length, block_sparse=block_sparse)
         for row, (s, a) in enumerate(local):
             alone = drafter(target_hidden=features[None, s * length:s * length + a], position_ids=torch.arange(
                 a + block)[None], noise_embedding=noise[row:row + 1])[0]

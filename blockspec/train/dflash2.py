@@ -25,6 +25,7 @@ import torch.nn.functional as F
 
 from ..config import TargetConfig
 from ..errors import BlockspecError
+from .block_attention import BlockLayout, attend, step_mask
 
 
 def spread_layer_ids(num_layers: int, count: int) -> list[int]:
@@ -75,34 +76,21 @@ def sample_anchors(trained: list[bool], count: int, block: int, rng) -> list[int
     return sorted(rng.sample(positions, min(count, len(positions))))
 
 
-def context_mask(anchors: torch.Tensor, block: int, length: int, window: int, seq_len: int) -> torch.Tensor:
-    """Bool [n * block, length + n * block] over sequences of `seq_len` tokens laid end to end (`length` in all;
-    `anchors` index that stream): block row i after anchor a (position a + i) sees position p of the same sequence
-    when p < a and a + i - p < window (what the drafter reads at inference: committed features inside its window),
-    and every row of its own block (DFlash2's block is not causal), no other block."""
-    rows = (anchors[:, None] + torch.arange(block, device=anchors.device)).reshape(-1)
-    anchor = anchors.repeat_interleave(block)
-    p = torch.arange(length, device=anchors.device)[None]
-    first = (anchor // seq_len * seq_len)[:, None]  # where the anchor's sequence begins
-    sees_context = (p >= first) & (p < anchor[:, None]) & (rows[:, None] - p < window)
-    owner = torch.arange(anchors.shape[0], device=anchors.device).repeat_interleave(block)
-    return torch.cat([sees_context, owner[:, None] == owner[None, :]], dim=1)
-
-
 def _rotate(x, cos, sin):
     half = x.shape[-1] // 2
     return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
 
 
 def drafter_hidden(model, features: torch.Tensor, noise: torch.Tensor, anchors: torch.Tensor,
-                   seq_len: int | None = None) -> torch.Tensor:
+                   seq_len: int | None = None, block_sparse: bool | None = None) -> torch.Tensor:
     """The drafter's output rows [n, block, H] for n anchor blocks: `features` [L, F] are the target's captured
     features of sequences of `seq_len` tokens laid end to end (default: one sequence, L), `anchors` [n] index that
     stream, `noise` [n, block, H] is the embedded blocks.
 
     Equals dflash's own forward run block by block on each anchor's context (tests/test_train.py checks it), but
     projects the features (fc, keys, values) once instead of once per anchor, and runs every block's attention in one
-    masked call: per step the drafter costs L + n * block rows instead of n * (window + block)."""
+    masked call (train/block_attention.py; block_sparse, the default on CUDA: flex_attention's block-sparse kernel,
+    else a dense mask): per step the drafter costs L + n * block rows instead of n * (window + block)."""
     n, block, _ = noise.shape
     length = features.shape[0]
     seq_len = seq_len or length
@@ -110,7 +98,8 @@ def drafter_hidden(model, features: torch.Tensor, noise: torch.Tensor, anchors: 
     positions = ((anchors % seq_len)[:, None] + torch.arange(block, device=anchors.device)).reshape(1, -1)
     cos_c, sin_c = model.rotary_emb(context, (torch.arange(length, device=anchors.device) % seq_len)[None])
     cos_b, sin_b = model.rotary_emb(noise, positions)
-    mask = context_mask(anchors, block, length, model.config.sliding_window, seq_len)
+    layout = BlockLayout(anchors, block, length, model.config.sliding_window, seq_len)
+    mask = step_mask(layout, features.is_cuda if block_sparse is None else block_sparse)
     hidden = noise
     for layer in model.layers:
         attn = layer.self_attn
@@ -123,8 +112,7 @@ def drafter_hidden(model, features: torch.Tensor, noise: torch.Tensor, anchors: 
                        _rotate(attn.k_norm(attn.k_proj(rows).view(1, n * block, -1, d)), cos_b[:, :, None],
                                sin_b[:, :, None])], dim=1)
         v = torch.cat([attn.v_proj(context), attn.v_proj(rows)], dim=1).view(1, length + n * block, -1, d)
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                             attn_mask=mask, scale=attn.scaling, enable_gqa=True)
+        out = attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask, attn.scaling)
         out = attn.o_proj(out.transpose(1, 2).reshape(n, block, -1))
         hidden = hidden + layer.attention_conv.finish(out, attention_kernel)
         x, mlp_kernel = layer.mlp_conv.prepare(layer.post_attention_layernorm(hidden))

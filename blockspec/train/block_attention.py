@@ -1,0 +1,78 @@
+"""The attention of a drafter training step: every anchor block of the step in one call over the target's context
+features and the blocks (train/dflash2.py `drafter_hidden`).
+
+Query row r belongs to block r // block, anchored at position a of a stream of sequences of `seq_len` tokens laid end
+to end (`length` in all); it stands at position a + r % block. It sees context position p of the same sequence when
+p < a and a + r % block - p < window (what the drafter reads at inference: committed features inside its window),
+and every row of its own block (DFlash2's block is not causal), no other block. Keys are [context (length); blocks].
+
+Two forms of the same predicate (`sees`): a dense boolean mask for scaled_dot_product_attention (the reference, and
+the CPU's path), and a flex_attention block mask (CUDA): a row's keys span at most window + block of the step's
+length + n * block, so the block-sparse kernel skips the rest, where the dense mask computes it all.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class BlockLayout:
+    anchors: torch.Tensor  # [n] anchor positions in the stream
+    block: int
+    length: int            # context positions in the stream
+    window: int
+    seq_len: int
+
+    @property
+    def rows(self) -> int:
+        return self.anchors.shape[0] * self.block
+
+    def sees(self, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
+        owner = q_idx // self.block
+        anchor = self.anchors[owner]
+        first = anchor // self.seq_len * self.seq_len  # where the anchor's sequence begins
+        context = (kv_idx < self.length) & (kv_idx >= first) & (kv_idx < anchor) & (
+            anchor + q_idx % self.block - kv_idx < self.window)
+        return context | ((kv_idx >= self.length) & ((kv_idx - self.length) // self.block == owner))
+
+    def dense_mask(self) -> torch.Tensor:
+        """Bool [rows, length + rows]."""
+        device = self.anchors.device
+        return self.sees(torch.arange(self.rows, device=device)[:, None],
+                         torch.arange(self.length + self.rows, device=device)[None, :])
+
+    def block_mask(self):
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        return create_block_mask(lambda b, h, q, kv: self.sees(q, kv), None, None, self.rows,
+                                 self.length + self.rows, device=self.anchors.device)
+
+
+def step_mask(layout: BlockLayout, block_sparse: bool):
+    """The mask of a step, built once for every layer: a flex_attention BlockMask, or the dense boolean one."""
+    return layout.block_mask() if block_sparse else layout.dense_mask()
+
+
+@functools.lru_cache(maxsize=None)
+def compiled_flex_attention():
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention)
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, scale: float) -> torch.Tensor:
+    """softmax(q k^T * scale, masked) v for q [1, Hq, rows, D], k and v [1, Hkv, length + rows, D] (grouped heads):
+    flex_attention under a BlockMask (compiled on CUDA: the fused block-sparse kernel), or
+    scaled_dot_product_attention under a dense boolean mask (`step_mask`)."""
+    if isinstance(mask, torch.Tensor):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+    from torch.nn.attention.flex_attention import flex_attention
+
+    flex = compiled_flex_attention() if q.is_cuda else flex_attention  # the CPU runs it unfused (tests)
+    dtype = v.dtype  # under autocast the projections' outputs may differ in dtype; the kernel takes one
+    return flex(q.to(dtype), k.to(dtype), v, block_mask=mask, scale=scale, enable_gqa=True)
