@@ -11,7 +11,8 @@ drafter parameter (30 GB, ~10 ms). Prediction: ~0.7-0.8 s per step, ~5k block to
 30 GB drafter state + ~15 GB activations. Measured (H200): 0.778 s per step, 5266 block tokens/s, 111 GB allocated
 at the peak.
 
-Usage (GPU, repo root): python bench/drafter_training.py [--preset qwen3.5-27b] [--steps 10] [--json-out FILE]
+Usage (GPU, repo root): python bench/drafter_training.py [--preset qwen3.5-27b] [--steps 10] [--seq-len 2048]
+  [--batch-tokens 4096] [--window N] [--attention dense|block-sparse] [--json-out FILE]
 """
 
 import argparse
@@ -40,12 +41,14 @@ def main():
     p.add_argument("--batch-tokens", type=int, default=4096, help="block rows per step")
     p.add_argument("--steps", type=int, default=10, help="timed steps (after 2 warm-up steps)")
     p.add_argument("--window", type=int, help="the drafter's sliding window (default: the preset drafter's)")
-    p.add_argument("--attention", default="block-sparse", choices=["block-sparse", "dense"],
-                   help="the step's attention: flex_attention's block-sparse kernel (train-drafter's on CUDA) or "
-                   "scaled_dot_product_attention under a dense mask (its reference; the CPU's always)")
+    p.add_argument("--attention", default="dense", choices=["dense", "block-sparse"],
+                   help="the step's attention: scaled_dot_product_attention under a dense mask (train-drafter's) or "
+                   "flex_attention's block-sparse kernel (CUDA only)")
     p.add_argument("--json-out", help="write the figures as JSON")
     args = p.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if args.attention == "block-sparse" and device.type != "cuda":
+        sys.exit("--attention block-sparse needs CUDA (flex_attention has no backward on the CPU)")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     start = time.perf_counter()
     model, _ = synthetic_target(args.preset, device, dtype, mtp_head=False)
@@ -53,8 +56,8 @@ def main():
     config = dict(synthetic_drafter_config(model.config), num_target_layers=model.config.num_hidden_layers)
     if args.window:
         config["sliding_window"] = args.window
-    if args.attention == "dense":  # the reference mask in place of the block mask (the step is otherwise the same)
-        dflash2.step_mask = lambda layout, block_sparse: layout.dense_mask()
+    if args.attention == "block-sparse":  # the block mask in place of the dense one (the step is otherwise the same)
+        dflash2.step_mask = lambda layout, block_sparse: layout.block_mask()
     drafter = new_drafter(config, seed=0, device=device, dtype=torch.float32)
     layer_ids = config["dflash_config"]["target_layer_ids"]
     features = TargetFeatures(model, layer_ids, args.seq_len, device, dtype)
@@ -91,7 +94,7 @@ def main():
         print(f"step {i}: {rows} block rows, {time.perf_counter() - start:.2f} s", flush=True)
     sync()
     elapsed = time.perf_counter() - start
-    figures = {"preset": args.preset, "attention": args.attention if device.type == "cuda" else "dense", "window": config["sliding_window"], "drafter_parameters": sum(p.numel() for p in drafter.parameters()),
+    figures = {"preset": args.preset, "attention": args.attention, "window": config["sliding_window"], "drafter_parameters": sum(p.numel() for p in drafter.parameters()),
                "seq_len": args.seq_len, "block_rows_per_step": rows // args.steps, "steps": args.steps,
                "step_s": round(elapsed / args.steps, 4), "block_tokens_per_s": round(rows / elapsed, 1),
                "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu"}

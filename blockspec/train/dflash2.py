@@ -82,15 +82,16 @@ def _rotate(x, cos, sin):
 
 
 def drafter_hidden(model, features: torch.Tensor, noise: torch.Tensor, anchors: torch.Tensor,
-                   seq_len: int | None = None, block_sparse: bool | None = None) -> torch.Tensor:
+                   seq_len: int | None = None, block_sparse: bool = False) -> torch.Tensor:
     """The drafter's output rows [n, block, H] for n anchor blocks: `features` [L, F] are the target's captured
     features of sequences of `seq_len` tokens laid end to end (default: one sequence, L), `anchors` [n] index that
     stream, `noise` [n, block, H] is the embedded blocks.
 
     Equals dflash's own forward run block by block on each anchor's context (tests/test_train.py checks it), but
     projects the features (fc, keys, values) once instead of once per anchor, and runs every block's attention in one
-    masked call (train/block_attention.py; block_sparse, the default on CUDA: flex_attention's block-sparse kernel,
-    else a dense mask): per step the drafter costs L + n * block rows instead of n * (window + block)."""
+    masked call (train/block_attention.py: a dense mask, or with block_sparse flex_attention's block mask, not yet
+    the default: docs/benchmarks.md): per step the drafter costs L + n * block rows instead of n * (window +
+    block)."""
     n, block, _ = noise.shape
     length = features.shape[0]
     seq_len = seq_len or length
@@ -99,7 +100,7 @@ def drafter_hidden(model, features: torch.Tensor, noise: torch.Tensor, anchors: 
     cos_c, sin_c = model.rotary_emb(context, (torch.arange(length, device=anchors.device) % seq_len)[None])
     cos_b, sin_b = model.rotary_emb(noise, positions)
     layout = BlockLayout(anchors, block, length, model.config.sliding_window, seq_len)
-    mask = step_mask(layout, features.is_cuda if block_sparse is None else block_sparse)
+    mask = step_mask(layout, block_sparse)
     hidden = noise
     for layer in model.layers:
         attn = layer.self_attn
