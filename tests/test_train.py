@@ -409,3 +409,32 @@ def test_conversations_need_a_chat_template(setup, tmp_path, capsys, monkeypatch
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "chats.jsonl: conversations are rendered with the target's chat template" in err
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("block,window,tile,seq_len,sequences,per_sequence", [
+    (8, 16, 16, 90, 3, 12), (4, 64, 32, 90, 3, 12), (16, 24, 128, 90, 3, 12), (6, 10, 16, 90, 3, 12),
+    (8, 64, 128, 100, 1, 10),  # one query tile whose context and blocks share a key tile
+    (8, 64, 128, 100, 1, 36),
+])
+def test_block_mask_covers_the_dense_mask_and_attends_alike(block, window, tile, seq_len, sequences, per_sequence):
+    """The training step's block mask, built from its rows' key ranges, lists every key tile the dense mask needs
+    once each, and on the CPU's unfused flex_attention attends as scaled_dot_product_attention does under it."""
+    from blockspec.train.block_attention import BlockLayout, attend
+
+    torch.manual_seed(block)
+    anchors = torch.cat([s * seq_len + torch.randperm(seq_len - block)[:per_sequence].sort().values + 1
+                         for s in range(sequences)])
+    layout = BlockLayout(anchors, block, sequences * seq_len, window, seq_len)
+    dense, mask = layout.dense_mask(), layout.block_mask(tile)
+    q_tiles, kv_tiles = -(-layout.rows // tile), -(-(layout.length + layout.rows) // tile)
+    listed = torch.zeros(q_tiles, kv_tiles, dtype=torch.bool)
+    counts, indices = mask.kv_num_blocks[0, 0], mask.kv_indices[0, 0]
+    for t in range(q_tiles):
+        listed[t, indices[t, :counts[t]].long()] = True
+    needed = torch.nn.functional.pad(dense, (0, kv_tiles * tile - dense.shape[1], 0, q_tiles * tile - dense.shape[0]))
+    needed = needed.view(q_tiles, tile, kv_tiles, tile).any(3).any(1)
+    assert (needed <= listed).all() and all(len(set(indices[t, :counts[t]].tolist())) == counts[t] for t in
+                                            range(q_tiles))  # each tile once
+    q = torch.randn(1, 4, layout.rows, 16)
+    k, v = (torch.randn(1, 2, layout.length + layout.rows, 16) for _ in range(2))
+    torch.testing.assert_close(attend(q, k, v, mask, 0.25), attend(q, k, v, dense, 0.25), rtol=1e-5, atol=1e-5)

@@ -48,11 +48,33 @@ class BlockLayout:
         return self.sees(torch.arange(self.rows, device=device)[:, None],
                          torch.arange(self.length + self.rows, device=device)[None, :])
 
-    def block_mask(self):
-        from torch.nn.attention.flex_attention import create_block_mask
+    def block_mask(self, tile: int = 128):
+        """flex_attention's BlockMask, built from the rows' key ranges rather than by evaluating `sees` over every
+        query-key pair: query tile t (rows t * tile ..) reads the context tiles from the lowest position any of its
+        rows sees to its last anchor, then the tiles of its own blocks' keys; `sees` masks inside them. Anchors
+        ascend (sequence by sequence), so each range is one run of tiles."""
+        from torch.nn.attention.flex_attention import BlockMask
 
-        return create_block_mask(lambda b, h, q, kv: self.sees(q, kv), None, None, self.rows,
-                                 self.length + self.rows, device=self.anchors.device)
+        device, n = self.anchors.device, self.anchors.shape[0]
+        tiles = -(-self.rows // tile)
+        first_row = torch.arange(tiles, device=device) * tile
+        last_row = torch.clamp(first_row + tile, max=self.rows) - 1
+        first_anchor = self.anchors[first_row // self.block]
+        last_anchor = self.anchors[last_row // self.block]
+        start = first_anchor // self.seq_len * self.seq_len  # the first row's sequence; later rows start no lower
+        context_lo = torch.maximum(start, first_anchor - self.window + 1) // tile
+        context_hi = (last_anchor - 1) // tile  # the last context position any row of the tile sees
+        own_lo = (self.length + first_row // self.block * self.block) // tile
+        own_hi = (self.length + torch.clamp((last_row // self.block + 1) * self.block, max=n * self.block) - 1) // tile
+        own_lo = torch.maximum(own_lo, context_hi + 1)  # a tile shared by context and blocks is listed once
+        n_context, n_own = context_hi - context_lo + 1, (own_hi - own_lo + 1).clamp_min(0)
+        slot = torch.arange(-(-(self.length + self.rows) // tile), device=device)[None]  # one per key tile
+        indices = torch.where(slot < n_context[:, None], context_lo[:, None] + slot,
+                              own_lo[:, None] + slot - n_context[:, None])
+        indices = torch.where(slot < (n_context + n_own)[:, None], indices, 0)
+        return BlockMask.from_kv_blocks((n_context + n_own)[None, None].int(), indices[None, None].int(),
+                                        BLOCK_SIZE=tile, mask_mod=lambda b, h, q, kv: self.sees(q, kv),
+                                        seq_lengths=(self.rows, self.length + self.rows))
 
 
 def step_mask(layout: BlockLayout, block_sparse: bool):
