@@ -12,7 +12,7 @@ drafter parameter (30 GB, ~10 ms). Prediction: ~0.7-0.8 s per step, ~5k block to
 at the peak.
 
 Usage (GPU, repo root): python bench/drafter_training.py [--preset qwen3.5-27b] [--steps 10] [--seq-len 2048]
-  [--batch-tokens 4096] [--window N] [--attention dense|block-sparse] [--json-out FILE]
+  [--batch-tokens 4096] [--window N] [--attention dense|block-sparse] [--profile N] [--json-out FILE]
 """
 
 import argparse
@@ -44,6 +44,8 @@ def main():
     p.add_argument("--attention", default="dense", choices=["dense", "block-sparse"],
                    help="the step's attention: scaled_dot_product_attention under a dense mask (train-drafter's) or "
                    "flex_attention's block-sparse kernel (CUDA only)")
+    p.add_argument("--profile", type=int, default=0, metavar="N",
+                   help="then profile one more step and print its N costliest operators")
     p.add_argument("--json-out", help="write the figures as JSON")
     args = p.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -94,7 +96,8 @@ def main():
         print(f"step {i}: {rows} block rows, {time.perf_counter() - start:.2f} s", flush=True)
     sync()
     elapsed = time.perf_counter() - start
-    figures = {"preset": args.preset, "attention": args.attention, "window": config["sliding_window"], "drafter_parameters": sum(p.numel() for p in drafter.parameters()),
+    figures = {"preset": args.preset, "attention": args.attention, "window": config["sliding_window"],
+               "drafter_parameters": sum(p.numel() for p in drafter.parameters()),
                "seq_len": args.seq_len, "block_rows_per_step": rows // args.steps, "steps": args.steps,
                "step_s": round(elapsed / args.steps, 4), "block_tokens_per_s": round(rows / elapsed, 1),
                "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu"}
@@ -102,6 +105,15 @@ def main():
         figures["peak_allocated_gb"] = round(torch.cuda.max_memory_allocated() / 1e9, 2)
         free, total = torch.cuda.mem_get_info()
         figures["process_held_gb"] = round((total - free) / 1e9, 2)
+    if args.profile:  # one more step under the profiler: where a step's time goes, by operator
+        from torch.profiler import ProfilerActivity, profile
+
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+        with profile(activities=activities) as prof:
+            step()
+            sync()
+        key = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
+        print(prof.key_averages().table(sort_by=key, row_limit=args.profile))
     print(json.dumps(figures, indent=2))
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(figures, indent=2))

@@ -52,7 +52,8 @@
 #                  acceptance sampled at DEMO_TREE_TEMPERATURES (default 0.7 1, empty: none; bench/tree_acceptance.py,
 #                  fp32); DEMO_BENCH_ARGS adds to the tokens/s run (e.g. "--temperature 1 --seed 0": sampled)
 #   drafter_train  train-drafter's step on the synthetic 27B with the published drafter (bench/drafter_training.py;
-#                  ~3 minutes, most of it building the synthetic target)
+#                  ~3 minutes, most of it building the synthetic target); DRAFTER_TRAIN_ARGS add to it (e.g. "--preset
+#                  tiny --seq-len 1024 --batch-tokens 8192 --window 1024 --attention block-sparse --profile 25")
 #   ckpt       users' downloads: the 27B's shapes written as a checkpoint in each published format (CKPT_FORMATS,
 #              default gptq,awq,fp8; also ct-fp8, bf16, bf16-int4), ~4 GB shards, then loaded cold by the engine:
 #              write and load s, GB/s, loading peak vs the estimate, decode tokens/s (bench/checkpoint_loading.py;
@@ -132,7 +133,8 @@ for part in ${PARTS:-bf16 warm int4 vocab}; do
              kernel_bench demo_trees_t$t ${DEMO_ACCEPTANCE_S:-240} tree_acceptance --model ../.demo/target --drafter ../.demo/drafter \
                --budgets ${DEMO_TREE_BUDGETS:-0,16,32} --temperature $t --device cuda --json-out "$OUT/tree_acceptance_t$t.json"
            done ;;
-    drafter_train) kernel_bench drafter_training ${DRAFTER_TRAIN_S:-420} drafter_training --json-out "$OUT/drafter_training.json" ;;
+    drafter_train) kernel_bench drafter_training ${DRAFTER_TRAIN_S:-420} drafter_training ${DRAFTER_TRAIN_ARGS:-} \
+                     --json-out "$OUT/drafter_training.json" ;;
     ckpt) kernel_bench checkpoint_loading ${CKPT_S:-560} checkpoint_loading --format ${CKPT_FORMATS:-gptq,awq,fp8} ;;
     *) echo "## unknown part $part" >> "$LOG" ;;
   esac

@@ -22,7 +22,7 @@ DRY_RUNS = {  # script: its arguments ({out}: its $OUT)
     "kernel_schedules": ["--dry-run"],
     "quant_kernels": [],  # TRITON_INTERPRET=1 alone is its dry run
     "drafter_training": ["--preset", "tiny", "--seq-len", "64", "--batch-tokens", "64", "--steps", "1",
-                         "--json-out", "{out}/drafter_training.json"],
+                         "--profile", "5", "--json-out", "{out}/drafter_training.json"],
     "profile_cycle": ["--dry-run", "--modes", "mtp,dflash2"],
     # GraphedTarget's CUDA graphs have no CPU path: their imports and their argument check only
     "step_variants": ["--variants", "no such variant"],
