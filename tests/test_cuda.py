@@ -324,8 +324,8 @@ def test_drafter_kernels_bf16_on_gpu():
     heads of 128, a 2048-slot window + 8 block rows, conv groups of 16, selector rank 256 / top 16) against their
     references: bf16 within a few ulps; the selector walk exactly in float32."""
     from blockspec.kernels import drafter_conv_triton, drafter_selector_triton
-    from blockspec.drafter.conv import grouped_dynamic_causal_conv_reference
-    from blockspec.drafter.selector import greedy_walk_reference
+    from blockspec.kernels.drafter_conv import grouped_dynamic_causal_conv_reference
+    from blockspec.kernels.drafter_selector import greedy_walk_reference
     from blockspec.kernels import attention_inputs_triton, attention_triton
     from blockspec.kernels.attention import masked_attention_sdpa, prepare_attention_inputs_reference
     from blockspec.kernels.attention import rope_tables
@@ -425,7 +425,7 @@ def test_sampled_walk_on_gpu():
     """The selector's sampling walk (Triton) against its reference at the published drafter's shapes: the same picks
     and q; at temperature 0 the greedy walk's picks."""
     from blockspec.kernels import drafter_selector_triton
-    from blockspec.drafter.selector import greedy_walk_reference, sampled_walk_reference
+    from blockspec.kernels.drafter_selector import greedy_walk_reference, sampled_walk_reference
 
     torch.manual_seed(0)
     f32 = dict(device="cuda", dtype=torch.float32)
@@ -578,13 +578,14 @@ def test_tree_build_kernel_equals_reference_on_cuda(style):
     from test_tree_build_kernel import inputs
 
     from blockspec.kernels import drafter_tree_triton
-    from blockspec.drafter.tree import build_tree, build_tree_reference
+    from blockspec.drafter.tree import DraftTree, build_tree
+    from blockspec.kernels.drafter_tree import build_tree_reference
     for k, rows in ((16, 7), (8, 16), (4, 7)):
         table, candidates, anchor, chain = (x.cuda() for x in inputs(k, rows, style, seed=k + rows))
         for budget in (1, rows, 16, 33, 63):
             assert drafter_tree_triton.available(table, budget)
             got, expected = build_tree(table, candidates, anchor, chain, budget), \
-                build_tree_reference(table, candidates, anchor, chain, budget)
+                DraftTree(*build_tree_reference(table, candidates, anchor, chain, budget))
             for field in ("tokens", "parents", "depth", "valid"):
                 assert torch.equal(getattr(got, field), getattr(expected, field)), (style, k, rows, budget, field)
 

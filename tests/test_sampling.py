@@ -16,7 +16,6 @@ import torch
 from helpers import cli, run_pass
 from safetensors.torch import load_file, save_file
 
-from blockspec.drafter import selector
 from blockspec.engine import sampling, tree
 from blockspec.engine import target as engine_target
 from blockspec.engine.engine import Engine
@@ -24,6 +23,7 @@ from blockspec.engine.sampling import TOP_K_CAP, draw, processed_probs, ranked_p
 from blockspec.engine.state import DecodeState
 from blockspec.errors import BlockspecError
 from blockspec.fixtures.tiny import build_tiny_checkpoint, build_tiny_drafter
+from blockspec.kernels import drafter_selector
 
 SIGNIFICANCE = 1e-3   # a lossless mode must not be rejected at this level
 REJECTED = 1e-6       # a biased variant must be rejected at least this clearly
@@ -228,7 +228,7 @@ def walk_reporting_per_position_q(unary, candidates, projected, anchor, predeces
     return chosen, torch.softmax(unary.float() / temperature, -1)
 
 
-TRUE_WALK = selector.sampled_walk_reference
+TRUE_WALK = drafter_selector.sampled_walk_reference
 TRUE_TREE_WALK = tree.walk
 
 
@@ -259,7 +259,7 @@ def test_biased_variants_are_rejected(engines, monkeypatch, variant):
     if variant == "argmax-match acceptance":
         monkeypatch.setattr(sampling, "speculative_accept", argmax_match_accept)
     elif variant == "per-position q":
-        monkeypatch.setattr(selector, "sampled_walk_reference", walk_reporting_per_position_q)
+        monkeypatch.setattr(drafter_selector, "sampled_walk_reference", walk_reporting_per_position_q)
     elif variant == "tree walked by argmax":
         monkeypatch.setattr(engine_target, "walk", tree_walk_descending_on_argmax)
         mode = "dflash2 tree"

@@ -8,12 +8,12 @@ import json
 import torch
 from helpers import patch_triton_interpreter, run_in_triton_interpreter
 
-from blockspec.drafter.conv import grouped_dynamic_causal_conv_reference
-from blockspec.drafter.selector import greedy_walk_reference, sampled_walk_reference
 from blockspec.kernels import (activation_triton, attention_inputs_triton, drafter_conv_triton, drafter_selector_triton,
                                gdn_triton, norm_triton)
 from blockspec.kernels.activation import sigmoid_mul_reference, silu_mul_reference
 from blockspec.kernels.attention import prepare_attention_inputs_reference
+from blockspec.kernels.drafter_conv import grouped_dynamic_causal_conv_reference
+from blockspec.kernels.drafter_selector import greedy_walk_reference, sampled_walk_reference
 from blockspec.kernels.gdn import causal_conv1d_reference
 from blockspec.kernels.norm import (add_rms_norm_reference, gated_rms_norm_reference, rms_norm_plain,
                                     rms_norm_reference)

@@ -9,8 +9,9 @@ import pytest
 import torch
 from helpers import interpreter_part, patch_triton_interpreter, report_parts, run_in_triton_interpreter, selected_parts
 
-from blockspec.drafter.tree import DraftTree, build_tree, build_tree_reference, chain_scores
+from blockspec.drafter.tree import DraftTree, build_tree
 from blockspec.kernels import drafter_tree_triton
+from blockspec.kernels.drafter_tree import build_tree_reference, chain_scores
 
 STYLES = ("transition", "marginal", "ties", "ties_marginal", "masked", "nan")
 
@@ -53,7 +54,7 @@ def _mismatches(cases):  # in the interpreter subprocess
     results = []
     for i, (k, rows, budget, style) in enumerate(cases):
         args = inputs(k, rows, style, seed=i)
-        want = build_tree_reference(*args, budget)
+        want = DraftTree(*build_tree_reference(*args, budget))
         trees = [build_tree(*args, budget)]
         if style.startswith("ties"):  # also its scores summed from the first entry (no 0.0 before): -0.0 ties 0.0
             scores = chain_scores(args[0], args[3][:min(budget, rows)])

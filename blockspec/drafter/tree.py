@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from blockspec.kernels import drafter_tree_triton
+from blockspec.kernels import drafter_tree
 
 
 @dataclass
@@ -49,61 +49,6 @@ def transition_log_probs(unary, candidates, projected, anchor, predecessor, succ
 def build_tree(table: torch.Tensor, candidates: torch.Tensor, anchor: torch.Tensor, chain: torch.Tensor,
                budget: int) -> DraftTree:
     """The tree of `budget` nodes (module docstring) from the transition table [R, K, K] (transition_log_probs), the
-    rows' candidate ids [R, K], the anchor [1] and the greedy chain's candidate index in each row [R]. Where Triton
-    runs, one program (kernels/drafter_tree_triton.py) instead of ~30 ops per node; else build_tree_reference."""
-    if drafter_tree_triton.available(table, budget):
-        picked = chain[:min(budget, candidates.shape[0])]
-        return DraftTree(*drafter_tree_triton.build_tree(table, candidates, anchor, chain,
-                                                         chain_scores(table, picked), budget))
-    return build_tree_reference(table, candidates, anchor, chain, budget)
-
-
-def chain_scores(table: torch.Tensor, picked: torch.Tensor) -> torch.Tensor:
-    """[n] float32: the path scores of the chain's first n nodes, whose candidate indices in rows 0 .. n - 1 are
-    `picked` (row 0's pick follows the anchor: its table row 0)."""
-    steps = torch.arange(picked.shape[0], device=picked.device)
-    return table[steps, torch.cat([picked.new_zeros(1), picked[:-1]]), picked].cumsum(0)
-
-
-def build_tree_reference(table: torch.Tensor, candidates: torch.Tensor, anchor: torch.Tensor, chain: torch.Tensor,
-                         budget: int) -> DraftTree:
-    rows, k = candidates.shape
-    device = candidates.device
-    size = budget + 1
-    length = min(budget, rows)  # chain nodes 1..length
-    tokens = torch.zeros(size, dtype=torch.long, device=device)
-    parents = torch.zeros_like(tokens)
-    depth = torch.zeros_like(tokens)
-    choice = torch.zeros_like(tokens)           # each node's candidate index in its row
-    score = torch.zeros(size, device=device)    # each node's path log-probability
-    valid = torch.ones(size, dtype=torch.bool, device=device)
-    tokens[:1] = anchor.reshape(1)
-    steps = torch.arange(length, device=device)
-    picked = chain[:length]
-    tokens[1:length + 1] = candidates[steps, picked]
-    parents[1:length + 1] = steps
-    depth[1:length + 1] = steps + 1
-    choice[1:length + 1] = picked
-    score[1:length + 1] = chain_scores(table, picked)
-    # frontier[n, j]: the score of node n's child j (row depth[n]'s candidate j), -inf once taken or past the rows
-    flat_table = table.reshape(rows * k, k)
-    frontier = torch.full((size, k), float("-inf"), device=device)
-    chain_nodes = torch.arange(length + 1, device=device)
-    has_children = depth[:length + 1] < rows
-    children = score[:length + 1, None] + flat_table[depth[:length + 1].clamp(max=rows - 1) * k + choice[:length + 1]]
-    frontier[:length + 1] = torch.where(has_children[:, None], children, float("-inf"))
-    flat, flat_candidates = frontier.view(-1), candidates.reshape(-1)
-    flat.index_fill_(0, chain_nodes[:length] * k + picked, float("-inf"))  # the chain's children are nodes already
-    for node in range(length + 1, size):  # 1-element index tensors throughout: no host synchronisation
-        best = flat.argmax().reshape(1)
-        value = flat.index_select(0, best)
-        parent, j = best // k, best % k
-        row = depth.index_select(0, parent)  # the child's row: its depth - 1
-        tokens[node:node + 1] = flat_candidates.index_select(0, row.clamp(max=rows - 1) * k + j)
-        parents[node:node + 1], depth[node:node + 1], choice[node:node + 1] = parent, row + 1, j
-        score[node:node + 1] = value
-        valid[node:node + 1] = value > float("-inf")
-        flat.index_fill_(0, best, float("-inf"))
-        below = flat_table.index_select(0, (row + 1).clamp(max=rows - 1) * k + j)[0]
-        frontier[node] = torch.where((row + 1 < rows) & (value > float("-inf")), value + below, float("-inf"))
-    return DraftTree(tokens, parents, depth, valid)
+    rows' candidate ids [R, K], the anchor [1] and the greedy chain's candidate index in each row [R]
+    (kernels/drafter_tree.py)."""
+    return DraftTree(*drafter_tree.build_tree(table, candidates, anchor, chain, budget))

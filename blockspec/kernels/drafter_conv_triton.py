@@ -1,6 +1,5 @@
 """The DFlash2 drafter's grouped dynamic causal convolution in one Triton kernel, the fast path of
-`grouped_dynamic_causal_conv` (blockspec.drafter.conv, beside the drafter's differentiable model), whose
-`grouped_dynamic_causal_conv_reference` is its reference.
+`grouped_dynamic_causal_conv` (drafter_conv.py), whose `grouped_dynamic_causal_conv_reference` is its reference.
 
 Why a kernel of its own: the reference is ~5 elementwise ops per tap; torch.compile makes it one kernel but traces
 it again at every start, while a Triton kernel loads from Triton's disk cache, so the drafter's graphs are ready in

@@ -1,6 +1,6 @@
 """The DFlash2 drafter's candidate selector walk in one Triton program, greedy or sampling, the fast path of
-`greedy_walk` and `sampled_walk` (blockspec.drafter.selector, beside the selector module), whose references are
-`greedy_walk_reference` and `sampled_walk_reference` there.
+`greedy_walk` and `sampled_walk` (drafter_selector.py), whose references are `greedy_walk_reference` and
+`sampled_walk_reference` there.
 
 Why: the walk is n dependent steps of a few tiny ops each; torch.compile makes it a few kernels but traces it
 again at every start (time the drafter's graph preparation would pay), while a Triton kernel loads from Triton's
