@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
+from ..engine.reuse import common_prefix
 from ..errors import BlockspecError
 
 TEXT_SUFFIXES = {".txt", ".md", ".py", ".rst", ".json", ".jsonl", ".c", ".h", ".cpp", ".rs", ".go", ".js", ".ts",
@@ -145,15 +146,6 @@ def check_chat_template(units: list, tokenizer, flag: str = "--data"):
                              "the target has none (tokenizer_config.json: chat_template)")
 
 
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
 def conversation_tokens(tokenizer, messages: list[dict]) -> tuple[list[int], list[bool]]:
     """The conversation's token ids as the chat template renders it (control tokens from the template alone, as in
     the engine's chat) and, per token, whether it is an assistant's. An assistant turn runs from where the prompt
@@ -165,7 +157,7 @@ def conversation_tokens(tokenizer, messages: list[dict]) -> tuple[list[int], lis
     for i, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
-        start = max(end, _common_prefix(tokenizer.chat_prompt_ids(messages[:i]), ids))
+        start = max(end, common_prefix(tokenizer.chat_prompt_ids(messages[:i]), ids))
         end = next((p + 1 for p in range(start, len(ids)) if ids[p] in tokenizer.eos_token_ids), len(ids))
         mine[start:end] = [True] * (end - start)
     return ids, mine
