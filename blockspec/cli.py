@@ -197,8 +197,11 @@ def add_train_drafter_parser(sub):
                    help="candidates per row " + default(D, "selector_top_k"))
     p.add_argument("--loss-decay", type=float, metavar="D",
                    help="row j weighs exp(-(j-1)/decay) " + default(D, "loss_decay"))
-    p.add_argument("--eval-cuts", type=int, metavar="N", help="held-out contexts for the final one-cycle "
-                   "acceptance (0: none) " + default(D, "eval_cuts"))
+    p.add_argument("--eval-cuts", type=int, metavar="N", help="held-out contexts of each one-cycle acceptance "
+                   "(at the end, and with --eval-every; 0: none) " + default(D, "eval_cuts"))
+    p.add_argument("--eval-every", type=int, metavar="N", help="steps between held-out evaluations (and one at the "
+                   "end); the weights of the best mean accepted length are kept in OUT/best (0: none) "
+                   + default(D, "eval_every"))
     add_training_args(p, D, "block tokens")
     p.set_defaults(func=cmd_train_drafter)
 
@@ -226,8 +229,8 @@ def add_training_args(p, defaults, unit: str):
     p.add_argument("--seed", type=check_seed, metavar="N",
                    help="seed of sampling and initialisation, 0..2^63-1 " + default(defaults, "seed"))
     p.add_argument("--resume", action="store_true", help="continue the run saved in --out, with its settings (flags "
-                   "that would change its model or optimisation are refused; --steps, --tokens, --checkpoint-every "
-                   "and --eval-cuts may change)")
+                   "that would change its model or optimisation are refused; --steps, --tokens, --checkpoint-every, "
+                   "--eval-cuts and --eval-every may change)")
     p.add_argument("--device", choices=["cpu", "cuda", "auto"],
                    help="auto: the GPU if there is one " + default(defaults, "device"))
 

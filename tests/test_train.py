@@ -438,3 +438,129 @@ def test_block_mask_covers_the_dense_mask_and_attends_alike(block, window, tile,
     q = torch.randn(1, 4, layout.rows, 16)
     k, v = (torch.randn(1, 2, layout.length + layout.rows, 16) for _ in range(2))
     torch.testing.assert_close(attend(q, k, v, mask, 0.25), attend(q, k, v, dense, 0.25), rtol=1e-5, atol=1e-5)
+
+
+def train_drafter_argv(run: DrafterTraining) -> list[str]:
+    """The `train-drafter` flags of a run: those that differ from the defaults."""
+    from dataclasses import fields
+
+    argv = ["train-drafter"]
+    for field in fields(run):
+        value = getattr(run, field.name)
+        if value != field.default:
+            flag = "--" + field.name.replace("_", "-")
+            argv += [flag] if value is True else [flag, *map(str, value if isinstance(value, list) else [value])]
+    return argv
+
+
+def torchrun(run: DrafterTraining, processes: int = 2) -> str:
+    """`torchrun --nproc-per-node N -m blockspec train-drafter ...` on the CPU (gloo); its output."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    env = dict(os.environ, PYTHONPATH=str(root))
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                           str(processes), "-m", "blockspec", *train_drafter_argv(run)], cwd=root, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc.stdout
+
+
+def trained_weights(out) -> dict:
+    return torch.load(out / "training_state.pt", weights_only=False)["module"]
+
+
+def assert_same_run(one: dict, two: dict, out_one, out_two):
+    """Two runs of the same global batches: the same figures step by step (the history keeps 4 decimals) and the
+    same trained weights (fp32 on the CPU: the ranks' sums differ from one process's in rounding only)."""
+    assert [h["step"] for h in two["history"]] == [h["step"] for h in one["history"]]
+    for a, b in zip(one["history"], two["history"]):
+        assert b == pytest.approx(a, rel=1e-4, abs=2e-4), (a, b)
+    weights_one, weights_two = trained_weights(out_one), trained_weights(out_two)
+    for name, tensor in weights_one.items():
+        torch.testing.assert_close(weights_two[name], tensor, rtol=1e-4, atol=1e-5)
+
+
+def test_two_processes_train_as_one_and_resume(setup):
+    """torchrun with 2 processes (gloo on the CPU) trains on each step's global batch, shared between the ranks, as
+    one process does, and continues a run under --resume the same way; rank 0 alone logs and writes, evaluations
+    and the best weights included."""
+    root, target, data = setup
+    settings = dict(batch_tokens=192, checkpoint_every=2, eval_every=2, heldout=0.2)
+    single = train(run_config(root, target, data, out="single", steps=4, **settings), log=lambda *_: None)
+    single = train(run_config(root, target, data, out="single", steps=6, resume=True, **settings),
+                   log=lambda *_: None)
+    logged = torchrun(run_config(root, target, data, out="ranks", steps=4, **settings))
+    assert logged.count("train-drafter:") == 1 and "on cpu x 2 processes" in logged
+    torchrun(run_config(root, target, data, out="ranks", steps=6, resume=True, **settings))
+    ranks = json.loads((root / "ranks" / "training.json").read_text())
+    ranks["history"] = ranks.pop("learning_curve")
+    assert_same_run(single, ranks, root / "single", root / "ranks")
+    assert [e["step"] for e in ranks["evaluations"]] == [2, 4, 6] == [e["step"] for e in single["evaluations"]]
+    assert ranks["best"]["step"] == single["best"]["step"] and (root / "ranks" / "best" / "model.safetensors").is_file()
+    assert 1 <= ranks["evaluation"]["mean_accepted_length"] <= 8
+
+
+def test_mtp_head_trains_in_two_processes_as_in_one(setup):
+    """The MTP head as the drafter: the same run in 2 processes as in one; its best weights in a loadable copy of
+    the target (OUT/best), the run's own copy untouched by it."""
+    root, target, data = setup
+    settings = dict(kind="mtp", replace_mtp=True, batch_tokens=192, steps=4, checkpoint_every=4, eval_every=2)
+    single = train(run_config(root, target, data, out="mtp_single", **settings), log=lambda *_: None)
+    torchrun(run_config(root, target, data, out="mtp_ranks", **settings))
+    ranks = json.loads((root / "mtp_ranks" / "mtp_training.json").read_text())
+    ranks["history"] = ranks.pop("learning_curve")
+    assert_same_run(single, ranks, root / "mtp_single", root / "mtp_ranks")
+    best = root / "mtp_ranks" / "best"
+    assert ranks["best"]["step"] == single["best"]["step"]
+    assert not (best / "training_state.pt").exists() and not (best / "best").exists()
+    plain = Engine.load(target, device="cpu", compute_dtype="float32")
+    mtp = Engine.load(best, device="cpu", compute_dtype="float32", mode="mtp")
+    ids = plain.tokenizer.encode("the old tree")
+    assert mtp.generate(ids, 20, stop_at_eos=False).tokens == plain.generate(ids, 20, stop_at_eos=False).tokens
+
+
+def test_a_world_size_that_does_not_share_the_step_evenly_is_refused(setup, tmp_path, capsys, monkeypatch):
+    import blockspec.train.run as run_module
+
+    _, target, data = setup
+    monkeypatch.setattr(run_module, "load_target", lambda *a, **k: pytest.fail("the target was loaded"))
+    monkeypatch.setenv("WORLD_SIZE", "3")  # as torchrun --nproc-per-node 3 sets it
+    assert main(train_drafter_argv(run_config(tmp_path, target, data, batch_tokens=192))) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "3 processes cannot share the 2 sequences of a step evenly" in err, err
+    assert not (tmp_path / "out").exists()
+
+
+def test_eval_every_keeps_the_best_weights_and_resume_remembers_them(tmp_path):
+    from blockspec.train.loop import Trainer
+
+    module = torch.nn.Linear(2, 1)
+    written = {}  # step -> the weights written then
+
+    def save(directory):
+        torch.save(module.state_dict(), directory / "w.pt")
+        written[trainer.step] = {k: v.clone() for k, v in module.state_dict().items()}
+
+    def step_loss(rng):
+        return module(torch.tensor([rng.random(), 1.0])).square().sum(), {"first_row_accuracy": 0.5}, 1
+
+    def measured(values):
+        values = iter(values)
+        return lambda: {"mean_accepted_length": next(values)}
+
+    trainer = Trainer(module, tmp_path, 0.1, torch.device("cpu"), save, 100, 0, {})
+    trainer.fit(6, step_loss, measured([1.5, 2.0, 1.8]), eval_every=2)
+    assert [(e["step"], e["mean_accepted_length"]) for e in trainer.evaluations] == [(2, 1.5), (4, 2.0), (6, 1.8)]
+    assert trainer.best == {"step": 4, "mean_accepted_length": 2.0}
+    assert all(torch.equal(torch.load(tmp_path / "best" / "w.pt")[k], v) for k, v in written[4].items())
+    assert all(not torch.equal(written[4][k], v) for k, v in written[6].items())  # so best/ is not the last
+    trainer = Trainer(module, tmp_path, 0.1, torch.device("cpu"), save, 100, 0, {})
+    trainer.resume()
+    trainer.fit(10, step_loss, measured([1.9, 2.5]), eval_every=4)
+    assert [e["step"] for e in trainer.evaluations] == [2, 4, 6, 8, 10]
+    assert trainer.best == {"step": 10, "mean_accepted_length": 2.5}
+    assert all(torch.equal(torch.load(tmp_path / "best" / "w.pt")[k], v) for k, v in written[10].items())

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from ..config import TargetConfig
 from ..errors import BlockspecError
 from .block_attention import BlockLayout, attend, step_mask
+from .ranks import Ranks
 
 
 def spread_layer_ids(num_layers: int, count: int) -> list[int]:
@@ -122,11 +123,13 @@ def drafter_hidden(model, features: torch.Tensor, noise: torch.Tensor, anchors: 
 
 
 def block_losses(model, head, embed, features, tokens, labels, anchors, decay: float, seq_len: int | None = None,
-                 trained: torch.Tensor | None = None):
+                 trained: torch.Tensor | None = None, total=lambda count: count):
     """(block cross-entropy, selector cross-entropy, per-row accuracy [block - 1]) of the anchor blocks of sequences
     of `seq_len` tokens laid end to end (default: one): `tokens` [L] their ids, `labels` [L] the target's greedy token
     after each position, `anchors` [n] positions in that stream, `trained` [L] (bool; default: all) the positions
-    whose labels count: a row whose label is not trained is left out of its row's mean."""
+    whose labels count: a row whose label is not trained is left out of its row's mean. With the ranks' `total`
+    (train/ranks.py) the means are over the rows of every rank's blocks: each rank's figures are its part of the
+    whole step's."""
     block = model.block_size
     offsets = torch.arange(block, device=tokens.device)
     ids = torch.full((anchors.shape[0], block), model.mask_token_id, dtype=torch.long, device=tokens.device)
@@ -134,7 +137,7 @@ def block_losses(model, head, embed, features, tokens, labels, anchors, decay: f
     targets = labels[anchors[:, None] + offsets[None, :-1]]
     counted = (torch.ones_like(targets, dtype=torch.bool) if trained is None
                else trained[anchors[:, None] + offsets[None, :-1]])
-    rows = counted.sum(0).clamp_min(1)
+    rows = total(counted.sum(0)).clamp_min(1)
     noise = embed(ids) * float(model.config.dflash_config.get("input_embedding_scale", 1.0))
     hidden = drafter_hidden(model, features, noise.to(features.dtype), anchors, seq_len)[:, 1:]
     logits = model.compute_logits(hidden, head).float()
@@ -149,7 +152,7 @@ def block_losses(model, head, embed, features, tokens, labels, anchors, decay: f
     hit = candidates == targets[..., None]
     present = hit.any(-1) & counted
     picked = F.cross_entropy(scores.transpose(1, 2), hit.float().argmax(-1), reduction="none") * present
-    selector_ce = picked.sum(0) / present.sum(0).clamp_min(1)
+    selector_ce = picked.sum(0) / total(present.sum(0)).clamp_min(1)
     accuracy = ((logits.argmax(-1) == targets) & counted).sum(0) / rows
     return (weights * row_ce).sum(), (weights * selector_ce).sum(), accuracy
 
@@ -181,26 +184,44 @@ def step_shape(run) -> tuple[int, int]:
     return max(1, run.batch_tokens // (per_sequence * run.block_size)), per_sequence
 
 
-def dflash2_step(drafter, model, features, sequences, run):
+class DrafterLoss(torch.nn.Module):
+    """The drafter with block_losses as its forward: the module DistributedDataParallel wraps (it averages the
+    gradients of what runs through its forward). The target's head and embedding are used, not held as modules."""
+
+    def __init__(self, drafter, model, decay: float, seq_len: int, total):
+        super().__init__()
+        self.drafter, self.head, self.embed = drafter, model.logits, model.embed
+        self.decay, self.seq_len, self.total = decay, seq_len, total
+
+    def forward(self, features, tokens, labels, anchors, trained):
+        return block_losses(self.drafter, self.head, self.embed, features, tokens, labels, anchors, self.decay,
+                            self.seq_len, trained, self.total)
+
+
+def dflash2_step(drafter, model, features, sequences, run, ranks: Ranks | None = None):
     """step_loss for the Trainer: a few training sequences (data.Sequence) through the frozen target, then anchor
-    blocks of each (step_shape; anchored where the first label is trained) through the drafter in one pass."""
+    blocks of each (step_shape; anchored where the first label is trained) through the drafter in one pass. Every
+    rank draws the step's sequences and anchors alike and runs its share of them (train/ranks.py)."""
+    ranks = ranks or Ranks()
     block, length = run.block_size, len(sequences[0].ids)
     count, per_sequence = step_shape(run)
     device = model.embed_tokens.weight.device
     sequences = [s for s in sequences if anchor_positions(s.trained, block)]
     if not sequences:
         raise BlockspecError("--data: no training sequence has a trained token to anchor a block on")
+    losses = ranks.replicate(DrafterLoss(drafter, model, run.loss_decay, length, ranks.total), device)
 
     def step_loss(rng):
         picked = [sequences[rng.randrange(len(sequences))] for _ in range(count)]
+        drawn = [sample_anchors(s.trained, per_sequence, block, rng) for s in picked]
+        picked, drawn = ranks.share(picked), ranks.share(drawn)
         tokens = torch.tensor([s.ids for s in picked], device=device)
         feats, labels = zip(*(features(row) for row in tokens))
-        anchors = torch.tensor([i * length + a for i, s in enumerate(picked)
-                                for a in sample_anchors(s.trained, per_sequence, block, rng)], device=device)
+        anchors = torch.tensor([i * length + a for i, positions in enumerate(drawn) for a in positions],
+                               device=device)
         trained = torch.tensor([s.trained for s in picked], device=device).reshape(-1)
-        block_ce, selector_ce, accuracy = block_losses(drafter, model.logits, model.embed, torch.cat(feats),
-                                                       tokens.reshape(-1), torch.cat(labels), anchors,
-                                                       run.loss_decay, length, trained)
+        block_ce, selector_ce, accuracy = losses(torch.cat(feats), tokens.reshape(-1), torch.cat(labels), anchors,
+                                                 trained)
         figures = {"block_ce": block_ce.item(), "selector_ce": selector_ce.item(),
                    "first_row_accuracy": accuracy[0].item()}
         return block_ce + selector_ce, figures, anchors.numel() * block

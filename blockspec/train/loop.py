@@ -1,6 +1,8 @@
 """The optimisation every training kind shares: AdamW over fp32 master weights (bf16 autocast on CUDA), linear
-warm-up then cosine decay, gradient clipping at 1, a progress bar with loss and tokens/s, checkpoints every N steps
-and at the end, and `--resume` from the last one (weights, optimizer, step, history, random state)."""
+warm-up then cosine decay, gradient clipping at 1 (the norm before it recorded), a progress bar with loss, first-row
+accuracy and tokens/s, checkpoints every N steps and at the end, `--resume` from the last one (weights, optimizer,
+step, history, evaluations, random state), and with an evaluation every N steps the best weights kept in OUT/best.
+In several processes (train/ranks.py) rank 0 writes, logs and evaluates; every rank keeps the same history."""
 
 from __future__ import annotations
 
@@ -18,12 +20,14 @@ from typing import Callable
 import torch
 
 from ..errors import BlockspecError
+from .ranks import Ranks
 
 STATE_FILE = "training_state.pt"
+BEST = "best"  # OUT/best: the weights of the best evaluation (--eval-every)
 RUN_FILE = "training_run.json"  # the settings of the run saved beside it, which --resume continues with
-# Settings a resumed run may change: how long it trains, how often it checkpoints, how much it evaluates at the end.
+# Settings a resumed run may change: how long it trains, how often it checkpoints, how often and how much it evaluates.
 # The inputs (paths, device) are given again on every run and are not saved.
-RESUMABLE_CHANGES = {"steps", "tokens", "checkpoint_every", "eval_cuts"}
+RESUMABLE_CHANGES = {"steps", "tokens", "checkpoint_every", "eval_cuts", "eval_every"}
 NOT_SAVED = {"target", "data", "suffixes", "out", "resume", "device", "replace_mtp"}
 
 
@@ -119,12 +123,20 @@ def learning_rate(step: int, steps: int, peak: float) -> float:
 
 
 class Trainer:
+    """`step_loss(rng) -> (loss, figures, tokens)` is this rank's part of a step: over the ranks the parts of the
+    loss, of each figure and of the tokens sum to the whole step's (train/ranks.py), and `module` runs under
+    DistributedDataParallel, which averages the gradients, so the loss is scaled by the world size before its
+    backward pass: the gradient is the whole step's loss's, as one process computes it."""
+
     def __init__(self, module: torch.nn.Module, out: Path, lr: float, device: torch.device,
-                 save_weights: Callable[[Path], None], checkpoint_every: int, seed: int, settings: dict):
+                 save_weights: Callable[[Path], None], checkpoint_every: int, seed: int, settings: dict,
+                 ranks: Ranks | None = None):
         self.module, self.out, self.lr, self.device = module, out, lr, device
         self.save_weights, self.checkpoint_every, self.settings = save_weights, checkpoint_every, settings
+        self.ranks = ranks or Ranks()
         self.optimizer = torch.optim.AdamW(module.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.01)
         self.step, self.history = 0, []
+        self.evaluations, self.best = [], None  # {"step", what `evaluate` measured}; the best of them
         self.rng = random.Random(seed)
 
     def resume(self):
@@ -137,27 +149,46 @@ class Trainer:
                                  f"({first}); give the flags it was started with") from None
         self.optimizer.load_state_dict(state["optimizer"])
         self.step, self.history = state["step"], state["history"]
+        self.evaluations, self.best = state.get("evaluations", []), state.get("best")
         self.rng.setstate(state["rng"])
         torch.set_rng_state(state["torch_rng"])
 
-    def checkpoint(self):
-        """The kind's own output (its weights where blockspec loads them), then the state --resume needs, each file
-        replaced only once its successor is complete."""
-        self.out.mkdir(parents=True, exist_ok=True)
-        with quiet_saving():
-            self.save_weights(self.out)
+    def checkpoint(self, evaluate: Callable[[], dict] | None = None):
+        """The kind's own output (its weights where blockspec loads them); with `evaluate`, their evaluation (rank
+        0's, on every rank) and, when its mean accepted length is the best yet, the same weights in OUT/best; then
+        the state --resume needs. Each file is replaced only once its successor is complete; rank 0 writes."""
+        if self.ranks.main:
+            self.out.mkdir(parents=True, exist_ok=True)
+            with quiet_saving():
+                self.save_weights(self.out)
+        if evaluate is not None:
+            measured = {"step": self.step, **self.ranks.from_main(evaluate() if self.ranks.main else None)}
+            self.evaluations.append(measured)
+            if self.best is None or measured["mean_accepted_length"] > self.best["mean_accepted_length"]:
+                self.best = {"step": self.step, "mean_accepted_length": measured["mean_accepted_length"]}
+                if self.ranks.main:
+                    (self.out / BEST).mkdir(exist_ok=True)
+                    with quiet_saving():
+                        self.save_weights(self.out / BEST)
+                    ordinary_modes(self.out / BEST)
+        if not self.ranks.main:
+            return
         state = {"step": self.step, "module": self.module.state_dict(), "optimizer": self.optimizer.state_dict(),
-                 "history": self.history, "rng": self.rng.getstate(), "torch_rng": torch.get_rng_state()}
+                 "history": self.history, "evaluations": self.evaluations, "best": self.best,
+                 "rng": self.rng.getstate(), "torch_rng": torch.get_rng_state()}
         (self.out / RUN_FILE).write_text(json.dumps(self.settings, indent=2))
         torch.save(state, self.out / (STATE_FILE + ".tmp"))
         (self.out / (STATE_FILE + ".tmp")).replace(self.out / STATE_FILE)
         ordinary_modes(self.out)
 
     @torch.enable_grad()  # whatever the caller's grad mode (the target itself stays frozen)
-    def fit(self, steps: int, step_loss: Callable[[random.Random], tuple[torch.Tensor, dict, int]]) -> float:
-        """Run until `steps`; step_loss(rng) -> (loss, figures to record, tokens trained on). Returns tokens/s."""
+    def fit(self, steps: int, step_loss: Callable[[random.Random], tuple[torch.Tensor, dict, int]],
+            evaluate: Callable[[], dict] | None = None, eval_every: int = 0) -> float:
+        """Run until `steps`; step_loss(rng) -> (loss, figures to record, tokens trained on), this rank's part.
+        With `evaluate` (-> a dict with "mean_accepted_length"), the weights are evaluated every `eval_every` steps
+        and at the last. Returns tokens/s (all ranks')."""
         self.module.train()
-        progress = _progress(range(self.step, steps), self.step, steps)
+        progress = _progress(range(self.step, steps), self.step, steps, self.ranks.main)
         began, tokens = time.perf_counter(), 0
         for step in progress:
             for group in self.optimizer.param_groups:
@@ -165,18 +196,27 @@ class Trainer:
             with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.device.type == "cuda"):
                 loss, figures, count = step_loss(self.rng)
             self.optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(self.module.parameters(), 1.0)
+            (loss * self.ranks.world).backward()
+            norm = torch.nn.utils.clip_grad_norm_(self.module.parameters(), 1.0)  # the whole step's gradient's
             self.optimizer.step()
-            tokens += count
+            parts = torch.tensor([loss.item(), *map(float, figures.values()), count], dtype=torch.float64,
+                                 device=self.device)
+            *whole, count = self.ranks.total(parts).tolist()
+            tokens += int(count)
             self.step = step + 1
-            figures = {"loss": loss.item(), **{k: float(v) for k, v in figures.items()}}
+            figures = {**dict(zip(["loss", *figures], whole)), "grad_norm": norm.item()}
             self.history.append({"step": self.step, **{k: round(v, 4) for k, v in figures.items()}})
             if hasattr(progress, "set_postfix"):
-                progress.set_postfix(loss=f"{figures['loss']:.3f}",
-                                     tok_s=f"{tokens / (time.perf_counter() - began):.0f}")
-            if self.step % self.checkpoint_every == 0 or self.step == steps:
-                self.checkpoint()
+                shown = {"loss": f"{figures['loss']:.3f}"}
+                if "first_row_accuracy" in figures:
+                    shown["acc"] = f"{figures['first_row_accuracy']:.3f}"
+                shown["tok_s"] = f"{tokens / (time.perf_counter() - began):.0f}"
+                if self.evaluations:  # the last evaluation's mean accepted length
+                    shown["accepted"] = f"{self.evaluations[-1]['mean_accepted_length']:.3f}"
+                progress.set_postfix(shown)  # in this order
+            evaluating = evaluate is not None and eval_every > 0 and (self.step % eval_every == 0 or self.step == steps)
+            if self.step % self.checkpoint_every == 0 or self.step == steps or evaluating:
+                self.checkpoint(evaluate if evaluating else None)
         self.module.eval()
         return tokens / max(time.perf_counter() - began, 1e-9)
 
@@ -207,7 +247,9 @@ def ordinary_modes(folder: Path):
             path.chmod(0o666 & ~umask)
 
 
-def _progress(steps, start, total):
+def _progress(steps, start, total, shown: bool = True):
+    if not shown:
+        return steps
     try:
         from tqdm import tqdm
     except ImportError:

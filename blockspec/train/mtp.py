@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import BlockspecError
+from .ranks import Ranks
 
 MTP_FILE = "mtp.safetensors"
 MTP_SUMMARY = "mtp_training.json"  # the head's run; the copied training.json stays the target's own
@@ -87,10 +88,11 @@ def has_mtp_head(target_dir: Path) -> bool:
     return False
 
 
-def copy_target(source: Path, out: Path):
+def copy_target(source: Path, out: Path, link: bool = False):
     """Copy the target checkpoint to `out` without any MTP head it has (shards holding mtp.* tensors are written
     again without them), declare one MTP layer in its config. The target's training.json comes along; the state of
-    a training run and an earlier head's summary do not."""
+    a training run and an earlier head's summary do not. With `link` the shards kept as they are are hard links
+    where the file system allows (OUT/best from OUT, the run's own copy)."""
     from safetensors import safe_open
     from safetensors.torch import save_file
 
@@ -107,7 +109,7 @@ def copy_target(source: Path, out: Path):
             names = list(f.keys())
             kept = [n for n in names if not n.startswith("mtp.")]
             if len(kept) == len(names):
-                shutil.copy2(path, out / path.name)
+                copy_shard(path, out / path.name, link)
             else:
                 save_file({n: f.get_tensor(n) for n in kept}, str(out / path.name), metadata=f.metadata())
     config = json.loads((out / "config.json").read_text())
@@ -119,6 +121,17 @@ def copy_target(source: Path, out: Path):
         raw = json.loads(index.read_text())
         raw["weight_map"] = {k: v for k, v in raw["weight_map"].items() if not k.startswith("mtp.")}
         index.write_text(json.dumps(raw, indent=2))
+
+
+def copy_shard(source: Path, destination: Path, link: bool):
+    if link:
+        destination.unlink(missing_ok=True)
+        try:
+            destination.hardlink_to(source)
+            return
+        except OSError:
+            pass
+    shutil.copy2(source, destination)
 
 
 def save_head(head: MTPModule, out: Path, dtype: torch.dtype):
@@ -135,20 +148,27 @@ def save_head(head: MTPModule, out: Path, dtype: torch.dtype):
         index.write_text(json.dumps(raw, indent=2))
 
 
-def mtp_step(head: MTPModule, model, target, sequences, batch_tokens: int):
+def step_sequences(batch_tokens: int, seq_len: int) -> int:
+    """Training sequences per step."""
+    return max(1, batch_tokens // seq_len)
+
+
+def mtp_step(head, model, target, sequences, batch_tokens: int, ranks: Ranks | None = None):
     """step_loss for the Trainer: a few training sequences (data.Sequence) through the frozen target, then every MTP
     row of them (row p: embedding of token p + 1, target hidden p; label: the target's argmax at p + 1, counted where
-    trained)."""
+    trained). `head` is the MTPModule, or what runs it (DistributedDataParallel); every rank draws the step's
+    sequences alike and runs its share of them, its loss and accuracy its part of the whole step's (train/ranks.py).
+    The accuracy is the first proposal's: a block's first row."""
+    ranks = ranks or Ranks()
     device = model.embed_tokens.weight.device
-    per_step = max(1, batch_tokens // len(sequences[0].ids))
+    per_step = step_sequences(batch_tokens, len(sequences[0].ids))
     sequences = [s for s in sequences if any(s.trained[1:-1])]
     if not sequences:
         raise BlockspecError("--data: no training sequence has a trained token for the MTP head")
 
     def step_loss(rng):
         embedded, hidden, labels, counted = [], [], [], []
-        for _ in range(per_step):
-            picked = sequences[rng.randrange(len(sequences))]
+        for picked in ranks.share([sequences[rng.randrange(len(sequences))] for _ in range(per_step)]):
             sequence = torch.tensor(picked.ids, device=device)
             with torch.no_grad():
                 target.state.reset()
@@ -162,9 +182,9 @@ def mtp_step(head: MTPModule, model, target, sequences, batch_tokens: int):
         embedded, hidden, labels, counted = map(torch.stack, (embedded, hidden, labels, counted))
         positions = torch.arange(embedded.shape[1], device=device)[None].expand(embedded.shape[0], -1)
         logits = model.logits(head(embedded.to(hidden.dtype), hidden, positions)).float()
-        rows = counted.sum()
+        rows = ranks.total(counted.sum())
         loss = (F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="none") * counted.flatten()).sum() \
             / rows
         accuracy = ((logits.argmax(-1) == labels) & counted).sum() / rows
-        return loss, {"accuracy": accuracy.item()}, labels.numel()
+        return loss, {"first_row_accuracy": accuracy.item()}, labels.numel()
     return step_loss

@@ -1,10 +1,12 @@
 """Running `blockspec train-drafter`: checks, the frozen target and the text, the kind's training loop, the
-end-of-run evaluation. The kinds: `dflash2` (train/dflash2.py) and `mtp` (train/mtp.py); the shared optimisation:
-train/loop.py."""
+evaluations. The kinds: `dflash2` (train/dflash2.py) and `mtp` (train/mtp.py); the shared optimisation:
+train/loop.py; several processes under torchrun: train/ranks.py (the target replicated on every rank, the trained
+module under DistributedDataParallel, each step's sequences shared out)."""
 
 from __future__ import annotations
 
 import math
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,7 +20,8 @@ from ..models.checkpoint import check_folder, load_target, stored_dtype
 from ..models.tokenizer import Tokenizer
 from .data import Sequence, split_corpus
 from .evaluate import one_cycle_acceptance
-from .loop import Trainer, check_output, check_resumed, output_folder, plural, settings_to_save, write_summary
+from .loop import BEST, Trainer, check_output, check_resumed, output_folder, plural, settings_to_save, write_summary
+from .ranks import Ranks, launched, process_group, rank_device
 
 
 @dataclass
@@ -47,6 +50,7 @@ class DrafterTraining:
     heldout: float = 0.05
     checkpoint_every: int = 200
     eval_cuts: int = 200
+    eval_every: int = 0                         # steps between held-out evaluations, the best in OUT/best (0: none)
     seed: int = 0
     resume: bool = False
     device: str = "auto"
@@ -74,12 +78,21 @@ def check_run(run: DrafterTraining) -> TargetConfig:
         (run.selector_top_k > target.vocab_size, f"--selector-top-k {run.selector_top_k} exceeds the vocabulary"),
         (run.checkpoint_every < 1, f"--checkpoint-every must be at least 1 (got {run.checkpoint_every})"),
         (run.eval_cuts < 0, f"--eval-cuts must be 0 or more (got {run.eval_cuts})"),
+        (run.eval_every < 0, f"--eval-every must be 0 or more (got {run.eval_every})"),
+        (run.eval_every > 0 and (run.eval_cuts == 0 or run.heldout == 0),
+         "--eval-every evaluates on held-out data: it needs --eval-cuts and --heldout above 0"),
         (not 0 <= run.seed <= MAX_SEED, f"--seed must be in 0..2^63-1 (got {run.seed})"),
         (run.replace_mtp and run.kind != "mtp", "--replace-mtp applies to --kind mtp"),
     ]
     for bad, why in checks:
         if bad:
             raise BlockspecError(why)
+    world = launched()[1]
+    count = step_sequences(run)
+    if count % world:
+        raise BlockspecError(f"{world} processes cannot share the {plural(count, 'sequence')} of a step evenly "
+                             f"(--batch-tokens {run.batch_tokens}, --seq-len {run.seq_len}): run a number of "
+                             f"processes that divides {count}, or give --batch-tokens for a multiple of {world}")
     bad_ids = [i for i in run.target_layer_ids or [] if not 0 <= i < target.num_hidden_layers]
     if bad_ids:
         raise BlockspecError(f"--target-layer-ids {run.target_layer_ids}: layer {bad_ids[0]} is outside the target's "
@@ -110,23 +123,38 @@ class TargetFeatures:
         return out.features, out.logits.argmax(-1)  # argmax[p]: the target's token for position p + 1
 
 
+def step_sequences(run: DrafterTraining) -> int:
+    """Training sequences per step (what the ranks share)."""
+    from .dflash2 import step_shape
+    from .mtp import step_sequences as mtp_sequences
+
+    return step_shape(run)[0] if run.kind == "dflash2" else mtp_sequences(run.batch_tokens, run.seq_len)
+
+
 def train(run: DrafterTraining, log=print) -> dict:
     """Train, checkpoint, evaluate; returns the summary (also written to OUT/training.json, or for kind mtp to
-    OUT/mtp_training.json beside the copied target's own)."""
-    target_config = check_run(run)
-    with output_folder(Path(run.out)):
-        return _train(run, target_config, log)
-
-
-def _train(run: DrafterTraining, target_config: TargetConfig, log) -> dict:
+    OUT/mtp_training.json beside the copied target's own). Under torchrun, in every process: rank 0 writes and logs,
+    every rank returns the same summary."""
     from ..engine.load import resolve_device
 
-    device = resolve_device(run.device)
+    target_config = check_run(run)
+    device = rank_device(resolve_device(run.device))
+    if device.type == "cuda" and device.index >= torch.cuda.device_count():
+        raise BlockspecError(f"local rank {device.index} has no GPU ({torch.cuda.device_count()} visible): run at "
+                             "most one process per GPU")
+    with process_group(device) as ranks, output_folder(Path(run.out)) if ranks.main else nullcontext():
+        return _train(run, target_config, device, ranks, log if ranks.main else lambda *_: None)
+
+
+def _train(run: DrafterTraining, target_config: TargetConfig, device: torch.device, ranks: Ranks, log) -> dict:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     tokenizer = Tokenizer(run.target, target_config.eos_token_ids)
     eos = min(tokenizer.eos_token_ids) if tokenizer.eos_token_ids else None
     sequences, heldout = split_corpus(run.data, tokenizer, run.seq_len, run.heldout, run.seed, eos,
                                       run.suffixes)
+    if run.eval_every and not heldout:
+        raise BlockspecError("--eval-every: the data leave no held-out sequence to evaluate on (more texts, or a "
+                             "larger --heldout)")
     model, _ = load_target(run.target, device, dtype)
     out = Path(run.out)
     stored = stored_dtype(Path(run.target))  # trained weights are written in the target's own dtype
@@ -137,7 +165,7 @@ def _train(run: DrafterTraining, target_config: TargetConfig, log) -> dict:
         layer_ids = config["dflash_config"]["target_layer_ids"]
         module = new_drafter(config, run.seed, device, torch.float32)  # fp32 master weights; autocast runs bf16
         features = TargetFeatures(model, layer_ids, run.seq_len, device, dtype)
-        step_loss = dflash2_step(module, model, features, sequences, run)
+        step_loss = dflash2_step(module, model, features, sequences, run, ranks)
         def save(directory):
             module.save_pretrained(directory, state_dict={k: v.to(stored) for k, v in module.state_dict().items()})
         rows = math.prod(step_shape(run)) * run.block_size
@@ -146,26 +174,42 @@ def _train(run: DrafterTraining, target_config: TargetConfig, log) -> dict:
         from .mtp import MTP_SUMMARY, MTPModule, copy_target, mtp_step, save_head, text_config
 
         module = MTPModule(text_config(Path(run.target)), run.seed).to(device)
-        copy_target(Path(run.target), out)  # again on --resume: the copy's files are rewritten as they were
+        if ranks.main:
+            copy_target(Path(run.target), out)  # again on --resume: the copy's files are rewritten as they were
         target = EagerTarget(model, DecodeState(model, run.seq_len, 16, device, dtype))
-        step_loss = mtp_step(module, model, target, sequences, run.batch_tokens)
-        save, rows = (lambda directory: save_head(module, directory, stored)), \
-            max(1, run.batch_tokens // run.seq_len) * (run.seq_len - 2)
+        step_loss = mtp_step(ranks.replicate(module, device), model, target, sequences, run.batch_tokens, ranks)
+
+        def save(directory):
+            if directory != out and not (directory / "config.json").is_file():
+                copy_target(out, directory, link=True)  # OUT/best: a copy of the run's copy, with its own head
+            save_head(module, directory, stored)
+        rows = step_sequences(run) * (run.seq_len - 2)
         what = "an MTP head"
-    trainer = Trainer(module, out, run.lr, device, save, run.checkpoint_every, run.seed, settings_to_save(run))
+    trainer = Trainer(module, out, run.lr, device, save, run.checkpoint_every, run.seed, settings_to_save(run),
+                      ranks)
     if run.resume:
         trainer.resume()
     steps = run.steps if run.tokens is None else math.ceil(run.tokens / rows)
+    where = f"{device.type} x {ranks.world} processes" if ranks.world > 1 else str(device)
     log(f"train-drafter: {len(sequences)} training / {len(heldout)} held-out sequences of {run.seq_len} tokens; "
         f"{sum(p.numel() for p in module.parameters()) / 1e6:.1f}M parameters of {what}; {plural(steps, 'step')} of "
-        f"{rows} tokens on {device}")
-    summary = {"kind": run.kind, "steps": steps, "training_tokens_per_s": round(trainer.fit(steps, step_loss), 1)}
-    summary["history"] = trainer.history
+        f"{rows} tokens on {where}")
+    measure = (lambda: evaluate(run, out, heldout, device)) if run.eval_every else None
+    tokens_per_s = trainer.fit(steps, step_loss, measure, run.eval_every)
+    summary = {"kind": run.kind, "steps": steps, "training_tokens_per_s": round(tokens_per_s, 1),
+               "history": trainer.history}
+    if trainer.evaluations:
+        summary.update(evaluations=trainer.evaluations, best=trainer.best)
+        log(f"best: step {trainer.best['step']} (mean accepted length {trainer.best['mean_accepted_length']:.3f}), "
+            f"its weights in {out / BEST}")
     if run.eval_cuts and heldout:
-        summary["evaluation"] = evaluate(run, out, heldout, device)
+        last = trainer.evaluations[-1] if trainer.evaluations else {}
+        final = {k: v for k, v in last.items() if k != "step"} if last.get("step") == steps else None
+        summary["evaluation"] = final or ranks.from_main(evaluate(run, out, heldout, device) if ranks.main else None)
         log(f"held-out: mean accepted length {summary['evaluation']['mean_accepted_length']:.3f} per cycle over "
             f"{summary['evaluation']['cuts']} contexts")
-    write_summary(out, summary, MTP_SUMMARY if run.kind == "mtp" else "training.json")
+    if ranks.main:
+        write_summary(out, summary, MTP_SUMMARY if run.kind == "mtp" else "training.json")
     return summary
 
 
@@ -173,7 +217,8 @@ def evaluate(run: DrafterTraining, out: Path, heldout: list[Sequence], device: t
     """One-cycle acceptance of what was just written, on the held-out sequences (train/evaluate.py)."""
     from ..engine.engine import Engine
 
-    engine = Engine.load(out if run.kind == "mtp" else run.target, mode=run.kind, device=str(device),
+    gpu = {"gpu_ranks": [device.index]} if device.type == "cuda" else {}  # rank_device's GPU
+    engine = Engine.load(out if run.kind == "mtp" else run.target, mode=run.kind, device=device.type, **gpu,
                          dflash2_model=str(out) if run.kind == "dflash2" else None,
                          compute_dtype="float32" if device.type == "cpu" else "bfloat16",
                          context_length=run.seq_len + 4 * run.block_size)

@@ -26,6 +26,7 @@ from ..models.tokenizer import CHAT_TEMPLATE, render_chat
 from .data import read_data, text_files
 from .loop import Trainer, check_output, check_resumed, output_folder, plural, settings_to_save, token_count, \
     write_summary
+from .ranks import launched
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 TOKENIZER_SAMPLE_BYTES = 64 << 20  # the BPE merges are learnt on this much of the text (more changes them little)
@@ -69,6 +70,8 @@ def check_run(run: TargetTraining):
         (not run.lr > 0, f"--lr must be positive (got {run.lr})"),
         (run.checkpoint_every < 1, f"--checkpoint-every must be at least 1 (got {run.checkpoint_every})"),
         (not 0 <= run.seed <= MAX_SEED, f"--seed must be in 0..2^63-1 (got {run.seed})"),
+        (launched()[1] > 1, "train-target runs in one process: start it without torchrun (several processes are "
+                            "for train-drafter)"),
     ]
     for bad, why in checks:
         if bad:

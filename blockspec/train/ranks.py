@@ -1,0 +1,82 @@
+"""Training in several processes, one a GPU, started by torchrun (`torchrun --nproc-per-node N -m blockspec
+train-drafter ...`): torch.distributed, NCCL on CUDA and gloo on the CPU. A plain process is a world of one, where
+nothing is exchanged.
+
+Every rank draws the step's sequences (and anchors) from the same random state, so the global batch is the same
+whatever the world size, and runs its share of them; the trained module runs under DistributedDataParallel, which
+averages the gradients over the ranks."""
+
+from __future__ import annotations
+
+import os
+from contextlib import contextmanager
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+
+def launched() -> tuple[int, int, int]:
+    """(rank, world size, local rank), as torchrun sets them; (0, 1, 0) in a process it did not start."""
+    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("LOCAL_RANK", 0))
+
+
+class Ranks:
+    """This process's place among the run's processes, and what they do together."""
+
+    def __init__(self, rank: int = 0, world: int = 1):
+        self.rank, self.world = rank, world
+
+    @property
+    def main(self) -> bool:
+        """Rank 0: the one that writes, logs and evaluates."""
+        return self.rank == 0
+
+    def share(self, items: list) -> list:
+        """This rank's share of the items every rank drew alike (as many as a multiple of the world size)."""
+        count = len(items) // self.world
+        return items[self.rank * count:(self.rank + 1) * count]
+
+    def total(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The tensor summed over the ranks (detached: a count, a figure)."""
+        if self.world == 1:
+            return tensor.detach()
+        summed = tensor.detach().clone()
+        dist.all_reduce(summed)
+        return summed
+
+    def replicate(self, module: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+        """The module whose forward the step runs: under DistributedDataParallel in several processes."""
+        if self.world == 1:
+            return module
+        return DistributedDataParallel(module, device_ids=[device] if device.type == "cuda" else None)
+
+    def from_main(self, value):
+        """Rank 0's value, on every rank (what only rank 0 computed: an evaluation)."""
+        if self.world == 1:
+            return value
+        box = [value]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+
+def rank_device(device: torch.device) -> torch.device:
+    """A CUDA run's GPU: the one of this process's local rank."""
+    return torch.device("cuda", launched()[2]) if device.type == "cuda" else device
+
+
+@contextmanager
+def process_group(device: torch.device):
+    """The run's Ranks: under torchrun with several processes, a process group (NCCL on CUDA, gloo on the CPU) for
+    the time of the run."""
+    rank, world, _ = launched()
+    if world == 1:
+        yield Ranks()
+        return
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=rank, world_size=world)
+    try:
+        yield Ranks(rank, world)
+    finally:
+        dist.destroy_process_group()
