@@ -411,6 +411,24 @@ def test_conversations_need_a_chat_template(setup, tmp_path, capsys, monkeypatch
     assert not (tmp_path / "out").exists()
 
 
+def test_a_tokenizer_of_another_model_is_refused_before_the_target_loads(setup, tmp_path, capsys, monkeypatch):
+    import shutil
+
+    import blockspec.train.run as run_module
+
+    _, target, data = setup
+    other = tmp_path / "other"
+    shutil.copytree(target, other)
+    config = json.loads((other / "config.json").read_text())
+    config["vocab_size"] = 200  # fewer rows than the byte tokenizer's 259 ids
+    (other / "config.json").write_text(json.dumps(config))
+    monkeypatch.setattr(run_module, "load_target", lambda *a, **k: pytest.fail("the target was loaded"))
+    assert main(["train-drafter", "--target", str(other), "--data", str(data), "--out", str(tmp_path / "out"),
+                 "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "tokenizer.json has 259 ids, more than the model's vocab_size 200" in err
+
+
 @pytest.mark.parametrize("block,window,tile,seq_len,sequences,per_sequence", [
     (8, 16, 16, 90, 3, 12), (4, 64, 32, 90, 3, 12), (16, 24, 128, 90, 3, 12), (6, 10, 16, 90, 3, 12),
     (8, 64, 128, 100, 1, 10),  # one query tile whose context and blocks share a key tile

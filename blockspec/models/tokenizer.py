@@ -86,6 +86,12 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size()
 
+    def check_fits(self, vocab_size: int, directory: str | Path):
+        """Refuse a tokenizer with ids the model has no rows for (one from another model beside its weights)."""
+        if self.vocab_size > vocab_size:
+            raise BlockspecError(f"{directory}: tokenizer.json has {self.vocab_size} ids, more than the model's "
+                                 f"vocab_size {vocab_size} (config.json): the tokenizer is not this model's")
+
     def token_id(self, token: str) -> int | None:
         """The id of a token written as it is in the vocabulary (a special token, say), or None."""
         return self._tok.token_to_id(token)

@@ -143,6 +143,7 @@ def regenerate(run: Regeneration, log=print) -> dict:
     from ..engine.load import resolve_device
 
     tokenizer = Tokenizer(run.target, target.eos_token_ids)
+    tokenizer.check_fits(target.vocab_size, run.target)
     if not tokenizer.eos_token_ids:
         raise BlockspecError(f"--target {run.target}: no end-of-sequence token (config.json: eos_token_id)")
     units = read_data(text_files(run.prompts, run.suffixes, flag="--prompts"), need_assistant=False, flag="--prompts")

@@ -149,6 +149,7 @@ def train(run: DrafterTraining, log=print) -> dict:
 def _train(run: DrafterTraining, target_config: TargetConfig, device: torch.device, ranks: Ranks, log) -> dict:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     tokenizer = Tokenizer(run.target, target_config.eos_token_ids)
+    tokenizer.check_fits(target_config.vocab_size, run.target)
     eos = min(tokenizer.eos_token_ids) if tokenizer.eos_token_ids else None
     sequences, heldout = split_corpus(run.data, tokenizer, run.seq_len, run.heldout, run.seed, eos,
                                       run.suffixes)
