@@ -54,6 +54,9 @@
 #   drafter_train  train-drafter's step on the synthetic 27B with the published drafter (bench/drafter_training.py;
 #                  ~3 minutes, most of it building the synthetic target); DRAFTER_TRAIN_ARGS add to it (e.g. "--preset
 #                  tiny --seq-len 1024 --batch-tokens 8192 --window 1024 --attention block-sparse --profile 25")
+#   drafter_scaling  train-drafter on the demo pair's target under torchrun at SCALING_NPROC processes (default 1,2;
+#                  one GPU each), the same global batch: block tokens/s, scaling efficiency, loss curves against one
+#                  process's (bench/drafter_scaling.py; SCALING_STEPS, default 200)
 #   ckpt       users' downloads: the 27B's shapes written as a checkpoint in each published format (CKPT_FORMATS,
 #              default gptq,awq,fp8; also ct-fp8, bf16, bf16-int4), ~4 GB shards, then loaded cold by the engine:
 #              write and load s, GB/s, loading peak vs the estimate, decode tokens/s (bench/checkpoint_loading.py;
@@ -135,6 +138,12 @@ for part in ${PARTS:-bf16 warm int4 vocab}; do
            done ;;
     drafter_train) kernel_bench drafter_training ${DRAFTER_TRAIN_S:-420} drafter_training ${DRAFTER_TRAIN_ARGS:-} \
                      --json-out "$OUT/drafter_training.json" ;;
+    drafter_scaling) rm -rf .demo /tmp/blockspec-scaling && python3 -m blockspec.cli demo --save .demo > /dev/null
+           SITE=$(python3 -c "import os, site; print(' '.join(p for p in site.getsitepackages() if os.path.isdir(p)))")
+           kernel_bench drafter_scaling ${SCALING_S:-560} drafter_scaling --nproc ${SCALING_NPROC:-1,2} \
+             --work /tmp/blockspec-scaling --json-out "$OUT/drafter_scaling.json" -- --target "$PWD/.demo/target" \
+             --data $SITE --suffixes .py --seq-len 1024 --layers 2 --window 1024 --selector-rank 64 \
+             --intermediate-size 1024 --lr 1e-3 --batch-tokens 8192 --steps ${SCALING_STEPS:-200} --eval-cuts 0 ;;
     ckpt) kernel_bench checkpoint_loading ${CKPT_S:-560} checkpoint_loading --format ${CKPT_FORMATS:-gptq,awq,fp8} ;;
     *) echo "## unknown part $part" >> "$LOG" ;;
   esac

@@ -582,3 +582,25 @@ def test_eval_every_keeps_the_best_weights_and_resume_remembers_them(tmp_path):
     assert [e["step"] for e in trainer.evaluations] == [2, 4, 6, 8, 10]
     assert trainer.best == {"step": 10, "mean_accepted_length": 2.5}
     assert all(torch.equal(torch.load(tmp_path / "best" / "w.pt")[k], v) for k, v in written[10].items())
+
+
+def test_scaling_bench_dry_run(setup):
+    """bench/drafter_scaling.py (the several-GPU measurement) on the CPU: 1 and 2 gloo processes of one run, the
+    same loss curve, an efficiency figure."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root, target, data = setup
+    flags = train_drafter_argv(run_config(root, target, data, steps=2, batch_tokens=192, eval_cuts=0))[1:]
+    out_flag = flags.index("--out")
+    del flags[out_flag:out_flag + 2]
+    repo = Path(__file__).resolve().parent.parent
+    script = repo / "bench" / "drafter_scaling.py"
+    proc = subprocess.run([sys.executable, str(script), "--nproc", "1,2", "--work", str(root / "scaling"),
+                           "--json-out", str(root / "scaling.json"), "--", *flags], cwd=repo, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    one, two = json.loads((root / "scaling.json").read_text())["runs"]
+    assert (one["processes"], two["processes"]) == (1, 2) and one["block_tokens_per_s"] > 0
+    assert two["efficiency"] > 0 and two["loss_max_abs_diff"] <= 2e-4

@@ -1,0 +1,75 @@
+"""train-drafter on 1, 2, ... processes of one host (torchrun, one GPU each; gloo processes on a CPU-only machine):
+the same run, the same global batch and seed, at each process count; block tokens/s, the scaling efficiency
+(tokens/s per process over one process's) and how far each loss curve strays from one process's.
+
+Every run writes into its own folder under --work (kept, so a run can be resumed or inspected); the train-drafter
+flags after `--` are passed to each run as they are (its --target, --data and the training settings).
+
+Usage (repo root): python bench/drafter_scaling.py --nproc 1,2,8 --work DIR [--json-out FILE] -- --target DIR
+  --data PATH ... --batch-tokens 8192 --steps 200 ...
+"""
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def counts(text: str) -> list[int]:
+    try:
+        values = [int(n) for n in text.split(",")]
+    except ValueError:
+        sys.exit(f"--nproc: comma-separated process counts (got {text!r})")
+    if not values or min(values) < 1 or values[0] != 1:
+        sys.exit(f"--nproc must start with 1, the baseline (got {text!r})")
+    return values
+
+
+def run(processes: int, out: Path, train_args: list[str]) -> tuple[dict, float]:
+    """One train-drafter run under torchrun; its training.json and its wall time."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(processes),
+               "-m", "blockspec", "train-drafter", *train_args, "--out", str(out)]
+    start = time.perf_counter()
+    proc = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
+    if proc.returncode != 0:
+        sys.exit(f"{processes} processes failed (exit {proc.returncode}): {proc.stderr.strip().splitlines()[-1:]}")
+    return json.loads((out / "training.json").read_text()), time.perf_counter() - start
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--nproc", default="1,2", help="process counts, the first 1 (default 1,2)")
+    p.add_argument("--work", required=True, help="a new folder: one run's output folder per process count")
+    p.add_argument("--json-out", help="write the figures as JSON")
+    args, train_args = p.parse_known_args()
+    train_args = [a for a in train_args if a != "--"]
+    if "--out" in train_args:
+        sys.exit("--out is set per run (under --work); leave it out of the train-drafter flags")
+    work = Path(args.work)
+    work.mkdir(parents=True)
+    rows = []
+    for n in counts(args.nproc):
+        summary, wall = run(n, work / f"nproc{n}", train_args)
+        curve = {h["step"]: h["loss"] for h in summary["learning_curve"]}
+        row = {"processes": n, "block_tokens_per_s": summary["training_tokens_per_s"], "wall_s": round(wall, 1),
+               "final_loss": summary["learning_curve"][-1]["loss"]}
+        if rows:
+            base = rows[0]
+            row["efficiency"] = round(row["block_tokens_per_s"] / (n * base["block_tokens_per_s"]), 3)
+            row["loss_max_abs_diff"] = round(max(abs(curve[s] - base["curve"][s]) for s in curve), 4)
+        rows.append({**row, "curve": curve})
+        print(f"{n} processes: {row['block_tokens_per_s']:.0f} block tokens/s"
+              + (f", efficiency {row['efficiency']:.1%}, loss curve within {row['loss_max_abs_diff']}"
+                 if n > 1 else "") + f" ({wall:.0f} s)", flush=True)
+    figures = {"runs": [{k: v for k, v in r.items() if k != "curve"} for r in rows], "train_args": train_args}
+    print(json.dumps(figures, indent=2))
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps(figures, indent=2))
+
+
+if __name__ == "__main__":
+    main()
