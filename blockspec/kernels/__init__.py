@@ -7,9 +7,12 @@ formats).
 `fused` marks the elementwise-heavy ops that have no kernel of their own (DeltaNet prefill input preparation; the
 references of the kernels above where Triton cannot take the input): on CUDA with fusion on (the graphed path,
 `KernelSettings`) they run through torch.compile, which turns each into one or a few kernels. The undecorated
-function stays the reference. The DFlash2 drafter's ops have Triton kernels instead (`drafter_<op>_triton.py`, their
-references in drafter/, beside the differentiable model that uses them): torch.compile traces again at every start
-(1.2-1.6 s of the drafter's graph preparation on the H200), a Triton kernel loads from its disk cache.
+function stays the reference. The DFlash2 drafter's ops (`drafter_<op>.py`) have Triton kernels instead: torch.compile
+traces again at every start, a Triton kernel loads from its disk cache.
+
+At import, the compiled kernels' disk cache (inductor's FX-graph cache and Triton's) goes under the user's cache,
+~/.cache/blockspec/inductor, rather than inductor's default in /tmp, unless TORCHINDUCTOR_CACHE_DIR is set: a
+second start then skips compilation.
 """
 
 import contextvars
@@ -23,6 +26,8 @@ from dataclasses import dataclass
 import torch
 
 TRITON_INSTALLED = importlib.util.find_spec("triton") is not None
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "blockspec",
+                                                               "inductor"))
 
 
 # How the kernels launch: one immutable settings object, built by the engine from PredictConfig (fusion on with CUDA
@@ -137,11 +142,8 @@ def _specialisation(args) -> tuple:
 
 
 def prepare_compilation():
-    """Before the first compiled call: the compiled kernels are cached on disk (inductor's FX-graph cache and
-    Triton's), so a second start skips compilation; keep them under the user's cache rather than inductor's default
-    in /tmp. Each op sees a handful of shapes (pass lengths, head layouts): keep them all compiled."""
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR",
-                          os.path.join(os.path.expanduser("~"), ".cache", "blockspec", "inductor"))
+    """Before the first compiled call: each op sees a handful of shapes (pass lengths, head layouts), and all of
+    them stay compiled."""
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
 
 
