@@ -52,11 +52,14 @@
 #                  acceptance sampled at DEMO_TREE_TEMPERATURES (default 0.7 1, empty: none; bench/tree_acceptance.py,
 #                  fp32); DEMO_BENCH_ARGS adds to the tokens/s run (e.g. "--temperature 1 --seed 0": sampled)
 #   drafter_train  train-drafter's step on the synthetic 27B with the published drafter (bench/drafter_training.py;
-#                  ~3 minutes, most of it building the synthetic target); DRAFTER_TRAIN_ARGS add to it (e.g. "--preset
-#                  tiny --seq-len 1024 --batch-tokens 8192 --window 1024 --attention block-sparse --profile 25")
+#                  ~3 minutes, most of it building the synthetic target) under torchrun in DRAFTER_TRAIN_NPROC
+#                  processes (default 1, one GPU each); DRAFTER_TRAIN_ARGS add to it (e.g. "--preset tiny --seq-len
+#                  1024 --batch-tokens 8192 --window 1024 --attention block-sparse --profile 25", or
+#                  "--target-sharding replicate,fsdp" on several GPUs)
 #   drafter_scaling  train-drafter on the demo pair's target under torchrun at SCALING_NPROC processes (default 1,2;
 #                  one GPU each), the same global batch: block tokens/s, scaling efficiency, loss curves against one
-#                  process's (bench/drafter_scaling.py; SCALING_STEPS, default 200)
+#                  process's (bench/drafter_scaling.py; SCALING_STEPS, default 200; SCALING_ARGS add to the bench,
+#                  e.g. --kill-and-resume)
 #   ckpt       users' downloads: the 27B's shapes written as a checkpoint in each published format (CKPT_FORMATS,
 #              default gptq,awq,fp8; also ct-fp8, bf16, bf16-int4), ~4 GB shards, then loaded cold by the engine:
 #              write and load s, GB/s, loading peak vs the estimate, decode tokens/s (bench/checkpoint_loading.py;
@@ -75,7 +78,7 @@ Q="--target-quantization int4 --vocabulary-quantization int8"
 run() { local limit=$1; shift; echo "## $*" >> "$LOG"
         timeout "$limit" "$@" 2>&1 | grep -v "^ \|[Ww]arn\|softmax\|important use" >> "$LOG"; echo "## exit ${PIPESTATUS[0]}" >> "$LOG"; }
 kernel_bench() { local name=$1 limit=$2 script=$3; shift 3  # bench/SCRIPT.py ARGS, its output in $OUT/NAME.txt
-                 (cd bench && timeout "$limit" python3 "$script.py" "$@" > "$OUT/$name.txt" 2>&1)
+                 (cd bench && timeout "$limit" ${LAUNCH:-python3} "$script.py" "$@" > "$OUT/$name.txt" 2>&1)
                  echo "## $name exit $?" >> "$LOG"; tail -40 "$OUT/$name.txt" >> "$LOG"; }
 for part in ${PARTS:-bf16 warm int4 vocab}; do
   case $part in
@@ -136,14 +139,17 @@ for part in ${PARTS:-bf16 warm int4 vocab}; do
              kernel_bench demo_trees_t$t ${DEMO_ACCEPTANCE_S:-240} tree_acceptance --model ../.demo/target --drafter ../.demo/drafter \
                --budgets ${DEMO_TREE_BUDGETS:-0,16,32} --temperature $t --device cuda --json-out "$OUT/tree_acceptance_t$t.json"
            done ;;
-    drafter_train) kernel_bench drafter_training ${DRAFTER_TRAIN_S:-420} drafter_training ${DRAFTER_TRAIN_ARGS:-} \
-                     --json-out "$OUT/drafter_training.json" ;;
+    drafter_train) N=${DRAFTER_TRAIN_NPROC:-1}
+           LAUNCH="python3 -m torch.distributed.run --standalone --nproc-per-node $N" \
+             kernel_bench drafter_training_n$N ${DRAFTER_TRAIN_S:-420} drafter_training ${DRAFTER_TRAIN_ARGS:-} \
+             --json-out "$OUT/drafter_training_n$N.json" ;;
     drafter_scaling) rm -rf .demo /tmp/blockspec-scaling && python3 -m blockspec.cli demo --save .demo > /dev/null
            SITE=$(python3 -c "import os, site; print(' '.join(p for p in site.getsitepackages() if os.path.isdir(p)))")
            kernel_bench drafter_scaling ${SCALING_S:-560} drafter_scaling --nproc ${SCALING_NPROC:-1,2} \
-             --work /tmp/blockspec-scaling --json-out "$OUT/drafter_scaling.json" -- --target "$PWD/.demo/target" \
-             --data $SITE --suffixes .py --seq-len 1024 --layers 2 --window 1024 --selector-rank 64 \
-             --intermediate-size 1024 --lr 1e-3 --batch-tokens 8192 --steps ${SCALING_STEPS:-200} --eval-cuts 0 ;;
+             --work /tmp/blockspec-scaling --json-out "$OUT/drafter_scaling.json" ${SCALING_ARGS:-} -- \
+             --target "$PWD/.demo/target" --data $SITE --suffixes .py --seq-len 1024 --layers 2 --window 1024 \
+             --selector-rank 64 --intermediate-size 1024 --lr 1e-3 --batch-tokens 8192 --steps ${SCALING_STEPS:-200} \
+             --checkpoint-every 20 --eval-cuts 0 ;;
     ckpt) kernel_bench checkpoint_loading ${CKPT_S:-560} checkpoint_loading --format ${CKPT_FORMATS:-gptq,awq,fp8} ;;
     *) echo "## unknown part $part" >> "$LOG" ;;
   esac

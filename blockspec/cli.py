@@ -202,6 +202,10 @@ def add_train_drafter_parser(sub):
     p.add_argument("--eval-every", type=int, metavar="N", help="steps between held-out evaluations (and one at the "
                    "end); the weights of the best mean accepted length are kept in OUT/best (0: none) "
                    + default(D, "eval_every"))
+    p.add_argument("--target-sharding", choices=["auto", "replicate", "fsdp"],
+                   help="under torchrun: the frozen target whole on every GPU, or its layers sharded across them "
+                   "with FSDP2 (auto: sharded when the target and the training state would take more than 3/4 of "
+                   "one GPU) " + default(D, "target_sharding"))
     add_training_args(p, D, "block tokens")
     p.set_defaults(func=cmd_train_drafter)
 

@@ -504,19 +504,27 @@ def assert_same_run(one: dict, two: dict, out_one, out_two):
 
 def test_two_processes_train_as_one_and_resume(setup):
     """torchrun with 2 processes (gloo on the CPU) trains on each step's global batch, shared between the ranks, as
-    one process does, and continues a run under --resume the same way; rank 0 alone logs and writes, evaluations
-    and the best weights included."""
+    one process does, with the target's layers sharded between them (FSDP2) or whole on each, and continues a run
+    under --resume the same way, in 2 processes or in 1; rank 0 alone logs and writes, evaluations and the best
+    weights included."""
+    import shutil
+
     root, target, data = setup
     settings = dict(batch_tokens=192, checkpoint_every=2, eval_every=2, heldout=0.2)
     single = train(run_config(root, target, data, out="single", steps=4, **settings), log=lambda *_: None)
     single = train(run_config(root, target, data, out="single", steps=6, resume=True, **settings),
                    log=lambda *_: None)
-    logged = torchrun(run_config(root, target, data, out="ranks", steps=4, **settings))
-    assert logged.count("train-drafter:") == 1 and "on cpu x 2 processes" in logged
+    logged = torchrun(run_config(root, target, data, out="ranks", steps=4, target_sharding="fsdp", **settings))
+    assert logged.count("train-drafter:") == 1, logged
+    assert "on cpu x 2 processes (the target's layers sharded across them, FSDP2)" in logged, logged
+    shutil.copytree(root / "ranks", root / "ranks_then_one")
     torchrun(run_config(root, target, data, out="ranks", steps=6, resume=True, **settings))
     ranks = json.loads((root / "ranks" / "training.json").read_text())
     ranks["history"] = ranks.pop("learning_curve")
     assert_same_run(single, ranks, root / "single", root / "ranks")
+    one = train(run_config(root, target, data, out="ranks_then_one", steps=6, resume=True, **settings),
+                log=lambda *_: None)  # the 2-process run resumed in one process
+    assert_same_run(single, one, root / "single", root / "ranks_then_one")
     assert [e["step"] for e in ranks["evaluations"]] == [2, 4, 6] == [e["step"] for e in single["evaluations"]]
     assert ranks["best"]["step"] == single["best"]["step"] and (root / "ranks" / "best" / "model.safetensors").is_file()
     assert 1 <= ranks["evaluation"]["mean_accepted_length"] <= 8
@@ -551,6 +559,39 @@ def test_a_world_size_that_does_not_share_the_step_evenly_is_refused(setup, tmp_
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "3 processes cannot share the 2 sequences of a step evenly" in err, err
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("sharding, world, message", [
+    ("fsdp", 1, "--target-sharding fsdp shares the target between processes: start several with torchrun"),
+    ("halves", 2, "argument --target-sharding: invalid choice: 'halves'")])
+def test_target_sharding_is_checked_before_the_target_loads(setup, tmp_path, capsys, monkeypatch, sharding, world,
+                                                            message):
+    import blockspec.train.run as run_module
+
+    _, target, data = setup
+    monkeypatch.setattr(run_module, "load_target", lambda *a, **k: pytest.fail("the target was loaded"))
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    assert main(train_drafter_argv(run_config(tmp_path, target, data, target_sharding=sharding))) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err, err
+
+
+def test_automatic_sharding_follows_the_gpu_s_memory(setup, monkeypatch):
+    """auto: whole on every GPU while the target (as bf16) and 16 bytes a trained parameter fill at most 3/4 of one."""
+    import blockspec.train.run as run_module
+
+    _, target, data = setup
+    run = run_config(target.parent, target, data)
+    drafter = torch.nn.Linear(100, 100)  # 10100 parameters: 161.6 kB of training state
+    stored = sum(f.stat().st_size for f in target.glob("*.safetensors")) // 2  # float32 checkpoint, as bf16
+    need = stored + 16 * 10100
+    for memory, sharded in [(need * 4 // 3 + 64, False), (need * 4 // 3 - 64, True)]:
+        monkeypatch.setattr(torch.cuda, "get_device_properties",
+                            lambda device, memory=memory: type("Properties", (), {"total_memory": memory}))
+        assert run_module.shards_target(run, drafter, torch.device("cuda", 0)) is sharded
+    assert run_module.shards_target(run, drafter, torch.device("cpu")) is False
+    assert run_module.shards_target(run_config(target.parent, target, data, target_sharding="fsdp"), drafter,
+                                    torch.device("cpu")) is True
 
 
 def test_eval_every_keeps_the_best_weights_and_resume_remembers_them(tmp_path):
@@ -604,3 +645,24 @@ def test_scaling_bench_dry_run(setup):
     one, two = json.loads((root / "scaling.json").read_text())["runs"]
     assert (one["processes"], two["processes"]) == (1, 2) and one["block_tokens_per_s"] > 0
     assert two["efficiency"] > 0 and two["loss_max_abs_diff"] <= 2e-4
+
+
+def test_training_bench_dry_run_in_two_processes(tmp_path):
+    """bench/drafter_training.py under torchrun (2 gloo processes on the CPU, the tiny preset), the target whole on
+    each, then its layers sharded between them: every rank's rows counted, the figures written by rank 0."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parent.parent
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           str(repo / "bench" / "drafter_training.py"), "--preset", "tiny", "--seq-len", "64",
+                           "--batch-tokens", "128", "--steps", "1", "--target-sharding", "replicate,fsdp", "--json-out",
+                           str(tmp_path / "figures.json")], cwd=repo, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    whole, sharded = json.loads((tmp_path / "figures.json").read_text())
+    assert (whole["target_sharding"], sharded["target_sharding"]) == ("replicate", "fsdp")
+    for figures in (whole, sharded):
+        assert figures["processes"] == 2 and figures["block_rows_per_step"] == 128 and figures["block_tokens_per_s"] > 0
+    assert proc.stdout.count("warm-up step 0") == 2  # rank 0 alone prints, once a placement
+    assert "target whole on each of 2 processes" in proc.stdout and "target's layers sharded" in proc.stdout

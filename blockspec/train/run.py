@@ -1,7 +1,7 @@
 """Running `blockspec train-drafter`: checks, the frozen target and the text, the kind's training loop, the
 evaluations. The kinds: `dflash2` (train/dflash2.py) and `mtp` (train/mtp.py); the shared optimisation:
-train/loop.py; several processes under torchrun: train/ranks.py (the target replicated on every rank, the trained
-module under DistributedDataParallel, each step's sequences shared out)."""
+train/loop.py; several processes under torchrun: train/ranks.py (the target whole on every rank or its layers
+sharded with FSDP2, the trained module under DistributedDataParallel, each step's sequences shared out)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from ..config import MAX_SEED, TargetConfig
 from ..engine.state import DecodeState
 from ..engine.target import EagerTarget
 from ..errors import BlockspecError
-from ..models.checkpoint import check_folder, load_target, stored_dtype
+from ..models.checkpoint import check_folder, checkpoint_files, load_target, stored_dtype
 from ..models.tokenizer import Tokenizer
 from .data import Sequence, split_corpus
 from .evaluate import one_cycle_acceptance
@@ -55,6 +55,7 @@ class DrafterTraining:
     resume: bool = False
     device: str = "auto"
     replace_mtp: bool = False                   # kind mtp: a target that has a head gets a new one, trained anew
+    target_sharding: str = "auto"               # "replicate", "fsdp" (several processes) or "auto" (shards_target)
 
 
 def check_run(run: DrafterTraining) -> TargetConfig:
@@ -83,6 +84,11 @@ def check_run(run: DrafterTraining) -> TargetConfig:
          "--eval-every evaluates on held-out data: it needs --eval-cuts and --heldout above 0"),
         (not 0 <= run.seed <= MAX_SEED, f"--seed must be in 0..2^63-1 (got {run.seed})"),
         (run.replace_mtp and run.kind != "mtp", "--replace-mtp applies to --kind mtp"),
+        (run.target_sharding not in ("auto", "replicate", "fsdp"),
+         f"--target-sharding must be auto, replicate or fsdp (got {run.target_sharding!r})"),
+        (run.target_sharding == "fsdp" and launched()[1] == 1,
+         "--target-sharding fsdp shares the target between processes: start several with torchrun "
+         "--nproc-per-node N"),
     ]
     for bad, why in checks:
         if bad:
@@ -123,6 +129,31 @@ class TargetFeatures:
         return out.features, out.logits.argmax(-1)  # argmax[p]: the target's token for position p + 1
 
 
+def frozen_target(run: DrafterTraining, trained: torch.nn.Module, device: torch.device, dtype, ranks: Ranks):
+    """(the target, whether its layers are sharded across the ranks): whole on this rank's device, or loaded on the
+    CPU and sharded layer by layer onto the GPUs (Ranks.shard_layers) when shards_target says so."""
+    sharded = ranks.world > 1 and shards_target(run, trained, device)
+    model, _ = load_target(run.target, "cpu" if sharded else device, dtype)
+    if sharded:
+        ranks.shard_layers(model, device)
+    return model, sharded
+
+
+def shards_target(run: DrafterTraining, trained: torch.nn.Module, device: torch.device) -> bool:
+    """--target-sharding: fsdp, replicate, or auto: sharded when the target's weights (as bf16) beside the trained
+    module's training state (fp32 weights, gradients and AdamW's two moments: 16 bytes a parameter) would take more
+    than 3/4 of one GPU (the rest is for activations). A 27B target (54 GB) with the published drafter (1.9B
+    parameters, 31 GB) stays whole on a 141 GB H200 and is sharded on 80 GB cards."""
+    if run.target_sharding != "auto":
+        return run.target_sharding == "fsdp"
+    if device.type != "cuda":
+        return False
+    stored = sum(f.stat().st_size for f in checkpoint_files(Path(run.target)))
+    weights = stored * 2 // stored_dtype(Path(run.target)).itemsize
+    state = 16 * sum(p.numel() for p in trained.parameters())
+    return weights + state > 0.75 * torch.cuda.get_device_properties(device).total_memory
+
+
 def step_sequences(run: DrafterTraining) -> int:
     """Training sequences per step (what the ranks share)."""
     from .dflash2 import step_shape
@@ -156,7 +187,6 @@ def _train(run: DrafterTraining, target_config: TargetConfig, device: torch.devi
     if run.eval_every and not heldout:
         raise BlockspecError("--eval-every: the data leave no held-out sequence to evaluate on (more texts, or a "
                              "larger --heldout)")
-    model, _ = load_target(run.target, device, dtype)
     out = Path(run.out)
     stored = stored_dtype(Path(run.target))  # trained weights are written in the target's own dtype
     if run.kind == "dflash2":
@@ -165,6 +195,7 @@ def _train(run: DrafterTraining, target_config: TargetConfig, device: torch.devi
         config = drafter_config(target_config, run, mask_token(tokenizer, target_config.vocab_size))
         layer_ids = config["dflash_config"]["target_layer_ids"]
         module = new_drafter(config, run.seed, device, torch.float32)  # fp32 master weights; autocast runs bf16
+        model, sharded = frozen_target(run, module, device, dtype, ranks)
         features = TargetFeatures(model, layer_ids, run.seq_len, device, dtype)
         step_loss = dflash2_step(module, model, features, sequences, run, ranks)
         def save(directory):
@@ -175,6 +206,7 @@ def _train(run: DrafterTraining, target_config: TargetConfig, device: torch.devi
         from .mtp import MTP_SUMMARY, MTPModule, copy_target, mtp_step, save_head, text_config
 
         module = MTPModule(text_config(Path(run.target)), run.seed).to(device)
+        model, sharded = frozen_target(run, module, device, dtype, ranks)
         if ranks.main:
             copy_target(Path(run.target), out)  # again on --resume: the copy's files are rewritten as they were
         target = EagerTarget(model, DecodeState(model, run.seq_len, 16, device, dtype))
@@ -192,6 +224,8 @@ def _train(run: DrafterTraining, target_config: TargetConfig, device: torch.devi
         trainer.resume()
     steps = run.steps if run.tokens is None else math.ceil(run.tokens / rows)
     where = f"{device.type} x {ranks.world} processes" if ranks.world > 1 else str(device)
+    if sharded:
+        where += " (the target's layers sharded across them, FSDP2)"
     log(f"train-drafter: {len(sequences)} training / {len(heldout)} held-out sequences of {run.seq_len} tokens; "
         f"{sum(p.numel() for p in module.parameters()) / 1e6:.1f}M parameters of {what}; {plural(steps, 'step')} of "
         f"{rows} tokens on {where}")
