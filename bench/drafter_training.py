@@ -86,7 +86,10 @@ def measure(args, device, ranks):
         dflash2.step_mask = lambda layout, block_sparse: layout.block_mask()
     drafter = new_drafter(config, seed=0, device=device, dtype=torch.float32)
     layer_ids = config["dflash_config"]["target_layer_ids"]
-    features = TargetFeatures(model, layer_ids, args.seq_len, device, dtype)
+    # the target's pass a CUDA graph, as train-drafter's, unless the layers are to be sharded (the graph would hold
+    # the whole weights' addresses)
+    features = TargetFeatures(model, layer_ids, args.seq_len, device, dtype,
+                              graphed="fsdp" not in placements or ranks.world == 1)
     run = SimpleNamespace(batch_tokens=args.batch_tokens, block_size=config["dflash_config"]["block_size"],
                           seq_len=args.seq_len, loss_decay=4.0)
     rng = random.Random(0)

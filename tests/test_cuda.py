@@ -173,9 +173,12 @@ def test_small_kernels_bf16_on_gpu():
         wn = torch.randn(128, **bf)
         ref = gated_rms_norm_reference(o, z, wn, 1e-6)
         assert close(norm_triton.gated_rms_norm_rows(o, z, wn, 1e-6), ref)
+    for t in (1, 8, 1000):  # 1000: a prefill's, many token tiles
         qkv, hist, cw = torch.randn(t, 10240, **bf), torch.randn(3, 10240, **bf), torch.randn(10240, 1, 4, **bf)
-        got, ref = gdn_triton.causal_conv1d(qkv, hist, cw)[0], causal_conv1d_reference(qkv, hist, cw)[0]
-        assert close(got, ref)
+        (got, window), (ref, ref_window) = gdn_triton.causal_conv1d(qkv, hist, cw), causal_conv1d_reference(qkv, hist,
+                                                                                                            cw)
+        assert close(got, ref) and torch.equal(window, ref_window)
+    for t in (1, 8):
         gu = torch.randn(t, 2 * 17408, **bf)
         ref = silu_mul_reference(gu[:, :17408], gu[:, 17408:])
         assert close(activation_triton.gated(gu[:, 17408:], gu[:, :17408], "silu"), ref)
@@ -614,3 +617,20 @@ def test_block_sparse_training_attention_on_gpu():
     torch.testing.assert_close(outputs[1], outputs[0], rtol=1e-4, atol=1e-4)
     for flex, dense in zip(*grads):
         torch.testing.assert_close(flex, dense, rtol=1e-3, atol=1e-3)
+
+
+def test_graphed_training_features_equal_eager(tiny_checkpoint):
+    """train-drafter's target pass over whole sequences (train/run.py TargetFeatures) replayed as one CUDA graph
+    gives the eager pass's features and labels, bitwise, for every sequence in turn."""
+    from blockspec.models.checkpoint import load_target
+    from blockspec.train.run import TargetFeatures
+
+    model, _ = load_target(tiny_checkpoint(), "cuda", torch.bfloat16)
+    eager = TargetFeatures(model, [1, 2], 96, "cuda", torch.bfloat16)
+    graphed = TargetFeatures(model, [1, 2], 96, "cuda", torch.bfloat16, graphed=True)
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(3):
+        ids = torch.randint(0, model.config.vocab_size, (96,), generator=generator).cuda()
+        for got, expected in zip(graphed(ids), eager(ids)):
+            assert torch.equal(got, expected)
+    assert graphed.graph is not None

@@ -40,6 +40,7 @@ BLOCK_V, NUM_WARPS = 16, 1
 # the conv (bench/gdn_kernel.py --parts conv, us per 27B layer, 1 / 8 tokens): 64 channels, 1 warp 1.95 / 3.99;
 # 512 channels, 4 warps (the earlier choice: 20 programs) 2.17 / 5.41
 CONV_BLOCK_C, CONV_WARPS = 64, 1
+CONV_ROWS = 16  # tokens a prefill conv program takes (one program a channel block took all: 379 us for 1024 tokens)
 
 
 def available(x: torch.Tensor) -> bool:
@@ -211,20 +212,23 @@ def causal_conv1d(x, history, weight, window_out=None, mixed_out=None, block_c=N
     window = window_out if window_out is not None else x.new_empty(taps - 1 + t, channels)
     mixed = mixed_out if mixed_out is not None else x.new_empty(t, channels)
     block_c, num_warps = block_c or CONV_BLOCK_C, num_warps or CONV_WARPS
-    _causal_conv1d_kernel[(triton.cdiv(channels, block_c),)](
-        x, x.stride(0), history, weight, window, mixed, t, channels, K=taps, BLOCK_C=block_c, num_warps=num_warps,
-        **pdl.options(x))
+    _causal_conv1d_kernel[(triton.cdiv(channels, block_c), triton.cdiv(t, CONV_ROWS))](
+        x, x.stride(0), history, weight, window, mixed, t, channels, K=taps, BLOCK_C=block_c, ROWS=CONV_ROWS,
+        num_warps=num_warps, **pdl.options(x))
     return mixed, window
 
 
 if triton is not None:
     @triton.jit(do_not_specialize=["T"])
     def _causal_conv1d_kernel(x, s_x, history, weight, window, mixed, T, C, K: tl.constexpr, BLOCK_C: tl.constexpr,
-                              PDL: tl.constexpr):
+                              ROWS: tl.constexpr, PDL: tl.constexpr):
         pdl.begin(PDL)
         cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
         ok = cols < C
-        for t in range(T):  # every program owns its channels: it writes the window (history at t = 0) and output
+        first = tl.program_id(1) * ROWS
+        # a program owns its channels of ROWS tokens (a prefill's tokens run in parallel, not one after another):
+        # it writes their window rows (and the history's, with token 0) and outputs
+        for t in range(first, tl.minimum(first + ROWS, T)):
             _conv_silu(x, s_x, history, weight, window, mixed, t, cols, ok, C, K, True)
 
     @triton.jit
