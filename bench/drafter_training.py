@@ -52,9 +52,9 @@ def main():
     p.add_argument("--batch-tokens", type=int, default=4096, help="block rows per step")
     p.add_argument("--steps", type=int, default=10, help="timed steps (after 2 warm-up steps)")
     p.add_argument("--window", type=int, help="the drafter's sliding window (default: the preset drafter's)")
-    p.add_argument("--attention", default="dense", choices=["dense", "block-sparse"],
-                   help="the step's attention: scaled_dot_product_attention under a dense mask (train-drafter's) or "
-                   "flex_attention's block-sparse kernel (CUDA only)")
+    p.add_argument("--attention", choices=["dense", "block-sparse"],
+                   help="the step's attention: flex_attention's block-sparse kernel or scaled_dot_product_attention "
+                   "under a dense mask (default: train-drafter's, block-sparse on CUDA, dense on the CPU)")
     p.add_argument("--profile", type=int, default=0, metavar="N",
                    help="then profile one more step and print its N costliest operators")
     p.add_argument("--target-sharding", default="replicate",
@@ -69,6 +69,7 @@ def main():
 
 def measure(args, device, ranks):
     say = print if ranks.main else (lambda *a, **k: None)
+    args.attention = args.attention or ("block-sparse" if device.type == "cuda" else "dense")
     if args.attention == "block-sparse" and device.type != "cuda":
         sys.exit("--attention block-sparse needs CUDA (flex_attention has no backward on the CPU)")
     placements = args.target_sharding.split(",")
@@ -82,8 +83,8 @@ def measure(args, device, ranks):
     config = dict(synthetic_drafter_config(model.config), num_target_layers=model.config.num_hidden_layers)
     if args.window:
         config["sliding_window"] = args.window
-    if args.attention == "block-sparse":  # the block mask in place of the dense one (the step is otherwise the same)
-        dflash2.step_mask = lambda layout, block_sparse: layout.block_mask()
+    block_sparse = args.attention == "block-sparse"  # the mask of every step (which is otherwise the same)
+    dflash2.step_mask = lambda layout, _: layout.block_mask() if block_sparse else layout.dense_mask()
     drafter = new_drafter(config, seed=0, device=device, dtype=torch.float32)
     layer_ids = config["dflash_config"]["target_layer_ids"]
     # the target's pass a CUDA graph, as train-drafter's, unless the layers are to be sharded (the graph would hold

@@ -60,6 +60,9 @@
 #                  one GPU each), the same global batch: block tokens/s, scaling efficiency, loss curves against one
 #                  process's (bench/drafter_scaling.py; SCALING_STEPS, default 200; SCALING_ARGS add to the bench,
 #                  e.g. --kill-and-resume)
+#   train_step  train-drafter's step on the demo pair's target with drafter_scaling's flags, on torch.nn's .py files:
+#              s a step, block tokens/s and its profile, under each TRAIN_STEP_ATTENTION (default "train-drafter
+#              dense": train-drafter's own attention, block-sparse on CUDA, then the dense mask; bench/train_step.py)
 #   ckpt       users' downloads: the 27B's shapes written as a checkpoint in each published format (CKPT_FORMATS,
 #              default gptq,awq,fp8; also ct-fp8, bf16, bf16-int4), ~4 GB shards, then loaded cold by the engine:
 #              write and load s, GB/s, loading peak vs the estimate, decode tokens/s (bench/checkpoint_loading.py;
@@ -150,6 +153,15 @@ for part in ${PARTS:-bf16 warm int4 vocab}; do
              --target "$PWD/.demo/target" --data $SITE --suffixes .py --seq-len 1024 --layers 2 --window 1024 \
              --selector-rank 64 --intermediate-size 1024 --lr 1e-3 --batch-tokens 8192 --steps ${SCALING_STEPS:-200} \
              --checkpoint-every 20 --eval-cuts 0 ;;
+    train_step) rm -rf .demo && python3 -m blockspec.cli demo --save .demo > /dev/null
+           NN=$(python3 -c "import os, torch; print(os.path.dirname(torch.__file__))")/nn
+           for attention in ${TRAIN_STEP_ATTENTION:-train-drafter dense}; do  # train-drafter: its own choice
+             kernel_bench train_step_$attention ${TRAIN_STEP_S:-200} train_step \
+               $([ $attention = train-drafter ] || echo --attention $attention) \
+               --json-out "$OUT/train_step_$attention.json" -- --target "$PWD/.demo/target" --data $NN --suffixes .py \
+               --seq-len 1024 --layers 2 --window 1024 --selector-rank 64 --intermediate-size 1024 --lr 1e-3 \
+               --batch-tokens 8192
+           done ;;
     ckpt) kernel_bench checkpoint_loading ${CKPT_S:-560} checkpoint_loading --format ${CKPT_FORMATS:-gptq,awq,fp8} ;;
     *) echo "## unknown part $part" >> "$LOG" ;;
   esac

@@ -666,3 +666,23 @@ def test_training_bench_dry_run_in_two_processes(tmp_path):
         assert figures["processes"] == 2 and figures["block_rows_per_step"] == 128 and figures["block_tokens_per_s"] > 0
     assert proc.stdout.count("warm-up step 0") == 2  # rank 0 alone prints, once a placement
     assert "target whole on each of 2 processes" in proc.stdout and "target's layers sharded" in proc.stdout
+
+
+def test_train_step_bench_dry_run(setup):
+    """bench/train_step.py on the CPU: train-drafter itself on the tiny target, timed and profiled."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root, target, data = setup
+    flags = train_drafter_argv(run_config(root, target, data))[1:]
+    for flag in ("--out", "--steps", "--checkpoint-every", "--eval-cuts"):
+        del flags[flags.index(flag):flags.index(flag) + 2]
+    repo = Path(__file__).resolve().parent.parent
+    proc = subprocess.run([sys.executable, str(repo / "bench" / "train_step.py"), "--warmup", "1", "--steps", "2",
+                           "--profile", "1", "--rows", "5", "--json-out", str(root / "train_step.json"), "--", *flags],
+                          cwd=repo, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    figures = json.loads((root / "train_step.json").read_text())
+    assert figures["step_s"] > 0 and figures["block_tokens_per_s"] > 0 and figures["profiled_cpu_ms_per_step"] > 0
+    assert "cpu_time_total" not in proc.stdout and "Self CPU" in proc.stdout  # the CPU profile table

@@ -90,9 +90,8 @@ def drafter_hidden(model, features: torch.Tensor, noise: torch.Tensor, anchors: 
 
     Equals dflash's own forward run block by block on each anchor's context (tests/test_train.py checks it), but
     projects the features (fc, keys, values) once instead of once per anchor, and runs every block's attention in one
-    masked call (train/block_attention.py: a dense mask, or with block_sparse flex_attention's block mask, not yet
-    the default: docs/benchmarks.md): per step the drafter costs L + n * block rows instead of n * (window +
-    block)."""
+    masked call (train/block_attention.py: a dense mask, or with block_sparse flex_attention's block mask, what
+    training on CUDA runs): per step the drafter costs L + n * block rows instead of n * (window + block)."""
     n, block, _ = noise.shape
     length = features.shape[0]
     seq_len = seq_len or length
@@ -139,7 +138,8 @@ def block_losses(model, head, embed, features, tokens, labels, anchors, decay: f
                else trained[anchors[:, None] + offsets[None, :-1]])
     rows = total(counted.sum(0)).clamp_min(1)
     noise = embed(ids) * float(model.config.dflash_config.get("input_embedding_scale", 1.0))
-    hidden = drafter_hidden(model, features, noise.to(features.dtype), anchors, seq_len)[:, 1:]
+    hidden = drafter_hidden(model, features, noise.to(features.dtype), anchors, seq_len,
+                            block_sparse=features.is_cuda)[:, 1:]
     logits = model.compute_logits(hidden, head).float()
     weights = torch.exp(-torch.arange(block - 1, device=tokens.device) / decay)
     weights = weights / weights.sum()
