@@ -45,7 +45,9 @@ def run(processes: int, out: Path, train_args: list[str]) -> tuple[dict, float]:
     start = time.perf_counter()
     proc = subprocess.run(command(processes, out, train_args), cwd=ROOT, capture_output=True, text=True)
     if proc.returncode != 0:
-        sys.exit(f"{processes} processes failed (exit {proc.returncode}): {proc.stderr.strip().splitlines()[-1:]}")
+        # torchrun's report ends in separators: the lines that name the failure are the ones with words in them
+        said = [line for line in proc.stderr.splitlines() if any(c.isalpha() for c in line)]
+        sys.exit(f"{processes} processes failed (exit {proc.returncode}):\n" + "\n".join(said[-12:]))
     return json.loads((out / "training.json").read_text()), time.perf_counter() - start
 
 

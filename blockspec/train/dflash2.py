@@ -222,7 +222,7 @@ def dflash2_step(drafter, model, features, sequences, run, ranks: Ranks | None =
         trained = torch.tensor([s.trained for s in picked], device=device).reshape(-1)
         block_ce, selector_ce, accuracy = losses(torch.cat(feats), tokens.reshape(-1), torch.cat(labels), anchors,
                                                  trained)
-        figures = {"block_ce": block_ce.item(), "selector_ce": selector_ce.item(),
-                   "first_row_accuracy": accuracy[0].item()}
+        figures = {"block_ce": block_ce.detach(), "selector_ce": selector_ce.detach(),
+                   "first_row_accuracy": accuracy[0]}  # read once the step is done (Trainer.fit)
         return block_ce + selector_ce, figures, anchors.numel() * block
     return step_loss

@@ -123,10 +123,11 @@ def learning_rate(step: int, steps: int, peak: float) -> float:
 
 
 class Trainer:
-    """`step_loss(rng) -> (loss, figures, tokens)` is this rank's part of a step: over the ranks the parts of the
-    loss, of each figure and of the tokens sum to the whole step's (train/ranks.py), and `module` runs under
-    DistributedDataParallel, which averages the gradients, so the loss is scaled by the world size before its
-    backward pass: the gradient is the whole step's loss's, as one process computes it."""
+    """`step_loss(rng) -> (loss, figures, tokens)` is this rank's part of a step (figures: numbers or 0-dim tensors,
+    read after the optimizer step): over the ranks the parts of the loss, of each figure and of the tokens sum to the
+    whole step's (train/ranks.py), and `module` runs under DistributedDataParallel, which averages the gradients, so
+    the loss is scaled by the world size before its backward pass: the gradient is the whole step's loss's, as one
+    process computes it."""
 
     def __init__(self, module: torch.nn.Module, out: Path, lr: float, device: torch.device,
                  save_weights: Callable[[Path], None], checkpoint_every: int, seed: int, settings: dict,
@@ -199,8 +200,10 @@ class Trainer:
             (loss * self.ranks.world).backward()
             norm = torch.nn.utils.clip_grad_norm_(self.module.parameters(), 1.0)  # the whole step's gradient's
             self.optimizer.step()
-            parts = torch.tensor([loss.item(), *map(float, figures.values()), count], dtype=torch.float64,
-                                 device=self.device)
+            # the step's figures are read here, once it is all queued: a read inside it would hold the host until
+            # the device caught up, and a launch-bound step's host work would no longer overlap the device's
+            parts = torch.stack([torch.as_tensor(v, device=self.device).to(torch.float64).reshape(())
+                                 for v in (loss.detach(), *figures.values(), count)])
             *whole, count = self.ranks.total(parts).tolist()
             tokens += int(count)
             self.step = step + 1

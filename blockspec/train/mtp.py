@@ -186,5 +186,5 @@ def mtp_step(head, model, target, sequences, batch_tokens: int, ranks: Ranks | N
         loss = (F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="none") * counted.flatten()).sum() \
             / rows
         accuracy = ((logits.argmax(-1) == labels) & counted).sum() / rows
-        return loss, {"first_row_accuracy": accuracy.item()}, labels.numel()
+        return loss, {"first_row_accuracy": accuracy.detach()}, labels.numel()
     return step_loss

@@ -184,7 +184,7 @@ def _train(run: TargetTraining, out: Path, device, train_texts: list[str], heldo
         starts = [rng.randrange(stream.numel() - run.seq_len + 1) for _ in range(rows)]
         batch = torch.stack([stream[s:s + run.seq_len] for s in starts])
         loss = model(input_ids=batch, labels=batch).loss  # transformers shifts the labels
-        return loss, {"bits_per_token": loss.item() / math.log(2)}, rows * run.seq_len
+        return loss, {"bits_per_token": loss.detach() / math.log(2)}, rows * run.seq_len
 
     def save(directory: Path):
         model.save_pretrained(directory)
