@@ -61,10 +61,45 @@ def test_greedy_replies_are_the_targets_greedy_continuations(prompts):
         assert record["messages"][-1]["content"] == tok.decode(expected)
         replies.append(expected)
     for record, cut in zip(written[len(CONVERSATIONS):], cuts):
-        assert record["text"] == tok.decode(cut + engine.generate(cut, 24).tokens)
+        assert record == {"prompt": tok.decode(cut), "completion": tok.decode(engine.generate(cut, 24).tokens)}
     lengths = sorted([len(tok.chat_prompt_ids(kept)) for kept in prompts_kept] + list(map(len, cuts)), reverse=True)
     assert all(len(set(lengths[i:i + 3])) > 1 for i in range(0, len(lengths), 3))  # every pass left-pads a prompt
     assert all(replies) and "DROPPED" not in out.read_text()
+
+
+def test_the_labels_of_greedy_continuations_are_their_next_tokens(prompts):
+    """What train-drafter learns from greedily regenerated text: every trained label (the target's argmax over the
+    training sequence) is the continuation's next token, because each record starts a sequence of its own and the
+    target sees it as it generated it. Laid end to end like texts, the records' labels would be read after the
+    previous records (the check on the same data as {"text"} records shows that it changes them)."""
+    import torch
+
+    from blockspec.config import TargetConfig
+    from blockspec.models.checkpoint import load_target
+    from blockspec.models.tokenizer import Tokenizer
+    from blockspec.train.data import split_corpus
+    from blockspec.train.run import TargetFeatures
+
+    root, target = prompts
+    out = root / "labels.jsonl"
+    assert main(["regenerate", "--target", str(target), "--prompts", str(root / "notes.txt"), "--out", str(out),
+                 "--max-new-tokens", "40", "--prompt-tokens", "30", "--greedy", "--device", "cpu"]) == 0
+    (root / "as_texts.jsonl").write_text("".join(json.dumps({"text": r["prompt"] + r["completion"]}) + "\n"
+                                                 for r in records(out)))
+    eos = TargetConfig.from_file(target / "config.json").eos_token_ids
+    tokenizer = Tokenizer(target, eos)
+    model, _ = load_target(target)
+    features = TargetFeatures(model, [1], 96, "cpu", torch.float32)
+
+    def mismatches(path):
+        sequences, _ = split_corpus([str(path)], tokenizer, 96, 0.0, 0, min(eos))
+        labels = [(features(torch.tensor(s.ids))[1].tolist(), s) for s in sequences]
+        checked = [(label[p], s.ids[p + 1]) for label, s in labels for p in range(95) if s.trained[p]]
+        return sum(a != b for a, b in checked), len(checked)
+
+    wrong, checked = mismatches(out)
+    assert wrong == 0 and checked >= 5 * 39, (wrong, checked)
+    assert mismatches(root / "as_texts.jsonl")[0] > 0
 
 
 def test_sampled_regeneration_repeats_with_its_seed_and_trains_a_drafter(prompts, capsys):

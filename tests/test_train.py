@@ -312,6 +312,30 @@ def test_conversations_train_on_assistant_tokens_and_texts_on_all(setup, tmp_pat
     assert letters("QWXYZ") <= untrained_next
 
 
+def test_conversations_and_completions_start_sequences_of_their_own(setup, tmp_path):
+    """Texts are laid end to end; a conversation or a completion starts a sequence, its last padded (untrained), so
+    the target reads it from its start; a completion is trained on its completion only."""
+    from blockspec.models.tokenizer import Tokenizer
+    from blockspec.train.data import split_corpus
+
+    _, target, _ = setup
+    tokenizer = Tokenizer(target, [258])
+    completion = {"prompt": "QWXYZ" * 5, "completion": "abcde" * 20}  # 25 + 100 tokens, the separator: 126
+    write_jsonl(tmp_path / "records.jsonl", [completion, {"text": "0123456789" * 10}, conversation_records(1)[0]])
+    sequences, _ = split_corpus([str(tmp_path)], tokenizer, 64, 0.0, 0, 257)
+    starts = [s for s in sequences if s.ids[:5] == tokenizer.encode("QWXYZ")]
+    assert len(starts) == 1
+    first, second = starts[0], sequences[sequences.index(starts[0]) + 1]
+    assert first.trained == [False] * 24 + [True] * 40 and first.ids[25:30] == tokenizer.encode("abcde")
+    assert second.ids[:61] == tokenizer.encode(("abcde" * 20)[39:]) and second.ids[61:] == [257] * 3  # + padding
+    assert second.trained == [True] * 60 + [False] * 4  # the last completion token's label is the separator
+    conversation = tokenizer.chat_prompt_ids(conversation_records(1)[0]["messages"], generation_prompt=False)
+    # cut from its start (its first 64 tokens, system and user turns, train nothing and are left out)
+    assert any(s.ids[:64] == conversation[64:128] for s in sequences)
+    texts = [s for s in sequences if s.ids[0] in tokenizer.encode("0123456789")]
+    assert len(texts) == 1 and all(texts[0].trained[:-1])  # the text's 101 tokens: one sequence, trained
+
+
 def test_masked_labels_leave_the_block_loss_alone(setup):
     from blockspec.train.dflash2 import block_losses
 
@@ -379,6 +403,9 @@ GOOD_RECORD = json.dumps({"messages": [{"role": "user", "content": "hi"}, {"role
      "bad.jsonl:1: message 1 has an unknown from 'bot'"),
     (['{"messages": [{"role": "assistant", "content": 3}]}'], "bad.jsonl:1: message 0 has no string \"content\""),
     (['["a", "list"]'], "bad.jsonl:1: a JSON object expected, got list"),
+    ([GOOD_RECORD, '{"prompt": "def f():"}'],
+     'bad.jsonl:2: a completion record needs a string "prompt" and a string "completion"'),
+    (['{"content": "x"}'], 'bad.jsonl:1: no "messages", "conversations", "prompt" and "completion", or "text" field'),
 ])
 def test_bad_jsonl_is_one_line_before_the_target_loads(setup, tmp_path, capsys, monkeypatch, lines, message):
     import blockspec.train.run as run_module

@@ -5,8 +5,14 @@ share (whole texts and conversations, chosen by the seed) for evaluation.
 A `.jsonl` file holds one record a line (blank lines are skipped): a conversation, OpenAI style
 `{"messages": [{"role": "system" | "user" | "assistant" | "tool", "content": "..."}, ...]}` or ShareGPT style
 `{"conversations": [{"from": "system" | "human" | "gpt", "value": "..."}, ...]}`, rendered with the target's chat
-template, or `{"text": "..."}`, a text like a text file's (what `blockspec regenerate` writes for text prompts). A
-conversation is trained on its assistant turns only; a text everywhere.
+template; a completion `{"prompt": "...", "completion": "..."}` (what `blockspec regenerate` writes for text prompts),
+the two tokenized apart and laid end to end; or `{"text": "..."}`, a text like a text file's. A conversation is
+trained on its assistant turns only, a completion on its completion, a text everywhere.
+
+Texts are laid end to end and cut into sequences. A conversation or a completion starts a sequence of its own, its
+last one padded: the target then sees it from its start, as it does when it serves it, so where the reply is the
+target's own greedy output (`blockspec regenerate --greedy`) every label equals the reply's next token. Padding costs
+target passes, not drafter rows: a --seq-len near the records' length wastes least.
 """
 
 from __future__ import annotations
@@ -32,6 +38,12 @@ class Conversation:
     messages: list[dict]  # OpenAI style (ShareGPT's turned into it)
     path: Path
     line: int
+
+
+@dataclass
+class Completion:
+    prompt: str
+    completion: str  # what the loss is on
 
 
 class Sequence(NamedTuple):
@@ -60,9 +72,9 @@ def text_files(paths: list[str], suffixes=None, flag: str = "--data") -> list[Pa
     return sorted(files)
 
 
-def parse_record(line: str, where: str, need_assistant: bool = True) -> str | list[dict]:
-    """One JSONL line: its text, or its conversation's messages; anything else refused in one line naming `where`
-    (the flag, file:line)."""
+def parse_record(line: str, where: str, need_assistant: bool = True) -> str | Completion | list[dict]:
+    """One JSONL line: its text, its completion, or its conversation's messages; anything else refused in one line
+    naming `where` (the flag, file:line)."""
     try:
         record = json.loads(line)
     except json.JSONDecodeError as exc:
@@ -77,8 +89,13 @@ def parse_record(line: str, where: str, need_assistant: bool = True) -> str | li
         if not isinstance(record["text"], str):
             raise BlockspecError(f"{where}: \"text\" must be a string")
         return record["text"]
+    elif "prompt" in record or "completion" in record:
+        if not (isinstance(record.get("prompt"), str) and isinstance(record.get("completion"), str)):
+            raise BlockspecError(f"{where}: a completion record needs a string \"prompt\" and a string \"completion\"")
+        return Completion(record["prompt"], record["completion"])
     else:
-        raise BlockspecError(f"{where}: no \"messages\", \"conversations\" or \"text\" field")
+        raise BlockspecError(f"{where}: no \"messages\", \"conversations\", \"prompt\" and \"completion\", or \"text\" "
+                             "field")
     turns = record[field]
     if not isinstance(turns, list) or not turns:
         raise BlockspecError(f"{where}: \"{field}\" must be a non-empty list of messages")
@@ -100,7 +117,8 @@ def parse_record(line: str, where: str, need_assistant: bool = True) -> str | li
     return messages
 
 
-def read_records(path: Path, need_assistant: bool = True, flag: str = "--data") -> list[str | Conversation]:
+def read_records(path: Path, need_assistant: bool = True,
+                 flag: str = "--data") -> list[str | Completion | Conversation]:
     try:
         lines = path.read_text(encoding="utf-8").splitlines()
     except UnicodeDecodeError as exc:
@@ -111,12 +129,13 @@ def read_records(path: Path, need_assistant: bool = True, flag: str = "--data") 
     for number, line in enumerate(lines, 1):
         if line.strip():
             record = parse_record(line, f"{flag} {path}:{number}", need_assistant)
-            records.append(record if isinstance(record, str) else Conversation(record, path, number))
+            records.append(Conversation(record, path, number) if isinstance(record, list) else record)
     return records
 
 
-def read_data(files: list[Path], need_assistant: bool = True, flag: str = "--data") -> list[str | Conversation]:
-    """The texts and conversations of the files, in order: a .jsonl file's records (each line checked), every other
+def read_data(files: list[Path], need_assistant: bool = True,
+              flag: str = "--data") -> list[str | Completion | Conversation]:
+    """The texts, completions and conversations of the files, in order: a .jsonl file's records (each line checked), every other
     file's text (a file that is not UTF-8 text is skipped, like any binary file under a directory; identical texts
     count once)."""
     units, seen = [], set()
@@ -163,31 +182,56 @@ def conversation_tokens(tokenizer, messages: list[dict]) -> tuple[list[int], lis
     return ids, mine
 
 
-def unit_tokens(units: list, tokenizer, eos: int | None) -> list[tuple[list[int], list[bool]]]:
-    """Each text's or conversation's tokens followed by `eos`, with the tokens the loss is on (a text's: all)."""
-    encoded = iter(tokenizer.encode_batch([u for u in units if isinstance(u, str)]))
+class Unit(NamedTuple):
+    """A text's, completion's or conversation's tokens and, per token, whether the loss is on it; `alone`: it starts
+    a sequence of its own (a completion, a conversation), else it is laid end to end with the texts."""
+    ids: list[int]
+    mine: list[bool]
+    alone: bool
+
+
+def unit_tokens(units: list, tokenizer, eos: int | None) -> list[Unit]:
+    """Each text's, completion's or conversation's tokens followed by `eos`, with the tokens the loss is on (a
+    text's: all; a completion's: its completion's)."""
+    texts = [part for u in units if not isinstance(u, Conversation)
+             for part in ((u.prompt, u.completion) if isinstance(u, Completion) else (u,))]
+    encoded = iter(tokenizer.encode_batch(texts))
     separator = [eos] if eos is not None else []
     out = []
     for unit in units:
         if isinstance(unit, str):
             ids = next(encoded) + separator
-            out.append((ids, [True] * len(ids)))
+            out.append(Unit(ids, [True] * len(ids), False))
+        elif isinstance(unit, Completion):
+            prompt, completion = next(encoded), next(encoded)
+            out.append(Unit(prompt + completion + separator,
+                            [False] * len(prompt) + [True] * len(completion) + [False] * len(separator), True))
         else:
             try:
                 ids, mine = conversation_tokens(tokenizer, unit.messages)
             except BlockspecError as exc:
                 raise BlockspecError(f"--data {unit.path}:{unit.line}: {exc}") from None
-            out.append((ids + separator, mine + [False] * len(separator)))
+            out.append(Unit(ids + separator, mine + [False] * len(separator), True))
     return out
 
 
-def sequences(units: list[tuple[list[int], list[bool]]], length: int) -> list[Sequence]:
-    """The units' tokens concatenated and cut into sequences of `length` tokens; a position is trained when the
-    token after it is. Sequences with no trained position are left out."""
-    ids = [t for unit_ids, _ in units for t in unit_ids]
-    trained = [m for _, mine in units for m in mine][1:] + [False]
-    cuts = (Sequence(ids[i:i + length], trained[i:i + length]) for i in range(0, len(ids) - length + 1, length))
-    return [s for s in cuts if any(s.trained)]
+def sequences(units: list[Unit], length: int, pad: int = 0) -> list[Sequence]:
+    """The texts' tokens concatenated and cut into sequences of `length` tokens, then each unit that stands alone
+    cut into its own, the last padded with `pad` (untrained); a position is trained when the token after it is.
+    Sequences with no trained position are left out."""
+    def cut(ids, mine, padded):
+        trained = mine[1:] + [False]
+        end = len(ids) if padded else len(ids) - length + 1
+        for i in range(0, max(end, 0), length):
+            missing = length - len(ids[i:i + length])
+            yield Sequence(ids[i:i + length] + [pad] * missing, trained[i:i + length] + [False] * missing)
+
+    streamed = [u for u in units if not u.alone]
+    out = list(cut([t for u in streamed for t in u.ids], [m for u in streamed for m in u.mine], False))
+    for unit in units:
+        if unit.alone:
+            out += cut(unit.ids, unit.mine, True)
+    return [s for s in out if any(s.trained)]
 
 
 def split_corpus(paths: list[str], tokenizer, length: int, heldout: float, seed: int, eos: int | None,
@@ -198,8 +242,9 @@ def split_corpus(paths: list[str], tokenizer, length: int, heldout: float, seed:
     check_chat_template(units, tokenizer)
     random.Random(seed).shuffle(units)
     held = max(1, round(heldout * len(units))) if heldout > 0 and len(units) > 1 else 0
-    train = sequences(unit_tokens(units[held:], tokenizer, eos), length)
-    evaluation = sequences(unit_tokens(units[:held], tokenizer, eos), length)
+    pad = eos if eos is not None else 0
+    train = sequences(unit_tokens(units[held:], tokenizer, eos), length, pad)
+    evaluation = sequences(unit_tokens(units[:held], tokenizer, eos), length, pad)
     if not train:
         raise BlockspecError(f"--data: fewer than {length} tokens of training data (lower --seq-len or add data)")
     return train, evaluation

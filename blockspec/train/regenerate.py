@@ -2,10 +2,11 @@
 
 Prompts are JSONL conversations (train/data.py's records: one that ends with an assistant turn has that turn
 dropped; the prompt is the conversation before it, or the whole of one that ends with another turn, rendered with
-the target's chat template and generation prompt as the engine's chat renders it) or texts (text files, `{"text":
-...}` records), each cut into consecutive prompts of `prompt_tokens` tokens. The output holds one record per prompt,
-in the prompts' order: the conversation with the target's reply as its last assistant turn (OpenAI style), or
-`{"text": the cut and its continuation}`; `train-drafter --data` reads it back.
+the target's chat template and generation prompt as the engine's chat renders it), completion records (their
+prompt) or texts (text files, `{"text": ...}` records), each cut into consecutive prompts of `prompt_tokens` tokens.
+The output holds one record per prompt, in the prompts' order: the conversation with the target's reply as its last
+assistant turn (OpenAI style), or `{"prompt": the cut, "completion": its continuation}`; `train-drafter --data`
+reads it back, training on the replies and continuations only.
 
 Generation runs transformers' `generate` on the HF model, many prompts per pass (left padded, the longest first),
 greedy or sampled at the target's generation_config.json (temperature, top-k, top-p, min-p: what blockspec's own
@@ -26,7 +27,7 @@ from ..config import MAX_SEED, TargetConfig
 from ..errors import BlockspecError
 from ..models.checkpoint import check_folder, generation_defaults
 from ..models.tokenizer import Tokenizer
-from .data import Conversation, check_chat_template, read_data, text_files
+from .data import Completion, Conversation, check_chat_template, read_data, text_files
 from .loop import plural
 
 
@@ -80,7 +81,8 @@ def check_run(run: Regeneration) -> TargetConfig:
 
 
 def prompts_of(units: list, tokenizer, prompt_tokens: int) -> list[Prompt]:
-    """A conversation's prompt (its messages without a last assistant turn), each text's cuts."""
+    """A conversation's prompt (its messages without a last assistant turn), a completion record's prompt, each
+    text's cuts."""
     prompts = []
     for unit in units:
         if isinstance(unit, Conversation):
@@ -89,6 +91,8 @@ def prompts_of(units: list, tokenizer, prompt_tokens: int) -> list[Prompt]:
                 prompts.append(Prompt(tokenizer.chat_prompt_ids(messages), messages))
             except BlockspecError as exc:
                 raise BlockspecError(f"--prompts {unit.path}:{unit.line}: {exc}") from None
+        elif isinstance(unit, Completion):
+            prompts.append(Prompt(tokenizer.encode(unit.prompt), None))
         else:
             ids = tokenizer.encode(unit)
             prompts += [Prompt(ids[i:i + prompt_tokens], None) for i in range(0, len(ids), prompt_tokens)]
@@ -168,7 +172,7 @@ def regenerate(run: Regeneration, log=print) -> dict:
     records = []
     for prompt, new in zip(prompts, replies):
         if prompt.messages is None:
-            records.append({"text": tokenizer.decode(prompt.ids + new)})
+            records.append({"prompt": tokenizer.decode(prompt.ids), "completion": tokenizer.decode(new)})
         else:
             records.append({"messages": prompt.messages + [{"role": "assistant", "content": tokenizer.decode(new)}]})
     write_atomically(Path(run.out), records)

@@ -23,7 +23,7 @@ import torch
 from ..config import MAX_SEED
 from ..errors import BlockspecError
 from ..models.tokenizer import CHAT_TEMPLATE, render_chat
-from .data import read_data, text_files
+from .data import Completion, read_data, text_files
 from .loop import Trainer, check_output, check_resumed, output_folder, plural, settings_to_save, token_count, \
     write_summary
 from .ranks import launched
@@ -144,7 +144,8 @@ def train_target(run: TargetTraining, log=print) -> dict:
         raise BlockspecError("train-target needs the 'train' extra: pip install 'blockspec[train]'") from None
 
     out = Path(run.out)
-    texts = [unit if isinstance(unit, str) else render_chat(CHAT_TEMPLATE, unit.messages, add_generation_prompt=False)
+    texts = [unit if isinstance(unit, str) else unit.prompt + unit.completion if isinstance(unit, Completion)
+             else render_chat(CHAT_TEMPLATE, unit.messages, add_generation_prompt=False)
              for unit in read_data(text_files(run.data, run.suffixes))]
     held = max(1, round(run.heldout * len(texts))) if run.heldout > 0 and len(texts) > 1 else 0
     generator = torch.Generator().manual_seed(run.seed)
