@@ -621,16 +621,18 @@ def test_block_sparse_training_attention_on_gpu():
 
 def test_graphed_training_features_equal_eager(tiny_checkpoint):
     """train-drafter's target pass over whole sequences (train/run.py TargetFeatures) replayed as one CUDA graph
-    gives the eager pass's features and labels, bitwise, for every sequence in turn."""
+    gives the eager pass's features, labels and hidden states, bitwise, for every sequence in turn."""
     from blockspec.models.checkpoint import load_target
     from blockspec.train.run import TargetFeatures
 
     model, _ = load_target(tiny_checkpoint(), "cuda", torch.bfloat16)
-    eager = TargetFeatures(model, [1, 2], 96, "cuda", torch.bfloat16)
-    graphed = TargetFeatures(model, [1, 2], 96, "cuda", torch.bfloat16, graphed=True)
-    generator = torch.Generator().manual_seed(0)
-    for _ in range(3):
-        ids = torch.randint(0, model.config.vocab_size, (96,), generator=generator).cuda()
-        for got, expected in zip(graphed(ids), eager(ids)):
-            assert torch.equal(got, expected)
-    assert graphed.graph is not None
+    for layers, hidden in (([1, 2], False), ((), True)):  # a DFlash2 drafter's features; the MTP head's hidden states
+        eager = TargetFeatures(model, layers, 96, "cuda", torch.bfloat16, hidden=hidden)
+        graphed = TargetFeatures(model, layers, 96, "cuda", torch.bfloat16, graphed=True, hidden=hidden)
+        generator = torch.Generator().manual_seed(0)
+        for _ in range(3):
+            ids = torch.randint(0, model.config.vocab_size, (96,), generator=generator).cuda()
+            got, expected = graphed(ids), eager(ids)
+            assert len(got) == 2 + hidden and (got[0] is None) == (not layers)
+            assert all(torch.equal(a, b) for a, b in zip(got, expected) if b is not None)
+        assert graphed.graph is not None

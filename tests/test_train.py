@@ -367,15 +367,14 @@ def test_masked_labels_leave_the_block_loss_alone(setup):
 
 
 def test_mtp_loss_counts_trained_rows_only(setup):
-    from blockspec.engine.state import DecodeState
-    from blockspec.engine.target import EagerTarget
     from blockspec.train.data import Sequence
     from blockspec.train.mtp import MTPModule, mtp_step, text_config
+    from blockspec.train.run import TargetFeatures
 
     _, target, _ = setup
     model, _ = load_target(target)
     head = MTPModule(text_config(target), seed=0)
-    eager = EagerTarget(model, DecodeState(model, 64, 16, torch.device("cpu"), torch.float32))
+    eager = TargetFeatures(model, (), 64, "cpu", torch.float32, hidden=True)
     gen = torch.Generator().manual_seed(0)
     shared = torch.randint(0, 256, (40,), generator=gen).tolist()
     a, b = shared + torch.randint(0, 256, (24,), generator=gen).tolist(), \

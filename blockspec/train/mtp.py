@@ -154,7 +154,8 @@ def step_sequences(batch_tokens: int, seq_len: int) -> int:
 
 
 def mtp_step(head, model, target, sequences, batch_tokens: int, ranks: Ranks | None = None):
-    """step_loss for the Trainer: a few training sequences (data.Sequence) through the frozen target, then every MTP
+    """step_loss for the Trainer: a few training sequences (data.Sequence) through the frozen target (`target`: a
+    train/run.py TargetFeatures with its hidden states), then every MTP
     row of them (row p: embedding of token p + 1, target hidden p; label: the target's argmax at p + 1, counted where
     trained). `head` is the MTPModule, or what runs it (DistributedDataParallel); every rank draws the step's
     sequences alike and runs its share of them, its loss and accuracy its part of the whole step's (train/ranks.py).
@@ -170,14 +171,10 @@ def mtp_step(head, model, target, sequences, batch_tokens: int, ranks: Ranks | N
         embedded, hidden, labels, counted = [], [], [], []
         for picked in ranks.share([sequences[rng.randrange(len(sequences))] for _ in range(per_step)]):
             sequence = torch.tensor(picked.ids, device=device)
-            with torch.no_grad():
-                target.state.reset()
-                out = target.forward(sequence)
-                target.state.discard()
-                normed = model.norm(out.hidden)
+            _, greedy, normed = target(sequence)
             embedded.append(model.embed(sequence[1:-1]))
             hidden.append(normed[:-2])
-            labels.append(out.logits.argmax(-1)[1:-1])
+            labels.append(greedy[1:-1])
             counted.append(torch.tensor(picked.trained[1:-1], device=device))
         embedded, hidden, labels, counted = map(torch.stack, (embedded, hidden, labels, counted))
         positions = torch.arange(embedded.shape[1], device=device)[None].expand(embedded.shape[0], -1)

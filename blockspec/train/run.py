@@ -116,24 +116,27 @@ def check_run(run: DrafterTraining) -> TargetConfig:
 
 
 class TargetFeatures:
-    """The frozen target run over whole sequences: the captured layers' outputs and its greedy labels.
+    """The frozen target run over whole sequences: the captured layers' outputs and its greedy labels, and with
+    `hidden` its last hidden states after the final norm (what the MTP head reads).
 
     With `graphed` (CUDA) the pass over a sequence of seq_len tokens is recorded once as a CUDA graph and replayed
     for every sequence: a training sequence always starts from an empty state at position 0, so the pass is the
     same work on new ids. Eager, a small target's pass is mostly launch overhead (the demo pair's 8 layers: ~8 ms of
     CPU a 1024-token sequence for ~2 ms of GPU work)."""
 
-    def __init__(self, model, layer_ids, seq_len: int, device, dtype, graphed: bool = False):
+    def __init__(self, model, layer_ids, seq_len: int, device, dtype, graphed: bool = False, hidden: bool = False):
+        self.model, self.hidden = model, hidden
         self.state = DecodeState(model, seq_len, 16, device, dtype)
         self.target = EagerTarget(model, self.state, layer_ids)
         self.seq_len, self.graphed = seq_len, graphed and torch.device(device).type == "cuda"
-        self.graph = None  # (graph, its static ids, its static (features, labels))
+        self.graph = None  # (graph, its static outputs, its static ids)
 
     def _pass(self, ids: torch.Tensor):
         self.state.reset()
         out = self.target.forward(ids)
         self.state.discard()
-        return out.features, out.logits.argmax(-1)  # argmax[p]: the target's token for position p + 1
+        labels = out.logits.argmax(-1)  # labels[p]: the target's token for position p + 1
+        return (out.features, labels, self.model.norm(out.hidden)) if self.hidden else (out.features, labels)
 
     @torch.no_grad()
     def __call__(self, ids: torch.Tensor):
@@ -145,7 +148,8 @@ class TargetFeatures:
         graph, outputs, static = self.graph
         static.copy_(ids)
         graph.replay()
-        return tuple(t.clone() for t in outputs)  # the graph's buffers are rewritten by the next replay
+        # the graph's buffers are rewritten by the next replay (features are None when no layer is captured)
+        return tuple(None if t is None else t.clone() for t in outputs)
 
 
 def frozen_target(run: DrafterTraining, trained: torch.nn.Module, device: torch.device, dtype, ranks: Ranks):
@@ -228,7 +232,7 @@ def _train(run: DrafterTraining, target_config: TargetConfig, device: torch.devi
         model, sharded = frozen_target(run, module, device, dtype, ranks)
         if ranks.main:
             copy_target(Path(run.target), out)  # again on --resume: the copy's files are rewritten as they were
-        target = EagerTarget(model, DecodeState(model, run.seq_len, 16, device, dtype))
+        target = TargetFeatures(model, (), run.seq_len, device, dtype, graphed=not sharded, hidden=True)
         step_loss = mtp_step(ranks.replicate(module, device), model, target, sequences, run.batch_tokens, ranks)
 
         def save(directory):
