@@ -285,11 +285,15 @@ def add_regenerate_parser(sub):
                    "prompts of --prompt-tokens), or directories of them")
     add_suffixes_arg(p)
     p.add_argument("--out", required=True, metavar="FILE.jsonl", help="JSONL file to write (its folder must exist): "
-                   "a {\"messages\": [...]} record per conversation, the reply last; a {\"text\": cut + "
-                   "continuation} record per text cut; in the prompts' order")
+                   "a {\"messages\": [...]} record per conversation, the reply last; a {\"prompt\": cut, "
+                   "\"completion\": continuation} record per text cut; in the prompts' order")
     p.add_argument("--greedy", action="store_true", default=None,
                    help="greedy replies (default: sampled at the target's generation_config.json: temperature, "
                    "top-k, top-p, min-p; greedy without one)")
+    p.add_argument("--temperature", type=float, metavar="T",
+                   help="sample at this temperature (generation_config.json's top-k, top-p and min-p still apply)")
+    p.add_argument("--max-prompts", type=int, metavar="N",
+                   help="answer this many of the prompts, drawn with --seed (default: all)")
     p.add_argument("--max-new-tokens", type=int, metavar="N", help="longest reply " + default(R, "max_new_tokens"))
     p.add_argument("--prompt-tokens", type=int, metavar="N",
                    help="tokens of each text cut " + default(R, "prompt_tokens"))

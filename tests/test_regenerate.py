@@ -102,6 +102,24 @@ def test_the_labels_of_greedy_continuations_are_their_next_tokens(prompts):
     assert mismatches(root / "as_texts.jsonl")[0] > 0
 
 
+def test_max_prompts_draws_with_the_seed_and_temperature_samples(prompts, capsys):
+    """--max-prompts answers that many prompts, drawn with the seed and kept in order; --temperature samples where
+    generation_config.json has no temperature (greedy otherwise), and repeats with the seed."""
+    root, target = prompts
+    every = root / "every.jsonl"
+    assert regenerate(root, target, every, "--greedy") == 0
+    assert regenerate(root, target, root / "two.jsonl", "--greedy", "--max-prompts", "2", "--seed", "1") == 0
+    assert regenerate(root, target, root / "two_again.jsonl", "--greedy", "--max-prompts", "2", "--seed", "1") == 0
+    two, whole = records(root / "two.jsonl"), records(every)
+    assert len(two) == 2 and two == records(root / "two_again.jsonl")
+    assert whole.index(two[0]) < whole.index(two[1])  # in the prompts' order
+    for name, seed in (("hot_a.jsonl", "5"), ("hot_b.jsonl", "5"), ("hot_c.jsonl", "6")):
+        assert regenerate(root, target, root / name, "--temperature", "1.5", "--seed", seed) == 0
+    assert "sampled at --temperature and generation_config.json: temperature 1.5" in capsys.readouterr().out
+    hot = [(root / name).read_text() for name in ("hot_a.jsonl", "hot_b.jsonl", "hot_c.jsonl")]
+    assert hot[0] == hot[1] != hot[2] and hot[0] != every.read_text()
+
+
 def test_sampled_regeneration_repeats_with_its_seed_and_trains_a_drafter(prompts, capsys):
     root, target = prompts
     (target / "generation_config.json").write_text(json.dumps({"temperature": 1.0, "top_k": 50}))
@@ -126,6 +144,9 @@ def test_sampled_regeneration_repeats_with_its_seed_and_trains_a_drafter(prompts
     ({"--out": "{root}/folder.jsonl"}, "--out {root}/folder.jsonl: is a folder"),
     ({"--prompts": "{root}/bad.jsonl"}, "--prompts {root}/bad.jsonl:2: message 0 has an unknown role 'robot'"),
     ({"--max-new-tokens": "0"}, "--max-new-tokens must be at least 1"),
+    ({"--max-prompts": "0"}, "--max-prompts must be at least 1"),
+    ({"--temperature": "0"}, "--temperature must be in (0, 100] (got 0.0; --greedy for greedy replies)"),
+    ({"--temperature": "0.7", "--greedy": None}, "--greedy and --temperature exclude each other"),
 ])
 def test_bad_input_is_one_line_before_the_target_loads(prompts, tmp_path, capsys, monkeypatch, change, message):
     import blockspec.train.regenerate as module
@@ -136,8 +157,8 @@ def test_bad_input_is_one_line_before_the_target_loads(prompts, tmp_path, capsys
     (tmp_path / "bad.jsonl").write_text(json.dumps(CONVERSATIONS[0]) + "\n" +
                                         '{"messages": [{"role": "robot", "content": "x"}]}\n')
     flags = {"--target": str(target), "--prompts": str(root / "chats.jsonl"), "--out": str(tmp_path / "out.jsonl"),
-             **{k: v.format(root=tmp_path) for k, v in change.items()}}
-    assert main(["regenerate", "--device", "cpu", *[x for kv in flags.items() for x in kv]]) == 2
+             **{k: v if v is None else v.format(root=tmp_path) for k, v in change.items()}}
+    assert main(["regenerate", "--device", "cpu", *[x for kv in flags.items() for x in kv if x is not None]]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and message.format(root=tmp_path) in err, err
     assert not (tmp_path / "out.jsonl").exists()

@@ -10,7 +10,8 @@ reads it back, training on the replies and continuations only.
 
 Generation runs transformers' `generate` on the HF model, many prompts per pass (left padded, the longest first),
 greedy or sampled at the target's generation_config.json (temperature, top-k, top-p, min-p: what blockspec's own
-engine applies from it; without a temperature, greedy). The output file is written under a temporary name beside it
+engine applies from it; without a temperature, greedy; --temperature replaces its temperature). --max-prompts keeps
+that many prompts, drawn with the seed from all of them (a corpus cut into more prompts than one wants answered). The output file is written under a temporary name beside it
 and renamed once complete: a failure leaves no partial file.
 """
 
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,6 +42,8 @@ class Regeneration:
     out: str
     suffixes: list[str] | None = None  # of the files taken from directories (None: data.TEXT_SUFFIXES)
     greedy: bool = False
+    temperature: float | None = None   # None: generation_config.json's (with its top-k, top-p, min-p)
+    max_prompts: int | None = None     # None: every prompt; else this many of them, drawn with the seed
     max_new_tokens: int = 512
     prompt_tokens: int = 256
     batch_size: int = 16
@@ -72,6 +76,11 @@ def check_run(run: Regeneration) -> TargetConfig:
         (run.prompt_tokens < 1, f"--prompt-tokens must be at least 1 (got {run.prompt_tokens})"),
         (run.batch_size < 1, f"--batch-size must be at least 1 (got {run.batch_size})"),
         (not 0 <= run.seed <= MAX_SEED, f"--seed must be in 0..2^63-1 (got {run.seed})"),
+        (run.max_prompts is not None and run.max_prompts < 1, f"--max-prompts must be at least 1 (got "
+                                                              f"{run.max_prompts})"),
+        (run.temperature is not None and not 0 < run.temperature <= 100,
+         f"--temperature must be in (0, 100] (got {run.temperature}; --greedy for greedy replies)"),
+        (run.greedy and run.temperature is not None, "--greedy and --temperature exclude each other"),
     ]
     for bad, why in checks:
         if bad:
@@ -100,20 +109,24 @@ def prompts_of(units: list, tokenizer, prompt_tokens: int) -> list[Prompt]:
 
 
 def sampling_settings(run: Regeneration) -> dict:
-    """transformers' generation settings: greedy, or sampled at the target's generation_config.json."""
+    """transformers' generation settings: greedy, or sampled at the target's generation_config.json (its temperature
+    replaced by --temperature)."""
     values = {} if run.greedy else generation_defaults(run.target)
+    if run.temperature is not None:
+        values["temperature"] = run.temperature
     if not values.get("temperature"):
         return {"do_sample": False}
     return {"do_sample": True, "temperature": values["temperature"], "top_k": values.get("top_k", 0),
             "top_p": values.get("top_p", 1.0), "min_p": values.get("min_p")}
 
 
-def describe(settings: dict) -> str:
+def describe(settings: dict, temperature_given: bool) -> str:
     if not settings["do_sample"]:
         return "greedy"
     shown = [f"{k.replace('_', '-')} {settings[k]:g}" for k in ("temperature", "top_k", "top_p", "min_p")
              if settings.get(k) is not None]
-    return "sampled at generation_config.json: " + ", ".join(shown)
+    where = "--temperature and generation_config.json" if temperature_given else "generation_config.json"
+    return f"sampled at {where}: " + ", ".join(shown)
 
 
 def load_model(target: str, device: torch.device, dtype: torch.dtype):
@@ -153,12 +166,15 @@ def regenerate(run: Regeneration, log=print) -> dict:
     units = read_data(text_files(run.prompts, run.suffixes, flag="--prompts"), need_assistant=False, flag="--prompts")
     check_chat_template(units, tokenizer, flag="--prompts")
     prompts = prompts_of(units, tokenizer, run.prompt_tokens)
+    if run.max_prompts is not None and len(prompts) > run.max_prompts:  # drawn with the seed, kept in their order
+        prompts = [prompts[i] for i in sorted(random.Random(run.seed).sample(range(len(prompts)), run.max_prompts))]
     settings = sampling_settings(run)
     device = resolve_device(run.device)
     conversations = sum(p.messages is not None for p in prompts)
+    how = describe(settings, run.temperature is not None)
     log(f"regenerate: {plural(len(prompts), 'prompt')} ({conversations} conversations, {len(prompts) - conversations} "
-        f"text cuts), {describe(settings)}, up to {plural(run.max_new_tokens, 'new token')} each, "
-        f"{run.batch_size} per pass on {device}")
+        f"text cuts), {how}, up to {plural(run.max_new_tokens, 'new token')} each, {run.batch_size} per pass on "
+        f"{device}")
     model = load_model(run.target, device, torch.bfloat16 if device.type == "cuda" else torch.float32)
     torch.manual_seed(run.seed)
     eos, pad = tokenizer.eos_token_ids, min(tokenizer.eos_token_ids)
