@@ -156,7 +156,38 @@ def cmd_train_drafter(args):
         except ValueError:
             raise BlockspecError(f"--target-layer-ids must be comma-separated integers (got "
                                  f"{args.target_layer_ids!r})") from None
-    train(DrafterTraining(**training_fields(args, DrafterTraining)))
+    run = DrafterTraining(**training_fields(args, DrafterTraining))
+    if args.nproc is None:
+        train(run)
+        return 0
+    return launch_processes(run, args.nproc, args.argv)
+
+
+def launch_processes(run, processes: int, argv: list[str]) -> int:
+    """`train-drafter --nproc N`: the same command under torchrun in N processes on this host (one a GPU), once it
+    is checked here (one refusal, not N); its exit status."""
+    import subprocess
+
+    import torch
+
+    from .engine.load import resolve_device
+    from .train.run import check_run, launched
+
+    if processes < 1:
+        raise BlockspecError(f"--nproc must be at least 1 (got {processes})")
+    if launched()[1] > 1:
+        raise BlockspecError("--nproc starts torchrun itself: leave it out under torchrun")
+    check_run(run, world=processes)
+    if resolve_device(run.device).type == "cuda" and processes > torch.cuda.device_count():
+        raise BlockspecError(f"--nproc {processes}: this host has {torch.cuda.device_count()} GPUs (one process a GPU)")
+    rest, skip = [], False
+    for arg in argv:  # the command as given, without --nproc
+        if skip or arg == "--nproc" or arg.startswith("--nproc="):
+            skip = arg == "--nproc"
+            continue
+        rest.append(arg)
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                           str(processes), "-m", "blockspec", *rest]).returncode
 
 
 def default(cls, name: str) -> str:
@@ -202,6 +233,9 @@ def add_train_drafter_parser(sub):
     p.add_argument("--eval-every", type=int, metavar="N", help="steps between held-out evaluations (and one at the "
                    "end); the weights of the best mean accepted length are kept in OUT/best (0: none) "
                    + default(D, "eval_every"))
+    p.add_argument("--nproc", type=int, metavar="N",
+                   help="train in N processes on this host, one a GPU: the same command under torchrun "
+                   "(--nproc-per-node N --standalone), started for you")
     p.add_argument("--target-sharding", choices=["auto", "replicate", "fsdp"],
                    help="under torchrun: the frozen target whole on every GPU, or its layers sharded across them "
                    "with FSDP2 (auto: sharded when the target and the training state would take more than 3/4 of "
@@ -381,8 +415,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     try:
+        argv = sys.argv[1:] if argv is None else list(argv)
         args = build_parser().parse_args(argv)
-        args.func(args)
+        args.argv = argv
+        status = args.func(args)
+        if status:
+            return status
     except BlockspecError as exc:
         print(f"blockspec: error: {exc}", file=sys.stderr)
         return 2

@@ -712,3 +712,17 @@ def test_train_step_bench_dry_run(setup):
     figures = json.loads((root / "train_step.json").read_text())
     assert figures["step_s"] > 0 and figures["block_tokens_per_s"] > 0 and figures["profiled_cpu_ms_per_step"] > 0
     assert "cpu_time_total" not in proc.stdout and "Self CPU" in proc.stdout  # the CPU profile table
+
+
+def test_nproc_starts_torchrun_once_the_run_is_checked(setup, tmp_path, capfd):
+    """`train-drafter --nproc 2` runs the command under torchrun in 2 processes (gloo on the CPU), as torchrun does;
+    a run that 3 processes cannot share is refused here, in one line, before any process starts."""
+    root, target, data = setup
+    argv = train_drafter_argv(run_config(tmp_path, target, data, steps=2, batch_tokens=192, eval_cuts=0))
+    assert main(argv + ["--nproc", "3"]) == 2
+    err = capfd.readouterr().err
+    assert err.count("\n") == 1 and "3 processes cannot share the 2 sequences of a step evenly" in err, err
+    assert main(argv + ["--nproc", "2"]) == 0
+    out = capfd.readouterr().out
+    assert out.count("train-drafter:") == 1 and "on cpu x 2 processes" in out, out
+    assert len(json.loads((tmp_path / "out" / "training.json").read_text())["learning_curve"]) == 2

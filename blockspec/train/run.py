@@ -59,8 +59,10 @@ class DrafterTraining:
     target_sharding: str = "auto"               # "replicate", "fsdp" (several processes) or "auto" (shards_target)
 
 
-def check_run(run: DrafterTraining) -> TargetConfig:
-    """Refuse, in one line and before any work, what cannot be trained."""
+def check_run(run: DrafterTraining, world: int | None = None) -> TargetConfig:
+    """Refuse, in one line and before any work, what cannot be trained in `world` processes (default: the ones
+    torchrun started, or this one)."""
+    world = world or launched()[1]
     target = TargetConfig.from_file(check_folder("--target", run.target) / "config.json")
     checks = [
         (run.kind not in ("dflash2", "mtp"), f"--kind must be dflash2 or mtp (got {run.kind!r})"),
@@ -87,14 +89,13 @@ def check_run(run: DrafterTraining) -> TargetConfig:
         (run.replace_mtp and run.kind != "mtp", "--replace-mtp applies to --kind mtp"),
         (run.target_sharding not in ("auto", "replicate", "fsdp"),
          f"--target-sharding must be auto, replicate or fsdp (got {run.target_sharding!r})"),
-        (run.target_sharding == "fsdp" and launched()[1] == 1,
+        (run.target_sharding == "fsdp" and world == 1,
          "--target-sharding fsdp shares the target between processes: start several with torchrun "
          "--nproc-per-node N"),
     ]
     for bad, why in checks:
         if bad:
             raise BlockspecError(why)
-    world = launched()[1]
     count = step_sequences(run)
     if count % world:
         raise BlockspecError(f"{world} processes cannot share the {plural(count, 'sequence')} of a step evenly "
