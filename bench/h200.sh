@@ -43,9 +43,14 @@
 #              "--modes none --quant int4 --vocab-quant int8 --pdl-level 0")
 #   pair_target    the demo pair's target (train-target on the machine's installed packages' .py files, 78M tokens,
 #                  ~7.5 minutes) into .pair/target, kept for the next parts while the machine is held
-#   pair_drafters  its DFlash2 drafter and MTP head (train-drafter on the same files; both at once on the one GPU,
-#                  ~8 minutes) into .pair/drafter and .pair/mtp (the target with its head); archives in $OUT
-#   pair_bench     the pair on standard-library code: tokens/s of the three modes, acceptance over whole
+#   pair_regenerate  the target's own continuations as training data (.pair/target, else the shipped demo target
+#                  without its MTP head): REGEN_PROMPTS (default 8000) 256-token cuts of the installed packages' .py
+#                  files, REGEN_NEW (default 512) new tokens each, for each of REGEN_MODES (default "greedy sampled":
+#                  --greedy, --temperature REGEN_TEMPERATURE, default 1) into .pair/regen_MODE.jsonl
+#   pair_drafters  its DFlash2 drafter and MTP head (train-drafter on the same files, or PAIR_DATA, e.g.
+#                  .pair/regen_greedy.jsonl; both at once on the one GPU) into .pair/drafterTAG and .pair/mtpTAG (the
+#                  target with its head; PAIR_TAG, default empty); archives in $OUT
+#   pair_bench     the pair (PAIR_TAG's) on standard-library code: tokens/s of the three modes, acceptance over whole
 #                  generations and from 500 real contexts (bench --fixtures stdlib --one-cycle 500; ~5 minutes)
 #   demo_trees     the shipped demo pair (blockspec demo --save) with draft trees (DEMO_TREE_BUDGETS, default 0,16,32):
 #                  tokens/s of plain decoding and each budget on standard-library code (bf16, graphs), then one-cycle
@@ -124,16 +129,27 @@ for part in ${PARTS:-bf16 warm int4 vocab}; do
            run 560 python3 -m blockspec.cli train-target --data $SITE --suffixes .py --out .pair/target --hidden 384 \
              --layers 8 --heads 6 --intermediate 1024 --seq-len 1024 --batch-tokens 65536 --tokens 78000000 --seed 0
            cp .pair/target/training.json "$OUT/train_target.json" ;;
+    pair_regenerate) [ -d .pair/target ] || { rm -rf .demo && python3 -m blockspec.cli demo --save .demo > /dev/null \
+             && mkdir -p .pair && cp -r .demo/target .pair/target && rm .pair/target/mtp.safetensors .pair/target/mtp_training.json; }
+           SITE=$(python3 -c "import os, site; print(' '.join(p for p in site.getsitepackages() if os.path.isdir(p)))")
+           for how in ${REGEN_MODES:-greedy sampled}; do
+             run ${REGEN_S:-280} python3 -m blockspec.cli regenerate --target .pair/target --prompts $SITE --suffixes .py \
+               --prompt-tokens 256 --max-new-tokens ${REGEN_NEW:-512} --max-prompts ${REGEN_PROMPTS:-8000} \
+               --batch-size ${REGEN_BATCH:-512} $([ $how = greedy ] && echo --greedy || echo --temperature ${REGEN_TEMPERATURE:-1}) \
+               --out .pair/regen_$how.jsonl
+           done ;;
     pair_drafters) SITE=$(python3 -c "import os, site; print(' '.join(p for p in site.getsitepackages() if os.path.isdir(p)))")
-           TD="python3 -m blockspec.cli train-drafter --target .pair/target --data $SITE --suffixes .py --seq-len 1024"
-           run 540 $TD --kind mtp --out .pair/mtp --batch-tokens 8192 --steps 2000 --eval-cuts 300 &
-           run 540 $TD --out .pair/drafter --layers 2 --window 1024 --selector-rank 64 --intermediate-size 1024 \
+           TD="python3 -m blockspec.cli train-drafter --target .pair/target --data ${PAIR_DATA:-$SITE --suffixes .py} --seq-len 1024"
+           T=${PAIR_TAG:-}
+           run 540 $TD --kind mtp --out .pair/mtp$T --batch-tokens 8192 --steps ${MTP_STEPS:-2000} --eval-cuts 300 &
+           run 540 $TD --out .pair/drafter$T --layers 2 --window 1024 --selector-rank 64 --intermediate-size 1024 \
              --lr 1e-3 --batch-tokens 8192 --steps ${DRAFTER_STEPS:-2500} --eval-cuts 300; wait
-           tar cf "$OUT/pair_drafter.tar" -C .pair --exclude training_state.pt drafter
-           tar cf "$OUT/pair_mtp.tar" -C .pair/mtp mtp.safetensors training.json ;;
-    pair_bench) run ${PAIR_BENCH_S:-400} python3 -m blockspec.cli bench --model ${PAIR_MODEL:-.pair/mtp} --drafter .pair/drafter \
+           tar cf "$OUT/pair_drafter$T.tar" -C .pair --exclude training_state.pt drafter$T
+           tar cf "$OUT/pair_mtp$T.tar" -C .pair/mtp$T mtp.safetensors training.json ;;
+    pair_bench) T=${PAIR_TAG:-}
+           run ${PAIR_BENCH_S:-400} python3 -m blockspec.cli bench --model ${PAIR_MODEL:-.pair/mtp$T} --drafter .pair/drafter$T \
              --mode none,mtp,dflash2 --fixtures stdlib --one-cycle 500 --max-tokens 128 --repeats 1 \
-             --json-out "$OUT/pair_bench.json" ;;
+             --json-out "$OUT/pair_bench$T.json" ;;
     demo_trees) rm -rf .demo && python3 -m blockspec.cli demo --save .demo > /dev/null
            run ${DEMO_TREES_S:-300} python3 -m blockspec.cli bench --model .demo/target --drafter .demo/drafter \
              --mode none,dflash2 --tree-budget ${DEMO_TREE_BUDGETS:-0,16,32} --fixtures stdlib --max-tokens 128 \
