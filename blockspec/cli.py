@@ -206,7 +206,8 @@ def add_train_drafter_parser(sub):
     p.add_argument("--data", required=True, nargs="+", metavar="PATH",
                    help="text files, .jsonl files (a record a line: {\"messages\": [{\"role\", \"content\"}...]} "
                    "or ShareGPT's {\"conversations\": [{\"from\", \"value\"}...]}, rendered with the target's chat "
-                   "template and trained on their assistant turns only; or {\"text\": ...}), or directories of them")
+                   "template and trained on their assistant turns only; {\"prompt\": ..., \"completion\": ...}, "
+                   "trained on the completion; or {\"text\": ...}), or directories of them")
     add_suffixes_arg(p)
     p.add_argument("--out", required=True, metavar="DIR", help="directory to write: the drafter (config.json, "
                    "model.safetensors), or for --kind mtp a copy of the target with its mtp.* tensors")
