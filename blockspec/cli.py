@@ -419,8 +419,8 @@ def main(argv=None) -> int:
         argv = sys.argv[1:] if argv is None else list(argv)
         args = build_parser().parse_args(argv)
         args.argv = argv
-        status = args.func(args)
-        if status:
+        status = args.func(args)  # an exit status (train-drafter --nproc: torchrun's), or what the command made
+        if isinstance(status, int) and status:
             return status
     except BlockspecError as exc:
         print(f"blockspec: error: {exc}", file=sys.stderr)
