@@ -231,6 +231,9 @@ def add_train_drafter_parser(sub):
                    help="row j weighs exp(-(j-1)/decay) " + default(D, "loss_decay"))
     p.add_argument("--eval-cuts", type=int, metavar="N", help="held-out contexts of each one-cycle acceptance "
                    "(at the end, and with --eval-every; 0: none) " + default(D, "eval_cuts"))
+    p.add_argument("--eval-data", nargs="+", metavar="PATH", help="evaluate on these files or directories (as "
+                   "--data; e.g. text like what the drafter will serve) instead of --heldout's share of --data, "
+                   "which then all trains")
     p.add_argument("--eval-every", type=int, metavar="N", help="steps between held-out evaluations (and one at the "
                    "end); the weights of the best mean accepted length are kept in OUT/best (0: none) "
                    + default(D, "eval_every"))

@@ -127,6 +127,8 @@ def test_shared_context_forward_equals_dflash_block_by_block(setup, block_sparse
     (["--target-layer-ids", "0,9"], "layer 9 is outside the target's 4 layers"),
     (["--block-size", "1"], "--block-size must be 2..16"),
     (["--target", "/no/target"], "--target /no/target: no such folder"),
+    (["--eval-data", "/no/such/file.txt"], "--eval-data /no/such/file.txt: no such file or directory"),
+    (["--eval-every", "2", "--heldout", "0"], "--eval-every evaluates on held-out data"),
 ])
 def test_bad_input_is_one_line_before_training(setup, capsys, args, message):
     root, target, data = setup
@@ -618,6 +620,39 @@ def test_automatic_sharding_follows_the_gpu_s_memory(setup, monkeypatch):
     assert run_module.shards_target(run, drafter, torch.device("cpu")) is False
     assert run_module.shards_target(run_config(target.parent, target, data, target_sharding="fsdp"), drafter,
                                     torch.device("cpu")) is True
+
+
+def test_eval_data_is_evaluated_on_and_all_of_data_trains(setup, tmp_path, monkeypatch):
+    """--eval-data: the one-cycle measure reads those files' sequences (not a share of --data), and every text of
+    --data trains."""
+    import blockspec.train.run as run_module
+    from blockspec.models.tokenizer import Tokenizer
+
+    root, target, data = setup
+    (tmp_path / "eval").mkdir()
+    (tmp_path / "eval" / "held.txt").write_text(" ".join(reversed(WORDS)) * 12)
+    measured = []
+
+    def one_cycle(engine, sequences, cuts, seed, trained):
+        measured.append(sequences)
+        return {"cuts": cuts, "mean_accepted_length": 1.5}
+
+    monkeypatch.setattr(run_module, "one_cycle_acceptance", one_cycle)
+    lines = []
+    summary = train(run_config(root, target, data, out=str(tmp_path / "out"), steps=2, eval_every=1,
+                               eval_data=[str(tmp_path / "eval")]), log=lines.append)
+    from blockspec.config import TargetConfig
+
+    tokenizer = Tokenizer(str(target), TargetConfig.from_file(target / "config.json").eos_token_ids)
+    expected = tokenizer.encode_batch([" ".join(reversed(WORDS)) * 12])[0]
+    assert len(measured) == 2 and summary["evaluation"]["mean_accepted_length"] == 1.5
+    assert all(seqs[0] == expected[:96] for seqs in measured), measured[0][0][:10]
+    counts = [line for line in lines if line.startswith("train-drafter:")][0]
+    alone = []
+    train(run_config(root, target, data, out=str(tmp_path / "all"), steps=1, heldout=0, eval_cuts=0),
+          log=alone.append)
+    assert counts.split(" held-out")[0].split(" training / ")[0] == \
+        [line for line in alone if line.startswith("train-drafter:")][0].split(" training / ")[0]
 
 
 def test_eval_every_keeps_the_best_weights_and_resume_remembers_them(tmp_path):

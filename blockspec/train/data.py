@@ -190,7 +190,7 @@ class Unit(NamedTuple):
     alone: bool
 
 
-def unit_tokens(units: list, tokenizer, eos: int | None) -> list[Unit]:
+def unit_tokens(units: list, tokenizer, eos: int | None, flag: str = "--data") -> list[Unit]:
     """Each text's, completion's or conversation's tokens followed by `eos`, with the tokens the loss is on (a
     text's: all; a completion's: its completion's)."""
     texts = [part for u in units if not isinstance(u, Conversation)
@@ -210,7 +210,7 @@ def unit_tokens(units: list, tokenizer, eos: int | None) -> list[Unit]:
             try:
                 ids, mine = conversation_tokens(tokenizer, unit.messages)
             except BlockspecError as exc:
-                raise BlockspecError(f"--data {unit.path}:{unit.line}: {exc}") from None
+                raise BlockspecError(f"{flag} {unit.path}:{unit.line}: {exc}") from None
             out.append(Unit(ids + separator, mine + [False] * len(separator), True))
     return out
 
@@ -248,3 +248,15 @@ def split_corpus(paths: list[str], tokenizer, length: int, heldout: float, seed:
     if not train:
         raise BlockspecError(f"--data: fewer than {length} tokens of training data (lower --seq-len or add data)")
     return train, evaluation
+
+
+def evaluation_corpus(paths: list[str], tokenizer, length: int, eos: int | None,
+                      suffixes=None) -> list[Sequence]:
+    """Sequences of data kept for evaluation only (train-drafter --eval-data): all of it, read and checked as
+    --data is."""
+    units = read_data(text_files(paths, suffixes, flag="--eval-data"), flag="--eval-data")
+    check_chat_template(units, tokenizer, flag="--eval-data")
+    out = sequences(unit_tokens(units, tokenizer, eos, "--eval-data"), length, eos if eos is not None else 0)
+    if not out:
+        raise BlockspecError(f"--eval-data: fewer than {length} tokens to evaluate on (lower --seq-len or add data)")
+    return out

@@ -19,7 +19,7 @@ from ..engine.target import EagerTarget
 from ..errors import BlockspecError
 from ..models.checkpoint import check_folder, checkpoint_files, load_target, stored_dtype
 from ..models.tokenizer import Tokenizer
-from .data import Sequence, split_corpus
+from .data import Sequence, evaluation_corpus, split_corpus, text_files
 from .evaluate import one_cycle_acceptance
 from .loop import BEST, Trainer, check_output, check_resumed, output_folder, plural, settings_to_save, write_summary
 from .ranks import Ranks, launched, process_group, rank_device
@@ -49,6 +49,7 @@ class DrafterTraining:
     seq_len: int = 2048
     loss_decay: float = 4.0
     heldout: float = 0.05
+    eval_data: list[str] | None = None          # evaluate on these texts instead of a held-out share of `data`
     checkpoint_every: int = 200
     eval_cuts: int = 200
     eval_every: int = 0                         # steps between held-out evaluations, the best in OUT/best (0: none)
@@ -83,8 +84,9 @@ def check_run(run: DrafterTraining, world: int | None = None) -> TargetConfig:
         (run.checkpoint_every < 1, f"--checkpoint-every must be at least 1 (got {run.checkpoint_every})"),
         (run.eval_cuts < 0, f"--eval-cuts must be 0 or more (got {run.eval_cuts})"),
         (run.eval_every < 0, f"--eval-every must be 0 or more (got {run.eval_every})"),
-        (run.eval_every > 0 and (run.eval_cuts == 0 or run.heldout == 0),
-         "--eval-every evaluates on held-out data: it needs --eval-cuts and --heldout above 0"),
+        (run.eval_every > 0 and (run.eval_cuts == 0 or (run.heldout == 0 and not run.eval_data)),
+         "--eval-every evaluates on held-out data: it needs --eval-cuts above 0, and --heldout above 0 or "
+         "--eval-data"),
         (not 0 <= run.seed <= MAX_SEED, f"--seed must be in 0..2^63-1 (got {run.seed})"),
         (run.replace_mtp and run.kind != "mtp", "--replace-mtp applies to --kind mtp"),
         (run.target_sharding not in ("auto", "replicate", "fsdp"),
@@ -105,6 +107,8 @@ def check_run(run: DrafterTraining, world: int | None = None) -> TargetConfig:
     if bad_ids:
         raise BlockspecError(f"--target-layer-ids {run.target_layer_ids}: layer {bad_ids[0]} is outside the target's "
                              f"{target.num_hidden_layers} layers (0..{target.num_hidden_layers - 1})")
+    if run.eval_data:
+        text_files(run.eval_data, run.suffixes, flag="--eval-data")
     check_output(Path(run.out), run.resume)
     check_resumed(run)
     if run.kind == "mtp" and not run.replace_mtp and not run.resume:
@@ -207,8 +211,10 @@ def _train(run: DrafterTraining, target_config: TargetConfig, device: torch.devi
     tokenizer = Tokenizer(run.target, target_config.eos_token_ids)
     tokenizer.check_fits(target_config.vocab_size, run.target)
     eos = min(tokenizer.eos_token_ids) if tokenizer.eos_token_ids else None
-    sequences, heldout = split_corpus(run.data, tokenizer, run.seq_len, run.heldout, run.seed, eos,
-                                      run.suffixes)
+    sequences, heldout = split_corpus(run.data, tokenizer, run.seq_len, 0 if run.eval_data else run.heldout,
+                                      run.seed, eos, run.suffixes)
+    if run.eval_data:
+        heldout = evaluation_corpus(run.eval_data, tokenizer, run.seq_len, eos, run.suffixes)
     if run.eval_every and not heldout:
         raise BlockspecError("--eval-every: the data leave no held-out sequence to evaluate on (more texts, or a "
                              "larger --heldout)")
