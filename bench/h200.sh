@@ -52,6 +52,11 @@
 #                  target with its head; PAIR_TAG, default empty); archives in $OUT
 #   pair_bench     the pair (PAIR_TAG's) on standard-library code: tokens/s of the three modes, acceptance over whole
 #                  generations and from 500 real contexts (bench --fixtures stdlib --one-cycle 500; ~5 minutes)
+#   pair_recipes   what each training-recipe change buys on the demo pair's target: RECIPES (default
+#                  drafter,mtp,drafter-3-layers,drafter-block-16; names of bench/drafter_recipes.py's RECIPES) trained
+#                  RECIPES_PARALLEL (default 4) at once for RECIPES_STEPS (default 2000) on the installed packages' .py
+#                  files, each evaluated every 500 steps by one cycle from 500 standard-library contexts; RECIPES_ARGS
+#                  add to the bench (e.g. --regenerated /abs/path.jsonl for the *-regenerated recipes; ~5 minutes)
 #   demo_trees     the shipped demo pair (blockspec demo --save) with draft trees (DEMO_TREE_BUDGETS, default 0,16,32):
 #                  tokens/s of plain decoding and each budget on standard-library code (bf16, graphs), then one-cycle
 #                  acceptance sampled at DEMO_TREE_TEMPERATURES (default 0.7 1, empty: none; bench/tree_acceptance.py,
@@ -150,6 +155,13 @@ for part in ${PARTS:-bf16 warm int4 vocab}; do
            run ${PAIR_BENCH_S:-400} python3 -m blockspec.cli bench --model ${PAIR_MODEL:-.pair/mtp$T} --drafter .pair/drafter$T \
              --mode none,mtp,dflash2 --fixtures stdlib --one-cycle 500 --max-tokens 128 --repeats 1 \
              --json-out "$OUT/pair_bench$T.json" ;;
+    pair_recipes) rm -rf .demo /tmp/blockspec-recipes && python3 -m blockspec.cli demo --save .demo > /dev/null
+           SITE=$(python3 -c "import os, site; print(' '.join(p for p in site.getsitepackages() if os.path.isdir(p)))")
+           kernel_bench drafter_recipes ${RECIPES_S:-560} drafter_recipes --recipes \
+             ${RECIPES:-drafter,mtp,drafter-3-layers,drafter-block-16} --work /tmp/blockspec-recipes \
+             --parallel ${RECIPES_PARALLEL:-4} ${RECIPES_ARGS:-} --json-out "$OUT/drafter_recipes.json" -- \
+             --target "$PWD/.demo/target" --data $SITE --suffixes .py --seq-len 1024 --batch-tokens 8192 \
+             --steps ${RECIPES_STEPS:-2000} --checkpoint-every 500 ;;
     demo_trees) rm -rf .demo && python3 -m blockspec.cli demo --save .demo > /dev/null
            run ${DEMO_TREES_S:-300} python3 -m blockspec.cli bench --model .demo/target --drafter .demo/drafter \
              --mode none,dflash2 --tree-budget ${DEMO_TREE_BUDGETS:-0,16,32} --fixtures stdlib --max-tokens 128 \

@@ -31,7 +31,7 @@ DRY_RUNS = {  # script: its arguments ({out}: its $OUT)
 # no Triton on the CPU: PyTorch's paths, as on a machine without CUDA (not interpreted)
 NATIVE = {"drafter_training", "profile_cycle"}
 ELSEWHERE = {"checkpoint_loading": "test_checkpoint_loading.py", "drafter_scaling": "test_train.py",
-             "train_step": "test_train.py",
+             "train_step": "test_train.py", "drafter_recipes": "test_train.py",
              "multi_turn": "test_bench.py", "tree_acceptance": "test_bench.py"}
 
 

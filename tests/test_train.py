@@ -708,6 +708,30 @@ def test_scaling_bench_dry_run(setup):
     assert two["efficiency"] > 0 and two["loss_max_abs_diff"] <= 2e-4
 
 
+def test_recipes_bench_dry_run(setup, tmp_path):
+    """bench/drafter_recipes.py on the CPU: a drafter and an MTP head side by side, each evaluated on the standard
+    library's fixtures as it trains; the table's curves and final figures come from their training summaries."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    _, target, data = setup
+    repo = Path(__file__).resolve().parent.parent
+    common = ["--target", str(target), "--data", str(data), "--seq-len", "96", "--batch-tokens", "128", "--steps",
+              "2", "--device", "cpu", "--selector-top-k", "8"]
+    proc = subprocess.run([sys.executable, str(repo / "bench" / "drafter_recipes.py"), "--recipes", "drafter,mtp",
+                           "--work", str(tmp_path / "work"), "--parallel", "2", "--eval-every", "1", "--eval-cuts",
+                           "2", "--json-out", str(tmp_path / "recipes.json"), "--", *common], cwd=repo,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    runs = json.loads((tmp_path / "recipes.json").read_text())["runs"]
+    assert [r["recipe"] for r in runs] == ["drafter", "mtp"]
+    for r, summary in zip(runs, ["drafter/training.json", "mtp/mtp_training.json"]):
+        written = json.loads((tmp_path / "work" / summary).read_text())
+        assert r["curve"] == {str(e["step"]): e["mean_accepted_length"] for e in written["evaluations"]}
+        assert list(r["curve"]) == ["1", "2"] and r["cuts"] == 2 and r["mean_accepted_length"] >= 1
+
+
 def test_training_bench_dry_run_in_two_processes(tmp_path):
     """bench/drafter_training.py under torchrun (2 gloo processes on the CPU, the tiny preset), the target whole on
     each, then its layers sharded between them: every rank's rows counted, the figures written by rank 0."""
