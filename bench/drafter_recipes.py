@@ -5,7 +5,8 @@ library's bench fixtures (`--eval-data`: code none of them was trained on; the s
 --fixtures stdlib`).
 
 A recipe is a name from RECIPES: the train-drafter flags it adds to the common ones after `--`, and the data it
-reads (`text`: the --data of the common flags; `regen:FILE`: a file of `blockspec regenerate`, in place of --data).
+reads (`text`: the --data of the common flags; `regen`: the --regenerated file of `blockspec regenerate` in place
+of --data; `mixed`: both).
 Every run writes into --work/NAME (kept: resumable, inspectable). The table: per recipe, the mean accepted length
 at each evaluation (the learning curve), the last, and block tokens/s.
 
@@ -39,6 +40,8 @@ RECIPES = {
     "drafter-block-16": (DRAFTER + ["--block-size", "16"], "text"),
     "drafter-regenerated": (DRAFTER, "regen"),
     "mtp-regenerated": (MTP, "regen"),
+    "drafter-mixed": (DRAFTER, "mixed"),
+    "mtp-mixed": (MTP, "mixed"),
 }
 
 
@@ -47,16 +50,17 @@ def flag_value(flags: list[str], name: str, default: str | None = None) -> str |
 
 
 def recipe_flags(name: str, common: list[str], regenerated: str | None) -> list[str]:
-    """The common flags with the recipe's: its data in place of --data for `regen`, --steps-scale K as K x --steps."""
+    """The common flags with the recipe's: the --regenerated file in place of --data's paths (`regen`) or beside
+    them (`mixed`), --steps-scale K as K x --steps."""
     flags, data = RECIPES[name]
     flags = list(flags)
     out = list(common)
-    if data == "regen":
+    if data != "text":
         if regenerated is None:
             sys.exit(f"recipe {name} trains on regenerated data: give --regenerated FILE.jsonl")
         start = out.index("--data") + 1
         end = next((i for i in range(start, len(out)) if out[i].startswith("--")), len(out))
-        out[start:end] = [regenerated]
+        out[start:end] = [regenerated] if data == "regen" else [*out[start:end], regenerated]
     if "--steps-scale" in flags:
         i = flags.index("--steps-scale")
         scale = int(flags.pop(i + 1))
@@ -87,7 +91,8 @@ def main():
     parser.add_argument("--recipes", required=True, help="comma-separated names of RECIPES: " + ", ".join(RECIPES))
     parser.add_argument("--work", required=True, type=Path, help="a folder per run (and its log) goes here")
     parser.add_argument("--parallel", type=int, default=4, help="runs at once (default 4)")
-    parser.add_argument("--regenerated", help="the data of the *-regenerated recipes (blockspec regenerate's JSONL)")
+    parser.add_argument("--regenerated", help="blockspec regenerate's JSONL: the data of the *-regenerated "
+                        "recipes, added to --data in the *-mixed ones")
     parser.add_argument("--eval-every", type=int, default=500, help="steps between evaluations (default 500)")
     parser.add_argument("--eval-cuts", type=int, default=500, help="contexts of each evaluation (default 500)")
     parser.add_argument("--json-out", type=Path)

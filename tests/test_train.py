@@ -710,7 +710,9 @@ def test_scaling_bench_dry_run(setup):
 
 def test_recipes_bench_dry_run(setup, tmp_path):
     """bench/drafter_recipes.py on the CPU: a drafter and an MTP head side by side, each evaluated on the standard
-    library's fixtures as it trains; the table's curves and final figures come from their training summaries."""
+    library's fixtures as it trains; the table's curves and final figures come from their training summaries. Then
+    the data and steps each recipe is given."""
+    import importlib.util
     import subprocess
     import sys
     from pathlib import Path
@@ -726,6 +728,14 @@ def test_recipes_bench_dry_run(setup, tmp_path):
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     runs = json.loads((tmp_path / "recipes.json").read_text())["runs"]
     assert [r["recipe"] for r in runs] == ["drafter", "mtp"]
+    spec = importlib.util.spec_from_file_location("drafter_recipes", repo / "bench" / "drafter_recipes.py")
+    recipes = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(recipes)
+    flags = ["--data", "a", "b", "--steps", "5"]
+    assert recipes.recipe_flags("mtp-regenerated", flags, "r.jsonl")[:5] == ["--data", "r.jsonl", "--steps", "5",
+                                                                            "--kind"]
+    assert recipes.recipe_flags("drafter-mixed", flags, "r.jsonl")[:4] == ["--data", "a", "b", "r.jsonl"]
+    assert recipes.recipe_flags("mtp-4x", flags, None)[5:7] == ["--steps", "20"]
     for r, summary in zip(runs, ["drafter/training.json", "mtp/mtp_training.json"]):
         written = json.loads((tmp_path / "work" / summary).read_text())
         assert r["curve"] == {str(e["step"]): e["mean_accepted_length"] for e in written["evaluations"]}
