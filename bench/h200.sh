@@ -56,7 +56,7 @@
 #                  drafter,mtp,drafter-3-layers,drafter-block-16; names of bench/drafter_recipes.py's RECIPES) trained
 #                  RECIPES_PARALLEL (default 4) at once for RECIPES_STEPS (default 2000) on the installed packages' .py
 #                  files, each evaluated every 500 steps by one cycle from 500 standard-library contexts; RECIPES_ARGS
-#                  add to the bench (e.g. --regenerated /abs/path.jsonl for the *-regenerated recipes; ~5 minutes)
+#                  add to the bench (e.g. --regenerated /abs/path.jsonl for the *-regenerated and *-mixed recipes; ~5 min)
 #   demo_trees     the shipped demo pair (blockspec demo --save) with draft trees (DEMO_TREE_BUDGETS, default 0,16,32):
 #                  tokens/s of plain decoding and each budget on standard-library code (bf16, graphs), then one-cycle
 #                  acceptance sampled at DEMO_TREE_TEMPERATURES (default 0.7 1, empty: none; bench/tree_acceptance.py,
