@@ -27,33 +27,30 @@ sys.path.insert(0, str(ROOT))
 
 from blockspec.bench import CODE_FIXTURE_FILES  # noqa: E402
 from blockspec.train.evaluate import standard_library_files  # noqa: E402
+from blockspec.train.run import DrafterTraining  # noqa: E402
 
 DRAFTER = ["--layers", "2", "--window", "1024", "--selector-rank", "64", "--intermediate-size", "1024", "--lr", "1e-3"]
 MTP = ["--kind", "mtp", "--replace-mtp"]  # the demo target has a head: each recipe trains its own
-# name: (train-drafter flags, data). The shipped demo pair's recipe is `drafter` / `mtp` on the target's own corpus.
+# name: (train-drafter flags, data, x --steps). The shipped demo pair's recipe is `drafter` / `mtp` on the target's
+# own corpus.
 RECIPES = {
-    "drafter": (DRAFTER, "text"),
-    "mtp": (MTP, "text"),
-    "drafter-4x": (DRAFTER + ["--steps-scale", "4"], "text"),
-    "mtp-4x": (MTP + ["--steps-scale", "4"], "text"),
-    "drafter-3-layers": (["--layers", "3", *DRAFTER[2:]], "text"),
-    "drafter-block-16": (DRAFTER + ["--block-size", "16"], "text"),
-    "drafter-regenerated": (DRAFTER, "regen"),
-    "mtp-regenerated": (MTP, "regen"),
-    "drafter-mixed": (DRAFTER, "mixed"),
-    "mtp-mixed": (MTP, "mixed"),
+    "drafter": (DRAFTER, "text", 1),
+    "mtp": (MTP, "text", 1),
+    "drafter-4x": (DRAFTER, "text", 4),
+    "mtp-4x": (MTP, "text", 4),
+    "drafter-3-layers": (["--layers", "3", *DRAFTER[2:]], "text", 1),
+    "drafter-block-16": (DRAFTER + ["--block-size", "16"], "text", 1),
+    "drafter-regenerated": (DRAFTER, "regen", 1),
+    "mtp-regenerated": (MTP, "regen", 1),
+    "drafter-mixed": (DRAFTER, "mixed", 1),
+    "mtp-mixed": (MTP, "mixed", 1),
 }
-
-
-def flag_value(flags: list[str], name: str, default: str | None = None) -> str | None:
-    return flags[flags.index(name) + 1] if name in flags else default
 
 
 def recipe_flags(name: str, common: list[str], regenerated: str | None) -> list[str]:
     """The common flags with the recipe's: the --regenerated file in place of --data's paths (`regen`) or beside
-    them (`mixed`), --steps-scale K as K x --steps."""
-    flags, data = RECIPES[name]
-    flags = list(flags)
+    them (`mixed`), and its multiple of --steps."""
+    flags, data, scale = RECIPES[name]
     out = list(common)
     if data != "text":
         if regenerated is None:
@@ -61,11 +58,9 @@ def recipe_flags(name: str, common: list[str], regenerated: str | None) -> list[
         start = out.index("--data") + 1
         end = next((i for i in range(start, len(out)) if out[i].startswith("--")), len(out))
         out[start:end] = [regenerated] if data == "regen" else [*out[start:end], regenerated]
-    if "--steps-scale" in flags:
-        i = flags.index("--steps-scale")
-        scale = int(flags.pop(i + 1))
-        flags.pop(i)
-        out = [*out, "--steps", str(scale * int(flag_value(common, "--steps", "1000")))]
+    if scale != 1:
+        steps = int(common[common.index("--steps") + 1]) if "--steps" in common else DrafterTraining.steps
+        out += ["--steps", str(scale * steps)]
     return [*out, *flags]
 
 
