@@ -52,7 +52,7 @@ def _stamped_kernel(x_ptr, q_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, 
                     stride_xm, stride_om, res_ptr, nw_ptr, rows_ptr, part_ptr, PARTS, eps, trace_ptr,
                     BITS: tl.constexpr, G: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr,
                     STAGES: tl.constexpr, HAS_ZP: tl.constexpr, EVEN_K: tl.constexpr, USE_ASM: tl.constexpr,
-                    F32DOT: tl.constexpr, SYNC: tl.constexpr, U0: tl.constexpr, U1: tl.constexpr,
+                    F32DOT: tl.constexpr, U0: tl.constexpr, U1: tl.constexpr,
                     U2: tl.constexpr, U3: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr,
                     EPI: tl.constexpr, RMS: tl.constexpr, PBLOCK: tl.constexpr, E4M3: tl.constexpr):
     """quant_matmul_triton's `_wq_kernel` (its `main_loop`, then its `finish`, the same arguments), and the program's
@@ -95,8 +95,7 @@ def launch_timeline():
         epi = epilogue or wq.Epilogue()
         launches.append({"trace": trace, "n": pw.n, "k": pw.k, "bytes": pw.nbytes(), "rows": x2.shape[0],
                          "epilogue": epi.kind, "rms": epi.rms, "schedule": plan.schedule, "config": cfg.short()})
-        launch_fitting(_stamped_kernel, (plan.programs,), *plan.args, trace, stages_key="STAGES",
-                       mma_sync=plan.meta["SYNC"], **plan.meta)
+        launch_fitting(_stamped_kernel, (plan.programs,), *plan.args, trace, stages_key="STAGES", **plan.meta)
 
     with step_variants.patched(wq, _launch=stamped):
         yield launches

@@ -27,9 +27,9 @@ def configs(m, n, k, quick, device):
     if quick:  # the table's choice only
         yield from filter(None, [default_config(m, n, k)])
         return
-    if m > 8:  # a tree's rows: taller x tiles, mma.sync against wgmma (whose tile is 64 weight rows a warp group)
-        space = itertools.product((64, 128), (128, 256), (1, 2, 4), (3, 4), (True, False))
-        candidates = (LinearConfig(bn, bk, True, 4, stages, waves, sync) for bn, bk, waves, stages, sync in space)
+    if m > 8:  # a tree's rows: taller x tiles, on wgmma (whose tile is 64 weight rows a warp group)
+        space = itertools.product((64, 128), (128, 256), (1, 2, 4), (3, 4))
+        candidates = (LinearConfig(bn, bk, True, 4, stages, waves) for bn, bk, waves, stages in space)
         yield from (c for c in candidates if fits(c, m, device))
         return
     for bn, bk, waves, stages in itertools.product((16, 32, 64), (128, 256), (1, 2, 4), (3, 5)):
@@ -52,7 +52,7 @@ def main(quick=False, rows=(1, 8), dry=False):
             ref = F.linear(x, weights[0]).float()
             base = replay_ms(lambda: [F.linear(x, w) for w in weights]) * 1e3 / copies
             row = {"cublas_us": round(base, 2), "cublas_gb_s": round(nbytes / base / 1e3)}
-            best, by_kind = None, {}  # by_kind: the best of each multiply (fma, mma.sync "dot", wgmma)
+            best, by_kind = None, {}  # by_kind: the best of each multiply (fma, or MMA: "dot")
             for cfg in itertools.islice(configs(m, n, k, quick, dev), sweep):
                 try:
                     err = (linear_rows(x, weights[0], cfg).float() - ref).abs().max().item()

@@ -15,7 +15,7 @@ CPU dry run of the harness (tiny shapes, Triton interpreter):      TRITON_INTERP
    (default) and plain-Triton unpacking. --rows: every shape at those row counts instead (e.g. a draft tree's
    passes: 8,17,33,64).
 Writes $OUT/quant_kernels.json when OUT is set.
-`--sweep` (~4 minutes): instead, tile width / pipeline depth / warps / K splits / wgmma around the default config,
+`--sweep` (~4 minutes): instead, tile width / pipeline depth / warps / K splits around the default config,
 every int4 shape at M = 1, 8 and 16 and the int8 shapes at M = 1 and 8 (SWEEP_VARIANTS, INT8_SWEEP; SWEEP_SET=deep:
 deeper pipelines with fewer splits, DEEP_VARIANTS; SWEEP_SET=tree: the int4 shapes at a draft tree's 17 and 33 rows,
 TREE_VARIANTS; SWEEP_SHAPES=o,down,...: those int4 shapes only); each config
@@ -172,23 +172,18 @@ SWEEP_VARIANTS = {  # label: changes to the default config; by activation rows (
         "n64 s3 wv4": dict(block_n=64, stages=3, waves=4), "n64 s2 wv2": dict(block_n=64, stages=2, waves=2),
         "n64 s2 wv4": dict(block_n=64, stages=2, waves=4), "n64 s2 wv6": dict(block_n=64, stages=2, waves=6),
         "n128 s2 wv2": dict(block_n=128, stages=2, waves=2), "n128 s2 wv4": dict(block_n=128, stages=2, waves=4)},
-    16: {"n64 s3 wg wv4": dict(block_n=64, stages=3, sync=False, waves=4),
-         "n64 s2 wg wv4": dict(block_n=64, stages=2, sync=False, waves=4),
-         "n64 s3 sync wv4": dict(block_n=64, stages=3, sync=True, waves=4),
-         "n64 s2 sync wv4": dict(block_n=64, stages=2, sync=True, waves=4),
-         "n128 s3 wg wv4": dict(block_n=128, stages=3, sync=False, waves=4),
-         "n128 s2 wg wv4": dict(block_n=128, stages=2, sync=False, waves=4),
-         "n128 s2 sync wv4": dict(block_n=128, stages=2, sync=True, waves=4),
-         "n128 s4 wg": dict(block_n=128, stages=4, sync=False), "n128 s3 wg w8": dict(block_n=128, warps=8, sync=False),
-         "n256 s3 wg w8": dict(block_n=256, stages=3, warps=8, sync=False)},
+    16: {"n64 s3 wv4": dict(block_n=64, stages=3, waves=4), "n64 s2 wv4": dict(block_n=64, stages=2, waves=4),
+         "n128 s3 wv4": dict(block_n=128, stages=3, waves=4), "n128 s2 wv4": dict(block_n=128, stages=2, waves=4),
+         "n128 s4": dict(block_n=128, stages=4), "n128 s3 w8": dict(block_n=128, warps=8),
+         "n256 s3 w8": dict(block_n=256, stages=3, warps=8)},
 }
 # SWEEP_SET=deep: deeper pipelines with fewer K splits, so that a mid-size projection's programs all fit at once
 DEEP_VARIANTS = {8: {f"n64 s{s} wv{w}": dict(block_n=64, stages=s, waves=w) for w in (0, 1, 2) for s in (3, 4, 6)},
-                 16: {f"n64 s{s} wg wv{w}": dict(block_n=64, stages=s, sync=False, waves=w)
+                 16: {f"n64 s{s} wv{w}": dict(block_n=64, stages=s, waves=w)
                       for w in (0, 1, 2) for s in (3, 4, 6)}}
 # SWEEP_SET=tree: a draft tree's passes (17 and 33 rows: x tiles of 32 and 64 rows). Every program reads its x rows
 # over its K range, so wider output tiles (fewer programs) cut the x traffic that grows with the rows
-TREE_VARIANTS = {f"n{n} s{s} wg w{w} wv{v}": dict(block_n=n, stages=s, warps=w, sync=False, waves=v)
+TREE_VARIANTS = {f"n{n} s{s} w{w} wv{v}": dict(block_n=n, stages=s, warps=w, waves=v)
                  for n, s, w, v in [(64, 2, 4, 1), (64, 3, 4, 1), (64, 2, 4, 4), (128, 2, 4, 1), (128, 2, 4, 2),
                                     (128, 3, 8, 1), (128, 2, 8, 4), (256, 2, 8, 1), (256, 3, 8, 1), (256, 2, 8, 2)]}
 TREE_ROWS = [17, 33]

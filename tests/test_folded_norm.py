@@ -19,10 +19,10 @@ K = wq.KernelConfig
 def _kernel_cases():
     # name, rows, hidden (the producer's N and the consumer's K), consumer N, producer K, producer config
     return [
-        ("one row, split-K producer", 1, 640, 96, 1100, K(64, 8, 4, 2, True, 64)),
-        ("8 rows, odd hidden", 8, 650, 70, 512, K(64, 8, 4, 2, True, 1)),
+        ("one row, split-K producer", 1, 640, 96, 1100, K(64, 8, 4, 2, 64)),
+        ("8 rows, odd hidden", 8, 650, 70, 512, K(64, 8, 4, 2, 1)),
         ("16 rows, default configs", 16, 576, 130, 600, None),
-        ("33 rows, split-K producer", 33, 320, 40, 600, K(64, 64, 4, 2, True, 8)),  # a draft tree's pass
+        ("33 rows, split-K producer", 33, 320, 40, 600, K(64, 64, 4, 2, 8)),  # a draft tree's pass
         ("64 rows, default configs", 64, 192, 34, 300, None),
     ]
 

@@ -14,10 +14,10 @@ from blockspec.kernels.quant_matmul import pack_e4m3
 from blockspec.kernels.quant_matmul_triton import KernelConfig, wq_matmul
 
 CASES = [  # rows, part sizes (packed along the outputs), K, config
-    (1, [200], 300, KernelConfig(64, 8, 4, 2, True, 1, False)),
-    (5, [128, 70, 4, 4], 256, KernelConfig(32, 8, 4, 2, True, 8, False)),
-    (16, [50], 520, KernelConfig(16, 16, 4, 2, False, 8, False)),
-    (2, [144], 2048, KernelConfig(16, 8, 4, 2, True, 1, False, True)),  # 4 SMs (patched): 8 whole tiles, 1 split
+    (1, [200], 300, KernelConfig(64, 8, 4, 2, 1, False)),
+    (5, [128, 70, 4, 4], 256, KernelConfig(32, 8, 4, 2, 8, False)),
+    (16, [50], 520, KernelConfig(16, 16, 4, 2, 8, False)),
+    (2, [144], 2048, KernelConfig(16, 8, 4, 2, 1, False, True)),  # 4 SMs (patched): 8 whole tiles, 1 split
 ]
 
 

@@ -7,6 +7,7 @@ import json
 import os
 from dataclasses import replace
 
+import pytest
 import torch
 from helpers import patch_triton_interpreter, run_in_triton_interpreter
 
@@ -54,13 +55,13 @@ def test_default_configs_follow_the_measured_table():
     assert linear_triton.default_config(1, 5120, 6144).block_n == 8   # o / gdn out, one row: 8-row tiles
     assert linear_triton.default_config(8, 5120, 6144) is None        # o / gdn out, 8 rows: cuBLAS
     for m in (9, 17, 32):  # a tree's rows: wgmma, but onto o / gdn out
-        assert linear_triton.default_config(m, 34816, 5120).sync is False
-        assert linear_triton.default_config(m, 5120, 17408).sync is False
+        assert linear_triton.default_config(m, 34816, 5120).dot is True
+        assert linear_triton.default_config(m, 5120, 17408).dot is True
         assert linear_triton.default_config(m, 5120, 6144) is None
     for m in (33, 64):  # above 32 rows only gdn in and attention qkv beat cuBLAS
         assert linear_triton.default_config(m, 34816, 5120) is None
         assert linear_triton.default_config(m, 5120, 17408) is None
-        assert linear_triton.default_config(m, 16480, 5120).sync is False
+        assert linear_triton.default_config(m, 16480, 5120).dot is True
     assert linear_triton.default_config(65, 16480, 5120) is None      # prefill chunks: cuBLAS
     assert linear_triton.default_config(1, 248320, 5120) is None      # vocabulary head: cuBLAS
 
@@ -95,24 +96,40 @@ def test_configs_that_do_not_fit_shared_memory_keep_cublas(monkeypatch):
     assert linear_triton.fits(wide, 8, torch.device("cpu"))  # the interpreter has no such limit
 
 
-def test_mma_sync_switch_is_set_only_while_a_variant_first_compiles(monkeypatch):
-    """launch_fitting(mma_sync=True) sets DISABLE_MMA_V3 (Triton's only switch for mma.sync, read when it compiles)
-    around the first launch of each compiled variant only: not on later launches of it, again for a new
-    specialisation (an integer's divisibility by 16, a tensor's dtype), never for mma_sync=False, and a user's own
-    value is given back."""
-    from blockspec import kernels
+def _sm90_ptx(kernel, constexprs: dict, warps: int, stages: int, pointers: dict) -> str:
+    """The kernel's PTX for sm_90 (H100 / H200), compiled here on the CPU by Triton's own compiler: arguments named in
+    `pointers` are pointers of those types, the other non-constexpr ones int32."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
 
-    seen = []
+    signature = {n: "constexpr" if n in constexprs else pointers.get(n, "i32") for n in kernel.arg_names}
+    compiled = triton.compile(ASTSource(kernel, signature, constexprs=constexprs), target=GPUTarget("cuda", 90, 32),
+                              options={"num_warps": warps, "num_stages": stages})
+    return compiled.asm["ptx"]
 
-    class Kernel:  # stands in for a Triton kernel: records the switch at each launch
-        def __getitem__(self, grid):
-            return lambda *args, **meta: seen.append(os.environ.get("DISABLE_MMA_V3"))
 
-    kernel = Kernel()
-    monkeypatch.setenv("DISABLE_MMA_V3", "user")
-    for n in (16, 16, 17, 32):
-        kernels.launch_fitting(kernel, (1,), torch.zeros(2), n, mma_sync=True, BM=8)
-    kernels.launch_fitting(kernel, (1,), torch.zeros(2, dtype=torch.float64), 16, mma_sync=True, BM=8)
-    kernels.launch_fitting(kernel, (1,), torch.zeros(2), 48, mma_sync=False, BM=8)
-    assert seen == ["1", "user", "1", "user", "1", "user"], seen
-    assert os.environ["DISABLE_MMA_V3"] == "user"
+@pytest.mark.skipif(not kernels.TRITON_INSTALLED, reason="needs triton")
+def test_mma_instruction_follows_the_rows():
+    """Both few-row kernels leave the choice of tensor-core instruction to Triton, which compiles an 8-row x tile
+    (decode, a chain's verification: the weight tile times 8 columns) to mma.sync and taller ones (a draft tree's
+    pass) to Hopper's wgmma. A Triton that chose otherwise would change the measured speed of every step: caught
+    here, on the CPU, for the default configs of the 27B's gate_up."""
+    from blockspec.kernels import quant_matmul_triton as wq
+
+    bf16 = {"x_ptr": "*bf16", "q_ptr": "*i16", "s_ptr": "*bf16", "z_ptr": "*bf16", "out_ptr": "*bf16",
+            "ws_ptr": "*fp32", "cnt_ptr": "*i32", "res_ptr": "*bf16", "nw_ptr": "*bf16", "rows_ptr": "*bf16",
+            "part_ptr": "*fp32", "eps": "fp32", "x": "*bf16", "w": "*bf16", "out": "*bf16", "ws": "*fp32",
+            "counters": "*i32"}
+    for rows, instruction in ((8, "mma.sync"), (16, "wgmma"), (17, "wgmma")):
+        cfg = wq.default_config(rows, 34816, 5120)
+        const = dict(BITS=4, G=128, BN=cfg.block_n, BM=cfg.block_m, STAGES=cfg.stages, HAS_ZP=False, EVEN_K=True,
+                     USE_ASM=True, F32DOT=False, PREFETCH=0, PDL=0, EPI=0, RMS=False, PBLOCK=1, E4M3=False,
+                     **{f"U{i}": wq.unpack_asm(4, i, False) for i in range(4)})
+        ptx = _sm90_ptx(wq._wq_kernel, const, cfg.warps, cfg.stages, bf16)
+        assert instruction in ptx and ("wgmma" if instruction == "mma.sync" else "mma.sync") not in ptx, (rows, cfg)
+        lin = linear_triton.default_config(rows, 34816, 5120)
+        const = dict(BN=lin.block_n, BK=lin.block_k, BM=linear_triton.block_rows(lin, rows), STAGES=lin.stages,
+                     DOT=True, EVEN_K=True, F32DOT=False, PREFETCH=0, LINE=64, PDL=0)
+        ptx = _sm90_ptx(linear_triton._linear_kernel, const, lin.warps, lin.stages, bf16)
+        assert instruction in ptx and ("wgmma" if instruction == "mma.sync" else "mma.sync") not in ptx, (rows, lin)

@@ -286,22 +286,21 @@ def test_default_configs():
             for m in range(1, wq.MAX_KERNEL_ROWS + 1):  # every verification pass in one launch
                 cfg = wq.default_config(m, n, k, bits, gs)
                 assert cfg.block_m == max(8, 1 << (m - 1).bit_length()) and cfg.asm  # PTX unpacking: int4 and int8
-                if m > 16:  # a draft tree's pass: its x tile as tall as the pass; int4 wgmma
-                    assert (not cfg.sync if (bits, gs) == (4, 128)
-                            else cfg == replace(wq.default_config(16, n, k, bits, gs), block_m=cfg.block_m))
+                if m > 16 and (bits, gs) != (4, 128):  # a draft tree's pass: its x tile as tall as the pass
+                    assert cfg == replace(wq.default_config(16, n, k, bits, gs), block_m=cfg.block_m)
                 nblk = qm.padded_k(k, bits, gs) // qm.block_size(bits, gs)
                 whole, split, bps = wq.schedule(cfg, n, nblk, 132)
                 assert 1 <= split <= nblk and (split - 1) * bps < nblk <= split * bps  # no empty split
                 assert 0 <= whole < -(-n // cfg.block_n) and (whole == 0 or split > 1)
-    # the measured winners (H200, bench/quant_kernels.py --sweep): 64-row tiles, 2-3 stages, wgmma from 9 rows
+    # the measured winners (H200, bench/quant_kernels.py --sweep): 64-row tiles, 2-3 stages, 16-row tiles from 9 rows
     cfg = wq.default_config(1, 34816, 5120)
-    assert (cfg.block_n, cfg.stages, cfg.sync) == (64, 3, True)
+    assert (cfg.block_n, cfg.stages, cfg.block_m) == (64, 3, 8)
     assert wq.default_config(8, 5120, 6144).stages == 2 and wq.default_config(4, 248320, 5120).stages == 3
     assert wq.schedule(wq.default_config(8, 5120, 17408), 5120, 34) == (0, 4, 9)
     cfg = wq.default_config(16, 248320, 5120)
-    assert (cfg.block_n, cfg.stages, cfg.sync) == (128, 3, False)
+    assert (cfg.block_n, cfg.stages, cfg.block_m) == (128, 3, 16)
     cfg = wq.default_config(16, 5120, 6144)  # mid-size rows at 9-16 rows: one wave of 3-stage programs
-    assert (cfg.stages, cfg.sync, wq.schedule(cfg, 5120, 12)) == (3, False, (0, 2, 6))
+    assert (cfg.stages, cfg.block_m, wq.schedule(cfg, 5120, 12)) == (3, 16, (0, 2, 6))
     assert wq.schedule(wq.default_config(16, 5120, 17408), 5120, 34) == (0, 7, 5)  # down keeps ~4 waves
     # a draft tree's 17..32 rows: 2 stages, narrow outputs ~4 waves; 33..64 rows: 3 stages, one wave
     assert wq.schedule(wq.default_config(17, 5120, 17408), 5120, 34) == (0, 7, 5)
@@ -318,7 +317,7 @@ def test_balanced_schedule():
     assert wq.schedule(wq.default_config(1, 16480, 5120, 8), 16480, 20) == (0, 1, 20)  # 258 tiles: nothing to gain
     assert wq.schedule(wq.default_config(1, 33792, 5120, 8), 33792, 20) == (0, 1, 20)  # whole rounds only
     assert wq.schedule(wq.default_config(1, 248320, 5120, 8), 248320, 20) == (0, 1, 20)  # many rounds: dynamic
-    unbalanced = wq.KernelConfig(64, 8, 4, 3, True, 1)
+    unbalanced = wq.KernelConfig(64, 8, 4, 3, 1)
     assert wq.schedule(unbalanced, 34816, 20) == (0, 1, 20)
     assert wq.default_config(1, 34816, 5120, 8, 32).block_n == 64  # int8 drafter gate_up; its qkv: 128
     assert wq.default_config(1, 6144, 5120, 8, 32).block_n == 128
@@ -329,22 +328,22 @@ def _kernel_cases():
     K = wq.KernelConfig
     f32, bf16 = torch.float32, torch.bfloat16
     return [
-        ("m1 split", 1, 37, 1100, 4, 128, True, f32, K(16, 8, 4, 2, True, 64)),
-        ("m1 bf16 odd", 1, 40, 300, 4, 128, True, bf16, K(32, 8, 4, 3, True, 1)),
-        ("m3 asym split", 3, 50, 1100, 4, 128, False, bf16, K(16, 8, 4, 2, True, 64)),
-        ("m8 asym", 8, 19, 520, 4, 128, False, f32, K(16, 8, 4, 2, True, 1)),
-        ("m16 split", 16, 70, 1030, 4, 128, True, bf16, K(32, 16, 4, 2, False, 64)),
-        ("m12 asym g64", 12, 33, 200, 4, 64, False, f32, K(16, 16, 4, 2, True, 64)),
-        ("int8 g32 m1 split", 1, 33, 260, 8, 32, True, bf16, K(16, 8, 4, 2, True, 64)),
-        ("int8 g32 m16", 16, 21, 100, 8, 32, True, f32, K(16, 16, 4, 2, True, 1)),
-        ("int8 g128 m3 split", 3, 24, 700, 8, 128, True, f32, K(16, 8, 4, 2, True, 64)),
-        ("m17 asym split", 17, 30, 1100, 4, 128, False, bf16, K(16, 32, 4, 2, True, 64)),
-        ("m33 g64", 33, 21, 200, 4, 64, True, f32, K(16, 64, 4, 2, False, 1)),
-        ("int8 g32 m64 split", 64, 19, 260, 8, 32, True, bf16, K(16, 64, 4, 2, True, 64)),
+        ("m1 split", 1, 37, 1100, 4, 128, True, f32, K(16, 8, 4, 2, 64)),
+        ("m1 bf16 odd", 1, 40, 300, 4, 128, True, bf16, K(32, 8, 4, 3, 1)),
+        ("m3 asym split", 3, 50, 1100, 4, 128, False, bf16, K(16, 8, 4, 2, 64)),
+        ("m8 asym", 8, 19, 520, 4, 128, False, f32, K(16, 8, 4, 2, 1)),
+        ("m16 split", 16, 70, 1030, 4, 128, True, bf16, K(32, 16, 4, 2, 64)),
+        ("m12 asym g64", 12, 33, 200, 4, 64, False, f32, K(16, 16, 4, 2, 64)),
+        ("int8 g32 m1 split", 1, 33, 260, 8, 32, True, bf16, K(16, 8, 4, 2, 64)),
+        ("int8 g32 m16", 16, 21, 100, 8, 32, True, f32, K(16, 16, 4, 2, 1)),
+        ("int8 g128 m3 split", 3, 24, 700, 8, 128, True, f32, K(16, 8, 4, 2, 64)),
+        ("m17 asym split", 17, 30, 1100, 4, 128, False, bf16, K(16, 32, 4, 2, 64)),
+        ("m33 g64", 33, 21, 200, 4, 64, True, f32, K(16, 64, 4, 2, 1)),
+        ("int8 g32 m64 split", 64, 19, 260, 8, 32, True, bf16, K(16, 64, 4, 2, 64)),
         ("m40 default: one 64-row launch", 40, 20, 300, 4, 128, True, f32, None),
         ("m70 default: dequantize + linear", 70, 20, 300, 4, 128, True, f32, None),
         # 4 SMs (patched): 9 tiles of 16 rows, 8 blocks; 8 whole tiles, the 9th split in 2 ranges
-        ("m2 balanced", 2, 144, 4096, 4, 128, False, bf16, K(16, 8, 4, 2, True, 1, True, True)),
+        ("m2 balanced", 2, 144, 4096, 4, 128, False, bf16, K(16, 8, 4, 2, 1, True, True)),
     ]
 
 

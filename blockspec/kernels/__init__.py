@@ -19,7 +19,6 @@ import contextvars
 import functools
 import importlib.util
 import os
-import threading
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -88,20 +87,13 @@ def sm_count(device: torch.device) -> int:
 
 
 _FITTING_STAGES: dict = {}
-_MMA_SYNC_COMPILED: set = set()
-_MMA_SYNC_LOCK = threading.Lock()
 
 
-def launch_fitting(kernel, grid, *args, stages_key: str = "num_stages", mma_sync: bool = False, **meta):
+def launch_fitting(kernel, grid, *args, stages_key: str = "num_stages", **meta):
     """kernel[grid](*args, **meta) with as deep a software pipeline as the GPU's shared memory holds: the depths
     were tuned on the H200 (227 KB per block), consumer Ampere / Ada / Blackwell cards give ~100 KB, where Triton
     refuses the launch (OutOfResources); then the same kernel runs with fewer stages (same numerics). The depth
-    that fits is remembered per kernel and constants.
-
-    mma_sync: the kernel's tl.dot compiles to mma.sync rather than Hopper's wgmma (faster at 8 activation rows).
-    Triton has no per-kernel option for it, only the DISABLE_MMA_V3 variable that its compiler reads, so the first
-    launch of each compiled variant (constants, argument dtypes and the 16-divisibility Triton specialises on) runs
-    with the variable set under a lock, and later launches leave the environment alone."""
+    that fits is remembered per kernel and constants."""
     from triton.runtime.errors import OutOfResources
 
     tuned = meta.pop(stages_key, 3)
@@ -109,21 +101,7 @@ def launch_fitting(kernel, grid, *args, stages_key: str = "num_stages", mma_sync
     stages = _FITTING_STAGES.get(key, tuned)
     while True:
         try:
-            variant = (key, stages, _specialisation(args)) if mma_sync else None
-            if variant is None or variant in _MMA_SYNC_COMPILED:
-                result = kernel[grid](*args, **meta, **{stages_key: stages})
-            else:
-                with _MMA_SYNC_LOCK:
-                    before = os.environ.get("DISABLE_MMA_V3")  # a user's own setting is given back
-                    os.environ["DISABLE_MMA_V3"] = "1"
-                    try:
-                        result = kernel[grid](*args, **meta, **{stages_key: stages})
-                    finally:
-                        if before is None:
-                            del os.environ["DISABLE_MMA_V3"]
-                        else:
-                            os.environ["DISABLE_MMA_V3"] = before
-                _MMA_SYNC_COMPILED.add(variant)
+            result = kernel[grid](*args, **meta, **{stages_key: stages})
         except OutOfResources:
             if stages <= 1:
                 raise
@@ -131,14 +109,6 @@ def launch_fitting(kernel, grid, *args, stages_key: str = "num_stages", mma_sync
             continue
         _FITTING_STAGES[key] = stages
         return result
-
-
-def _specialisation(args) -> tuple:
-    """What Triton compiles a variant for besides the constants: tensors' dtypes and 16-byte alignment, integers'
-    divisibility by 16 and equality to 1."""
-    return tuple((a.dtype, a.data_ptr() % 16 == 0) if isinstance(a, torch.Tensor)
-                 else (a % 16 == 0, a == 1) if isinstance(a, int) and not isinstance(a, bool) else type(a)
-                 for a in args)
 
 
 def prepare_compilation():

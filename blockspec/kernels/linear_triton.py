@@ -6,12 +6,13 @@ Why, beside cuBLAS: for the MLP's down projection (17408 -> 5120 on the 27B) cuB
 memset and a reduction launch, ~51 us per call where the weight alone streams in ~44 us. Here split-K partial sums
 are added by the last program to finish a tile (`split_k_total`, shared with the W4A16 kernel): one launch, no
 memset. Programs: (BN output rows, a range of BK-wide input blocks); an MMA tile of BM = 8, 16, 32 or 64 rows
-(the next power of two of M, at least 8), or for one row a CUDA-core dot (dot=False).
+(the next power of two of M, at least 8; Triton compiles 8 rows to mma.sync and more to Hopper's wgmma, a 64-row
+weight tile a warp group with the x rows as its N side, asynchronous), or for one row a CUDA-core dot (dot=False).
 
 `default_config` holds the H200 winners of bench/linear_kernels.py (docs/benchmarks.md, "Few-row bf16 matmul"):
 the one-row CUDA-core dot for down and o / gdn out, 8-row mma.sync tiles for down, gate_up and gdn in, and for a
-draft tree's 9..32 rows Hopper's wgmma (`sync=False`: a 64-row weight tile a warp group, the x rows as its N side,
-asynchronous) for down, gate_up, gdn in and attention qkv (above 32 rows gdn in and qkv only); cuBLAS elsewhere.
+draft tree's 9..32 rows wgmma tiles for down, gate_up, gdn in and attention qkv (above 32 rows gdn in and qkv only);
+cuBLAS elsewhere.
 """
 
 from __future__ import annotations
@@ -39,10 +40,9 @@ class LinearConfig:
     warps: int = 4
     stages: int = 4
     waves: int = 2        # split K until about waves * SMs programs
-    sync: bool = True     # MMA as mma.sync; False: Hopper's wgmma where Triton picks it
 
     def short(self) -> str:
-        kind = ("dot" if self.sync else "wgmma") if self.dot else "fma"
+        kind = "dot" if self.dot else "fma"
         return f"n{self.block_n} k{self.block_k} {kind} w{self.warps} s{self.stages} wv{self.waves}"
 
 
@@ -55,8 +55,8 @@ def default_config(m: int, n: int, k: int) -> LinearConfig | None:
         if k < 12288 and n <= 8192 or m > 32 and not 8192 < n < 32768:
             return None
         if n >= 32768:  # gate_up
-            return LinearConfig(64, 128, True, 4, 3, 4 if m > 16 else 1, sync=False)
-        return LinearConfig(64, 128, True, 4, 4 if m <= 32 else 3, 1, sync=False)
+            return LinearConfig(64, 128, True, 4, 3, 4 if m > 16 else 1)
+        return LinearConfig(64, 128, True, 4, 4 if m <= 32 else 3, 1)
     if n >= 16384:  # wide outputs: enough tiles without splitting K
         return LinearConfig(64, 256, True, 4, 3, 1)
     if k >= 12288:  # long inputs onto a narrow output: one row as CUDA-core dots (no split), more rows split K
@@ -110,11 +110,10 @@ def linear_rows(x: torch.Tensor, weight: torch.Tensor, config: LinearConfig, out
     ws = torch.empty(split * m * n if split > 1 else 1, device=x.device, dtype=torch.float32)
     prefetch = pdl.prefetch_blocks(config.block_n * config.block_k * weight.element_size(), tiles * split,
                                    per_split, x.device)
-    sync = config.dot and config.sync and x.is_cuda
     launch_fitting(_linear_kernel, (tiles, split), x, weight, out, ws, arrival_counters(x.device, tiles), m, n, k,
-                   x.stride(0), weight.stride(0), out.stride(0), per_split, split, stages_key="STAGES", mma_sync=sync,
+                   x.stride(0), weight.stride(0), out.stride(0), per_split, split, stages_key="STAGES",
                    BN=config.block_n, BK=config.block_k, BM=block_m, STAGES=config.stages, DOT=config.dot,
-                   EVEN_K=k % config.block_k == 0, SYNC=sync, F32DOT=not x.is_cuda, PREFETCH=prefetch,
+                   EVEN_K=k % config.block_k == 0, F32DOT=not x.is_cuda, PREFETCH=prefetch,
                    LINE=128 // weight.element_size(), num_warps=config.warps, **pdl.options(x))
     return out
 
@@ -155,7 +154,7 @@ if triton is not None:
     @triton.jit(do_not_specialize=["M", "PER_SPLIT", "SPLIT"])
     def _linear_kernel(x, w, out, ws, counters, M, N, K, s_x, s_w, s_o, PER_SPLIT, SPLIT, BN: tl.constexpr,
                        BK: tl.constexpr, BM: tl.constexpr,
-                       STAGES: tl.constexpr, DOT: tl.constexpr, EVEN_K: tl.constexpr, SYNC: tl.constexpr,
+                       STAGES: tl.constexpr, DOT: tl.constexpr, EVEN_K: tl.constexpr,
                        F32DOT: tl.constexpr, PREFETCH: tl.constexpr, LINE: tl.constexpr, PDL: tl.constexpr):
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)

@@ -8,8 +8,9 @@ Kernel (tensor cores, exact numerics)
   tiles of a short last round over the SMs: `schedule`). Each step loads one [BN, G] int16 tile (Triton's pipeliner:
   cp.async into shared memory, num_stages deep) and the block's scales (prefetched one block ahead by hand), then per
   group i: A = (u_i - z) in x's dtype, exact;
-  part[BN, BM] = A @ x_i^T (one MMA chain, fp32), acc += part * s_i (fp32). M <= 8 uses BM = 8 with mma.sync
-  (`sync`: launch_fitting's mma_sync), more rows BM = 16, 32 or 64 (the next power of two): one launch serves
+  part[BN, BM] = A @ x_i^T (one MMA chain, fp32), acc += part * s_i (fp32). M <= 8 uses BM = 8, which Triton
+  compiles to mma.sync, more rows BM = 16, 32 or 64 (the next power of two), which it compiles to Hopper's wgmma
+  (tests/test_linear_kernel.py checks both in the sm_90 PTX, compiled on the CPU): one launch serves
   every verification pass (up to MAX_PASS_TOKENS rows), streaming the weights once. Under split-K the last program
   to arrive at a tile adds the fp32 partials in a fixed order (kernels/linear_triton.split_k_total; no memset).
   Results are deterministic and a row does not depend on the other rows (row 0 of an M = 8 launch == the M = 1
@@ -29,12 +30,12 @@ e4m3 (FP8 checkpoints): the PTX unpacking moves each byte's bits into a bf16 / f
 
 Configs: `default_config`, a fixed table (no autotuning: a timing-based choice would vary between runs, and with
 it the summation order, i.e. the numerics), the H200 winners of bench/quant_kernels.py --sweep (docs/benchmarks.md):
-  M <= 8:  n64 m8 w4 sync, split-K to ~2 waves of the SMs; 3 stages above 80M weights, else 2; unsplit tiles with a
+  M <= 8:  n64 m8 w4, split-K to ~2 waves of the SMs; 3 stages above 80M weights, else 2; unsplit tiles with a
            short last round balanced over the SMs (`schedule`)
   M 9..16: wgmma; vocabulary (N >= 131072) n128 s3, ~4 waves; K > 8192 (down) n64 s2, ~4 waves; else n64 s3, ~1 wave
   M 17..32 (int4): n64 s2 wgmma, ~4 waves for narrow outputs (N <= 8192: down, o), else ~1; vocabulary n128 w8 s3
   M 33..64 (int4): n64 s3 wgmma, ~1 wave; 8-bit codes: the M 9..16 entry with BM 32 / 64 (not measured)
-  int8 group 32: M <= 8 n64 (N >= 16384) or n128, s3; M 9..16 n128 m16 s6 sync (by analogy, not measured)
+  int8 group 32: M <= 8 n64 (N >= 16384) or n128, s3; M 9..16 n128 m16 s6 wgmma (not measured)
   8-bit group 128 (e4m3, the int8 head): M <= 8 n64 s3, ~4 waves when N < 64 * 132 (down, o), else unsplit, a short
            last round balanced
 Every program reads its x rows over its K range: at 17-64 rows that traffic grows with the rows.
@@ -247,12 +248,12 @@ if triton is not None:
                    stride_xm, stride_om, res_ptr, nw_ptr, rows_ptr, part_ptr, PARTS, eps,
                    BITS: tl.constexpr, G: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr,
                    STAGES: tl.constexpr, HAS_ZP: tl.constexpr, EVEN_K: tl.constexpr, USE_ASM: tl.constexpr,
-                   F32DOT: tl.constexpr, SYNC: tl.constexpr, U0: tl.constexpr, U1: tl.constexpr,
+                   F32DOT: tl.constexpr, U0: tl.constexpr, U1: tl.constexpr,
                    U2: tl.constexpr, U3: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr,
                    EPI: tl.constexpr, RMS: tl.constexpr, PBLOCK: tl.constexpr, E4M3: tl.constexpr):
         """One program per tile, or per part of a split tile (`_tile`): `main_loop`, then `finish`, two jit
         functions so that a variant can run between and around them (bench/launch_timeline.py stamps the times).
-        SYNC only keys the compile cache (launch_fitting compiles it to mma.sync). RMS: the finished tile
+        RMS: the finished tile
         is first scaled by its rows' 1 / rms (the input is the rows of an EPI 1 launch, whose partials give the rms).
         EPI: then stored as is (0), added to a residual stream with the next norm begun (1, `_add_norm_epilogue`),
         or, for a [gate; up] projection, silu(gate) * up stored (2, `_swiglu_epilogue`: a program's first BN / 2
@@ -314,13 +315,12 @@ class KernelConfig:
     block_m: int          # activation rows per program: 8 (M <= 8), else M's next power of two
     warps: int
     stages: int           # cp.async pipeline depth
-    sync: bool = True     # mma.sync (launch_fitting's mma_sync); False: wgmma where Triton picks it
     waves: int = 2        # split K until about waves * SMs programs
     asm: bool = True      # PTX unpacking on CUDA (the interpreter always takes the plain path)
     balance: bool = False  # unsplit tiles beyond the last full round of SMs: split so each SM streams ~as much
 
     def short(self) -> str:
-        return (f"n{self.block_n} m{self.block_m} w{self.warps} s{self.stages}{' sync' if self.sync else ''} "
+        return (f"n{self.block_n} m{self.block_m} w{self.warps} s{self.stages} "
                 f"wv{self.waves}{' bal' if self.balance else ''}{'' if self.asm else ' noasm'}")
 
 
@@ -328,26 +328,26 @@ def default_config(m: int, n: int, k: int, bits: int = 4, group_size: int = 128)
     """The config table of the module docstring (H200 winners of bench/quant_kernels.py --sweep)."""
     if m > 16 and bits == 4 and group_size == 128:  # a draft tree's pass: wgmma, x tiles of 32 or 64 rows
         if m > 32:
-            return KernelConfig(64, 64, 4, 3, False, 1)
+            return KernelConfig(64, 64, 4, 3, 1)
         if n >= 131072:
-            return KernelConfig(128, 32, 8, 3, False, 1)
-        return KernelConfig(64, 32, 4, 2, False, 4 if n <= 8192 else 1)
+            return KernelConfig(128, 32, 8, 3, 1)
+        return KernelConfig(64, 32, 4, 2, 4 if n <= 8192 else 1)
     if m > 16:  # 8-bit codes: the 9..16-row entry with a taller x tile (not measured)
         return replace(default_config(16, n, k, bits, group_size), block_m=1 << (m - 1).bit_length())
     asm = True  # int8 too: PTX unpacking checked on the H200 and 9-48 % faster than plain Triton (quant_kernels.py)
     if group_size < 128:  # short groups (int8 g32: 64 B per row and step): 3 stages, 64-row tiles for wide outputs
         if m <= 8:
-            return KernelConfig(64 if n >= 16384 else 128, 8, 4, 3, True, 2, asm)
-        return KernelConfig(128, 16, 4, 6, True, 4, asm)
+            return KernelConfig(64 if n >= 16384 else 128, 8, 4, 3, 2, asm)
+        return KernelConfig(128, 16, 4, 6, 4, asm)
     if m <= 8 and bits == 8:  # e4m3 / int8 g128 (2x int4's bytes per tile): 3 stages; narrow outputs split to ~4 waves
-        return KernelConfig(64, 8, 4, 3, True, 4 if n < 64 * 132 else 1, asm, True)
+        return KernelConfig(64, 8, 4, 3, 4 if n < 64 * 132 else 1, asm, True)
     if m <= 8:  # 64-row tiles, shallow pipelines: more programs resident per SM hide more latency than deeper ones
-        return KernelConfig(64, 8, 4, 3 if n * k > 80_000_000 else 2, True, 2, asm, True)
+        return KernelConfig(64, 8, 4, 3 if n * k > 80_000_000 else 2, 2, asm, True)
     if n >= 131072:  # vocabulary-sized
-        return KernelConfig(128, 16, 4, 3, False, 4, asm)
+        return KernelConfig(128, 16, 4, 3, 4, asm)
     if k > 8192:  # long rows (down): K splits to ~4 waves
-        return KernelConfig(64, 16, 4, 2, False, 4, asm)
-    return KernelConfig(64, 16, 4, 3, False, 1, asm)  # one wave of 3-stage programs: 5-10 % faster than ~4
+        return KernelConfig(64, 16, 4, 2, 4, asm)
+    return KernelConfig(64, 16, 4, 3, 1, asm)  # one wave of 3-stage programs: 5-10 % faster than ~4
 
 
 MIN_PIECE = 4        # blocks: a shorter split part costs more in its pipeline's start than it balances
@@ -393,7 +393,7 @@ class Epilogue:
 @dataclass
 class LaunchPlan:
     """One launch of `_wq_kernel`: grid (programs,), the `schedule` (whole, split, blocks per split) it follows, and
-    the arguments and constants launch_fitting passes the kernel (STAGES the tuned depth, SYNC for mma_sync)."""
+    the arguments and constants launch_fitting passes the kernel (STAGES the tuned depth)."""
     programs: int
     schedule: tuple[int, int, int]
     args: tuple
@@ -426,7 +426,7 @@ def launch_plan(x2: torch.Tensor, pw: PackedWeight, cfg: KernelConfig, out: torc
             *(out if t is None else t for t in (epi.residual, epi.weight, epi.rows)), parts, parts.shape[0], epi.eps)
     meta = dict(BITS=pw.bits, G=pw.group_size, BN=cfg.block_n, BM=cfg.block_m, STAGES=cfg.stages,
                 HAS_ZP=pw.z is not None, EVEN_K=pw.k % block_size(pw.bits, pw.group_size) == 0,
-                USE_ASM=cuda and cfg.asm, F32DOT=not cuda, SYNC=cuda and cfg.sync, U0=unpack[0], U1=unpack[1],
+                USE_ASM=cuda and cfg.asm, F32DOT=not cuda, U0=unpack[0], U1=unpack[1],
                 U2=unpack[2], U3=unpack[3], num_warps=cfg.warps, **pdl.options(x2),
                 PREFETCH=pdl.prefetch_blocks(cfg.block_n * pw.group_size * 2, programs, bps, x2.device),
                 EPI=epi.kind, RMS=epi.rms, PBLOCK=triton.next_power_of_2(parts.shape[0]) if epi.rms else 1,
@@ -437,8 +437,7 @@ def launch_plan(x2: torch.Tensor, pw: PackedWeight, cfg: KernelConfig, out: torc
 def _launch(x2: torch.Tensor, pw: PackedWeight, cfg: KernelConfig, out: torch.Tensor,
             epilogue: Epilogue | None = None) -> None:
     plan = launch_plan(x2, pw, cfg, out, epilogue)
-    launch_fitting(_wq_kernel, (plan.programs,), *plan.args, stages_key="STAGES", mma_sync=plan.meta["SYNC"],
-                   **plan.meta)
+    launch_fitting(_wq_kernel, (plan.programs,), *plan.args, stages_key="STAGES", **plan.meta)
 
 
 def _rows(x: torch.Tensor, pw: PackedWeight) -> torch.Tensor:
