@@ -17,6 +17,7 @@ Usage (repo root): python bench/drafter_recipes.py --recipes drafter,mtp,drafter
 
 import argparse
 import json
+import re
 import subprocess
 import sys
 import time
@@ -103,14 +104,21 @@ def main():
     evaluation = ["--eval-data", *map(str, standard_library_files(CODE_FIXTURE_FILES)), "--eval-every",
                   str(args.eval_every), "--eval-cuts", str(args.eval_cuts)]
     pending = [(n, recipe_flags(n, common, args.regenerated)) for n in names]
-    running, failed, start = {}, [], time.perf_counter()
+    running, failed, start, read = {}, [], time.perf_counter(), {}
     while pending or running:
         while pending and len(running) < args.parallel:
             name, flags = pending.pop(0)
             running[name] = launch(name, flags, args.work, evaluation)
         time.sleep(0.2)
         for name, proc in list(running.items()):
-            if proc.poll() is not None:
+            ended = proc.poll() is not None  # before the read: an ended run's last lines are all in its log
+            # each evaluation as it comes: a run stopped early (a time limit) still leaves its curve so far
+            with open(args.work / f"{name}.log") as log:
+                log.seek(read.get(name, 0))
+                for line in re.findall(r"step \d+: mean accepted length .*", log.read()):  # (after a bar's \r)
+                    print(f"{time.perf_counter() - start:6.0f} s  {name}: {line.strip()}", flush=True)
+                read[name] = log.tell()
+            if ended:
                 del running[name]
                 if proc.returncode:
                     said = (args.work / f"{name}.log").read_text().splitlines()

@@ -710,8 +710,8 @@ def test_scaling_bench_dry_run(setup):
 
 def test_recipes_bench_dry_run(setup, tmp_path):
     """bench/drafter_recipes.py on the CPU: a drafter and an MTP head side by side, each evaluated on the standard
-    library's fixtures as it trains; the table's curves and final figures come from their training summaries. Then
-    the data and steps each recipe is given."""
+    library's fixtures as it trains (each evaluation printed as it comes); the table's curves and final figures
+    come from their training summaries. Then the data and steps each recipe is given."""
     import importlib.util
     import subprocess
     import sys
@@ -740,6 +740,8 @@ def test_recipes_bench_dry_run(setup, tmp_path):
         written = json.loads((tmp_path / "work" / summary).read_text())
         assert r["curve"] == {str(e["step"]): e["mean_accepted_length"] for e in written["evaluations"]}
         assert list(r["curve"]) == ["1", "2"] and r["cuts"] == 2 and r["mean_accepted_length"] >= 1
+        for step, accepted in r["curve"].items():  # relayed from the run's log as it came
+            assert f"{r['recipe']}: step {step}: mean accepted length {accepted:.3f} over 2" in proc.stdout
 
 
 def test_training_bench_dry_run_in_two_processes(tmp_path):

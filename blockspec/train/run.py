@@ -260,8 +260,13 @@ def _train(run: DrafterTraining, target_config: TargetConfig, device: torch.devi
     log(f"train-drafter: {len(sequences)} training / {len(heldout)} held-out sequences of {run.seq_len} tokens; "
         f"{sum(p.numel() for p in module.parameters()) / 1e6:.1f}M parameters of {what}; {plural(steps, 'step')} of "
         f"{rows} tokens on {where}")
-    measure = (lambda: evaluate(run, out, heldout, device)) if run.eval_every else None
-    tokens_per_s = trainer.fit(steps, step_loss, measure, run.eval_every)
+
+    def measure() -> dict:  # --eval-every's evaluation, one line each as it comes (the bar shows only the last)
+        measured = evaluate(run, out, heldout, device)
+        log(f"step {trainer.step}: mean accepted length {measured['mean_accepted_length']:.3f} over "
+            f"{measured['cuts']} held-out contexts")
+        return measured
+    tokens_per_s = trainer.fit(steps, step_loss, measure if run.eval_every else None, run.eval_every)
     summary = {"kind": run.kind, "steps": steps, "training_tokens_per_s": round(tokens_per_s, 1),
                "history": trainer.history}
     if trainer.evaluations:
