@@ -14,7 +14,7 @@ $OUT/profile_cycle.json.
 
 Usage (GPU, repo root; ~2-3 minutes on an H200 for the three modes):
   python bench/profile_cycle.py [--modes none,mtp,dflash2] [--quant int4 --vocab-quant int8] [--pdl-level 0]
-                                [--tree-budget 16]
+                                [--tree-budget 16] [--model DIR/target --drafter DIR/drafter]
 CPU dry run (the tiny preset, a 16-token prompt, PyTorch's CPU paths, untimed, CPU ops in the tables):
   python bench/profile_cycle.py --dry-run
 """
@@ -75,7 +75,8 @@ def _us(event):
 
 
 def build_engine(mode, args):
-    """An engine on a fresh synthetic target (quantization and norm folding change the model in place)."""
+    """An engine on a fresh synthetic target (quantization and norm folding change the model in place), or on
+    --model (and --drafter) as the CLI loads them."""
     overrides = {"mode": mode, "device": DEVICE.type, "context_length": args.context_length,
                  "target_quantization": args.quant, "vocabulary_quantization": args.vocab_quant,
                  "fold_norms": not args.no_fold_norms}
@@ -83,6 +84,11 @@ def build_engine(mode, args):
         overrides["pdl_level"] = args.pdl_level
     if mode == "dflash2":
         overrides["dflash2_tree_budget"] = args.tree_budget
+    if args.model:
+        overrides["model"] = args.model
+        if mode == "dflash2":
+            overrides["dflash2_model"] = args.drafter
+        return Engine(PredictConfig.build(overrides, source="profile_cycle"))
     config = PredictConfig.build(overrides, source="profile_cycle")
     model, head = synthetic_target(PRESET, DEVICE, config.torch_dtype,
                                    quantize=rtn(config.target_quantization, 128, config.torch_dtype))
@@ -157,8 +163,8 @@ def profile_tree(engine, prime, timed) -> dict:
         _, layout, walked = target.run_tree(tree, depth)
         walked.tolist()
         state.commit_path(path, layout.window_rows[path[-1], 1:])
-    for kept in (1, depth + 1):
-        path = torch.arange(kept, device=engine.device)  # the chain: nodes 0..kept-1
+    for kept in (1, min(depth + 1, n)):
+        path = torch.arange(kept, device=engine.device)  # the chain: nodes 0..kept-1 (a small tree: all chain)
         timed(f"tree_{n}_pass_walk_commit_{kept}_ms", lambda: verify(path))
     return r
 
@@ -173,8 +179,13 @@ def main():
                     help="INT4: residual adds, norms and SwiGLU as kernels of their own (fold_norms: false)")
     ap.add_argument("--context-length", type=int, default=4096)
     ap.add_argument("--tree-budget", type=int, default=0, help="dflash2: also the pieces of a draft tree of N nodes")
+    ap.add_argument("--model", help="a checkpoint directory instead of the synthetic 27B (e.g. DIR/target from "
+                                    "blockspec demo --save DIR)")
+    ap.add_argument("--drafter", help="with --model: the DFlash2 drafter's directory")
     ap.add_argument("--dry-run", action="store_true", help="CPU: the tiny preset, a 16-token prompt, untimed")
     args = ap.parse_args()
+    if args.model and "dflash2" in args.modes.split(",") and not args.drafter:
+        ap.error("--model with mode dflash2 needs --drafter DIR")
     if args.dry_run:
         global DEVICE, PRESET, PROFILED, PROMPT_TOKENS
         DEVICE, PRESET, PROFILED, PROMPT_TOKENS = dry_run(False), "tiny", torch.autograd.DeviceType.CPU, 16

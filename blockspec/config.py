@@ -19,9 +19,10 @@ SUPPORTED_MODEL_TYPES = {"qwen3_5", "qwen3_5_text"}
 # of a partial or path commit and the kernels' row limits are sized by it.
 MAX_PASS_TOKENS = 64
 # Draft-tree budget by device where none is set, the best measured against the chain (docs/benchmarks.md, "Draft
-# trees"): on the CPU a tree of 16 decodes the demo pair 1.24x faster; on a GPU the chain, since trees lose with an
-# INT4 target (0.91x projected on the 27B) and on launch-bound small models (0.95x, the demo pair on the H200).
-DEFAULT_TREE_BUDGETS = {"cpu": 16, "cuda": 0}
+# trees"): on the CPU a tree of 16 decodes the demo pair 1.24x faster; on a GPU a tree of 15, whose 16 rows keep the
+# projections' 16-row tiles (the 27B projected at 1.24x the chain's tokens/s in bf16, 1.06x with INT4, where 17 rows
+# lose), though a small launch-bound model (the demo pair on the H200) runs slower with it than with the chain.
+DEFAULT_TREE_BUDGETS = {"cpu": 16, "cuda": 15}
 SUPPORTED_ARCHITECTURES = {"Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration"}
 
 

@@ -273,6 +273,25 @@ def test_tree_acceptance_bench_runs_on_the_cpu(tiny_checkpoint, tiny_drafter, tm
     assert sorted(rates) == ["0", "12", "4", "none"] and all(rate > 0 for rate in rates.values()), rates
 
 
+def test_profile_cycle_runs_on_a_checkpoint_pair(tiny_checkpoint, tiny_drafter, tmp_path):
+    """bench/profile_cycle.py --model / --drafter (where a real pair's cycle goes, as the demo pair's on the H200): the
+    pieces of the chain and of a draft tree timed and their kernels tabled, on the CPU; without --drafter, refused."""
+    target = tiny_checkpoint(seed=0, planted=True)
+    drafter = tiny_drafter(target, window=16, noise=1.0)
+    script = Path(__file__).parent.parent / "bench" / "profile_cycle.py"
+    env = {**__import__("os").environ, "OUT": str(tmp_path)}
+    run = [sys.executable, str(script), "--dry-run", "--modes", "dflash2", "--model", str(target)]
+    proc = subprocess.run([*run, "--drafter", str(drafter), "--tree-budget", "5"], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    written = json.loads((tmp_path / "profile_cycle.json").read_text())
+    timed = written["results"]["dflash2"]
+    assert {"dflash2_propose_graph_ms", "tree_6_propose_graph_ms", "tree_6_pass_walk_commit_1_ms"} <= set(timed)
+    assert written["kernels"]["dflash2 tree_6_pass_walk_commit_1_ms"]["kernels_per_call"] > 0
+    refused = subprocess.run(run, env=env, capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 2 and "needs --drafter" in refused.stderr
+
+
 def test_table_columns_fit_long_names_and_fixture_names_stay_whole(tmp_path):
     """The mode and fixture columns widen to the longest name (every value stays under its header), and a
     directory's files keep their whole stems, with the folder where two stems are alike."""

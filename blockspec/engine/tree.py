@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch
 
 from ..drafter.tree import DraftTree
+from ..kernels.tree_paths import descend
 from ..models.qwen3_5 import TargetOutput
 from .sampling import Sampler, draw, proposal_tests, ranked_probs
 
@@ -48,16 +49,7 @@ def walk(logits: torch.Tensor, tree: DraftTree, max_depth: int, uniforms: torch.
                                           draft[0][:chain], draft[1][:chain], tests[:chain])
         redrawn = ids[:chain].gather(1, draw(residual, draws[:chain]).reshape(-1, 1))[:, 0]
         chosen = torch.cat([torch.where(passed, proposals, redrawn), chosen[chain:]])
-    on_path = tree.depth == 0
-    follows = tree.valid & (tree.tokens == chosen[tree.parents])
-    for level in range(1, max_depth + 1):
-        steps = (tree.depth == level) & follows & on_path[tree.parents]
-        on_path = on_path | (steps & (steps.cumsum(0) == 1))  # siblings are distinct tokens; a forced tree's may not be
-    levels = torch.arange(max_depth + 1, device=logits.device)
-    path = (on_path[None, :] & (tree.depth[None, :] == levels[:, None])).to(torch.uint8).argmax(-1)
-    accepted = on_path.sum(0, keepdim=True) - 1
-    bonus = chosen.index_select(0, path.index_select(0, accepted))
-    return torch.cat([accepted, bonus, path, tree.tokens[path]])
+    return descend(chosen, tree.tokens, tree.parents, tree.depth, tree.valid, max_depth)
 
 
 def tree_cycle(target, proposer, anchor: int, position: int, sampler: Sampler | None):

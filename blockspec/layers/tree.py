@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..kernels import tree_paths
+
 
 @dataclass
 class TreeLayout:
@@ -38,16 +40,6 @@ class TreeLayout:
         tensor under CUDA graphs); max_depth: a bound on depth (default T - 1)."""
         t = parents.shape[0]
         max_depth = t - 1 if max_depth is None else min(max_depth, t - 1)
+        ancestors, window_rows = tree_paths.layout(parents, depth, conv_kernel, max_depth)
         nodes = torch.arange(t, device=parents.device)
-        ancestors = nodes[:, None] == nodes[None, :]
-        jump = parents
-        for _ in range(max(max_depth, 1).bit_length()):  # pointer doubling: paths of up to 2^steps nodes
-            ancestors = ancestors | ancestors[jump]
-            jump = jump[jump]
-        # the ancestor of each node at each depth 0..deepest reachable by the conv (the node's depth - (K-1) ..)
-        taps = torch.arange(conv_kernel, device=parents.device)
-        wanted = depth[:, None] - (conv_kernel - 1) + taps[None, :]                    # [T, K] depth of each tap
-        at_depth = ancestors[:, None, :] & (depth[None, None, :] == wanted[:, :, None])  # [T, K, T]
-        ancestor = at_depth.to(torch.uint8).argmax(-1)                                  # node index (when wanted >= 0)
-        window_rows = (conv_kernel - 1) + torch.where(wanted >= 0, ancestor, wanted)
         return cls(start + depth, start + nodes, ancestors, window_rows, parents, max_depth)

@@ -1,0 +1,103 @@
+"""A draft tree's `layout` and `descend` (tree_paths.py, beside their references there) in one Triton program each.
+
+Why: the references are ~25 (layout) and ~70 (descend at depth 8) tiny torch ops; in the H200's graphed tree pass of
+the demo pair they were most of the 106 launches a tree adds to a chain's verification (docs/benchmarks.md, "Draft
+trees"). One program holds the tree's nodes in registers (T <= 64), so both ops are a few dozen dependent steps of
+a single program.
+
+Exactly the references' results: integer work only. layout follows each node's parent `max_depth` times (a load of
+the parents per step) instead of pointer doubling; a well-formed tree (parents before children, no node deeper than
+max_depth) gives the same ancestors. descend takes at each depth the valid child of the node it stands on whose token
+is the chosen one, the lowest index first, as the reference's cumulative sum does.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import pdl, triton_runs_on
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - CPU-only installs use the references
+    triton = None
+
+MAX_NODES = 64  # MAX_PASS_TOKENS: one program's registers hold every node
+
+
+def available(x: torch.Tensor) -> bool:
+    return triton_runs_on(x) and x.shape[0] <= MAX_NODES
+
+
+def layout(parents, depth, conv_kernel: int, max_depth: int):
+    t = parents.shape[0]
+    ancestors = torch.empty(t, t, dtype=torch.bool, device=parents.device)
+    window_rows = torch.empty(t, conv_kernel, dtype=torch.long, device=parents.device)
+    _layout_kernel[(1,)](parents, depth, ancestors.view(torch.uint8), window_rows, T=t, TAPS=conv_kernel,
+                         MAX_DEPTH=max(max_depth, conv_kernel - 1), NODES=max(16, triton.next_power_of_2(t)),
+                         num_warps=4, **pdl.options(parents))
+    return ancestors, window_rows
+
+
+def descend(chosen, tokens, parents, depth, valid, max_depth: int):
+    out = torch.empty(2 + 2 * (max_depth + 1), dtype=torch.long, device=chosen.device)
+    t = chosen.shape[0]
+    _descend_kernel[(1,)](chosen, tokens, parents, depth, valid.view(torch.uint8), out, T=t, MAX_DEPTH=max_depth,
+                          NODES=max(16, triton.next_power_of_2(t)), num_warps=1, **pdl.options(chosen))
+    return out
+
+
+if triton is not None:
+    @triton.jit
+    def _layout_kernel(parents, depth, ancestors, window_rows, T: tl.constexpr, TAPS: tl.constexpr,
+                       MAX_DEPTH: tl.constexpr, NODES: tl.constexpr, PDL: tl.constexpr):
+        pdl.begin(PDL)
+        nodes = tl.arange(0, NODES)
+        real = nodes < T
+        node_depth = tl.load(depth + nodes, mask=real, other=0)
+        on_path = nodes[:, None] == nodes[None, :]  # [node i, node j]: j lies on i's path
+        # tap TAPS - 1 is the node itself; tap TAPS - 1 - s its ancestor s steps up, or conv history row TAPS - 1 +
+        # (its depth - s) where the path is shorter than s
+        tl.store(window_rows + nodes * TAPS + TAPS - 1, (TAPS - 1 + nodes).to(tl.int64), mask=real)
+        up = nodes
+        for s in tl.static_range(1, MAX_DEPTH + 1):
+            up = tl.load(parents + up, mask=real, other=0).to(tl.int32)  # the root is its own parent
+            on_path = on_path | (nodes[None, :] == up[:, None])
+            if s < TAPS:
+                wanted = node_depth - s
+                row = TAPS - 1 + tl.where(wanted >= 0, up.to(tl.int64), wanted)
+                tl.store(window_rows + nodes * TAPS + TAPS - 1 - s, row, mask=real)
+        inside = real[:, None] & real[None, :]
+        tl.store(ancestors + nodes[:, None] * T + nodes[None, :], on_path.to(tl.uint8), mask=inside)
+
+    @triton.jit
+    def _descend_kernel(chosen, tokens, parents, depth, valid, out, T: tl.constexpr, MAX_DEPTH: tl.constexpr,
+                        NODES: tl.constexpr, PDL: tl.constexpr):
+        pdl.begin(PDL)
+        nodes = tl.arange(0, NODES)
+        real = nodes < T
+        token = tl.load(tokens + nodes, mask=real, other=0)
+        parent = tl.load(parents + nodes, mask=real, other=-1)
+        node_depth = tl.load(depth + nodes, mask=real, other=-1)
+        ok = real & (tl.load(valid + nodes, mask=real, other=0) != 0)
+        here = tl.load(chosen + nodes, mask=real, other=0)  # the token chosen at each node
+        root_token = tl.load(tokens)
+        at = 0            # the node the walk stands on
+        going = True      # still descending
+        accepted = 0
+        tl.store(out + 2, 0)
+        tl.store(out + 3 + MAX_DEPTH, root_token)
+        for level in tl.static_range(1, MAX_DEPTH + 1):
+            want = tl.sum(tl.where(nodes == at, here, 0), 0)
+            step = ok & (node_depth == level) & (parent == at) & (token == want) & going
+            child = tl.min(tl.where(step, nodes, NODES), 0)
+            found = child < NODES
+            going = going & found
+            at = tl.where(found, child, at)
+            accepted += found.to(tl.int32)
+            tl.store(out + 2 + level, tl.where(found, child, 0).to(tl.int64))
+            tl.store(out + 3 + MAX_DEPTH + level, tl.where(found, tl.sum(tl.where(nodes == child, token, 0), 0),
+                                                           root_token))
+        tl.store(out, accepted.to(tl.int64))
+        tl.store(out + 1, tl.sum(tl.where(nodes == at, here, 0), 0))
