@@ -206,3 +206,16 @@ def proposals_beside_dflash(drafter_dir, target_dir, tokens: list[int], starts) 
             expected = theirs.propose(hidden[None, 1:], block_ids[:, 0], model.logits, 0.0)[0][0]
         compared.append((start, proposals, expected))
     return compared
+
+
+def sm90_ptx(kernel, constexprs: dict, warps: int, stages: int, pointers: dict) -> str:
+    """The kernel's PTX for sm_90 (H100 / H200), compiled here on the CPU by Triton's own compiler: arguments named in
+    `pointers` are pointers of those types, the other non-constexpr ones int32."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    signature = {n: "constexpr" if n in constexprs else pointers.get(n, "i32") for n in kernel.arg_names}
+    compiled = triton.compile(ASTSource(kernel, signature, constexprs=constexprs), target=GPUTarget("cuda", 90, 32),
+                              options={"num_warps": warps, "num_stages": stages})
+    return compiled.asm["ptx"]

@@ -9,7 +9,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from helpers import patch_triton_interpreter, run_in_triton_interpreter
+from helpers import patch_triton_interpreter, run_in_triton_interpreter, sm90_ptx
 
 from blockspec import kernels
 from blockspec.kernels import linear_triton
@@ -96,19 +96,6 @@ def test_configs_that_do_not_fit_shared_memory_keep_cublas(monkeypatch):
     assert linear_triton.fits(wide, 8, torch.device("cpu"))  # the interpreter has no such limit
 
 
-def _sm90_ptx(kernel, constexprs: dict, warps: int, stages: int, pointers: dict) -> str:
-    """The kernel's PTX for sm_90 (H100 / H200), compiled here on the CPU by Triton's own compiler: arguments named in
-    `pointers` are pointers of those types, the other non-constexpr ones int32."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    signature = {n: "constexpr" if n in constexprs else pointers.get(n, "i32") for n in kernel.arg_names}
-    compiled = triton.compile(ASTSource(kernel, signature, constexprs=constexprs), target=GPUTarget("cuda", 90, 32),
-                              options={"num_warps": warps, "num_stages": stages})
-    return compiled.asm["ptx"]
-
-
 @pytest.mark.skipif(not kernels.TRITON_INSTALLED, reason="needs triton")
 def test_mma_instruction_follows_the_rows():
     """Both few-row kernels leave the choice of tensor-core instruction to Triton, which compiles an 8-row x tile
@@ -126,10 +113,10 @@ def test_mma_instruction_follows_the_rows():
         const = dict(BITS=4, G=128, BN=cfg.block_n, BM=cfg.block_m, STAGES=cfg.stages, HAS_ZP=False, EVEN_K=True,
                      USE_ASM=True, F32DOT=False, PREFETCH=0, PDL=0, EPI=0, RMS=False, PBLOCK=1, E4M3=False,
                      **{f"U{i}": wq.unpack_asm(4, i, False) for i in range(4)})
-        ptx = _sm90_ptx(wq._wq_kernel, const, cfg.warps, cfg.stages, bf16)
+        ptx = sm90_ptx(wq._wq_kernel, const, cfg.warps, cfg.stages, bf16)
         assert instruction in ptx and ("wgmma" if instruction == "mma.sync" else "mma.sync") not in ptx, (rows, cfg)
         lin = linear_triton.default_config(rows, 34816, 5120)
         const = dict(BN=lin.block_n, BK=lin.block_k, BM=linear_triton.block_rows(lin, rows), STAGES=lin.stages,
                      DOT=True, EVEN_K=True, F32DOT=False, PREFETCH=0, LINE=64, PDL=0)
-        ptx = _sm90_ptx(linear_triton._linear_kernel, const, lin.warps, lin.stages, bf16)
+        ptx = sm90_ptx(linear_triton._linear_kernel, const, lin.warps, lin.stages, bf16)
         assert instruction in ptx and ("wgmma" if instruction == "mma.sync" else "mma.sync") not in ptx, (rows, lin)

@@ -2,13 +2,16 @@
 references (kernels/tree_paths.py), through the Triton interpreter in a subprocess: ancestors, conv window rows and
 the walk's result equal, on the drafter's best-first trees (their padding nodes included), the graph warm-up's star of
 invalid children, random trees of every shape up to 64 nodes, forced trees whose siblings repeat a token, and
-chosen tokens that follow the tree for a while, then leave it."""
+chosen tokens that follow the tree for a while, then leave it; and both programs compile for sm_90."""
 
 import sys
 
+import pytest
 import torch
-from helpers import interpreter_part, patch_triton_interpreter, report_parts, run_in_triton_interpreter, selected_parts
+from helpers import (interpreter_part, patch_triton_interpreter, report_parts, run_in_triton_interpreter, selected_parts,
+                     sm90_ptx)
 
+from blockspec import kernels
 from blockspec.kernels import tree_paths, tree_paths_triton
 from blockspec.kernels.drafter_tree import build_tree_reference
 
@@ -96,6 +99,21 @@ def test_tree_paths_match_reference_in_interpreter(request):
     assert all(r["kernel"] for r in results)
     assert [r for r in results if r["differ"]] == []
     assert max(r["deepest"] for r in results) >= 5  # walks go deep, not only to the root's children
+
+
+@pytest.mark.skipif(not kernels.TRITON_INSTALLED, reason="needs triton")
+def test_tree_paths_compile_for_hopper():
+    """Both programs compile for sm_90 (the GPU path a tree pass takes; the interpreter above checks their results),
+    at a tree of 15 (the GPU's default budget) with programmatic dependent launch, and at the largest pass."""
+    layout = {"parents": "*i64", "depth": "*i64", "ancestors": "*u8", "window_rows": "*i64"}
+    walk = {"chosen": "*i64", "tokens": "*i64", "parents": "*i64", "depth": "*i64", "valid": "*u8", "out": "*i64"}
+    for nodes, depth, level in ((16, 7, 3), (64, 63, 0)):
+        ptx = sm90_ptx(tree_paths_triton._layout_kernel, dict(T=nodes, TAPS=4, MAX_DEPTH=depth, NODES=nodes, PDL=level),
+                       4, 1, layout)
+        assert ("griddepcontrol.wait" in ptx) == (level > 0)
+        ptx = sm90_ptx(tree_paths_triton._descend_kernel, dict(T=nodes, MAX_DEPTH=depth, NODES=nodes, PDL=level), 1, 1,
+                       walk)
+        assert ".entry _descend_kernel" in ptx
 
 
 def test_cpu_takes_the_references():
