@@ -115,8 +115,8 @@ class ForcedAcceptance(Proposer):
 
     def propose(self, anchor, position, k):
         real = self.inner.propose(anchor, position, k)
-        forced = self.forced(position, k)
-        self.proposals = forced + real[len(forced):]
+        forced = torch.tensor(self.forced(position, k), dtype=torch.long, device=real.device)
+        self.proposals = torch.cat([forced, real[forced.shape[0]:]])
         return self.proposals
 
     def propose_tree(self, anchor, position):
@@ -138,10 +138,11 @@ class ForcedAcceptance(Proposer):
         return point_masses(*self.inner.tree_draft(), self.chain)
 
 
-def point_masses(ids: torch.Tensor, probs: torch.Tensor, tokens: list[int]):
-    """Draft (ids, q) [R, C] whose first len(tokens) rows are a point mass on each token."""
-    ids, probs, n = ids.clone(), probs.clone(), len(tokens)
-    ids[:n] = torch.tensor(tokens, device=ids.device)[:, None]
+def point_masses(ids: torch.Tensor, probs: torch.Tensor, tokens):
+    """Draft (ids, q) [R, C] whose first len(tokens) rows are a point mass on each token (a list or a tensor)."""
+    tokens = torch.as_tensor(tokens, dtype=torch.long, device=ids.device)
+    ids, probs, n = ids.clone(), probs.clone(), tokens.shape[0]
+    ids[:n] = tokens[:, None]
     probs[:n] = 0
     probs[:n, 0] = 1
     return ids, probs

@@ -33,7 +33,7 @@ def recording(engine):
 
     def wrapped(*args):
         out = propose(*args)
-        drafts.extend(out)
+        drafts.extend(out.tolist())
         return out
     engine.proposer.propose = wrapped
     return drafts

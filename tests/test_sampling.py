@@ -371,7 +371,12 @@ def test_sampled_proposals_over_a_draft_vocabulary(soft_pair, mode):
     allowed = set(engine.proposer.draft_head.ids.tolist())
     proposed = []
     propose = engine.proposer.propose
-    engine.proposer.propose = lambda *args: proposed.extend(propose(*args)) or proposed[-args[2]:]
+
+    def recording(*args):
+        out = propose(*args)
+        proposed.extend(out.tolist())
+        return out
+    engine.proposer.propose = recording
     prompt = engine.tokenizer.encode("a")
     result = engine.generate(prompt, 120, stop_at_eos=False, temperature=1.0, seed=2)
     assert set(proposed) <= allowed and set(result.tokens) - allowed

@@ -53,8 +53,8 @@ class ForcedProposer(Proposer):
             self.inner.propose(anchor, position, k)  # exercises the proposer's scratch writes
         truth = self.trajectory[position + 1:position + 1 + k]
         vocab = self.model.config.vocab_size
-        return [t if self.wrong_from is None or i < self.wrong_from else (t + 1 + i) % vocab
-                for i, t in enumerate(truth)]
+        return torch.tensor([t if self.wrong_from is None or i < self.wrong_from else (t + 1 + i) % vocab
+                             for i, t in enumerate(truth)], dtype=torch.long)
 
 
 def run_forced(model, prompt, plain, k, wrong_from, inner=None, extra_check=None):

@@ -51,9 +51,11 @@ class Proposer:
         `position`, the first one prefilled next."""
         self.reset()
 
-    def propose(self, anchor: int, position: int, k: int) -> list[int]:
-        """k proposals for positions position+1..; under sampling each drawn from the proposer's distribution."""
-        return []
+    def propose(self, anchor: int, position: int, k: int) -> torch.Tensor:
+        """k proposals for positions position+1.., int64 [k] on the device, where the verification pass reads them
+        (nothing is read back here); under sampling each drawn from the proposer's distribution. They may live in
+        the CUDA graphs' shared pool: valid until the target's next pass, which copies them in first."""
+        raise NotImplementedError
 
     def propose_tree(self, anchor: int, position: int):
         """A DraftTree of tree_budget nodes (drafter/tree.py) for positions position + 1 .., on the device."""
@@ -185,17 +187,22 @@ def decode(target, proposer: Proposer, prompt: list[int], max_tokens: int, eos: 
                 proposed = proposer.max_proposals
                 stats.tree_nodes += proposer.tree_budget
             else:
-                proposals = proposer.propose(anchor, position, k) if k > 0 else []
+                proposals = proposer.propose(anchor, position, k) if k > 0 else None
                 # taken before the target's pass: the proposer's graph outputs share the target graphs' memory pool
-                draft = proposer.draft() if proposals and not greedy else None
+                draft = proposer.draft() if proposals is not None and len(proposals) and not greedy else None
+                out, predicted, block = target.run(anchor, proposals)
+                # greedy: the target's argmax; sampled: the speculative-sampling rule's (accepted, token), on the
+                # device; read back once with the proposals (the pass's own copy of them)
+                result = predicted if greedy else sampler.accept(out.logits, block, draft)
+                n = block.shape[0] - 1  # proposals (a proposer may give fewer than k)
+                values = (torch.cat([result, block[1:]]) if n > 0 else result).tolist()
+                proposals = values[len(values) - n:] if n > 0 else []
                 if greedy:
-                    out, predicted = target.verify([anchor] + proposals)
-                    accepted = leading_matches(proposals, predicted)
-                    emitted = predicted[:accepted + 1]
-                else:  # the speculative-sampling rule on the device, read back once (plain sampling: k = 0)
-                    out, _ = target.run([anchor] + proposals)
-                    accepted, token = sampler.accept(out.logits, [anchor] + proposals, draft)
-                    emitted = proposals[:accepted] + [token]
+                    accepted = leading_matches(proposals, values[:n + 1])
+                    emitted = values[:accepted + 1]
+                else:
+                    accepted = values[0]
+                    emitted = proposals[:accepted] + [values[1]]
                 state.commit(accepted + 1)
                 kept, proposed = proposals[:accepted], len(proposals)
             accepted = len(kept)

@@ -70,13 +70,13 @@ class DFlash2Proposer(Proposer):
         uniforms = self.sampler.uniforms(self.max_proposals) if sampled else None
         if self.graph is None:
             self.selection = Selection(self.sampler.temperature, uniforms.to(self.drafter.device)) if sampled else None
-            return self.drafter.propose(anchor, position, self.selection)[:k].tolist()
+            return self.drafter.propose(anchor, position, self.selection)[:k]
         self.anchor.fill_(anchor)
         self.position.fill_(position)
         if sampled:
             self.selection.uniforms.copy_(uniforms, non_blocking=True)
         self.graph.replay()
-        return self.proposals[:k].tolist()
+        return self.proposals[:k]
 
     def propose_tree(self, anchor, position):
         """The cycle's draft tree. Under sampling its chain is the selector's sampled walk, whose proposals and q

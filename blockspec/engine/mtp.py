@@ -132,7 +132,7 @@ class MTPProposer(Proposer):
     def propose(self, anchor, position, k):
         self.proposed = k
         if self.drafts is not None:
-            return self.drafts[:k].tolist()
+            return self.drafts[:k]
         drafts, hidden, probs = [self.first_draft], self.chain_hidden, [self.first_probs]
         for i in range(1, k):
             hidden, draft = self.step_at(hidden, torch.tensor([drafts[-1]], device=hidden.device), position + i - 1,
@@ -140,7 +140,7 @@ class MTPProposer(Proposer):
             drafts.append(draft)
             probs.append(self.last_probs)
         self.probs = torch.cat(probs) if self.chain_uniforms is not None else None
-        return drafts
+        return torch.tensor(drafts, device=hidden.device)
 
     def draft(self):
         k = self.proposed

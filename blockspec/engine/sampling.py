@@ -194,27 +194,25 @@ class Sampler:
         ids, probs = ranked_probs(logits, *self.filters(), width=self.width())
         return int(ids[0, draw(probs, self.uniforms(1).to(self.device))])
 
-    def accept(self, logits: torch.Tensor, tokens: list[int], draft) -> tuple[int, int]:
-        """(accepted proposals, the token after them) of a pass over tokens (anchor + proposals) whose logits are
-        `logits`; draft: (ids, probs) [len(tokens) - 1, C] of the proposals (None without proposals)."""
-        uniforms = self.uniforms(len(tokens))
-        captured = self.graphs.get((len(tokens), self.width()))
+    def accept(self, logits: torch.Tensor, tokens: torch.Tensor, draft) -> torch.Tensor:
+        """(accepted proposals, the token after them), int64 [2] on the device, of a pass over tokens (anchor +
+        proposals, int64 [t] on the device) whose logits are `logits`; draft: (ids, probs) [t - 1, C] of the
+        proposals (None without proposals)."""
+        t = tokens.shape[0]
+        uniforms = self.uniforms(t)
+        captured = self.graphs.get((t, self.width()))
         if captured is None:
-            ids = torch.tensor(tokens, device=self.device)
             draft_ids, draft_probs = draft if draft is not None else (None, None)
-            result = speculative_accept(logits, ids, draft_ids, draft_probs, uniforms.to(self.device),
-                                        self.filters(), self.width())
-        else:
-            captured.logits.copy_(logits)
-            captured.tokens.copy_(torch.tensor(tokens), non_blocking=True)
-            captured.uniforms.copy_(uniforms, non_blocking=True)
-            if draft is not None:
-                captured.draft_ids.copy_(draft[0])
-                captured.draft_probs.copy_(draft[1])
-            captured.graph.replay()
-            result = captured.result
-        accepted, token = result.tolist()
-        return accepted, token
+            return speculative_accept(logits, tokens, draft_ids, draft_probs, uniforms.to(self.device),
+                                      self.filters(), self.width())
+        captured.logits.copy_(logits)
+        captured.tokens.copy_(tokens)
+        captured.uniforms.copy_(uniforms, non_blocking=True)
+        if draft is not None:
+            captured.draft_ids.copy_(draft[0])
+            captured.draft_probs.copy_(draft[1])
+        captured.graph.replay()
+        return captured.result
 
     def capture_graphs(self, lengths, vocab_size: int, draft_width: int, pool=None, warmup: int = 2):
         """With CUDA graphs: the acceptance of each pass length the mode verifies (1: plain decoding; 1 + k) and

@@ -1,8 +1,9 @@
 """How the decode loop runs the target on the decode state: eagerly, or as CUDA graphs replayed over static buffers.
 
-Both expose forward(ids) (a pass of any length, e.g. a prefill chunk), run(block) -> (out, the greedy tokens as a
-device tensor; no host synchronisation) and verify(block) -> (out, the greedy tokens as a list); every pass opens the
-state's transaction (DecodeState.begin) and the caller commits or discards it. A graph is
+Both expose forward(ids) (a pass of any length, e.g. a prefill chunk), run(anchor, proposals) -> (out, the greedy
+tokens, the block anchor + proposals: device tensors, no host synchronisation; the proposals stay where the proposer
+wrote them on the device) and verify(block) -> (out, the greedy tokens as a list); every pass opens the state's
+transaction (DecodeState.begin) and the caller commits or discards it. A graph is
 captured for each pass length the mode uses (1 for plain decoding, k+1 for MTP, the block size for DFlash2), and the
 state captures each commit(n) of those lengths, once at load time while the state is empty; other lengths (the last
 cycles near max_tokens, prefill) run eagerly. The captured pass gets the whole KV cache with the position as data;
@@ -31,12 +32,15 @@ class EagerTarget:
         start = self.state.begin(ids.shape[0])
         return self.model(ids, self.state.layers, start=start, capture=self.capture, all_logits=all_logits)
 
-    def run(self, block: list[int]):
-        out = self.forward(torch.tensor(block, device=self.device))
-        return out, out.logits.argmax(-1)
+    def run(self, anchor: int, proposals: torch.Tensor | None = None):
+        anchor_id = torch.tensor([anchor], device=self.device)
+        block = anchor_id if proposals is None else torch.cat([anchor_id, proposals])
+        out = self.forward(block)
+        return out, out.logits.argmax(-1), block
 
     def verify(self, block: list[int]):
-        out, greedy = self.run(block)
+        proposals = torch.tensor(block[1:], device=self.device) if len(block) > 1 else None
+        out, greedy, _ = self.run(block[0], proposals)
         return out, greedy.tolist()
 
     def run_tree(self, tree, depth: int, sampler=None, draft=None):
@@ -131,13 +135,16 @@ class GraphedTarget(EagerTarget):
         graph, (out, predicted) = graphs.capture(run, warmup, self.pool)
         return graph, ids, positions, out, predicted
 
-    def run(self, block):
-        captured = self.passes.get(len(block))
+    def run(self, anchor, proposals=None):
+        t = 1 + (0 if proposals is None else proposals.shape[0])
+        captured = self.passes.get(t)
         if captured is None:
-            return super().run(block)
+            return super().run(anchor, proposals)
         graph, ids, positions, out, predicted = captured
-        start = self.state.begin(len(block))
-        ids.copy_(torch.tensor(block), non_blocking=True)
-        positions.copy_(torch.arange(start, start + len(block)), non_blocking=True)
+        start = self.state.begin(t)
+        ids[:1].fill_(anchor)
+        if proposals is not None:  # before the replay, which may overwrite them (the shared pool)
+            ids[1:].copy_(proposals)
+        positions.copy_(torch.arange(start, start + t), non_blocking=True)
         graph.replay()
-        return out, predicted
+        return out, predicted, ids
