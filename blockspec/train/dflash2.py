@@ -210,6 +210,8 @@ def dflash2_step(drafter, model, features, sequences, run, ranks: Ranks | None =
     if not sequences:
         raise BlockspecError("--data: no training sequence has a trained token to anchor a block on")
     losses = ranks.replicate(DrafterLoss(drafter, model, run.loss_decay, length, ranks.total), device)
+    if run.compile:  # the step's shapes are fixed (step_shape): one compilation serves every step
+        losses = torch.compile(losses)
 
     def step_loss(rng):
         picked = [sequences[rng.randrange(len(sequences))] for _ in range(count)]

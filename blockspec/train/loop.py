@@ -28,7 +28,8 @@ RUN_FILE = "training_run.json"  # the settings of the run saved beside it, which
 # Settings a resumed run may change: how long it trains, how often it checkpoints, how often and how much it evaluates.
 # The inputs (paths, device, where the target lives) are given again on every run and are not saved.
 RESUMABLE_CHANGES = {"steps", "tokens", "checkpoint_every", "eval_cuts", "eval_every"}
-NOT_SAVED = {"target", "data", "eval_data", "suffixes", "out", "resume", "device", "replace_mtp", "target_sharding"}
+NOT_SAVED = {"target", "data", "eval_data", "suffixes", "out", "resume", "device", "replace_mtp", "target_sharding",
+             "compile"}
 
 
 def check_output(out: Path, resume: bool):

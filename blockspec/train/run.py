@@ -58,6 +58,7 @@ class DrafterTraining:
     device: str = "auto"
     replace_mtp: bool = False                   # kind mtp: a target that has a head gets a new one, trained anew
     target_sharding: str = "auto"               # "replicate", "fsdp" (several processes) or "auto" (shards_target)
+    compile: bool = False                       # kind dflash2: the drafter's step through torch.compile
 
 
 def check_run(run: DrafterTraining, world: int | None = None) -> TargetConfig:
@@ -69,6 +70,7 @@ def check_run(run: DrafterTraining, world: int | None = None) -> TargetConfig:
         (run.kind not in ("dflash2", "mtp"), f"--kind must be dflash2 or mtp (got {run.kind!r})"),
         (run.kind == "mtp" and Path(run.out).resolve() == Path(run.target).resolve(),
          "--out must not be the target directory (the MTP head is written into a copy of it)"),
+        (run.kind == "mtp" and run.compile, "--compile compiles the DFlash2 drafter's step; --kind mtp has none"),
         (run.layers < 1, f"--layers must be at least 1 (got {run.layers})"),
         (not 2 <= run.block_size <= 16, f"--block-size must be 2..16 (got {run.block_size})"),
         (run.window < run.block_size, f"--window {run.window} is shorter than the block ({run.block_size})"),
