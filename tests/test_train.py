@@ -90,6 +90,22 @@ def test_resume_continues_the_run(setup):
     assert resumed["history"][:8] == first["history"]
 
 
+def test_evaluation_measures_the_chain(setup, monkeypatch):
+    """train-drafter's evaluation runs the drafter's chain even where the device's default is a draft tree (the CPU's
+    16), so that its mean accepted length compares with an MTP head's."""
+    from blockspec.train import run as training
+
+    root, target, data = setup
+    seen, measure = [], training.one_cycle_acceptance
+
+    def spy(engine, *args, **kw):
+        seen.append(engine.proposer.tree_budget)
+        return measure(engine, *args, **kw)
+    monkeypatch.setattr(training, "one_cycle_acceptance", spy)
+    summary = train(run_config(root, target, data, out="chain_eval", steps=2, eval_cuts=2), log=lambda *_: None)
+    assert seen == [0] and summary["evaluation"]["cuts"] == 2
+
+
 @pytest.mark.slow  # torch.compile of a forward and backward: ~30 s on 2 cores
 def test_compiled_step_trains_as_the_eager_one(setup, monkeypatch):
     """--compile: the drafter's loss and its gradients through torch.compile (the step's module is compiled, and

@@ -287,12 +287,14 @@ def _train(run: DrafterTraining, target_config: TargetConfig, device: torch.devi
 
 
 def evaluate(run: DrafterTraining, out: Path, heldout: list[Sequence], device: torch.device) -> dict:
-    """One-cycle acceptance of what was just written, on the held-out sequences (train/evaluate.py)."""
+    """One-cycle acceptance of what was just written, on the held-out sequences (train/evaluate.py): the drafter's
+    chain (no draft tree, whatever the device's default), so that it compares with an MTP head's; on a GPU an eager
+    engine (no graph capture nor compilation at each evaluation)."""
     from ..engine.engine import Engine
 
-    gpu = {"gpu_ranks": [device.index]} if device.type == "cuda" else {}  # rank_device's GPU
-    engine = Engine.load(out if run.kind == "mtp" else run.target, mode=run.kind, device=device.type, **gpu,
-                         dflash2_model=str(out) if run.kind == "dflash2" else None,
+    gpu = {"gpu_ranks": [device.index], "compile_mode": -1} if device.type == "cuda" else {}  # rank_device's GPU
+    chain = {"dflash2_model": str(out), "dflash2_tree_budget": 0} if run.kind == "dflash2" else {}
+    engine = Engine.load(out if run.kind == "mtp" else run.target, mode=run.kind, device=device.type, **gpu, **chain,
                          compute_dtype="float32" if device.type == "cpu" else "bfloat16",
                          context_length=run.seq_len + 4 * run.block_size)
     return one_cycle_acceptance(engine, [s.ids for s in heldout], run.eval_cuts, run.seed,
