@@ -88,6 +88,7 @@ export TQDM_DISABLE=1 PYTHONUNBUFFERED=1 TORCHINDUCTOR_CACHE_DIR=/tmp/blockspec-
   } > "$OUT/machine.txt" 2>&1
 BENCH="python3 -m blockspec.cli bench --synthetic qwen3.5-27b"
 FORCED="--forced-acceptance 0.553,0.297,0.516 --max-tokens ${MAX_TOKENS:-200} --repeats ${REPEATS:-2}"
+CHAIN="--tree-budget 0"  # forced acceptance forces a chain's rates: DFlash2 verifies chains there (trees: part trees)
 Q="--target-quantization int4 --vocabulary-quantization int8"
 run() { local limit=$1; shift; echo "## $*" >> "$LOG"
         timeout "$limit" "$@" 2>&1 | grep -v "^ \|[Ww]arn\|softmax\|important use" >> "$LOG"; echo "## exit ${PIPESTATUS[0]}" >> "$LOG"; }
@@ -98,23 +99,23 @@ for part in ${PARTS:-bf16 warm int4 vocab}; do
   case $part in
     tests) timeout ${TEST_S:-420} python3 -m pytest -q tests/test_cuda.py -s ${TESTS_K:+-k "$TESTS_K"} > "$OUT/cuda_tests.txt" 2>&1
            tail -3 "$OUT/cuda_tests.txt" >> "$LOG" ;;
-    bf16) run 240 $BENCH --mode ${MODES:-none,mtp,dflash2} $FORCED --json-out "$OUT/bench_bf16.json" --png-out "$OUT/bench_bf16.png" ;;
+    bf16) run 240 $BENCH --mode ${MODES:-none,mtp,dflash2} $FORCED $CHAIN --json-out "$OUT/bench_bf16.json" --png-out "$OUT/bench_bf16.png" ;;
     warm) run 70 $BENCH --mode dflash2 --max-tokens 16 --repeats 1 --prompt "warm start" --json-out "$OUT/warm_start.json" ;;
-    int4) run 180 $BENCH $Q --mode none,mtp,dflash2 $FORCED --json-out "$OUT/bench_int4.json" --png-out "$OUT/bench_int4.png"
-          run 150 $BENCH $Q --dflash2-quantization int8 --mode dflash2 $FORCED --json-out "$OUT/bench_int4_drafter_int8.json" ;;
-    vocab) run 200 $BENCH --draft-vocabulary 32768 --mode ${VOCAB_MODES:-mtp,dflash2} $FORCED --json-out "$OUT/bench_draft_vocabulary.json" ;;
-    sampling) run 420 $BENCH --mode ${SAMPLING_MODES:-none,dflash2} $FORCED --temperature 1 --top-k 20 --top-p 0.95 \
+    int4) run 180 $BENCH $Q --mode none,mtp,dflash2 $FORCED $CHAIN --json-out "$OUT/bench_int4.json" --png-out "$OUT/bench_int4.png"
+          run 150 $BENCH $Q --dflash2-quantization int8 --mode dflash2 $FORCED $CHAIN --json-out "$OUT/bench_int4_drafter_int8.json" ;;
+    vocab) run 200 $BENCH --draft-vocabulary 32768 --mode ${VOCAB_MODES:-mtp,dflash2} $FORCED $CHAIN --json-out "$OUT/bench_draft_vocabulary.json" ;;
+    sampling) run 420 $BENCH --mode ${SAMPLING_MODES:-none,dflash2} $FORCED $CHAIN --temperature 1 --top-k 20 --top-p 0.95 \
                 --seed 0 --compare-greedy --json-out "$OUT/bench_sampling.json" ;;
     trees) run ${TREES_S:-560} $BENCH --mode ${TREE_MODES:-none,dflash2} --tree-budget ${TREE_BUDGETS:-0,8,16,24,32,48} \
              $FORCED ${TREES_ARGS:-} --json-out "$OUT/bench_trees_bf16.json"
            [ -n "${TREES_INT4-1}" ] && run ${TREES_S:-560} $BENCH $Q --mode ${TREE_MODES:-none,dflash2} \
              --tree-budget ${TREE_BUDGETS:-0,8,16,24,32,48} $FORCED ${TREES_ARGS:-} --json-out "$OUT/bench_trees_int4.json" ;;
-    fp8) run 240 $BENCH --target-quantization fp8 --mode none,mtp,dflash2 $FORCED --json-out "$OUT/bench_fp8.json" --png-out "$OUT/bench_fp8.png" ;;
+    fp8) run 240 $BENCH --target-quantization fp8 --mode none,mtp,dflash2 $FORCED $CHAIN --json-out "$OUT/bench_fp8.json" --png-out "$OUT/bench_fp8.png" ;;
     reuse) for mode in $(echo ${REUSE_MODES:-none,dflash2} | tr , ' '); do
              kernel_bench multi_turn_$mode 300 multi_turn --mode $mode --json-out "$OUT/multi_turn_$mode.json"; done ;;
     memory) for ctx in ${MEMORY_CONTEXTS:-32768 131072 8192}; do  # results' "memory": loading and decoding peaks, parts
               nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader,nounits -lms 200 > "$OUT/.apps" & smi=$!
-              run 240 $BENCH $Q --dflash2-quantization int8 --mode dflash2 $FORCED --context-length $ctx \
+              run 240 $BENCH $Q --dflash2-quantization int8 --mode dflash2 $FORCED $CHAIN --context-length $ctx \
                 --max-tokens 128 --repeats 1 --json-out "$OUT/memory_int4_$ctx.json"; kill $smi
               echo "## $ctx: GPU memory held per process (nvidia-smi, MiB, highest): $(awk -F', ' \
                 '$2 > m[$1] {m[$1] = $2} END {for (p in m) printf "pid %s %s; ", p, m[p]}' "$OUT/.apps")" >> "$LOG"
