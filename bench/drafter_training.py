@@ -21,7 +21,7 @@ sequence (hidden under the layers' compute), and holds ~30 GB of target (its hal
 head whole), 31 GB of drafter state and half the activations: ~75 GB.
 
 Usage (GPU, repo root): python bench/drafter_training.py [--preset qwen3.5-27b] [--steps 10] [--seq-len 2048]
-  [--batch-tokens 4096] [--window N] [--attention dense|block-sparse] [--profile N] [--json-out FILE]
+  [--batch-tokens 4096] [--window N] [--attention dense|block-sparse] [--profile N] [--compile] [--json-out FILE]
   or torchrun --standalone --nproc-per-node N bench/drafter_training.py ... [--target-sharding replicate|fsdp|replicate,fsdp]
 """
 
@@ -60,6 +60,8 @@ def main():
     p.add_argument("--target-sharding", default="replicate",
                    help="under torchrun: the target whole on every GPU (replicate), its layers sharded across them "
                    "(fsdp, FSDP2), or replicate,fsdp: both in turn, the target built once")
+    p.add_argument("--compile", action="store_true", help="the drafter's step through torch.compile (train-drafter "
+                   "--compile)")
     p.add_argument("--json-out", help="write the figures as JSON")
     args = p.parse_args()
     device = rank_device(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
@@ -92,7 +94,7 @@ def measure(args, device, ranks):
     features = TargetFeatures(model, layer_ids, args.seq_len, device, dtype,
                               graphed="fsdp" not in placements or ranks.world == 1)
     run = SimpleNamespace(batch_tokens=args.batch_tokens, block_size=config["dflash_config"]["block_size"],
-                          seq_len=args.seq_len, loss_decay=4.0)
+                          seq_len=args.seq_len, loss_decay=4.0, compile=args.compile)
     rng = random.Random(0)
     sequences = [Sequence([rng.randrange(model.config.vocab_size) for _ in range(args.seq_len)], [True] * args.seq_len)
                  for _ in range(4)]  # text: every label trained
