@@ -35,7 +35,7 @@ it the summation order, i.e. the numerics), the H200 winners of bench/quant_kern
   M 9..16: wgmma; vocabulary (N >= 131072) n128 s3, ~4 waves; K > 8192 (down) n64 s2, ~4 waves; else n64 s3, ~1 wave
   M 17..32 (int4): n64 s2 wgmma, ~4 waves for narrow outputs (N <= 8192: down, o), else ~1; vocabulary n128 w8 s3
   M 33..64 (int4): n64 s3 wgmma, ~1 wave; 8-bit codes: the M 9..16 entry with BM 32 / 64 (not measured)
-  int8 group 32: M <= 8 n64 (N >= 16384) or n128, s3; M 9..16 n128 m16 s6 wgmma (not measured)
+  int8 group 32: M <= 8 n64 (N >= 16384) or n128, s3; M 9..16 n128 m16 s6 wgmma (not swept)
   8-bit group 128 (e4m3, the int8 head): M <= 8 n64 s3, ~4 waves when N < 64 * 132 (down, o), else unsplit, a short
            last round balanced
 Every program reads its x rows over its K range: at 17-64 rows that traffic grows with the rows.

@@ -1,9 +1,8 @@
 """A draft tree's `layout` and `descend` (tree_paths.py, beside their references there) in one Triton program each.
 
-Why: the references are ~25 (layout) and ~70 (descend at depth 8) tiny torch ops; in the H200's graphed tree pass of
-the demo pair they were most of the 106 launches a tree adds to a chain's verification (docs/benchmarks.md, "Draft
-trees"). One program holds the tree's nodes in registers (T <= 64), so both ops are a few dozen dependent steps of
-a single program.
+Why: the references are ~25 (layout) and ~70 (descend at depth 8) tiny torch ops, each a launch of its own in the
+tree pass's graph, which is what a small model's tree cycle paid for (docs/benchmarks.md, "Draft trees"). One program
+holds the tree's nodes in registers (T <= 64), so each op is a few dozen dependent steps of a single program.
 
 Exactly the references' results: integer work only. layout follows each node's parent `max_depth` times (a load of
 the parents per step) instead of pointer doubling; a well-formed tree (parents before children, no node deeper than
