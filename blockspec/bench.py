@@ -227,7 +227,8 @@ def build_engine(args, mode: str, tree_budget: int = 0):
     if args.pdl_level is not None:
         overrides["pdl_level"] = args.pdl_level
     if mode != "dflash2":
-        overrides.pop("dflash2_quantization")  # applies to the dflash2 rows only
+        overrides.pop("dflash2_quantization")  # apply to the dflash2 rows only
+        overrides.pop("dflash2_block_size")
     if mode == "none":
         overrides.pop("draft_vocabulary")  # the speculative rows only
     forced = args.forced_acceptance is not None and mode != "none"

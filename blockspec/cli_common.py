@@ -108,6 +108,9 @@ def add_weight_args(p: argparse.ArgumentParser):
     p.add_argument("--eager", action="store_true", default=None,
                    help="run eagerly instead of replaying CUDA graphs (compile_mode -1; debugging). Default on CUDA: "
                         "graphs; the CPU always runs eagerly")
+    p.add_argument("--dflash2-block-size", type=int, metavar="N",
+                   help="run the DFlash2 drafter with blocks of N rows (N - 1 proposals), at most the block it was "
+                   "trained with (default: that block; config key dflash2_block_size)")
     p.add_argument("--draft-vocabulary", type=_count_or_path, metavar="N|FILE",
                    help="proposals (mtp, dflash2) over token ids 0..N-1 (+ EOS) or a JSON list of ids; 0: all "
                    + config_default("draft_vocabulary"))
@@ -116,7 +119,8 @@ def add_weight_args(p: argparse.ArgumentParser):
 def weight_overrides(args) -> dict:
     return {"target_quantization": args.target_quantization, "vocabulary_quantization": args.vocabulary_quantization,
             "dflash2_quantization": args.dflash2_quantization, "fuse_kvq": args.fuse_kvq, "fuse_gate": args.fuse_gate,
-            "draft_vocabulary": args.draft_vocabulary, "compile_mode": -1 if args.eager else None}
+            "draft_vocabulary": args.draft_vocabulary, "compile_mode": -1 if args.eager else None,
+            "dflash2_block_size": args.dflash2_block_size}
 
 
 def _count_or_path(text: str) -> int | str:

@@ -114,6 +114,9 @@ class PredictConfig(CheckedSettings):
     # what orders the tree's nodes: the selector's transition model (a candidate given the pick before it), or each
     # row's marginal distribution (the drafter's logits alone)
     dflash2_tree_scores: Literal["transition", "marginal"] = "transition"
+    # the DFlash2 drafter's blocks at inference: this many rows (block - 1 proposals), at most the block it was
+    # trained with (None: its own); a drafter trained on longer blocks may accept more per row at a shorter one
+    dflash2_block_size: int | None = Field(None, ge=2, le=16)
     target_quantization: Literal["none", "int4", "fp8"] = "none"  # a quantized checkpoint sets it (as stored)
     vocabulary_quantization: Literal["none", "int8", "int4"] = "none"
     # Projections that share an input are always packed at load (layers/linear.py): these two keys stay accepted

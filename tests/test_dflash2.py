@@ -115,6 +115,27 @@ def test_proposal_length_comes_from_the_checkpoint(pair):
 
 
 
+def test_a_drafter_runs_shorter_blocks_than_it_was_trained_with(pair):
+    """dflash2_block_size: the drafter (trained at 8) run with blocks of 5 rows proposes 4 tokens a cycle, exactly
+    (output equal to plain greedy), chain and tree alike; a block longer than its own, or with another mode, is
+    refused in one line naming the drafter's config before any model loads."""
+    target, drafter = pair
+    ids = load(target).tokenizer.encode("hello world")
+    plain = load(target).generate(ids, 60, stop_at_eos=False).tokens
+    for budget in (0, 6):
+        engine = load(target, drafter, dflash2_block_size=5, dflash2_tree_budget=budget)
+        assert engine.proposer.max_proposals == 4 and engine.proposer.drafter.block_size == 5
+        result = engine.generate(ids, 60, stop_at_eos=False)
+        assert result.tokens == plain and max(result.stats["accepted_per_cycle"]) == 4
+    code, _, err = cli("generate", "--model", target, "--drafter", drafter, "--dflash2-block-size", 9, "--prompt",
+                       "hey", "--device", "cpu")
+    assert code == 2 and err.count("\n") == 1
+    assert f"dflash2_block_size 9 exceeds the drafter's block size 8 ({drafter}/config.json)" in err
+    code, _, err = cli("generate", "--model", target, "--mode", "mtp", "--dflash2-block-size", 4, "--prompt", "hey",
+                       "--device", "cpu")
+    assert code == 2 and "dflash2_block_size: 4 sets the blocks of a DFlash2 drafter" in err and "'mtp'" in err
+
+
 def test_cli_dflash2_json_stats(pair):
     target, drafter = pair
     code, out, err = cli("generate", "--model", target, "--drafter", drafter, "--mode", "dflash2", "--prompt", "hey",

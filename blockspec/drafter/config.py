@@ -6,7 +6,7 @@ Every problem is reported as one BlockspecError line naming the file and the key
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +52,16 @@ class DrafterConfig:
         if not isinstance(raw, dict):
             raise BlockspecError(f"drafter config {path}: top level is not a JSON object")
         return cls.from_dict(raw, source=str(path))
+
+    def run_at(self, block_size: int | None, source: str) -> DrafterConfig:
+        """This drafter run with blocks of `block_size` rows (PredictConfig.dflash2_block_size; None: its own block),
+        at most the block it was trained with: its rows past block_size are never computed."""
+        if block_size is None:
+            return self
+        if block_size > self.block_size:
+            raise BlockspecError(f"dflash2_block_size {block_size} exceeds the drafter's block size "
+                                 f"{self.block_size} ({source})")
+        return replace(self, block_size=block_size)
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any], source: str = "config.json") -> DrafterConfig:

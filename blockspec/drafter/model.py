@@ -152,9 +152,12 @@ class DFlash2Drafter(nn.Module):
         lm_head: Callable[[torch.Tensor], torch.Tensor],
         device: torch.device | str = "cpu",
         dtype: torch.dtype = torch.float32,
+        block_size: int | None = None,
     ) -> DFlash2Drafter:
+        """The drafter in `directory`, run with blocks of `block_size` rows (None: the block it was trained with;
+        DrafterConfig.run_at)."""
         directory = Path(directory)
-        config = DrafterConfig.from_file(directory / "config.json")
+        config = DrafterConfig.from_file(directory / "config.json").run_at(block_size, str(directory / "config.json"))
         _check_fits_target(config, directory, target_hidden_size, target_vocab_size, target_num_layers)
         drafter = cls(config, embed=embed, lm_head=lm_head, device=device, dtype=dtype)
         drafter.load_weights(directory / WEIGHTS_FILE)

@@ -12,11 +12,13 @@ from __future__ import annotations
 import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable
 
 import torch
 
 from ..config import PredictConfig
+from ..drafter.config import DrafterConfig
 from ..drafter.model import QUANTIZED_PROJECTIONS, DFlash2Drafter
 from ..errors import BlockspecError, UnsupportedRequest
 from ..kernels import KernelSettings, use
@@ -73,6 +75,13 @@ def check_config(config: PredictConfig, drafter_given: bool = False):
     elif c.dflash2_model:
         raise BlockspecError(f"dflash2_model is set but mode is {mode!r}: unset dflash2_model or use "
                              "mode dflash2 (the drafter is never loaded silently unused)")
+    if c.dflash2_block_size is not None:  # refused, never silently ignored
+        if mode != "dflash2" or drafter_given:
+            raise BlockspecError(f"dflash2_block_size: {c.dflash2_block_size} sets the blocks of a DFlash2 drafter "
+                                 f"loaded from dflash2_model, but mode is {mode!r}"
+                                 + (" with a drafter built in code" if mode == "dflash2" else ""))
+        path = Path(c.dflash2_model) / "config.json"
+        DrafterConfig.from_file(path).run_at(c.dflash2_block_size, str(path))
     if c.dflash2_tree_budget and mode != "dflash2":  # refused, never silently ignored
         raise BlockspecError(f"dflash2_tree_budget: {c.dflash2_tree_budget} verifies trees of DFlash2 proposals, "
                              f"but mode is {mode!r}: use mode dflash2 (--drafter DIR) or set it to 0")
@@ -219,7 +228,7 @@ def build_proposer(parts: LoadedParts, target_quantizer, mtp_tensors, drafter) -
         drafter = DFlash2Drafter.from_pretrained(
             c.dflash2_model, target_hidden_size=model.config.hidden_size, target_vocab_size=model.config.vocab_size,
             target_num_layers=model.config.num_hidden_layers, embed=model.embed, lm_head=model.logits,
-            device=parts.device, dtype=parts.dtype)
+            device=parts.device, dtype=parts.dtype, block_size=c.dflash2_block_size)
     # norms, convolution controls and the selector stay native: only fc and the layers' projections
     parts.memory["drafter"] = prepare(drafter, rtn(c.dflash2_quantization, 32, parts.dtype),
                                       QUANTIZED_PROJECTIONS.match)

@@ -239,7 +239,8 @@ def checkpoint_estimate(config: PredictConfig, *, execution: str, max_partial: i
                         symmetric=False)  # zero points counted: an upper bound over the int4 formats
     drafter = None
     if config.decode_mode == "dflash2" and config.dflash2_model:
-        drafter = DrafterConfig.from_file(Path(config.dflash2_model) / "config.json")
+        path = Path(config.dflash2_model) / "config.json"
+        drafter = DrafterConfig.from_file(path).run_at(config.dflash2_block_size, str(path))
     return estimate(target, config, execution=execution, max_partial=max_partial, stored=stored, drafter=drafter)
 
 
