@@ -56,7 +56,8 @@
 #                  drafter,mtp,drafter-3-layers,drafter-block-16; names of bench/drafter_recipes.py's RECIPES) trained
 #                  RECIPES_PARALLEL (default 4) at once for RECIPES_STEPS (default 2000) on the installed packages' .py
 #                  files, each evaluated every 500 steps by one cycle from 500 standard-library contexts; RECIPES_ARGS
-#                  add to the bench (e.g. --regenerated /abs/path.jsonl for the *-regenerated and *-mixed recipes; ~5 min)
+#                  add to the bench (e.g. --regenerated /abs/path.jsonl for the *-regenerated and *-mixed recipes; ~5 min);
+#                  then each *-block-16 drafter run with blocks of 8 (--dflash2-block-size 8), one cycle from 500 contexts
 #   demo_trees     the shipped demo pair (blockspec demo --save) with draft trees (DEMO_TREE_BUDGETS, default 0,16,32):
 #                  tokens/s of plain decoding and each budget on standard-library code (bf16, graphs), then one-cycle
 #                  acceptance sampled at DEMO_TREE_TEMPERATURES (default 0.7 1, empty: none; bench/tree_acceptance.py,
@@ -163,7 +164,12 @@ for part in ${PARTS:-bf16 warm int4 vocab}; do
              ${RECIPES:-drafter,mtp,drafter-3-layers,drafter-block-16} --work /tmp/blockspec-recipes \
              --parallel ${RECIPES_PARALLEL:-4} ${RECIPES_ARGS:-} --json-out "$OUT/drafter_recipes.json" -- \
              --target "$PWD/.demo/target" --data $SITE --suffixes .py --seq-len 1024 --batch-tokens 8192 \
-             --steps ${RECIPES_STEPS:-2000} --checkpoint-every 500 ;;
+             --steps ${RECIPES_STEPS:-2000} --checkpoint-every 500
+           for run_dir in /tmp/blockspec-recipes/*-block-16; do  # trained at 16, run at 8 (dflash2_block_size)
+             [ -f "$run_dir/config.json" ] && run 240 python3 -m blockspec.cli bench --model .demo/target \
+               --drafter "$run_dir" --dflash2-block-size 8 --mode dflash2 --tree-budget 0 --fixtures stdlib \
+               --one-cycle 500 --max-tokens 16 --repeats 1 --json-out "$OUT/$(basename $run_dir)_at_8.json"
+           done ;;
     demo_trees) rm -rf .demo && python3 -m blockspec.cli demo --save .demo > /dev/null
            run ${DEMO_TREES_S:-300} python3 -m blockspec.cli bench --model .demo/target --drafter .demo/drafter \
              --mode none,dflash2 --tree-budget ${DEMO_TREE_BUDGETS:-0,16,32} --fixtures stdlib --max-tokens 128 \
