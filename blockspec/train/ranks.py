@@ -107,5 +107,6 @@ def process_group(device: torch.device):
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=rank, world_size=world)
     try:
         yield Ranks(rank, world)
+        dist.barrier()  # every rank done with the group (rank 0 writes last) before any tears it down
     finally:
         dist.destroy_process_group()
