@@ -82,9 +82,9 @@ if triton is not None:
         ok = real & (tl.load(valid + nodes, mask=real, other=0) != 0)
         here = tl.load(chosen + nodes, mask=real, other=0)  # the token chosen at each node
         root_token = tl.load(tokens)
-        at = 0            # the node the walk stands on
-        going = True      # still descending
-        accepted = 0
+        at = tl.full([], 0, tl.int32)          # the node the walk stands on
+        going = tl.full([], 1, tl.int1)        # still descending
+        accepted = tl.full([], 0, tl.int32)
         tl.store(out + 2, 0)
         tl.store(out + 3 + MAX_DEPTH, root_token)
         for level in tl.static_range(1, MAX_DEPTH + 1):
