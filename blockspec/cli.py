@@ -245,8 +245,9 @@ def add_train_drafter_parser(sub):
                    "with FSDP2 (auto: sharded when the target and the training state would take more than 3/4 of "
                    "one GPU) " + default(D, "target_sharding"))
     p.add_argument("--compile", action="store_true", default=None,
-                   help="the DFlash2 drafter's loss, forward and backward, through torch.compile: fused kernels "
-                   "where a small drafter's step is bound by its launches; the first step pays the compilation")
+                   help="the drafter's loss (or the MTP head), forward and backward, through torch.compile: fused "
+                   "kernels where a small drafter's step is bound by its launches; the first step pays the "
+                   "compilation")
     add_training_args(p, D, "block tokens")
     p.set_defaults(func=cmd_train_drafter)
 

@@ -106,23 +106,24 @@ def test_evaluation_measures_the_chain(setup, monkeypatch):
     assert seen == [0] and summary["evaluation"]["cuts"] == 2
 
 
-@pytest.mark.slow  # torch.compile of a forward and backward: ~30 s on 2 cores
-def test_compiled_step_trains_as_the_eager_one(setup, monkeypatch):
-    """--compile: the drafter's loss and its gradients through torch.compile (the step's module is compiled, and
-    only with the setting) give the eager run's loss curve to float32 rounding (inductor orders some sums
-    otherwise); a resumed run may switch it (not a saved setting)."""
+@pytest.mark.slow  # torch.compile of a forward and backward: ~30 s on 2 cores each
+@pytest.mark.parametrize("kind,module", [("dflash2", "DrafterLoss"), ("mtp", "MTPModule")])
+def test_compiled_step_trains_as_the_eager_one(setup, monkeypatch, kind, module):
+    """--compile: the trained module's forward and backward through torch.compile (the drafter with its loss, the
+    MTP head; compiled only with the setting) give the eager run's loss curve to float32 rounding (inductor orders
+    some sums otherwise); a resumed run may switch it (not a saved setting)."""
     root, target, data = setup
     compiled_modules, real_compile = [], torch.compile
     monkeypatch.setattr(torch, "compile", lambda module, **kw: compiled_modules.append(module) or real_compile(module,
                                                                                                             **kw))
-    eager = train(run_config(root, target, data, out="eager4", steps=4, eval_cuts=0), log=lambda *_: None)
+    kw = dict(kind=kind, steps=4, eval_cuts=0, **({"replace_mtp": True, "batch_tokens": 192} if kind == "mtp" else {}))
+    eager = train(run_config(root, target, data, out=f"eager_{kind}", **kw), log=lambda *_: None)
     assert compiled_modules == []
-    compiled = train(run_config(root, target, data, out="compiled", steps=4, compile=True, eval_cuts=0),
-                     log=lambda *_: None)
-    assert [type(m).__name__ for m in compiled_modules] == ["DrafterLoss"]
+    compiled = train(run_config(root, target, data, out=f"compiled_{kind}", compile=True, **kw), log=lambda *_: None)
+    assert [type(m).__name__ for m in compiled_modules] == [module]
     for a, b in zip(compiled["history"], eager["history"], strict=True):
         assert a["step"] == b["step"] and abs(a["loss"] - b["loss"]) <= 1e-3 * abs(b["loss"]), (a, b)
-    resumed = train(run_config(root, target, data, out="compiled", steps=5, resume=True, eval_cuts=0),
+    resumed = train(run_config(root, target, data, out=f"compiled_{kind}", resume=True, **{**kw, "steps": 5}),
                     log=lambda *_: None)
     assert resumed["history"][:4] == compiled["history"] and len(compiled_modules) == 1
 
@@ -166,15 +167,13 @@ def test_shared_context_forward_equals_dflash_block_by_block(setup, block_sparse
     (["--target", "/no/target"], "--target /no/target: no such folder"),
     (["--eval-data", "/no/such/file.txt"], "--eval-data /no/such/file.txt: no such file or directory"),
     (["--eval-every", "2", "--heldout", "0"], "--eval-every evaluates on held-out data"),
-    (["--kind", "mtp", "--replace-mtp", None, "--compile", None],
-     "--compile compiles the DFlash2 drafter's step; --kind mtp has none"),
 ])
 def test_bad_input_is_one_line_before_training(setup, capsys, args, message):
     root, target, data = setup
     base = {"--target": str(target), "--data": str(data), "--out": str(root / "refused")}
     for flag, value in zip(args[::2], args[1::2]):
         base[flag] = value
-    argv = ["train-drafter", "--device", "cpu"] + [x for kv in base.items() for x in kv if x is not None]  # None: a switch
+    argv = ["train-drafter", "--device", "cpu"] + [x for kv in base.items() for x in kv]
     assert main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert message in err and "\n" not in err and err.startswith("blockspec: error:")

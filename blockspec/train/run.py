@@ -58,7 +58,7 @@ class DrafterTraining:
     device: str = "auto"
     replace_mtp: bool = False                   # kind mtp: a target that has a head gets a new one, trained anew
     target_sharding: str = "auto"               # "replicate", "fsdp" (several processes) or "auto" (shards_target)
-    compile: bool = False                       # kind dflash2: the drafter's step through torch.compile
+    compile: bool = False                       # the trained module's forward and backward through torch.compile
 
 
 def check_run(run: DrafterTraining, world: int | None = None) -> TargetConfig:
@@ -70,7 +70,6 @@ def check_run(run: DrafterTraining, world: int | None = None) -> TargetConfig:
         (run.kind not in ("dflash2", "mtp"), f"--kind must be dflash2 or mtp (got {run.kind!r})"),
         (run.kind == "mtp" and Path(run.out).resolve() == Path(run.target).resolve(),
          "--out must not be the target directory (the MTP head is written into a copy of it)"),
-        (run.kind == "mtp" and run.compile, "--compile compiles the DFlash2 drafter's step; --kind mtp has none"),
         (run.layers < 1, f"--layers must be at least 1 (got {run.layers})"),
         (not 2 <= run.block_size <= 16, f"--block-size must be 2..16 (got {run.block_size})"),
         (run.window < run.block_size, f"--window {run.window} is shorter than the block ({run.block_size})"),
@@ -243,7 +242,9 @@ def _train(run: DrafterTraining, target_config: TargetConfig, device: torch.devi
         if ranks.main:
             copy_target(Path(run.target), out)  # again on --resume: the copy's files are rewritten as they were
         target = TargetFeatures(model, (), run.seq_len, device, dtype, graphed=not sharded, hidden=True)
-        step_loss = mtp_step(ranks.replicate(module, device), model, target, sequences, run.batch_tokens, ranks)
+        head = ranks.replicate(module, device)
+        step_loss = mtp_step(torch.compile(head) if run.compile else head, model, target, sequences, run.batch_tokens,
+                             ranks)
 
         def save(directory):
             if directory != out and not (directory / "config.json").is_file():
