@@ -25,7 +25,7 @@ import torch
 
 from .cli_common import (add_sampling_args, add_weight_args, check_output_path, describe_sampling, sampling_overrides,
                          weight_overrides)
-from .config import DEFAULT_TREE_BUDGETS, PredictConfig, SamplingSettings
+from .config import DEFAULT_TREE_BUDGET, PredictConfig, SamplingSettings
 from .engine import memory
 from .engine.decode import Proposer
 from .errors import BlockspecError
@@ -292,7 +292,7 @@ def check_synthetic_fits(name: str, config: PredictConfig, device) -> memory.Mem
     target = TargetConfig.from_dict(preset(name), source=f"synthetic preset {name}")
     drafter = DrafterConfig.from_dict(synthetic_drafter_config(target)) if config.decode_mode == "dflash2" else None
     needed = memory.estimate(target, config, execution=resolve_execution(config, device),
-                             max_partial=pass_rows(config.tree_budget_on(device.type)), drafter=drafter)
+                             max_partial=pass_rows(config.tree_budget), drafter=drafter)
     if device.type == "cuda":
         memory.check_fits(needed, config, device)
         return needed
@@ -378,7 +378,7 @@ def bench(args) -> dict:
     from .engine.load import resolve_device
     device = resolve_device(args.device)
     bandwidth = args.bandwidth or measure_read_bandwidth(device)
-    budgets = tree_budgets(args.tree_budget) if args.tree_budget is not None else [DEFAULT_TREE_BUDGETS[device.type]]
+    budgets = tree_budgets(args.tree_budget) if args.tree_budget is not None else [DEFAULT_TREE_BUDGET]
     runs = [(m, b) for m in ["none"] + [m for m in modes if m != "none"] for b in (budgets if m == "dflash2" else [0])]
     # the name columns as wide as the longest name the rows will hold
     widths = {"mode": max(len(f"{m}:{b}" if b else m) for m, b in runs),
@@ -567,8 +567,8 @@ def add_bench_parser(sub):
     p.add_argument("--synthetic", metavar="PRESET", help="random weights with real shapes: qwen3.5-27b or tiny")
     p.add_argument("--mode", default="none", help="none, mtp, dflash2, or several comma-separated")
     p.add_argument("--tree-budget", metavar="N[,N...]", help="dflash2: draft nodes verified as a tree per cycle, one "
-                   "engine per budget (rows dflash2:N); 0: the chain (default: the engine's for the device: "
-                   + ", ".join(f"{k} {v}" for k, v in DEFAULT_TREE_BUDGETS.items()) + ")")
+                   "engine per budget (rows dflash2:N); 0: the chain (default: the engine's, "
+                   f"{DEFAULT_TREE_BUDGET})")
     p.add_argument("--max-tokens", type=int, default=256, metavar="N", help="tokens generated per measured run")
     p.add_argument("--repeats", type=int, default=3, metavar="R", help="measured runs per fixture (the median is "
                    "reported)")

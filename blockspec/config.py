@@ -18,11 +18,12 @@ SUPPORTED_MODEL_TYPES = {"qwen3_5", "qwen3_5_text"}
 # The most tokens one target pass verifies (anchor + proposals, or a draft tree's root + nodes): the pending buffers
 # of a partial or path commit and the kernels' row limits are sized by it.
 MAX_PASS_TOKENS = 64
-# Draft-tree budget by device where none is set, the best measured against the chain (docs/benchmarks.md, "Draft
-# trees"): on the CPU a tree of 16 decodes the demo pair 1.24x faster; on a GPU a tree of 15, whose 16 rows keep the
-# projections' 16-row tiles (the 27B projected at 1.24x the chain's tokens/s in bf16, 1.06x with INT4, where 17 rows
-# lose), though a small launch-bound model (the demo pair on the H200) runs slower with it than with the chain.
-DEFAULT_TREE_BUDGETS = {"cpu": 16, "cuda": 15}
+# Draft-tree budget where none is set, the best measured against the chain (docs/benchmarks.md, "Draft trees"): a
+# tree of 15 draft nodes, whose pass of 16 rows keeps the projections' 16-row tiles. The 27B on the H200 projects to
+# 1.25x the chain's tokens/s in bf16 and 1.06x with INT4 (17 rows and more lose there); the demo pair on the CPU
+# decodes 1.22-1.23x the chain's tokens/s (16: 1.20-1.23x). A small launch-bound model on a GPU (the demo pair on the
+# H200) runs slower with a tree than with the chain (`dflash2_tree_budget: 0`).
+DEFAULT_TREE_BUDGET = 15
 SUPPORTED_ARCHITECTURES = {"Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration"}
 
 
@@ -108,8 +109,8 @@ class PredictConfig(CheckedSettings):
     dflash2_model: str | None = None
     dflash2_quantization: Literal["none", "int8"] = "none"
     # draft nodes a DFlash2 cycle verifies as a tree in one target pass (engine/tree.py): the greedy chain, then the
-    # drafter's most likely other continuations, best first; 0: the chain alone; None: the device's default
-    # (DEFAULT_TREE_BUDGETS, `tree_budget_on`)
+    # drafter's most likely other continuations, best first; 0: the chain alone; None: DEFAULT_TREE_BUDGET in mode
+    # dflash2 (`tree_budget`)
     dflash2_tree_budget: int | None = Field(None, ge=0, le=MAX_PASS_TOKENS - 1)
     # what orders the tree's nodes: the selector's transition model (a candidate given the pick before it), or each
     # row's marginal distribution (the drafter's logits alone)
@@ -159,12 +160,12 @@ class PredictConfig(CheckedSettings):
     def sampling(self) -> SamplingSettings:
         return SamplingSettings(**{key: getattr(self, key) for key in SAMPLING_KEYS})
 
-    def tree_budget_on(self, device_type: str) -> int:
-        """The tree budget of this config's DFlash2 cycles on a device ("cpu", "cuda"): as set, else the device's
-        default; 0 in the other modes."""
+    @property
+    def tree_budget(self) -> int:
+        """The tree budget of this config's DFlash2 cycles: as set, else DEFAULT_TREE_BUDGET; 0 in the other modes."""
         if self.dflash2_tree_budget is not None:
             return self.dflash2_tree_budget
-        return DEFAULT_TREE_BUDGETS[device_type] if self.decode_mode == "dflash2" else 0
+        return DEFAULT_TREE_BUDGET if self.decode_mode == "dflash2" else 0
 
     @property
     def decode_mode(self) -> str:

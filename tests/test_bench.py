@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from blockspec.cli import main
-from blockspec.config import DEFAULT_TREE_BUDGETS
+from blockspec.config import DEFAULT_TREE_BUDGET
 
 
 def bench(tmp_path, *args, subprocess_run=False):
@@ -40,7 +40,7 @@ def test_schema_default_fixtures_and_forced_rates(tmp_path):
     assert {"device", "bytes_per_plain_step", "rows", "max_tokens", "repeats"} <= set(result)
     assert result["bytes_per_plain_step"] > 0
     rows = result["rows"]
-    tree = f"dflash2:{DEFAULT_TREE_BUDGETS['cpu']}"  # the device's default budget, named in the rows
+    tree = f"dflash2:{DEFAULT_TREE_BUDGET}"  # the default budget, named in the rows
     assert [(r["mode"], r["fixture"]) for r in rows] == [
         (m, f) for m in ("none", "mtp", tree) for f in ("code", "english", "translation")]
     for row in rows:

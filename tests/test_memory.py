@@ -29,7 +29,7 @@ def test_estimate_matches_the_loaded_engine(tiny_checkpoint, tiny_drafter, mode,
     drafter = {"dflash2_model": str(tiny_drafter(target))} if mode == "dflash2" else {}
     config = PredictConfig.build({"model": str(target), "mode": mode, "device": "cpu", "compute_dtype": "float32",
                                   "context_length": 512, **settings, **drafter})
-    rows = pass_rows(config.tree_budget_on("cpu"))  # a DFlash2 engine's on the CPU: a tree's by default
+    rows = pass_rows(config.tree_budget)  # a DFlash2 engine's: a tree's by default
     r = memory.checkpoint_estimate(config, execution="eager", max_partial=rows).resident
     engine = Engine(config)
     measured = {"target": engine.memory["target"]["final_bytes"], **engine.memory["caches"]}

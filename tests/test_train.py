@@ -91,8 +91,8 @@ def test_resume_continues_the_run(setup):
 
 
 def test_evaluation_measures_the_chain(setup, monkeypatch):
-    """train-drafter's evaluation runs the drafter's chain even where the device's default is a draft tree (the CPU's
-    16), so that its mean accepted length compares with an MTP head's."""
+    """train-drafter's evaluation runs the drafter's chain, not the default draft tree, so that its mean accepted
+    length compares with an MTP head's."""
     from blockspec.train import run as training
 
     root, target, data = setup

@@ -10,7 +10,7 @@ import torch
 from helpers import cli, run_pass
 
 from blockspec.drafter.tree import DraftTree, build_tree, transition_log_probs
-from blockspec.config import DEFAULT_TREE_BUDGETS, SamplingSettings
+from blockspec.config import DEFAULT_TREE_BUDGET, SamplingSettings
 from blockspec.engine.engine import Engine
 from blockspec.engine.sampling import Sampler, speculative_accept
 from blockspec.engine.state import DecodeState
@@ -237,18 +237,18 @@ def test_kept_path_equals_a_pass_over_it(pair):
 
 
 def test_the_default_budget_is_the_device_s(pair):
-    """Unset, the budget is the device's measured best (a tree of 16 on the CPU, of 15 on a GPU); set, it is kept;
-    the other modes verify no tree."""
+    """Unset, the budget is the measured best, a tree of 15 (on the CPU as on a GPU); set, it is kept; the other modes
+    verify no tree."""
     target, drafter = pair
     engine = load(target, drafter, budget=None)
-    assert engine.proposer.tree_budget == DEFAULT_TREE_BUDGETS["cpu"] > 0
+    assert engine.proposer.tree_budget == DEFAULT_TREE_BUDGET == 15
     config = engine.config
-    assert config.dflash2_tree_budget is None and config.tree_budget_on("cuda") == DEFAULT_TREE_BUDGETS["cuda"] == 15
-    assert config.model_copy(update={"dflash2_tree_budget": 0}).tree_budget_on("cpu") == 0
-    assert config.model_copy(update={"mode": "mtp", "dflash2_model": None}).tree_budget_on("cpu") == 0
+    assert config.dflash2_tree_budget is None and config.tree_budget == 15
+    assert config.model_copy(update={"dflash2_tree_budget": 0}).tree_budget == 0
+    assert config.model_copy(update={"mode": "mtp", "dflash2_model": None}).tree_budget == 0
     prompt = engine.tokenizer.encode("hello world")
     result = engine.generate(prompt, 24, stop_at_eos=False)
-    assert result.stats["tree_budget"] == DEFAULT_TREE_BUDGETS["cpu"]
+    assert result.stats["tree_budget"] == DEFAULT_TREE_BUDGET
     assert result.tokens == load(target).generate(prompt, 24, stop_at_eos=False).tokens
 
 

@@ -112,7 +112,7 @@ class LoadedParts:
     device: torch.device
     execution: str  # "cuda-graphs" or "eager"
     dtype: torch.dtype
-    tree_budget: int = 0  # the DFlash2 cycles' draft-tree budget on this device (PredictConfig.tree_budget_on)
+    tree_budget: int = 0  # the DFlash2 cycles' draft-tree budget (PredictConfig.tree_budget)
     model: TargetModel = None
     tokenizer: Tokenizer = None
     target_quantization: str = "none"
@@ -147,7 +147,7 @@ def load(config: PredictConfig, *, model=None, mtp_tensors=None,
         check_folder("model", config.model)
     device = resolve_device(config.device)
     parts = LoadedParts(config, device, resolve_execution(config, device), config.torch_dtype,
-                        config.tree_budget_on(device.type))
+                        config.tree_budget)
     note_ignored_settings(config)
     memory.use_expandable_segments(device)
     if model is None and device.type == "cuda":  # refused before any tensor is read

@@ -289,7 +289,7 @@ def _train(run: DrafterTraining, target_config: TargetConfig, device: torch.devi
 
 def evaluate(run: DrafterTraining, out: Path, heldout: list[Sequence], device: torch.device) -> dict:
     """One-cycle acceptance of what was just written, on the held-out sequences (train/evaluate.py): the drafter's
-    chain (no draft tree, whatever the device's default), so that it compares with an MTP head's; on a GPU an eager
+    chain (no draft tree, whatever the default budget), so that it compares with an MTP head's; on a GPU an eager
     engine (no graph capture nor compilation at each evaluation)."""
     from ..engine.engine import Engine
 
