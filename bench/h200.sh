@@ -53,11 +53,13 @@
 #   pair_bench     the pair (PAIR_TAG's) on standard-library code: tokens/s of the three modes, acceptance over whole
 #                  generations and from 500 real contexts (bench --fixtures stdlib --one-cycle 500; ~5 minutes)
 #   pair_recipes   what each training-recipe change buys on the demo pair's target: RECIPES (default
-#                  drafter,mtp,drafter-3-layers,drafter-block-16; names of bench/drafter_recipes.py's RECIPES) trained
-#                  RECIPES_PARALLEL (default 4) at once for RECIPES_STEPS (default 2000) on the installed packages' .py
-#                  files, each evaluated every 500 steps by one cycle from 500 standard-library contexts; RECIPES_ARGS
-#                  add to the bench (e.g. --regenerated /abs/path.jsonl for the *-regenerated and *-mixed recipes; ~5 min);
-#                  then each *-block-16 drafter run with blocks of 8 (--dflash2-block-size 8), one cycle from 500 contexts
+#                  drafter-3-layers,drafter-block-16; names of bench/drafter_recipes.py's RECIPES; the shipped pair is
+#                  `drafter` and `mtp` at 2000 steps) trained RECIPES_PARALLEL (default 2) at once for RECIPES_STEPS
+#                  (default 2000) on the installed packages' .py files, each evaluated every 500 steps by one cycle
+#                  from 500 standard-library contexts; RECIPES_ARGS add to the bench (e.g. --regenerated
+#                  /abs/path.jsonl for the *-regenerated and *-mixed recipes); each run's log in $OUT; then each
+#                  *-block-16 drafter run with blocks of 8 (--dflash2-block-size 8), one cycle from 500 contexts.
+#                  Runs at once share the GPU: 4 at once reached step 500 of the mtp recipe after 445 s
 #   demo_trees     the shipped demo pair (blockspec demo --save) with draft trees (DEMO_TREE_BUDGETS, default 0,16,32):
 #                  tokens/s of plain decoding and each budget on standard-library code (bf16, graphs), then one-cycle
 #                  acceptance sampled at DEMO_TREE_TEMPERATURES (default 0.7 1, empty: none; bench/tree_acceptance.py,
@@ -160,11 +162,13 @@ for part in ${PARTS:-bf16 warm int4 vocab}; do
              --json-out "$OUT/pair_bench$T.json" ;;
     pair_recipes) rm -rf .demo /tmp/blockspec-recipes && python3 -m blockspec.cli demo --save .demo > /dev/null
            SITE=$(python3 -c "import os, site; print(' '.join(p for p in site.getsitepackages() if os.path.isdir(p)))")
-           kernel_bench drafter_recipes ${RECIPES_S:-560} drafter_recipes --recipes \
-             ${RECIPES:-drafter,mtp,drafter-3-layers,drafter-block-16} --work /tmp/blockspec-recipes \
-             --parallel ${RECIPES_PARALLEL:-4} ${RECIPES_ARGS:-} --json-out "$OUT/drafter_recipes.json" -- \
+           LAUNCH="env -u TQDM_DISABLE TQDM_MININTERVAL=20 python3" \
+             kernel_bench drafter_recipes ${RECIPES_S:-560} drafter_recipes --recipes \
+             ${RECIPES:-drafter-3-layers,drafter-block-16} --work /tmp/blockspec-recipes \
+             --parallel ${RECIPES_PARALLEL:-2} ${RECIPES_ARGS:-} --json-out "$OUT/drafter_recipes.json" -- \
              --target "$PWD/.demo/target" --data $SITE --suffixes .py --seq-len 1024 --batch-tokens 8192 \
              --steps ${RECIPES_STEPS:-2000} --checkpoint-every 500
+           cp /tmp/blockspec-recipes/*.log "$OUT/" 2>/dev/null  # each run's own log, also of runs the limit cut short
            for run_dir in /tmp/blockspec-recipes/*-block-16; do  # trained at 16, run at 8 (dflash2_block_size)
              [ -f "$run_dir/config.json" ] && run 240 python3 -m blockspec.cli bench --model .demo/target \
                --drafter "$run_dir" --dflash2-block-size 8 --mode dflash2 --tree-budget 0 --fixtures stdlib \

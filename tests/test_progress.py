@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from blockspec import progress
+from blockspec.models import progress
 from blockspec.models.checkpoint import load_target
 from blockspec.cli import main
 

@@ -64,6 +64,6 @@ def tree_cycle(target, proposer, anchor: int, position: int, sampler: Sampler | 
     path = result[2:3 + accepted]
     tokens = values[3 + depth:4 + depth + accepted]
     target.state.commit_path(path, layout.window_rows[values[2 + accepted], 1:])
-    kept = TargetOutput(out.logits.index_select(0, path), out.hidden.index_select(0, path),
-                        None if out.features is None else out.features.index_select(0, path))
+    # the drafter's context reads the kept rows' features alone (trees are DFlash2's): no rows of logits or hidden
+    kept = TargetOutput(None, None, out.features.index_select(0, path))
     return kept, tokens[1:], tokens[1:] + [bonus]

@@ -20,7 +20,7 @@ from torch import nn
 from ..config import SamplingSettings, TargetConfig
 from ..errors import BlockspecError
 from ..layers.linear import pack_projections
-from ..progress import ShardProgress
+from .progress import ShardProgress
 from ..quant.awq import AWQScheme
 from ..quant.fp8 import CompressedTensorsFp8Scheme, FP8Scheme
 from ..quant.gptq import GPTQScheme
