@@ -1,7 +1,9 @@
 """Where `blockspec train-drafter`'s step goes on a real checkpoint: the command itself (its flags after `--`, its
 output in a temporary folder), run for --warmup steps, then timed over --steps more, then profiled over --profile
-more (the costliest operators by GPU time, then by CPU time). A step that takes more CPU time than GPU time is
-launch-bound: its cost is the host's.
+more (the costliest operators by GPU time, then by CPU time), none of them writing a checkpoint. A step that takes
+more CPU time than GPU time is launch-bound: its cost is the host's. With --syncs (CUDA), one more step under
+torch.cuda's sync debug mode: where the host waited for the device (reads back, copies from pageable memory), counted
+by the line of blockspec (else torch) that asked for it.
 
 Usage (repo root): python bench/train_step.py [--warmup 5] [--steps 10] [--profile 3] [--rows 25]
   [--attention dense|block-sparse] [--json-out FILE] -- --target DIR --data PATH ... (train-drafter's flags)
@@ -31,6 +33,7 @@ def main():
     p.add_argument("--attention", choices=["dense", "block-sparse"],
                    help="the step's attention: flex_attention's block mask or the dense mask (default: train-drafter's, "
                    "block-sparse on CUDA, dense on the CPU)")
+    p.add_argument("--syncs", action="store_true", help="then one step under the sync debug mode (CUDA)")
     p.add_argument("--json-out", help="write the figures as JSON")
     args, flags = p.parse_known_args()
     flags = [f for f in flags if f != "--"]
@@ -46,6 +49,8 @@ def main():
         sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
         fit(self, args.warmup, step_loss)
         sync()
+        # the timed steps write no checkpoint (fit writes one at its last step): the figures are the step's own
+        self.checkpoint = lambda evaluate=None: None
         start = time.perf_counter()
         fit(self, args.warmup + args.steps, step_loss)
         sync()
@@ -68,6 +73,10 @@ def main():
             gpu = sum(e.self_device_time_total for e in table) / args.profile / 1e3
             figures.update(profiled_cpu_ms_per_step=round(cpu, 2), profiled_gpu_ms_per_step=round(gpu, 2))
             print(f"profiled: {cpu:.1f} ms of CPU, {gpu:.1f} ms of GPU a step (profiler overhead included)")
+        if args.syncs and self.device.type == "cuda":
+            figures["syncs_per_step"] = waits = host_waits(lambda: fit(self, self.step + 1, step_loss))
+            for where, count in waits.items():
+                print(f"{count:4d} host waits  {where}")
         return 0.0
 
     step_tokens = [0]  # the block tokens of the last step
@@ -82,7 +91,7 @@ def main():
     loop.Trainer.fit = lambda self, steps, step_loss, evaluate=None, eval_every=0: timed_fit(
         self, steps, counting(step_loss))
     with tempfile.TemporaryDirectory() as out:
-        total = args.warmup + args.steps + args.profile
+        total = args.warmup + args.steps + args.profile + int(args.syncs)
         code = cli.main(["train-drafter", *flags, "--out", str(Path(out) / "run"), "--steps", str(total),
                          "--eval-cuts", "0", "--checkpoint-every", str(total)])
     if code:
@@ -90,6 +99,33 @@ def main():
     print(json.dumps(figures, indent=2))
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(figures, indent=2))
+
+
+def host_waits(run) -> dict:
+    """{where: count} of the synchronizing CUDA calls of run() (torch.cuda.set_sync_debug_mode's warnings), each
+    at the innermost line of blockspec on the Python stack (else of torch)."""
+    import collections
+    import traceback
+    import warnings
+
+    counts = collections.Counter()
+
+    def record(message, category, filename, lineno, file=None, line=None):
+        frames = [f for f in traceback.extract_stack()[:-1] if "/blockspec/" in f.filename or "/torch/" in f.filename]
+        ours = [f for f in frames if "/blockspec/" in f.filename]
+        f = (ours or frames or [traceback.FrameSummary(filename, lineno, "")])[-1]
+        counts[f"{'/'.join(Path(f.filename).parts[-2:])}:{f.lineno} {(f.line or '').strip()[:80]}"] += 1
+
+    with warnings.catch_warnings():  # restores showwarning and the filters
+        warnings.simplefilter("always")
+        warnings.showwarning = record
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            run()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    return dict(counts.most_common())
 
 
 if __name__ == "__main__":

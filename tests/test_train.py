@@ -804,7 +804,8 @@ def test_training_bench_dry_run_in_two_processes(tmp_path):
 
 
 def test_train_step_bench_dry_run(setup):
-    """bench/train_step.py on the CPU: train-drafter itself on the tiny target, timed and profiled."""
+    """bench/train_step.py on the CPU: train-drafter itself on the tiny target, timed and profiled (--syncs: CUDA's
+    sync debug mode, one more step, none counted on the CPU)."""
     import subprocess
     import sys
     from pathlib import Path
@@ -815,12 +816,14 @@ def test_train_step_bench_dry_run(setup):
         del flags[flags.index(flag):flags.index(flag) + 2]
     repo = Path(__file__).resolve().parent.parent
     proc = subprocess.run([sys.executable, str(repo / "bench" / "train_step.py"), "--warmup", "1", "--steps", "2",
-                           "--profile", "1", "--rows", "5", "--json-out", str(root / "train_step.json"), "--", *flags],
+                           "--profile", "1", "--rows", "5", "--syncs", "--json-out", str(root / "train_step.json"), "--",
+                           *flags],
                           cwd=repo, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     figures = json.loads((root / "train_step.json").read_text())
     assert figures["step_s"] > 0 and figures["block_tokens_per_s"] > 0 and figures["profiled_cpu_ms_per_step"] > 0
     assert "cpu_time_total" not in proc.stdout and "Self CPU" in proc.stdout  # the CPU profile table
+    assert "syncs_per_step" not in figures and "host waits" not in proc.stdout
 
 
 def test_nproc_starts_torchrun_once_the_run_is_checked(setup, tmp_path, capfd):
