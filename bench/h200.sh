@@ -76,7 +76,8 @@
 #   train_step  train-drafter's step on the demo pair's target with drafter_scaling's flags, on torch.nn's .py files:
 #              s a step, block tokens/s and its profile, under each TRAIN_STEP_ATTENTION (default "train-drafter
 #              dense": train-drafter's own attention, block-sparse on CUDA, then the dense mask; bench/train_step.py);
-#              TRAIN_STEP_ARGS add to train-drafter's flags (e.g. "--compile": the drafter's step through torch.compile)
+#              TRAIN_STEP_ARGS add to train-drafter's flags (e.g. "--compile": the drafter's step through torch.compile),
+#              TRAIN_STEP_BENCH to the bench's (e.g. --syncs: where a step's host waits for the device)
 #   ckpt       users' downloads: the 27B's shapes written as a checkpoint in each published format (CKPT_FORMATS,
 #              default gptq,awq,fp8; also ct-fp8, bf16, bf16-int4), ~4 GB shards, then loaded cold by the engine:
 #              write and load s, GB/s, loading peak vs the estimate, decode tokens/s (bench/checkpoint_loading.py;
@@ -197,7 +198,7 @@ for part in ${PARTS:-bf16 warm int4 vocab}; do
            NN=$(python3 -c "import os, torch; print(os.path.dirname(torch.__file__))")/nn
            for attention in ${TRAIN_STEP_ATTENTION:-train-drafter dense}; do  # train-drafter: its own choice
              kernel_bench train_step_$attention ${TRAIN_STEP_S:-200} train_step \
-               $([ $attention = train-drafter ] || echo --attention $attention) \
+               $([ $attention = train-drafter ] || echo --attention $attention) ${TRAIN_STEP_BENCH:-} \
                --json-out "$OUT/train_step_$attention.json" -- --target "$PWD/.demo/target" --data $NN --suffixes .py \
                --seq-len 1024 --layers 2 --window 1024 --selector-rank 64 --intermediate-size 1024 --lr 1e-3 \
                --batch-tokens 8192 ${TRAIN_STEP_ARGS:-}
