@@ -228,7 +228,7 @@ def measure(directory: Path, fmt: str, target_quantization, args) -> dict:
     loading_peak = (report.get("loading_peak") or {}).get("peak_allocated_bytes")
     row = {"checkpoint_quantization": engine.model.checkpoint_quantization,
            "target_quantization": engine.target_quantization, "load_s": round(load_s, 3),
-           "load_times": dict(engine.load_times), "loading_peak_allocated_gb": gb(loading_peak),
+           "load_times": engine.load_times.as_dict(), "loading_peak_allocated_gb": gb(loading_peak),
            "decoding_peak_allocated_gb": gb(report.get("peak_allocated_bytes")),
            "estimate_gb": gb((report.get("estimate") or {}).get("needed_bytes")),
            "decode_tokens_per_s": timed.stats["decode_tokens_per_s"],

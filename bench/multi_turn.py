@@ -71,7 +71,7 @@ def main(argv=None):
     summary = {"preset": args.synthetic, "mode": args.mode, "execution": engine.execution, "turns": rows,
                "decode_tokens_per_s_median": decode,
                "decode_change": round(decode["with"] / decode["without"] - 1, 4) if decode["without"] else None,
-               "prefix_snapshots": engine.memory.get("prefix_snapshots")}
+               "prefix_snapshots": engine.memory.prefix_snapshots}
     print(f"{'turn':>4} {'cached':>7} {'TTFT off s':>10} {'TTFT on s':>10} {'x':>6} {'tok/s off':>9} {'tok/s on':>9}")
     for r in rows:
         print(f"{r['turn']:>4} {r['cached_tokens']:>7} {r['ttft_s_without']:>10.4f} {r['ttft_s_with']:>10.4f} "

@@ -197,7 +197,7 @@ def main():
         engine = build_engine(mode, args)
         with use(engine.kernels):
             r = profile_engine(engine, bandwidth, kernels)
-        results[mode] = {"engine_s": round(time.perf_counter() - start, 1), **engine.load_times, **r}
+        results[mode] = {"engine_s": round(time.perf_counter() - start, 1), **engine.load_times.as_dict(), **r}
         for key, value in results[mode].items():
             print(f"{mode:8s} {key:32s} {value}", flush=True)
         del engine

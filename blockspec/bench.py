@@ -263,7 +263,7 @@ def build_engine(args, mode: str, tree_budget: int = 0):
     vocab = model.config.vocab_size
     engine = Engine(config, model=model, mtp_tensors=mtp, drafter=drafter, tokenizer=tokenizer,
                     wrap_proposer=(lambda proposer: ForcedAcceptance(proposer, vocab)) if forced else None)
-    engine.memory["estimate"] = needed.as_dict()
+    engine.memory.estimate = needed.as_dict()
     return engine
 
 
@@ -390,7 +390,7 @@ def bench(args) -> dict:
         engine = build_engine(args, mode, budget)
         name = f"{mode}:{budget}" if budget else mode  # the rows' mode: dflash2 with a tree of `budget` nodes
         results.setdefault("load_times", {})[name] = {"total_s": round(time.perf_counter() - start, 3),
-                                                      **engine.load_times}
+                                                      **engine.load_times.as_dict()}
         if "device" not in results:
             results["device"] = torch.cuda.get_device_name() if engine.device.type == "cuda" else "cpu"
             results["read_bandwidth_gb_s"] = bandwidth

@@ -60,7 +60,7 @@ def test_proposals_over_draft_vocabulary_equal_plain_greedy(planted, drafter, re
     engine = load(planted, mode, draft_vocabulary=spec if isinstance(spec, int) else str(spec), **extra)
     drafts = recording(engine)
     allowed = set(engine.proposer.draft_head.ids.tolist())
-    assert engine.memory["draft_head_bytes"] == len(allowed) * engine.model.config.hidden_size * 4
+    assert engine.memory.draft_head_bytes == len(allowed) * engine.model.config.hidden_size * 4
     result = engine.generate(prompt, 200, stop_at_eos=False)
     assert result.tokens == plain.tokens  # lossless whatever the drafts
     assert drafts and set(drafts) <= allowed

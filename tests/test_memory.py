@@ -32,15 +32,15 @@ def test_estimate_matches_the_loaded_engine(tiny_checkpoint, tiny_drafter, mode,
     rows = pass_rows(config.tree_budget)  # a DFlash2 engine's: a tree's by default
     r = memory.checkpoint_estimate(config, execution="eager", max_partial=rows).resident
     engine = Engine(config)
-    measured = {"target": engine.memory["target"]["final_bytes"], **engine.memory["caches"]}
+    measured = {"target": engine.memory.target["final_bytes"], **engine.memory.caches}
     estimated = {"target": r["target_layers"] + r["embedding"] + r.get("head", 0),
                  "decode_state": r["kv_cache"] + r["deltanet_state"], "prefix_snapshots": r["prefix_snapshots"]}
     if mode == "mtp":
-        measured["mtp"], estimated["mtp"] = engine.memory["mtp"]["final_bytes"], r["mtp_head"]
+        measured["mtp"], estimated["mtp"] = engine.memory.mtp["final_bytes"], r["mtp_head"]
         estimated["mtp_cache"] = r["mtp_cache"]
     if mode == "dflash2":
-        measured["drafter"], estimated["drafter"] = engine.memory["drafter"]["final_bytes"], r["drafter"]
-        measured["draft_head"], estimated["draft_head"] = engine.memory["draft_head_bytes"], r["draft_head"]
+        measured["drafter"], estimated["drafter"] = engine.memory.drafter["final_bytes"], r["drafter"]
+        measured["draft_head"], estimated["draft_head"] = engine.memory.draft_head_bytes, r["draft_head"]
         estimated["drafter_context"] = r["drafter_context"]
     assert set(estimated) == set(measured)
     for part, real in measured.items():

@@ -105,7 +105,7 @@ def differences(with_reuse, without) -> list[str]:
 @pytest.mark.parametrize("mode", MODES)
 def test_reuse_gives_what_a_fresh_engine_gives(pair, mode):
     kept, fresh = load(pair, mode), load(pair, mode, prefix_reuse=False)
-    assert kept.memory["prefix_snapshots"]["bytes"] > 0 and "prefix_snapshots" not in fresh.memory
+    assert kept.memory.prefix_snapshots["bytes"] > 0 and fresh.memory.prefix_snapshots is None
     buffer = kept.state.gdn[0].saved_recurrent.data_ptr()
     for sampling in ({}, SAMPLED):
         with_reuse, without = run(kept, sampling), run(fresh, sampling)

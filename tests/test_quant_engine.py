@@ -110,11 +110,11 @@ def test_int4_target_close_to_dense(planted):
     # every dense projection is released and replaced by its packed codes and scales (the tiny model's K = 64 / 128
     # is padded to the 512-input blocks of the q16 layout, so int4 saves less here than the ~3.5x of real shapes)
     replaced = [m for m in head.modules() if isinstance(m, Int4Linear)]
-    memory = mtp.memory["mtp"]
+    memory = mtp.memory.mtp
     assert memory["final_bytes"] == memory["loaded_bytes"] - sum(
         4 * m.in_features * m.out_features - m.weight_bytes() for m in replaced) < memory["loaded_bytes"]
     # the layers are loaded quantized: the dense model is never held whole
-    assert quant.memory["target"]["loaded_bytes"] < dense.memory["target"]["loaded_bytes"]
+    assert quant.memory.target["loaded_bytes"] < dense.memory.target["loaded_bytes"]
 
 
 def in_layers(name):
@@ -320,7 +320,7 @@ def test_int8_drafter_proposals_agree(pair):
     assert all(d.get_submodule(n).group_size == 32 for n in quantized)
     assert type(d.layers[0].attention_conv.kernel_projection) is nn.Linear  # convolution controls stay native
     assert type(d.candidate_selector.hidden_projection) is nn.Linear  # the selector too
-    assert int8.memory["drafter"]["final_bytes"] < int8.memory["drafter"]["loaded_bytes"]
+    assert int8.memory.drafter["final_bytes"] < int8.memory.drafter["loaded_bytes"]
 
     # drive the int8 drafter on exactly the contexts the unquantized one sees
     agree, total = 0, 0
@@ -380,7 +380,7 @@ def test_target_is_packed_at_load(planted, quantization, capsys):
             assert not hasattr(owner, name.split(".")[-1]), name
     names = [n for n, _ in list(packed.model.named_parameters()) + list(packed.model.named_buffers())]
     assert not any(re.search(r"\.(q_proj|k_proj|v_proj|in_proj_\w+|gate_proj|up_proj)\.", n) for n in names)
-    memory = packed.memory["target"]
+    memory = packed.memory.target
     assert memory["packed_bytes"] == memory["loaded_bytes"]  # the originals are released, nothing is duplicated
     ids = packed.tokenizer.encode(PROMPT)
     mtp = load(planted, mode="mtp", target_quantization=quantization)

@@ -3,8 +3,8 @@ prepared (quantized, norms folded), the proposer, the decode state and prefix ca
 
 `load` returns `LoadedParts`; `Engine` (engine.py) keeps them and serves requests. The `model=` / `drafter=` /
 `tokenizer=` arguments stand in for what a checkpoint would give (synthetic weights, a drafter built around the
-prepared target). What loading measured goes into one `memory` record (resident bytes of each model, caches, graph
-pools, the estimate, the loading peak) and one `load_times` record.
+prepared target). What loading measured goes into one `MemoryReport` (engine/memory.py: resident bytes of each
+model, caches, graph pools, the estimate, the loading peak) and one `LoadTimes`.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from ..models.checkpoint import check_folder, load_mtp_head, load_target
 from ..models.qwen3_5 import TargetModel
 from ..models.tokenizer import Tokenizer
 from . import memory
+from .memory import MemoryReport
 from .decode import Proposer
 from .dflash2 import DFlash2Proposer
 from .mtp import MTPProposer
@@ -106,6 +107,17 @@ def note_ignored_settings(config: PredictConfig):
 
 
 @dataclass
+class LoadTimes:
+    """Seconds of an engine's loading steps; None where a step did not run (graphs: eager execution)."""
+    prepare_target_s: float | None = None   # quantizing and folding the loaded target
+    target_graphs_s: float | None = None    # capturing the target's (and the sampler's) CUDA graphs
+    proposer_graphs_s: float | None = None  # capturing the proposer's
+
+    def as_dict(self) -> dict:
+        return {k: v for k, v in vars(self).items() if v is not None}
+
+
+@dataclass
 class LoadedParts:
     """What `load` builds: the engine's model, tokenizer, kernels' settings, sampler, proposer, state and target."""
     config: PredictConfig
@@ -123,8 +135,8 @@ class LoadedParts:
     state: DecodeState = None
     prefix: PrefixCache | None = None
     target: EagerTarget | GraphedTarget = None
-    memory: dict = field(default_factory=dict)      # resident bytes: weights (loaded, packed, final), caches, pools
-    load_times: dict = field(default_factory=dict)  # seconds of the preparation, the graphs' capture
+    memory: MemoryReport = field(default_factory=MemoryReport)
+    load_times: LoadTimes = field(default_factory=LoadTimes)
 
     @property
     def pass_rows(self) -> int:
@@ -153,7 +165,7 @@ def load(config: PredictConfig, *, model=None, mtp_tensors=None,
     if model is None and device.type == "cuda":  # refused before any tensor is read
         estimate = memory.checkpoint_estimate(config, execution=parts.execution, max_partial=parts.pass_rows)
         memory.check_fits(estimate, config, torch.device("cuda", config.gpu_ranks[0]))
-        parts.memory["estimate"] = estimate.as_dict()
+        parts.memory.estimate = estimate.as_dict()
     if device.type == "cuda":
         torch.cuda.set_device(config.gpu_ranks[0])
         torch.cuda.empty_cache()  # what building a given model left cached is not loading's peak
@@ -173,16 +185,16 @@ def load(config: PredictConfig, *, model=None, mtp_tensors=None,
                                   in_place=parts.proposer.max_proposals == 0, snapshots=snapshots)
         parts.prefix = PrefixCache(parts.state, parts.proposer, snapshots) if snapshots else None
         if parts.prefix is not None:
-            parts.memory["prefix_snapshots"] = {"count": snapshots, "bytes": parts.prefix.bytes}
-        parts.memory["caches"] = memory.cache_bytes(parts.state, parts.proposer,
-                                                    parts.prefix.bytes if parts.prefix is not None else 0)
+            parts.memory.prefix_snapshots = {"count": snapshots, "bytes": parts.prefix.bytes}
+        parts.memory.caches = memory.cache_bytes(parts.state, parts.proposer,
+                                                 parts.prefix.bytes if parts.prefix is not None else 0)
         parts.target = build_target(parts)
     if wrap_proposer is not None:
         parts.proposer = wrap_proposer(parts.proposer)
     parts.sampler.begin(config.sampling)  # the device's values follow the settings until a request begins its own
     if device.type == "cuda":  # what loading left cached (dense weights quantized since) goes back
         torch.cuda.empty_cache()
-    parts.memory["loading_peak"] = memory.peak(device)
+    parts.memory.loading_peak = memory.peak(device)
     memory.reset_peak(device)  # from now on the peaks are decoding's
     return parts
 
@@ -204,11 +216,11 @@ def prepare_target(parts: LoadedParts):
                                    pdl_prefetch_mb=c.pdl_prefetch_mb)
     # a quantized checkpoint is used as stored: what it keeps unquantized stays dense
     quantizer = rtn(c.target_quantization if not stored else "none", 128, parts.dtype)
-    parts.memory["target"] = prepare(model, quantizer, lambda name: name.startswith("layers."))
+    parts.memory.target = prepare(model, quantizer, lambda name: name.startswith("layers."))
     quantize_head(model, c.vocabulary_quantization, parts.dtype)
     parts.folded_norms = folded_norm.enable(model, c.fold_norms)  # INT4 / FP8 on CUDA: norms in the projections
-    parts.memory["target"]["final_bytes"] = resident_bytes(model)
-    parts.load_times["prepare_target_s"] = round(time.perf_counter() - start, 3)
+    parts.memory.target["final_bytes"] = resident_bytes(model)
+    parts.load_times.prepare_target_s = round(time.perf_counter() - start, 3)
     return quantizer
 
 
@@ -219,7 +231,7 @@ def build_proposer(parts: LoadedParts, target_quantizer, mtp_tensors, drafter) -
     draft_head = build_draft_head(parts)
     if mode == "mtp":
         head = load_mtp_head(model, mtp_tensors, parts.dtype, parts.device)
-        parts.memory["mtp"] = prepare(head, target_quantizer)  # quantized as the target's projections
+        parts.memory.mtp = prepare(head, target_quantizer)  # quantized as the target's projections
         return MTPProposer(model, head, c.self_speculative_num_tokens, c.context_length, parts.device, parts.dtype,
                            draft_head, parts.sampler)
     if drafter is not None and not isinstance(drafter, DFlash2Drafter):
@@ -230,7 +242,7 @@ def build_proposer(parts: LoadedParts, target_quantizer, mtp_tensors, drafter) -
             target_num_layers=model.config.num_hidden_layers, embed=model.embed, lm_head=model.logits,
             device=parts.device, dtype=parts.dtype, block_size=c.dflash2_block_size)
     # norms, convolution controls and the selector stay native: only fc and the layers' projections
-    parts.memory["drafter"] = prepare(drafter, rtn(c.dflash2_quantization, 32, parts.dtype),
+    parts.memory.drafter = prepare(drafter, rtn(c.dflash2_quantization, 32, parts.dtype),
                                       QUANTIZED_PROJECTIONS.match)
     return DFlash2Proposer(drafter, draft_head, parts.sampler, parts.tree_budget, c.dflash2_tree_scores)
 
@@ -243,7 +255,7 @@ def build_draft_head(parts: LoadedParts):
         return None
     config = parts.model.config
     head = DraftHead.from_model(parts.model, draft_ids(spec, config.vocab_size, config.eos_token_ids), parts.dtype)
-    parts.memory["draft_head_bytes"] = head.nbytes()
+    parts.memory.draft_head_bytes = head.nbytes()
     return head
 
 
@@ -259,10 +271,10 @@ def build_target(parts: LoadedParts):
                            tree_size=tree + 1 if tree else 0, tree_depth=proposer.max_proposals,
                            sampler=parts.sampler, draft_width=max(proposer.draft_width, 1))
     parts.sampler.capture_graphs(lengths, parts.model.config.vocab_size, proposer.draft_width, target.pool)
-    parts.load_times["target_graphs_s"] = round(time.perf_counter() - start, 3)
+    parts.load_times.target_graphs_s = round(time.perf_counter() - start, 3)
     if hasattr(proposer, "capture_graphs"):
         start = time.perf_counter()
         proposer.capture_graphs(target.pool)
-        parts.load_times["proposer_graphs_s"] = round(time.perf_counter() - start, 3)
-    parts.memory["graph_pools_bytes"] = torch.cuda.memory_reserved() - reserved  # captures' pools and warm-ups
+        parts.load_times.proposer_graphs_s = round(time.perf_counter() - start, 3)
+    parts.memory.graph_pools_bytes = torch.cuda.memory_reserved() - reserved  # captures' pools and warm-ups
     return target

@@ -311,12 +311,32 @@ def peak(device: torch.device) -> dict:
             "peak_reserved_bytes": torch.cuda.max_memory_reserved(device), "gpu_held_bytes": total - free}
 
 
+@dataclass
+class MemoryReport:
+    """What an engine's loading measured of its memory, in bytes; None where it does not apply."""
+    estimate: dict | None = None          # Estimate.as_dict() of what the engine needs
+    target: dict | None = None            # weights.prepare's record of each model: loaded, packed, final bytes
+    mtp: dict | None = None
+    drafter: dict | None = None
+    draft_head_bytes: int | None = None   # the shared head over a draft vocabulary
+    prefix_snapshots: dict | None = None  # {"count", "bytes"} of the prefix cache's snapshots
+    caches: dict | None = None            # bytes of each cache (cache_bytes)
+    graph_pools_bytes: int | None = None  # the CUDA graphs' pools and warm-ups
+    loading_peak: dict | None = None      # peak() at the end of loading
+
+    def held_bytes(self) -> int:
+        """The weights and caches held while decoding."""
+        models = (m["final_bytes"] for m in (self.target, self.mtp, self.drafter) if m is not None)
+        return sum(models) + (self.draft_head_bytes or 0) + sum((self.caches or {}).values())
+
+    def as_dict(self) -> dict:
+        return {k: v for k, v in vars(self).items() if v is not None}
+
+
 def report(engine) -> dict:
     """engine.memory (weights per model, caches, graph pools, the estimate) with the peak so far and, on CUDA, the
     workspace: peak allocated bytes beyond the weights and caches (activations, sampling, scratch)."""
-    out = {**engine.memory, **peak(engine.device)}
+    out = {**engine.memory.as_dict(), **peak(engine.device)}
     if out["peak_allocated_bytes"] is not None:
-        held = sum(m["final_bytes"] for m in engine.memory.values() if isinstance(m, dict) and "final_bytes" in m)
-        held += engine.memory.get("draft_head_bytes", 0) + sum(engine.memory.get("caches", {}).values())
-        out["workspace_peak_bytes"] = out["peak_allocated_bytes"] - held
+        out["workspace_peak_bytes"] = out["peak_allocated_bytes"] - engine.memory.held_bytes()
     return out
