@@ -28,9 +28,9 @@ from ..models.checkpoint import check_folder, load_mtp_head, load_target
 from ..models.qwen3_5 import TargetModel
 from ..models.tokenizer import Tokenizer
 from . import memory
-from .memory import MemoryReport
 from .decode import Proposer
 from .dflash2 import DFlash2Proposer
+from .memory import MemoryReport
 from .mtp import MTPProposer
 from .reuse import PrefixCache
 from .sampling import Sampler
@@ -242,8 +242,7 @@ def build_proposer(parts: LoadedParts, target_quantizer, mtp_tensors, drafter) -
             target_num_layers=model.config.num_hidden_layers, embed=model.embed, lm_head=model.logits,
             device=parts.device, dtype=parts.dtype, block_size=c.dflash2_block_size)
     # norms, convolution controls and the selector stay native: only fc and the layers' projections
-    parts.memory.drafter = prepare(drafter, rtn(c.dflash2_quantization, 32, parts.dtype),
-                                      QUANTIZED_PROJECTIONS.match)
+    parts.memory.drafter = prepare(drafter, rtn(c.dflash2_quantization, 32, parts.dtype), QUANTIZED_PROJECTIONS.match)
     return DFlash2Proposer(drafter, draft_head, parts.sampler, parts.tree_budget, c.dflash2_tree_scores)
 
 
