@@ -636,3 +636,28 @@ def test_graphed_training_features_equal_eager(tiny_checkpoint):
             assert len(got) == 2 + hidden and (got[0] is None) == (not layers)
             assert all(torch.equal(a, b) for a, b in zip(got, expected) if b is not None)
         assert graphed.graph is not None
+
+
+def test_trainer_on_gpu_keeps_the_cpu_history(tmp_path):
+    """Trainer.fit on CUDA (AdamW fused; each step's figures read from a host copy once the next step is queued)
+    records every step, in order, with the losses, figures and gradient norms of the same run on the CPU (foreach
+    AdamW: equal within float32 rounding)."""
+    from blockspec.train.loop import Trainer
+
+    def history(device):
+        torch.manual_seed(0)
+        module = torch.nn.Linear(16, 4).to(device)
+        x, y = torch.randn(64, 16).to(device), torch.randn(64, 4).to(device)
+
+        def step_loss(rng):
+            loss = torch.nn.functional.mse_loss(module(x), y)
+            return loss, {"first_row_accuracy": loss.detach() / 2}, 64
+        trainer = Trainer(module, tmp_path / device, 0.05, torch.device(device), lambda out: None, 4, 0, {})
+        trainer.fit(10, step_loss)
+        return trainer.history
+
+    cpu, gpu = history("cpu"), history("cuda")
+    assert [h["step"] for h in gpu] == list(range(1, 11)) == [h["step"] for h in cpu]
+    for a, b in zip(cpu, gpu):
+        assert b == pytest.approx(a, rel=1e-3, abs=1e-4)
+    assert gpu[-1]["loss"] < gpu[0]["loss"]

@@ -125,10 +125,10 @@ def learning_rate(step: int, steps: int, peak: float) -> float:
 
 class Trainer:
     """`step_loss(rng) -> (loss, figures, tokens)` is this rank's part of a step (figures: numbers or 0-dim tensors,
-    read after the optimizer step): over the ranks the parts of the loss, of each figure and of the tokens sum to the
-    whole step's (train/ranks.py), and `module` runs under DistributedDataParallel, which averages the gradients, so
-    the loss is scaled by the world size before its backward pass: the gradient is the whole step's loss's, as one
-    process computes it."""
+    read once the next step is queued, or before a checkpoint): over the ranks the parts of the loss, of each figure
+    and of the tokens sum to the whole step's (train/ranks.py), and `module` runs under DistributedDataParallel,
+    which averages the gradients, so the loss is scaled by the world size before its backward pass: the gradient is
+    the whole step's loss's, as one process computes it."""
 
     def __init__(self, module: torch.nn.Module, out: Path, lr: float, device: torch.device,
                  save_weights: Callable[[Path], None], checkpoint_every: int, seed: int, settings: dict,
@@ -195,6 +195,27 @@ class Trainer:
         self.module.train()
         progress = _progress(range(self.step, steps), self.step, steps, self.ranks.main)
         began, tokens = time.perf_counter(), 0
+        queued = None  # the last step's (step, figure names, figures summed over the ranks, their copy's event)
+
+        def record():
+            """Read the queued step's figures into the history and the progress bar."""
+            nonlocal tokens, queued
+            step, names, totals, copied = queued
+            if copied is not None:
+                copied.synchronize()
+            *whole, norm, count = totals.tolist()
+            queued, tokens = None, tokens + int(count)
+            figures = {**dict(zip(["loss", *names], whole)), "grad_norm": norm}
+            self.history.append({"step": step, **{k: round(v, 4) for k, v in figures.items()}})
+            if hasattr(progress, "set_postfix"):
+                shown = {"loss": f"{figures['loss']:.3f}"}
+                if "first_row_accuracy" in figures:
+                    shown["acc"] = f"{figures['first_row_accuracy']:.3f}"
+                shown["tok_s"] = f"{tokens / (time.perf_counter() - began):.0f}"
+                if self.evaluations:  # the last evaluation's mean accepted length
+                    shown["accepted"] = f"{self.evaluations[-1]['mean_accepted_length']:.3f}"
+                progress.set_postfix(shown)  # in this order
+
         for step in progress:
             for group in self.optimizer.param_groups:
                 group["lr"] = learning_rate(step, steps, self.lr)
@@ -204,25 +225,23 @@ class Trainer:
             (loss * self.ranks.world).backward()
             norm = torch.nn.utils.clip_grad_norm_(self.module.parameters(), 1.0)  # the whole step's gradient's
             self.optimizer.step()
-            # the step's figures are read here, once it is all queued: a read inside it would hold the host until
-            # the device caught up, and a launch-bound step's host work would no longer overlap the device's
+            # summed over the ranks, so the norm enters as a share: every rank's is the whole step's gradient's
             parts = torch.stack([torch.as_tensor(v, device=self.device).to(torch.float64).reshape(())
-                                 for v in (loss.detach(), *figures.values(), count)])
-            *whole, count = self.ranks.total(parts).tolist()
-            tokens += int(count)
+                                 for v in (loss.detach(), *figures.values(), norm / self.ranks.world, count)])
+            # a step's figures are read once the next step is queued, from a copy queued behind the step: a read
+            # in stream order would hold the host until the device had caught up, and a launch-bound step's host
+            # work would no longer overlap the device's
+            totals, copied = self.ranks.total(parts), None
+            if totals.is_cuda:
+                totals, copied = totals.to("cpu", non_blocking=True), torch.cuda.Event()
+                copied.record()
+            if queued is not None:
+                record()
+            queued = (step + 1, list(figures), totals, copied)
             self.step = step + 1
-            figures = {**dict(zip(["loss", *figures], whole)), "grad_norm": norm.item()}
-            self.history.append({"step": self.step, **{k: round(v, 4) for k, v in figures.items()}})
-            if hasattr(progress, "set_postfix"):
-                shown = {"loss": f"{figures['loss']:.3f}"}
-                if "first_row_accuracy" in figures:
-                    shown["acc"] = f"{figures['first_row_accuracy']:.3f}"
-                shown["tok_s"] = f"{tokens / (time.perf_counter() - began):.0f}"
-                if self.evaluations:  # the last evaluation's mean accepted length
-                    shown["accepted"] = f"{self.evaluations[-1]['mean_accepted_length']:.3f}"
-                progress.set_postfix(shown)  # in this order
             evaluating = evaluate is not None and eval_every > 0 and (self.step % eval_every == 0 or self.step == steps)
             if self.step % self.checkpoint_every == 0 or self.step == steps or evaluating:
+                record()  # a checkpoint holds the history to its step
                 self.checkpoint(evaluate if evaluating else None)
         self.module.eval()
         return tokens / max(time.perf_counter() - began, 1e-9)
