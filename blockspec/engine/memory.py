@@ -313,16 +313,17 @@ def peak(device: torch.device) -> dict:
 
 @dataclass
 class MemoryReport:
-    """What an engine's loading measured of its memory, in bytes; None where it does not apply."""
-    estimate: dict | None = None          # Estimate.as_dict() of what the engine needs
-    target: dict | None = None            # weights.prepare's record of each model: loaded, packed, final bytes
+    """What an engine's loading measured of its memory, in bytes; None where it does not apply. The fields are in the
+    order loading records them, which as_dict (the bench's JSON) keeps."""
+    target: dict | None = None            # weights.prepare's record: loaded, packed, final bytes (mtp, drafter too)
+    draft_head_bytes: int | None = None   # the shared head over a draft vocabulary (built before the proposer)
     mtp: dict | None = None
     drafter: dict | None = None
-    draft_head_bytes: int | None = None   # the shared head over a draft vocabulary
     prefix_snapshots: dict | None = None  # {"count", "bytes"} of the prefix cache's snapshots
     caches: dict | None = None            # bytes of each cache (cache_bytes)
     graph_pools_bytes: int | None = None  # the CUDA graphs' pools and warm-ups
     loading_peak: dict | None = None      # peak() at the end of loading
+    estimate: dict | None = None          # MemoryEstimate.as_dict(); last: the bench sets it after loading
 
     def held_bytes(self) -> int:
         """The weights and caches held while decoding."""
