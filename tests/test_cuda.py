@@ -661,3 +661,27 @@ def test_trainer_on_gpu_keeps_the_cpu_history(tmp_path):
     for a, b in zip(cpu, gpu):
         assert b == pytest.approx(a, rel=1e-3, abs=1e-4)
     assert gpu[-1]["loss"] < gpu[0]["loss"]
+
+
+def test_trainer_steps_never_wait_for_the_device(tmp_path):
+    """A step of Trainer.fit on CUDA, its inputs copied by train/data.on_device, makes no call that waits for the
+    device (torch.cuda's sync debug mode raises on one): the figures are read from a copy behind the step."""
+    from blockspec.train.data import on_device
+    from blockspec.train.loop import Trainer
+
+    module = torch.nn.Linear(16, 4).cuda()
+    device = torch.device("cuda")
+
+    def step_loss(rng):
+        x = on_device([[rng.random() for _ in range(16)] for _ in range(8)], device)
+        loss = module(x).square().mean()
+        return loss, {"first_row_accuracy": loss.detach()}, 8
+    trainer = Trainer(module, tmp_path, 0.01, device, lambda out: None, 1000, 0, {})
+    trainer.fit(2, step_loss)
+    trainer.checkpoint = lambda evaluate=None: None  # a checkpoint copies the weights to the host: not a step's
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        trainer.fit(6, step_loss)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert [h["step"] for h in trainer.history] == list(range(1, 7))

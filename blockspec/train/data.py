@@ -23,6 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
+import torch
+
 from ..engine.reuse import common_prefix
 from ..errors import BlockspecError
 
@@ -213,6 +215,14 @@ def unit_tokens(units: list, tokenizer, eos: int | None, flag: str = "--data") -
                 raise BlockspecError(f"{flag} {unit.path}:{unit.line}: {exc}") from None
             out.append(Unit(ids + separator, mine + [False] * len(separator), True))
     return out
+
+
+def on_device(rows: list, device: torch.device) -> torch.Tensor:
+    """A step's host data (ints, or lists of them of one length) as a tensor on `device`, copied through pinned memory
+    without a wait: a copy from pageable memory waits until the device has run all that is queued (the step before),
+    and the host's work on this step would no longer overlap the device's."""
+    rows = torch.tensor(rows)
+    return rows.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else rows
 
 
 def sequences(units: list[Unit], length: int, pad: int = 0) -> list[Sequence]:

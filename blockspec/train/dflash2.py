@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from ..config import TargetConfig
 from ..errors import BlockspecError
 from .block_attention import BlockLayout, attend, step_mask
+from .data import on_device
 from .ranks import Ranks
 
 
@@ -217,11 +218,10 @@ def dflash2_step(drafter, model, features, sequences, run, ranks: Ranks | None =
         picked = [sequences[rng.randrange(len(sequences))] for _ in range(count)]
         drawn = [sample_anchors(s.trained, per_sequence, block, rng) for s in picked]
         picked, drawn = ranks.share(picked), ranks.share(drawn)
-        tokens = torch.tensor([s.ids for s in picked], device=device)
+        tokens = on_device([s.ids for s in picked], device)
         feats, labels = zip(*(features(row) for row in tokens))
-        anchors = torch.tensor([i * length + a for i, positions in enumerate(drawn) for a in positions],
-                               device=device)
-        trained = torch.tensor([s.trained for s in picked], device=device).reshape(-1)
+        anchors = on_device([i * length + a for i, positions in enumerate(drawn) for a in positions], device)
+        trained = on_device([s.trained for s in picked], device).reshape(-1)
         block_ce, selector_ce, accuracy = losses(torch.cat(feats), tokens.reshape(-1), torch.cat(labels), anchors,
                                                  trained)
         figures = {"block_ce": block_ce.detach(), "selector_ce": selector_ce.detach(),

@@ -225,9 +225,11 @@ class Trainer:
             (loss * self.ranks.world).backward()
             norm = torch.nn.utils.clip_grad_norm_(self.module.parameters(), 1.0)  # the whole step's gradient's
             self.optimizer.step()
-            # summed over the ranks, so the norm enters as a share: every rank's is the whole step's gradient's
-            parts = torch.stack([torch.as_tensor(v, device=self.device).to(torch.float64).reshape(())
-                                 for v in (loss.detach(), *figures.values(), norm / self.ranks.world, count)])
+            # summed over the ranks, so the norm enters as a share: every rank's is the whole step's gradient's;
+            # numbers are written on the device (torch.full), not copied from the host, which would wait for it
+            parts = torch.stack([v.detach().to(self.device, torch.float64).reshape(()) if torch.is_tensor(v) else
+                                 torch.full((), float(v), dtype=torch.float64, device=self.device)
+                                 for v in (loss, *figures.values(), norm / self.ranks.world, count)])
             # a step's figures are read once the next step is queued, from a copy queued behind the step: a read
             # in stream order would hold the host until the device had caught up, and a launch-bound step's host
             # work would no longer overlap the device's

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import BlockspecError
+from .data import on_device
 from .ranks import Ranks
 
 MTP_FILE = "mtp.safetensors"
@@ -170,12 +171,12 @@ def mtp_step(head, model, target, sequences, batch_tokens: int, ranks: Ranks | N
     def step_loss(rng):
         embedded, hidden, labels, counted = [], [], [], []
         for picked in ranks.share([sequences[rng.randrange(len(sequences))] for _ in range(per_step)]):
-            sequence = torch.tensor(picked.ids, device=device)
+            sequence = on_device(picked.ids, device)
             _, greedy, normed = target(sequence)
             embedded.append(model.embed(sequence[1:-1]))
             hidden.append(normed[:-2])
             labels.append(greedy[1:-1])
-            counted.append(torch.tensor(picked.trained[1:-1], device=device))
+            counted.append(on_device(picked.trained[1:-1], device))
         embedded, hidden, labels, counted = map(torch.stack, (embedded, hidden, labels, counted))
         positions = torch.arange(embedded.shape[1], device=device)[None].expand(embedded.shape[0], -1)
         logits = model.logits(head(embedded.to(hidden.dtype), hidden, positions)).float()
