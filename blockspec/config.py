@@ -21,8 +21,8 @@ MAX_PASS_TOKENS = 64
 # Draft-tree budget where none is set, the best measured against the chain (docs/benchmarks.md, "Draft trees"): a
 # tree of 15 draft nodes, whose pass of 16 rows keeps the projections' 16-row tiles. The 27B on the H200 projects to
 # 1.25x the chain's tokens/s in bf16 and 1.06x with INT4 (17 rows and more lose there); the demo pair on the CPU
-# decodes 1.22-1.23x the chain's tokens/s (16: 1.20-1.23x). A small launch-bound model on a GPU (the demo pair on the
-# H200) runs slower with a tree than with the chain (`dflash2_tree_budget: 0`).
+# decodes 1.22-1.23x the chain's tokens/s (16: 1.20-1.23x). A small launch-bound model on a GPU gains nothing from a
+# tree (the demo pair on the H200: 1.00x the chain's tokens/s).
 DEFAULT_TREE_BUDGET = 15
 SUPPORTED_ARCHITECTURES = {"Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration"}
 
