@@ -60,8 +60,8 @@ def main():
     p.add_argument("--target-sharding", default="replicate",
                    help="under torchrun: the target whole on every GPU (replicate), its layers sharded across them "
                    "(fsdp, FSDP2), or replicate,fsdp: both in turn, the target built once")
-    p.add_argument("--compile", action="store_true", help="the drafter's step through torch.compile (train-drafter "
-                   "--compile)")
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                   help="the drafter's step through torch.compile (train-drafter's default: on CUDA)")
     p.add_argument("--json-out", help="write the figures as JSON")
     args = p.parse_args()
     device = rank_device(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
@@ -94,7 +94,8 @@ def measure(args, device, ranks):
     features = TargetFeatures(model, layer_ids, args.seq_len, device, dtype,
                               graphed="fsdp" not in placements or ranks.world == 1)
     run = SimpleNamespace(batch_tokens=args.batch_tokens, block_size=config["dflash_config"]["block_size"],
-                          seq_len=args.seq_len, loss_decay=4.0, compile=args.compile)
+                          seq_len=args.seq_len, loss_decay=4.0,
+                          compile=device.type == "cuda" if args.compile is None else args.compile)
     rng = random.Random(0)
     sequences = [Sequence([rng.randrange(model.config.vocab_size) for _ in range(args.seq_len)], [True] * args.seq_len)
                  for _ in range(4)]  # text: every label trained

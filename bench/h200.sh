@@ -76,7 +76,7 @@
 #   train_step  train-drafter's step on the demo pair's target with drafter_scaling's flags, on torch.nn's .py files:
 #              s a step, block tokens/s and its profile, under each TRAIN_STEP_ATTENTION (default "train-drafter
 #              dense": train-drafter's own attention, block-sparse on CUDA, then the dense mask; bench/train_step.py);
-#              TRAIN_STEP_ARGS add to train-drafter's flags (e.g. "--compile": the drafter's step through torch.compile),
+#              TRAIN_STEP_ARGS add to train-drafter's flags (e.g. "--no-compile": the drafter's step eagerly),
 #              TRAIN_STEP_BENCH to the bench's (e.g. --syncs: where a step's host waits for the device)
 #   ckpt       users' downloads: the 27B's shapes written as a checkpoint in each published format (CKPT_FORMATS,
 #              default gptq,awq,fp8; also ct-fp8, bf16, bf16-int4), ~4 GB shards, then loaded cold by the engine:

@@ -244,10 +244,10 @@ def add_train_drafter_parser(sub):
                    help="under torchrun: the frozen target whole on every GPU, or its layers sharded across them "
                    "with FSDP2 (auto: sharded when the target and the training state would take more than 3/4 of "
                    "one GPU) " + default(D, "target_sharding"))
-    p.add_argument("--compile", action="store_true", default=None,
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                    help="the drafter's loss (or the MTP head), forward and backward, through torch.compile: fused "
                    "kernels where a small drafter's step is bound by its launches; the first step pays the "
-                   "compilation")
+                   "compilation (default: on CUDA; the CPU runs eagerly)")
     add_training_args(p, D, "block tokens")
     p.set_defaults(func=cmd_train_drafter)
 

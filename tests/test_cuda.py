@@ -641,7 +641,8 @@ def test_graphed_training_features_equal_eager(tiny_checkpoint):
 def test_trainer_on_gpu_keeps_the_cpu_history(tmp_path):
     """Trainer.fit on CUDA (AdamW fused; each step's figures read from a host copy once the next step is queued)
     records every step, in order, with the losses, figures and gradient norms of the same run on the CPU (foreach
-    AdamW: equal within float32 rounding)."""
+    AdamW: equal within float32 rounding, which Adam's normalized updates grow to ~1e-3 over ten steps; a history
+    shifted by one step lies outside that tolerance)."""
     from blockspec.train.loop import Trainer
 
     def history(device):
@@ -659,7 +660,10 @@ def test_trainer_on_gpu_keeps_the_cpu_history(tmp_path):
     cpu, gpu = history("cpu"), history("cuda")
     assert [h["step"] for h in gpu] == list(range(1, 11)) == [h["step"] for h in cpu]
     for a, b in zip(cpu, gpu):
-        assert b == pytest.approx(a, rel=1e-3, abs=1e-4)
+        assert b == pytest.approx(a, rel=3e-3, abs=1e-4)
+    def figures(h):
+        return {k: v for k, v in h.items() if k != "step"}
+    assert all(figures(b) != pytest.approx(figures(a), rel=3e-3, abs=1e-4) for a, b in zip(cpu[1:], gpu))
     assert gpu[-1]["loss"] < gpu[0]["loss"]
 
 

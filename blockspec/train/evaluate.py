@@ -49,10 +49,15 @@ def one_cycle_acceptance(engine, sequences: list[list[int]], cuts: int, seed: in
         raise ValueError("a sweep of tree budgets needs an eager engine with prefix reuse, built for the largest")
     lengths = {b: [] for b in budgets}
     kept = engine.proposer.tree_budget
+    draws = []
+    for _ in range(cuts):
+        index = rng.randrange(len(candidates))
+        draws.append((index, candidates[index][1][rng.randrange(len(candidates[index][1]))]))
     try:
-        for _ in range(cuts):
-            sequence, points = candidates[rng.randrange(len(candidates))]
-            cut = points[rng.randrange(len(points))]
+        # by sequence and cut: each prompt extends the one before, so prefix reuse (engine/reuse.py) prefills only
+        # the tokens between two cuts
+        for index, cut in sorted(draws):
+            sequence = candidates[index][0]
             for budget in budgets:
                 engine.proposer.tree_budget = budget
                 stats = engine.generate(sequence[:cut], block + 1, stop_at_eos=False, snapshot_at=cut - 1,

@@ -214,7 +214,7 @@ class Trainer:
                 shown["tok_s"] = f"{tokens / (time.perf_counter() - began):.0f}"
                 if self.evaluations:  # the last evaluation's mean accepted length
                     shown["accepted"] = f"{self.evaluations[-1]['mean_accepted_length']:.3f}"
-                progress.set_postfix(shown)  # in this order
+                progress.set_postfix(shown, refresh=False)  # in this order; shown at the bar's own pace
 
         for step in progress:
             for group in self.optimizer.param_groups:

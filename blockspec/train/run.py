@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -58,7 +58,7 @@ class DrafterTraining:
     device: str = "auto"
     replace_mtp: bool = False                   # kind mtp: a target that has a head gets a new one, trained anew
     target_sharding: str = "auto"               # "replicate", "fsdp" (several processes) or "auto" (shards_target)
-    compile: bool = False                       # the trained module's forward and backward through torch.compile
+    compile: bool | None = None                 # the trained module's step through torch.compile (None: on CUDA)
 
 
 def check_run(run: DrafterTraining, world: int | None = None) -> TargetConfig:
@@ -200,6 +200,8 @@ def train(run: DrafterTraining, log=print) -> dict:
 
     target_config = check_run(run)
     device = rank_device(resolve_device(run.device))
+    if run.compile is None:  # a small drafter's eager step is bound by its launches: compiled 2.3x on an H200
+        run = replace(run, compile=device.type == "cuda")
     if device.type == "cuda" and device.index >= torch.cuda.device_count():
         raise BlockspecError(f"local rank {device.index} has no GPU ({torch.cuda.device_count()} visible): run at "
                              "most one process per GPU")
