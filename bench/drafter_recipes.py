@@ -40,6 +40,7 @@ RECIPES = {
     "drafter-4x": (DRAFTER, "text", 4),
     "mtp-4x": (MTP, "text", 4),
     "drafter-3-layers": (["--layers", "3", *DRAFTER[2:]], "text", 1),
+    "drafter-3-layers-4x": (["--layers", "3", *DRAFTER[2:]], "text", 4),
     "drafter-block-16": (DRAFTER + ["--block-size", "16"], "text", 1),
     "drafter-regenerated": (DRAFTER, "regen", 1),
     "mtp-regenerated": (MTP, "regen", 1),

@@ -59,7 +59,8 @@
 #                  from 500 standard-library contexts; RECIPES_ARGS add to the bench (e.g. --regenerated
 #                  /abs/path.jsonl for the *-regenerated and *-mixed recipes); each run's log in $OUT; then each
 #                  *-block-16 drafter run with blocks of 8 (--dflash2-block-size 8), one cycle from 500 contexts.
-#                  Runs at once share the GPU: 4 at once reached step 500 of the mtp recipe after 445 s
+#                  Every run's trained weights (not its optimizer state) come back in $OUT/weights/NAME. Runs at once
+#                  share the GPU: one 8000-step run (drafter-4x) alone takes ~5 minutes with its start-up
 #   demo_trees     the shipped demo pair (blockspec demo --save) with draft trees (DEMO_TREE_BUDGETS, default 0,16,32):
 #                  tokens/s of plain decoding and each budget on standard-library code (bf16, graphs), then one-cycle
 #                  acceptance sampled at DEMO_TREE_TEMPERATURES (default 0.7 1, empty: none; bench/tree_acceptance.py,
@@ -170,6 +171,13 @@ for part in ${PARTS:-bf16 warm int4 vocab}; do
              --target "$PWD/.demo/target" --data $SITE --suffixes .py --seq-len 1024 --batch-tokens 8192 \
              --steps ${RECIPES_STEPS:-2000} --checkpoint-every 500
            cp /tmp/blockspec-recipes/*.log "$OUT/" 2>/dev/null  # each run's own log, also of runs the limit cut short
+           for run_dir in /tmp/blockspec-recipes/*/; do  # the weights (a drafter, or an MTP head beside its target's)
+             name=$(basename $run_dir); mkdir -p "$OUT/weights/$name"
+             for f in config.json model.safetensors mtp.safetensors training.json mtp_training.json; do
+               [ -f "$run_dir/$f" ] && { [ $f != model.safetensors ] || [ ! -f "$run_dir/mtp.safetensors" ]; } &&
+                 cp "$run_dir/$f" "$OUT/weights/$name/"
+             done
+           done
            for run_dir in /tmp/blockspec-recipes/*-block-16; do  # trained at 16, run at 8 (dflash2_block_size)
              [ -f "$run_dir/config.json" ] && run 240 python3 -m blockspec.cli bench --model .demo/target \
                --drafter "$run_dir" --dflash2-block-size 8 --mode dflash2 --tree-budget 0 --fixtures stdlib \
