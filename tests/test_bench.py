@@ -194,6 +194,32 @@ def test_code_fixtures_and_one_cycle_acceptance(tmp_path, tiny_checkpoint, tiny_
     assert split["cycles"] > 0 and 1 <= split["mean_accepted_length"] <= 8
 
 
+@pytest.mark.parametrize("mode", ["mtp", "dflash2"])
+def test_one_cycle_reuses_each_prefix_and_measures_as_fresh_engines(tiny_checkpoint, tiny_drafter, mode):
+    """The one-cycle measure runs its cuts by sequence and position, so that each prefill resumes from the cut before
+    (engine/reuse.py): the same measure as an engine that prefills every cut from scratch (float32, exact)."""
+    from blockspec.engine.engine import Engine
+    from blockspec.train.evaluate import one_cycle_acceptance
+
+    target = tiny_checkpoint(planted=True)
+    drafter = {"dflash2_model": str(tiny_drafter(target)), "dflash2_tree_budget": 0} if mode == "dflash2" else {}
+    sequences = [[(7 * i + 3 * j) % 50 + 1 for i in range(120)] for j in range(2)]
+
+    def measure(prefix_reuse):
+        engine = Engine.load(str(target), mode=mode, device="cpu", compute_dtype="float32", prefix_reuse=prefix_reuse,
+                             **drafter)
+        resumed = []
+        if engine.prefix is not None:
+            resume = engine.prefix.resume
+            engine.prefix.resume = lambda prompt: resumed.append(resume(prompt)) or resumed[-1]
+        return one_cycle_acceptance(engine, sequences, 12, seed=3), resumed
+
+    reused, resumed = measure(True)
+    fresh, _ = measure(False)
+    assert reused == fresh and reused["cuts"] == 12
+    assert sum(n > 0 for n in resumed) >= 8  # 12 cuts of 2 sequences: all but each sequence's first (and repeats)
+
+
 def test_one_cycle_needs_real_weights(capsys):
     code = main(["bench", "--synthetic", "tiny", "--one-cycle", "5", "--device", "cpu"])
     err = capsys.readouterr().err
