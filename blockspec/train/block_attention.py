@@ -97,6 +97,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, scale: float
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
     from torch.nn.attention.flex_attention import flex_attention
 
-    flex = compiled_flex_attention() if q.is_cuda else flex_attention  # the CPU runs it unfused (tests)
+    # on CUDA the fused kernel: compiled here, or traced into the caller's compilation (train-drafter's default);
+    # the CPU runs it unfused (tests)
+    flex = compiled_flex_attention() if q.is_cuda and not torch.compiler.is_compiling() else flex_attention
     dtype = v.dtype  # under autocast the projections' outputs may differ in dtype; the kernel takes one
     return flex(q.to(dtype), k.to(dtype), v, block_mask=mask, scale=scale, enable_gqa=True)
