@@ -106,6 +106,49 @@ def test_evaluation_measures_the_chain(setup, monkeypatch):
     assert seen == [0] and summary["evaluation"]["cuts"] == 2
 
 
+@pytest.mark.parametrize("kind", ["dflash2", "mtp"])
+def test_evaluation_runs_the_frozen_target_itself(setup, monkeypatch, kind):
+    """An evaluation during training runs the frozen target already in memory (no second copy: a 27B would not fit
+    twice beside its training) through new modules over the same tensors, measures what an engine loading the
+    written files measures, and leaves the frozen target as the training runs it."""
+    from blockspec.train import run as training
+
+    root, target, data = setup
+    frozen, views, checked = [], [], []
+    real_frozen, real_evaluate, real_view = training.frozen_target, training.evaluate, training.modules_over_the_same_tensors
+
+    def frozen_target(*args, **kw):
+        model, sharded = real_frozen(*args, **kw)
+        frozen.append(model)
+        return model, sharded
+
+    def view(model):
+        copy = real_view(model)
+        originals = {t.data_ptr() for t in (*model.parameters(), *model.buffers())}
+        views.append(copy is not model and all(t.data_ptr() in originals
+                                                for t in (*copy.parameters(), *copy.buffers())))
+        return copy
+
+    def evaluate(run, out, heldout, device, *shared):
+        model = frozen[0]
+        types = [type(m) for m in model.modules()]
+        values = {k: v.clone() for k, v in model.state_dict().items()}
+        measured = real_evaluate(run, out, heldout, device, *shared)
+        assert shared[0] is model and views == [True]
+        assert [type(m) for m in model.modules()] == types
+        assert all(torch.equal(v, model.state_dict()[k]) for k, v in values.items())
+        assert measured == real_evaluate(run, out, heldout, device)  # an engine loading the written files
+        checked.append(kind)
+        return measured
+    monkeypatch.setattr(training, "frozen_target", frozen_target)
+    monkeypatch.setattr(training, "modules_over_the_same_tensors", view)
+    monkeypatch.setattr(training, "evaluate", evaluate)
+    kw = {"replace_mtp": True, "batch_tokens": 192} if kind == "mtp" else {}
+    train(run_config(root, target, data, out=f"shared_{kind}", kind=kind, steps=2, eval_cuts=4, **kw),
+          log=lambda *_: None)
+    assert checked == [kind]
+
+
 @pytest.mark.slow  # torch.compile of a forward and backward: ~30 s on 2 cores each
 @pytest.mark.parametrize("kind,module", [("dflash2", "DrafterLoss"), ("mtp", "MTPModule")])
 def test_compiled_step_trains_as_the_eager_one(setup, monkeypatch, kind, module):

@@ -5,6 +5,7 @@ sharded with FSDP2, the trained module under DistributedDataParallel, each step'
 
 from __future__ import annotations
 
+import copy
 import math
 from contextlib import nullcontext
 from dataclasses import dataclass, replace
@@ -266,8 +267,11 @@ def _train(run: DrafterTraining, target_config: TargetConfig, device: torch.devi
         f"{sum(p.numel() for p in module.parameters()) / 1e6:.1f}M parameters of {what}; {plural(steps, 'step')} of "
         f"{rows} tokens on {where}")
 
+    # evaluations run the frozen target itself when it is whole here, not a second copy of it
+    shared = () if sharded else (model, module if run.kind == "mtp" else None, stored)
+
     def measure() -> dict:  # --eval-every's evaluation, one line each as it comes (the bar shows only the last)
-        measured = evaluate(run, out, heldout, device)
+        measured = evaluate(run, out, heldout, device, *shared)
         log(f"step {trainer.step}: mean accepted length {measured['mean_accepted_length']:.3f} over "
             f"{measured['cuts']} held-out contexts")
         return measured
@@ -281,7 +285,8 @@ def _train(run: DrafterTraining, target_config: TargetConfig, device: torch.devi
     if run.eval_cuts and heldout:
         last = trainer.evaluations[-1] if trainer.evaluations else {}
         final = {k: v for k, v in last.items() if k != "step"} if last.get("step") == steps else None
-        summary["evaluation"] = final or ranks.from_main(evaluate(run, out, heldout, device) if ranks.main else None)
+        summary["evaluation"] = final or ranks.from_main(evaluate(run, out, heldout, device, *shared) if ranks.main
+                                                          else None)
         log(f"held-out: mean accepted length {summary['evaluation']['mean_accepted_length']:.3f} per cycle over "
             f"{summary['evaluation']['cuts']} contexts")
     if ranks.main:
@@ -289,16 +294,36 @@ def _train(run: DrafterTraining, target_config: TargetConfig, device: torch.devi
     return summary
 
 
-def evaluate(run: DrafterTraining, out: Path, heldout: list[Sequence], device: torch.device) -> dict:
+def evaluate(run: DrafterTraining, out: Path, heldout: list[Sequence], device: torch.device, target=None,
+             head: torch.nn.Module | None = None, stored: torch.dtype | None = None) -> dict:
     """One-cycle acceptance of what was just written, on the held-out sequences (train/evaluate.py): the drafter's
     chain (no draft tree, whatever the default budget), so that it compares with an MTP head's; on a GPU an eager
-    engine (no graph capture nor compilation at each evaluation)."""
+    engine (no graph capture nor compilation at each evaluation). `target`: the frozen target already loaded (whole
+    on this device), which the engine then runs instead of a second copy (a 27B would not fit twice beside the
+    training); `head`: kind mtp's trained head, whose tensors (as written, in `stored`) the engine takes in place of
+    the copy's file."""
+    from ..config import PredictConfig
     from ..engine.engine import Engine
 
     gpu = {"gpu_ranks": [device.index], "compile_mode": -1} if device.type == "cuda" else {}  # rank_device's GPU
     chain = {"dflash2_model": str(out), "dflash2_tree_budget": 0} if run.kind == "dflash2" else {}
-    engine = Engine.load(out if run.kind == "mtp" else run.target, mode=run.kind, device=device.type, **gpu, **chain,
-                         compute_dtype="float32" if device.type == "cpu" else "bfloat16",
-                         context_length=run.seq_len + 4 * run.block_size)
+    config = PredictConfig.build({"model": str(out if run.kind == "mtp" else run.target), "mode": run.kind,
+                                  "device": device.type, **gpu, **chain,
+                                  "compute_dtype": "float32" if device.type == "cpu" else "bfloat16",
+                                  "context_length": run.seq_len + 4 * run.block_size})
+    shared = {}
+    if target is not None:
+        shared["model"] = modules_over_the_same_tensors(target)
+        if head is not None:
+            shared["mtp_tensors"] = head.checkpoint_tensors(stored)
+    engine = Engine(config, **shared)
     return one_cycle_acceptance(engine, [s.ids for s in heldout], run.eval_cuts, run.seed,
                                 trained=[s.trained for s in heldout])
+
+
+def modules_over_the_same_tensors(model: torch.nn.Module) -> torch.nn.Module:
+    """A copy of the module tree that holds the model's own tensors, none copied: the engine wraps and replaces the
+    copy's projections as it loads, and the frozen target the training runs stays as it was."""
+    tensors = {id(t): t for m in model.modules() for t in vars(m).values() if isinstance(t, torch.Tensor)}
+    tensors.update({id(t): t for t in (*model.parameters(), *model.buffers())})
+    return copy.deepcopy(model, tensors)
