@@ -638,6 +638,43 @@ def test_graphed_training_features_equal_eager(tiny_checkpoint):
         assert graphed.graph is not None
 
 
+@pytest.mark.parametrize("kind", ["dflash2", "mtp"])
+def test_train_drafter_on_gpu_compiles_and_evaluates_on_its_own_target(tmp_path, kind):
+    """train-drafter on CUDA as users run it: the step through torch.compile (the default there; the block mask's
+    flex_attention traced into it), the held-out evaluation on the frozen target in memory; the loss falls and the
+    frozen target's weights are the ones evaluated."""
+    import random
+
+    from blockspec.fixtures.tiny import build_tiny_checkpoint
+    from blockspec.train import run as training
+
+    target = build_tiny_checkpoint(tmp_path / "target", seed=0, planted=True)
+    data = tmp_path / "data"
+    data.mkdir()
+    rng = random.Random(0)
+    words = "the quick brown fox jumps over a lazy dog while seven small birds sing in the old tree".split()
+    for i in range(10):
+        (data / f"part{i}.txt").write_text(" ".join(rng.choice(words) for _ in range(300)))
+    compiled, shared = [], []
+    real_compile, real_evaluate = torch.compile, training.evaluate
+
+    def evaluate(run, out, heldout, device, *given):
+        shared.append(bool(given) and given[0] is not None)
+        return real_evaluate(run, out, heldout, device, *given)
+    with mock.patch.object(torch, "compile", lambda m, **kw: compiled.append(type(m).__name__) or real_compile(m, **kw)), \
+            mock.patch.object(training, "evaluate", evaluate):
+        kw = {"replace_mtp": True, "batch_tokens": 192} if kind == "mtp" else {"batch_tokens": 128}
+        summary = training.train(training.DrafterTraining(
+            target=str(target), data=[str(data)], out=str(tmp_path / "out"), kind=kind, layers=1, window=32,
+            seq_len=96, steps=12, lr=3e-3, selector_rank=16, selector_top_k=8, checkpoint_every=6, eval_cuts=8,
+            eval_every=6, heldout=0.2, device="cuda", **kw), log=lambda *_: None)
+    assert ("DrafterLoss" if kind == "dflash2" else "MTPModule") in compiled
+    assert shared == [True, True]  # the evaluations at steps 6 and 12 (the last one also the final figure)
+    losses = [h["loss"] for h in summary["history"]]
+    assert len(losses) == 12 and sum(losses[-3:]) < sum(losses[:3])
+    assert 1 <= summary["evaluation"]["mean_accepted_length"] <= 8
+
+
 def test_trainer_on_gpu_keeps_the_cpu_history(tmp_path):
     """Trainer.fit on CUDA (AdamW fused; each step's figures read from a host copy once the next step is queued)
     records every step, in order, with the losses, figures and gradient norms of the same run on the CPU (foreach
