@@ -658,9 +658,9 @@ def test_train_drafter_on_gpu_compiles_and_evaluates_on_its_own_target(tmp_path,
     compiled, shared = [], []
     real_compile, real_evaluate = torch.compile, training.evaluate
 
-    def evaluate(run, out, heldout, device, *given):
-        shared.append(bool(given) and given[0] is not None)
-        return real_evaluate(run, out, heldout, device, *given)
+    def evaluate(run, out, heldout, device, **given):
+        shared.append(given.get("target") is not None)
+        return real_evaluate(run, out, heldout, device, **given)
     with mock.patch.object(torch, "compile", lambda m, **kw: compiled.append(type(m).__name__) or real_compile(m, **kw)), \
             mock.patch.object(training, "evaluate", evaluate):
         kw = {"replace_mtp": True, "batch_tokens": 192} if kind == "mtp" else {"batch_tokens": 128}

@@ -129,12 +129,12 @@ def test_evaluation_runs_the_frozen_target_itself(setup, monkeypatch, kind):
                                                 for t in (*copy.parameters(), *copy.buffers())))
         return copy
 
-    def evaluate(run, out, heldout, device, *shared):
+    def evaluate(run, out, heldout, device, **shared):
         model = frozen[0]
         types = [type(m) for m in model.modules()]
         values = {k: v.clone() for k, v in model.state_dict().items()}
-        measured = real_evaluate(run, out, heldout, device, *shared)
-        assert shared[0] is model and views == [True]
+        measured = real_evaluate(run, out, heldout, device, **shared)
+        assert shared["target"] is model and views == [True]
         assert [type(m) for m in model.modules()] == types
         assert all(torch.equal(v, model.state_dict()[k]) for k, v in values.items())
         assert measured == real_evaluate(run, out, heldout, device)  # an engine loading the written files

@@ -268,10 +268,10 @@ def _train(run: DrafterTraining, target_config: TargetConfig, device: torch.devi
         f"{rows} tokens on {where}")
 
     # evaluations run the frozen target itself when it is whole here, not a second copy of it
-    shared = () if sharded else (model, module if run.kind == "mtp" else None, stored)
+    shared = {} if sharded else {"target": model, "head": module if run.kind == "mtp" else None, "stored": stored}
 
     def measure() -> dict:  # --eval-every's evaluation, one line each as it comes (the bar shows only the last)
-        measured = evaluate(run, out, heldout, device, *shared)
+        measured = evaluate(run, out, heldout, device, **shared)
         log(f"step {trainer.step}: mean accepted length {measured['mean_accepted_length']:.3f} over "
             f"{measured['cuts']} held-out contexts")
         return measured
@@ -285,7 +285,7 @@ def _train(run: DrafterTraining, target_config: TargetConfig, device: torch.devi
     if run.eval_cuts and heldout:
         last = trainer.evaluations[-1] if trainer.evaluations else {}
         final = {k: v for k, v in last.items() if k != "step"} if last.get("step") == steps else None
-        summary["evaluation"] = final or ranks.from_main(evaluate(run, out, heldout, device, *shared) if ranks.main
+        summary["evaluation"] = final or ranks.from_main(evaluate(run, out, heldout, device, **shared) if ranks.main
                                                           else None)
         log(f"held-out: mean accepted length {summary['evaluation']['mean_accepted_length']:.3f} per cycle over "
             f"{summary['evaluation']['cuts']} contexts")
