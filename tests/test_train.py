@@ -5,6 +5,7 @@ resume continues, and bad input is refused in one line before any training."""
 import json
 import random
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -406,6 +407,8 @@ def test_conversations_and_completions_start_sequences_of_their_own(setup, tmp_p
     completion = {"prompt": "QWXYZ" * 5, "completion": "abcde" * 20}  # 25 + 100 tokens, the separator: 126
     write_jsonl(tmp_path / "records.jsonl", [completion, {"text": "0123456789" * 10}, conversation_records(1)[0]])
     sequences, _ = split_corpus([str(tmp_path)], tokenizer, 64, 0.0, 0, 257)
+    assert all(s.ids.dtype == np.int32 and s.trained.dtype == bool for s in sequences)  # 5 bytes a token
+    sequences = [s._replace(ids=s.ids.tolist(), trained=s.trained.tolist()) for s in sequences]
     starts = [s for s in sequences if s.ids[:5] == tokenizer.encode("QWXYZ")]
     assert len(starts) == 1
     first, second = starts[0], sequences[sequences.index(starts[0]) + 1]

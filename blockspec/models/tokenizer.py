@@ -10,6 +10,7 @@ from datetime import datetime
 from functools import cached_property, lru_cache
 from pathlib import Path
 
+import numpy as np
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 
@@ -104,12 +105,13 @@ class Tokenizer:
             self._check_length(text, max_tokens)
         return self._encode([text], split_special_tokens)[0]
 
-    def _encode(self, texts: list[str], split_special_tokens: bool) -> list[list[int]]:
+    def _encode(self, texts: list[str], split_special_tokens: bool, convert=None) -> list:
         # encode_batch_fast releases the GIL while it works (encode holds it): a long text does not stop the
         # caller's other threads (the server's event loop)
         with self._encoding:
             self._tok.encode_special_tokens = split_special_tokens
-            return [e.ids for e in self._tok.encode_batch_fast(texts, add_special_tokens=False)]
+            encodings = self._tok.encode_batch_fast(texts, add_special_tokens=False)
+        return [e.ids if convert is None else convert(e.ids) for e in encodings]
 
     @cached_property
     def _longest_token(self) -> int | None:
@@ -134,6 +136,13 @@ class Tokenizer:
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         """encode() of many texts at once, on all cores (corpora for training)."""
         return self._encode(texts, split_special_tokens=False)
+
+    def encode_batch_arrays(self, texts: list[str], chunk: int = 1024) -> list[np.ndarray]:
+        """encode_batch() as int32 arrays, `chunk` texts at a time: a corpus's ids as Python ints, or the tokenizer's
+        encodings of all of it at once (tokens, offsets), would take tens of bytes a token."""
+        as_array = lambda ids: np.array(ids, dtype=np.int32)  # noqa: E731
+        return [a for i in range(0, len(texts), chunk)
+                for a in self._encode(texts[i:i + chunk], split_special_tokens=False, convert=as_array)]
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=True)

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from ..engine.reuse import common_prefix
@@ -50,10 +51,11 @@ class Completion:
 
 class Sequence(NamedTuple):
     """A training sequence: its token ids and, per position, whether the label there (the target's token for the
-    next position) is trained on: the next token is an assistant's, or text."""
+    next position) is trained on: the next token is an assistant's, or text. Arrays (int32, bool): a corpus of
+    hundreds of millions of tokens holds 5 bytes a token, where Python lists of ints would take ~40."""
 
-    ids: list[int]
-    trained: list[bool]
+    ids: np.ndarray
+    trained: np.ndarray
 
 
 def text_files(paths: list[str], suffixes=None, flag: str = "--data") -> list[Path]:
@@ -185,10 +187,11 @@ def conversation_tokens(tokenizer, messages: list[dict]) -> tuple[list[int], lis
 
 
 class Unit(NamedTuple):
-    """A text's, completion's or conversation's tokens and, per token, whether the loss is on it; `alone`: it starts
-    a sequence of its own (a completion, a conversation), else it is laid end to end with the texts."""
-    ids: list[int]
-    mine: list[bool]
+    """A text's, completion's or conversation's tokens (int32) and, per token, whether the loss is on it (bool);
+    `alone`: it starts a sequence of its own (a completion, a conversation), else it is laid end to end with the
+    texts."""
+    ids: np.ndarray
+    mine: np.ndarray
     alone: bool
 
 
@@ -197,23 +200,25 @@ def unit_tokens(units: list, tokenizer, eos: int | None, flag: str = "--data") -
     text's: all; a completion's: its completion's)."""
     texts = [part for u in units if not isinstance(u, Conversation)
              for part in ((u.prompt, u.completion) if isinstance(u, Completion) else (u,))]
-    encoded = iter(tokenizer.encode_batch(texts))
-    separator = [eos] if eos is not None else []
+    encoded = iter(tokenizer.encode_batch_arrays(texts))
+    separator = np.array([eos] if eos is not None else [], dtype=np.int32)
+
     out = []
-    for unit in units:
-        if isinstance(unit, str):
-            ids = next(encoded) + separator
-            out.append(Unit(ids, [True] * len(ids), False))
-        elif isinstance(unit, Completion):
+    for u in units:
+        if isinstance(u, str):
+            ids = next(encoded)
+            out.append(Unit(np.concatenate([ids, separator]), np.ones(len(ids) + len(separator), bool), False))
+        elif isinstance(u, Completion):
             prompt, completion = next(encoded), next(encoded)
-            out.append(Unit(prompt + completion + separator,
-                            [False] * len(prompt) + [True] * len(completion) + [False] * len(separator), True))
+            out.append(Unit(np.concatenate([prompt, completion, separator]),
+                            np.repeat([False, True, False], [len(prompt), len(completion), len(separator)]), True))
         else:
             try:
-                ids, mine = conversation_tokens(tokenizer, unit.messages)
+                ids, mine = conversation_tokens(tokenizer, u.messages)
             except BlockspecError as exc:
-                raise BlockspecError(f"{flag} {unit.path}:{unit.line}: {exc}") from None
-            out.append(Unit(ids + separator, mine + [False] * len(separator), True))
+                raise BlockspecError(f"{flag} {u.path}:{u.line}: {exc}") from None
+            out.append(Unit(np.concatenate([np.array(ids, np.int32), separator]),
+                            np.concatenate([np.array(mine, bool), np.zeros(len(separator), bool)]), True))
     return out
 
 
@@ -221,7 +226,9 @@ def on_device(rows: list, device: torch.device) -> torch.Tensor:
     """A step's host data (ints, or lists of them of one length) as a tensor on `device`, copied through pinned memory
     without a wait: a copy from pageable memory waits until the device has run all that is queued (the step before),
     and the host's work on this step would no longer overlap the device's."""
-    rows = torch.tensor(rows)
+    rows = torch.from_numpy(np.asarray(rows))  # a list of equal arrays stacks into one
+    if not rows.dtype.is_floating_point and rows.dtype != torch.bool:
+        rows = rows.long()
     return rows.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else rows
 
 
@@ -230,18 +237,24 @@ def sequences(units: list[Unit], length: int, pad: int = 0) -> list[Sequence]:
     cut into its own, the last padded with `pad` (untrained); a position is trained when the token after it is.
     Sequences with no trained position are left out."""
     def cut(ids, mine, padded):
-        trained = mine[1:] + [False]
+        """Views of the tokens (copies only where padded); the label at a position is the next token."""
+        trained = np.concatenate([mine[1:], [False]])
         end = len(ids) if padded else len(ids) - length + 1
         for i in range(0, max(end, 0), length):
-            missing = length - len(ids[i:i + length])
-            yield Sequence(ids[i:i + length] + [pad] * missing, trained[i:i + length] + [False] * missing)
+            part, marks = ids[i:i + length], trained[i:i + length]
+            if len(part) < length:
+                part = np.concatenate([part, np.full(length - len(part), pad, np.int32)])
+                marks = np.concatenate([marks, np.zeros(length - len(marks), bool)])
+            if marks.any():
+                yield Sequence(part, marks)
 
     streamed = [u for u in units if not u.alone]
-    out = list(cut([t for u in streamed for t in u.ids], [m for u in streamed for m in u.mine], False))
+    out = list(cut(np.concatenate([u.ids for u in streamed] or [np.zeros(0, np.int32)]),
+                   np.concatenate([u.mine for u in streamed] or [np.zeros(0, bool)]), False))
     for unit in units:
         if unit.alone:
             out += cut(unit.ids, unit.mine, True)
-    return [s for s in out if any(s.trained)]
+    return out
 
 
 def split_corpus(paths: list[str], tokenizer, length: int, heldout: float, seed: int, eos: int | None,

@@ -20,6 +20,7 @@ and `dflash` load it as it is.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -67,12 +68,13 @@ def mask_token(tokenizer, vocab_size: int) -> int:
     return vocab_size - 1
 
 
-def anchor_positions(trained: list[bool], block: int) -> list[int]:
-    """The positions of a sequence that may anchor a block: a whole block after it, its first label trained."""
-    return [a for a in range(1, len(trained) - block + 2) if trained[a]]
+def anchor_positions(trained, block: int) -> list[int]:
+    """The positions of a sequence that may anchor a block: a whole block after it, its first label trained
+    (`trained`: per position, an array or a list)."""
+    return (np.flatnonzero(np.asarray(trained[1:len(trained) - block + 2])) + 1).tolist()
 
 
-def sample_anchors(trained: list[bool], count: int, block: int, rng) -> list[int]:
+def sample_anchors(trained, count: int, block: int, rng) -> list[int]:
     """`count` distinct anchor positions (or all there are) of a sequence whose positions are `trained` or not."""
     positions = anchor_positions(trained, block)
     return sorted(rng.sample(positions, min(count, len(positions))))
@@ -207,7 +209,7 @@ def dflash2_step(drafter, model, features, sequences, run, ranks: Ranks | None =
     block, length = run.block_size, len(sequences[0].ids)
     count, per_sequence = step_shape(run)
     device = model.embed_tokens.weight.device
-    sequences = [s for s in sequences if anchor_positions(s.trained, block)]
+    sequences = [s for s in sequences if np.any(s.trained[1:length - block + 2])]  # one anchor at least
     if not sequences:
         raise BlockspecError("--data: no training sequence has a trained token to anchor a block on")
     losses = ranks.replicate(DrafterLoss(drafter, model, run.loss_decay, length, ranks.total), device)

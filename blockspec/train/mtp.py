@@ -14,6 +14,7 @@ import json
 import shutil
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -164,7 +165,7 @@ def mtp_step(head, model, target, sequences, batch_tokens: int, ranks: Ranks | N
     ranks = ranks or Ranks()
     device = model.embed_tokens.weight.device
     per_step = step_sequences(batch_tokens, len(sequences[0].ids))
-    sequences = [s for s in sequences if any(s.trained[1:-1])]
+    sequences = [s for s in sequences if np.any(s.trained[1:-1])]
     if not sequences:
         raise BlockspecError("--data: no training sequence has a trained token for the MTP head")
 

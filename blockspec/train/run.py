@@ -317,8 +317,8 @@ def evaluate(run: DrafterTraining, out: Path, heldout: list[Sequence], device: t
         if head is not None:
             shared["mtp_tensors"] = head.checkpoint_tensors(stored)
     engine = Engine(config, **shared)
-    return one_cycle_acceptance(engine, [s.ids for s in heldout], run.eval_cuts, run.seed,
-                                trained=[s.trained for s in heldout])
+    return one_cycle_acceptance(engine, [s.ids.tolist() for s in heldout], run.eval_cuts, run.seed,
+                                trained=[s.trained.tolist() for s in heldout])
 
 
 def modules_over_the_same_tensors(model: torch.nn.Module) -> torch.nn.Module:
