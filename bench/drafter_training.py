@@ -42,7 +42,7 @@ from blockspec.train import dflash2  # noqa: E402
 from blockspec.train.data import Sequence  # noqa: E402
 from blockspec.train.dflash2 import dflash2_step, new_drafter  # noqa: E402
 from blockspec.train.ranks import process_group, rank_device  # noqa: E402
-from blockspec.train.run import TargetFeatures  # noqa: E402
+from blockspec.train.run import TargetFeatures, compiles  # noqa: E402
 
 
 def main():
@@ -94,8 +94,7 @@ def measure(args, device, ranks):
     features = TargetFeatures(model, layer_ids, args.seq_len, device, dtype,
                               graphed="fsdp" not in placements or ranks.world == 1)
     run = SimpleNamespace(batch_tokens=args.batch_tokens, block_size=config["dflash_config"]["block_size"],
-                          seq_len=args.seq_len, loss_decay=4.0,
-                          compile=device.type == "cuda" if args.compile is None else args.compile)
+                          seq_len=args.seq_len, loss_decay=4.0, compile=compiles(args.compile, device))
     rng = random.Random(0)
     sequences = [Sequence([rng.randrange(model.config.vocab_size) for _ in range(args.seq_len)], [True] * args.seq_len)
                  for _ in range(4)]  # text: every label trained

@@ -202,7 +202,6 @@ def unit_tokens(units: list, tokenizer, eos: int | None, flag: str = "--data") -
              for part in ((u.prompt, u.completion) if isinstance(u, Completion) else (u,))]
     encoded = iter(tokenizer.encode_batch_arrays(texts))
     separator = np.array([eos] if eos is not None else [], dtype=np.int32)
-
     out = []
     for u in units:
         if isinstance(u, str):
@@ -223,7 +222,8 @@ def unit_tokens(units: list, tokenizer, eos: int | None, flag: str = "--data") -
 
 
 def on_device(rows: list, device: torch.device) -> torch.Tensor:
-    """A step's host data (ints, or lists of them of one length) as a tensor on `device`, copied through pinned memory
+    """A step's host data (ints, or lists or arrays of them of one length) as a tensor on `device` (integers as
+    int64), copied through pinned memory
     without a wait: a copy from pageable memory waits until the device has run all that is queued (the step before),
     and the host's work on this step would no longer overlap the device's."""
     rows = torch.from_numpy(np.asarray(rows))  # a list of equal arrays stacks into one

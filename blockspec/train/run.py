@@ -62,6 +62,12 @@ class DrafterTraining:
     compile: bool | None = None                 # the trained module's step through torch.compile (None: on CUDA)
 
 
+def compiles(setting: bool | None, device: torch.device) -> bool:
+    """Whether the trained module's step runs through torch.compile: as set, else on CUDA (a small drafter's eager
+    step is bound by its launches: compiled, the demo pair's ran 2.3x on an H200) and not on the CPU."""
+    return device.type == "cuda" if setting is None else setting
+
+
 def check_run(run: DrafterTraining, world: int | None = None) -> TargetConfig:
     """Refuse, in one line and before any work, what cannot be trained in `world` processes (default: the ones
     torchrun started, or this one)."""
@@ -201,8 +207,7 @@ def train(run: DrafterTraining, log=print) -> dict:
 
     target_config = check_run(run)
     device = rank_device(resolve_device(run.device))
-    if run.compile is None:  # a small drafter's eager step is bound by its launches: compiled 2.3x on an H200
-        run = replace(run, compile=device.type == "cuda")
+    run = replace(run, compile=compiles(run.compile, device))
     if device.type == "cuda" and device.index >= torch.cuda.device_count():
         raise BlockspecError(f"local rank {device.index} has no GPU ({torch.cuda.device_count()} visible): run at "
                              "most one process per GPU")
@@ -311,12 +316,12 @@ def evaluate(run: DrafterTraining, out: Path, heldout: list[Sequence], device: t
                                   "device": device.type, **gpu, **chain,
                                   "compute_dtype": "float32" if device.type == "cpu" else "bfloat16",
                                   "context_length": run.seq_len + 4 * run.block_size})
-    shared = {}
+    given = {}  # what stands in for the checkpoint's tensors
     if target is not None:
-        shared["model"] = modules_over_the_same_tensors(target)
+        given["model"] = modules_over_the_same_tensors(target)
         if head is not None:
-            shared["mtp_tensors"] = head.checkpoint_tensors(stored)
-    engine = Engine(config, **shared)
+            given["mtp_tensors"] = head.checkpoint_tensors(stored)
+    engine = Engine(config, **given)
     return one_cycle_acceptance(engine, [s.ids.tolist() for s in heldout], run.eval_cuts, run.seed,
                                 trained=[s.trained.tolist() for s in heldout])
 
