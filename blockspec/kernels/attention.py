@@ -97,8 +97,8 @@ def cached_attention_sdpa(q, k, v, positions, scale):
 def masked_attention(q, k, v, visible, scale: float):
     """Attention under an explicit mask (the DFlash2 drafter's block over its context slots and its own rows):
     q [T, Hq, D], k / v [L, Hkv, D], visible [T, L] bool -> [T, Hq, D]. The split-KV Triton kernel in mask mode
-    on CUDA (no torch.compile region to trace at start-up; SDPA's cuDNN choice took 48 us per drafter layer at 8
-    queries on the H200); SDPA, the reference, otherwise."""
+    on CUDA (no torch.compile region to trace at start-up; SDPA's cuDNN choice is slower for a drafter block:
+    docs/benchmarks.md, "Attention"); SDPA, the reference, otherwise."""
     if attention_triton.available(q):
         return attention_triton.masked_attention_triton(q, k, v, visible, scale)
     return masked_attention_sdpa(q, k, v, visible, scale)

@@ -3,10 +3,8 @@
 kernel serves a draft tree's 1..MAX_PASS_TOKENS nodes (`tree_attention`, reference `tree_attention_sdpa`).
 
 Why: under a CUDA graph the position is data, so SDPA must read the whole cache under a mask (cost grows with
-context_length, not with the tokens actually held): on the H200 at 4096 slots SDPA (cuDNN) takes 23.7 us per 27B
-layer at one query and 219 us at eight, this kernel 10.7 / 15.2 us (bench/attention_kernels.py; at 32768 slots
-66 / 1731 us against 21 / 33). The filled length is read from `positions` on the device, so a replay reads only the
-filled prefix, whatever the capacity.
+context_length, not with the tokens actually held; docs/benchmarks.md, "Attention"). The filled length is read
+from `positions` on the device, so a replay reads only the filled prefix, whatever the capacity.
 
 Layout: the T queries of the KV heads' G grouped query heads are stacked as the M = T*G rows of one tile (row
 r: token r // G, head kv*G + r % G), so each key/value tile is loaded once per KV head. Programs (kv head, split)

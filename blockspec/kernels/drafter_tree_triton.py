@@ -2,8 +2,7 @@
 (drafter_tree.py), whose reference is `build_tree_reference` there.
 
 Why: the reference adds each node with ~30 tiny ops (1-element index tensors, so that a CUDA graph can record the
-loop); in the H200's proposal graph the tree then cost 0.47 ms more than the chain at budget 16 and 1.29 ms more at
-budget 32 (477 / 973 kernels). One program keeps the frontier (the path score of each node's K children, -inf once
+loop), hundreds of launches a tree inside the proposal graph (docs/benchmarks.md, "Draft trees"). One program keeps the frontier (the path score of each node's K children, -inf once
 taken or past the last row) in registers, flattened in (node, child) order, and adds one node per step: the first
 maximum of the frontier, then the scores of its children from the table. The table stays in global memory: each
 step reads one row of K scores.

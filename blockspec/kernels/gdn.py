@@ -75,8 +75,8 @@ def deltanet_qkv(mixed, key_heads: int, key_dim: int, value_heads: int, value_di
 
 
 SHORT_PASS = 64  # up to this many tokens the recurrence runs token by token in one kernel (gdn_triton.py)
-# The whole mixer in one launch pays for one token only (H200, bench/gdn_kernel.py, us per 27B layer: 1 token 9.2 ->
-# 8.1; 8 tokens 19.4 -> 23.6, every program convolving its key head's q/k channels token after token)
+# The whole mixer in one launch pays for one token only: at more tokens every program convolves its key head's q/k
+# channels token after token (docs/benchmarks.md, "DeltaNet")
 FUSED_MIXER_TOKENS = 1
 
 

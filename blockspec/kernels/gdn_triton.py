@@ -35,12 +35,11 @@ try:
 except ImportError:  # pragma: no cover - CPU-only installs use the reference
     triton = None
 
-# bench/gdn_kernel.py on the H200: 4.56 / 10.88 us per 27B layer at 1 / 8 tokens (fla-core's 8, 1: 4.85 / 11.72)
+# Tile sizes: the fastest of bench/gdn_kernel.py's sweeps on the H200 (docs/benchmarks.md, "DeltaNet"). Small
+# programs: a decode step's work per layer is a few MB, so more programs in flight beat wider ones.
 BLOCK_V, NUM_WARPS = 16, 1
-# the conv (bench/gdn_kernel.py --parts conv, us per 27B layer, 1 / 8 tokens): 64 channels, 1 warp 1.95 / 3.99;
-# 512 channels, 4 warps (the earlier choice: 20 programs) 2.17 / 5.41
 CONV_BLOCK_C, CONV_WARPS = 64, 1
-CONV_ROWS = 16  # tokens a prefill conv program takes (one program a channel block took all: 379 us for 1024 tokens)
+CONV_ROWS = 16  # tokens a prefill conv program takes: a program per channel block alone would run serially
 
 
 def available(x: torch.Tensor) -> bool:
@@ -168,7 +167,7 @@ def tree_pass(x, history, conv_weight, gates, state, shape, z, norm_weight, eps,
 
 MAX_TREE_NODES = 64  # the walk packs node indices into 6 bits
 MAX_PATH = 16  # nodes of a kept path: a drafter block's rows at most
-PATH_BLOCK_V, PATH_WARPS = 16, 2  # keep_path: bench/gdn_kernel.py --parts tree, 8.4 us a 27B layer (32, 4: 9.5)
+PATH_BLOCK_V, PATH_WARPS = 16, 2  # keep_path: the fastest in bench/gdn_kernel.py --parts tree
 TREE_NORM_ROWS, TREE_CONV_ROWS = 8, 16  # rows the norm epilogue / a tree conv program takes at a time
 # the closed-form tree recurrence: value channels a program (tl.dot needs >= 16), key channels a load
 TREE_BLOCK_V, TREE_BLOCK_K = 64, 32

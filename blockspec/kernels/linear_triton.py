@@ -3,7 +3,7 @@ MAX_PASS_TOKENS (a verification pass: a chain's or a draft tree's rows); F.linea
 serves every other shape.
 
 Why, beside cuBLAS: for the MLP's down projection (17408 -> 5120 on the 27B) cuBLAS picks a split-K kernel plus a
-memset and a reduction launch, ~51 us per call where the weight alone streams in ~44 us. Here split-K partial sums
+memset and a reduction launch (docs/benchmarks.md, "Few-row bf16 matmul"). Here split-K partial sums
 are added by the last program to finish a tile (`split_k_total`, shared with the W4A16 kernel): one launch, no
 memset. Programs: (BN output rows, a range of BK-wide input blocks); an MMA tile of BM = 8, 16, 32 or 64 rows
 (the next power of two of M, at least 8; Triton compiles 8 rows to mma.sync and more to Hopper's wgmma, a 64-row

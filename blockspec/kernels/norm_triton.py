@@ -2,8 +2,8 @@
 (blockspec.kernels.norm), which stay the reference.
 
 Why a hand-written kernel: for one 5120-wide row torch.compile emits a looped reduction (two passes over the row in
-one program) that took 3.3-3.8 us per call on the H200, 129 calls per 27B decode step; one program holding the
-whole row in registers reads and writes it once. Same rounding as the reference: the sum x + delta is rounded to
+one program), and a 27B decode step makes 129 such calls; one program holding the whole row in registers reads and
+writes it once (docs/benchmarks.md, "RMSNorm"). Same rounding as the reference: the sum x + delta is rounded to
 the activation dtype first (it is the new residual stream), the norm is computed in float32 from that.
 """
 

@@ -334,7 +334,7 @@ def default_config(m: int, n: int, k: int, bits: int = 4, group_size: int = 128)
         return KernelConfig(64, 32, 4, 2, 4 if n <= 8192 else 1)
     if m > 16:  # 8-bit codes: the 9..16-row entry with a taller x tile (not measured)
         return replace(default_config(16, n, k, bits, group_size), block_m=1 << (m - 1).bit_length())
-    asm = True  # int8 too: PTX unpacking checked on the H200 and 9-48 % faster than plain Triton (quant_kernels.py)
+    asm = True  # int8 too: the PTX unpacking is the faster (docs/benchmarks.md, "W4A16 / W8A16")
     if group_size < 128:  # short groups (int8 g32: 64 B per row and step): 3 stages, 64-row tiles for wide outputs
         if m <= 8:
             return KernelConfig(64 if n >= 16384 else 128, 8, 4, 3, 2, asm)
@@ -347,12 +347,12 @@ def default_config(m: int, n: int, k: int, bits: int = 4, group_size: int = 128)
         return KernelConfig(128, 16, 4, 3, 4, asm)
     if k > 8192:  # long rows (down): K splits to ~4 waves
         return KernelConfig(64, 16, 4, 2, 4, asm)
-    return KernelConfig(64, 16, 4, 3, 1, asm)  # one wave of 3-stage programs: 5-10 % faster than ~4
+    return KernelConfig(64, 16, 4, 3, 1, asm)  # one wave of 3-stage programs: faster than ~4 waves
 
 
 MIN_PIECE = 4        # blocks: a shorter split part costs more in its pipeline's start than it balances
 BALANCED_ROUNDS = 4  # whole tiles per SM up to which `schedule` balances (all resident at once, finishing together)
-SHORT_ROUND = 4      # a last round of tiles on at most 1 / SHORT_ROUND of the SMs is split (more: measured slower)
+SHORT_ROUND = 4      # a last round of tiles on at most 1 / SHORT_ROUND of the SMs is split (a longer one loses)
 
 
 def schedule(cfg: KernelConfig, n: int, nblk: int, sms: int = 132) -> tuple[int, int, int]:
@@ -361,8 +361,8 @@ def schedule(cfg: KernelConfig, n: int, nblk: int, sms: int = 132) -> tuple[int,
     By default every tile is split alike, until about cfg.waves * sms programs. With cfg.balance, when that leaves
     tiles unsplit and a short last round (gate_up's 544 over 132: 16 SMs would stream a fifth tile while 116 idle),
     the tiles of the full rounds stay whole and the remaining ones are split so that the most blocks any SM streams
-    is least (ties: fewer programs), pieces of at least MIN_PIECE blocks. H200, 1 row: FP8 gate_up 58.4 -> 48.6 us,
-    INT4 32.6 -> 31.0 us; a long last round split so (FP8 qkv, 92 of 132 SMs) measured 11 % slower."""
+    is least (ties: fewer programs), pieces of at least MIN_PIECE blocks (docs/benchmarks.md, "W4A16 / W8A16 launch
+    schedules")."""
     tiles = -(-n // cfg.block_n)
     split, bps = split_blocks(tiles, nblk, cfg.waves * sms)
     rounds, rest = divmod(tiles, sms)

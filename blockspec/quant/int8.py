@@ -3,11 +3,7 @@
   scale = max|w| / 127 per group; q = clamp(round(w / scale), -127, 127); w ~= q * scale (error <= scale/2).
 `Int8Linear` stores unsigned codes u = q + 128 in the q16 layout of kernels/quant_matmul.py (2 codes per int16 halfword:
 qweight int16 [N, Kp/2], blocks of 2 groups, scales [Kp/(2G), N, 2]) and runs the same Triton kernel on CUDA (byte i of
-each halfword is group i of a block) and dequantize + matmul elsewhere. GPU status: the int8 kernel compiles for sm_90a
-(checked offline: ~4.3 SASS instructions per weight at group 128 and ~5.6 at group 32 with the default plain-Triton
-unpacking, 3.2 / 4.4 with the PTX one, against a budget of ~8 at 4 TB/s for 1-byte weights) and matches the reference
-under the Triton interpreter; it has not been run or timed on a GPU yet (bench/quant_kernels.py checks and times it,
-both unpackings).
+each halfword is group i of a block) and dequantize + matmul elsewhere (figures: docs/benchmarks.md, "W4A16 / W8A16").
 """
 
 from __future__ import annotations
