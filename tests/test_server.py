@@ -308,7 +308,8 @@ REFUSALS = [
     ("chat", {**CHAT, "response_format": {"a": 1}}, "response_format", "string 'type'"),
     ("completion", {**COMPLETION, "logprobs": 0}, "logprobs", "logprobs"),
     ("completion", {**COMPLETION, "suffix": 0}, "suffix", "must be a string"),
-    ("completion", {**COMPLETION, "stream_options": {"include_usage": 0}}, "stream_options", "boolean"),
+    ("completion", {**COMPLETION, "stream": True, "stream_options": {"include_usage": 0}}, "stream_options",
+     "boolean"),
     ("chat", {**CHAT, "temperature": "hot"}, "temperature", "number"),
     ("chat", {**CHAT, "n": 2}, "n", "n=2"),
     ("chat", {**CHAT, "logprobs": True}, "logprobs", "logprobs"),
@@ -382,7 +383,10 @@ class FakeEngine:
     def stream(self, prompt_ids, max_tokens, stop_at_eos=True, snapshot_at=None, stop=None):
         if self.reply is None:
             raise RuntimeError("CUDA error at /secret/path/kernel.cu:12")
+        self.last_prompt = prompt_ids
         tokens = self.tokenizer.encode(self.reply) + [min(self.tokenizer.eos_token_ids)]
+        if not stop_at_eos:  # on past EOS: the reply again
+            tokens = tokens * -(-max_tokens // len(tokens))
         try:
             for token in tokens[:max_tokens]:
                 yield token
@@ -421,6 +425,115 @@ def test_eos_and_multibyte_text_in_process(tiny):
         assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
         short = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2}).json()
         assert short["choices"][0]["finish_reason"] == "length"
+
+
+def test_streamed_text_gives_out_all_but_a_possible_partial_character(tiny):
+    """IncrementalText's pieces concatenate to the decoding of all the tokens, however they arrive (valid multi-byte
+    characters split over tokens, bytes that never form a character, cut characters), and a stream of such bytes is
+    given out as it comes: only the trailing U+FFFD a character's remaining bytes could still replace are held."""
+    import random
+
+    from blockspec.models.tokenizer import Tokenizer
+    from blockspec.server import IncrementalText
+
+    tok = Tokenizer(tiny, [])
+    lone = [i for i in range(tok.vocab_size) if tok.decode([i]) == "\ufffd"]  # bytes that are no character alone
+    cut = tok.encode("a\U0001F600b\u20acc")
+    rng = random.Random(0)
+    for _ in range(200):
+        tokens = []
+        for _ in range(rng.randint(1, 30)):
+            r = rng.random()
+            tokens += ([rng.choice(lone)] if r < 0.3 else cut[:rng.randint(1, len(cut))] if r < 0.5
+                       else tok.encode(rng.choice(["x", " h\u00e9", "\U0001F600", "\u20ac", "ok\n"])))
+        stream, pieces, i = IncrementalText(tok), [], 0
+        while i < len(tokens):
+            step = rng.randint(1, 3)
+            pieces.append(stream.push(tokens[i:i + step]))
+            i += step
+        pieces.append(stream.finish())
+        assert "".join(pieces) == tok.decode(tokens), (tokens, pieces)
+    stream = IncrementalText(tok)
+    assert "".join(stream.push([lone[0]]) for _ in range(64)) == "\ufffd" * 61
+    assert stream.finish() == "\ufffd" * 3
+
+
+def test_vllm_request_extensions_in_process(tiny):
+    """ignore_eos generates max_tokens tokens (finish_reason length), add_generation_prompt false renders the chat
+    without the generation prompt, max_completion_tokens also bounds a completion, and the fields served at their
+    neutral value only are accepted there."""
+    from starlette.testclient import TestClient
+
+    from blockspec.config import ServerSettings
+    from blockspec.models.tokenizer import Tokenizer
+    from blockspec.server import create_app
+
+    tok = Tokenizer(tiny, [])
+    engine = FakeEngine(tok, "ok")
+    reply = len(tok.encode("ok")) + 1
+    with TestClient(create_app(engine, ServerSettings(queue_size=2)), base_url="http://localhost") as http:
+        r = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 3 * reply, "ignore_eos": True}).json()
+        assert r["usage"]["completion_tokens"] == 3 * reply and r["choices"][0]["finish_reason"] == "length"
+        assert r["choices"][0]["text"] == "ok" * 3
+        r = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 9, "ignore_eos": False}).json()
+        assert r["usage"]["completion_tokens"] == reply and r["choices"][0]["finish_reason"] == "stop"
+        r = http.post("/v1/completions", json={"prompt": "hi", "max_completion_tokens": 1}).json()
+        assert r["usage"]["completion_tokens"] == 1 and r["choices"][0]["finish_reason"] == "length"
+        messages = user("hi")
+        for generation_prompt in (False, True):
+            r = http.post("/v1/chat/completions", json={"messages": messages,
+                                                         "add_generation_prompt": generation_prompt})
+            assert r.status_code == 200, r.text
+            assert engine.last_prompt == tok.chat_prompt_ids(messages, generation_prompt=generation_prompt)
+        neutral = {"min_tokens": 0, "stop_token_ids": [], "skip_special_tokens": True, "echo": False,
+                   "continue_final_message": False, "chat_template_kwargs": {"enable_thinking": False},
+                   "modalities": ["text"], "prompt_logprobs": None, "stream": True,
+                   "stream_options": {"include_usage": True}}
+        r = http.post("/v1/chat/completions", json={"messages": messages, **neutral})
+        assert r.status_code == 200 and '"usage": {' in r.text and r.text.endswith("data: [DONE]\n\n"), r.text
+
+
+def test_pipelined_request_running_past_the_receive_timeout_is_answered():
+    """A keep-alive client that sends its next request before the answer to the previous one ends (pipelining): the
+    next request runs, past --receive-timeout, and is answered whole; the connection closes only once idle for that
+    long after its last answer."""
+    import asyncio
+    import functools
+
+    import uvicorn
+
+    from blockspec.server.connection import TimedH11Protocol
+
+    async def app(scope, receive, send):
+        assert scope["type"] == "http"
+        if scope["path"] == "/slow":
+            await asyncio.sleep(1.0)
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"4")]})
+        await send({"type": "http.response.body", "body": scope["path"][1:5].encode()})
+
+    listening = socket.socket()
+    listening.bind(("127.0.0.1", 0))
+    port = listening.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, http=functools.partial(TimedH11Protocol, receive_timeout_s=0.3),
+                                           lifespan="off", log_level="error"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [listening]}, daemon=True)
+    thread.start()
+    try:
+        while not server.started:
+            time.sleep(0.01)
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+            sock.sendall(b"GET /fast HTTP/1.1\r\nHost: x\r\n\r\nGET /slow HTTP/1.1\r\nHost: x\r\n\r\n")
+            data = b""
+            while data.count(b"HTTP/1.1 200") < 2 or not data.endswith(b"slow"):
+                chunk = sock.recv(4096)
+                assert chunk, data  # closed before the second answer
+                data += chunk
+            answered = time.perf_counter()
+            assert sock.recv(100) == b""  # closed once idle
+            assert 0.2 < time.perf_counter() - answered < 2
+    finally:
+        server.should_exit = True
+        thread.join(10)
 
 
 class Undecodable:

@@ -169,6 +169,31 @@ def test_flood_of_large_bodies_leaves_small_requests_and_health_fast(server):
     assert_no_traceback(server)
 
 
+def test_slow_large_bodies_do_not_hold_back_other_large_bodies(server):
+    """Five clients that announce chunked bodies and send one byte each (as many as queue-size + 1 = 3 large bodies
+    and more): large bodies are counted by the bytes they hold, so a 100 KB body and a chunked one sent meanwhile are
+    served, not refused 429."""
+    slow = []
+    head = "".join(f"{k}: {v}\r\n" for k, v in {"Host": f"127.0.0.1:{server.port}", **server.headers(),
+                                                 "Transfer-Encoding": "chunked"}.items())
+    for _ in range(5):
+        sock = socket.create_connection(("127.0.0.1", server.port), timeout=30)
+        sock.sendall(f"POST /v1/completions HTTP/1.1\r\n{head}\r\n".encode() + b"1\r\n{\r\n")
+        slow.append(sock)
+    try:
+        time.sleep(0.1)
+        padded = json.dumps({"prompt": "hi", "max_tokens": 1, "user": "u" * 100_000}).encode()
+        r = post(server, "/v1/completions", content=padded, headers={"Content-Type": "application/json"})
+        assert r.status_code == 200, r.text
+        chunked = post(server, "/v1/completions", content=iter([b'{"prompt": "hi", ', b'"max_tokens": 1}']),
+                       headers={"Content-Type": "application/json"})
+        assert chunked.status_code == 200, chunked.text
+    finally:
+        for sock in slow:
+            sock.close()
+    assert_no_traceback(server)
+
+
 def test_slow_and_silent_clients_time_out(server):
     """Bodies that never arrive: 408 after --receive-timeout, or one log line for those who leave; a connection that
     never sends its headers is closed after the same time. Nothing leaves a traceback."""
@@ -290,6 +315,33 @@ MALFORMED = [
     ("completions", '{"prompt": "x", "split_special_tokens": "no"}', 400, "split_special_tokens", "boolean"),
     ("chat/completions", '{"messages": [{"role": "user", "content": "x"}], "split_special_tokens": false}', 400,
      "split_special_tokens", "/v1/completions"),
+    ("completions", '{"prompt": "x", "temperature": 1' + "0" * 400 + "}", 400, "temperature", "finite number"),
+    ("completions", '{"prompt": "x", "presence_penalty": -1' + "0" * 400 + "}", 400, "presence_penalty",
+     "finite number"),
+    ("completions", '{"prompt": "x", "stream_options": {"include_usage": true}}', 400, "stream_options",
+     '"stream": true'),
+    ("completions", '{"prompt": "x", "max_completion_tokens": 2, "max_tokens": "abc"}', 400, "max_tokens",
+     "integer"),
+    ("chat/completions", '{"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 2, '
+     '"max_tokens": "abc"}', 400, "max_tokens", "integer"),
+    ("completions", '{"prompt": "x", "ignore_eos": 1}', 400, "ignore_eos", "boolean"),
+    ("completions", '{"prompt": "x", "min_tokens": 4}', 400, "min_tokens", "minimum length"),
+    ("completions", '{"prompt": "x", "stop_token_ids": [7]}', 400, "stop_token_ids", "stop token ids"),
+    ("completions", '{"prompt": "x", "skip_special_tokens": false}', 400, "skip_special_tokens", "special tokens"),
+    ("completions", '{"prompt": "x", "prompt_logprobs": 0}', 400, "prompt_logprobs", "prompt logprobs"),
+    ("completions", '{"prompt": "x", "truncate_prompt_tokens": 8}', 400, "truncate_prompt_tokens", "truncation"),
+    ("chat/completions", '{"messages": [{"role": "user", "content": "x"}], "echo": true}', 400, "echo",
+     "prompt with the reply"),
+    ("chat/completions", '{"messages": [{"role": "user", "content": "x"}], "continue_final_message": true}', 400,
+     "continue_final_message", "last message"),
+    ("chat/completions", '{"messages": [{"role": "user", "content": "x"}], "chat_template": "{{ 1 }}"}', 400,
+     "chat_template", "own chat template"),
+    ("chat/completions", '{"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": '
+     '{"enable_thinking": true}}', 400, "chat_template_kwargs", "enable_thinking false"),
+    ("chat/completions", '{"messages": [{"role": "user", "content": "x"}], "modalities": ["text", "audio"]}', 400,
+     "modalities", "other than text"),
+    ("chat/completions", '{"messages": [{"role": "user", "content": "x"}], "add_generation_prompt": "no"}', 400,
+     "add_generation_prompt", "boolean"),
     ("completions", '{"prompt": "x",}', 400, None, "not valid JSON"),
     ("completions", '"just a string"', 400, None, "JSON object"),
     ("completions", "   ", 400, None, "empty"),
@@ -334,7 +386,7 @@ def mutations(rng: random.Random, body: dict):
 def test_fuzzed_fields_never_answer_5xx(servers, name):
     server = servers[name]
     rng = random.Random(0)
-    base_chat = {**CHAT, "stream": False, "stream_options": {"include_usage": True}, "n": 1, "stop": [],
+    base_chat = {**CHAT, "n": 1, "stop": [], "chat_template_kwargs": {"enable_thinking": False}, "ignore_eos": False,
                  "frequency_penalty": 0, "response_format": {"type": "text"}, "model": server.health()["model"]}
     base_completion = {**COMPLETION, "echo": False, "logprobs": None, "best_of": 1, "split_special_tokens": True,
                        "suffix": None, "user": "u"}

@@ -70,11 +70,12 @@ def create_app(engine, settings: ServerSettings = ServerSettings(), bound_addres
     """The app; bound_address (the listening socket's address, default settings.host) decides the Host check."""
     worker = Worker(engine, settings.queue_size)
     # JSON parsing, validation and tokenization run on these threads, never on the event loop, in two lanes: large
-    # bodies one at a time, at most `large_limit` of them read or parsed at once (more are answered 429 before their
-    # body is read), so that a flood of them neither holds memory nor delays the small bodies' own lane
+    # bodies one at a time, the bytes of those being received or parsed at most `large_limit` (queue-size + 1 whole
+    # bodies; a body that would pass it is answered 429), so that a flood of them neither holds memory nor delays
+    # the small bodies' own lane. Bytes, not bodies, are counted: a client sending slowly holds only what it sent.
     parsing = ThreadPoolExecutor(max_workers=2, thread_name_prefix="blockspec-parse")
     parsing_large = ThreadPoolExecutor(max_workers=1, thread_name_prefix="blockspec-parse-large")
-    large_limit, large_now = settings.queue_size + 1, 0
+    large_limit, large_held = (settings.queue_size + 1) * settings.max_body_bytes, 0
     closing = asyncio.Event()
 
     @contextlib.asynccontextmanager
@@ -143,7 +144,7 @@ def create_app(engine, settings: ServerSettings = ServerSettings(), bound_addres
 
     def submit(prepared: Prepared) -> Job:
         job = Job(prepared.prompt_ids, prepared.max_tokens, asyncio.get_running_loop(), prepared.sampling,
-                  prepared.snapshot_at)
+                  prepared.snapshot_at, prepared.stop_at_eos)
         try:
             worker.submit(job)
         except QueueFull as full:
@@ -154,8 +155,8 @@ def create_app(engine, settings: ServerSettings = ServerSettings(), bound_addres
             raise shutting_down() from None
         return job
 
-    def finish_reason(tokens: list[int]) -> str:
-        return "stop" if tokens and tokens[-1] in eos else "length"
+    def finish_reason(prepared: Prepared, tokens: list[int]) -> str:
+        return "stop" if prepared.stop_at_eos and tokens and tokens[-1] in eos else "length"
 
     def on_disconnect(watcher: asyncio.Future, job: Job):
         """The client closed its connection: its job gives its place up at once and stops at its next token (a
@@ -163,22 +164,33 @@ def create_app(engine, settings: ServerSettings = ServerSettings(), bound_addres
         if not watcher.cancelled() and watcher.exception() is None and worker.cancel(job) == "running":
             log.info("client left during its generation: stopped at the next token or prefill chunk")
 
+    def parse_queue_full() -> ApiError:
+        return ApiError(429, f"server busy: large request bodies (over {LARGE_BODY // 1024} KiB) being read or "
+                        f"parsed already hold {large_held} bytes (at most (queue-size + 1) x --max-body-mb = "
+                        f"{large_limit}); retry later", type_="rate_limit_error", code="parse_queue_full",
+                        headers={"Retry-After": "1"})
+
     async def parse(request: Request, kind: str) -> Prepared:
-        nonlocal large_now
+        nonlocal large_held
         declared = request.headers.get("content-length", "")
         size = int(declared) if declared.isdigit() else None
         large = size is None or size > LARGE_BODY
-        if large and large_now >= large_limit and (size or 0) <= settings.max_body_bytes:  # else read_body's 413
-            raise ApiError(429, f"server busy: {large_now} large request bodies (over {LARGE_BODY // 1024} KiB) are "
-                           f"already being read or parsed (at most queue-size + 1 = {large_limit}); retry later",
-                           type_="rate_limit_error", code="parse_queue_full", headers={"Retry-After": "1"})
-        large_now += 1 if large else 0
+        if large and size is not None and large_held + size > large_limit and size <= settings.max_body_bytes:
+            raise parse_queue_full()  # refused before its body is read (a larger one gets read_body's 413)
+        held = 0
+
+        def hold(chunk: int):
+            nonlocal large_held, held
+            if large_held + chunk > large_limit:
+                raise parse_queue_full()
+            large_held, held = large_held + chunk, held + chunk
         try:
-            raw = await read_body(request, settings.max_body_bytes, settings.receive_timeout_s, closing)
+            raw = await read_body(request, settings.max_body_bytes, settings.receive_timeout_s, closing,
+                                  hold if large else None)
             return await asyncio.get_running_loop().run_in_executor(parsing_large if large else parsing,
                                                                     parser.parse, raw, kind)
         finally:
-            large_now -= 1 if large else 0
+            large_held -= held
 
     async def handle(request: Request, kind: str):
         prepared = await parse(request, kind)
@@ -204,7 +216,7 @@ def create_app(engine, settings: ServerSettings = ServerSettings(), bound_addres
         if final[0] == "error":
             raise final[1]
         text = await asyncio.get_running_loop().run_in_executor(parsing, engine.tokenizer.decode, tokens)
-        created, reason = int(time.time()), finish_reason(tokens)
+        created, reason = int(time.time()), finish_reason(prepared, tokens)
         if prepared.kind == "chat":
             choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
                       "finish_reason": reason}
@@ -236,18 +248,18 @@ def create_app(engine, settings: ServerSettings = ServerSettings(), bound_addres
         text = IncrementalText(engine.tokenizer)
         async for batch, final in job_events(job):
             piece = text.push(batch) if batch else ""
+            if final:  # the tokens generated are given out whole, also before an error
+                piece += text.finish()
             if final and final[0] == "error":
                 if piece:
                     yield chunk(piece)
                 yield sse(final[1].body())
                 break
-            if final:
-                piece += text.finish()
             if piece:
                 yield chunk(piece)
             if final:
                 tokens = text.tokens
-                yield chunk(None, finish_reason(tokens), blockspec=stats_extension(final[1], engine))
+                yield chunk(None, finish_reason(prepared, tokens), blockspec=stats_extension(final[1], engine))
                 if prepared.include_usage:
                     yield sse({**head, "choices": [], "usage": usage(len(prepared.prompt_ids), len(tokens), final[1])})
         yield "data: [DONE]\n\n"

@@ -4,6 +4,7 @@ and its leaving noticed at once."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
 from starlette.requests import ClientDisconnect, Request
 from uvicorn.protocols.http.h11_impl import H11Protocol
@@ -39,7 +40,10 @@ class TimedH11Protocol(H11Protocol):
         self.request_deadline = self.loop.call_later(self.receive_timeout_s, self.close_unless_requested, self.cycle)
 
     def close_unless_requested(self, cycle_before):
-        if self.cycle is cycle_before and not self.transport.is_closing():  # no request began since
+        # idle: no request began since, and the one before (if any) is answered; a pipelined request that began
+        # inside on_response_complete is running, and re-arms the timer when its own answer ends
+        idle = self.cycle is cycle_before and (cycle_before is None or cycle_before.response_complete)
+        if idle and not self.transport.is_closing():
             self.transport.close()
 
     def connection_lost(self, exc):
@@ -52,9 +56,11 @@ def shutting_down() -> ApiError:
                     type_="server_error", code="shutting_down")
 
 
-async def read_body(request: Request, max_bytes: int, timeout_s: float, closing: asyncio.Event) -> bytes:
+async def read_body(request: Request, max_bytes: int, timeout_s: float, closing: asyncio.Event,
+                    hold: Callable[[int], None] | None = None) -> bytes:
     """The whole body, or ApiError 413 (larger than max_bytes: refused from its Content-Length before any of it is
-    read), 408 (not all there within timeout_s), 503 (the server began shutting down), or ClientLeft."""
+    read), 408 (not all there within timeout_s), 503 (the server began shutting down), or ClientLeft. hold(n) is
+    called with each chunk's size as it arrives (it may refuse the body by raising ApiError)."""
     too_large = ApiError(413, f"the request body is larger than the server's limit of {max_bytes} bytes "
                          "(--max-body-mb)", code="body_too_large")
     declared = request.headers.get("content-length", "")
@@ -68,6 +74,8 @@ async def read_body(request: Request, max_bytes: int, timeout_s: float, closing:
             size += len(chunk)
             if size > max_bytes:
                 raise too_large
+            if hold is not None:
+                hold(len(chunk))
             chunks.append(chunk)
 
     receiving = asyncio.ensure_future(receive_all())

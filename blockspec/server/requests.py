@@ -20,6 +20,21 @@ RANGES = {"temperature": f"must be a finite number in [0, {MAX_TEMPERATURE:g}] (
           "min_p": "must be in [0, 1]", "seed": "must be an integer in 0..2^63-1"}
 IMAGE_PART_TYPES = {"image_url", "input_image", "image"}
 MESSAGE_EXTRAS = {"name": str, "tool_calls": list, "tool_call_id": str, "reasoning_content": str}  # for the template
+# Fields of vLLM's and OpenAI's APIs that change the output, served at their neutral value only: name -> (the
+# endpoints, "chat" or "completion", the neutral values, what a request sending another value asks for)
+AT_NEUTRAL_ONLY = {
+    "min_tokens": ({"chat", "completion"}, (0,), "a minimum length (EOS ends generation)"),
+    "stop_token_ids": ({"chat", "completion"}, ([],), "stop token ids (EOS ends generation)"),
+    "skip_special_tokens": ({"chat", "completion"}, (True,), "special tokens in the text (they are left out)"),
+    "prompt_logprobs": ({"chat", "completion"}, (), "prompt logprobs"),
+    "truncate_prompt_tokens": ({"chat", "completion"}, (), "prompt truncation"),
+    "echo": ({"chat"}, (False,), "returning the prompt with the reply"),
+    "continue_final_message": ({"chat"}, (False,), "continuing the last message"),
+    "chat_template": ({"chat"}, (), "a request's own chat template (the checkpoint's is used)"),
+    "chat_template_kwargs": ({"chat"}, ({}, {"enable_thinking": False}),
+                             "chat template arguments (the template renders with enable_thinking false)"),
+    "modalities": ({"chat"}, (["text"],), "outputs other than text"),
+}
 MAX_DEPTH = 32                               # arrays and objects inside one another in a request body
 SCAN_PIECE = 1 << 16                         # bytes json_values scans at a time, the GIL free between pieces
 LONE_SURROGATE = re.compile("[\ud800-\udfff]")  # what a JSON \ud800 escape without its pair decodes to
@@ -159,10 +174,24 @@ def get_number(body: dict, name: str, default=None, bounds: tuple[float, float] 
         return default
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise bad(f"'{name}' must be a number (got {_json_type(value)})", name)
-    value = float(value)
+    try:
+        value = float(value)
+    except OverflowError:  # an integer literal beyond float's range
+        value = math.inf if value > 0 else -math.inf
     if bounds is not None and not (math.isfinite(value) and bounds[0] <= value <= bounds[1]):
         raise bad(f"'{name}' must be a finite number within [{bounds[0]:g}, {bounds[1]:g}] (got {value:g})", name)
     return value
+
+
+def same_json(a, b) -> bool:
+    """Equal as JSON values: of one type (True is not 1), equal members."""
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, list):
+        return len(a) == len(b) and all(map(same_json, a, b))
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(same_json(a[k], b[k]) for k in a)
+    return a == b
 
 
 def get_bool(body: dict, name: str, default=False):
@@ -193,6 +222,7 @@ class Prepared:
     model: str
     sampling: dict            # the request's sampling values, its own or the server's defaults (Engine.stream)
     snapshot_at: int | None = None  # a chat: where its conversation ends, before the generation prompt
+    stop_at_eos: bool = True        # False: vLLM's ignore_eos (generate max_tokens tokens)
 
 
 def unserved(n: int = 1, logprobs: bool = False, images: bool = False, stop=None, constraints: bool = False):
@@ -306,9 +336,17 @@ class RequestParser:
                 raise bad(f"'suffix' must be a string (got {_json_type(suffix)})", "suffix")
             if suffix:
                 raise bad("suffix: insertion (fill-in-the-middle) is not supported by blockspec", "suffix")
+        for name, (kinds, neutral, what) in AT_NEUTRAL_ONLY.items():
+            value = body.get(name)
+            if kind in kinds and value is not None and not any(same_json(value, n) for n in neutral):
+                given = json.dumps(value)
+                raise bad(f"{name}={given if len(given) <= 40 else given[:40] + '...'}: {what} is not supported by "
+                          f"blockspec (omit {name})", name)
         stream = get_bool(body, "stream", False)
-        options = get_object(body, "stream_options") or {}
-        include_usage = options.get("include_usage", False)
+        options = get_object(body, "stream_options")
+        if options is not None and not stream:
+            raise bad("'stream_options' is allowed only with \"stream\": true", "stream_options")
+        include_usage = (options or {}).get("include_usage", False)
         if not isinstance(include_usage, bool):
             raise bad("'stream_options.include_usage' must be a boolean", "stream_options")
         return stream, include_usage, model or self.engine.model_name
@@ -402,22 +440,24 @@ class RequestParser:
                 raise bad("split_special_tokens: message text never becomes control tokens; send raw special tokens "
                           "to /v1/completions", "split_special_tokens")
             messages = self.chat_messages(body)
+            generation_prompt = get_bool(body, "add_generation_prompt", True)
             try:
-                prompt_ids = self.engine.tokenizer.chat_prompt_ids(messages, self.most_prompt_tokens)
+                prompt_ids = self.engine.tokenizer.chat_prompt_ids(messages, self.most_prompt_tokens,
+                                                                   generation_prompt)
             except TooManyTokens as exc:
                 raise bad(f"{exc} (context_length {self.engine.context_length})", "messages") from None
             except BlockspecError as exc:
                 raise bad(str(exc), "messages") from None
             snapshot_at = self.engine.tokenizer.conversation_length(messages, prompt_ids)
             prompt_param = "messages"
-            explicit = get_int(body, "max_completion_tokens", None)
-            max_param = "max_completion_tokens"
-            if explicit is None:
-                explicit, max_param = get_int(body, "max_tokens", None), "max_tokens"
         else:
             prompt_ids, snapshot_at = self.completion_prompt(body), None
             prompt_param = "prompt"
-            explicit, max_param = get_int(body, "max_tokens", None), "max_tokens"
+        # OpenAI's chat field replaced max_tokens, which completions (and older chat clients) send: either, on both
+        explicit, max_param = get_int(body, "max_completion_tokens", None), "max_completion_tokens"
+        legacy = get_int(body, "max_tokens", None)
+        if explicit is None:
+            explicit, max_param = legacy, "max_tokens"
         if not prompt_ids:
             raise bad("the prompt is empty: give at least one token", prompt_param)
         room = self.engine.context_length - len(prompt_ids)
@@ -434,4 +474,5 @@ class RequestParser:
             if explicit is not None and param == max_param and max_param != "max_tokens":
                 message = message.replace("max_tokens", max_param)
             raise bad(message, param) from None
-        return Prepared(kind, prompt_ids, max_tokens, stream, include_usage, model, sampling, snapshot_at)
+        return Prepared(kind, prompt_ids, max_tokens, stream, include_usage, model, sampling, snapshot_at,
+                        not get_bool(body, "ignore_eos", False))

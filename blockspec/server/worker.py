@@ -32,6 +32,7 @@ class Job:
     loop: asyncio.AbstractEventLoop
     sampling: dict = field(default_factory=dict)  # Engine.stream's sampling arguments (Prepared.sampling)
     snapshot_at: int | None = None  # Engine.stream's (Prepared.snapshot_at)
+    stop_at_eos: bool = True        # Engine.stream's (Prepared.stop_at_eos)
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
     # queued -> running -> finished; running -> stopping (its client left) -> finished; queued -> abandoned
@@ -141,8 +142,8 @@ class Worker:
     def execute(self, job: Job) -> tuple[str, object]:
         """Run one job, streaming its tokens; return its final event: ("done", stats) or ("error", ApiError)."""
         job.started = time.perf_counter()
-        tokens = self.engine.stream(job.prompt_ids, job.max_tokens, **job.sampling, snapshot_at=job.snapshot_at,
-                                    stop=job.cancelled.is_set)
+        tokens = self.engine.stream(job.prompt_ids, job.max_tokens, job.stop_at_eos, **job.sampling,
+                                    snapshot_at=job.snapshot_at, stop=job.cancelled.is_set)
         try:
             for token in tokens:
                 job.emit("token", token)
