@@ -270,13 +270,22 @@ class TargetConfig:
             raw = json.loads(path.read_text())
         except FileNotFoundError:
             raise BlockspecError(f"{path}: file not found (is this a Hugging Face checkpoint directory?)") from None
+        except OSError as exc:
+            raise BlockspecError(f"{path}: cannot be read ({exc.strerror})") from None
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise BlockspecError(f"{path}: not valid JSON ({exc})") from None
         return cls.from_dict(raw, source=str(path))
 
     @classmethod
     def from_dict(cls, raw: dict, source: str = "config.json") -> "TargetConfig":
-        archs = set(raw.get("architectures") or [])
+        """Every field the model uses checked here, so that a bad value is refused in one line naming its key
+        before any weight is read (not met later as a shape error or a silently wrong model)."""
+        if not isinstance(raw, dict):
+            raise BlockspecError(f"{source}: the top level must be a JSON object (got {type(raw).__name__})")
+        archs = raw.get("architectures") or []
+        if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
+            raise BlockspecError(f"{source}: config key 'architectures' must be a list of names (got {archs!r})")
+        archs = set(archs)
         model_type = raw.get("model_type")
         if model_type not in SUPPORTED_MODEL_TYPES or (archs and not archs & SUPPORTED_ARCHITECTURES):
             got = ", ".join(sorted(archs)) or model_type
@@ -284,12 +293,11 @@ class TargetConfig:
                 f"{source}: unsupported architecture {got!r} (model_type {model_type!r}); blockspec supports "
                 "Qwen3_5ForCausalLM / Qwen3_5ForConditionalGeneration (model_type qwen3_5, qwen3_5_text)")
         text = raw.get("text_config", raw) if model_type == "qwen3_5" else raw
-        eos = text.get("eos_token_id", raw.get("eos_token_id"))
-        eos = () if eos is None else tuple(eos) if isinstance(eos, list) else (eos,)
-        rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
-        if rope.get("rope_type", "default") not in ("default", None):
-            raise BlockspecError(f"{source}: rope_parameters.rope_type {rope['rope_type']!r} is not supported "
-                                 "(only 'default')")
+        if not isinstance(text, dict):
+            raise BlockspecError(f"{source}: config key 'text_config' must be an object (got {text!r})")
+
+        def fail(key, problem):
+            raise BlockspecError(f"{source}: config key '{key}' {problem}")
 
         def need(key, default=None):
             if key in text and text[key] is not None:
@@ -298,41 +306,84 @@ class TargetConfig:
                 return default
             raise BlockspecError(f"{source}: missing config key '{key}'")
 
-        layers = int(need("num_hidden_layers"))
-        interval = int(text.get("full_attention_interval", 4))
+        def integer(key, value, minimum=1):
+            # JSON writers may store a whole number as 4096.0; 8192.7 or "8" is refused, never truncated or parsed
+            if isinstance(value, float) and value.is_integer():
+                value = int(value)
+            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+                fail(key, f"must be an integer of at least {minimum} (got {value!r})")
+            return value
+
+        def positive(key, value):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+                    or value <= 0:
+                fail(key, f"must be a finite number above 0 (got {value!r})")
+            return float(value)
+
+        rope_key = "rope_parameters" if text.get("rope_parameters") else "rope_scaling"
+        rope = text.get(rope_key) or {}
+        if not isinstance(rope, dict):
+            fail(rope_key, f"must be an object (got {rope!r})")
+        if rope.get("rope_type", "default") not in ("default", None):
+            raise BlockspecError(f"{source}: rope_parameters.rope_type {rope['rope_type']!r} is not supported "
+                                 "(only 'default')")
+
+        layers = integer("num_hidden_layers", need("num_hidden_layers"))
+        interval = integer("full_attention_interval", text.get("full_attention_interval", 4))
         layer_types = text.get("layer_types") or [
             "full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(layers)]
+        if not isinstance(layer_types, list):
+            fail("layer_types", f"must be a list (got {layer_types!r})")
         bad = [t for t in layer_types if t not in ("full_attention", "linear_attention")]
         if len(layer_types) != layers or bad:
             raise BlockspecError(f"{source}: layer_types must list {layers} entries of 'full_attention' / "
                                  f"'linear_attention' (got {len(layer_types)} entries, unknown: {bad[:3]})")
-        heads = int(need("num_attention_heads"))
-        hidden = int(need("hidden_size"))
+        heads = integer("num_attention_heads", need("num_attention_heads"))
+        hidden = integer("hidden_size", need("hidden_size"))
+        vocab = integer("vocab_size", need("vocab_size"))
+        eos = text.get("eos_token_id", raw.get("eos_token_id"))
+        eos = () if eos is None else tuple(eos) if isinstance(eos, list) else (eos,)
+        for token in eos:
+            if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < vocab:
+                fail("eos_token_id", f"must be token ids below vocab_size {vocab} (got {token!r})")
+        tie = raw.get("tie_word_embeddings", text.get("tie_word_embeddings", False))
+        if not isinstance(tie, bool):
+            fail("tie_word_embeddings", f"must be true or false (got {tie!r})")
+        factor_key = f"{rope_key}.partial_rotary_factor" if "partial_rotary_factor" in rope else "partial_rotary_factor"
+        factor = positive(factor_key, rope.get("partial_rotary_factor", text.get("partial_rotary_factor", 0.25)))
+        if factor > 1:
+            fail(factor_key, f"must be at most 1 (got {factor:g})")
         cfg = cls(
-            vocab_size=int(need("vocab_size")),
+            vocab_size=vocab,
             hidden_size=hidden,
-            intermediate_size=int(need("intermediate_size")),
+            intermediate_size=integer("intermediate_size", need("intermediate_size")),
             num_hidden_layers=layers,
             num_attention_heads=heads,
-            num_key_value_heads=int(need("num_key_value_heads")),
-            head_dim=int(text.get("head_dim") or hidden // heads),
+            num_key_value_heads=integer("num_key_value_heads", need("num_key_value_heads")),
+            head_dim=integer("head_dim", hidden // heads if text.get("head_dim") is None else text["head_dim"]),
             layer_types=tuple(layer_types),
-            linear_num_key_heads=int(need("linear_num_key_heads", 16)),
-            linear_num_value_heads=int(need("linear_num_value_heads", 32)),
-            linear_key_head_dim=int(need("linear_key_head_dim", 128)),
-            linear_value_head_dim=int(need("linear_value_head_dim", 128)),
-            linear_conv_kernel_dim=int(need("linear_conv_kernel_dim", 4)),
-            rms_norm_eps=float(text.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(rope.get("rope_theta", text.get("rope_theta", 10_000_000.0))),
-            partial_rotary_factor=float(rope.get("partial_rotary_factor", text.get("partial_rotary_factor", 0.25))),
-            tie_word_embeddings=bool(raw.get("tie_word_embeddings", text.get("tie_word_embeddings", False))),
-            mtp_num_hidden_layers=int(text.get("mtp_num_hidden_layers", 0) or 0),
+            linear_num_key_heads=integer("linear_num_key_heads", need("linear_num_key_heads", 16)),
+            linear_num_value_heads=integer("linear_num_value_heads", need("linear_num_value_heads", 32)),
+            linear_key_head_dim=integer("linear_key_head_dim", need("linear_key_head_dim", 128)),
+            linear_value_head_dim=integer("linear_value_head_dim", need("linear_value_head_dim", 128)),
+            linear_conv_kernel_dim=integer("linear_conv_kernel_dim", need("linear_conv_kernel_dim", 4)),
+            rms_norm_eps=positive("rms_norm_eps", text.get("rms_norm_eps", 1e-6)),
+            rope_theta=positive(f"{rope_key}.rope_theta" if "rope_theta" in rope else "rope_theta",
+                                rope.get("rope_theta", text.get("rope_theta", 10_000_000.0))),
+            partial_rotary_factor=factor,
+            tie_word_embeddings=tie,
+            mtp_num_hidden_layers=integer("mtp_num_hidden_layers", text.get("mtp_num_hidden_layers") or 0, 0),
             eos_token_ids=eos,
-            max_position_embeddings=int(text.get("max_position_embeddings", 262144)),
+            max_position_embeddings=integer("max_position_embeddings", text.get("max_position_embeddings", 262144),
+                                            2),
         )
         if cfg.num_attention_heads % cfg.num_key_value_heads:
             raise BlockspecError(f"{source}: num_attention_heads {heads} is not a multiple of num_key_value_heads "
                                  f"{cfg.num_key_value_heads}")
         if cfg.linear_num_value_heads % cfg.linear_num_key_heads:
             raise BlockspecError(f"{source}: linear_num_value_heads must be a multiple of linear_num_key_heads")
+        # the rotate-half rotary embedding pairs channel j with j + rotary_dim / 2
+        if cfg.rotary_dim < 2 or cfg.rotary_dim % 2:
+            fail(factor_key, f"{factor:g} gives {cfg.rotary_dim} rotary channels of head_dim {cfg.head_dim}: they "
+                 "must be even and at least 2")
         return cfg

@@ -520,6 +520,8 @@ def test_refuses_wrong_shape(tmp_path):
         (lambda c: c.update(layer_types=["sliding_attention", "full_attention", "sliding_attention"]), "layer_types"),
         (lambda c: c["dflash_config"].update(target_layer_ids="1,3"), "dflash_config.target_layer_ids"),
         (lambda c: c.pop("sliding_window"), "sliding_window"),
+        (lambda c: c["dflash_config"].update(block_size=100), "'dflash_config.block_size' must be at most 64"),
+        (lambda c: c.update(num_target_layers=3), "'dflash_config.target_layer_ids' include 3, but num_target_layers"),
     ],
 )
 def test_refuses_bad_config(tmp_path, edit, needle):

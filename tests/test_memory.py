@@ -54,8 +54,8 @@ def test_a_gpu_too_small_is_refused_in_one_line_before_loading(tiny_checkpoint, 
     def no_reading(*args, **kwargs):
         raise AssertionError("tensors were read before the memory check")
     monkeypatch.setattr(blockspec.models.checkpoint, "read_tensors", no_reading)
-    code = main(["generate", "--model", str(tiny_checkpoint(seed=0)), "--prompt", "hi", "--device", "cuda",
-                 "--dtype", "float32", "--context-length", "262144"])
+    code = main(["generate", "--model", str(tiny_checkpoint(seed=0, max_position_embeddings=262144)), "--prompt",
+                 "hi", "--device", "cuda", "--dtype", "float32", "--context-length", "262144"])
     err = capsys.readouterr().err
     assert code == 2 and len(err.strip().splitlines()) == 1, err
     assert "estimated GPU memory needed" in err and "0.0 GB of cuda:0 is free" in err

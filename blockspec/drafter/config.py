@@ -10,6 +10,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from blockspec.config import MAX_PASS_TOKENS
 from blockspec.errors import BlockspecError
 
 ARCHITECTURE = "DFlash2DraftModel"
@@ -100,7 +101,8 @@ class DrafterConfig:
         if is_causal is not None and not isinstance(is_causal, bool):
             read.fail("is_causal", f"must be true, false or null (found {is_causal!r})")
 
-        block_size = read.draft_integer("block_size", minimum=2)
+        # a block is verified in one target pass, whose buffers and kernels hold MAX_PASS_TOKENS rows at most
+        block_size = read.draft_integer("block_size", minimum=2, maximum=MAX_PASS_TOKENS)
         mask_token_id = read.draft_integer("mask_token_id", minimum=0)
         if mask_token_id >= vocab_size:
             read.fail("dflash_config.mask_token_id", f"{mask_token_id} is outside the vocabulary of {vocab_size}")
@@ -113,6 +115,13 @@ class DrafterConfig:
             read.fail(
                 "dflash_config.target_layer_ids", f"must be a non-empty list of layer indices (found {layer_ids!r})"
             )
+        # the target's layer count the drafter was trained with, where its config records it
+        num_target_layers = read.draft_value("num_target_layers", None)
+        if num_target_layers is not None:
+            num_target_layers = read.draft_integer("num_target_layers", minimum=1)
+            if max(layer_ids) >= num_target_layers:
+                read.fail("dflash_config.target_layer_ids", f"include {max(layer_ids)}, but num_target_layers is "
+                          f"{num_target_layers}")
         group_size = read.draft_integer("conv_group_size", minimum=1)
         if hidden_size % group_size:
             read.fail("dflash_config.conv_group_size", f"{group_size} does not divide hidden_size {hidden_size}")
@@ -185,8 +194,8 @@ class _Reader:
             self.fail(f"dflash_config.{key}", "is missing")
         return default
 
-    def draft_integer(self, key: str, *, minimum: int) -> int:
-        return self._check_integer(f"dflash_config.{key}", self.draft_value(key), minimum)
+    def draft_integer(self, key: str, *, minimum: int, maximum: int | None = None) -> int:
+        return self._check_integer(f"dflash_config.{key}", self.draft_value(key), minimum, maximum)
 
     def draft_number(self, key: str, default: float | None) -> float | None:
         value = self.draft_value(key, default)
@@ -213,9 +222,11 @@ class _Reader:
             self.fail("rope_parameters.rope_theta", f"must be a positive number (found {theta!r})")
         return float(theta)
 
-    def _check_integer(self, key: str, value: Any, minimum: int) -> int:
+    def _check_integer(self, key: str, value: Any, minimum: int, maximum: int | None = None) -> int:
         if isinstance(value, bool) or not isinstance(value, int):
             self.fail(key, f"must be an integer (found {value!r})")
         if value < minimum:
             self.fail(key, f"must be at least {minimum} (found {value})")
+        if maximum is not None and value > maximum:
+            self.fail(key, f"must be at most {maximum} (found {value})")
         return value

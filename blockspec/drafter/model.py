@@ -158,7 +158,7 @@ class DFlash2Drafter(nn.Module):
         DrafterConfig.run_at)."""
         directory = Path(directory)
         config = DrafterConfig.from_file(directory / "config.json").run_at(block_size, str(directory / "config.json"))
-        _check_fits_target(config, directory, target_hidden_size, target_vocab_size, target_num_layers)
+        check_fits_target(config, directory, target_hidden_size, target_vocab_size, target_num_layers)
         drafter = cls(config, embed=embed, lm_head=lm_head, device=device, dtype=dtype)
         drafter.load_weights(directory / WEIGHTS_FILE)
         return drafter
@@ -302,7 +302,7 @@ class DFlash2Drafter(nn.Module):
         return token.reshape(1).to(device=self.device, dtype=torch.long)
 
 
-def _check_fits_target(
+def check_fits_target(
     config: DrafterConfig, directory: Path, hidden_size: int, vocab_size: int, num_layers: int
 ) -> None:
     where = f"drafter {directory}"

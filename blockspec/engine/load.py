@@ -17,9 +17,9 @@ from typing import Callable
 
 import torch
 
-from ..config import PredictConfig
+from ..config import PredictConfig, TargetConfig
 from ..drafter.config import DrafterConfig
-from ..drafter.model import QUANTIZED_PROJECTIONS, DFlash2Drafter
+from ..drafter.model import QUANTIZED_PROJECTIONS, DFlash2Drafter, check_fits_target
 from ..errors import BlockspecError, UnsupportedRequest
 from ..kernels import KernelSettings, use
 from ..layers import folded_norm
@@ -99,6 +99,56 @@ def check_config(config: PredictConfig, drafter_given: bool = False):
                                  "(set beam_size: 1)")
 
 
+def fit_context(config: PredictConfig, target: TargetConfig, source: str):
+    """context_length within the target's max_position_embeddings (the positions it was trained for): a value set
+    past it is refused, as vLLM refuses such a max_model_len; the default is lowered to it (config changed in
+    place, so the engine reports the length it serves)."""
+    limit = target.max_position_embeddings
+    if config.context_length <= limit:
+        return
+    if "context_length" in config.model_fields_set:
+        raise BlockspecError(f"context_length {config.context_length} exceeds the model's max_position_embeddings "
+                             f"{limit} ({source}): lower context_length")
+    config.context_length = limit
+
+
+def check_draft_vocabulary(config: PredictConfig, target: TargetConfig):
+    """draft_vocabulary checked against the target's vocabulary before the target loads (build_draft_head reads it
+    again): a file's ids read, a count refused unless it leaves ids out (the rule of `blockspec draft-vocabulary
+    --size`: a draft over every id is draft_vocabulary 0)."""
+    spec = config.draft_vocabulary
+    if not spec or config.decode_mode == "none":
+        return
+    if isinstance(spec, int) and spec >= target.vocab_size:
+        raise BlockspecError(f"draft_vocabulary: {spec} is not smaller than the vocabulary ({target.vocab_size} "
+                             "ids): nothing to leave out (draft_vocabulary 0 proposes over every id)")
+    draft_ids(spec, target.vocab_size, target.eos_token_ids)
+
+
+def check_drafter(config: PredictConfig, target: TargetConfig):
+    """dflash2_model's drafter checked against the target and the passes before either loads (from_pretrained
+    checks it again as it reads it)."""
+    if config.decode_mode != "dflash2" or not config.dflash2_model:
+        return
+    path = Path(config.dflash2_model) / "config.json"
+    drafter = DrafterConfig.from_file(path).run_at(config.dflash2_block_size, str(path))
+    check_fits_target(drafter, Path(config.dflash2_model), target.hidden_size, target.vocab_size,
+                       target.num_hidden_layers)
+    rows = pass_rows(config.tree_budget)
+    if not config.tree_budget and drafter.block_size > rows:
+        raise BlockspecError(f"drafter {path}: dflash_config.block_size {drafter.block_size} makes chain passes of "
+                             f"{drafter.block_size} tokens, but a chain pass holds at most {rows}: set "
+                             f"dflash2_block_size {rows} or less, or a tree budget")
+
+
+def check_mtp(config: PredictConfig, target: TargetConfig, source: str):
+    """Mode mtp refused where the target's config declares no MTP layer (mtp_num_hidden_layers 0)."""
+    if config.decode_mode == "mtp" and target.mtp_num_hidden_layers < 1:
+        raise BlockspecError(f"mode mtp needs the checkpoint's native MTP head, but {source} sets "
+                             f"mtp_num_hidden_layers {target.mtp_num_hidden_layers} (use --mode none, or a DFlash2 "
+                             "drafter with --mode dflash2)")
+
+
 def note_ignored_settings(config: PredictConfig):
     """Settings that are accepted but cannot be honoured: one line each on stderr, never an error."""
     for key in ("fuse_kvq", "fuse_gate"):
@@ -157,15 +207,27 @@ def load(config: PredictConfig, *, model=None, mtp_tensors=None,
     check_config(config, drafter_given=drafter is not None)
     if model is None:
         check_folder("model", config.model)
+        source = str(Path(config.model) / "config.json")
+        target_config = TargetConfig.from_file(Path(source))
+    else:
+        source, target_config = "the given model", model.config
+    fit_context(config, target_config, source)
+    check_draft_vocabulary(config, target_config)
+    check_mtp(config, target_config, source)
+    if drafter is None:
+        check_drafter(config, target_config)
     device = resolve_device(config.device)
     parts = LoadedParts(config, device, resolve_execution(config, device), config.torch_dtype,
                         config.tree_budget)
     note_ignored_settings(config)
     memory.use_expandable_segments(device)
-    if model is None and device.type == "cuda":  # refused before any tensor is read
+    if model is None:  # refused before any tensor is read
         estimate = memory.checkpoint_estimate(config, execution=parts.execution, max_partial=parts.pass_rows)
-        memory.check_fits(estimate, config, torch.device("cuda", config.gpu_ranks[0]))
-        parts.memory.estimate = estimate.as_dict()
+        if device.type == "cuda":
+            memory.check_fits(estimate, config, torch.device("cuda", config.gpu_ranks[0]))
+            parts.memory.estimate = estimate.as_dict()
+        else:
+            memory.check_fits_host(estimate, config)
     if device.type == "cuda":
         torch.cuda.set_device(config.gpu_ranks[0])
         torch.cuda.empty_cache()  # what building a given model left cached is not loading's peak

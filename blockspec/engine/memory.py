@@ -249,6 +249,35 @@ def free_and_total(device: torch.device) -> tuple[int, int]:
 
 
 BIGGEST_PARTS = 3
+# what the decode state and the proposers hold per request, sized by context_length (MemoryEstimate.resident keys)
+CACHE_PARTS = ("kv_cache", "deltanet_state", "mtp_cache", "drafter_context", "prefix_snapshots")
+
+
+def available_host_bytes() -> int | None:
+    """The memory the host can still give without swapping: MemAvailable of /proc/meminfo, else the free physical
+    pages; None where neither is known."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def check_fits_host(needed: MemoryEstimate, config: PredictConfig) -> None:
+    """Refuse, in one line, a CPU run whose caches and states alone exceed the host's available memory (allocating
+    them would fail, or swap, after the weights are read)."""
+    available = available_host_bytes()
+    caches = sum(needed.resident.get(part, 0) for part in CACHE_PARTS)
+    if available is None or caches <= available:
+        return
+    raise BlockspecError(f"estimated memory for the caches and states at context_length {config.context_length}: "
+                         f"{caches / GB:.1f} GB, but only {available / GB:.1f} GB of the host's memory is available: "
+                         "lower context_length")
 
 
 def check_fits(needed: MemoryEstimate, config: PredictConfig, device: torch.device) -> None:

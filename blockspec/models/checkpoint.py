@@ -9,6 +9,7 @@ be quantized as they are read (`quantize`), so the dense model never exists whol
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Callable
@@ -76,12 +77,17 @@ def generation_defaults(directory: str | Path) -> dict:
 
 
 def check_folder(flag: str, path: str | Path) -> Path:
-    """An input folder (a checkpoint): a missing path, or a file, refused in one line naming the flag."""
+    """An input folder (a checkpoint): a missing path, a file, or a folder that cannot be listed, refused in one line
+    naming the flag."""
     path = Path(path)
     if not path.exists():
         raise BlockspecError(f"{flag} {path}: no such folder")
     if not path.is_dir():
         raise BlockspecError(f"{flag} {path}: is a file, not a folder (give the checkpoint's folder)")
+    try:
+        os.listdir(path)
+    except OSError as exc:
+        raise BlockspecError(f"{flag} {path}: cannot be read ({exc.strerror})") from None
     return path
 
 
@@ -101,6 +107,19 @@ def checkpoint_files(directory: Path) -> list[Path]:
     files = sorted(directory.glob("*.safetensors"))
     if not files:
         raise BlockspecError(f"{directory}: no *.safetensors weights found")
+    # without an index every file is read: a stray copy of a shard would load its tensors twice
+    first = {}
+    for path in files:
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                names = list(f.keys())
+        except Exception as exc:
+            raise unreadable(path, exc) from None
+        for name in names:
+            if name in first:
+                raise BlockspecError(f"{directory}: tensor {name} is stored twice, in {first[name].name} and "
+                                     f"{path.name} (remove the extra file, or add model.safetensors.index.json)")
+            first[name] = path
     return files
 
 
@@ -147,6 +166,11 @@ def last_file_of_modules(files: list[Path]) -> dict[str, int]:
 def unreadable(path: Path, exc: Exception) -> BlockspecError:
     if isinstance(exc, BlockspecError):
         return exc
+    try:  # safetensors reports a file it may not open as missing: the operating system's reason is the true one
+        with open(path, "rb"):
+            pass
+    except OSError as err:
+        return BlockspecError(f"{path}: cannot be read ({err.strerror})")
     return BlockspecError(f"{path}: corrupt or unreadable safetensors file ({str(exc).splitlines()[0]})")
 
 
@@ -166,10 +190,13 @@ def checkpoint_quantization(config_path: Path):
     """The reader of the checkpoint's quantization_config (READERS; the config checked), or None for a dense
     checkpoint."""
     raw = json.loads(config_path.read_text())  # TargetConfig.from_file has already checked it parses
-    qc = raw.get("quantization_config") or (raw.get("text_config") or {}).get("quantization_config")
+    text = raw.get("text_config")
+    qc = raw.get("quantization_config") or (text.get("quantization_config") if isinstance(text, dict) else None)
     if qc is None:
         return None
-    method = qc.get("quant_method") if isinstance(qc, dict) else None
+    if not isinstance(qc, dict):
+        raise BlockspecError(f"{config_path}: config key 'quantization_config' must be an object (got {qc!r})")
+    method = qc.get("quant_method")
     if method not in READERS:
         raise BlockspecError(f"{config_path}: quantization_config.quant_method {method!r} is not supported (blockspec "
                              "loads dense checkpoints, compressed-tensors pack-quantized int4 and float-quantized "
