@@ -123,6 +123,8 @@ def cmd_draft_vocabulary(args):
     check_output_path("--out", args.out)
     tokenizer = Tokenizer(args.model, target.eos_token_ids)
     token_lists = [tokenizer.encode(text) for text in texts]
+    if not any(token_lists):
+        raise BlockspecError(f"--texts {' '.join(args.texts)}: no tokens to count (the texts are empty)")
     ids = most_frequent_ids(token_lists, args.size, target.vocab_size, tokenizer.eos_token_ids)
     try:
         Path(args.out).write_text(json.dumps(ids))
@@ -143,14 +145,14 @@ def training_fields(args, cls) -> dict:
     if not args.resume:
         return given
     check_output(Path(args.out), resume=True)
-    settings = resumed_settings(Path(args.out), given)
+    settings = resumed_settings(Path(args.out), given, cls)
     return {k: v for k, v in settings.items() if k in cls.__dataclass_fields__}
 
 
 def cmd_train_drafter(args):
     from .train.run import DrafterTraining, train
 
-    if args.target_layer_ids:
+    if args.target_layer_ids is not None:
         try:
             args.target_layer_ids = [int(i) for i in args.target_layer_ids.split(",")]
         except ValueError:
@@ -269,7 +271,8 @@ def add_training_args(p, defaults, unit: str):
     p.add_argument("--seq-len", type=int, metavar="N",
                    help="tokens per training sequence " + default(defaults, "seq_len"))
     p.add_argument("--heldout", type=float, metavar="SHARE",
-                   help="share of the texts held out for evaluation " + default(defaults, "heldout"))
+                   help="share of the texts held out for evaluation, rounded, at least one text when above 0 "
+                   "(train-drafter: none with --eval-cuts 0 or --eval-data) " + default(defaults, "heldout"))
     p.add_argument("--checkpoint-every", type=int, metavar="N",
                    help="steps between checkpoints " + default(defaults, "checkpoint_every"))
     p.add_argument("--seed", type=check_seed, metavar="N",

@@ -147,6 +147,16 @@ def test_sampled_regeneration_repeats_with_its_seed_and_trains_a_drafter(prompts
     ({"--max-prompts": "0"}, "--max-prompts must be at least 1"),
     ({"--temperature": "0"}, "--temperature must be in (0, 100] (got 0.0; --greedy for greedy replies)"),
     ({"--temperature": "0.7", "--greedy": None}, "--greedy and --temperature exclude each other"),
+    ({"--prompts": "{root}/same.jsonl", "--out": "{root}/same.jsonl"},
+     "--out {root}/same.jsonl: is one of the --prompts"),
+    ({"--prompts": "{root}/same.jsonl", "--out": "{root}/link.jsonl"},
+     "--out {root}/link.jsonl: is one of the --prompts"),
+    ({"--prompts": "{root}", "--out": "{root}/same.jsonl"}, "--out {root}/same.jsonl: is one of the --prompts"),
+    ({"--prompts": "{root}/empty.jsonl"}, "--prompts {root}/empty.jsonl:2: the prompt is empty"),
+    ({"--prompts": "{root}/reply.jsonl"},
+     "--prompts {root}/reply.jsonl:1: the conversation is only the assistant turn"),
+    ({"--max-new-tokens": "100000000000"}, "--max-new-tokens 100000000000: with the longest prompt"),
+    ({"--prompts": "{root}/surrogate.jsonl"}, "--prompts {root}/surrogate.jsonl:1: a string holds an unpaired"),
 ])
 def test_bad_input_is_one_line_before_the_target_loads(prompts, tmp_path, capsys, monkeypatch, change, message):
     import blockspec.train.regenerate as module
@@ -156,12 +166,51 @@ def test_bad_input_is_one_line_before_the_target_loads(prompts, tmp_path, capsys
     (tmp_path / "folder.jsonl").mkdir()
     (tmp_path / "bad.jsonl").write_text(json.dumps(CONVERSATIONS[0]) + "\n" +
                                         '{"messages": [{"role": "robot", "content": "x"}]}\n')
+    (tmp_path / "same.jsonl").write_text(json.dumps(CONVERSATIONS[0]) + "\n")
+    (tmp_path / "link.jsonl").symlink_to(tmp_path / "same.jsonl")
+    (tmp_path / "empty.jsonl").write_text('{"prompt": "a", "completion": ""}\n{"prompt": "", "completion": ""}\n')
+    (tmp_path / "reply.jsonl").write_text('{"messages": [{"role": "assistant", "content": "x"}]}\n')
+    (tmp_path / "surrogate.jsonl").write_text('{"text": "a\\ud800b"}\n')
     flags = {"--target": str(target), "--prompts": str(root / "chats.jsonl"), "--out": str(tmp_path / "out.jsonl"),
              **{k: v if v is None else v.format(root=tmp_path) for k, v in change.items()}}
     assert main(["regenerate", "--device", "cpu", *[x for kv in flags.items() for x in kv if x is not None]]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and message.format(root=tmp_path) in err, err
     assert not (tmp_path / "out.jsonl").exists()
+    assert (tmp_path / "same.jsonl").read_text() == json.dumps(CONVERSATIONS[0]) + "\n"
+
+
+@pytest.fixture
+def copied_target(prompts, tmp_path):
+    import shutil
+
+    root, target = prompts
+    shutil.copytree(target, tmp_path / "target")
+    return root, tmp_path / "target"
+
+
+@pytest.mark.parametrize("damage,message", [
+    (lambda t: (t / "generation_config.json").write_text("[1]"),
+     "generation_config.json: a JSON object expected, got list"),
+    (lambda t: (t / "model.safetensors").write_bytes((t / "model.safetensors").read_bytes()[:-100]),
+     "model.safetensors: corrupt or unreadable safetensors file"),
+])
+def test_a_damaged_target_is_one_line_before_it_loads(copied_target, tmp_path, capsys, monkeypatch, damage, message):
+    import blockspec.train.regenerate as module
+
+    root, target = copied_target
+    monkeypatch.setattr(module, "load_model", lambda *a, **k: pytest.fail("the target was loaded"))
+    damage(target)
+    assert regenerate(root, target, tmp_path / "out.jsonl") == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err, err
+
+
+def test_a_sampling_value_left_out_of_generation_config_stays_out(copied_target, tmp_path, capsys):
+    root, target = copied_target
+    (target / "generation_config.json").write_text(json.dumps({"top_k": "abc"}))
+    assert regenerate(root, target, tmp_path / "out.jsonl", "--max-new-tokens", "4") == 0
+    assert "top_k" in capsys.readouterr().err and len(records(tmp_path / "out.jsonl")) > 1
 
 
 def test_a_failure_leaves_the_previous_file_and_no_partial_one(prompts, tmp_path, monkeypatch):

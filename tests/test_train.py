@@ -211,6 +211,19 @@ def test_shared_context_forward_equals_dflash_block_by_block(setup, block_sparse
     (["--target", "/no/target"], "--target /no/target: no such folder"),
     (["--eval-data", "/no/such/file.txt"], "--eval-data /no/such/file.txt: no such file or directory"),
     (["--eval-every", "2", "--heldout", "0"], "--eval-every evaluates on held-out data"),
+    (["--intermediate-size", "0"], "--intermediate-size must be at least 1 (got 0)"),
+    (["--intermediate-size", "-5"], "--intermediate-size must be at least 1 (got -5)"),
+    (["--selector-rank", "0"], "--selector-rank must be at least 1 (got 0)"),
+    (["--selector-top-k", "-3"], "--selector-top-k must be at least 1 (got -3)"),
+    (["--lr", "inf"], "--lr must be positive and finite (got inf)"),
+    (["--lr", "nan"], "--lr must be positive and finite (got nan)"),
+    (["--loss-decay", "0"], "--loss-decay must be positive and finite (got 0.0)"),
+    (["--loss-decay", "nan"], "--loss-decay must be positive and finite (got nan)"),
+    (["--layers", "1000000"], "--layers 1000000: the drafter's training state"),
+    (["--target-layer-ids", ""], "--target-layer-ids must be comma-separated integers (got '')"),
+    (["--target-layer-ids", "1,1,1"], "--target-layer-ids [1, 1, 1]: a layer is given twice"),
+    (["--heldout", "nan"], "--heldout must be in [0, 1) (got nan)"),
+    (["--heldout", "-1"], "--heldout must be in [0, 1) (got -1.0)"),
 ])
 def test_bad_input_is_one_line_before_training(setup, capsys, args, message):
     root, target, data = setup
@@ -491,6 +504,10 @@ GOOD_RECORD = json.dumps({"messages": [{"role": "user", "content": "hi"}, {"role
     ([GOOD_RECORD, '{"prompt": "def f():"}'],
      'bad.jsonl:2: a completion record needs a string "prompt" and a string "completion"'),
     (['{"content": "x"}'], 'bad.jsonl:1: no "messages", "conversations", "prompt" and "completion", or "text" field'),
+    ([GOOD_RECORD, '{"text": "a\\ud800b"}'], "bad.jsonl:2: a string holds an unpaired surrogate escape"),
+    (["[" * 5000 + "]" * 5000], "bad.jsonl:1: JSON nested too deeply"),
+    (['{"text": "t", "messages": [{"role": "assistant", "content": "y"}]}'],
+     "bad.jsonl:1: one record holds messages and text: give each its own line"),
 ])
 def test_bad_jsonl_is_one_line_before_the_target_loads(setup, tmp_path, capsys, monkeypatch, lines, message):
     import blockspec.train.run as run_module
@@ -533,6 +550,7 @@ def test_a_tokenizer_of_another_model_is_refused_before_the_target_loads(setup, 
     shutil.copytree(target, other)
     config = json.loads((other / "config.json").read_text())
     config["vocab_size"] = 200  # fewer rows than the byte tokenizer's 259 ids
+    config["eos_token_id"] = 199  # an id the config itself can hold
     (other / "config.json").write_text(json.dumps(config))
     monkeypatch.setattr(run_module, "load_target", lambda *a, **k: pytest.fail("the target was loaded"))
     assert main(["train-drafter", "--target", str(other), "--data", str(data), "--out", str(tmp_path / "out"),
@@ -884,3 +902,150 @@ def test_nproc_starts_torchrun_once_the_run_is_checked(setup, tmp_path, capfd):
     out = capfd.readouterr().out
     assert out.count("train-drafter:") == 1 and "on cpu x 2 processes" in out, out
     assert len(json.loads((tmp_path / "out" / "training.json").read_text())["learning_curve"]) == 2
+
+
+def test_a_file_named_in_data_must_be_utf8_and_one_found_in_a_folder_is_skipped(setup, tmp_path, capsys):
+    _, target, data = setup
+    (tmp_path / "binary.txt").write_bytes(b"ok \xff\xfe")
+    argv = ["train-drafter", "--target", str(target), "--out", str(tmp_path / "out"), "--device", "cpu", "--data"]
+    assert main(argv + [str(data), str(tmp_path / "binary.txt")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "binary.txt: not UTF-8 text (invalid start byte at byte 3)" in err, err
+    from blockspec.train.data import read_paths
+
+    assert read_paths([str(tmp_path)] + [str(data)]) == read_paths([str(data)])
+
+
+def test_nothing_is_held_out_without_an_evaluation(setup, tmp_path):
+    root, target, data = setup
+    lines = []
+    train(run_config(root, target, data, out=tmp_path / "out", steps=1, eval_cuts=0, heldout=0.5), log=lines.append)
+    assert " / 0 held-out sequences" in lines[0], lines
+
+
+@pytest.fixture
+def saved_run(trained, tmp_path, monkeypatch):
+    """A copy of the trained run's folder to damage, and train-drafter --resume on it (the target never loaded)."""
+    import shutil
+
+    import blockspec.train.run as run_module
+
+    root, target, data, _ = trained
+    out = tmp_path / "out"
+    shutil.copytree(root / "out", out)
+    monkeypatch.setattr(run_module, "load_target", lambda *a, **k: pytest.fail("the target was loaded"))
+    return out, ["train-drafter", "--target", str(target), "--data", str(data), "--out", str(out), "--resume",
+                 "--device", "cpu"]
+
+
+@pytest.mark.parametrize("damage,flags,message", [
+    (lambda out: (out / "training_state.pt").write_bytes((out / "training_state.pt").read_bytes()[:1000]), [],
+     "training_state.pt is truncated or not a saved training state"),
+    (lambda out: (out / "training_state.pt").write_bytes(b""), [],
+     "training_state.pt is truncated or not a saved training state"),
+    (lambda out: (out / "training_run.json").write_text("[1]"), [],
+     "training_run.json must hold a JSON object of settings, not list"),
+    (lambda out: (out / "training_run.json").write_text(json.dumps(
+        {**json.loads((out / "training_run.json").read_text()), "layers": "one"})), [],
+     "training_run.json: \"layers\" must be int (got 'one')"),
+    (lambda out: None, ["--steps", "3"], "is at step 16, past the 3 steps asked"),
+])
+def test_a_damaged_or_overtaken_saved_run_is_refused_before_the_target_loads(saved_run, capsys, damage, flags,
+                                                                             message):
+    out, argv = saved_run
+    damage(out)
+    assert main(argv + flags) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err and err.startswith("blockspec: error: --resume"), err
+
+
+def test_an_interrupted_checkpoint_leaves_the_last_one_whole(setup, tmp_path, monkeypatch):
+    import transformers.modeling_utils as modeling
+
+    root, target, data = setup
+    written = []
+    original = modeling.safe_save_file
+
+    def interrupted(tensors, filename, *args, **kwargs):
+        written.append(filename)
+        if len(written) == 1:
+            return original(tensors, filename, *args, **kwargs)
+        open(filename, "wb").close()  # a write cut short
+        raise KeyboardInterrupt
+    monkeypatch.setattr(modeling, "safe_save_file", interrupted)
+    out = tmp_path / "out"
+    with pytest.raises(KeyboardInterrupt):
+        train(run_config(root, target, data, out=out, steps=2, checkpoint_every=1, eval_cuts=0), log=lambda *_: None)
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors", "training_run.json",
+                                                     "training_state.pt"]
+    from safetensors.torch import load_file
+
+    assert load_file(out / "model.safetensors") and json.loads((out / "config.json").read_text())
+
+
+def test_a_truncated_target_is_refused_in_one_line(setup, tmp_path, capsys):
+    import shutil
+
+    root, target, data = setup
+    damaged = tmp_path / "target"
+    shutil.copytree(target, damaged)
+    weights = damaged / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-100])
+    assert main(["train-drafter", "--target", str(damaged), "--data", str(data), "--out", str(tmp_path / "out"),
+                 "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "model.safetensors: corrupt or unreadable safetensors file" in err, err
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--heads", "0"], "--heads must be at least 1 (got 0)"),
+    (["--heads", "-2"], "--heads must be at least 1 (got -2)"),
+    (["--hidden", "0"], "--hidden must be at least 1 (got 0)"),
+    (["--hidden", "-64"], "--hidden must be at least 1 (got -64)"),
+    (["--intermediate", "-5"], "--intermediate must be at least 1 (got -5)"),
+    (["--heldout", "nan"], "--heldout must be in [0, 1) (got nan)"),
+    (["--heldout", "-1"], "--heldout must be in [0, 1) (got -1.0)"),
+    (["--heldout", "1"], "--heldout must be in [0, 1) (got 1.0)"),
+    (["--lr", "inf"], "--lr must be positive and finite (got inf)"),
+])
+def test_train_target_refuses_bad_sizes_in_one_line(setup, tmp_path, capsys, flags, message):
+    _, _, data = setup
+    assert main(["train-target", "--data", str(data), "--out", str(tmp_path / "t"), "--device", "cpu", *flags]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err, err
+    assert not (tmp_path / "t").exists()
+
+
+def test_draft_vocabulary_refuses_texts_without_tokens(setup, tmp_path, capsys):
+    _, target, _ = setup
+    (tmp_path / "empty.txt").write_text("")
+    assert main(["draft-vocabulary", "--model", str(target), "--texts", str(tmp_path / "empty.txt"), "--size", "10",
+                 "--out", str(tmp_path / "v.json")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "empty.txt: no tokens to count" in err, err
+    assert not (tmp_path / "v.json").exists()
+
+
+@pytest.mark.parametrize("line,message", [
+    ('{"text": "a\\ud800b"}', "bad.jsonl:1: a string holds an unpaired surrogate escape"),
+    ("[" * 5000 + "]" * 5000, "bad.jsonl:1: JSON nested too deeply"),
+])
+def test_train_target_refuses_bad_jsonl_before_training(setup, tmp_path, capsys, line, message):
+    _, _, data = setup
+    (tmp_path / "bad.jsonl").write_text(line + "\n")
+    assert main(["train-target", "--data", str(data), str(tmp_path / "bad.jsonl"), "--out", str(tmp_path / "t"),
+                 "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err, err
+    assert not (tmp_path / "t").exists()
+
+
+def test_train_target_says_when_the_text_yields_a_smaller_vocabulary(setup, tmp_path):
+    from blockspec.train.target import TargetTraining, train_target
+
+    _, _, data = setup
+    lines = []
+    train_target(TargetTraining(data=[str(data)], out=str(tmp_path / "t"), vocab=100000, hidden=64, layers=4, heads=2,
+                                intermediate=64, seq_len=32, batch_tokens=32, steps=1, heldout=0, device="cpu"),
+                 log=lines.append)
+    assert "(--vocab 100000: the text yields no more merges)" in lines[0], lines

@@ -47,6 +47,8 @@ class Conversation:
 class Completion:
     prompt: str
     completion: str  # what the loss is on
+    path: Path | None = None  # where it was read (file, line), for the messages that name it
+    line: int = 0
 
 
 class Sequence(NamedTuple):
@@ -83,8 +85,20 @@ def parse_record(line: str, where: str, need_assistant: bool = True) -> str | Co
         record = json.loads(line)
     except json.JSONDecodeError as exc:
         raise BlockspecError(f"{where}: not JSON ({exc.msg} at column {exc.colno})") from None
+    except RecursionError:
+        raise BlockspecError(f"{where}: JSON nested too deeply") from None
     if not isinstance(record, dict):
         raise BlockspecError(f"{where}: a JSON object expected, got {type(record).__name__}")
+    if "\\u" in line:  # an escaped lone surrogate parses, but no tokenizer takes the string
+        try:
+            json.dumps(record, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise BlockspecError(f"{where}: a string holds an unpaired surrogate escape ({exc.reason})") from None
+    kinds = [k for k in ("messages", "conversations", "text") if k in record]
+    if "prompt" in record or "completion" in record:
+        kinds.append("prompt and completion")
+    if len(kinds) > 1:
+        raise BlockspecError(f"{where}: one record holds {' and '.join(kinds)}: give each its own line")
     if "messages" in record:
         field, role_key, content_key, roles = "messages", "role", "content", ROLES
     elif "conversations" in record:
@@ -133,15 +147,26 @@ def read_records(path: Path, need_assistant: bool = True,
     for number, line in enumerate(lines, 1):
         if line.strip():
             record = parse_record(line, f"{flag} {path}:{number}", need_assistant)
-            records.append(Conversation(record, path, number) if isinstance(record, list) else record)
+            if isinstance(record, list):
+                record = Conversation(record, path, number)
+            elif isinstance(record, Completion):
+                record.path, record.line = path, number
+            records.append(record)
     return records
 
 
-def read_data(files: list[Path], need_assistant: bool = True,
-              flag: str = "--data") -> list[str | Completion | Conversation]:
-    """The texts, completions and conversations of the files, in order: a .jsonl file's records (each line checked), every other
-    file's text (a file that is not UTF-8 text is skipped, like any binary file under a directory; identical texts
-    count once)."""
+def read_paths(paths: list[str], suffixes=None, need_assistant: bool = True,
+               flag: str = "--data") -> list[str | Completion | Conversation]:
+    """read_data of the files the paths name (text_files); a file named itself must be UTF-8 text."""
+    named = {Path(name).resolve() for name in paths if Path(name).is_file()}
+    return read_data(text_files(paths, suffixes, flag), need_assistant, flag, named)
+
+
+def read_data(files: list[Path], need_assistant: bool = True, flag: str = "--data",
+              named: set[Path] = frozenset()) -> list[str | Completion | Conversation]:
+    """The texts, completions and conversations of the files, in order: a .jsonl file's records (each line checked),
+    every other file's text (one that is not UTF-8 text is refused when `named` holds it, and skipped when it was
+    found under a directory, like any binary file there; identical texts count once)."""
     units, seen = [], set()
     for path in files:
         if path.suffix == RECORDS_SUFFIX:
@@ -149,7 +174,9 @@ def read_data(files: list[Path], need_assistant: bool = True,
             continue
         try:
             text = path.read_text(encoding="utf-8")
-        except UnicodeDecodeError:
+        except UnicodeDecodeError as exc:
+            if path in named:
+                raise BlockspecError(f"{flag} {path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
             continue
         except OSError as exc:
             raise BlockspecError(f"{flag} {path}: {exc.strerror}") from None
@@ -261,10 +288,10 @@ def split_corpus(paths: list[str], tokenizer, length: int, heldout: float, seed:
                  suffixes=None) -> tuple[list[Sequence], list[Sequence]]:
     """(training sequences, held-out sequences): whole texts and conversations are held out, so none held out is
     seen in training. Every record is checked, and the chat template found, before any tokenizing."""
-    units = read_data(text_files(paths, suffixes))
+    units = read_paths(paths, suffixes)
     check_chat_template(units, tokenizer)
     random.Random(seed).shuffle(units)
-    held = max(1, round(heldout * len(units))) if heldout > 0 and len(units) > 1 else 0
+    held = min(len(units) - 1, max(1, round(heldout * len(units)))) if heldout > 0 and len(units) > 1 else 0
     pad = eos if eos is not None else 0
     train = sequences(unit_tokens(units[held:], tokenizer, eos), length, pad)
     evaluation = sequences(unit_tokens(units[:held], tokenizer, eos), length, pad)
@@ -277,7 +304,7 @@ def evaluation_corpus(paths: list[str], tokenizer, length: int, eos: int | None,
                       suffixes=None) -> list[Sequence]:
     """Sequences of data kept for evaluation only (train-drafter --eval-data): all of it, read and checked as
     --data is."""
-    units = read_data(text_files(paths, suffixes, flag="--eval-data"), flag="--eval-data")
+    units = read_paths(paths, suffixes, flag="--eval-data")
     check_chat_template(units, tokenizer, flag="--eval-data")
     out = sequences(unit_tokens(units, tokenizer, eos, "--eval-data"), length, eos if eos is not None else 0)
     if not out:

@@ -6,14 +6,15 @@ In several processes (train/ranks.py) rank 0 writes, logs and evaluates; every r
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
 import random
 import shutil
 import time
+import zipfile
 from contextlib import contextmanager
-from dataclasses import asdict
 from pathlib import Path
 from typing import Callable
 
@@ -44,28 +45,53 @@ def check_output(out: Path, resume: bool):
         raise BlockspecError(f"--out {out}: {existing} is not writable")
     if resume and not (out / STATE_FILE).is_file():
         raise BlockspecError(f"--resume: {out / STATE_FILE} does not exist (nothing to resume)")
+    if resume and not zipfile.is_zipfile(out / STATE_FILE):  # what torch.save writes, its index last
+        raise BlockspecError(f"--resume: {out / STATE_FILE} is truncated or not a saved training state")
     if not resume and out.is_dir() and any(out.iterdir()):
         raise BlockspecError(f"--out {out} is not empty: choose a new directory or pass --resume")
 
 
-def saved_settings(out: Path) -> dict:
-    """The settings of the run saved in `out` ({} when it predates RUN_FILE)."""
+def saved_settings(out: Path, cls=None) -> dict:
+    """The settings of the run saved in `out` ({} when it predates RUN_FILE), each of the type of `cls`'s field (the
+    run's dataclass) when given."""
+    path = out / RUN_FILE
     try:
-        return json.loads((out / RUN_FILE).read_text())
+        saved = json.loads(path.read_text())
     except FileNotFoundError:
         return {}
-    except (OSError, ValueError) as exc:
-        raise BlockspecError(f"--resume: {out / RUN_FILE} cannot be read ({exc})") from None
+    except (OSError, ValueError, RecursionError) as exc:
+        raise BlockspecError(f"--resume: {path} cannot be read ({exc})") from None
+    if not isinstance(saved, dict):
+        raise BlockspecError(f"--resume: {path} must hold a JSON object of settings, not {type(saved).__name__}")
+    for field in dataclasses.fields(cls) if cls else ():
+        if field.name in saved and not of_type(saved[field.name], field.type):
+            raise BlockspecError(f"--resume: {path}: \"{field.name}\" must be {field.type} "
+                                 f"(got {saved[field.name]!r})")
+    return saved
+
+
+def of_type(value, annotation: str) -> bool:
+    """Whether a JSON value is of a dataclass field's type (its annotation as written: "int | None", "list[int]")."""
+    for kind in (part.strip() for part in annotation.split("|")):
+        if kind.startswith("list[") and isinstance(value, list):
+            if all(of_type(v, kind[5:-1]) for v in value):
+                return True
+        elif {"None": value is None, "bool": isinstance(value, bool), "str": isinstance(value, str),
+              "int": isinstance(value, int) and not isinstance(value, bool),
+              "float": isinstance(value, (int, float)) and not isinstance(value, bool)}.get(kind):
+            return True
+    return False
 
 
 def settings_to_save(run) -> dict:
-    return {k: v for k, v in asdict(run).items() if k not in NOT_SAVED}
+    return {k: v for k, v in dataclasses.asdict(run).items() if k not in NOT_SAVED}
 
 
-def resumed_settings(out: Path, given: dict) -> dict:
-    """The settings a resumed run continues with: the saved run's, with the flags given again (`given`); a given
-    value that would change the saved model or its optimisation is refused in one line."""
-    saved = saved_settings(out)
+def resumed_settings(out: Path, given: dict, cls=None) -> dict:
+    """The settings a resumed run continues with: the saved run's (checked against `cls`'s fields), with the flags
+    given again (`given`); a given value that would change the saved model or its optimisation is refused in one
+    line."""
+    saved = saved_settings(out, cls)
     for key, value in given.items():
         if key in saved and key not in RESUMABLE_CHANGES and value != saved[key]:
             flag = "--" + key.replace("_", "-")
@@ -77,9 +103,62 @@ def resumed_settings(out: Path, given: dict) -> dict:
 
 
 def check_resumed(run):
-    """A resumed run's settings (however given) must be the saved run's, except RESUMABLE_CHANGES."""
-    if run.resume:
-        resumed_settings(Path(run.out), settings_to_save(run))
+    """A resumed run's settings (however given) must be the saved run's, except RESUMABLE_CHANGES; its state must
+    load, and --steps must not stop before the step it is at."""
+    if not run.resume:
+        return
+    out = Path(run.out)
+    resumed_settings(out, settings_to_save(run), type(run))
+    try:  # mapped, not read: the weights and moments are read again once the model is built
+        step = torch.load(out / STATE_FILE, weights_only=False, map_location="cpu", mmap=True)["step"]
+    except Exception as exc:  # torch raises what the pickle or the archive reader met
+        raise BlockspecError(f"--resume: {out / STATE_FILE} cannot be loaded ({str(exc).splitlines()[0]})") from None
+    if run.tokens is None:
+        check_not_past(out, step, run.steps)
+
+
+def check_not_past(out: Path, step: int, steps: int):
+    if step > steps:
+        raise BlockspecError(f"--resume: the run saved in {out} is at step {step}, past the {steps} steps asked "
+                             "(--steps, --tokens): give more, or leave them out to finish that run")
+
+
+def check_weights(directory: Path):
+    """Every weights file of the checkpoint readable (its header, against the file's size): a truncated one is
+    refused in one line before any work, as the engine's loading refuses it."""
+    from safetensors import safe_open
+
+    from ..models.checkpoint import checkpoint_files, unreadable
+
+    for path in checkpoint_files(directory):
+        try:
+            with safe_open(str(path), framework="pt"):
+                pass
+        except Exception as exc:  # safetensors raises its own error types
+            raise unreadable(path, exc) from None
+
+
+@contextmanager
+def staged(folder: Path):
+    """A folder to write a checkpoint's files into; once all are written, each is moved into `folder` (os.replace):
+    an interrupt leaves every file there whole, the last checkpoint's or this one's (save_pretrained writes in
+    place)."""
+    staging = folder / ".staging"
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    try:
+        yield staging
+        for path in sorted(staging.iterdir()):
+            os.replace(path, folder / path.name)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def write_atomically(path: Path, text: str):
+    """`text` into `path` through a temporary file beside it, renamed when complete."""
+    temporary = path.with_name(path.name + ".tmp")
+    temporary.write_text(text)
+    os.replace(temporary, path)
 
 
 @contextmanager
@@ -102,7 +181,7 @@ def write_summary(out: Path, summary: dict, name: str = "training.json", points:
     stride = max(1, math.ceil(len(history) / points))
     curve = history[::stride] + ([history[-1]] if history and (len(history) - 1) % stride else [])
     record = {**{k: v for k, v in summary.items() if k != "history"}, "learning_curve": curve}
-    (out / name).write_text(json.dumps(record, indent=2))
+    write_atomically(out / name, json.dumps(record, indent=2))
 
 
 def plural(count: int, noun: str) -> str:
@@ -181,7 +260,7 @@ class Trainer:
         state = {"step": self.step, "module": self.module.state_dict(), "optimizer": self.optimizer.state_dict(),
                  "history": self.history, "evaluations": self.evaluations, "best": self.best,
                  "rng": self.rng.getstate(), "torch_rng": torch.get_rng_state()}
-        (self.out / RUN_FILE).write_text(json.dumps(self.settings, indent=2))
+        write_atomically(self.out / RUN_FILE, json.dumps(self.settings, indent=2))
         torch.save(state, self.out / (STATE_FILE + ".tmp"))
         (self.out / (STATE_FILE + ".tmp")).replace(self.out / STATE_FILE)
         ordinary_modes(self.out)
@@ -192,6 +271,7 @@ class Trainer:
         """Run until `steps`; step_loss(rng) -> (loss, figures to record, tokens trained on), this rank's part.
         With `evaluate` (-> a dict with "mean_accepted_length"), the weights are evaluated every `eval_every` steps
         and at the last. Returns tokens/s (all ranks')."""
+        check_not_past(self.out, self.step, steps)
         self.module.train()
         progress = _progress(range(self.step, steps), self.step, steps, self.ranks.main)
         began, tokens = time.perf_counter(), 0

@@ -29,8 +29,8 @@ from ..config import MAX_SEED, TargetConfig
 from ..errors import BlockspecError
 from ..models.checkpoint import check_folder, generation_defaults
 from ..models.tokenizer import Tokenizer
-from .data import Completion, Conversation, check_chat_template, read_data, text_files
-from .loop import plural
+from .data import Completion, Conversation, check_chat_template, read_paths, text_files
+from .loop import check_weights, plural
 
 
 @dataclass
@@ -86,6 +86,16 @@ def check_run(run: Regeneration) -> TargetConfig:
         if bad:
             raise BlockspecError(why)
     check_out(Path(run.out))
+    if Path(run.out).resolve() in text_files(run.prompts, run.suffixes, flag="--prompts"):  # read, then replaced
+        raise BlockspecError(f"--out {run.out}: is one of the --prompts files; give another file to write")
+    check_weights(Path(run.target))
+    settings = Path(run.target) / "generation_config.json"
+    try:  # transformers reads it too, as it loads the target
+        raw = json.loads(settings.read_text()) if settings.is_file() else {}
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+        raise BlockspecError(f"{settings}: not readable JSON ({exc})") from None
+    if not isinstance(raw, dict):
+        raise BlockspecError(f"{settings}: a JSON object expected, got {type(raw).__name__}")
     return target
 
 
@@ -96,12 +106,18 @@ def prompts_of(units: list, tokenizer, prompt_tokens: int) -> list[Prompt]:
     for unit in units:
         if isinstance(unit, Conversation):
             messages = unit.messages[:-1] if unit.messages[-1]["role"] == "assistant" else unit.messages
+            if not messages:
+                raise BlockspecError(f"--prompts {unit.path}:{unit.line}: the conversation is only the assistant "
+                                     "turn that is generated anew: give the turns it answers")
             try:
                 prompts.append(Prompt(tokenizer.chat_prompt_ids(messages), messages))
             except BlockspecError as exc:
                 raise BlockspecError(f"--prompts {unit.path}:{unit.line}: {exc}") from None
         elif isinstance(unit, Completion):
-            prompts.append(Prompt(tokenizer.encode(unit.prompt), None))
+            ids = tokenizer.encode(unit.prompt)
+            if not ids:
+                raise BlockspecError(f"--prompts {unit.path}:{unit.line}: the prompt is empty")
+            prompts.append(Prompt(ids, None))
         else:
             ids = tokenizer.encode(unit)
             prompts += [Prompt(ids[i:i + prompt_tokens], None) for i in range(0, len(ids), prompt_tokens)]
@@ -130,9 +146,13 @@ def describe(settings: dict, temperature_given: bool) -> str:
 
 
 def load_model(target: str, device: torch.device, dtype: torch.dtype):
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, GenerationConfig
 
-    return AutoModelForCausalLM.from_pretrained(target, dtype=dtype).to(device).eval()
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=dtype).to(device).eval()
+    # the sampling values are sampling_settings' (generation_config.json's, checked): none of the file's unchecked
+    # ones may come in as transformers' defaults
+    model.generation_config = GenerationConfig()
+    return model
 
 
 @torch.no_grad()
@@ -163,9 +183,14 @@ def regenerate(run: Regeneration, log=print) -> dict:
     tokenizer.check_fits(target.vocab_size, run.target)
     if not tokenizer.eos_token_ids:
         raise BlockspecError(f"--target {run.target}: no end-of-sequence token (config.json: eos_token_id)")
-    units = read_data(text_files(run.prompts, run.suffixes, flag="--prompts"), need_assistant=False, flag="--prompts")
+    units = read_paths(run.prompts, run.suffixes, need_assistant=False, flag="--prompts")
     check_chat_template(units, tokenizer, flag="--prompts")
     prompts = prompts_of(units, tokenizer, run.prompt_tokens)
+    longest = max((len(p.ids) for p in prompts), default=0)
+    if longest + run.max_new_tokens > target.max_position_embeddings:
+        raise BlockspecError(f"--max-new-tokens {run.max_new_tokens}: with the longest prompt ({longest} tokens) the "
+                             f"replies would run past the target's {target.max_position_embeddings} positions "
+                             "(config.json: max_position_embeddings)")
     if run.max_prompts is not None and len(prompts) > run.max_prompts:  # drawn with the seed, kept in their order
         prompts = [prompts[i] for i in sorted(random.Random(run.seed).sample(range(len(prompts)), run.max_prompts))]
     settings = sampling_settings(run)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import math
+import os
 from contextlib import nullcontext
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -22,7 +23,8 @@ from ..models.checkpoint import check_folder, checkpoint_files, load_target, sto
 from ..models.tokenizer import Tokenizer
 from .data import Sequence, evaluation_corpus, split_corpus, text_files
 from .evaluate import one_cycle_acceptance
-from .loop import BEST, Trainer, check_output, check_resumed, output_folder, plural, settings_to_save, write_summary
+from .loop import BEST, Trainer, check_output, check_resumed, check_weights, output_folder, plural, \
+    settings_to_save, staged, write_summary
 from .ranks import Ranks, launched, process_group, rank_device
 
 
@@ -78,12 +80,17 @@ def check_run(run: DrafterTraining, world: int | None = None) -> TargetConfig:
         (run.kind == "mtp" and Path(run.out).resolve() == Path(run.target).resolve(),
          "--out must not be the target directory (the MTP head is written into a copy of it)"),
         (run.layers < 1, f"--layers must be at least 1 (got {run.layers})"),
+        (run.intermediate_size is not None and run.intermediate_size < 1,
+         f"--intermediate-size must be at least 1 (got {run.intermediate_size})"),
+        (run.selector_rank < 1, f"--selector-rank must be at least 1 (got {run.selector_rank})"),
+        (run.selector_top_k < 1, f"--selector-top-k must be at least 1 (got {run.selector_top_k})"),
+        (not 0 < run.loss_decay < math.inf, f"--loss-decay must be positive and finite (got {run.loss_decay})"),
         (not 2 <= run.block_size <= 16, f"--block-size must be 2..16 (got {run.block_size})"),
         (run.window < run.block_size, f"--window {run.window} is shorter than the block ({run.block_size})"),
         (run.steps < 1 or (run.tokens is not None and run.tokens < 1), "--steps and --tokens must be at least 1"),
         (run.batch_tokens < run.block_size, f"--batch-tokens must hold one block ({run.block_size} tokens)"),
         (run.seq_len < 2 * run.block_size, f"--seq-len must be at least twice the block ({2 * run.block_size})"),
-        (not run.lr > 0, f"--lr must be positive (got {run.lr})"),
+        (not 0 < run.lr < math.inf, f"--lr must be positive and finite (got {run.lr})"),
         (not 0 <= run.heldout < 1, f"--heldout must be in [0, 1) (got {run.heldout})"),
         (run.kind == "dflash2" and target.hidden_size % 16 != 0,
          f"target hidden_size {target.hidden_size} is not a multiple of 16 (the drafter's convolution groups)"),
@@ -111,10 +118,18 @@ def check_run(run: DrafterTraining, world: int | None = None) -> TargetConfig:
         raise BlockspecError(f"{world} processes cannot share the {plural(count, 'sequence')} of a step evenly "
                              f"(--batch-tokens {run.batch_tokens}, --seq-len {run.seq_len}): run a number of "
                              f"processes that divides {count}, or give --batch-tokens for a multiple of {world}")
-    bad_ids = [i for i in run.target_layer_ids or [] if not 0 <= i < target.num_hidden_layers]
+    ids = run.target_layer_ids
+    if ids is not None and not ids:
+        raise BlockspecError("--target-layer-ids is empty: give one target layer or more (or leave it out)")
+    bad_ids = [i for i in ids or [] if not 0 <= i < target.num_hidden_layers]
     if bad_ids:
-        raise BlockspecError(f"--target-layer-ids {run.target_layer_ids}: layer {bad_ids[0]} is outside the target's "
+        raise BlockspecError(f"--target-layer-ids {ids}: layer {bad_ids[0]} is outside the target's "
                              f"{target.num_hidden_layers} layers (0..{target.num_hidden_layers - 1})")
+    if ids and len(set(ids)) < len(ids):
+        raise BlockspecError(f"--target-layer-ids {ids}: a layer is given twice")
+    if run.kind == "dflash2":
+        check_drafter_fits(run, target)
+    check_weights(Path(run.target))
     if run.eval_data:
         text_files(run.eval_data, run.suffixes, flag="--eval-data")
     check_output(Path(run.out), run.resume)
@@ -126,6 +141,30 @@ def check_run(run: DrafterTraining, world: int | None = None) -> TargetConfig:
             raise BlockspecError(f"--target {run.target} already has an MTP head: --kind mtp would train a new one "
                                  "from scratch in its place; pass --replace-mtp to do so")
     return target
+
+
+def check_drafter_fits(run: DrafterTraining, target: TargetConfig):
+    """The drafter's training state (fp32 weights, gradients and AdamW's two moments: 16 bytes a parameter, its
+    layers' projections and its fixed parts counted) must fit the device's memory: a run that cannot is refused now,
+    not killed once the target has loaded."""
+    from ..engine.load import resolve_device
+
+    heads = run.heads or target.num_attention_heads
+    attention = 2 * (heads + target.num_key_value_heads) * target.head_dim
+    layer = target.hidden_size * (attention + 3 * (run.intermediate_size or target.intermediate_size))
+    fixed = target.hidden_size * target.hidden_size * len(run.target_layer_ids or range(5)) \
+        + 2 * target.vocab_size * run.selector_rank
+    state = 16 * (run.layers * layer + fixed)
+    device = resolve_device(run.device)
+    if device.type == "cuda":
+        memory, where = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory, "GPU"
+    else:
+        memory, where = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "host"
+    if state > memory:
+        raise BlockspecError(f"--layers {run.layers}: the drafter's training state (weights, gradients, optimizer "
+                             f"moments: {state / 2**30:.1f} GiB) exceeds the {where}'s memory "
+                             f"({memory / 2**30:.1f} GiB); fewer --layers, or smaller --intermediate-size, --heads "
+                             "or --selector-rank")
 
 
 class TargetFeatures:
@@ -219,8 +258,9 @@ def _train(run: DrafterTraining, target_config: TargetConfig, device: torch.devi
     tokenizer = Tokenizer(run.target, target_config.eos_token_ids)
     tokenizer.check_fits(target_config.vocab_size, run.target)
     eos = min(tokenizer.eos_token_ids) if tokenizer.eos_token_ids else None
-    sequences, heldout = split_corpus(run.data, tokenizer, run.seq_len, 0 if run.eval_data else run.heldout,
-                                      run.seed, eos, run.suffixes)
+    # nothing is held out that no evaluation would read
+    share = 0 if run.eval_data or not run.eval_cuts else run.heldout
+    sequences, heldout = split_corpus(run.data, tokenizer, run.seq_len, share, run.seed, eos, run.suffixes)
     if run.eval_data:
         heldout = evaluation_corpus(run.eval_data, tokenizer, run.seq_len, eos, run.suffixes)
     if run.eval_every and not heldout:
@@ -238,7 +278,8 @@ def _train(run: DrafterTraining, target_config: TargetConfig, device: torch.devi
         features = TargetFeatures(model, layer_ids, run.seq_len, device, dtype, graphed=not sharded)
         step_loss = dflash2_step(module, model, features, sequences, run, ranks)
         def save(directory):
-            module.save_pretrained(directory, state_dict={k: v.to(stored) for k, v in module.state_dict().items()})
+            with staged(directory) as staging:
+                module.save_pretrained(staging, state_dict={k: v.to(stored) for k, v in module.state_dict().items()})
         rows = math.prod(step_shape(run)) * run.block_size
         what = f"a DFlash2 drafter reading target layers {layer_ids}"
     else:

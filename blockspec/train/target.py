@@ -23,9 +23,9 @@ import torch
 from ..config import MAX_SEED
 from ..errors import BlockspecError
 from ..models.tokenizer import CHAT_TEMPLATE, render_chat
-from .data import Completion, read_data, text_files
-from .loop import Trainer, check_output, check_resumed, output_folder, plural, settings_to_save, token_count, \
-    write_summary
+from .data import Completion, read_paths
+from .loop import Trainer, check_output, check_resumed, output_folder, plural, settings_to_save, staged, \
+    token_count, write_summary
 from .ranks import launched
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -57,6 +57,11 @@ class TargetTraining:
 
 
 def check_run(run: TargetTraining):
+    sizes = [("--vocab", run.vocab), ("--hidden", run.hidden), ("--layers", run.layers), ("--heads", run.heads),
+             ("--intermediate", run.intermediate)]
+    for flag, value in sizes:  # before the checks below divide by them
+        if value < 1:
+            raise BlockspecError(f"{flag} must be at least 1 (got {value})")
     checks = [
         (run.layers < 4 or run.layers % 4, f"--layers must be a positive multiple of 4 (got {run.layers})"),
         (run.hidden % run.heads or (run.hidden // run.heads) % 4,
@@ -67,7 +72,8 @@ def check_run(run: TargetTraining):
          f"--vocab must hold the 256 bytes and the special tokens (got {run.vocab})"),
         (run.seq_len < 16 or run.batch_tokens < run.seq_len, "--seq-len must be >= 16 and <= --batch-tokens"),
         (run.steps < 1 or (run.tokens is not None and run.tokens < 1), "--steps and --tokens must be at least 1"),
-        (not run.lr > 0, f"--lr must be positive (got {run.lr})"),
+        (not 0 < run.lr < math.inf, f"--lr must be positive and finite (got {run.lr})"),
+        (not 0 <= run.heldout < 1, f"--heldout must be in [0, 1) (got {run.heldout})"),
         (run.checkpoint_every < 1, f"--checkpoint-every must be at least 1 (got {run.checkpoint_every})"),
         (not 0 <= run.seed <= MAX_SEED, f"--seed must be in 0..2^63-1 (got {run.seed})"),
         (launched()[1] > 1, "train-target runs in one process: start it without torchrun (several processes are "
@@ -146,8 +152,8 @@ def train_target(run: TargetTraining, log=print) -> dict:
     out = Path(run.out)
     texts = [unit if isinstance(unit, str) else unit.prompt + unit.completion if isinstance(unit, Completion)
              else render_chat(CHAT_TEMPLATE, unit.messages, add_generation_prompt=False)
-             for unit in read_data(text_files(run.data, run.suffixes))]
-    held = max(1, round(run.heldout * len(texts))) if run.heldout > 0 and len(texts) > 1 else 0
+             for unit in read_paths(run.data, run.suffixes)]
+    held = min(len(texts) - 1, max(1, round(run.heldout * len(texts)))) if run.heldout > 0 and len(texts) > 1 else 0
     generator = torch.Generator().manual_seed(run.seed)
     order = torch.randperm(len(texts), generator=generator).tolist()
     train_texts, heldout_texts = [texts[i] for i in order[held:]], [texts[i] for i in order[:held]]
@@ -188,17 +194,19 @@ def _train(run: TargetTraining, out: Path, device, train_texts: list[str], heldo
         return loss, {"bits_per_token": loss.detach() / math.log(2)}, rows * run.seq_len
 
     def save(directory: Path):
-        model.save_pretrained(directory)
-        raw = json.loads((directory / "config.json").read_text())
-        raw.update({k: config[k] for k in ("mtp_num_hidden_layers", "eos_token_id", "layer_types")})
-        (directory / "config.json").write_text(json.dumps(raw, indent=2))
+        with staged(directory) as staging:
+            model.save_pretrained(staging)
+            raw = json.loads((staging / "config.json").read_text())
+            raw.update({k: config[k] for k in ("mtp_num_hidden_layers", "eos_token_id", "layer_types")})
+            (staging / "config.json").write_text(json.dumps(raw, indent=2))
 
     trainer = Trainer(model, out, run.lr, device, save, run.checkpoint_every, run.seed, settings_to_save(run))
     if run.resume:
         trainer.resume()
     steps = run.steps if run.tokens is None else math.ceil(run.tokens / (rows * run.seq_len))
-    log(f"train-target: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters, vocabulary {vocab}, "
-        f"{token_count(stream.numel())} of training text from {plural(len(train_texts), 'text')} "
+    capped = f" (--vocab {run.vocab}: the text yields no more merges)" if vocab < run.vocab else ""
+    log(f"train-target: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters, vocabulary {vocab}"
+        f"{capped}, {token_count(stream.numel())} of training text from {plural(len(train_texts), 'text')} "
         f"({len(heldout_texts)} held out); {plural(steps, 'step')} of {rows} x {run.seq_len} tokens on {device}")
     summary = {"steps": steps, "training_tokens_per_s": round(trainer.fit(steps, step_loss), 1),
                "parameters": sum(p.numel() for p in model.parameters()), "vocab": vocab}
