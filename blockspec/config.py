@@ -283,7 +283,7 @@ class TargetConfig:
         if not isinstance(raw, dict):
             raise BlockspecError(f"{source}: the top level must be a JSON object (got {type(raw).__name__})")
         archs = raw.get("architectures") or []
-        if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
+        if not isinstance(archs, (list, tuple)) or not all(isinstance(a, str) for a in archs):
             raise BlockspecError(f"{source}: config key 'architectures' must be a list of names (got {archs!r})")
         archs = set(archs)
         model_type = raw.get("model_type")
@@ -332,7 +332,7 @@ class TargetConfig:
         interval = integer("full_attention_interval", text.get("full_attention_interval", 4))
         layer_types = text.get("layer_types") or [
             "full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(layers)]
-        if not isinstance(layer_types, list):
+        if not isinstance(layer_types, (list, tuple)):
             fail("layer_types", f"must be a list (got {layer_types!r})")
         bad = [t for t in layer_types if t not in ("full_attention", "linear_attention")]
         if len(layer_types) != layers or bad:
@@ -342,7 +342,7 @@ class TargetConfig:
         hidden = integer("hidden_size", need("hidden_size"))
         vocab = integer("vocab_size", need("vocab_size"))
         eos = text.get("eos_token_id", raw.get("eos_token_id"))
-        eos = () if eos is None else tuple(eos) if isinstance(eos, list) else (eos,)
+        eos = () if eos is None else tuple(eos) if isinstance(eos, (list, tuple)) else (eos,)
         for token in eos:
             if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < vocab:
                 fail("eos_token_id", f"must be token ids below vocab_size {vocab} (got {token!r})")
