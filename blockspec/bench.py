@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from .cli_common import (add_sampling_args, add_weight_args, check_output_path, describe_sampling, sampling_overrides,
-                         weight_overrides)
+                         utf8_text, weight_overrides)
 from .config import DEFAULT_TREE_BUDGET, PredictConfig, SamplingSettings
 from .engine import memory
 from .engine.decode import Proposer
@@ -573,7 +573,7 @@ def add_bench_parser(sub):
     p.add_argument("--repeats", type=int, default=3, metavar="R", help="measured runs per fixture (the median is "
                    "reported)")
     p.add_argument("--context-length", type=int, default=4096, metavar="N", help="tokens the KV cache holds")
-    p.add_argument("--prompt", metavar="TEXT", help="one prompt instead of the fixtures")
+    p.add_argument("--prompt", metavar="TEXT", type=utf8_text, help="one prompt instead of the fixtures")
     p.add_argument("--fixtures", metavar="FILE", help="JSON list of {\"name\", \"prompt\"} objects (default: the "
                    "packaged code, English and translation prompts), or a directory of source files, or 'stdlib' (the "
                    "interpreter's standard library): 10 files, each one's first 1500 characters as a raw prompt")

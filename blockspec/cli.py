@@ -12,7 +12,7 @@ from pathlib import Path
 
 from . import __version__
 from .cli_common import (OneLineParser, add_engine_args, check_output_path, check_seed, describe_sampling, engine_config,
-                         format_stats, stream_text)
+                         format_stats, stream_text, utf8_text)
 from .config import ServerSettings
 from .errors import BlockspecError
 
@@ -384,7 +384,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     gen = sub.add_parser("generate", help="generation from a prompt (greedy, or sampled)")
     add_engine_args(gen)
-    gen.add_argument("--prompt", metavar="TEXT", help="the prompt text (or --prompt-ids)")
+    gen.add_argument("--prompt", metavar="TEXT", type=utf8_text, help="the prompt text (or --prompt-ids)")
     gen.add_argument("--prompt-ids", metavar="IDS", help="the prompt as comma-separated token ids, e.g. 1,2,3")
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the checkpoint's chat template")
     gen.add_argument("--json", action="store_true", help="print one JSON object: tokens, text, stats")
@@ -417,7 +417,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     chat = sub.add_parser("chat", help="interactive chat in the terminal (chat template, streamed replies)")
     add_engine_args(chat)
-    chat.add_argument("--system", metavar="TEXT", help="system prompt (default: none)")
+    chat.add_argument("--system", metavar="TEXT", type=utf8_text, help="system prompt (default: none)")
     chat.set_defaults(func=cmd_chat)
 
     add_serve_parser(sub)

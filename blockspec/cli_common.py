@@ -152,6 +152,16 @@ def check_seed(text: str) -> int:
     return seed
 
 
+def utf8_text(text: str) -> str:
+    """argparse type of text flags: bytes that are not UTF-8 reach Python as lone surrogates, which no tokenizer
+    takes: refused, naming the first."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise argparse.ArgumentTypeError(f"not valid UTF-8 (character {exc.start})") from None
+    return text
+
+
 def check_output_path(flag: str, path: str) -> Path:
     """Before long work, make sure a file can be written at `path`: missing parent folders are created; a folder,
     or a place that cannot be written, is refused in one line naming the flag. Leaves no new file behind."""

@@ -131,6 +131,7 @@ REQUEST_ERRORS = [
     (("--prompt", "a", "--prompt-ids", "1", "--max-tokens", 3), "exactly one of"),
     (("--prompt", "a", "--max-tokens", 3, "--mode", "dflash2"), "needs a drafter"),
     (("--prompt", "a", "--max-tokens", "many"), "invalid int value"),
+    (("--prompt", "\udcff\udcfe abc", "--max-tokens", 4), "--prompt: not valid UTF-8 (character 0)"),  # bytes ff fe
 ]
 
 
