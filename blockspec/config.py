@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Literal
@@ -175,26 +176,83 @@ class PredictConfig(CheckedSettings):
 
     @classmethod
     def from_yaml(cls, path: str | Path, **overrides) -> "PredictConfig":
+        """The config in a YAML file, overrides (typed values, e.g. the command line's flags) on top. The file's
+        values are taken as written: a duplicate key, a key that is not a setting's name, a string for a number or
+        a flag, true / false for a number: each refused in one line naming the file and the key."""
         path = Path(path)
         try:
-            data = yaml.safe_load(path.read_text()) or {}
+            data = yaml.load(path.read_bytes().decode("utf-8-sig"), Loader=_ConfigLoader)
         except OSError as exc:
             raise BlockspecError(f"config file {path}: {exc.strerror}") from None
+        except UnicodeDecodeError as exc:
+            raise BlockspecError(f"config file {path}: not UTF-8 text (byte {exc.object[exc.start]:#04x} at offset "
+                                 f"{exc.start})") from None
+        except _DuplicateKey as exc:
+            raise BlockspecError(f"config file {path}: {exc}") from None
         except yaml.YAMLError as exc:
-            raise BlockspecError(f"config file {path}: not valid YAML ({str(exc).splitlines()[0]})") from None
+            mark = getattr(exc, "problem_mark", None)
+            where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+            problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+            raise BlockspecError(f"config file {path}: not valid YAML ({problem}{where})") from None
+        data = {} if data is None else data  # an empty file (or one of comments): the defaults
         if not isinstance(data, dict):
-            raise BlockspecError(f"config file {path}: expected a mapping of keys to values")
+            raise BlockspecError(f"config file {path}: expected a mapping of keys to values (got "
+                                 f"{'a list' if isinstance(data, list) else repr(data)})")
+        for key, value in data.items():
+            if not isinstance(key, str):
+                raise BlockspecError(f"config file {path}: config key {key!r} is not a setting's name")
+            spec = cls.model_fields.get(key)  # an unknown key is refused below
+            if isinstance(value, bool) and spec is not None and spec.annotation is not bool:
+                # strict validation still takes false for compile_mode's 0
+                raise BlockspecError(f"{path}: invalid value for '{key}': Input should not be true or false "
+                                     f"(got {value!r})")
+        try:  # the file's values strictly (no '1' for 1, no 'no' for false), the typed overrides as usual
+            cls.model_validate(data, strict=True)
+        except ValidationError as exc:
+            raise BlockspecError(f"{path}: {describe_validation_error(exc)}") from None
         data.update({k: v for k, v in overrides.items() if v is not None})
         return cls.build(data, source=str(path))
+
+
+class _DuplicateKey(yaml.YAMLError):
+    def __init__(self, key, first_line: int, line: int):
+        super().__init__(f"key {key!r} is given twice (line {first_line}, then line {line})")
+
+
+class _ConfigLoader(yaml.SafeLoader):
+    """SafeLoader that refuses a key given twice in a mapping (PyYAML keeps the last) and reads 1e-3 as a number
+    (as YAML 1.2 does; PyYAML's 1.1 rules read it as the string '1e-3')."""
+
+    def construct_mapping(self, node, deep=False):
+        lines = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue  # '<<: *anchor' merges a mapping; the keys after it override the merged ones
+            key = self.construct_object(key_node, deep=deep)
+            line = key_node.start_mark.line + 1
+            try:
+                if (type(key), key) in lines:
+                    raise _DuplicateKey(key, lines[type(key), key], line)
+                lines[type(key), key] = line
+            except TypeError:
+                pass  # an unhashable key: SafeLoader refuses it
+        return super().construct_mapping(node, deep=deep)
+
+
+_ConfigLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float", re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)[eE][-+]?[0-9]+$"),
+    list("-+0123456789."))
 
 
 def describe_validation_error(exc: ValidationError) -> str:
     """One line naming the first offending key and why it was refused."""
     err = exc.errors()[0]
-    key = ".".join(str(p) for p in err["loc"]) or "value"
+    # the key and its list indices, not the union member tried ('draft_vocabulary.int')
+    key = ".".join(str(p) for i, p in enumerate(err["loc"]) if i == 0 or isinstance(p, int)) or "value"
     if err["type"] == "extra_forbidden":
         return f"unknown config key '{key}'"
-    return f"invalid value for '{key}': {err['msg']} (got {err.get('input')!r})"
+    message = "Input should be true or false" if err["type"] in ("bool_type", "bool_parsing") else err["msg"]
+    return f"invalid value for '{key}': {message} (got {err.get('input')!r})"
 
 
 @dataclass(frozen=True)
