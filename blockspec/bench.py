@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import gc
 import json
+import math
 import random
 import statistics
 import tempfile
@@ -62,22 +63,70 @@ def code_fixtures(path: str) -> list[dict]:
     return fixtures
 
 
+FIXTURE_KEYS = {"name": str, "prompt": str, "text": str, "chat": bool}  # text, chat: optional (code_fixtures')
+
+
 def load_fixtures(path: str | None, prompt: str | None) -> list[dict]:
     if prompt is not None:
+        if not prompt:
+            raise BlockspecError("--prompt is empty: give some text")
         return [{"name": "prompt", "prompt": prompt}]
+    if path == "":
+        raise BlockspecError("--fixtures is empty: give a JSON file, a folder of source files, or 'stdlib'")
     if path is not None and (path == "stdlib" or Path(path).is_dir()):
         return code_fixtures(path)
+    where = f"fixtures file {path or DEFAULT_FIXTURES}"
     try:
-        text = Path(path or DEFAULT_FIXTURES).read_text()
+        text = Path(path or DEFAULT_FIXTURES).read_bytes().decode("utf-8")
         fixtures = json.loads(text)
     except OSError as exc:
-        raise BlockspecError(f"fixtures file {path}: {exc.strerror}") from None
+        raise BlockspecError(f"{where}: {exc.strerror or exc}") from None
+    except UnicodeDecodeError as exc:
+        raise BlockspecError(f"{where}: not UTF-8 text (byte {exc.start})") from None
     except json.JSONDecodeError as exc:
-        raise BlockspecError(f"fixtures file {path}: not valid JSON ({exc})") from None
-    if not isinstance(fixtures, list) or not all(isinstance(f, dict) and {"name", "prompt"} <= set(f)
-                                                 for f in fixtures):
-        raise BlockspecError(f"fixtures file {path}: expected a list of {{\"name\", \"prompt\"}} objects")
+        raise BlockspecError(f"{where}: not valid JSON ({exc})") from None
+    check_fixtures(fixtures, where)
     return fixtures
+
+
+def check_fixtures(fixtures, where: str):
+    """A fixtures file's list: each entry an object with a non-empty string "name" (unique) and "prompt"; optional
+    "text" (the one-cycle text, default the prompt) and "chat" (false: the prompt is raw text, no chat template).
+    Anything else is refused in one line naming the entry and the key."""
+    shape = 'expected a JSON list of {"name": ..., "prompt": ...} objects'
+    if not isinstance(fixtures, list):
+        raise BlockspecError(f"{where}: {shape}, got {type(fixtures).__name__}")
+    if not fixtures:
+        raise BlockspecError(f"{where}: the list is empty; {shape}")
+    names = {}
+    for i, fixture in enumerate(fixtures):
+        if not isinstance(fixture, dict):
+            raise BlockspecError(f"{where}: entry {i} is {json.dumps(fixture)[:40]}, not an object; {shape}")
+        unknown = [k for k in fixture if k not in FIXTURE_KEYS]
+        if unknown:
+            raise BlockspecError(f"{where}: entry {i}: unknown key {unknown[0]!r} (known: "
+                                 f"{', '.join(FIXTURE_KEYS)})")
+        for key, kind in FIXTURE_KEYS.items():
+            if key not in fixture:
+                if key in ("name", "prompt"):
+                    raise BlockspecError(f"{where}: entry {i} has no {key!r}")
+                continue
+            value = fixture[key]
+            if not isinstance(value, kind):
+                raise BlockspecError(f"{where}: entry {i} {key!r} must be a {'string' if kind is str else 'boolean'}"
+                                     f", got {json.dumps(value)[:40]}")
+            if kind is str and not value:
+                raise BlockspecError(f"{where}: entry {i} {key!r} is empty")
+            if kind is str:
+                try:
+                    value.encode("utf-8")
+                except UnicodeEncodeError as exc:  # a lone surrogate escape (\ud800): no tokenizer takes it
+                    raise BlockspecError(f"{where}: entry {i} {key!r}: not valid UTF-8 (character {exc.start})") \
+                        from None
+        if fixture["name"] in names:
+            raise BlockspecError(f"{where}: entry {i} 'name' {fixture['name']!r} is also entry "
+                                 f"{names[fixture['name']]}'s: names must be unique")
+        names[fixture["name"]] = i
 
 
 class ForcedAcceptance(Proposer):
@@ -331,6 +380,17 @@ def check_arguments(args) -> tuple[list[str], list[dict], list[float] | None]:
     that the result files can be written (see cli_common.check_output_path) and drawn."""
     if not args.synthetic and not args.model:
         raise BlockspecError("give --model DIR or --synthetic PRESET")
+    if args.synthetic and args.model is not None:
+        raise BlockspecError("--model and --synthetic both given: --synthetic builds random weights in place of the "
+                             "checkpoint; give one of them")
+    if args.synthetic and args.drafter is not None:
+        raise BlockspecError("--drafter and --synthetic both given: --synthetic builds its own drafter for mode "
+                             "dflash2; drop --drafter (or use --model)")
+    if args.prompt is not None and args.fixtures is not None:
+        raise BlockspecError("--prompt and --fixtures both given: --prompt replaces the fixtures; give one of them")
+    if args.bandwidth is not None and not (math.isfinite(args.bandwidth) and args.bandwidth > 0):
+        raise BlockspecError(f"--bandwidth must be a positive number of GB/s (got {args.bandwidth}); leave it out "
+                             "to measure it")
     if args.repeats < 1 or args.max_tokens < 1:
         raise BlockspecError("--repeats and --max-tokens must be at least 1")
     modes = args.mode.split(",")
@@ -349,6 +409,15 @@ def check_arguments(args) -> tuple[list[str], list[dict], list[float] | None]:
     rates = parse_rates(args.forced_acceptance, len(fixtures))
     if args.model:
         check_folder("--model", args.model)
+    if args.drafter is not None and "dflash2" not in modes:
+        raise BlockspecError(f"--drafter is used by mode dflash2 only, but --mode is {args.mode!r}: add dflash2 to "
+                             "--mode or drop --drafter")
+    if args.drafter is not None:
+        if not args.drafter:
+            raise BlockspecError("--drafter is empty: give the DFlash2 drafter's folder")
+        check_folder("--drafter", args.drafter)
+    if "dflash2" in modes and not args.synthetic and args.drafter is None:
+        raise BlockspecError("--mode dflash2 needs a drafter: give --drafter DIR")
     if args.tree_budget is not None and tree_budgets(args.tree_budget) != [0] and "dflash2" not in modes:
         raise BlockspecError(f"--tree-budget {args.tree_budget}: trees verify DFlash2 proposals: add dflash2 to --mode")
     sampling_variants(args)

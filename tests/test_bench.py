@@ -338,3 +338,63 @@ def test_table_columns_fit_long_names_and_fixture_names_stay_whole(tmp_path):
     (tmp_path / "pkg_a" / "a_rather_long_module_name.py").write_text("y = 2\n" * 50)
     names = sorted(f["name"] for f in code_fixtures(str(tmp_path)))
     assert names == ["a_rather_long_module_name", "pkg_a/__init__", "pkg_b/__init__"]
+
+
+BAD_FIXTURES = [  # (file bytes, what the one-line refusal says after "fixtures file PATH: ")
+    (b"\xff\xfe[]", "not UTF-8 text (byte 0)"),
+    (b"{oops", "not valid JSON"),
+    (b"[]", "the list is empty"),
+    (b'{"name": "a", "prompt": "x"}', "expected a JSON list of"),
+    (b"[1, 2]", "entry 0 is 1, not an object"),
+    (b'[{"name": "a", "prompt": "x"}, {"name": "b"}]', "entry 1 has no 'prompt'"),
+    (b'[{"prompt": "x"}]', "entry 0 has no 'name'"),
+    (b'[{"name": "a", "prompt": 3}]', "entry 0 'prompt' must be a string, got 3"),
+    (b'[{"name": 7, "prompt": "x"}]', "entry 0 'name' must be a string, got 7"),
+    (b'[{"name": "a", "prompt": "x", "chat": "no"}]', "entry 0 'chat' must be a boolean"),
+    (b'[{"name": "a", "prompt": ""}]', "entry 0 'prompt' is empty"),
+    (b'[{"name": "a", "prompt": "x"}, {"name": "a", "prompt": "y"}]', "entry 1 'name' 'a' is also entry 0's"),
+    (b'[{"name": "a", "prompt": "x", "promt": "y"}]', "entry 0: unknown key 'promt'"),
+    (b'[{"name": "a", "prompt": "\\ud800"}]', "entry 0 'prompt': not valid UTF-8"),
+]
+
+
+@pytest.mark.parametrize("content,needle", BAD_FIXTURES)
+def test_bad_fixtures_file_is_refused_naming_the_file_and_entry(tmp_path, capsys, no_model_work, content, needle):
+    path = tmp_path / "fx.json"
+    path.write_bytes(content)
+    code = main(["bench", "--synthetic", "tiny", "--device", "cpu", "--fixtures", str(path)])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith(f"blockspec: error: fixtures file {path}: ") and needle in err, err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+
+
+def test_fixtures_file_not_utf8_is_refused_without_a_traceback(tmp_path):
+    """Through the console entry point: one line on stderr, exit 2."""
+    path = tmp_path / "fx.json"
+    path.write_bytes(b"\xff\xfe\x00garbage")
+    proc = subprocess.run([sys.executable, "-m", "blockspec.cli", "bench", "--synthetic", "tiny", "--device", "cpu",
+                           "--fixtures", str(path)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and proc.stderr == f"blockspec: error: fixtures file {path}: not UTF-8 text (byte 0)\n"
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--synthetic", "tiny", "--model", "{dir}"], "--model and --synthetic both given"),
+    (["--synthetic", "tiny", "--drafter", "{dir}", "--mode", "dflash2"], "--drafter and --synthetic both given"),
+    (["--synthetic", "tiny", "--prompt", "hi", "--fixtures", "stdlib"], "--prompt and --fixtures both given"),
+    (["--synthetic", "tiny", "--prompt", ""], "--prompt is empty"),
+    (["--synthetic", "tiny", "--fixtures", ""], "--fixtures is empty"),
+    (["--model", "{dir}", "--drafter", "{dir}", "--mode", "none,mtp"], "--drafter is used by mode dflash2 only"),
+    (["--model", "{dir}", "--mode", "none,dflash2"], "--mode dflash2 needs a drafter: give --drafter DIR"),
+    (["--model", "{dir}", "--drafter", "{dir}/missing", "--mode", "dflash2"], "/missing: no such folder"),
+    (["--model", "{dir}", "--drafter", "", "--mode", "none,dflash2"], "--drafter is empty"),
+    (["--synthetic", "tiny", "--bandwidth", "0"], "--bandwidth must be a positive number of GB/s (got 0.0)"),
+    (["--synthetic", "tiny", "--bandwidth", "-1"], "--bandwidth must be a positive number of GB/s (got -1.0)"),
+    (["--synthetic", "tiny", "--bandwidth", "nan"], "--bandwidth must be a positive number of GB/s (got nan)"),
+    (["--synthetic", "tiny", "--bandwidth", "inf"], "--bandwidth must be a positive number of GB/s (got inf)"),
+])
+def test_flags_that_would_be_ignored_or_meaningless_are_refused(tmp_path, capsys, no_model_work, args, needle):
+    """A flag the run would silently ignore, or a figure it cannot use, is refused before any model work."""
+    args = [a.replace("{dir}", str(tmp_path)) for a in args]
+    code = main(["bench", "--device", "cpu", "--max-tokens", "4", "--repeats", "1", *args])
+    err = capsys.readouterr().err
+    assert code == 2 and needle in err and err.count("\n") == 1 and "Traceback" not in err, err
