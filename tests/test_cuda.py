@@ -3,6 +3,7 @@
 from pathlib import Path
 from unittest import mock
 
+import numpy as np
 import pytest
 import torch
 
@@ -714,7 +715,7 @@ def test_trainer_steps_never_wait_for_the_device(tmp_path):
     device = torch.device("cuda")
 
     def step_loss(rng):
-        x = on_device([[rng.random() for _ in range(16)] for _ in range(8)], device)
+        x = on_device(np.asarray([[rng.random() for _ in range(16)] for _ in range(8)], np.float32), device)
         loss = module(x).square().mean()
         return loss, {"first_row_accuracy": loss.detach()}, 8
     trainer = Trainer(module, tmp_path, 0.01, device, lambda out: None, 1000, 0, {})

@@ -101,4 +101,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, scale: float
     # the CPU runs it unfused (tests)
     flex = compiled_flex_attention() if q.is_cuda and not torch.compiler.is_compiling() else flex_attention
     dtype = v.dtype  # under autocast the projections' outputs may differ in dtype; the kernel takes one
-    return flex(q.to(dtype), k.to(dtype), v, block_mask=mask, scale=scale, enable_gqa=True)
+    # the main kernel always: below 128 query rows inductor would pick its decoding kernel, which has no backward
+    # and, for some head shapes, no configuration at all
+    return flex(q.to(dtype), k.to(dtype), v, block_mask=mask, scale=scale, enable_gqa=True,
+                kernel_options={"FORCE_USE_FLEX_ATTENTION": True})
