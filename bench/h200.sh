@@ -59,7 +59,7 @@
 #                  from 500 standard-library contexts; RECIPES_ARGS add to the bench (e.g. --regenerated
 #                  /abs/path.jsonl for the *-regenerated and *-mixed recipes); each run's log in $OUT; then each
 #                  *-block-16 drafter run with blocks of 8 (--dflash2-block-size 8), one cycle from 500 contexts.
-#                  Every run's trained weights (not its optimizer state) come back in $OUT/weights/NAME. Runs at once
+#                  Every run's trained weights (not its optimizer state) come back in $OUT/weights_NAME.tar. Runs at once
 #                  share the GPU: one 8000-step run (drafter-4x) alone takes ~5 minutes with its start-up
 #   demo_trees     the shipped demo pair (blockspec demo --save) with draft trees (DEMO_TREE_BUDGETS, default 0,16,32):
 #                  tokens/s of plain decoding and each budget on standard-library code (bf16, graphs), then one-cycle
@@ -172,11 +172,12 @@ for part in ${PARTS:-bf16 warm int4 vocab}; do
              --steps ${RECIPES_STEPS:-2000} --checkpoint-every 500
            cp /tmp/blockspec-recipes/*.log "$OUT/" 2>/dev/null  # each run's own log, also of runs the limit cut short
            for run_dir in /tmp/blockspec-recipes/*/; do  # the weights (a drafter, or an MTP head beside its target's)
-             name=$(basename $run_dir); mkdir -p "$OUT/weights/$name"
+             files=()  # one tar a run: the device gives back 8 files at most
              for f in config.json model.safetensors mtp.safetensors training.json mtp_training.json; do
                [ -f "$run_dir/$f" ] && { [ $f != model.safetensors ] || [ ! -f "$run_dir/mtp.safetensors" ]; } &&
-                 cp "$run_dir/$f" "$OUT/weights/$name/"
+                 files+=("$f")
              done
+             [ ${#files[@]} -gt 0 ] && tar cf "$OUT/weights_$(basename $run_dir).tar" -C "$run_dir" "${files[@]}"
            done
            for run_dir in /tmp/blockspec-recipes/*-block-16; do  # trained at 16, run at 8 (dflash2_block_size)
              [ -f "$run_dir/config.json" ] && run 240 python3 -m blockspec.cli bench --model .demo/target \
