@@ -91,13 +91,37 @@ class ChatSession:
               file=self.err, flush=True)
 
 
-def read_message(stdin, interactive: bool) -> str | None:
+class Utf8Lines:
+    """readline() over a binary stream (piped stdin's bytes): each line decoded as UTF-8; a line that is not UTF-8
+    is skipped with a note naming it (text-mode stdin raises UnicodeDecodeError on it, or, decoding with
+    surrogateescape, hands the tokenizer lone surrogates it rejects: either ended the session with a traceback)."""
+
+    def __init__(self, stream, note):
+        self.stream, self.note, self.number = stream, note, 0
+
+    def readline(self) -> str:
+        while True:
+            line = self.stream.readline()
+            if not line:
+                return ""
+            self.number += 1
+            try:
+                return line.decode("utf-8")
+            except UnicodeDecodeError:
+                self.note(f"line {self.number} is not UTF-8 text; ignored")
+
+
+def read_message(stdin, interactive: bool, note=None) -> str | None:
     """One message: a line; lines ending with a backslash continue on the next. None at end of input."""
     lines = []
     while True:
         if interactive:
             try:
                 line = input("you> " if not lines else "...> ")
+                line.encode("utf-8")  # input() keeps bytes that are not UTF-8 as lone surrogates
+            except UnicodeError:  # bytes typed or pasted that are not UTF-8: skip that line
+                (note or print)("that line is not UTF-8 text; ignored")
+                continue
             except EOFError:  # Ctrl-D: end the prompt's line, so the shell's prompt starts on a line of its own
                 print(flush=True)
                 return "\n".join(lines) if lines else None
@@ -122,13 +146,15 @@ def run_chat(engine, max_tokens: int, system: str | None = None, stdin=None) -> 
         except ImportError:
             pass
     session = ChatSession(engine, max_tokens, system)
+    if not interactive and hasattr(stdin, "buffer"):  # decode each line ourselves: a bad one is skipped, not fatal
+        stdin = Utf8Lines(stdin.buffer, session.note)
     speculative = f", mode {engine.mode}" if engine.mode != "none" else ""
     sampling = describe_sampling(engine.config.sampling.model_dump())
     print(f"blockspec chat: {engine.model_name}{speculative}, context {engine.context_length} tokens, up to "
           f"{max_tokens} tokens per reply, sampling: {sampling}. Commands: {COMMANDS}.", file=sys.stderr, flush=True)
     while True:
         try:
-            text = read_message(stdin, interactive)
+            text = read_message(stdin, interactive, session.note)
         except KeyboardInterrupt:
             print(file=sys.stderr)
             return

@@ -6,7 +6,9 @@ User errors print one line (`blockspec: error: ...`) and exit with code 2, never
 from __future__ import annotations
 
 import argparse
+import errno
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -426,18 +428,50 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     try:
-        argv = sys.argv[1:] if argv is None else list(argv)
-        args = build_parser().parse_args(argv)
-        args.argv = argv
-        status = args.func(args)  # an exit status (train-drafter --nproc: torchrun's), or what the command made
-        if isinstance(status, int) and status:
-            return status
+        try:
+            argv = sys.argv[1:] if argv is None else list(argv)
+            args = build_parser().parse_args(argv)
+            args.argv = argv
+            status = args.func(args)  # an exit status (train-drafter --nproc: torchrun's), or what the command made
+            if isinstance(status, int) and status:
+                return status
+        finally:
+            sys.stdout.flush()  # output still buffered fails here, where it is handled, not at interpreter exit
     except BlockspecError as exc:
         print(f"blockspec: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:  # the reader left (`| head`): stop quietly, as the Python docs' note on SIGPIPE does
+        silence_stdout()
+        return 1
+    except OSError as exc:  # stdout cannot be written (/dev/full, a full disk): one line, like the other errors
+        if exc.filename is not None or not (exc.errno in (errno.ENOSPC, errno.EDQUOT) or stdout_failing()):
+            raise
+        silence_stdout()
+        print(f"blockspec: error: cannot write the output: {exc.strerror or exc}", file=sys.stderr)
+        return 2
     return 0
+
+
+def stdout_failing() -> bool:
+    """Whether flushing stdout fails now (what failed to go out is still in its buffer): then an OSError without a
+    file name came from writing stdout. A full disk is reported the same way whichever output it stopped."""
+    try:
+        sys.stdout.flush()
+    except OSError:
+        return True
+    return False
+
+
+def silence_stdout():
+    """Point stdout's descriptor at /dev/null, so what is still buffered cannot fail again when Python exits."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError, AttributeError):  # no real descriptor (stdout captured in-process)
+        pass
 
 
 if __name__ == "__main__":

@@ -163,3 +163,67 @@ def test_chat_shows_and_uses_its_sampling_settings(tiny, engine, capsys):
 
     run_chat(engine, MAX_TOKENS, stdin=StringIO(""))
     assert "sampling: greedy" in capsys.readouterr().err.splitlines()[0]
+
+
+def test_a_line_that_is_not_utf8_is_skipped(tiny, engine):
+    """Piped bytes that are not UTF-8: a one-line note naming the line, and the session goes on to the next."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "blockspec.cli", "chat", "--model", str(tiny), "--device", "cpu", "--dtype", "float32",
+         "--context-length", str(CONTEXT), "--max-tokens", str(MAX_TOKENS)],
+        input=b"\xff\xfe\nhi\n", capture_output=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    err = proc.stderr.decode()
+    assert proc.returncode == 0, err
+    replies, _ = expected_replies(engine, ["hi"])
+    assert proc.stdout.decode() == replies[0] + "\n"
+    assert "[line 1 is not UTF-8 text; ignored]" in err.splitlines()
+    assert "Traceback" not in err
+
+
+def test_read_message_skips_lines_that_are_not_utf8():
+    from io import BytesIO
+
+    from blockspec.chat import Utf8Lines, read_message
+
+    notes = []
+    piped = "first\\\n\xe9t\xe9\n".encode("latin-1") + "zwei\\\ndrei \u00fc\n".encode()  # line 2 is Latin-1
+    lines = Utf8Lines(BytesIO(piped), notes.append)
+    assert read_message(lines, interactive=False) == "first\nzwei\ndrei \u00fc"  # the bad line 2 left out
+    assert notes == ["line 2 is not UTF-8 text; ignored"]
+    assert read_message(lines, interactive=False) is None
+
+
+def test_a_line_that_is_not_utf8_in_a_terminal(tiny):
+    """At the prompt, input() keeps bytes that are not UTF-8 as lone surrogates (the tokenizer raised TypeError on
+    them): that line is skipped with a note, and the next one is answered."""
+    import pty
+    import select
+
+    leader, follower = pty.openpty()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "blockspec.cli", "chat", "--model", str(tiny), "--device", "cpu", "--dtype", "float32",
+         "--context-length", str(CONTEXT), "--max-tokens", str(MAX_TOKENS)], stdin=follower, stdout=follower,
+        stderr=subprocess.PIPE, env={**os.environ, "OMP_NUM_THREADS": "1", "TERM": "dumb"})
+    os.close(follower)
+    shown = b""
+
+    def prompts(n):
+        nonlocal shown
+        while shown.count(b"you> ") < n:
+            ready, _, _ = select.select([leader], [], [], 120)
+            assert ready and proc.poll() is None, shown + proc.stderr.read()
+            shown += os.read(leader, 1024)
+    try:
+        prompts(1)
+        os.write(leader, b"\xff\xfe\n")
+        prompts(2)
+        os.write(leader, b"hi\n")
+        prompts(3)
+        os.write(leader, b"\x04")  # Ctrl-D
+        assert proc.wait(60) == 0
+        err = proc.stderr.read().decode()
+    finally:
+        proc.kill()
+        os.close(leader)
+        proc.stderr.close()
+    assert "[that line is not UTF-8 text; ignored]" in err.splitlines()
+    assert "Traceback" not in err and err.count("tokens/s") == 1  # "hi" was answered
