@@ -15,7 +15,7 @@ from pathlib import Path
 from . import __version__
 from .cli_common import (OneLineParser, add_engine_args, check_output_path, check_seed, describe_sampling, engine_config,
                          format_stats, stream_text, utf8_text)
-from .config import ServerSettings
+from .config import ServerSettings, unused_settings
 from .errors import BlockspecError
 
 def parse_prompt_ids(text: str) -> list[int]:
@@ -33,15 +33,33 @@ def prompt_tokens(engine, args) -> list[int]:
     return engine.tokenizer.encode(args.prompt)
 
 
-def cmd_generate(args):
+def load_engine(config):
+    """The run's engine; then a note on stderr for each setting given that does nothing in this run (after the
+    load, so that a setting the load refuses is not also noted)."""
     from .engine.engine import Engine
 
+    engine = Engine(config)
+    for note in unused_settings(config):
+        print(f"blockspec: note: {note}", file=sys.stderr)
+    return engine
+
+
+def check_reply_room(config):
+    """max_tokens below context_length, which must also hold a prompt of one token or more: refused before the
+    load, as both are known from the config (a prompt's own length is checked once it is tokenized)."""
+    if config.max_tokens >= config.context_length:
+        raise BlockspecError(f"max_tokens {config.max_tokens} is not below context_length {config.context_length}: "
+                             "no room is left for the prompt (lower --max-tokens or raise --context-length)")
+
+
+def cmd_generate(args):
     if (args.prompt is None) == (args.prompt_ids is None):
         raise BlockspecError("give exactly one of --prompt TEXT or --prompt-ids 1,2,3")
     if args.chat and args.prompt_ids is not None:
         raise BlockspecError("--chat needs --prompt TEXT, not --prompt-ids")
     config = engine_config(args)
-    engine = Engine(config)
+    check_reply_room(config)
+    engine = load_engine(config)
     ids = prompt_tokens(engine, args)
     if args.prompt is not None and not ids:
         raise BlockspecError("the prompt is empty: give some text")
@@ -73,10 +91,12 @@ def cmd_demo(args):
 
 def cmd_chat(args):
     from .chat import run_chat
-    from .engine.engine import Engine
 
     config = engine_config(args)
-    run_chat(Engine(config), config.max_tokens, system=args.system)
+    # a default max_tokens past a short context is not refused: chat limits each reply to the room left (chat.py)
+    if "max_tokens" in config.model_fields_set:
+        check_reply_room(config)
+    run_chat(load_engine(config), config.max_tokens, system=args.system)
 
 
 def cmd_serve(args):
@@ -86,12 +106,11 @@ def cmd_serve(args):
     settings = ServerSettings(**{k: v for k, v in values.items() if v is not None})
     settings.check()
     from .server import bind_socket, serve  # fails with a one-line hint when the 'serve' extras are missing
-    from .engine.engine import Engine
 
     sock = bind_socket(settings.host, settings.port)  # a busy port is refused now, not after the model has loaded
     try:
         config = engine_config(args)
-        engine = Engine(config)
+        engine = load_engine(config)
         print(f"blockspec: requests that leave out the sampling fields: {describe_sampling(engine.serving_defaults())}",
               flush=True)
         serve(engine, settings, sock=sock)
@@ -100,7 +119,15 @@ def cmd_serve(args):
 
 
 def comma_list(text: str) -> tuple[str, ...]:
-    return tuple(part.strip() for part in text.split(",") if part.strip())
+    """argparse type of a comma-separated list of names, spaces around each dropped: an empty entry (',,', a
+    trailing comma) or a name with a space in it is refused, never skipped."""
+    names = tuple(part.strip() for part in text.split(","))
+    for name in names:
+        if not name:
+            raise argparse.ArgumentTypeError(f"{text!r} has an empty entry")
+        if any(c.isspace() for c in name):
+            raise argparse.ArgumentTypeError(f"{text!r}: {name!r} has a space in it")
+    return names
 
 
 def cmd_draft_vocabulary(args):

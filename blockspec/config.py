@@ -214,6 +214,29 @@ class PredictConfig(CheckedSettings):
         return cls.build(data, source=str(path))
 
 
+def unused_settings(config: PredictConfig) -> list[str]:
+    """'KEY: VALUE does nothing: WHY' for each key given by name (a file's, a flag's: model_fields_set) that this run
+    never reads, for a note on stderr; a default is never named. A value asking for what the run cannot do (e.g.
+    dflash2_quantization int8 outside mode dflash2) is refused instead, when the engine loads (engine/load.py)."""
+    mode, cpu = config.decode_mode, config.device == "cpu" and "device is 'cpu'"
+    not_dflash2 = mode != "dflash2" and f"mode is {mode!r}"
+    why = {
+        "self_speculative_num_tokens": mode != "mtp" and f"mode is {mode!r}",  # DFlash2's: the drafter's blocks
+        "draft_vocabulary": mode == "none" and "mode is 'none'",
+        "dflash2_tree_budget": not_dflash2,
+        "dflash2_tree_scores": not_dflash2 or (config.tree_budget == 0 and "dflash2_tree_budget is 0 (no tree)"),
+        "dflash2_block_size": not_dflash2,
+        "dflash2_quantization": not_dflash2,
+        "prefix_snapshots": not config.prefix_reuse and "prefix_reuse is false",
+        "gpu_ranks": cpu,
+        "pdl_level": cpu,  # device auto may be a GPU: only a CPU named is known to launch no PDL kernel
+        "pdl_prefetch_mb": cpu or (config.pdl_level == 0 and "pdl_level is 0"),
+        "compile_mode": cpu and config.compile_mode == -1 and "the CPU always runs eagerly",
+    }
+    return [f"{key}: {getattr(config, key)!r} does nothing: {reason}" for key, reason in why.items()
+            if reason and key in config.model_fields_set]
+
+
 class _DuplicateKey(yaml.YAMLError):
     def __init__(self, key, first_line: int, line: int):
         super().__init__(f"key {key!r} is given twice (line {first_line}, then line {line})")
