@@ -4,6 +4,7 @@ streamed text, the stats line. None of those entry points imports another."""
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -164,27 +165,56 @@ def utf8_text(text: str) -> str:
 
 def check_output_path(flag: str, path: str) -> Path:
     """Before long work, make sure a file can be written at `path`: missing parent folders are created; a folder,
-    or a place that cannot be written, is refused in one line naming the flag. Leaves no new file behind."""
+    or a place that cannot be written, is refused in one line naming the flag. Leaves no new file behind, and a
+    refusal leaves no new folder either."""
     path = Path(path)
-    if path.is_dir():
+    # os.path's checks, not Path's: a name too long for the file system is a place that cannot be written, where
+    # Path.exists raises
+    if os.path.isdir(path):
         raise BlockspecError(f"{flag} {path}: is a folder; give a file name")
-    existing = next(folder for folder in [path.parent, *path.parent.parents] if folder.exists())
+    existing = next(folder for folder in [path.parent, *path.parent.parents] if os.path.exists(folder))
     if not existing.is_dir():
         raise BlockspecError(f"{flag} {path}: {existing} is a file, not a folder")
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
+        created = create_folders(path.parent)
     except OSError as exc:
         raise BlockspecError(f"{flag} {path}: cannot create the folder {path.parent} "
                              f"({exc.strerror or exc})") from None
-    existed = path.exists()
+    existed = os.path.exists(path)
     try:
         with open(path, "a"):
             pass
     except OSError as exc:
+        remove_folders(created)
         raise BlockspecError(f"{flag} {path}: cannot write there ({exc.strerror or exc})") from None
     if not existed:
         path.unlink(missing_ok=True)
     return path
+
+
+def create_folders(folder: Path) -> list[Path]:
+    """Create folder and its missing parents; returns those created, deepest first (what remove_folders takes).
+    When one cannot be created, those created before it are removed and the error propagates."""
+    missing = [parent for parent in [folder, *folder.parents] if not os.path.exists(parent)]
+    created = []
+    try:
+        for parent in reversed(missing):
+            parent.mkdir()
+            created.insert(0, parent)
+    except BaseException:
+        remove_folders(created)
+        raise
+    return created
+
+
+def remove_folders(folders: list[Path]) -> None:
+    """Remove the folders, deepest first, each only while empty: whatever was put in one since keeps it and the
+    folders above it."""
+    for folder in folders:
+        try:
+            folder.rmdir()
+        except OSError:
+            return
 
 
 def stream_text(engine, tokens_iter, out=sys.stdout) -> list[int]:

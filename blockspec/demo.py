@@ -10,6 +10,7 @@ modules: what each proposer, and the tree beside the chain, buys on unseen code.
 from __future__ import annotations
 
 import contextlib
+import os
 import shlex
 import shutil
 import sysconfig
@@ -20,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from .cli_common import format_stats, stream_text
+from .cli_common import create_folders, format_stats, remove_folders, stream_text
 from .config import PredictConfig
 from .errors import BlockspecError
 from .train.evaluate import one_cycle_acceptance, standard_library_files
@@ -62,15 +63,20 @@ PAIR_FIGURES = ("the pair over 500 contexts of 10 standard-library modules (bloc
                 "the published DFlash2 drafter reaches ~5.5 tokens per cycle on the 27B target")
 
 
-def extract_pair(directory: Path) -> tuple[Path, Path]:
-    """Unpack the shipped pair into directory/target and directory/drafter."""
+def extract_pair(directory: Path, destination: str = "") -> tuple[Path, Path]:
+    """Unpack the shipped pair into directory/target and directory/drafter. A place that cannot be written (no
+    permission, a full disk) is refused naming `destination` (default: the directory), not the zip."""
     if not PAIR_ZIP.is_file():
         raise BlockspecError(f"{PAIR_ZIP}: not found (the demo pair ships with blockspec: reinstall it)")
     try:
         with zipfile.ZipFile(PAIR_ZIP) as archive:
-            archive.extractall(directory)
+            try:
+                archive.extractall(directory)
+            except OSError as exc:  # the zip opened: what fails now is writing the files
+                raise BlockspecError(f"{destination or directory}: cannot unpack the demo pair there "
+                                     f"({exc.strerror or exc})") from None
     except OSError as exc:
-        raise BlockspecError(f"{PAIR_ZIP}: cannot unpack it into {directory} ({exc.strerror or exc})") from None
+        raise BlockspecError(f"{PAIR_ZIP}: cannot read it ({exc.strerror or exc})") from None
     except (zipfile.BadZipFile, zlib.error, EOFError) as exc:
         raise BlockspecError(f"{PAIR_ZIP}: corrupt zip file ({exc})") from None
     target, drafter = (directory / folder for folder in PAIR_FOLDERS)
@@ -199,25 +205,52 @@ def run_demo(max_tokens: int, context_length: int | None) -> None:
 
 
 def save_pair(directory: str, max_tokens: int, context_length: int | None) -> None:
-    """Unpack the pair into DIR/target and DIR/drafter (DIR new or empty); print commands that use them."""
+    """Unpack the pair into DIR/target and DIR/drafter (DIR new or empty); print commands that use them.
+
+    The pair is unpacked into a temporary folder first, so that a save cut short never leaves a truncated pair
+    that looks whole. A new DIR is that folder, unpacked beside DIR's place and renamed to DIR in one step. An
+    existing empty DIR stays the same folder (its mode, its owner, a shell inside it): the pair is unpacked in it
+    and its drafter, then its target, are moved in, so DIR/target appears only beside a whole drafter. Refused or
+    interrupted, the save leaves DIR as it was and removes what it made, the missing parent folders included."""
+    flag = f"--save {directory}"
     directory = Path(directory)
-    if directory.exists() and not directory.is_dir():
-        raise BlockspecError(f"--save {directory}: exists and is not a folder; give a new or empty folder")
-    if directory.is_dir() and any(directory.iterdir()):
-        raise BlockspecError(f"--save {directory}: the folder is not empty; give a new or empty folder")
-    created = not directory.exists()
+    if os.path.lexists(directory) and not os.path.isdir(directory):
+        raise BlockspecError(f"{flag}: exists and is not a folder; give a new or empty folder")
+    existed = os.path.isdir(directory)
+    if existed and any(directory.iterdir()):
+        raise BlockspecError(f"{flag}: the folder is not empty; give a new or empty folder")
+    place = directory.resolve()  # a link to an empty folder: the pair goes where it points
+    home = place if existed else place.parent  # where the temporary folder is made
     try:
-        directory.mkdir(parents=True, exist_ok=True)
+        created = create_folders(home)
     except OSError as exc:
-        raise BlockspecError(f"--save {directory}: cannot create it ({exc.strerror or exc})") from None
+        raise BlockspecError(f"{flag}: cannot create the folder {home} ({exc.strerror or exc})") from None
     try:
-        target, drafter = extract_pair(directory)
-    except BlockspecError:  # the folder was new or empty: a refused save leaves it as it was
-        for child in directory.iterdir():
-            shutil.rmtree(child) if child.is_dir() else child.unlink()
-        if created:
-            directory.rmdir()
+        partial = Path(tempfile.mkdtemp(prefix=f"{place.name}.partial-", dir=home))  # also checks home is writable
+    except OSError as exc:
+        remove_folders(created)
+        raise BlockspecError(f"{flag}: cannot write in {home} ({exc.strerror or exc})") from None
+    moved = []
+    try:
+        if existed:
+            extract_pair(partial, flag)
+            for folder in ("drafter", "target"):  # the target last: alone, it would pass for a model
+                os.rename(partial / folder, place / folder)
+                moved.append(place / folder)
+        else:
+            pair = partial / "pair"  # mkdtemp's folder is private: DIR is made like any new folder
+            pair.mkdir()
+            extract_pair(pair, flag)
+            os.rename(pair, place)  # fails, changing nothing, when DIR has been filled meanwhile
+    except BaseException as exc:  # refused, or interrupted (Ctrl-C)
+        for folder in [partial, *moved]:
+            shutil.rmtree(folder, ignore_errors=True)
+        remove_folders(created)
+        if isinstance(exc, OSError):
+            raise BlockspecError(f"{flag}: cannot write there ({exc.strerror or exc})") from None
         raise
+    partial.rmdir()
+    target, drafter = (directory / folder for folder in PAIR_FOLDERS)
     target_flag = f"--model {shlex.quote(str(target.resolve()))}"
     model = f"{target_flag} --drafter {shlex.quote(str(drafter.resolve()))}"
     cpu = "--device cpu --dtype float32"

@@ -1,0 +1,59 @@
+"""check_output_path: the folders it creates to test a place stay when the place is good (the caller writes there
+next) and go when it is refused; folders that were there before are never removed."""
+
+import errno
+import os
+
+import pytest
+
+from blockspec import cli_common
+from blockspec.cli_common import check_output_path
+from blockspec.errors import BlockspecError
+
+LONG = "x" * (os.pathconf("/", "PC_NAME_MAX") + 1)  # a name no folder can hold (ENAMETOOLONG, root included)
+
+
+def tree(folder) -> list[str]:
+    return sorted(str(p.relative_to(folder)) for p in folder.rglob("*"))
+
+
+def test_a_good_path_keeps_the_folders_it_created_and_no_file(tmp_path):
+    path = tmp_path / "a" / "b" / "out.json"
+    assert check_output_path("--out", str(path)) == path
+    assert tree(tmp_path) == ["a", "a/b"]
+
+
+def test_a_file_that_cannot_be_written_removes_the_folders_made_for_it(tmp_path):
+    (tmp_path / "empty").mkdir()  # there before, empty: it stays
+    path = tmp_path / "empty" / "a" / "b" / LONG
+    with pytest.raises(BlockspecError, match=f"^--out {path}: cannot write there \\(File name too long\\)$"):
+        check_output_path("--out", str(path))
+    assert tree(tmp_path) == ["empty"]
+
+
+def test_a_denied_write_removes_the_folders_made_for_it(tmp_path, monkeypatch):
+    """As `chmod a-w` on the new file's place would (root ignores that mode, so open is made to fail)."""
+    def denied(file, *args, **kwargs):
+        raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(file))
+    monkeypatch.setattr(cli_common, "open", denied, raising=False)
+    (tmp_path / "kept").mkdir()
+    (tmp_path / "kept" / "notes.txt").write_text("mine")
+    path = tmp_path / "kept" / "new" / "out.json"
+    with pytest.raises(BlockspecError, match="cannot write there \\(Permission denied\\)"):
+        check_output_path("--out", str(path))
+    assert tree(tmp_path) == ["kept", "kept/notes.txt"]
+
+
+def test_a_folder_that_cannot_be_created_removes_those_created_before_it(tmp_path):
+    path = tmp_path / "a" / "b" / LONG / "out.json"
+    with pytest.raises(BlockspecError, match=f"^--out {path}: cannot create the folder .*File name too long"):
+        check_output_path("--out", str(path))
+    assert tree(tmp_path) == []
+
+
+def test_a_relative_path_in_a_new_folder(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(BlockspecError, match="cannot write there"):
+        check_output_path("--out", os.path.join("new", LONG))
+    assert tree(tmp_path) == []
+    assert check_output_path("--out", os.path.join("new", "v.json")).parent.is_dir()
