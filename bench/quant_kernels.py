@@ -175,7 +175,10 @@ SWEEP_VARIANTS = {  # label: changes to the default config; by activation rows (
     16: {"n64 s3 wv4": dict(block_n=64, stages=3, waves=4), "n64 s2 wv4": dict(block_n=64, stages=2, waves=4),
          "n128 s3 wv4": dict(block_n=128, stages=3, waves=4), "n128 s2 wv4": dict(block_n=128, stages=2, waves=4),
          "n128 s4": dict(block_n=128, stages=4), "n128 s3 w8": dict(block_n=128, warps=8),
-         "n256 s3 w8": dict(block_n=256, stages=3, warps=8)},
+         "n256 s3 w8": dict(block_n=256, stages=3, warps=8),
+         "n64 s3 wv2 bal": dict(block_n=64, stages=3, waves=2, balance=True),
+         "n64 s3 wv2 bal d8": dict(block_n=64, stages=3, waves=2, balance=True, dot_rows=8),  # two 8-row dots
+         "n64 s2 wv2 bal d8": dict(block_n=64, stages=2, waves=2, balance=True, dot_rows=8)},
 }
 # SWEEP_SET=deep: deeper pipelines with fewer K splits, so that a mid-size projection's programs all fit at once
 DEEP_VARIANTS = {8: {f"n64 s{s} wv{w}": dict(block_n=64, stages=s, waves=w) for w in (0, 1, 2) for s in (3, 4, 6)},

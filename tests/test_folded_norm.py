@@ -22,6 +22,7 @@ def _kernel_cases():
         ("one row, split-K producer", 1, 640, 96, 1100, K(64, 8, 4, 2, 64)),
         ("8 rows, odd hidden", 8, 650, 70, 512, K(64, 8, 4, 2, 1)),
         ("16 rows, default configs", 16, 576, 130, 600, None),
+        ("13 rows, two 8-row dots, split-K producer", 13, 640, 96, 1100, K(64, 16, 4, 2, 64, dot_rows=8)),
         ("33 rows, split-K producer", 33, 320, 40, 600, K(64, 64, 4, 2, 8)),  # a draft tree's pass
         ("64 rows, default configs", 64, 192, 34, 300, None),
     ]

@@ -100,7 +100,7 @@ def test_configs_that_do_not_fit_shared_memory_keep_cublas(monkeypatch):
 def test_mma_instruction_follows_the_rows():
     """Both few-row kernels leave the choice of tensor-core instruction to Triton, which compiles an 8-row x tile
     (decode, a chain's verification: the weight tile times 8 columns) to mma.sync and taller ones (a draft tree's
-    pass) to Hopper's wgmma. A Triton that chose otherwise would change the measured speed of every step: caught
+    pass) to Hopper's wgmma, unless the config splits the tile into 8-row dots (dot_rows: the 16-row down). A Triton that chose otherwise would change the measured speed of every step: caught
     here, on the CPU, for the default configs of the 27B's gate_up."""
     from blockspec.kernels import quant_matmul_triton as wq
 
@@ -109,12 +109,15 @@ def test_mma_instruction_follows_the_rows():
             "part_ptr": "*fp32", "eps": "fp32", "x": "*bf16", "w": "*bf16", "out": "*bf16", "ws": "*fp32",
             "counters": "*i32"}
     for rows, instruction in ((8, "mma.sync"), (16, "wgmma"), (17, "wgmma")):
-        cfg = wq.default_config(rows, 34816, 5120)
-        const = dict(BITS=4, G=128, BN=cfg.block_n, BM=cfg.block_m, STAGES=cfg.stages, HAS_ZP=False, EVEN_K=True,
-                     USE_ASM=True, F32DOT=False, PREFETCH=0, PDL=0, EPI=0, RMS=False, PBLOCK=1, E4M3=False,
-                     **{f"U{i}": wq.unpack_asm(4, i, False) for i in range(4)})
-        ptx = sm90_ptx(wq._wq_kernel, const, cfg.warps, cfg.stages, bf16)
-        assert instruction in ptx and ("wgmma" if instruction == "mma.sync" else "mma.sync") not in ptx, (rows, cfg)
+        for n, k in ((34816, 5120), (5120, 17408)) if rows == 16 else ((34816, 5120),):
+            cfg = wq.default_config(rows, n, k)
+            const = dict(BITS=4, G=128, BN=cfg.block_n, BM=cfg.block_m, STAGES=cfg.stages, HAS_ZP=False,
+                         EVEN_K=True, USE_ASM=True, F32DOT=False, PREFETCH=0, PDL=0, EPI=0, RMS=False, PBLOCK=1,
+                         E4M3=False, HALVES=cfg.block_m // (cfg.dot_rows or cfg.block_m),
+                         **{f"U{i}": wq.unpack_asm(4, i, False) for i in range(4)})
+            ptx = sm90_ptx(wq._wq_kernel, const, cfg.warps, cfg.stages, bf16)
+            expect = "mma.sync" if cfg.dot_rows == 8 else instruction  # down's 16-row tile as two 8-row dots
+            assert expect in ptx and ("wgmma" if expect == "mma.sync" else "mma.sync") not in ptx, (rows, cfg)
         lin = linear_triton.default_config(rows, 34816, 5120)
         const = dict(BN=lin.block_n, BK=lin.block_k, BM=linear_triton.block_rows(lin, rows), STAGES=lin.stages,
                      DOT=True, EVEN_K=True, F32DOT=False, PREFETCH=0, LINE=64, PDL=0)

@@ -301,7 +301,12 @@ def test_default_configs():
     assert (cfg.block_n, cfg.stages, cfg.block_m) == (128, 3, 16)
     cfg = wq.default_config(16, 5120, 6144)  # mid-size rows at 9-16 rows: one wave of 3-stage programs
     assert (cfg.stages, cfg.block_m, wq.schedule(cfg, 5120, 12)) == (3, 16, (0, 2, 6))
-    assert wq.schedule(wq.default_config(16, 5120, 17408), 5120, 34) == (0, 7, 5)  # down keeps ~4 waves
+    cfg = wq.default_config(16, 5120, 17408)  # down: the 8-row schedule, its 16-row tile as two 8-row dots
+    assert cfg.dot_rows == 8 and cfg.stages == 3 and wq.schedule(cfg, 5120, 34) == wq.schedule(
+        wq.default_config(8, 5120, 17408), 5120, 34)
+    assert wq.default_config(16, 5120, 17408, 8, 128).dot_rows == 0  # 8-bit codes: one wgmma dot
+    cfg = wq.default_config(16, 34816, 5120)  # gate_up: ~2 waves, the short last round balanced
+    assert (cfg.waves, cfg.balance, cfg.dot_rows) == (2, True, 0)
     # a draft tree's 17..32 rows: 2 stages, narrow outputs ~4 waves; 33..64 rows: 3 stages, one wave
     assert wq.schedule(wq.default_config(17, 5120, 17408), 5120, 34) == (0, 7, 5)
     assert wq.default_config(17, 34816, 5120).stages == 2 and wq.default_config(33, 34816, 5120).stages == 3
@@ -334,6 +339,10 @@ def _kernel_cases():
         ("m8 asym", 8, 19, 520, 4, 128, False, f32, K(16, 8, 4, 2, 1)),
         ("m16 split", 16, 70, 1030, 4, 128, True, bf16, K(32, 16, 4, 2, 64)),
         ("m12 asym g64", 12, 33, 200, 4, 64, False, f32, K(16, 16, 4, 2, 64)),
+        # a 16-row tile as two 8-row dots (dot_rows 8): rows past 8 come from the second dot
+        ("m16 two dots split", 16, 70, 1030, 4, 128, True, bf16, K(32, 16, 4, 2, 64, dot_rows=8)),
+        ("m11 two dots asym odd", 11, 33, 200, 4, 64, False, f32, K(16, 16, 4, 2, 1, dot_rows=8)),
+        ("int8 g32 m13 two dots", 13, 21, 100, 8, 32, True, f32, K(16, 16, 4, 2, 1, dot_rows=8)),
         ("int8 g32 m1 split", 1, 33, 260, 8, 32, True, bf16, K(16, 8, 4, 2, 64)),
         ("int8 g32 m16", 16, 21, 100, 8, 32, True, f32, K(16, 16, 4, 2, 1)),
         ("int8 g128 m3 split", 3, 24, 700, 8, 128, True, f32, K(16, 8, 4, 2, 64)),

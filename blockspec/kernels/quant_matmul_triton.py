@@ -29,10 +29,13 @@ e4m3 (FP8 checkpoints): the PTX unpacking moves each byte's bits into a bf16 / f
 (`unpack_asm`), exact, on any sm_80+ GPU; the configs are int8 group 128's.
 
 Configs: `default_config`, a fixed table (no autotuning: a timing-based choice would vary between runs, and with
-it the summation order, i.e. the numerics), the H200 winners of bench/quant_kernels.py --sweep (docs/benchmarks.md):
+it the summation order, i.e. the numerics), the H200 winners of bench/quant_kernels.py --sweep (docs/benchmarks.md;
+the 9..16-row gate_up and down entries: H100 winners, with the whole tree pass timed there):
   M <= 8:  n64 m8 w4, split-K to ~2 waves of the SMs; 3 stages above 80M weights, else 2; unsplit tiles with a
            short last round balanced over the SMs (`schedule`)
-  M 9..16: wgmma; vocabulary (N >= 131072) n128 s3, ~4 waves; K > 8192 (down) n64 s2, ~4 waves; else n64 s3, ~1 wave
+  M 9..16: wgmma; vocabulary (N >= 131072) n128 s3, ~4 waves; gate_up n64 s3, ~2 waves balanced; other mid-size
+           outputs n64 s3, ~1 wave; int4 K > 8192 (down): the M <= 8 schedule with 3 stages and the 16-row tile as
+           two 8-row dots (`dot_rows`, mma.sync); 8-bit K > 8192 n64 s2, ~4 waves
   M 17..32 (int4): n64 s2 wgmma, ~4 waves for narrow outputs (N <= 8192: down, o), else ~1; vocabulary n128 w8 s3
   M 33..64 (int4): n64 s3 wgmma, ~1 wave; 8-bit codes: the M 9..16 entry with BM 32 / 64 (not measured)
   int8 group 32: M <= 8 n64 (N >= 16384) or n128, s3; M 9..16 n128 m16 s6 wgmma (not swept)
@@ -114,11 +117,12 @@ if triton is not None:
         return v0, v1, v2, v3
 
     @triton.jit
-    def _group(acc, h, xp, xm, s, zc, IDX: tl.constexpr, BITS: tl.constexpr, UNPACK: tl.constexpr, BN: tl.constexpr,
-               BM: tl.constexpr, HAS_ZP: tl.constexpr, USE_ASM: tl.constexpr, F32DOT: tl.constexpr,
-               E4M3: tl.constexpr):
-        """acc[BN, BM] += s * ((u - z) of code IDX of every halfword of h [BN, G]) @ x^T tile [G, BM] (E4M3: the
-        float8_e4m3fn value of byte IDX, no zero point)."""
+    def _group(acc, acc_hi, h, xp, xm, xm_hi, stride_hi, s, zc, IDX: tl.constexpr, BITS: tl.constexpr,
+               UNPACK: tl.constexpr, BN: tl.constexpr, MB: tl.constexpr, HAS_ZP: tl.constexpr,
+               USE_ASM: tl.constexpr, F32DOT: tl.constexpr, E4M3: tl.constexpr, HALVES: tl.constexpr):
+        """acc[BN, MB] += s * ((u - z) of code IDX of every halfword of h [BN, G]) @ x^T tile [G, MB] (E4M3: the
+        float8_e4m3fn value of byte IDX, no zero point); with HALVES 2 also acc_hi += the same weights @ the next MB
+        x rows (at xp + stride_hi): one dequantized operand, two dots."""
         xt = tl.load(xp, mask=xm, other=0.0)
         if USE_ASM:  # one input and one output register per PTX block: the MMA layout is hoisted to the load
             a = tl.inline_asm_elementwise(UNPACK, "=r,r", [h], dtype=xt.dtype, is_pure=True, pack=2)
@@ -130,13 +134,17 @@ if triton is not None:
         if F32DOT:  # interpreter: its bf16 dot is broken; every value here is exact in fp32
             if HAS_ZP:
                 a = a.to(tl.float32) - zc.to(tl.float32)[:, None]
-            part = tl.dot(a.to(tl.float32), xt.to(tl.float32), tl.zeros([BN, BM], tl.float32))
+            a = a.to(tl.float32)
+            xt = xt.to(tl.float32)
         else:
             a = a.to(xt.dtype)
             if HAS_ZP:
                 a = a - zc.to(xt.dtype)[:, None]  # z - 2**(bits-1): a small integer, exact
-            part = tl.dot(a, xt, tl.zeros([BN, BM], tl.float32))
-        return acc + part * s.to(tl.float32)[:, None]
+        acc = acc + tl.dot(a, xt, tl.zeros([BN, MB], tl.float32)) * s.to(tl.float32)[:, None]
+        if HALVES == 2:
+            xt_hi = tl.load(xp + stride_hi, mask=xm_hi, other=0.0).to(xt.dtype)
+            acc_hi = acc_hi + tl.dot(a, xt_hi, tl.zeros([BN, MB], tl.float32)) * s.to(tl.float32)[:, None]
+        return acc, acc_hi
 
     @triton.jit
     def _tile(WHOLE, REST, SPLIT, N, BN: tl.constexpr, EPI: tl.constexpr):
@@ -170,29 +178,34 @@ if triton is not None:
                   HAS_ZP: tl.constexpr, EVEN_K: tl.constexpr, USE_ASM: tl.constexpr, F32DOT: tl.constexpr,
                   U0: tl.constexpr, U1: tl.constexpr, U2: tl.constexpr, U3: tl.constexpr, PREFETCH: tl.constexpr,
                   PDL: tl.constexpr, EPI: tl.constexpr, RMS: tl.constexpr, PBLOCK: tl.constexpr,
-                  E4M3: tl.constexpr):
+                  E4M3: tl.constexpr, HALVES: tl.constexpr):
         """`_wq_kernel`'s first part, the program's tile over its blocks, one block (C groups) per step: returns
         (acc [BN, BM] fp32, its partial y^T; sums [PBLOCK, BM], with RMS the input rows' sums of squares from part_ptr,
         else zeros)."""
         C: tl.constexpr = 16 // BITS
         ZB: tl.constexpr = 1 << (BITS - 1)
         pid_n, pid_k, whole, tile_split, offs_n, n_ok = _tile(WHOLE, REST, SPLIT, N, BN, EPI)
-        offs_m = tl.arange(0, BM)
+        MB: tl.constexpr = BM // HALVES  # x rows per dot
+        offs_m = tl.arange(0, MB)
         offs_c = tl.arange(0, G)
         q_rows = q_ptr + offs_n[:, None].to(tl.int64) * KH + offs_c[None, :]
         sz_off = offs_n[:, None] * C + tl.arange(0, C)[None, :]  # [BN, C]: one block's scales
-        x_cols = x_ptr + offs_m[None, :] * stride_xm + offs_c[:, None]  # x^T tile [G, BM]
+        x_cols = x_ptr + offs_m[None, :] * stride_xm + offs_c[:, None]  # x^T tile [G, MB]
         m_ok = (offs_m < M)[None, :]
+        m_hi = (offs_m + MB < M)[None, :]
+        stride_hi = MB * stride_xm
         b_lo = pid_k * BPS
         b_hi = tl.where(whole, NBLK, tl.minimum(b_lo + BPS, NBLK))
-        acc = tl.zeros([BN, BM], tl.float32)
+        acc = tl.zeros([BN, MB], tl.float32)
+        acc_hi = tl.zeros([BN, MB], tl.float32)
         pdl.prefetch_rows(q_ptr, offs_n, KH, b_lo * G, N, KH, PREFETCH * G, 64, PDL)  # int16 codes: 64 per line
         pdl.wait(PDL)
         sums = tl.zeros([PBLOCK, BM], tl.float32)
         if RMS:  # issued before the loop, summed after it: its latency hides behind the weights
             p_rows = tl.arange(0, PBLOCK)
-            sums = tl.load(part_ptr + p_rows[:, None] * M + offs_m[None, :],
-                           mask=(p_rows < PARTS)[:, None] & (offs_m < M)[None, :], other=0.0)
+            all_m = tl.arange(0, BM)
+            sums = tl.load(part_ptr + p_rows[:, None] * M + all_m[None, :],
+                           mask=(p_rows < PARTS)[:, None] & (all_m < M)[None, :], other=0.0)
         s_next = tl.load(s_ptr + b_lo * N * C + sz_off, mask=n_ok[:, None], other=0.0)
         for b in tl.range(b_lo, b_hi, num_stages=STAGES):
             s = s_next  # prefetched one block ahead by hand (not in the dot's operand chain: not pipelined)
@@ -207,17 +220,24 @@ if triton is not None:
             xb = x_cols + b * (C * G)
             if EVEN_K:
                 x0m, x1m, x2m, x3m = m_ok, m_ok, m_ok, m_ok
+                x0h, x1h, x2h, x3h = m_hi, m_hi, m_hi, m_hi
             else:
                 kk = b * (C * G) + offs_c
-                x0m = m_ok & (kk < K)[:, None]
-                x1m = m_ok & (kk + G < K)[:, None]
-                x2m = m_ok & (kk + 2 * G < K)[:, None]
-                x3m = m_ok & (kk + 3 * G < K)[:, None]
-            acc = _group(acc, h, xb, x0m, s0, z0, 0, BITS, U0, BN, BM, HAS_ZP, USE_ASM, F32DOT, E4M3)
-            acc = _group(acc, h, xb + G, x1m, s1, z1, 1, BITS, U1, BN, BM, HAS_ZP, USE_ASM, F32DOT, E4M3)
+                k0, k1, k2, k3 = (kk < K)[:, None], (kk + G < K)[:, None], (kk + 2 * G < K)[:, None], \
+                    (kk + 3 * G < K)[:, None]
+                x0m, x1m, x2m, x3m = m_ok & k0, m_ok & k1, m_ok & k2, m_ok & k3
+                x0h, x1h, x2h, x3h = m_hi & k0, m_hi & k1, m_hi & k2, m_hi & k3
+            acc, acc_hi = _group(acc, acc_hi, h, xb, x0m, x0h, stride_hi, s0, z0, 0, BITS, U0, BN, MB, HAS_ZP,
+                                 USE_ASM, F32DOT, E4M3, HALVES)
+            acc, acc_hi = _group(acc, acc_hi, h, xb + G, x1m, x1h, stride_hi, s1, z1, 1, BITS, U1, BN, MB, HAS_ZP,
+                                 USE_ASM, F32DOT, E4M3, HALVES)
             if C == 4:
-                acc = _group(acc, h, xb + 2 * G, x2m, s2, z2, 2, BITS, U2, BN, BM, HAS_ZP, USE_ASM, F32DOT, E4M3)
-                acc = _group(acc, h, xb + 3 * G, x3m, s3, z3, 3, BITS, U3, BN, BM, HAS_ZP, USE_ASM, F32DOT, E4M3)
+                acc, acc_hi = _group(acc, acc_hi, h, xb + 2 * G, x2m, x2h, stride_hi, s2, z2, 2, BITS, U2, BN, MB,
+                                     HAS_ZP, USE_ASM, F32DOT, E4M3, HALVES)
+                acc, acc_hi = _group(acc, acc_hi, h, xb + 3 * G, x3m, x3h, stride_hi, s3, z3, 3, BITS, U3, BN, MB,
+                                     HAS_ZP, USE_ASM, F32DOT, E4M3, HALVES)
+        if HALVES == 2:  # [BN, MB] twice -> [BN, BM]: rows 0..MB-1, then the next MB
+            acc = tl.reshape(tl.permute(tl.join(acc, acc_hi), [0, 2, 1]), [BN, BM])
         return acc, sums
 
     @triton.jit
@@ -250,7 +270,8 @@ if triton is not None:
                    STAGES: tl.constexpr, HAS_ZP: tl.constexpr, EVEN_K: tl.constexpr, USE_ASM: tl.constexpr,
                    F32DOT: tl.constexpr, U0: tl.constexpr, U1: tl.constexpr,
                    U2: tl.constexpr, U3: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr,
-                   EPI: tl.constexpr, RMS: tl.constexpr, PBLOCK: tl.constexpr, E4M3: tl.constexpr):
+                   EPI: tl.constexpr, RMS: tl.constexpr, PBLOCK: tl.constexpr, E4M3: tl.constexpr,
+                   HALVES: tl.constexpr):
         """One program per tile, or per part of a split tile (`_tile`): `main_loop`, then `finish`, two jit
         functions so that a variant can run between and around them (bench/launch_timeline.py stamps the times).
         RMS: the finished tile
@@ -260,7 +281,7 @@ if triton is not None:
         rows are gate rows, its last BN / 2 the up rows of the same channels)."""
         acc, sums = main_loop(x_ptr, q_ptr, s_ptr, z_ptr, part_ptr, M, N, K, KH, NBLK, WHOLE, REST, BPS, SPLIT, PARTS,
                               stride_xm, BITS, G, BN, BM, STAGES, HAS_ZP, EVEN_K, USE_ASM, F32DOT, U0, U1, U2, U3,
-                              PREFETCH, PDL, EPI, RMS, PBLOCK, E4M3)
+                              PREFETCH, PDL, EPI, RMS, PBLOCK, E4M3, HALVES)
         finish(acc, sums, out_ptr, ws_ptr, cnt_ptr, res_ptr, nw_ptr, rows_ptr, part_ptr, M, N, K, WHOLE, REST, SPLIT,
                stride_om, eps, BN, BM, PDL, EPI, RMS)
 
@@ -318,10 +339,14 @@ class KernelConfig:
     waves: int = 2        # split K until about waves * SMs programs
     asm: bool = True      # PTX unpacking on CUDA (the interpreter always takes the plain path)
     balance: bool = False  # unsplit tiles beyond the last full round of SMs: split so each SM streams ~as much
+    # x rows per tensor-core dot: 0, the whole tile in one; 8, a 16-row tile as two 8-row dots on one dequantized
+    # operand, which Triton compiles to mma.sync where one 16-row dot compiles to wgmma
+    dot_rows: int = 0
 
     def short(self) -> str:
         return (f"n{self.block_n} m{self.block_m} w{self.warps} s{self.stages} "
-                f"wv{self.waves}{' bal' if self.balance else ''}{'' if self.asm else ' noasm'}")
+                f"wv{self.waves}{' bal' if self.balance else ''}{'' if self.asm else ' noasm'}"
+                f"{f' d{self.dot_rows}' if self.dot_rows else ''}")
 
 
 def default_config(m: int, n: int, k: int, bits: int = 4, group_size: int = 128) -> KernelConfig:
@@ -345,8 +370,12 @@ def default_config(m: int, n: int, k: int, bits: int = 4, group_size: int = 128)
         return KernelConfig(64, 8, 4, 3 if n * k > 80_000_000 else 2, 2, asm, True)
     if n >= 131072:  # vocabulary-sized
         return KernelConfig(128, 16, 4, 3, 4, asm)
-    if k > 8192:  # long rows (down): K splits to ~4 waves
-        return KernelConfig(64, 16, 4, 2, 4, asm)
+    if k > 8192 and bits == 4:  # long rows (down): the 8-row schedule, two 8-row dots (mma.sync) on each operand
+        return replace(default_config(8, n, k, bits, group_size), block_m=16, stages=3, dot_rows=8)
+    if k > 8192:
+        return KernelConfig(64, 16, 4, 2, 4, asm)  # K splits to ~4 waves
+    if n * k > 150_000_000:  # gate_up: ~2 waves, the short last round balanced (`schedule`)
+        return KernelConfig(64, 16, 4, 3, 2, asm, True)
     return KernelConfig(64, 16, 4, 3, 1, asm)  # one wave of 3-stage programs: faster than ~4 waves
 
 
@@ -410,6 +439,8 @@ def launch_plan(x2: torch.Tensor, pw: PackedWeight, cfg: KernelConfig, out: torc
         raise ValueError(f"on CUDA the kernel takes bf16 or fp16 activations, got {x2.dtype}")
     if m > cfg.block_m or cfg.block_m < 8 or cfg.block_m & (cfg.block_m - 1):
         raise ValueError(f"config {cfg.short()} takes a power-of-two block_m >= 8 and at most block_m rows, got {m}")
+    if cfg.dot_rows not in (0, cfg.block_m, cfg.block_m // 2) or cfg.dot_rows and cfg.dot_rows < 8:
+        raise ValueError(f"config {cfg.short()}: dot_rows is 0, block_m or block_m / 2 (at least 8)")
     nblk = pw.q.shape[1] // pw.group_size
     whole, split, bps = schedule(cfg, pw.n, nblk, sm_count(x2.device))
     n_tiles = -(-pw.n // cfg.block_n)
@@ -430,7 +461,7 @@ def launch_plan(x2: torch.Tensor, pw: PackedWeight, cfg: KernelConfig, out: torc
                 U2=unpack[2], U3=unpack[3], num_warps=cfg.warps, **pdl.options(x2),
                 PREFETCH=pdl.prefetch_blocks(cfg.block_n * pw.group_size * 2, programs, bps, x2.device),
                 EPI=epi.kind, RMS=epi.rms, PBLOCK=triton.next_power_of_2(parts.shape[0]) if epi.rms else 1,
-                E4M3=e4m3)
+                E4M3=e4m3, HALVES=cfg.block_m // cfg.dot_rows if cfg.dot_rows else 1)
     return LaunchPlan(programs, (whole, split, bps), args, meta)
 
 
