@@ -15,7 +15,7 @@ from pathlib import Path
 from . import __version__
 from .cli_common import (OneLineParser, add_engine_args, check_output_path, check_seed, describe_sampling, engine_config,
                          format_stats, stream_text, utf8_text)
-from .config import ServerSettings, unused_settings
+from .config import ServerSettings
 from .errors import BlockspecError
 
 def parse_prompt_ids(text: str) -> list[int]:
@@ -33,17 +33,6 @@ def prompt_tokens(engine, args) -> list[int]:
     return engine.tokenizer.encode(args.prompt)
 
 
-def load_engine(config):
-    """The run's engine; then a note on stderr for each setting given that does nothing in this run (after the
-    load, so that a setting the load refuses is not also noted)."""
-    from .engine.engine import Engine
-
-    engine = Engine(config)
-    for note in unused_settings(config):
-        print(f"blockspec: note: {note}", file=sys.stderr)
-    return engine
-
-
 def check_reply_room(config):
     """max_tokens below context_length, which must also hold a prompt of one token or more: refused before the
     load, as both are known from the config (a prompt's own length is checked once it is tokenized)."""
@@ -53,13 +42,15 @@ def check_reply_room(config):
 
 
 def cmd_generate(args):
+    from .engine.engine import Engine
+
     if (args.prompt is None) == (args.prompt_ids is None):
         raise BlockspecError("give exactly one of --prompt TEXT or --prompt-ids 1,2,3")
     if args.chat and args.prompt_ids is not None:
         raise BlockspecError("--chat needs --prompt TEXT, not --prompt-ids")
     config = engine_config(args)
     check_reply_room(config)
-    engine = load_engine(config)
+    engine = Engine(config)
     ids = prompt_tokens(engine, args)
     if args.prompt is not None and not ids:
         raise BlockspecError("the prompt is empty: give some text")
@@ -91,12 +82,13 @@ def cmd_demo(args):
 
 def cmd_chat(args):
     from .chat import run_chat
+    from .engine.engine import Engine
 
     config = engine_config(args)
     # a default max_tokens past a short context is not refused: chat limits each reply to the room left (chat.py)
     if "max_tokens" in config.model_fields_set:
         check_reply_room(config)
-    run_chat(load_engine(config), config.max_tokens, system=args.system)
+    run_chat(Engine(config), config.max_tokens, system=args.system)
 
 
 def cmd_serve(args):
@@ -106,11 +98,12 @@ def cmd_serve(args):
     settings = ServerSettings(**{k: v for k, v in values.items() if v is not None})
     settings.check()
     from .server import bind_socket, serve  # fails with a one-line hint when the 'serve' extras are missing
+    from .engine.engine import Engine
 
     sock = bind_socket(settings.host, settings.port)  # a busy port is refused now, not after the model has loaded
     try:
         config = engine_config(args)
-        engine = load_engine(config)
+        engine = Engine(config)
         print(f"blockspec: requests that leave out the sampling fields: {describe_sampling(engine.serving_defaults())}",
               flush=True)
         serve(engine, settings, sock=sock)
@@ -149,11 +142,11 @@ def cmd_draft_vocabulary(args):
             texts.append(Path(name).read_text(encoding="utf-8"))
         except (OSError, UnicodeDecodeError) as exc:
             raise BlockspecError(f"--texts {name}: {getattr(exc, 'strerror', None) or exc}") from None
-    check_output_path("--out", args.out)
     tokenizer = Tokenizer(args.model, target.eos_token_ids)
     token_lists = [tokenizer.encode(text) for text in texts]
     if not any(token_lists):
         raise BlockspecError(f"--texts {' '.join(args.texts)}: no tokens to count (the texts are empty)")
+    check_output_path("--out", args.out)  # after the refusals above: a refused run makes no folder
     ids = most_frequent_ids(token_lists, args.size, target.vocab_size, tokenizer.eos_token_ids)
     try:
         Path(args.out).write_text(json.dumps(ids))

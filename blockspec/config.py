@@ -216,7 +216,7 @@ class PredictConfig(CheckedSettings):
 
 def unused_settings(config: PredictConfig) -> list[str]:
     """'KEY: VALUE does nothing: WHY' for each key given by name (a file's, a flag's: model_fields_set) that this run
-    never reads, for a note on stderr; a default is never named. A value asking for what the run cannot do (e.g.
+    never reads, for a note on stderr; a default, given or not, is never named. A value asking for what the run cannot do (e.g.
     dflash2_quantization int8 outside mode dflash2) is refused instead, when the engine loads (engine/load.py)."""
     mode, cpu = config.decode_mode, config.device == "cpu" and "device is 'cpu'"
     not_dflash2 = mode != "dflash2" and f"mode is {mode!r}"
@@ -234,7 +234,8 @@ def unused_settings(config: PredictConfig) -> list[str]:
         "compile_mode": cpu and config.compile_mode == -1 and "the CPU always runs eagerly",
     }
     return [f"{key}: {getattr(config, key)!r} does nothing: {reason}" for key, reason in why.items()
-            if reason and key in config.model_fields_set]
+            if reason and key in config.model_fields_set
+            and getattr(config, key) != PredictConfig.model_fields[key].get_default(call_default_factory=True)]
 
 
 class _DuplicateKey(yaml.YAMLError):

@@ -135,8 +135,8 @@ def load_engines(target: Path, drafter: Path, context_length: int) -> dict:
     def engine(mode, budget=0):
         return Engine(PredictConfig.build({
             "model": str(target), "mode": mode, "device": "cpu", "compute_dtype": "float32",
-            "context_length": context_length, "dflash2_model": str(drafter) if mode == "dflash2" else None,
-            "dflash2_tree_budget": budget}))
+            "context_length": context_length,
+            **({"dflash2_model": str(drafter), "dflash2_tree_budget": budget} if mode == "dflash2" else {})}))
     return {"none": engine("none"), "mtp": engine("mtp"), "dflash2": engine("dflash2"),
             TREE: engine("dflash2", DEMO_TREE_BUDGET)}
 

@@ -1020,10 +1020,10 @@ def test_draft_vocabulary_refuses_texts_without_tokens(setup, tmp_path, capsys):
     _, target, _ = setup
     (tmp_path / "empty.txt").write_text("")
     assert main(["draft-vocabulary", "--model", str(target), "--texts", str(tmp_path / "empty.txt"), "--size", "10",
-                 "--out", str(tmp_path / "v.json")]) == 2
+                 "--out", str(tmp_path / "new" / "v.json")]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "empty.txt: no tokens to count" in err, err
-    assert not (tmp_path / "v.json").exists()
+    assert not (tmp_path / "new").exists()  # nor the folder it would have been written in
 
 
 @pytest.mark.parametrize("line,message", [

@@ -17,7 +17,7 @@ from typing import Callable
 
 import torch
 
-from ..config import PredictConfig, TargetConfig
+from ..config import PredictConfig, TargetConfig, unused_settings
 from ..drafter.config import DrafterConfig
 from ..drafter.model import QUANTIZED_PROJECTIONS, DFlash2Drafter, check_fits_target
 from ..errors import BlockspecError, UnsupportedRequest
@@ -150,10 +150,13 @@ def check_mtp(config: PredictConfig, target: TargetConfig, source: str):
 
 
 def note_ignored_settings(config: PredictConfig):
-    """Settings that are accepted but cannot be honoured: one line each on stderr, never an error."""
+    """Settings that are accepted but cannot be honoured, or were given and do nothing in this run
+    (config.unused_settings): one line each on stderr, never an error."""
     for key in ("fuse_kvq", "fuse_gate"):
         if not getattr(config, key):
             print(f"blockspec: note: {key}: false is ignored: projections are always packed at load", file=sys.stderr)
+    for note in unused_settings(config):
+        print(f"blockspec: note: {note}", file=sys.stderr)
 
 
 @dataclass
