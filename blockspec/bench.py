@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from .cli_common import (add_sampling_args, add_weight_args, check_output_path, describe_sampling, sampling_overrides,
-                         utf8_text, weight_overrides)
+                         utf8_text, weight_overrides, write_output)
 from .config import DEFAULT_TREE_BUDGET, PredictConfig, SamplingSettings
 from .engine import memory
 from .engine.decode import Proposer
@@ -593,6 +593,7 @@ def draw_chart(results, path):
     ax.set_title(results["label"], fontsize=9)
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0))  # beside the bars, never over one
     fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)  # checked before the run, created now (check_output_path)
     fig.savefig(path)
     plt.close(fig)
 
@@ -609,7 +610,7 @@ def save_results(results, args):
     saved = None
     if args.json_out:
         try:
-            Path(args.json_out).write_text(json.dumps(results, indent=2))
+            write_output(args.json_out, json.dumps(results, indent=2))
             saved = args.json_out
         except OSError as exc:
             raise BlockspecError(f"--json-out {args.json_out}: {exc.strerror or exc}; the results were saved to "

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from . import __version__
 from .cli_common import (OneLineParser, add_engine_args, check_output_path, check_seed, describe_sampling, engine_config,
-                         format_stats, stream_text, utf8_text)
+                         format_stats, stream_text, utf8_text, write_output)
 from .config import ServerSettings
 from .errors import BlockspecError
 
@@ -149,7 +149,7 @@ def cmd_draft_vocabulary(args):
     check_output_path("--out", args.out)  # after the refusals above: a refused run makes no folder
     ids = most_frequent_ids(token_lists, args.size, target.vocab_size, tokenizer.eos_token_ids)
     try:
-        Path(args.out).write_text(json.dumps(ids))
+        write_output(args.out, json.dumps(ids))
     except OSError as exc:
         raise BlockspecError(f"--out {args.out}: {exc.strerror}") from None
     prefix = range(args.size)

@@ -164,9 +164,10 @@ def utf8_text(text: str) -> str:
 
 
 def check_output_path(flag: str, path: str) -> Path:
-    """Before long work, make sure a file can be written at `path`: missing parent folders are created; a folder,
-    or a place that cannot be written, is refused in one line naming the flag. Leaves no new file behind, and a
-    refusal leaves no new folder either."""
+    """Before long work, make sure a file can be written at `path` (missing parent folders are created to try it); a
+    folder, or a place that cannot be written, is refused in one line naming the flag. Leaves no new file or folder
+    behind, whatever comes of it: the writer creates the folders when it writes (`write_output`), so a run refused
+    later makes none."""
     path = Path(path)
     # os.path's checks, not Path's: a name too long for the file system is a place that cannot be written, where
     # Path.exists raises
@@ -185,11 +186,19 @@ def check_output_path(flag: str, path: str) -> Path:
         with open(path, "a"):
             pass
     except OSError as exc:
-        remove_folders(created)
         raise BlockspecError(f"{flag} {path}: cannot write there ({exc.strerror or exc})") from None
-    if not existed:
-        path.unlink(missing_ok=True)
+    finally:
+        if not existed and os.path.exists(path):
+            path.unlink()
+        remove_folders(created)
     return path
+
+
+def write_output(path: str | Path, text: str) -> None:
+    """Write a result file checked by check_output_path, creating its missing folders now."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
 
 
 def create_folders(folder: Path) -> list[Path]:

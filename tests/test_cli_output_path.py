@@ -1,5 +1,5 @@
-"""check_output_path: the folders it creates to test a place stay when the place is good (the caller writes there
-next) and go when it is refused; folders that were there before are never removed."""
+"""check_output_path: the folders it creates to test a place go again, whether the place is good (the writer creates
+them when it writes: write_output) or refused; folders that were there before are never removed."""
 
 import errno
 import os
@@ -17,10 +17,12 @@ def tree(folder) -> list[str]:
     return sorted(str(p.relative_to(folder)) for p in folder.rglob("*"))
 
 
-def test_a_good_path_keeps_the_folders_it_created_and_no_file(tmp_path):
+def test_a_good_path_leaves_no_folder_or_file_until_written(tmp_path):
     path = tmp_path / "a" / "b" / "out.json"
     assert check_output_path("--out", str(path)) == path
-    assert tree(tmp_path) == ["a", "a/b"]
+    assert tree(tmp_path) == []
+    cli_common.write_output(path, "{}")
+    assert tree(tmp_path) == ["a", "a/b", "a/b/out.json"] and path.read_text() == "{}"
 
 
 def test_a_file_that_cannot_be_written_removes_the_folders_made_for_it(tmp_path):
@@ -56,4 +58,4 @@ def test_a_relative_path_in_a_new_folder(tmp_path, monkeypatch):
     with pytest.raises(BlockspecError, match="cannot write there"):
         check_output_path("--out", os.path.join("new", LONG))
     assert tree(tmp_path) == []
-    assert check_output_path("--out", os.path.join("new", "v.json")).parent.is_dir()
+    assert check_output_path("--out", os.path.join("new", "v.json")) and tree(tmp_path) == []
