@@ -39,7 +39,7 @@ import torch.nn.functional as F  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 
 from blockspec.models.checkpoint import FLOAT32_SUFFIXES  # noqa: E402
-from blockspec.cli_common import check_output_path  # noqa: E402
+from blockspec.cli_common import check_output_path, write_output  # noqa: E402
 from blockspec.config import PredictConfig, TargetConfig  # noqa: E402
 from blockspec.engine import memory  # noqa: E402
 from blockspec.engine.engine import Engine  # noqa: E402
@@ -323,7 +323,7 @@ def run(args) -> int:
                 free_device()
             results["rows"].append(row)
             if args.json_out:
-                Path(args.json_out).write_text(json.dumps(results, indent=2))
+                write_output(args.json_out, json.dumps(results, indent=2))
             if not args.keep and kind not in {LOADS[f][0] for f in args.formats[i + 1:]}:
                 shutil.rmtree(root / kind, ignore_errors=True)  # the disk is freed for the next format
     finally:
