@@ -9,8 +9,9 @@ Kernel (tensor cores, exact numerics)
   cp.async into shared memory, num_stages deep) and the block's scales (prefetched one block ahead by hand), then per
   group i: A = (u_i - z) in x's dtype, exact;
   part[BN, BM] = A @ x_i^T (one MMA chain, fp32), acc += part * s_i (fp32). M <= 8 uses BM = 8, which Triton
-  compiles to mma.sync, more rows BM = 16, 32 or 64 (the next power of two), which it compiles to Hopper's wgmma
-  (tests/test_linear_kernel.py checks both in the sm_90 PTX, compiled on the CPU): one launch serves
+  compiles to mma.sync, more rows BM = 16, 32 or 64 (the next power of two), which it compiles to Hopper's wgmma,
+  or, with `dot_rows` 8, a 16-row tile as two 8-row dots on the same operand, mma.sync again
+  (tests/test_linear_kernel.py checks these in the sm_90 PTX, compiled on the CPU): one launch serves
   every verification pass (up to MAX_PASS_TOKENS rows), streaming the weights once. Under split-K the last program
   to arrive at a tile adds the fp32 partials in a fixed order (kernels/linear_triton.split_k_total; no memset).
   Results are deterministic and a row does not depend on the other rows (row 0 of an M = 8 launch == the M = 1
