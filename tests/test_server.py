@@ -685,6 +685,24 @@ def test_fields_left_out_take_generation_config_then_flags(tiny, tmp_path):
         {"temperature": 0.0, "top_k": 20, "top_p": 0.8, "seed": 9}
 
 
+@pytest.mark.parametrize("text, note", [("[0.6, 20]", "holds a JSON list, not an object"),
+                                        ("{not json", "is not readable JSON")])
+def test_a_generation_config_that_is_not_an_object_is_noted_once(tiny, tmp_path, capsys, text, note):
+    import shutil
+
+    from blockspec.server.requests import RequestParser
+
+    checkpoint = tmp_path / "checkpoint"
+    shutil.copytree(tiny, checkpoint)
+    (checkpoint / "generation_config.json").write_text(text)
+    engine = Engine.load(checkpoint, device="cpu", context_length=64)
+    capsys.readouterr()
+    parser = RequestParser(engine)  # serve asks for the defaults twice: for its banner and for the parser
+    assert engine.serving_defaults() == {} and parser.sampling_defaults == {}
+    err = capsys.readouterr().err
+    assert err.count(note) == 1 and err.count("\n") == 1, err
+
+
 def test_top_k_minus_one_means_no_limit_as_in_vllm(tiny):
     from blockspec.server.requests import RequestParser
 

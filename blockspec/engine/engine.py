@@ -3,6 +3,7 @@ builds its parts; here requests are checked and decoded."""
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -74,10 +75,15 @@ class Engine:
         values = {**self.config.sampling.model_dump(), **{k: v for k, v in overrides.items() if v is not None}}
         return SamplingSettings.build(values, source="sampling")
 
+    @functools.cached_property
+    def checkpoint_sampling(self) -> dict:
+        """The sampling values of the checkpoint's generation_config.json, read once (a note on a bad file, once)."""
+        return generation_defaults(self.config.model) if self.config.model else {}
+
     def serving_defaults(self) -> dict:
         """The sampling values a server request takes for the fields it leaves out: those set in the config (or by
         serve's flags), else the checkpoint's generation_config.json (as vLLM does), else none (greedy)."""
-        defaults = generation_defaults(self.config.model) if self.config.model else {}
+        defaults = dict(self.checkpoint_sampling)
         defaults.update({k: getattr(self.config, k) for k in SAMPLING_KEYS if k in self.config.model_fields_set})
         return defaults
 

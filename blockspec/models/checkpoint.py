@@ -65,9 +65,13 @@ def generation_defaults(directory: str | Path) -> dict:
         print(f"blockspec: note: {path} is not readable JSON ({exc}); its sampling values are not used",
               file=sys.stderr)
         return {}
+    if not isinstance(raw, dict):
+        print(f"blockspec: note: {path} holds a JSON {type(raw).__name__}, not an object; its sampling values are not "
+              "used", file=sys.stderr)
+        return {}
     values = {}
     for key in GENERATION_SAMPLING_KEYS:
-        if isinstance(raw, dict) and raw.get(key) is not None:
+        if raw.get(key) is not None:
             try:
                 SamplingSettings.build({key: raw[key]}, source=str(path))
                 values[key] = raw[key]
