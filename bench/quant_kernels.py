@@ -189,9 +189,21 @@ DEEP_VARIANTS = {8: {f"n64 s{s} wv{w}": dict(block_n=64, stages=s, waves=w) for 
 TREE_VARIANTS = {f"n{n} s{s} w{w} wv{v}": dict(block_n=n, stages=s, warps=w, waves=v)
                  for n, s, w, v in [(64, 2, 4, 1), (64, 3, 4, 1), (64, 2, 4, 4), (128, 2, 4, 1), (128, 2, 4, 2),
                                     (128, 3, 8, 1), (128, 2, 8, 4), (256, 2, 8, 1), (256, 3, 8, 1), (256, 2, 8, 2)]}
+# ... and the tile as four dots on one dequantized operand (a quarter of the tile's rows each: 8 at 17..32 rows,
+# mma.sync; 16 at 33..64), on the 8-row schedule and around it
+TREE_VARIANTS.update({f"n64 s{s} wv{v}{' bal' if b else ''} 4 dots": dict(block_n=64, stages=s, waves=v, balance=b,
+                                                                         dot_rows=lambda cfg: cfg.block_m // 4)
+                      for s, v, b in [(3, 2, True), (2, 2, True), (3, 1, False), (3, 4, False)]})
+TREE_VARIANTS["n64 s3 wv2 bal 2 dots"] = dict(block_n=64, stages=3, waves=2, balance=True,
+                                              dot_rows=lambda cfg: cfg.block_m // 2)
 TREE_ROWS = [17, 33]
 INT8_SWEEP = {"s4": dict(stages=4), "s3": dict(stages=3), "n64 s4": dict(block_n=64, stages=4),
               "n64 s3": dict(block_n=64, stages=3)}
+
+
+def changed(cfg: wq.KernelConfig, changes: dict) -> wq.KernelConfig:
+    """cfg with a variant's changes (a callable value: computed from cfg)."""
+    return replace(cfg, **{key: value(cfg) if callable(value) else value for key, value in changes.items()})
 
 
 def sweep() -> None:
@@ -203,7 +215,7 @@ def sweep() -> None:
     for sname, n, k in [s for s in SHAPES if only is None or s[0] in only]:
         variants = [("default", lambda m: wq.default_config(m, n, k), TREE_ROWS if tree else [1, 8, 16])]
         for bm, table in ({0: TREE_VARIANTS} if tree else DEEP_VARIANTS if deep else SWEEP_VARIANTS).items():
-            variants += [(label, lambda m, v=v: replace(wq.default_config(m, n, k), **v),
+            variants += [(label, lambda m, v=v: changed(wq.default_config(m, n, k), v),
                           TREE_ROWS if tree else [1, 8] if bm == 8 else [16]) for label, v in table.items()]
         time_shape(records, sname, n, k, 4, 128, variants)
         torch.cuda.empty_cache() if not DRY else None

@@ -343,6 +343,10 @@ def _kernel_cases():
         ("m16 two dots split", 16, 70, 1030, 4, 128, True, bf16, K(32, 16, 4, 2, 64, dot_rows=8)),
         ("m11 two dots asym odd", 11, 33, 200, 4, 64, False, f32, K(16, 16, 4, 2, 1, dot_rows=8)),
         ("int8 g32 m13 two dots", 13, 21, 100, 8, 32, True, f32, K(16, 16, 4, 2, 1, dot_rows=8)),
+        # a 32-row tile as four 8-row dots: rows 8.., 16.., 24.. from the second, third and fourth
+        ("m32 four dots split", 32, 70, 1030, 4, 128, True, bf16, K(32, 32, 4, 2, 64, dot_rows=8)),
+        ("m27 four dots asym odd", 27, 33, 200, 4, 64, False, f32, K(16, 32, 4, 2, 1, dot_rows=8)),
+        ("m21 two 16-row dots", 21, 40, 300, 4, 128, True, f32, K(16, 32, 4, 2, 1, dot_rows=16)),
         ("int8 g32 m1 split", 1, 33, 260, 8, 32, True, bf16, K(16, 8, 4, 2, 64)),
         ("int8 g32 m16", 16, 21, 100, 8, 32, True, f32, K(16, 16, 4, 2, 1)),
         ("int8 g128 m3 split", 3, 24, 700, 8, 128, True, f32, K(16, 8, 4, 2, 64)),
