@@ -227,6 +227,32 @@ def test_non_streamed_client_leaving_frees_the_engine_at_once(server):
     assert "client left during its generation" in server.output()
 
 
+def read_to_end(sock: socket.socket) -> bytes:
+    data = b""
+    while chunk := sock.recv(65536):
+        data += chunk
+    return data
+
+
+@pytest.mark.parametrize("stream, connection", [(False, "close"), (False, "keep-alive"), (True, "close")])
+def test_a_client_that_half_closes_after_its_request_gets_the_whole_answer(server, stream, connection):
+    """shutdown(SHUT_WR) after the whole request (as `nc -N` and some proxies do) says only that nothing more is
+    sent: the answer comes whole, then the connection closes; the engine is free after it."""
+    body = json.dumps({"prompt": "a story", "max_tokens": 8, "stream": stream}).encode()
+    sock = raw_request(server, "/v1/completions", body, {"Connection": connection})
+    sock.shutdown(socket.SHUT_WR)
+    data = read_to_end(sock)
+    sock.close()
+    final = data.split(b"\r\n\r\n", 1)[1] if data.startswith(b"HTTP/1.1 100") else data
+    assert final.startswith(b"HTTP/1.1 200"), data[:300]
+    if stream:
+        assert final.endswith(b"data: [DONE]\n\n\r\n0\r\n\r\n"), data[-300:]
+    else:
+        assert json.loads(final.split(b"\r\n\r\n", 1)[1])["choices"][0]["finish_reason"], data[-300:]
+    assert server.health()["running"] == 0
+    assert_no_traceback(server)
+
+
 def test_client_leaving_during_prefill_frees_the_engine_at_once(servers):
     """A 1000-token prompt (~1 s of prefill at 8 tokens a pass) whose client leaves as soon as it runs: the prefill
     stops at its next chunk, the engine is free at once, and the next request's answer is unchanged."""

@@ -4,8 +4,10 @@ and its leaving noticed at once."""
 from __future__ import annotations
 
 import asyncio
+import socket
 from collections.abc import Callable
 
+import h11
 from starlette.requests import ClientDisconnect, Request
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
@@ -16,15 +18,21 @@ class ClientLeft(Exception):
     """The client closed its connection: there is nobody left to answer. The message says when."""
 
 
+# How often a half-closed connection is checked for the reset that tells a client gone entirely
+RESET_CHECK_S = 0.05
+
+
 class TimedH11Protocol(H11Protocol):
     """uvicorn's HTTP/1.1 connection, closed when a request's headers are not all there receive_timeout_s after the
     connection opened or the previous response ended: uvicorn alone waits forever for a first request, and for one
-    sent a byte at a time."""
+    sent a byte at a time. A client that half-closes the connection after its whole request still gets the answer
+    (uvicorn alone drops it)."""
 
     def __init__(self, *args, receive_timeout_s: float, **kwargs):
         super().__init__(*args, **kwargs)
         self.receive_timeout_s = receive_timeout_s
         self.request_deadline: asyncio.TimerHandle | None = None
+        self.half_closed = None  # the cycle whose client sent its end of stream
 
     def connection_made(self, transport):
         super().connection_made(transport)
@@ -45,6 +53,33 @@ class TimedH11Protocol(H11Protocol):
         idle = self.cycle is cycle_before and (cycle_before is None or cycle_before.response_complete)
         if idle and not self.transport.is_closing():
             self.transport.close()
+
+    def eof_received(self):
+        """The client sent its end of stream. Once a whole HTTP/1.1 request is in, the connection stays open for the
+        answer (then closes), as the client may only have shut its sending side (shutdown(SHUT_WR): `nc -N`, some
+        proxies); before that, or idle, it closes as a client that left. A client that closed its socket entirely
+        sends the same end of stream, but its machine answers any data with a reset: an interim '100 Continue' (which
+        HTTP/1.1 clients skip, RFC 9110 15.2) is sent at once, and a reset seen on the socket ends the connection as
+        a client that left, so that its generation stops."""
+        cycle = self.cycle
+        if (cycle is None or cycle.response_complete or self.conn.their_state not in (h11.DONE, h11.MUST_CLOSE)
+                or cycle.scope["http_version"] != "1.1"):
+            return None  # asyncio closes the transport: connection_lost
+        if cycle is not self.half_closed:  # the first end of stream of this request (reading resumed sees it again)
+            self.half_closed, cycle.keep_alive = cycle, False
+            if not cycle.response_started:
+                interim = h11.InformationalResponse(status_code=100, headers=[], reason=b"Continue")
+                self.transport.write(self.conn.send(interim))
+            self.loop.call_later(RESET_CHECK_S, self.close_if_reset, cycle)
+        return True
+
+    def close_if_reset(self, cycle):
+        if cycle.response_complete or self.transport.is_closing():
+            return
+        if self.transport.get_extra_info("socket").getsockopt(socket.SOL_SOCKET, socket.SO_ERROR):
+            self.transport.abort()
+        else:
+            self.loop.call_later(RESET_CHECK_S, self.close_if_reset, cycle)
 
     def connection_lost(self, exc):
         self.request_deadline.cancel()
