@@ -15,7 +15,7 @@ from pathlib import Path
 from . import __version__
 from .cli_common import (OneLineParser, add_engine_args, check_output_path, check_seed, describe_sampling, engine_config,
                          format_stats, stream_text, utf8_text, write_output)
-from .config import ServerSettings
+from .config import ServerSettings, unused_sampling
 from .errors import BlockspecError
 
 def parse_prompt_ids(text: str) -> list[int]:
@@ -34,11 +34,31 @@ def prompt_tokens(engine, args) -> list[int]:
 
 
 def check_reply_room(config):
-    """max_tokens below context_length, which must also hold a prompt of one token or more: refused before the
-    load, as both are known from the config (a prompt's own length is checked once it is tokenized)."""
-    if config.max_tokens >= config.context_length:
-        raise BlockspecError(f"max_tokens {config.max_tokens} is not below context_length {config.context_length}: "
-                             "no room is left for the prompt (lower --max-tokens or raise --context-length)")
+    """max_tokens below context_length, as the load will fit it to the checkpoint's config.json
+    (engine/load.fit_context), which must also hold a prompt of one token or more: refused before the load (a
+    prompt's own length is checked once it is tokenized)."""
+    from .config import TargetConfig
+    from .engine.load import fit_context
+
+    context, source = config.context_length, None
+    path = Path(config.model or "") / "config.json"
+    if config.model and path.is_file():  # a missing one is refused by the load
+        fitted = config.model_copy()
+        fit_context(fitted, TargetConfig.from_file(path), str(path))
+        if fitted.context_length < context:
+            context, source = fitted.context_length, path
+    if config.max_tokens >= context:
+        where = f" (the max_position_embeddings of {source})" if source else ""
+        fix = "lower --max-tokens" if source else "lower --max-tokens or raise --context-length"
+        raise BlockspecError(f"max_tokens {config.max_tokens} is not below context_length {context}{where}: "
+                             f"no room is left for the prompt ({fix})")
+
+
+def note_unused_sampling(config):
+    """The load notes settings that do nothing (engine/load.note_ignored_settings); the sampling keys that greedy
+    decoding never reads are noted here, as only generate and chat decode every token at the config's settings."""
+    for note in unused_sampling(config):
+        print(f"blockspec: note: {note}", file=sys.stderr)
 
 
 def cmd_generate(args):
@@ -50,6 +70,7 @@ def cmd_generate(args):
         raise BlockspecError("--chat needs --prompt TEXT, not --prompt-ids")
     config = engine_config(args)
     check_reply_room(config)
+    note_unused_sampling(config)
     engine = Engine(config)
     ids = prompt_tokens(engine, args)
     if args.prompt is not None and not ids:
@@ -88,6 +109,7 @@ def cmd_chat(args):
     # a default max_tokens past a short context is not refused: chat limits each reply to the room left (chat.py)
     if "max_tokens" in config.model_fields_set:
         check_reply_room(config)
+    note_unused_sampling(config)
     run_chat(Engine(config), config.max_tokens, system=args.system)
 
 
@@ -388,9 +410,9 @@ def add_serve_parser(sub):
     serve.add_argument("--shutdown-grace", type=float, default=ServerSettings.shutdown_grace_s, metavar="S",
                        help="on SIGTERM, seconds the running request may go on before it is stopped")
     serve.add_argument("--allowed-hosts", type=comma_list, metavar="NAMES",
-                       help="comma-separated Host header names accepted besides loopback addresses, localhost and "
-                            "--host; bound to a loopback address the Host header is always checked, elsewhere only "
-                            "when this is given (*: any) (default: none)")
+                       help="comma-separated Host header names (no port: any port matches) accepted besides "
+                            "loopback addresses, localhost and --host; bound to a loopback address the Host header "
+                            "is always checked, elsewhere only when this is given (*: any) (default: none)")
     serve.add_argument("--allowed-origins", type=comma_list, metavar="ORIGINS",
                        help="comma-separated web page origins (scheme://host:port) allowed to call the server "
                             "from a browser (*: any) (default: none, same-origin only)")

@@ -238,6 +238,19 @@ def unused_settings(config: PredictConfig) -> list[str]:
             and getattr(config, key) != PredictConfig.model_fields[key].get_default(call_default_factory=True)]
 
 
+def unused_sampling(config: PredictConfig) -> list[str]:
+    """unused_settings' note on the sampling keys given (not at their defaults) at temperature 0, where every token
+    is the most likely one, for a run whose tokens all follow the config (generate, chat); none for serve, whose
+    requests may raise the temperature and then use them."""
+    given = [f"{key}: {getattr(config, key)!r}" for key in SAMPLING_KEYS if key != "temperature"
+             and key in config.model_fields_set
+             and getattr(config, key) != PredictConfig.model_fields[key].get_default(call_default_factory=True)]
+    if not given or not config.sampling.greedy:
+        return []
+    return [f"{', '.join(given)} {'does' if len(given) == 1 else 'do'} nothing: temperature is 0 (greedy "
+            "decoding); set temperature above 0 to sample"]
+
+
 class _DuplicateKey(yaml.YAMLError):
     def __init__(self, key, first_line: int, line: int):
         super().__init__(f"key {key!r} is given twice (line {first_line}, then line {line})")
@@ -309,6 +322,11 @@ class ServerSettings:
                 raise BlockspecError(f"{flag} must be a number above 0 (got {value:g})")
         if not (math.isfinite(self.shutdown_grace_s) and self.shutdown_grace_s >= 0):
             raise BlockspecError(f"--shutdown-grace must be 0 or more seconds (got {self.shutdown_grace_s:g})")
+        for name in self.allowed_hosts:
+            head, _, port = name.rpartition(":")
+            if port.isdigit() and (head.endswith("]") or (head and ":" not in head)):  # not an IPv6 address's colons
+                raise BlockspecError(f"--allowed-hosts: '{name}' has a port, but the Host header is checked by name "
+                                     f"only, on any port: write '{head}'")
         for origin in self.allowed_origins:
             if origin not in ("*", "null") and "://" not in origin:
                 raise BlockspecError(f"--allowed-origins: '{origin}' is not an origin (scheme://host[:port], e.g. "

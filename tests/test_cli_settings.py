@@ -49,6 +49,27 @@ def test_chat_notes_a_given_setting_that_does_nothing(tiny, tmp_path, capsys, mo
     assert notes(err) == ["blockspec: note: self_speculative_num_tokens: 5 does nothing: mode is 'none'"], err
 
 
+GREEDY_NOTE = "do nothing: temperature is 0 (greedy decoding); set temperature above 0 to sample"
+
+
+@pytest.mark.parametrize("command", [["generate", "--prompt-ids", "1,2,3"], ["chat"]])
+@pytest.mark.parametrize("flags, yaml_text, expected", [
+    (["--top-p", "0.9", "--top-k", "20", "--seed", "5"], "", [f"top_k: 20, top_p: 0.9, seed: 5 {GREEDY_NOTE}"]),
+    (["--temperature", "0"], "min_p: 0.1\n", [f"min_p: 0.1 {GREEDY_NOTE.replace('do ', 'does ', 1)}"]),
+    (["--temperature", "0", "--top-p", "1.0", "--top-k", "0"], "min_p: 0.0\n", []),  # the defaults, given
+    (["--temperature", "0.7", "--top-p", "0.9", "--seed", "5"], "", []),  # sampled: they apply
+])
+def test_sampling_settings_given_to_greedy_decoding_are_noted_once(tiny, tmp_path, capsys, monkeypatch, command,
+                                                                    flags, yaml_text, expected):
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml_text)
+    monkeypatch.setattr(sys, "stdin", io.StringIO("/exit\n"))
+    code = main([*command, "--model", tiny, "--config", str(path), "--max-tokens", "2", *flags, *BASE])
+    err = capsys.readouterr().err
+    assert code == 0, err
+    assert notes(err) == [f"blockspec: note: {note}" for note in expected], err
+
+
 @pytest.fixture
 def no_load(monkeypatch):
     import blockspec.engine.engine as engine_module
@@ -70,6 +91,32 @@ def test_max_tokens_that_leave_no_room_for_a_prompt_are_refused_before_the_load(
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1 and numbers in err, err
     assert "--max-tokens" in err and "--context-length" in err, err
+
+
+@pytest.fixture(scope="module")
+def short_model(tiny_checkpoint):
+    return str(tiny_checkpoint(seed=0, max_position_embeddings=64))
+
+
+@pytest.mark.parametrize("command", [["generate", "--prompt-ids", "1,2"], ["chat"]])
+@pytest.mark.parametrize("flags, message", [
+    (["--max-tokens", "64"], "max_tokens 64 is not below context_length 64 (the max_position_embeddings of "),
+    (["--max-tokens", "8", "--context-length", "128"],
+     "context_length 128 exceeds the model's max_position_embeddings 64"),
+])
+def test_the_checkpoints_shorter_context_is_applied_before_the_load(short_model, capsys, no_load, command, flags,
+                                                                      message):
+    """config.json's max_position_embeddings 64 lowers the default context_length 4096 at load: max_tokens is
+    checked against it, from config.json, before the load."""
+    code = main([*command, "--model", short_model, *flags, *BASE])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and message in err and "Traceback" not in err, err
+    assert "--context-length" not in err or "exceeds" in err, err
+
+
+def test_max_tokens_below_the_checkpoints_shorter_context_runs(short_model, capsys):
+    code = main(["generate", "--model", short_model, "--prompt-ids", "1", "--max-tokens", "63", *BASE])
+    assert code == 0, capsys.readouterr().err
 
 
 def test_generate_refuses_the_default_max_tokens_past_a_short_context_before_the_load(tiny, capsys, no_load):

@@ -604,6 +604,40 @@ def test_host_check_warning_names_the_risk_and_the_flag():
             assert "DNS rebinding" in warning and "--allowed-hosts" in warning and "\n" not in warning
 
 
+def test_allowed_hosts_match_the_host_header_by_name():
+    """A fully qualified name (a trailing dot) is the same name, in the flag or the header; IPv6 addresses are
+    written with or without brackets; the port never matters."""
+    from blockspec.config import ServerSettings
+    from blockspec.server.access import AccessGuard
+
+    settings = ServerSettings(allowed_hosts=("Example.com.", "box.lan", "[fe80::1]", "fe80::2"))
+    settings.check()
+    guard = AccessGuard(None, settings, settings.host)
+    for host in ("example.com", "example.com.:8000", "EXAMPLE.COM:80", "box.lan.", "box.lan:8000", "[fe80::1]:8000",
+                 "[fe80::2]", "localhost.:8000", "127.0.0.1:8000"):
+        assert guard.host_allowed(host), host
+    for host in ("evil.example", "example.com.evil.example", "box.lan.evil:8000", "[fe80::3]:8000"):
+        assert not guard.host_allowed(host), host
+
+
+def test_allowed_origins_match_with_the_default_port_written_or_not():
+    from blockspec.config import ServerSettings
+    from blockspec.server.access import AccessGuard
+
+    settings = ServerSettings(allowed_origins=("http://app.example:80", "https://Web.example/", "http://x.example:3000",
+                                               "null"))
+    settings.check()
+    guard = AccessGuard(None, settings, settings.host)
+    for origin in ("http://app.example", "http://app.example:80", "https://web.example:443", "https://web.example",
+                   "http://x.example:3000", "null"):
+        assert guard.origin_allowed(origin, "127.0.0.1:8000", "http"), origin
+    for origin in ("https://app.example", "http://x.example", "http://x.example:3001", "http://web.example",
+                   "http://evil.example", "http://x.example:abc"):
+        assert not guard.origin_allowed(origin, "127.0.0.1:8000", "http"), origin
+    assert guard.origin_allowed("http://127.0.0.1:8000", "127.0.0.1:8000", "http")
+    assert guard.origin_allowed("http://localhost", "localhost:80", "http")
+
+
 @pytest.mark.parametrize("args,message", [
     (["--port", "99999"], "--port must be between 0 and 65535 (got 99999)"),
     (["--port", "-1"], "--port must be between 0 and 65535 (got -1)"),
@@ -614,6 +648,10 @@ def test_host_check_warning_names_the_risk_and_the_flag():
     (["--shutdown-grace", "-1"], "--shutdown-grace must be 0 or more seconds (got -1)"),
     (["--allowed-origins", "example.com"], "--allowed-origins: 'example.com' is not an origin"),
     (["--api-key", " "], "--api-key must not be empty"),
+    (["--allowed-hosts", "box.lan,localhost:8000"], "--allowed-hosts: 'localhost:8000' has a port, but the Host "
+     "header is checked by name only, on any port: write 'localhost'"),
+    (["--allowed-hosts", "[fe80::1]:8000"], "--allowed-hosts: '[fe80::1]:8000' has a port, but the Host header is "
+     "checked by name only, on any port: write '[fe80::1]'"),
 ])
 def test_serve_arguments_checked_before_the_model_loads(tmp_path, capsys, args, message):
     from blockspec.cli import main

@@ -41,6 +41,13 @@ def host_name(host_header: str) -> str:
     return (name if name and port.isdigit() else host).rstrip(".")
 
 
+def allowed_name(name: str) -> str:
+    """An --allowed-hosts name (refused with a port: ServerSettings.check) as host_name gives a Host header's:
+    'Example.com.' (the same name, fully qualified) -> 'example.com', '[::1]' -> '::1'."""
+    name = name.lower()
+    return name[1:-1] if name.startswith("[") and name.endswith("]") else name.rstrip(".")
+
+
 def checks_host(settings: ServerSettings, bound_address: str) -> bool:
     return (is_loopback(bound_address) or bool(settings.allowed_hosts)) and "*" not in settings.allowed_hosts
 
@@ -54,17 +61,22 @@ def host_check_warning(settings: ServerSettings, bound_address: str) -> str | No
             "naming the host names clients use with --allowed-hosts")
 
 
-def same_origin(origin: str, host: str | None, scheme: str) -> bool:
-    """Whether a web page's Origin is this server as the request reached it: scheme, host and port (a port left out
-    is the scheme's default)."""
-    if host is None:
-        return False
+def origin_key(origin: str) -> tuple | str:
+    """An origin as compared: its scheme, host name and port (a port left out is the scheme's default, as browsers
+    leave it out); the text itself where it is no such URL ('null')."""
     try:
-        page, server = urlsplit(origin), urlsplit(f"{scheme}://{host.strip()}")
-        return (page.scheme, page.hostname, page.port or DEFAULT_PORTS.get(page.scheme)) == \
-            (scheme, server.hostname, server.port or DEFAULT_PORTS.get(scheme))
+        url = urlsplit(origin.strip().lower())
+        if url.scheme and url.hostname:
+            return url.scheme, url.hostname, url.port or DEFAULT_PORTS.get(url.scheme)
     except ValueError:  # a port that is not a number
-        return False
+        pass
+    return origin.strip().rstrip("/").lower()
+
+
+def same_origin(origin: str, host: str | None, scheme: str) -> bool:
+    """Whether a web page's Origin is this server as the request reached it: scheme, host and port."""
+    page = origin_key(origin)
+    return host is not None and isinstance(page, tuple) and page == origin_key(f"{scheme}://{host.strip()}")
 
 
 class AccessGuard:
@@ -73,8 +85,8 @@ class AccessGuard:
     def __init__(self, app, settings: ServerSettings, bound_address: str):
         self.app = app
         self.check_host = checks_host(settings, bound_address)
-        self.hosts = {"localhost", settings.host.lower(), *(h.lower() for h in settings.allowed_hosts)}
-        self.origins = {o.rstrip("/").lower() for o in settings.allowed_origins}
+        self.hosts = {"localhost", settings.host.lower(), *map(allowed_name, settings.allowed_hosts)}
+        self.origins = {*map(origin_key, settings.allowed_origins)}
         self.key = settings.api_key.encode() if settings.api_key else None
 
     def host_allowed(self, host: str | None) -> bool:
@@ -86,8 +98,7 @@ class AccessGuard:
     def origin_allowed(self, origin: str, host: str | None, scheme: str) -> bool:
         if same_origin(origin, host, scheme):
             return True
-        origin = origin.rstrip("/").lower()
-        return "*" in self.origins or origin in self.origins
+        return "*" in self.origins or origin_key(origin) in self.origins
 
     def key_valid(self, authorization: str | None) -> bool:
         scheme, _, token = (authorization or "").partition(" ")
