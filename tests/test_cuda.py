@@ -589,7 +589,7 @@ def test_tree_build_kernel_equals_reference_on_cuda(style):
         for budget in (1, rows, 16, 33, 63):
             assert drafter_tree_triton.available(table, budget)
             got, expected = build_tree(table, candidates, anchor, chain, budget), \
-                DraftTree(*build_tree_reference(table, candidates, anchor, chain, budget))
+                DraftTree(build_tree_reference(table, candidates, anchor, chain, budget))
             for field in ("tokens", "parents", "depth", "valid"):
                 assert torch.equal(getattr(got, field), getattr(expected, field)), (style, k, rows, budget, field)
 

@@ -97,8 +97,8 @@ def test_walk_follows_the_targets_choices():
     #        1   2        node: token
     #      3  4    5      1: 10, 2: 11, 3: 20, 4: 21, 5: 20, 6: 30
     #      6
-    tree = DraftTree(torch.tensor([5, 10, 11, 20, 21, 20, 30]), torch.tensor([0, 0, 0, 1, 1, 2, 3]),
-                     torch.tensor([0, 1, 1, 2, 2, 2, 3]), torch.ones(7, dtype=torch.bool))
+    tree = DraftTree.of(torch.tensor([5, 10, 11, 20, 21, 20, 30]), torch.tensor([0, 0, 0, 1, 1, 2, 3]),
+                        torch.tensor([0, 1, 1, 2, 2, 2, 3]), torch.ones(7, dtype=torch.bool))
     vocab = 40
 
     def choices(tokens):  # logits whose argmax at node i is tokens[i]
@@ -109,7 +109,7 @@ def test_walk_follows_the_targets_choices():
     result = walk(choices([10, 21, 0, 0, 3, 0, 0]), tree, 3).tolist()
     assert result[:2] == [2, 3] and result[2:5] == [0, 1, 4]
     assert walk(choices([12, 0, 0, 0, 0, 0, 0]), tree, 3).tolist()[:3] == [0, 12, 0]
-    tree.valid[2] = False  # padding is never entered
+    tree.nodes[3, 2] = 0  # padding is never entered
     assert walk(choices([11, 0, 20, 0, 0, 7, 0]), tree, 3).tolist()[:2] == [0, 11]
 
 
@@ -121,8 +121,8 @@ def test_sampled_walk_accepts_what_the_chain_accepts_and_more():
     #        1   4        chain: 1, 2, 3 (tokens 3, 5, 7); others: 4 (token 4), 5 (token 6), 6 (token 8)
     #      2   5
     #      3  6
-    tree = DraftTree(torch.tensor([0, 3, 5, 7, 4, 6, 8]), torch.tensor([0, 0, 1, 2, 0, 1, 5]),
-                     torch.tensor([0, 1, 2, 3, 1, 2, 3]), torch.ones(7, dtype=torch.bool))
+    tree = DraftTree.of(torch.tensor([0, 3, 5, 7, 4, 6, 8]), torch.tensor([0, 0, 1, 2, 0, 1, 5]),
+                        torch.tensor([0, 1, 2, 3, 1, 2, 3]), torch.ones(7, dtype=torch.bool))
     sampler = Sampler("cpu")
     sampler.begin(SamplingSettings(temperature=1.0))
     gen = torch.Generator().manual_seed(0)

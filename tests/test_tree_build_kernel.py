@@ -54,12 +54,12 @@ def _mismatches(cases):  # in the interpreter subprocess
     results = []
     for i, (k, rows, budget, style) in enumerate(cases):
         args = inputs(k, rows, style, seed=i)
-        want = DraftTree(*build_tree_reference(*args, budget))
+        want = DraftTree(build_tree_reference(*args, budget))
         trees = [build_tree(*args, budget)]
         if style.startswith("ties"):  # also its scores summed from the first entry (no 0.0 before): -0.0 ties 0.0
             scores = chain_scores(args[0], args[3][:min(budget, rows)])
             tree = drafter_tree_triton.build_tree(*args, torch.where(scores == 0, -0.0, scores), budget)
-            trees.append(DraftTree(*tree))
+            trees.append(DraftTree(tree))
         differ = sorted({name for name in ("tokens", "parents", "depth", "valid") for got in trees
                          if not torch.equal(getattr(got, name), getattr(want, name))})
         results.append({"case": [k, rows, budget, style], "differ": differ, "padded": int((~want.valid).sum()),

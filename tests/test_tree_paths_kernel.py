@@ -12,6 +12,7 @@ from helpers import (interpreter_part, patch_triton_interpreter, report_parts, r
                      sm90_ptx)
 
 from blockspec import kernels
+from blockspec.drafter.tree import DraftTree
 from blockspec.kernels import tree_paths, tree_paths_triton
 from blockspec.kernels.drafter_tree import build_tree_reference
 
@@ -36,8 +37,9 @@ def drafter_tree(budget: int, rows: int, gen: torch.Generator):
     table = torch.log_softmax(torch.randn(rows, k, k, generator=gen) * 2, -1)
     table[torch.rand(rows, k, k, generator=gen) < 0.3] = float("-inf")
     chain = torch.randint(0, k, (rows,), generator=gen)
-    return build_tree_reference(table, torch.randint(0, 50, (rows, k), generator=gen), torch.tensor([7]), chain,
-                                budget)
+    tree = DraftTree(build_tree_reference(table, torch.randint(0, 50, (rows, k), generator=gen), torch.tensor([7]),
+                                          chain, budget))
+    return tree.tokens, tree.parents, tree.depth, tree.valid
 
 
 def chosen_along(tokens, parents, depth, gen: torch.Generator):

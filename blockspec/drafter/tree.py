@@ -24,14 +24,37 @@ from blockspec.kernels import drafter_tree
 
 @dataclass
 class DraftTree:
-    tokens: torch.Tensor   # [T] int64: the root (the anchor), then the nodes
-    parents: torch.Tensor  # [T] int64: each node's parent (the root's 0)
-    depth: torch.Tensor    # [T] int64: tokens after the root
-    valid: torch.Tensor    # [T] bool: False for padding
+    """nodes [4, T] int64, one tensor (a pass copies a tree in with one copy), its rows:
+    tokens   the root (the anchor), then the nodes
+    parents  each node's parent (the root's 0)
+    depth    tokens after the root
+    valid    1; 0 for padding"""
+    nodes: torch.Tensor
+
+    @classmethod
+    def of(cls, tokens, parents, depth, valid) -> DraftTree:
+        return cls(torch.stack([tokens, parents, depth, valid.long()]))
 
     @property
     def size(self) -> int:
-        return self.tokens.shape[0]
+        return self.nodes.shape[1]
+
+    @property
+    def tokens(self) -> torch.Tensor:
+        return self.nodes[0]
+
+    @property
+    def parents(self) -> torch.Tensor:
+        return self.nodes[1]
+
+    @property
+    def depth(self) -> torch.Tensor:
+        return self.nodes[2]
+
+    @property
+    def valid(self) -> torch.Tensor:
+        """[T] bool"""
+        return self.nodes[3] != 0
 
 
 def transition_log_probs(unary, candidates, projected, anchor, predecessor, successor, marginal: bool = False):
@@ -51,4 +74,4 @@ def build_tree(table: torch.Tensor, candidates: torch.Tensor, anchor: torch.Tens
     """The tree of `budget` nodes (module docstring) from the transition table [R, K, K] (transition_log_probs), the
     rows' candidate ids [R, K], the anchor [1] and the greedy chain's candidate index in each row [R]
     (kernels/drafter_tree.py)."""
-    return DraftTree(*drafter_tree.build_tree(table, candidates, anchor, chain, budget))
+    return DraftTree(drafter_tree.build_tree(table, candidates, anchor, chain, budget))

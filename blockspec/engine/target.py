@@ -78,10 +78,9 @@ class GraphedTarget(EagerTarget):
     def _capture_tree(self, size, depth, warmup):
         """The pass over a tree of `size` nodes and its greedy walk, the layout built in the graph from the nodes'
         parents and depths and the committed length, all static inputs."""
-        zeros = torch.zeros(size, dtype=torch.long, device=self.device)
+        nodes = torch.arange(size, device=self.device)
         # warm-ups run on a well-formed tree: the root and invalid children of it
-        tree = DraftTree(zeros, zeros.clone(), (torch.arange(size, device=self.device) > 0).long(),
-                         torch.arange(size, device=self.device) == 0)
+        tree = DraftTree.of(torch.zeros_like(nodes), torch.zeros_like(nodes), (nodes > 0).long(), nodes == 0)
         start = torch.full((), self.state.capacity - size, dtype=torch.long, device=self.device)  # unreached slots
         kernel = self.model.config.linear_conv_kernel_dim
 
@@ -111,8 +110,7 @@ class GraphedTarget(EagerTarget):
         if self.tree_pass is None or self.tree_pass[1].size != tree.size or depth != self.tree_depth:
             return super().run_tree(tree, depth, sampler, draft)
         graph, static, start, outputs = self.tree_pass
-        for field in ("tokens", "parents", "depth", "valid"):
-            getattr(static, field).copy_(getattr(tree, field))
+        static.nodes.copy_(tree.nodes)
         start.fill_(self.state.begin(tree.size))
         graph.replay()
         if sampler is None:

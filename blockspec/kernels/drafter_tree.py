@@ -11,10 +11,11 @@ from . import drafter_tree_triton
 
 
 def build_tree(table: torch.Tensor, candidates: torch.Tensor, anchor: torch.Tensor, chain: torch.Tensor,
-               budget: int) -> tuple[torch.Tensor, ...]:
+               budget: int) -> torch.Tensor:
     """The tree of `budget` nodes (drafter/tree.py) from the transition table [R, K, K], the rows' candidate ids
-    [R, K], the anchor [1] and the greedy chain's candidate index in each row [R], as (tokens, parents, depth, valid)
-    [budget + 1] each. Where Triton runs, one program (drafter_tree_triton.py) instead of ~30 ops per node; else
+    [R, K], the anchor [1] and the greedy chain's candidate index in each row [R], as its nodes [4, budget + 1]
+    int64: rows tokens, parents, depth, valid (1; 0 for padding). Where Triton runs, one program
+    (drafter_tree_triton.py) instead of ~30 ops per node; else
     build_tree_reference."""
     if drafter_tree_triton.available(table, budget):
         picked = chain[:min(budget, candidates.shape[0])]
@@ -30,7 +31,7 @@ def chain_scores(table: torch.Tensor, picked: torch.Tensor) -> torch.Tensor:
 
 
 def build_tree_reference(table: torch.Tensor, candidates: torch.Tensor, anchor: torch.Tensor, chain: torch.Tensor,
-                         budget: int) -> tuple[torch.Tensor, ...]:
+                         budget: int) -> torch.Tensor:
     rows, k = candidates.shape
     device = candidates.device
     size = budget + 1
@@ -70,4 +71,4 @@ def build_tree_reference(table: torch.Tensor, candidates: torch.Tensor, anchor: 
         flat.index_fill_(0, best, float("-inf"))
         below = flat_table.index_select(0, (row + 1).clamp(max=rows - 1) * k + j)[0]
         frontier[node] = torch.where((row + 1 < rows) & (value > float("-inf")), value + below, float("-inf"))
-    return tokens, parents, depth, valid
+    return torch.stack([tokens, parents, depth, valid.long()])

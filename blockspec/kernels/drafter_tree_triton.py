@@ -35,18 +35,17 @@ def available(table: torch.Tensor, budget: int) -> bool:
 
 
 def build_tree(table, candidates, anchor, chain, chain_scores, budget: int):
-    """(tokens, parents, depth, valid), each [budget + 1], as build_tree_reference's DraftTree holds them: table
+    """The tree's nodes [4, budget + 1] int64 (tokens, parents, depth, valid) as build_tree_reference's: table
     [R, K, K] float32, candidates [R, K], anchor [1], chain [R] (candidate indices), chain_scores [min(budget, R)]
     (the chain nodes' path scores)."""
     rows, top_k = candidates.shape
     size = budget + 1
-    tokens, parents, depth = (torch.empty(size, dtype=torch.long, device=table.device) for _ in range(3))
-    valid = torch.empty(size, dtype=torch.bool, device=table.device)
+    nodes = torch.empty(4, size, dtype=torch.long, device=table.device)
     _build_kernel[(1,)](table.contiguous(), candidates.contiguous(), anchor, chain.contiguous(), chain_scores,
-                        tokens, parents, depth, valid.view(torch.uint8), ROWS=rows, TOP_K=top_k, SIZE=size,
+                        *nodes, ROWS=rows, TOP_K=top_k, SIZE=size,
                         LENGTH=min(budget, rows), NODES=triton.next_power_of_2(size),
                         BLOCK_K=triton.next_power_of_2(top_k), num_warps=4, **pdl.options(table))
-    return tokens, parents, depth, valid
+    return nodes
 
 
 if triton is not None:
@@ -77,7 +76,7 @@ if triton is not None:
         tl.store(tokens + nodes, token, mask=written)
         tl.store(parents + nodes, tl.maximum(nodes - 1, 0).to(tl.int64), mask=written)
         tl.store(depth + nodes, nodes.to(tl.int64), mask=written)
-        tl.store(valid + nodes, tl.full([NODES], 1, tl.uint8), mask=written)
+        tl.store(valid + nodes, tl.full([NODES], 1, tl.int64), mask=written)
         node_depth = tl.where(written, nodes, 0)
 
         # frontier lane = node * BLOCK_K + j: the score of the node's child j (its row's candidate j)
@@ -100,7 +99,7 @@ if triton is not None:
             tl.store(tokens + node, tl.load(candidates + tl.minimum(row, ROWS - 1) * TOP_K + child))
             tl.store(parents + node, parent.to(tl.int64))
             tl.store(depth + node, (row + 1).to(tl.int64))
-            tl.store(valid + node, found.to(tl.uint8))
+            tl.store(valid + node, found.to(tl.int64))
             node_depth = tl.where(nodes == node, row + 1, node_depth)
             mine = (owner == node) & (j < TOP_K)
             below = tl.load(table + (tl.minimum(row + 1, ROWS - 1) * TOP_K + child) * TOP_K + j, mask=mine, other=0.0)
