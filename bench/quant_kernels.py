@@ -189,13 +189,8 @@ DEEP_VARIANTS = {8: {f"n64 s{s} wv{w}": dict(block_n=64, stages=s, waves=w) for 
 TREE_VARIANTS = {f"n{n} s{s} w{w} wv{v}": dict(block_n=n, stages=s, warps=w, waves=v)
                  for n, s, w, v in [(64, 2, 4, 1), (64, 3, 4, 1), (64, 2, 4, 4), (128, 2, 4, 1), (128, 2, 4, 2),
                                     (128, 3, 8, 1), (128, 2, 8, 4), (256, 2, 8, 1), (256, 3, 8, 1), (256, 2, 8, 2)]}
-# ... and the tile as four dots on one dequantized operand (a quarter of the tile's rows each: 8 at 17..32 rows,
-# mma.sync; 16 at 33..64), on the 8-row schedule and around it
-TREE_VARIANTS.update({f"n64 s{s} wv{v}{' bal' if b else ''} 4 dots": dict(block_n=64, stages=s, waves=v, balance=b,
-                                                                         dot_rows=lambda cfg: cfg.block_m // 4)
-                      for s, v, b in [(3, 2, True), (2, 2, True), (3, 1, False), (3, 4, False)]})
-TREE_VARIANTS["n64 s3 wv2 bal 2 dots"] = dict(block_n=64, stages=3, waves=2, balance=True,
-                                              dot_rows=lambda cfg: cfg.block_m // 2)
+TREE_VARIANTS["n64 s3 wv2 bal d/2"] = dict(block_n=64, stages=3, waves=2, balance=True,
+                                           dot_rows=lambda cfg: cfg.block_m // 2)  # two dots on one operand
 TREE_ROWS = [17, 33]
 INT8_SWEEP = {"s4": dict(stages=4), "s3": dict(stages=3), "n64 s4": dict(block_n=64, stages=4),
               "n64 s3": dict(block_n=64, stages=3)}

@@ -108,16 +108,15 @@ def test_mma_instruction_follows_the_rows():
             "ws_ptr": "*fp32", "cnt_ptr": "*i32", "res_ptr": "*bf16", "nw_ptr": "*bf16", "rows_ptr": "*bf16",
             "part_ptr": "*fp32", "eps": "fp32", "x": "*bf16", "w": "*bf16", "out": "*bf16", "ws": "*fp32",
             "counters": "*i32"}
-    four_dots = wq.KernelConfig(64, 32, 4, 3, 2, dot_rows=8)  # a 32-row tile as four 8-row dots: mma.sync
-    for rows, instruction in ((8, "mma.sync"), (16, "wgmma"), (17, "wgmma"), (32, "wgmma")):
+    for rows, instruction in ((8, "mma.sync"), (16, "wgmma"), (17, "wgmma")):
         for n, k in ((34816, 5120), (5120, 17408)) if rows == 16 else ((34816, 5120),):
-            cfg = four_dots if rows == 32 else wq.default_config(rows, n, k)
+            cfg = wq.default_config(rows, n, k)
             const = dict(BITS=4, G=128, BN=cfg.block_n, BM=cfg.block_m, STAGES=cfg.stages, HAS_ZP=False,
                          EVEN_K=True, USE_ASM=True, F32DOT=False, PREFETCH=0, PDL=0, EPI=0, RMS=False, PBLOCK=1,
-                         E4M3=False, DOTS=cfg.block_m // (cfg.dot_rows or cfg.block_m),
+                         E4M3=False, HALVES=cfg.block_m // (cfg.dot_rows or cfg.block_m),
                          **{f"U{i}": wq.unpack_asm(4, i, False) for i in range(4)})
             ptx = sm90_ptx(wq._wq_kernel, const, cfg.warps, cfg.stages, bf16)
-            expect = "mma.sync" if cfg.dot_rows == 8 else instruction  # 8-row dots (down's 16-row tile: two)
+            expect = "mma.sync" if cfg.dot_rows == 8 else instruction  # down's 16-row tile as two 8-row dots
             assert expect in ptx and ("wgmma" if expect == "mma.sync" else "mma.sync") not in ptx, (rows, cfg)
         lin = linear_triton.default_config(rows, 34816, 5120)
         const = dict(BN=lin.block_n, BK=lin.block_k, BM=linear_triton.block_rows(lin, rows), STAGES=lin.stages,

@@ -310,6 +310,8 @@ def test_default_configs():
     # a draft tree's 17..32 rows: 2 stages, narrow outputs ~4 waves; 33..64 rows: 3 stages, one wave
     assert wq.schedule(wq.default_config(17, 5120, 17408), 5120, 34) == (0, 7, 5)
     assert wq.default_config(17, 34816, 5120).stages == 2 and wq.default_config(33, 34816, 5120).stages == 3
+    assert wq.default_config(33, 5120, 17408) == wq.KernelConfig(64, 64, 4, 3, 2, True, True, dot_rows=32)  # down
+    assert wq.default_config(33, 34816, 5120).dot_rows == 0
     assert wq.default_config(33, 248320, 5120).block_n == 64 and wq.default_config(17, 248320, 5120).warps == 8
 
 
@@ -343,15 +345,12 @@ def _kernel_cases():
         ("m16 two dots split", 16, 70, 1030, 4, 128, True, bf16, K(32, 16, 4, 2, 64, dot_rows=8)),
         ("m11 two dots asym odd", 11, 33, 200, 4, 64, False, f32, K(16, 16, 4, 2, 1, dot_rows=8)),
         ("int8 g32 m13 two dots", 13, 21, 100, 8, 32, True, f32, K(16, 16, 4, 2, 1, dot_rows=8)),
-        # a 32-row tile as four 8-row dots: rows 8.., 16.., 24.. from the second, third and fourth
-        ("m32 four dots split", 32, 70, 1030, 4, 128, True, bf16, K(32, 32, 4, 2, 64, dot_rows=8)),
-        ("m27 four dots asym odd", 27, 33, 200, 4, 64, False, f32, K(16, 32, 4, 2, 1, dot_rows=8)),
-        ("m21 two 16-row dots", 21, 40, 300, 4, 128, True, f32, K(16, 32, 4, 2, 1, dot_rows=16)),
         ("int8 g32 m1 split", 1, 33, 260, 8, 32, True, bf16, K(16, 8, 4, 2, 64)),
         ("int8 g32 m16", 16, 21, 100, 8, 32, True, f32, K(16, 16, 4, 2, 1)),
         ("int8 g128 m3 split", 3, 24, 700, 8, 128, True, f32, K(16, 8, 4, 2, 64)),
         ("m17 asym split", 17, 30, 1100, 4, 128, False, bf16, K(16, 32, 4, 2, 64)),
         ("m33 g64", 33, 21, 200, 4, 64, True, f32, K(16, 64, 4, 2, 1)),
+        ("m40 two 32-row dots split", 40, 30, 1100, 4, 128, False, bf16, K(16, 64, 4, 2, 64, dot_rows=32)),
         ("int8 g32 m64 split", 64, 19, 260, 8, 32, True, bf16, K(16, 64, 4, 2, 64)),
         ("m40 default: one 64-row launch", 40, 20, 300, 4, 128, True, f32, None),
         ("m70 default: dequantize + linear", 70, 20, 300, 4, 128, True, f32, None),

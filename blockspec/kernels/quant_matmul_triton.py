@@ -10,7 +10,7 @@ Kernel (tensor cores, exact numerics)
   group i: A = (u_i - z) in x's dtype, exact;
   part[BN, BM] = A @ x_i^T (one MMA chain, fp32), acc += part * s_i (fp32). M <= 8 uses BM = 8, which Triton
   compiles to mma.sync, more rows BM = 16, 32 or 64 (the next power of two), which it compiles to Hopper's wgmma,
-  or, with `dot_rows` 8, a 16- or 32-row tile as two or four 8-row dots on the same operand, mma.sync again
+  or, with `dot_rows` 8, a 16-row tile as two 8-row dots on the same operand, mma.sync again
   (tests/test_linear_kernel.py checks these in the sm_90 PTX, compiled on the CPU): one launch serves
   every verification pass (up to MAX_PASS_TOKENS rows), streaming the weights once. Under split-K the last program
   to arrive at a tile adds the fp32 partials in a fixed order (kernels/linear_triton.split_k_total; no memset).
@@ -38,7 +38,8 @@ the 9..16-row gate_up and down entries: H100 winners, with the whole tree pass t
            outputs n64 s3, ~1 wave; int4 K > 8192 (down): the M <= 8 schedule with 3 stages and the 16-row tile as
            two 8-row dots (`dot_rows`, mma.sync); 8-bit K > 8192 n64 s2, ~4 waves
   M 17..32 (int4): n64 s2 wgmma, ~4 waves for narrow outputs (N <= 8192: down, o), else ~1; vocabulary n128 w8 s3
-  M 33..64 (int4): n64 s3 wgmma, ~1 wave; 8-bit codes: the M 9..16 entry with BM 32 / 64 (not measured)
+  M 33..64 (int4): n64 s3 wgmma, ~1 wave; K > 8192 (down): ~2 waves balanced, two 32-row dots (an H100 winner);
+           8-bit codes: the M 9..16 entry with BM 32 / 64 (not measured)
   int8 group 32: M <= 8 n64 (N >= 16384) or n128, s3; M 9..16 n128 m16 s6 wgmma (not swept)
   8-bit group 128 (e4m3, the int8 head): M <= 8 n64 s3, ~4 waves when N < 64 * 132 (down, o), else unsplit, a short
            last round balanced
@@ -118,20 +119,13 @@ if triton is not None:
         return v0, v1, v2, v3
 
     @triton.jit
-    def _x_rows(xp, d: tl.constexpr, stride_d, rows, km, EVEN_K: tl.constexpr):
-        """x^T tile [G, MB] of the tile's dot d, x rows d * MB .. (rows: their mask [1, MB]; km: the K mask [G, 1],
-        unless EVEN_K)."""
-        return tl.load(xp + d * stride_d, mask=rows if EVEN_K else rows & km, other=0.0)
-
-    @triton.jit
-    def _group(acc0, acc1, acc2, acc3, h, xp, km, m0, m1, m2, m3, stride_d, s, zc, IDX: tl.constexpr,
-               BITS: tl.constexpr, UNPACK: tl.constexpr, BN: tl.constexpr, MB: tl.constexpr, HAS_ZP: tl.constexpr,
-               USE_ASM: tl.constexpr, F32DOT: tl.constexpr, E4M3: tl.constexpr, DOTS: tl.constexpr,
-               EVEN_K: tl.constexpr):
-        """acc0 [BN, MB] += s * ((u - z) of code IDX of every halfword of h [BN, G]) @ x^T tile [G, MB] (E4M3: the
-        float8_e4m3fn value of byte IDX, no zero point); with DOTS 2 or 4 also acc1 (.. acc3) += the same weights @
-        the next MB x rows each (at xp + d * stride_d): one dequantized operand, DOTS dots."""
-        xt = _x_rows(xp, 0, stride_d, m0, km, EVEN_K)
+    def _group(acc, acc_hi, h, xp, xm, xm_hi, stride_hi, s, zc, IDX: tl.constexpr, BITS: tl.constexpr,
+               UNPACK: tl.constexpr, BN: tl.constexpr, MB: tl.constexpr, HAS_ZP: tl.constexpr,
+               USE_ASM: tl.constexpr, F32DOT: tl.constexpr, E4M3: tl.constexpr, HALVES: tl.constexpr):
+        """acc[BN, MB] += s * ((u - z) of code IDX of every halfword of h [BN, G]) @ x^T tile [G, MB] (E4M3: the
+        float8_e4m3fn value of byte IDX, no zero point); with HALVES 2 also acc_hi += the same weights @ the next MB
+        x rows (at xp + stride_hi): one dequantized operand, two dots."""
+        xt = tl.load(xp, mask=xm, other=0.0)
         if USE_ASM:  # one input and one output register per PTX block: the MMA layout is hoisted to the load
             a = tl.inline_asm_elementwise(UNPACK, "=r,r", [h], dtype=xt.dtype, is_pure=True, pack=2)
         elif E4M3:  # the byte's bits moved into an fp32 (the value times 2**-120), times 2**120: exact
@@ -148,22 +142,11 @@ if triton is not None:
             a = a.to(xt.dtype)
             if HAS_ZP:
                 a = a - zc.to(xt.dtype)[:, None]  # z - 2**(bits-1): a small integer, exact
-        scale = s.to(tl.float32)[:, None]
-        acc0 = acc0 + tl.dot(a, xt, tl.zeros([BN, MB], tl.float32)) * scale
-        if DOTS >= 2:
-            x1 = _x_rows(xp, 1, stride_d, m1, km, EVEN_K).to(xt.dtype)
-            acc1 = acc1 + tl.dot(a, x1, tl.zeros([BN, MB], tl.float32)) * scale
-        if DOTS == 4:
-            x2 = _x_rows(xp, 2, stride_d, m2, km, EVEN_K).to(xt.dtype)
-            acc2 = acc2 + tl.dot(a, x2, tl.zeros([BN, MB], tl.float32)) * scale
-            x3 = _x_rows(xp, 3, stride_d, m3, km, EVEN_K).to(xt.dtype)
-            acc3 = acc3 + tl.dot(a, x3, tl.zeros([BN, MB], tl.float32)) * scale
-        return acc0, acc1, acc2, acc3
-
-    @triton.jit
-    def _rows_joined(lo, hi, BN: tl.constexpr, MB: tl.constexpr):
-        """[BN, MB] twice -> [BN, 2 MB]: lo's rows, then hi's."""
-        return tl.reshape(tl.permute(tl.join(lo, hi), [0, 2, 1]), [BN, 2 * MB])
+        acc = acc + tl.dot(a, xt, tl.zeros([BN, MB], tl.float32)) * s.to(tl.float32)[:, None]
+        if HALVES == 2:
+            xt_hi = tl.load(xp + stride_hi, mask=xm_hi, other=0.0).to(xt.dtype)
+            acc_hi = acc_hi + tl.dot(a, xt_hi, tl.zeros([BN, MB], tl.float32)) * s.to(tl.float32)[:, None]
+        return acc, acc_hi
 
     @triton.jit
     def _tile(WHOLE, REST, SPLIT, N, BN: tl.constexpr, EPI: tl.constexpr):
@@ -197,28 +180,26 @@ if triton is not None:
                   HAS_ZP: tl.constexpr, EVEN_K: tl.constexpr, USE_ASM: tl.constexpr, F32DOT: tl.constexpr,
                   U0: tl.constexpr, U1: tl.constexpr, U2: tl.constexpr, U3: tl.constexpr, PREFETCH: tl.constexpr,
                   PDL: tl.constexpr, EPI: tl.constexpr, RMS: tl.constexpr, PBLOCK: tl.constexpr,
-                  E4M3: tl.constexpr, DOTS: tl.constexpr):
+                  E4M3: tl.constexpr, HALVES: tl.constexpr):
         """`_wq_kernel`'s first part, the program's tile over its blocks, one block (C groups) per step: returns
         (acc [BN, BM] fp32, its partial y^T; sums [PBLOCK, BM], with RMS the input rows' sums of squares from part_ptr,
         else zeros)."""
         C: tl.constexpr = 16 // BITS
         ZB: tl.constexpr = 1 << (BITS - 1)
         pid_n, pid_k, whole, tile_split, offs_n, n_ok = _tile(WHOLE, REST, SPLIT, N, BN, EPI)
-        MB: tl.constexpr = BM // DOTS  # x rows per dot
+        MB: tl.constexpr = BM // HALVES  # x rows per dot
         offs_m = tl.arange(0, MB)
         offs_c = tl.arange(0, G)
         q_rows = q_ptr + offs_n[:, None].to(tl.int64) * KH + offs_c[None, :]
         sz_off = offs_n[:, None] * C + tl.arange(0, C)[None, :]  # [BN, C]: one block's scales
         x_cols = x_ptr + offs_m[None, :] * stride_xm + offs_c[:, None]  # x^T tile [G, MB]
-        stride_d = MB * stride_xm
-        m0, m1 = (offs_m < M)[None, :], (offs_m + MB < M)[None, :]  # each dot's rows (unused dots: dropped)
-        m2, m3 = (offs_m + 2 * MB < M)[None, :], (offs_m + 3 * MB < M)[None, :]
+        m_ok = (offs_m < M)[None, :]
+        m_hi = (offs_m + MB < M)[None, :]
+        stride_hi = MB * stride_xm
         b_lo = pid_k * BPS
         b_hi = tl.where(whole, NBLK, tl.minimum(b_lo + BPS, NBLK))
-        acc0 = tl.zeros([BN, MB], tl.float32)
-        acc1 = tl.zeros([BN, MB], tl.float32)
-        acc2 = tl.zeros([BN, MB], tl.float32)
-        acc3 = tl.zeros([BN, MB], tl.float32)
+        acc = tl.zeros([BN, MB], tl.float32)
+        acc_hi = tl.zeros([BN, MB], tl.float32)
         pdl.prefetch_rows(q_ptr, offs_n, KH, b_lo * G, N, KH, PREFETCH * G, 64, PDL)  # int16 codes: 64 per line
         pdl.wait(PDL)
         sums = tl.zeros([PBLOCK, BM], tl.float32)
@@ -239,23 +220,26 @@ if triton is not None:
                 z0, z1, z2, z3 = s0, s1, s2, s3  # unused
             h = tl.load(q_rows + b * G, mask=n_ok[:, None], other=0)
             xb = x_cols + b * (C * G)
-            kk = (b * (C * G) + offs_c)[:, None]  # the K masks of the block's groups (unused where EVEN_K)
-            acc0, acc1, acc2, acc3 = _group(acc0, acc1, acc2, acc3, h, xb, kk < K, m0, m1, m2, m3, stride_d, s0, z0, 0,
-                                            BITS, U0, BN, MB, HAS_ZP, USE_ASM, F32DOT, E4M3, DOTS, EVEN_K)
-            acc0, acc1, acc2, acc3 = _group(acc0, acc1, acc2, acc3, h, xb + G, kk + G < K, m0, m1, m2, m3, stride_d, s1,
-                                            z1, 1, BITS, U1, BN, MB, HAS_ZP, USE_ASM, F32DOT, E4M3, DOTS, EVEN_K)
+            if EVEN_K:
+                x0m, x1m, x2m, x3m = m_ok, m_ok, m_ok, m_ok
+                x0h, x1h, x2h, x3h = m_hi, m_hi, m_hi, m_hi
+            else:
+                kk = b * (C * G) + offs_c
+                k0, k1, k2, k3 = (kk < K)[:, None], (kk + G < K)[:, None], (kk + 2 * G < K)[:, None], \
+                    (kk + 3 * G < K)[:, None]
+                x0m, x1m, x2m, x3m = m_ok & k0, m_ok & k1, m_ok & k2, m_ok & k3
+                x0h, x1h, x2h, x3h = m_hi & k0, m_hi & k1, m_hi & k2, m_hi & k3
+            acc, acc_hi = _group(acc, acc_hi, h, xb, x0m, x0h, stride_hi, s0, z0, 0, BITS, U0, BN, MB, HAS_ZP,
+                                 USE_ASM, F32DOT, E4M3, HALVES)
+            acc, acc_hi = _group(acc, acc_hi, h, xb + G, x1m, x1h, stride_hi, s1, z1, 1, BITS, U1, BN, MB, HAS_ZP,
+                                 USE_ASM, F32DOT, E4M3, HALVES)
             if C == 4:
-                acc0, acc1, acc2, acc3 = _group(acc0, acc1, acc2, acc3, h, xb + 2 * G, kk + 2 * G < K, m0, m1, m2,
-                                                m3, stride_d, s2, z2, 2, BITS, U2, BN, MB, HAS_ZP, USE_ASM, F32DOT,
-                                                E4M3, DOTS, EVEN_K)
-                acc0, acc1, acc2, acc3 = _group(acc0, acc1, acc2, acc3, h, xb + 3 * G, kk + 3 * G < K, m0, m1, m2,
-                                                m3, stride_d, s3, z3, 3, BITS, U3, BN, MB, HAS_ZP, USE_ASM, F32DOT,
-                                                E4M3, DOTS, EVEN_K)
-        acc = acc0
-        if DOTS == 2:  # the dots' rows in order: 0..MB-1, then the next MB, ...
-            acc = _rows_joined(acc0, acc1, BN, MB)
-        if DOTS == 4:
-            acc = _rows_joined(_rows_joined(acc0, acc1, BN, MB), _rows_joined(acc2, acc3, BN, MB), BN, 2 * MB)
+                acc, acc_hi = _group(acc, acc_hi, h, xb + 2 * G, x2m, x2h, stride_hi, s2, z2, 2, BITS, U2, BN, MB,
+                                     HAS_ZP, USE_ASM, F32DOT, E4M3, HALVES)
+                acc, acc_hi = _group(acc, acc_hi, h, xb + 3 * G, x3m, x3h, stride_hi, s3, z3, 3, BITS, U3, BN, MB,
+                                     HAS_ZP, USE_ASM, F32DOT, E4M3, HALVES)
+        if HALVES == 2:  # [BN, MB] twice -> [BN, BM]: rows 0..MB-1, then the next MB
+            acc = tl.reshape(tl.permute(tl.join(acc, acc_hi), [0, 2, 1]), [BN, BM])
         return acc, sums
 
     @triton.jit
@@ -289,7 +273,7 @@ if triton is not None:
                    F32DOT: tl.constexpr, U0: tl.constexpr, U1: tl.constexpr,
                    U2: tl.constexpr, U3: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr,
                    EPI: tl.constexpr, RMS: tl.constexpr, PBLOCK: tl.constexpr, E4M3: tl.constexpr,
-                   DOTS: tl.constexpr):
+                   HALVES: tl.constexpr):
         """One program per tile, or per part of a split tile (`_tile`): `main_loop`, then `finish`, two jit
         functions so that a variant can run between and around them (bench/launch_timeline.py stamps the times).
         RMS: the finished tile
@@ -299,7 +283,7 @@ if triton is not None:
         rows are gate rows, its last BN / 2 the up rows of the same channels)."""
         acc, sums = main_loop(x_ptr, q_ptr, s_ptr, z_ptr, part_ptr, M, N, K, KH, NBLK, WHOLE, REST, BPS, SPLIT, PARTS,
                               stride_xm, BITS, G, BN, BM, STAGES, HAS_ZP, EVEN_K, USE_ASM, F32DOT, U0, U1, U2, U3,
-                              PREFETCH, PDL, EPI, RMS, PBLOCK, E4M3, DOTS)
+                              PREFETCH, PDL, EPI, RMS, PBLOCK, E4M3, HALVES)
         finish(acc, sums, out_ptr, ws_ptr, cnt_ptr, res_ptr, nw_ptr, rows_ptr, part_ptr, M, N, K, WHOLE, REST, SPLIT,
                stride_om, eps, BN, BM, PDL, EPI, RMS)
 
@@ -357,9 +341,8 @@ class KernelConfig:
     waves: int = 2        # split K until about waves * SMs programs
     asm: bool = True      # PTX unpacking on CUDA (the interpreter always takes the plain path)
     balance: bool = False  # unsplit tiles beyond the last full round of SMs: split so each SM streams ~as much
-    # x rows per tensor-core dot: 0, the whole tile in one; else a half or a quarter of block_m (e.g. 8: a 16-row
-    # tile as two 8-row dots on one dequantized operand, which Triton compiles to mma.sync where one 16-row dot
-    # compiles to wgmma)
+    # x rows per tensor-core dot: 0, the whole tile in one; 8, a 16-row tile as two 8-row dots on one dequantized
+    # operand, which Triton compiles to mma.sync where one 16-row dot compiles to wgmma
     dot_rows: int = 0
 
     def short(self) -> str:
@@ -371,8 +354,8 @@ class KernelConfig:
 def default_config(m: int, n: int, k: int, bits: int = 4, group_size: int = 128) -> KernelConfig:
     """The config table of the module docstring (H200 winners of bench/quant_kernels.py --sweep)."""
     if m > 16 and bits == 4 and group_size == 128:  # a draft tree's pass: wgmma, x tiles of 32 or 64 rows
-        if m > 32:
-            return KernelConfig(64, 64, 4, 3, 1)
+        if m > 32:  # down (K > 8192): ~2 waves balanced, the 64-row tile as two 32-row dots
+            return KernelConfig(64, 64, 4, 3, 2, True, True, 32) if k > 8192 else KernelConfig(64, 64, 4, 3, 1)
         if n >= 131072:
             return KernelConfig(128, 32, 8, 3, 1)
         return KernelConfig(64, 32, 4, 2, 4 if n <= 8192 else 1)
@@ -458,8 +441,8 @@ def launch_plan(x2: torch.Tensor, pw: PackedWeight, cfg: KernelConfig, out: torc
         raise ValueError(f"on CUDA the kernel takes bf16 or fp16 activations, got {x2.dtype}")
     if m > cfg.block_m or cfg.block_m < 8 or cfg.block_m & (cfg.block_m - 1):
         raise ValueError(f"config {cfg.short()} takes a power-of-two block_m >= 8 and at most block_m rows, got {m}")
-    if cfg.dot_rows not in (0, cfg.block_m, cfg.block_m // 2, cfg.block_m // 4) or cfg.dot_rows and cfg.dot_rows < 8:
-        raise ValueError(f"config {cfg.short()}: dot_rows is 0, block_m, block_m / 2 or block_m / 4 (at least 8)")
+    if cfg.dot_rows not in (0, cfg.block_m, cfg.block_m // 2) or cfg.dot_rows and cfg.dot_rows < 8:
+        raise ValueError(f"config {cfg.short()}: dot_rows is 0, block_m or block_m / 2 (at least 8)")
     nblk = pw.q.shape[1] // pw.group_size
     whole, split, bps = schedule(cfg, pw.n, nblk, sm_count(x2.device))
     n_tiles = -(-pw.n // cfg.block_n)
@@ -480,7 +463,7 @@ def launch_plan(x2: torch.Tensor, pw: PackedWeight, cfg: KernelConfig, out: torc
                 U2=unpack[2], U3=unpack[3], num_warps=cfg.warps, **pdl.options(x2),
                 PREFETCH=pdl.prefetch_blocks(cfg.block_n * pw.group_size * 2, programs, bps, x2.device),
                 EPI=epi.kind, RMS=epi.rms, PBLOCK=triton.next_power_of_2(parts.shape[0]) if epi.rms else 1,
-                E4M3=e4m3, DOTS=cfg.block_m // cfg.dot_rows if cfg.dot_rows else 1)
+                E4M3=e4m3, HALVES=cfg.block_m // cfg.dot_rows if cfg.dot_rows else 1)
     return LaunchPlan(programs, (whole, split, bps), args, meta)
 
 
