@@ -65,6 +65,9 @@
 #                  tokens/s of plain decoding and each budget on standard-library code (bf16, graphs), then one-cycle
 #                  acceptance sampled at DEMO_TREE_TEMPERATURES (default 0.7 1, empty: none; bench/tree_acceptance.py,
 #                  fp32); DEMO_BENCH_ARGS adds to the tokens/s run (e.g. "--temperature 1 --seed 0": sampled)
+#   cycle_trace    where the shipped demo pair's chain and tree cycles go (bench/cycle_trace.py, CYCLE_BUDGETS,
+#                  default 0,15): tokens/s with the budgets taking turns, then per profiled cycle the pieces' host
+#                  time, runtime calls, kernel busy time and the kernels' time against the chain's
 #   drafter_train  train-drafter's step on the synthetic 27B with the published drafter (bench/drafter_training.py;
 #                  ~3 minutes, most of it building the synthetic target) under torchrun in DRAFTER_TRAIN_NPROC
 #                  processes (default 1, one GPU each); DRAFTER_TRAIN_ARGS add to it (e.g. "--preset tiny --seq-len
@@ -192,6 +195,9 @@ for part in ${PARTS:-bf16 warm int4 vocab}; do
              kernel_bench demo_trees_t$t ${DEMO_ACCEPTANCE_S:-240} tree_acceptance --model ../.demo/target --drafter ../.demo/drafter \
                --budgets ${DEMO_TREE_BUDGETS:-0,16,32} --temperature $t --device cuda --json-out "$OUT/tree_acceptance_t$t.json"
            done ;;
+    cycle_trace) rm -rf .demo && python3 -m blockspec.cli demo --save .demo > /dev/null
+           kernel_bench cycle_trace ${CYCLE_S:-300} cycle_trace --model ../.demo/target --drafter ../.demo/drafter \
+             --budgets ${CYCLE_BUDGETS:-0,15} --json-out "$OUT/cycle_trace.json" ;;
     drafter_train) N=${DRAFTER_TRAIN_NPROC:-1}
            LAUNCH="python3 -m torch.distributed.run --standalone --nproc-per-node $N" \
              kernel_bench drafter_training_n$N ${DRAFTER_TRAIN_S:-420} drafter_training ${DRAFTER_TRAIN_ARGS:-} \

@@ -24,12 +24,13 @@ DRY_RUNS = {  # script: its arguments ({out}: its $OUT)
     "drafter_training": ["--preset", "tiny", "--seq-len", "64", "--batch-tokens", "64", "--steps", "1",
                          "--profile", "5", "--json-out", "{out}/drafter_training.json"],
     "profile_cycle": ["--dry-run", "--modes", "mtp,dflash2"],
+    "cycle_trace": ["--dry-run"],
     # GraphedTarget's CUDA graphs have no CPU path: their imports and their argument check only
     "step_variants": ["--variants", "no such variant"],
     "launch_timeline": ["--variants", "no such variant"],
 }
 # no Triton on the CPU: PyTorch's paths, as on a machine without CUDA (not interpreted)
-NATIVE = {"drafter_training", "profile_cycle"}
+NATIVE = {"drafter_training", "profile_cycle", "cycle_trace"}
 ELSEWHERE = {"checkpoint_loading": "test_checkpoint_loading.py", "drafter_scaling": "test_train.py",
              "train_step": "test_train.py", "drafter_recipes": "test_train.py",
              "multi_turn": "test_bench.py", "tree_acceptance": "test_bench.py"}
@@ -112,6 +113,11 @@ CHECKS = {  # script: what its dry run must have written (the JSON files under i
         set(out["profile_cycle.json"]["results"]) >= {"mtp", "dflash2"}
         and "verify_8_commit_8_ms" in out["profile_cycle.json"]["results"]["dflash2"]
         and out["profile_cycle.json"]["kernels"]["mtp mtp_observe_4_chain_3_graph_ms"]["kernels_per_call"] > 0),
+    "cycle_trace": lambda out: (
+        sorted(out["cycle_trace.json"]["results"]) == ["0", "15"]
+        and all(r["tokens_per_s"] > 0 and r["profiled"]["cycles"] >= 1 and r["profiled"]["by_kernel_us"]
+                for r in out["cycle_trace.json"]["results"].values())
+        and "host_us DecodeState.commit_path" in out["cycle_trace.json"]["results"]["15"]["profiled"]),
 }
 REFUSED = {"step_variants", "launch_timeline"}
 
