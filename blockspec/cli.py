@@ -42,7 +42,11 @@ def check_reply_room(config):
 
     context, source = config.context_length, None
     path = Path(config.model or "") / "config.json"
-    if config.model and path.is_file():  # a missing one is refused by the load
+    try:
+        readable = bool(config.model) and path.is_file()
+    except OSError:  # a folder that cannot be read: the load refuses it, naming it
+        readable = False
+    if readable:  # a missing config.json is refused by the load
         fitted = config.model_copy()
         fit_context(fitted, TargetConfig.from_file(path), str(path))
         if fitted.context_length < context:
