@@ -122,7 +122,7 @@ def parse_record(line: str, where: str, need_assistant: bool = True) -> str | Co
         if not isinstance(turn, dict):
             raise BlockspecError(f"{where}: message {i} is not a JSON object")
         role = turn.get(role_key)
-        if role not in roles:
+        if not isinstance(role, str) or role not in roles:
             raise BlockspecError(f"{where}: message {i} has an unknown {role_key} {role!r} "
                                  f"(known: {', '.join(roles)})")
         if not isinstance(turn.get(content_key), str):

@@ -63,6 +63,10 @@ def saved_settings(out: Path, cls=None) -> dict:
         raise BlockspecError(f"--resume: {path} cannot be read ({exc})") from None
     if not isinstance(saved, dict):
         raise BlockspecError(f"--resume: {path} must hold a JSON object of settings, not {type(saved).__name__}")
+    unknown = sorted(set(saved) - {field.name for field in dataclasses.fields(cls)}) if cls else []
+    if unknown:  # another command's run (train-target's in train-drafter's --out, or the reverse)
+        raise BlockspecError(f"--resume: {path} holds settings this command does not have ({', '.join(unknown)}): "
+                             "it is another command's run")
     for field in dataclasses.fields(cls) if cls else ():
         if field.name in saved and not of_type(saved[field.name], field.type):
             raise BlockspecError(f"--resume: {path}: \"{field.name}\" must be {field.type} "
@@ -121,6 +125,15 @@ def check_not_past(out: Path, step: int, steps: int):
     if step > steps:
         raise BlockspecError(f"--resume: the run saved in {out} is at step {step}, past the {steps} steps asked "
                              "(--steps, --tokens): give more, or leave them out to finish that run")
+
+
+def device_memory(setting: str) -> tuple[int, str]:
+    """(bytes of memory, "GPU" or "host") of the device a run's --device names."""
+    from ..engine.load import resolve_device
+
+    if resolve_device(setting).type == "cuda":
+        return torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory, "GPU"
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "host"
 
 
 def check_weights(directory: Path):
@@ -230,7 +243,7 @@ class Trainer:
         except RuntimeError as exc:  # a run saved before RUN_FILE, resumed with other shapes
             first = str(exc).strip().splitlines()[-1].strip()
             raise BlockspecError(f"--resume: the run saved in {self.out} has other shapes than these settings "
-                                 f"({first}); give the flags it was started with") from None
+                                 f"({first}); give the --target and flags it was started with") from None
         self.optimizer.load_state_dict(state["optimizer"])
         self.step, self.history = state["step"], state["history"]
         self.evaluations, self.best = state.get("evaluations", []), state.get("best")

@@ -63,6 +63,8 @@ def check_out(out: Path):
         raise BlockspecError(f"--out {out}: give a .jsonl file (train-drafter --data reads records from .jsonl files)")
     if out.is_dir():
         raise BlockspecError(f"--out {out}: is a folder; give a file name")
+    if out.parent.is_file():
+        raise BlockspecError(f"--out {out}: {out.parent} is a file, not a folder")
     if not out.parent.is_dir():
         raise BlockspecError(f"--out {out}: the folder {out.parent} does not exist")
     if not os.access(out.parent, os.W_OK | os.X_OK):

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import copy
 import math
-import os
 from contextlib import nullcontext
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -23,7 +22,7 @@ from ..models.checkpoint import check_folder, checkpoint_files, load_target, sto
 from ..models.tokenizer import Tokenizer
 from .data import Sequence, evaluation_corpus, split_corpus, text_files
 from .evaluate import one_cycle_acceptance
-from .loop import BEST, Trainer, check_output, check_resumed, check_weights, output_folder, plural, \
+from .loop import BEST, Trainer, check_output, check_resumed, check_weights, device_memory, output_folder, plural, \
     settings_to_save, staged, write_summary
 from .ranks import Ranks, launched, process_group, rank_device
 
@@ -129,6 +128,7 @@ def check_run(run: DrafterTraining, world: int | None = None) -> TargetConfig:
         raise BlockspecError(f"--target-layer-ids {ids}: a layer is given twice")
     if run.kind == "dflash2":
         check_drafter_fits(run, target)
+    check_step_fits(run, target, world)
     check_weights(Path(run.target))
     if run.eval_data:
         text_files(run.eval_data, run.suffixes, flag="--eval-data")
@@ -147,24 +147,34 @@ def check_drafter_fits(run: DrafterTraining, target: TargetConfig):
     """The drafter's training state (fp32 weights, gradients and AdamW's two moments: 16 bytes a parameter, its
     layers' projections and its fixed parts counted) must fit the device's memory: a run that cannot is refused now,
     not killed once the target has loaded."""
-    from ..engine.load import resolve_device
-
     heads = run.heads or target.num_attention_heads
     attention = 2 * (heads + target.num_key_value_heads) * target.head_dim
     layer = target.hidden_size * (attention + 3 * (run.intermediate_size or target.intermediate_size))
     fixed = target.hidden_size * target.hidden_size * len(run.target_layer_ids or range(5)) \
         + 2 * target.vocab_size * run.selector_rank
     state = 16 * (run.layers * layer + fixed)
-    device = resolve_device(run.device)
-    if device.type == "cuda":
-        memory, where = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory, "GPU"
-    else:
-        memory, where = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "host"
+    memory, where = device_memory(run.device)
     if state > memory:
         raise BlockspecError(f"--layers {run.layers}: the drafter's training state (weights, gradients, optimizer "
                              f"moments: {state / 2**30:.1f} GiB) exceeds the {where}'s memory "
                              f"({memory / 2**30:.1f} GiB); fewer --layers, or smaller --intermediate-size, --heads "
                              "or --selector-rank")
+
+
+def check_step_fits(run: DrafterTraining, target: TargetConfig, world: int):
+    """What one step holds at once, at the least (a process's share of its sequences: the captured target layers'
+    features, or for kind mtp the logits of its rows), must fit the device's memory: a --batch-tokens that cannot is
+    refused now, not once the target has loaded."""
+    sequences = -(-step_sequences(run) // world)
+    memory, where = device_memory(run.device)
+    if run.kind == "dflash2":
+        held, what = (sequences * run.seq_len * target.hidden_size * len(run.target_layer_ids or range(5))
+                      * (2 if where == "GPU" else 4)), "target features"
+    else:
+        held, what = sequences * run.seq_len * target.vocab_size * 4, "logits"
+    if held > memory:
+        raise BlockspecError(f"--batch-tokens {run.batch_tokens}: a step's {what} would take {held / 2**30:.1f} GiB, "
+                             f"more than the {where}'s memory ({memory / 2**30:.1f} GiB): fewer --batch-tokens")
 
 
 class TargetFeatures:

@@ -24,8 +24,8 @@ from ..config import MAX_SEED
 from ..errors import BlockspecError
 from ..models.tokenizer import CHAT_TEMPLATE, render_chat
 from .data import Completion, read_paths
-from .loop import Trainer, check_output, check_resumed, output_folder, plural, settings_to_save, staged, \
-    token_count, write_summary
+from .loop import Trainer, check_output, check_resumed, device_memory, output_folder, plural, settings_to_save, \
+    staged, token_count, write_summary
 from .ranks import launched
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -82,8 +82,24 @@ def check_run(run: TargetTraining):
     for bad, why in checks:
         if bad:
             raise BlockspecError(why)
+    check_fits(run)
     check_output(Path(run.out), run.resume)
     check_resumed(run)
+
+
+def check_fits(run: TargetTraining):
+    """The model's training state (fp32 weights, gradients and AdamW's two moments: 16 bytes a parameter, counted low:
+    the tied embedding, the MLPs and two hidden x hidden projections a layer) and a step's logits (fp32) must fit the
+    device's memory: refused now, not once the tokenizer is trained and the model allocated."""
+    parameters = run.vocab * run.hidden + run.layers * (3 * run.hidden * run.intermediate + 2 * run.hidden ** 2)
+    logits = max(1, run.batch_tokens // run.seq_len) * run.seq_len * run.vocab * 4
+    memory, where = device_memory(run.device)
+    for flags, what, size in (("--vocab, --hidden, --layers or --intermediate", "the model's training state (weights, "
+                               "gradients, optimizer moments)", 16 * parameters),
+                              ("--batch-tokens or --vocab", "a step's logits", logits)):
+        if size > memory:
+            raise BlockspecError(f"{what} would take {size / 2**30:.1f} GiB, more than the {where}'s memory "
+                                 f"({memory / 2**30:.1f} GiB): smaller {flags}")
 
 
 def train_tokenizer(texts: list[str], vocab: int):

@@ -1,0 +1,114 @@
+"""Hostile input to `train-drafter`, `train-target` and `regenerate`: each refused in one line (exit 2) before the
+target loads or any training, and nothing written."""
+
+import json
+
+import pytest
+import torch
+
+from blockspec.cli import main
+from blockspec.fixtures.tiny import build_tiny_checkpoint
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    root = tmp_path_factory.mktemp("train_cli")
+    (root / "data.txt").write_text("the quick brown fox jumps over the lazy dog " * 40)
+    return root, build_tiny_checkpoint(root / "target", seed=0)
+
+
+@pytest.fixture(autouse=True)
+def no_loading(monkeypatch):
+    import blockspec.train.regenerate as regenerate_module
+    import blockspec.train.run as run_module
+
+    monkeypatch.setattr(run_module, "load_target", lambda *a, **k: pytest.fail("the target was loaded"))
+    monkeypatch.setattr(regenerate_module, "load_model", lambda *a, **k: pytest.fail("the target was loaded"))
+
+
+def refused(capsys, argv, message):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("blockspec: error: ") and message in err, err
+
+
+def test_a_role_that_is_not_a_string_is_one_line(target, tmp_path, capsys):
+    root, checkpoint = target
+    (tmp_path / "chats.jsonl").write_text(json.dumps(
+        {"messages": [{"role": ["user"], "content": "x"}, {"role": "assistant", "content": "y"}]}) + "\n")
+    refused(capsys, ["train-drafter", "--target", str(checkpoint), "--data", str(tmp_path / "chats.jsonl"), "--out",
+                     str(tmp_path / "out"), "--device", "cpu"], "chats.jsonl:1: message 0 has an unknown role ['user']")
+    refused(capsys, ["regenerate", "--target", str(checkpoint), "--prompts", str(tmp_path / "chats.jsonl"), "--out",
+                     str(tmp_path / "out.jsonl"), "--device", "cpu"], "chats.jsonl:1: message 0 has an unknown role")
+    assert not (tmp_path / "out").exists() and not (tmp_path / "out.jsonl").exists()
+
+
+@pytest.mark.parametrize("flags,message", [
+    ([], "--batch-tokens 100000000000000: a step's target features would take"),
+    (["--kind", "mtp"], "--batch-tokens 100000000000000: a step's logits would take"),
+])
+def test_a_step_larger_than_memory_is_refused_before_the_target_loads(target, tmp_path, capsys, flags, message):
+    root, checkpoint = target
+    refused(capsys, ["train-drafter", "--target", str(checkpoint), "--data", str(root / "data.txt"), "--out",
+                     str(tmp_path / "out"), "--device", "cpu", "--batch-tokens", "100000000000000", "--seq-len", "64",
+                     "--window", "32", *flags], message)
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--batch-tokens", "100000000000000"], "a step's logits would take"),
+    (["--hidden", "65536"], "the model's training state (weights, gradients, optimizer moments) would take"),
+    (["--intermediate", "100000000000"], "the model's training state"),
+    (["--layers", "400000000"], "the model's training state"),
+    (["--vocab", "100000000000"], "the model's training state"),
+])
+def test_train_target_refuses_a_model_or_step_larger_than_memory(target, tmp_path, capsys, monkeypatch, flags,
+                                                                   message):
+    import blockspec.train.target as target_module
+
+    root, _ = target
+    monkeypatch.setattr(target_module, "train_tokenizer", lambda *a, **k: pytest.fail("the tokenizer was trained"))
+    refused(capsys, ["train-target", "--data", str(root / "data.txt"), "--out", str(tmp_path / "t"), "--device", "cpu",
+                     "--heads", "2", "--hidden", "64", "--layers", "4", "--intermediate", "64", "--vocab", "300",
+                     "--seq-len", "32", "--batch-tokens", "32", *flags], message)
+    assert not (tmp_path / "t").exists()
+
+
+def saved_run(out, settings: dict):
+    """A folder as a training run leaves it (its state, its settings), enough for --resume's checks."""
+    out.mkdir()
+    torch.save({"step": 1}, out / "training_state.pt")
+    (out / "training_run.json").write_text(json.dumps(settings))
+
+
+def test_resume_of_another_command_s_run_is_refused_by_name(target, tmp_path, capsys):
+    root, checkpoint = target
+    saved_run(tmp_path / "drafter", {"kind": "dflash2", "layers": 1, "heads": None, "steps": 2, "seq_len": 64})
+    saved_run(tmp_path / "target", {"vocab": 300, "hidden": 64, "layers": 4, "steps": 2, "seq_len": 32})
+    refused(capsys, ["train-target", "--data", str(root / "data.txt"), "--out", str(tmp_path / "drafter"), "--resume",
+                     "--device", "cpu"], "holds settings this command does not have (kind): it is another command's")
+    refused(capsys, ["train-drafter", "--target", str(checkpoint), "--data", str(root / "data.txt"), "--out",
+                     str(tmp_path / "target"), "--resume", "--device", "cpu"],
+            "holds settings this command does not have (hidden, vocab): it is another command's run")
+
+
+def test_regenerate_out_under_a_file_names_the_file(target, tmp_path, capsys):
+    root, checkpoint = target
+    (tmp_path / "file").write_text("kept\n")
+    refused(capsys, ["regenerate", "--target", str(checkpoint), "--prompts", str(root / "data.txt"), "--out",
+                     str(tmp_path / "file" / "out.jsonl"), "--device", "cpu"],
+            f"--out {tmp_path}/file/out.jsonl: {tmp_path}/file is a file, not a folder")
+    assert (tmp_path / "file").read_text() == "kept\n"
+
+
+def test_resume_with_another_target_names_target(target, tmp_path, capsys, monkeypatch):
+    root, checkpoint = target
+    monkeypatch.undo()  # this one trains
+    other = build_tiny_checkpoint(tmp_path / "other", seed=0, intermediate_size=96)
+    argv = ["train-drafter", "--data", str(root / "data.txt"), "--out", str(tmp_path / "out"), "--device", "cpu",
+            "--layers", "1", "--window", "32", "--seq-len", "48", "--batch-tokens", "64", "--selector-rank", "8",
+            "--selector-top-k", "8", "--eval-cuts", "0", "--steps", "1"]
+    assert main(argv + ["--target", str(checkpoint)]) == 0
+    capsys.readouterr()
+    refused(capsys, argv + ["--target", str(other), "--resume", "--steps", "2"],
+            "); give the --target and flags it was started with")
