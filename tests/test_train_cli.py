@@ -112,3 +112,15 @@ def test_resume_with_another_target_names_target(target, tmp_path, capsys, monke
     capsys.readouterr()
     refused(capsys, argv + ["--target", str(other), "--resume", "--steps", "2"],
             "); give the --target and flags it was started with")
+
+
+def test_records_after_a_byte_order_mark_read_as_without_it(tmp_path):
+    """A .jsonl that an editor saved with a UTF-8 byte order mark holds the same records."""
+    from blockspec.train.data import read_records
+
+    line = json.dumps({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]})
+    plain, marked = tmp_path / "plain.jsonl", tmp_path / "marked.jsonl"
+    plain.write_text(line + "\n", encoding="utf-8")
+    marked.write_text("\ufeff" + line + "\n", encoding="utf-8")
+    assert [r.messages for r in read_records(marked)] == [r.messages for r in read_records(plain)] == [
+        json.loads(line)["messages"]]

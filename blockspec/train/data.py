@@ -138,7 +138,7 @@ def parse_record(line: str, where: str, need_assistant: bool = True) -> str | Co
 def read_records(path: Path, need_assistant: bool = True,
                  flag: str = "--data") -> list[str | Completion | Conversation]:
     try:
-        lines = path.read_text(encoding="utf-8").splitlines()
+        lines = path.read_text(encoding="utf-8-sig").splitlines()  # a BOM, as some editors write, is not JSON
     except UnicodeDecodeError as exc:
         raise BlockspecError(f"{flag} {path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
     except OSError as exc:
