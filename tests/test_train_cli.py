@@ -2,12 +2,14 @@
 target loads or any training, and nothing written."""
 
 import json
+import shutil
 
 import pytest
 import torch
 
 from blockspec.cli import main
 from blockspec.fixtures.tiny import build_tiny_checkpoint
+from blockspec.train.loop import fingerprint
 
 
 @pytest.fixture(scope="module")
@@ -92,6 +94,22 @@ def test_resume_of_another_command_s_run_is_refused_by_name(target, tmp_path, ca
             "holds settings this command does not have (hidden, vocab): it is another command's run")
 
 
+def test_resume_with_another_target_of_the_same_shapes_is_refused(target, tmp_path, capsys):
+    """A run remembers its target by fingerprint: another checkpoint of the same shapes is refused before it loads;
+    a copy of the same one elsewhere has the same fingerprint (its path may change between runs)."""
+    root, checkpoint = target
+    other = build_tiny_checkpoint(tmp_path / "other", seed=1)
+    settings = {"kind": "dflash2", "layers": 1, "steps": 2, "seq_len": 64}
+    saved_run(tmp_path / "out", settings)
+    state = {"step": 1, "inputs": {"target": fingerprint(checkpoint)}}
+    torch.save(state, tmp_path / "out" / "training_state.pt")
+    refused(capsys, ["train-drafter", "--target", str(other), "--data", str(root / "data.txt"), "--out",
+                     str(tmp_path / "out"), "--resume", "--layers", "1", "--seq-len", "64", "--device", "cpu"],
+            f"--resume: --target {other} is not the target the run saved in {tmp_path / 'out'} trained with")
+    shutil.copytree(checkpoint, tmp_path / "moved")
+    assert fingerprint(tmp_path / "moved") == fingerprint(checkpoint) != fingerprint(other)
+
+
 def test_regenerate_out_under_a_file_names_the_file(target, tmp_path, capsys):
     root, checkpoint = target
     (tmp_path / "file").write_text("kept\n")
@@ -110,6 +128,10 @@ def test_resume_with_another_target_names_target(target, tmp_path, capsys, monke
             "--selector-top-k", "8", "--eval-cuts", "0", "--steps", "1"]
     assert main(argv + ["--target", str(checkpoint)]) == 0
     capsys.readouterr()
+    refused(capsys, argv + ["--target", str(other), "--resume", "--steps", "2"],
+            f"--resume: --target {other} is not the target the run saved in")
+    state_file = tmp_path / "out" / "training_state.pt"  # as saved before runs kept their target's fingerprint
+    torch.save({k: v for k, v in torch.load(state_file, weights_only=False).items() if k != "inputs"}, state_file)
     refused(capsys, argv + ["--target", str(other), "--resume", "--steps", "2"],
             "); give the --target and flags it was started with")
 

@@ -7,6 +7,7 @@ In several processes (train/ranks.py) rank 0 writes, logs and evaluates; every r
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import math
 import os
@@ -106,19 +107,43 @@ def resumed_settings(out: Path, given: dict, cls=None) -> dict:
     return {**saved, **given}
 
 
-def check_resumed(run):
+def check_resumed(run, inputs: dict | None = None):
     """A resumed run's settings (however given) must be the saved run's, except RESUMABLE_CHANGES; its state must
-    load, and --steps must not stop before the step it is at."""
+    load, its inputs (Trainer's `inputs`, e.g. the target's fingerprint) be the saved run's, and --steps must not
+    stop before the step it is at."""
     if not run.resume:
         return
     out = Path(run.out)
     resumed_settings(out, settings_to_save(run), type(run))
     try:  # mapped, not read: the weights and moments are read again once the model is built
-        step = torch.load(out / STATE_FILE, weights_only=False, map_location="cpu", mmap=True)["step"]
+        state = torch.load(out / STATE_FILE, weights_only=False, map_location="cpu", mmap=True)
+        step, saved_inputs = state["step"], state.get("inputs") or {}
     except Exception as exc:  # torch raises what the pickle or the archive reader met
         raise BlockspecError(f"--resume: {out / STATE_FILE} cannot be loaded ({str(exc).splitlines()[0]})") from None
+    for key, value in (inputs or {}).items():
+        if key in saved_inputs and saved_inputs[key] != value:
+            raise BlockspecError(f"--resume: --{key} {getattr(run, key)} is not the {key} the run saved in {out} "
+                                 f"trained with (its config.json or weights differ): give that {key}, or start a new "
+                                 "run in another --out")
     if run.tokens is None:
         check_not_past(out, step, run.steps)
+
+
+def fingerprint(checkpoint: Path) -> str:
+    """sha256 of a checkpoint's config.json and, of each weights file, its name, its size and 16 slices of 4 KB spread
+    over it: the same for a copy or a move of the checkpoint, another for another checkpoint of the same shapes,
+    without reading a 27B checkpoint whole (minutes)."""
+    from ..models.checkpoint import checkpoint_files
+
+    digest = hashlib.sha256((checkpoint / "config.json").read_bytes())
+    for path in checkpoint_files(checkpoint):
+        size = path.stat().st_size
+        digest.update(f"{path.name} {size}".encode())
+        with open(path, "rb") as f:
+            for i in range(16):
+                f.seek(size * i // 16)
+                digest.update(f.read(4096))
+    return digest.hexdigest()
 
 
 def check_not_past(out: Path, step: int, steps: int):
@@ -224,9 +249,12 @@ class Trainer:
 
     def __init__(self, module: torch.nn.Module, out: Path, lr: float, device: torch.device,
                  save_weights: Callable[[Path], None], checkpoint_every: int, seed: int, settings: dict,
-                 ranks: Ranks | None = None):
+                 ranks: Ranks | None = None, inputs: dict | None = None):
+        """`settings`: the run's, saved for --resume (RUN_FILE); `inputs`: what identifies its inputs (e.g. {"target":
+        its fingerprint}), saved in the state, which a resumed run's must equal (check_resumed)."""
         self.module, self.out, self.lr, self.device = module, out, lr, device
         self.save_weights, self.checkpoint_every, self.settings = save_weights, checkpoint_every, settings
+        self.inputs = inputs or {}
         self.ranks = ranks or Ranks()
         # fused on CUDA: one kernel for all parameters instead of a few per parameter (docs/benchmarks.md,
         # "Drafter training speed")
@@ -272,7 +300,7 @@ class Trainer:
             return
         state = {"step": self.step, "module": self.module.state_dict(), "optimizer": self.optimizer.state_dict(),
                  "history": self.history, "evaluations": self.evaluations, "best": self.best,
-                 "rng": self.rng.getstate(), "torch_rng": torch.get_rng_state()}
+                 "rng": self.rng.getstate(), "torch_rng": torch.get_rng_state(), "inputs": self.inputs}
         write_atomically(self.out / RUN_FILE, json.dumps(self.settings, indent=2))
         torch.save(state, self.out / (STATE_FILE + ".tmp"))
         (self.out / (STATE_FILE + ".tmp")).replace(self.out / STATE_FILE)

@@ -22,8 +22,8 @@ from ..models.checkpoint import check_folder, checkpoint_files, load_target, sto
 from ..models.tokenizer import Tokenizer
 from .data import Sequence, evaluation_corpus, split_corpus, text_files
 from .evaluate import one_cycle_acceptance
-from .loop import BEST, Trainer, check_output, check_resumed, check_weights, device_memory, output_folder, plural, \
-    settings_to_save, staged, write_summary
+from .loop import BEST, Trainer, check_output, check_resumed, check_weights, device_memory, fingerprint, output_folder, \
+    plural, settings_to_save, staged, write_summary
 from .ranks import Ranks, launched, process_group, rank_device
 
 
@@ -133,7 +133,7 @@ def check_run(run: DrafterTraining, world: int | None = None) -> TargetConfig:
     if run.eval_data:
         text_files(run.eval_data, run.suffixes, flag="--eval-data")
     check_output(Path(run.out), run.resume)
-    check_resumed(run)
+    check_resumed(run, run_inputs(run))
     if run.kind == "mtp" and not run.replace_mtp and not run.resume:
         from .mtp import has_mtp_head
 
@@ -159,6 +159,12 @@ def check_drafter_fits(run: DrafterTraining, target: TargetConfig):
                              f"moments: {state / 2**30:.1f} GiB) exceeds the {where}'s memory "
                              f"({memory / 2**30:.1f} GiB); fewer --layers, or smaller --intermediate-size, --heads "
                              "or --selector-rank")
+
+
+def run_inputs(run: DrafterTraining) -> dict:
+    """What --resume checks the run's inputs by (train/loop.py check_resumed): the target's fingerprint. Its path is
+    not saved (it may move); another target of the same shapes would otherwise go on training the run silently."""
+    return {"target": fingerprint(Path(run.target))}
 
 
 def check_step_fits(run: DrafterTraining, target: TargetConfig, world: int):
@@ -311,7 +317,7 @@ def _train(run: DrafterTraining, target_config: TargetConfig, device: torch.devi
         rows = step_sequences(run) * (run.seq_len - 2)
         what = "an MTP head"
     trainer = Trainer(module, out, run.lr, device, save, run.checkpoint_every, run.seed, settings_to_save(run),
-                      ranks)
+                      ranks, run_inputs(run))
     if run.resume:
         trainer.resume()
     steps = run.steps if run.tokens is None else math.ceil(run.tokens / rows)
