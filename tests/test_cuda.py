@@ -594,6 +594,23 @@ def test_tree_build_kernel_equals_reference_on_cuda(style):
                 assert torch.equal(getattr(got, field), getattr(expected, field)), (style, k, rows, budget, field)
 
 
+def test_transition_table_kernel_on_cuda():
+    """kernels/drafter_tree_triton.py's transition table compiled for the GPU against transition_table_reference,
+    with the engine's dtypes (bf16 codebooks and projection, float32 unary logits): the same log-probabilities to the
+    bf16 rounding of a dot product."""
+    from test_tree_build_kernel import TABLES, table_inputs
+
+    from blockspec.kernels.drafter_tree import transition_table, transition_table_reference
+    for i, (k, rows, rank) in enumerate(TABLES):
+        unary, candidates, projected, anchor, predecessor, successor = (x.cuda() for x in table_inputs(k, rows, rank, i))
+        args = unary, candidates, projected.bfloat16(), anchor, predecessor.bfloat16(), successor.bfloat16()
+        # dot products of ~16 in bf16 (ulp 0.125): a rounding flips one score by an ulp or two
+        torch.testing.assert_close(transition_table(*args), transition_table_reference(*args), rtol=0, atol=0.3)
+        exact = transition_table(unary, candidates, projected, anchor, predecessor, successor)
+        torch.testing.assert_close(exact, transition_table_reference(unary, candidates, projected, anchor,
+                                                                     predecessor, successor), rtol=0, atol=0.02)
+
+
 def test_block_sparse_training_attention_on_gpu():
     """A drafter training step's attention (train/block_attention.py): compiled flex_attention under the block
     mask equals scaled_dot_product_attention under the dense mask, forward and backward (float32, grouped heads,

@@ -71,7 +71,7 @@ def test_tree_is_the_chain_then_the_best_paths(budget):
     anchor = torch.tensor([7])
     table = transition_log_probs(unary, candidates, projected, anchor, predecessor, successor)
     chain = torch.tensor([1, 0, 2])
-    tree = build_tree(table, candidates, anchor, chain, budget)
+    tree = build_tree(table, candidates, anchor, candidates[torch.arange(rows), chain], budget)
     parents, depth, tokens, valid = (x.tolist() for x in (tree.parents, tree.depth, tree.tokens, tree.valid))
     # each node's candidate indices from the root, recovered from the tokens
     picks = {0: ()}
@@ -216,10 +216,13 @@ def test_kept_path_equals_a_pass_over_it(pair):
                                      torch.tensor(prompt[:-1]), engine.proposer.capture_layers),
                             0, prompt[:-1], prompt[1:])
     tree = engine.proposer.propose_tree(prompt[-1], len(prompt) - 1)
-    out, layout, _ = engine.target.run_tree(tree, engine.proposer.max_proposals)
+    start = state.begin(tree.size)  # the tree pass as EagerTarget.run_tree runs it, staging the deepest node's path
+    layout = TreeLayout.build(tree.parents, tree.depth, start, model.config.linear_conv_kernel_dim)
+    out = model(tree.tokens, state.layers, start=start, tree=layout)
     node = int(tree.depth.argmax())
     path = path_of(tree.parents.tolist(), node)
-    state.commit_path(torch.tensor(path), layout.window_rows[node, 1:])
+    state.stage_path(start, torch.tensor(path), layout.window_rows[node, 1:])
+    state.commit_path(len(path))
     fresh = DecodeState(model, 512, 64, "cpu", torch.float32)
     run_pass(model, fresh, torch.tensor(prompt[:-1]))
     fresh.commit(len(prompt) - 1)

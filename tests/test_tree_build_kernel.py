@@ -1,7 +1,11 @@
-"""The draft tree's best-first build in one Triton program (kernels/drafter_tree_triton.py) against
-build_tree_reference, through the Triton interpreter in a subprocess: tokens, parents, depth and valid equal, on
-transition and marginal tables, tables of a few values (exact ties everywhere), with -inf and NaN entries, budgets below
-the rows (the chain cut short), at the rows, up to 63, and past what the candidates can fill (padding)."""
+"""The draft tree's Triton programs (kernels/drafter_tree_triton.py) against their references, through the Triton
+interpreter in a subprocess.
+- The best-first build against build_tree_reference: tokens, parents, depth and valid equal, on transition and
+  marginal tables, tables of a few values (exact ties everywhere), with -inf and NaN entries, budgets below the rows
+  (the chain cut short), at the rows, up to 63, and past what the candidates can fill (padding); a chain token found
+  twice in its row.
+- The transition table against transition_table_reference, float32: ranks below, at and past a chunk of the dot
+  products, one row and many, candidate counts not a power of two."""
 
 import sys
 
@@ -11,7 +15,7 @@ from helpers import interpreter_part, patch_triton_interpreter, report_parts, ru
 
 from blockspec.drafter.tree import DraftTree, build_tree
 from blockspec.kernels import drafter_tree_triton
-from blockspec.kernels.drafter_tree import build_tree_reference, chain_scores
+from blockspec.kernels.drafter_tree import build_tree_reference, transition_table, transition_table_reference
 
 STYLES = ("transition", "marginal", "ties", "ties_marginal", "masked", "nan")
 
@@ -27,7 +31,8 @@ FULL = [(k, rows, budget, style) for k in (8, 16) for rows in (1, 7, 16) for bud
 
 
 def inputs(k: int, rows: int, style: str, seed: int):
-    """(table, candidates, anchor, chain): table [R, K, K] in the given style, the chain random candidate indices."""
+    """(table, candidates, anchor, chain): table [R, K, K] in the given style, the chain the tokens of random
+    candidate indices."""
     gen = torch.Generator().manual_seed(seed)
     chain = torch.randint(0, k, (rows,), generator=gen)
     if style.startswith("ties"):  # 4 values, all sums exact: ties between nodes, children, paths
@@ -45,7 +50,8 @@ def inputs(k: int, rows: int, style: str, seed: int):
         table[torch.rand(rows, k, k, generator=gen) < 0.03] = float("nan")
         table[torch.rand(rows, k, k, generator=gen) < 0.03] = -float("nan")
     candidates = torch.randint(0, 1000, (rows, k), generator=gen)
-    return table, candidates, torch.tensor([1000 + seed]), chain
+    candidates[:, 1] = candidates[:, 0]  # a chain token found twice in its row: the first is its candidate
+    return table, candidates, torch.tensor([1000 + seed]), candidates[torch.arange(rows), chain]
 
 
 def _mismatches(cases):  # in the interpreter subprocess
@@ -55,15 +61,33 @@ def _mismatches(cases):  # in the interpreter subprocess
     for i, (k, rows, budget, style) in enumerate(cases):
         args = inputs(k, rows, style, seed=i)
         want = DraftTree(build_tree_reference(*args, budget))
-        trees = [build_tree(*args, budget)]
-        if style.startswith("ties"):  # also its scores summed from the first entry (no 0.0 before): -0.0 ties 0.0
-            scores = chain_scores(args[0], args[3][:min(budget, rows)])
-            tree = drafter_tree_triton.build_tree(*args, torch.where(scores == 0, -0.0, scores), budget)
-            trees.append(DraftTree(tree))
-        differ = sorted({name for name in ("tokens", "parents", "depth", "valid") for got in trees
+        got = build_tree(*args, budget)
+        differ = sorted({name for name in ("tokens", "parents", "depth", "valid")
                          if not torch.equal(getattr(got, name), getattr(want, name))})
         results.append({"case": [k, rows, budget, style], "differ": differ, "padded": int((~want.valid).sum()),
                         "kernel": drafter_tree_triton.available(args[0], budget)})
+    return results
+
+
+TABLES = [(16, 7, 40), (8, 1, 16), (5, 3, 64), (16, 16, 256)]  # (K, rows, rank)
+
+
+def table_inputs(k: int, rows: int, rank: int, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    vocab = 300
+    candidates = torch.stack([torch.randperm(vocab, generator=gen)[:k] for _ in range(rows)])
+    return (torch.randn(rows, k, generator=gen) * 3, candidates, torch.randn(rows, rank, generator=gen),
+            torch.tensor([vocab - 1]), torch.randn(vocab, rank, generator=gen), torch.randn(vocab, rank, generator=gen))
+
+
+def _table_errors(cases):  # in the interpreter subprocess
+    """Per case: the largest difference of the kernel's table from the reference's, and whether the kernel ran."""
+    results = []
+    for i, (k, rows, rank) in enumerate(cases):
+        args = table_inputs(k, rows, rank, seed=i)
+        got, want = transition_table(*args), transition_table_reference(*args)
+        results.append({"case": [k, rows, rank], "error": float((got - want).abs().max()),
+                        "shape": list(got.shape), "kernel": drafter_tree_triton.table_available(args[0])})
     return results
 
 
@@ -73,7 +97,8 @@ def interpreted(request):
 
 
 PARTS = {"test_tree_build_matches_reference_in_interpreter": "quick",
-         "test_tree_build_every_shape_and_style_in_interpreter": "full"}
+         "test_tree_build_every_shape_and_style_in_interpreter": "full",
+         "test_transition_table_matches_reference_in_interpreter": "table"}
 
 
 def _check(results, cases):
@@ -93,10 +118,19 @@ def test_tree_build_every_shape_and_style_in_interpreter(interpreted):
     _check(interpreter_part(interpreted, "full"), FULL)
 
 
+def test_transition_table_matches_reference_in_interpreter(interpreted):
+    results = interpreter_part(interpreted, "table")
+    assert [r["case"] for r in results] == [list(c) for c in TABLES]
+    assert all(r["kernel"] and r["shape"] == [r["case"][1], r["case"][0], r["case"][0]] for r in results)
+    assert all(r["error"] < 1e-4 for r in results), results
+
+
 def test_cpu_takes_the_reference():
     assert not drafter_tree_triton.available(torch.zeros(2, 4, 4), 16)
+    assert not drafter_tree_triton.table_available(torch.zeros(2, 4))
 
 
 if __name__ == "__main__":  # python test_tree_build_kernel.py PART..., with TRITON_INTERPRET=1
     patch_triton_interpreter()
-    report_parts({"quick": lambda: _mismatches(QUICK), "full": lambda: _mismatches(FULL)}, sys.argv[1:])
+    report_parts({"quick": lambda: _mismatches(QUICK), "full": lambda: _mismatches(FULL),
+                  "table": lambda: _table_errors(TABLES)}, sys.argv[1:])

@@ -37,8 +37,9 @@ def drafter_tree(budget: int, rows: int, gen: torch.Generator):
     table = torch.log_softmax(torch.randn(rows, k, k, generator=gen) * 2, -1)
     table[torch.rand(rows, k, k, generator=gen) < 0.3] = float("-inf")
     chain = torch.randint(0, k, (rows,), generator=gen)
-    tree = DraftTree(build_tree_reference(table, torch.randint(0, 50, (rows, k), generator=gen), torch.tensor([7]),
-                                          chain, budget))
+    candidates = torch.randint(0, 50, (rows, k), generator=gen)
+    tree = DraftTree(build_tree_reference(table, candidates, torch.tensor([7]),
+                                          candidates[torch.arange(rows), chain], budget))
     return tree.tokens, tree.parents, tree.depth, tree.valid
 
 

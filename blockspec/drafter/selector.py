@@ -80,6 +80,5 @@ class CandidateSelector(nn.Module):
             chain, selection.probs = sampled_walk(unary, candidates, projected, anchor.reshape(1), *codebooks,
                                                   selection.temperature, selection.uniforms)
             selection.candidates = candidates
-        chain_index = (candidates == chain[:, None]).to(torch.uint8).argmax(-1)
         table = transition_log_probs(unary, candidates, projected, anchor, *codebooks, marginal=marginal)
-        return build_tree(table, candidates, anchor, chain_index, budget)
+        return build_tree(table, candidates, anchor, chain, budget)

@@ -59,19 +59,17 @@ class DraftTree:
 
 def transition_log_probs(unary, candidates, projected, anchor, predecessor, successor, marginal: bool = False):
     """[R, K, K] float32: log q(candidate j of row r | the pick before it is candidate i of row r - 1); row 0's pick
-    follows the anchor whatever i. unary / candidates [R, K], projected [R, rank], anchor [1]; codebooks [V, rank]."""
+    follows the anchor whatever i. unary / candidates [R, K], projected [R, rank], anchor [1]; codebooks [V, rank]
+    (kernels/drafter_tree.py)."""
     rows, k = candidates.shape
     if marginal:
         return torch.log_softmax(unary.float(), -1)[:, None, :].expand(rows, k, k).contiguous()
-    before = torch.cat([anchor.reshape(1, 1).expand(1, k), candidates[:-1]])    # [R, K] the token before each pick
-    query = predecessor[before] * projected[:, None, :]                           # [R, K(before), rank]
-    scores = unary[:, None, :] + query @ successor[candidates].transpose(1, 2)    # [R, K(before), K]
-    return torch.log_softmax(scores.float(), -1)
+    return drafter_tree.transition_table(unary, candidates, projected, anchor, predecessor, successor)
 
 
 def build_tree(table: torch.Tensor, candidates: torch.Tensor, anchor: torch.Tensor, chain: torch.Tensor,
                budget: int) -> DraftTree:
     """The tree of `budget` nodes (module docstring) from the transition table [R, K, K] (transition_log_probs), the
-    rows' candidate ids [R, K], the anchor [1] and the greedy chain's candidate index in each row [R]
+    rows' candidate ids [R, K], the anchor [1] and the chain's tokens [R], each among its row's candidates
     (kernels/drafter_tree.py)."""
     return DraftTree(drafter_tree.build_tree(table, candidates, anchor, chain, budget))

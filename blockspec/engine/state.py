@@ -5,9 +5,9 @@ left pending. Then exactly one of:
   commit(n)  keep the first n tokens (1 <= n <= k): attention caches move their length, DeltaNet layers end
              exactly at the boundary after token n;
   discard()  forget the pass; the committed state is untouched.
-A draft tree's pass (engine/tree.py) is kept with commit_path(path, history_rows) instead: the kept path's
-attention entries move to contiguous positions and DeltaNet layers build the state after its nodes from the
-deltas the tree pass recorded.
+A draft tree's pass (engine/tree.py) is kept with commit_path(n) instead, of the path the pass staged on the device
+(stage_path): the kept path's attention entries move to contiguous positions and DeltaNet layers build the state
+after its nodes from the deltas the tree pass recorded.
 The counters (`length`, `pending`) change here and nowhere else. With CUDA graphs the buffer updates of each
 commit(n) are captured once (`capture_commits`) and commit replays them; the bookkeeping stays plain Python.
 Buffers are allocated once per engine; reset() starts a new request without reallocating.
@@ -48,6 +48,7 @@ class DecodeState:
         self.snapshot_bytes = sum(s.allocate_snapshots(snapshots) for s in self.gdn)
         self.commit_graphs = {}  # (pass length, n) -> the captured buffer updates of commit(n)
         self.path_graphs = {}    # n -> the captured buffer updates of commit_path of an n-node path
+        self.path_in = self.history_rows_in = self.start_in = None  # commit_path's inputs (stage_path)
         self.length = 0    # committed tokens
         self.pending = 0   # tokens of the pass awaiting commit/discard
 
@@ -91,22 +92,36 @@ class DecodeState:
         self.length += n
         self.pending = 0
 
-    def commit_path(self, path, history_rows):
-        """Keep the root-to-node path `path` (device tensor [n] of node indices, root first) of a pending tree pass;
-        history_rows [K-1]: the conv window rows of the path's last node after its oldest (layers/tree.py)."""
-        n = path.shape[0]
-        if not 1 <= n <= self.pending:
+    def stage_path(self, start, path, history_rows):
+        """The next commit_path's inputs, written on the device by the tree pass (under CUDA graphs its graph records
+        these copies into the buffers the commit graphs read, so nothing is copied between the read back and the
+        commit): the pass's start (its first position, a 0-dim tensor or an int), the walk's path [L] (node indices,
+        root first; entries past the kept ones are not read) and the conv window rows after the path's last kept
+        node [K-1] (layers/tree.py)."""
+        if self.path_in is None or self.path_in.shape[0] != path.shape[0]:  # eager: sized by the path
+            self._allocate_path_inputs(path.shape[0], path.device)
+            self.path_graphs = {}  # they read the buffers replaced
+        self.start_in.copy_(start) if isinstance(start, torch.Tensor) else self.start_in.fill_(start)
+        self.path_in.copy_(path)
+        self.history_rows_in.copy_(history_rows)
+
+    def commit_path(self, n: int):
+        """Keep the first n nodes of the staged path (stage_path) of a pending tree pass."""
+        if not 1 <= n <= min(self.pending, self.path_in.shape[0]):
             raise ValueError(f"commit of a {n}-node path of a {self.pending}-node tree")
         graph = self.path_graphs.get(n)
         if graph is not None:
-            self.path_in[:n].copy_(path)
-            self.history_rows_in.copy_(history_rows)
-            self.start_in.fill_(self.length)
             graph.replay()
         else:
-            self._keep_path(self.length, path, history_rows)
+            self._keep_path(self.length, self.path_in[:n], self.history_rows_in)
         self.length += n
         self.pending = 0
+
+    def _allocate_path_inputs(self, longest: int, device):
+        self.path_in = torch.zeros(longest, dtype=torch.long, device=device)
+        self.history_rows_in = torch.zeros(self.gdn[0].history.shape[0] if self.gdn else 0, dtype=torch.long,
+                                           device=device)
+        self.start_in = torch.full((), self.capacity - longest, dtype=torch.long, device=device)
 
     def _keep_path(self, start, path, history_rows):
         for s in self.layers:
@@ -116,13 +131,10 @@ class DecodeState:
                 s.keep_path(path, history_rows)
 
     def capture_path_commits(self, longest: int, pool, warmup: int = 2):
-        """Capture commit_path of every path length 1..longest over static inputs (warm-ups on scratch data: reset()
-        before use)."""
+        """Capture commit_path of every path length 1..longest over static inputs, before the tree pass that stages
+        them is captured (warm-ups on scratch data: reset() before use)."""
         device = self.gdn[0].history.device if self.gdn else self.layers[0].k.device
-        self.path_in = torch.zeros(longest, dtype=torch.long, device=device)
-        self.history_rows_in = torch.zeros(self.gdn[0].history.shape[0] if self.gdn else 0, dtype=torch.long,
-                                           device=device)
-        self.start_in = torch.full((), self.capacity - longest, dtype=torch.long, device=device)
+        self._allocate_path_inputs(longest, device)
         for n in range(1, longest + 1):
             self.path_graphs[n] = graphs.capture(
                 lambda n=n: self._keep_path(self.start_in, self.path_in[:n], self.history_rows_in), warmup, pool)[0]

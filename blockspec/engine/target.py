@@ -18,7 +18,7 @@ from ..drafter.tree import DraftTree
 from ..layers.tree import TreeLayout
 from . import graphs
 from .sampling import TOP_K_CAP
-from .tree import walk
+from .tree import stage_path, walk
 
 
 class EagerTarget:
@@ -45,16 +45,19 @@ class EagerTarget:
 
     def run_tree(self, tree, depth: int, sampler=None, draft=None):
         """One pass over a draft tree's nodes (drafter/tree.py, at most `depth` below the root) from the committed
-        length; returns (out, its TreeLayout, the walk of engine/tree.py as a device tensor), the pass left pending
-        for DecodeState.commit_path. The walk is greedy, or sampled with a sampler (not greedy) and the chain's draft
-        (candidate ids, q), its uniforms drawn from the sampler."""
+        length, walked (engine/tree.py) and its kept path staged for DecodeState.commit_path, the pass left pending;
+        returns (the pass's features at the walk's path [depth + 1, F], the walk's result as a device tensor). The
+        walk is greedy, or sampled with a sampler (not greedy) and the chain's draft (candidate ids, q), its
+        uniforms drawn from the sampler."""
         start = self.state.begin(tree.size)
         layout = TreeLayout.build(tree.parents, tree.depth, start, self.model.config.linear_conv_kernel_dim, depth)
         out = self.model(tree.tokens, self.state.layers, start=start, capture=self.capture, tree=layout)
         if sampler is None:
-            return out, layout, walk(out.logits, tree, depth)
-        uniforms = sampler.uniforms(2 * (depth + 1)).to(self.device)
-        return out, layout, walk(out.logits, tree, depth, uniforms, draft, sampler.filters(), sampler.width())
+            result = walk(out.logits, tree, depth)
+        else:
+            uniforms = sampler.uniforms(2 * (depth + 1)).to(self.device)
+            result = walk(out.logits, tree, depth, uniforms, draft, sampler.filters(), sampler.width())
+        return stage_path(self.state, start, layout, out.features, result, depth), result
 
 
 class GraphedTarget(EagerTarget):
@@ -67,17 +70,18 @@ class GraphedTarget(EagerTarget):
         self.passes = {t: self._capture_pass(t, warmup) for t in sorted(set(lengths))}
         state.capture_commits(lengths, self.pool, warmup)
         self.tree_depth = tree_depth
+        if tree_size:  # the path commits first, as the tree pass's graph writes their inputs; in a pool of their own,
+            # as captured before it they could reuse its outputs' memory, read after the commit (the kept features)
+            state.capture_path_commits(tree_depth + 1, torch.cuda.graph_pool_handle(), warmup)
         self.tree_pass = self._capture_tree(tree_size, tree_depth, warmup) if tree_size else None
         self.sampled_walks = {}
-        if tree_size:
-            state.capture_path_commits(tree_depth + 1, self.pool, warmup)
-            if sampler is not None:
-                self._capture_sampled_walks(sampler, draft_width, warmup)
+        if tree_size and sampler is not None:
+            self._capture_sampled_walks(sampler, draft_width, warmup)
         state.reset()  # warm-ups ran on scratch data
 
     def _capture_tree(self, size, depth, warmup):
-        """The pass over a tree of `size` nodes and its greedy walk, the layout built in the graph from the nodes'
-        parents and depths and the committed length, all static inputs."""
+        """The pass over a tree of `size` nodes, its greedy walk and the kept path's staging, the layout built in the
+        graph from the nodes' parents and depths and the committed length, all static inputs."""
         nodes = torch.arange(size, device=self.device)
         # warm-ups run on a well-formed tree: the root and invalid children of it
         tree = DraftTree.of(torch.zeros_like(nodes), torch.zeros_like(nodes), (nodes > 0).long(), nodes == 0)
@@ -87,24 +91,28 @@ class GraphedTarget(EagerTarget):
         def run():
             layout = TreeLayout.build(tree.parents, tree.depth, start, kernel, depth)
             out = self.model(tree.tokens, self.state.layers, capture=self.capture, tree=layout)
-            return out, layout, walk(out.logits, tree, depth)
+            result = walk(out.logits, tree, depth)
+            return out, layout, stage_path(self.state, start, layout, out.features, result, depth), result
         graph, outputs = graphs.capture(run, warmup, self.pool)
         return graph, tree, start, outputs
 
     def _capture_sampled_walks(self, sampler, draft_width, warmup):
         """The sampled walk of the tree pass's logits (its static outputs), one graph per ranking width (Sampler),
-        over static uniforms and draft and the request's filters, in a pool of their own: the walk's result is read
-        after the path's commit, whose graph would overwrite outputs in the shared pool."""
-        _, tree, _, (out, _, _) = self.tree_pass
+        over static uniforms and draft and the request's filters, with the kept path's staging, in a pool of their
+        own: the walk's result is read after the path's commit, whose graph would overwrite outputs in the shared
+        pool."""
+        _, tree, start, (out, layout, _, _) = self.tree_pass
         depth = self.tree_depth
         uniforms = torch.ones(2 * (depth + 1), dtype=torch.float64, device=self.device)
         draft = (torch.zeros(depth, draft_width, dtype=torch.long, device=self.device),
                  torch.zeros(depth, draft_width, device=self.device))
         pool = torch.cuda.graph_pool_handle()
         for width in (None, TOP_K_CAP):
-            graph, result = graphs.capture(lambda: walk(out.logits, tree, depth, uniforms, draft, sampler.filters(),
-                                                        width), warmup, pool)
-            self.sampled_walks[width] = graph, uniforms, draft, result
+            def run(width=width):
+                result = walk(out.logits, tree, depth, uniforms, draft, sampler.filters(), width)
+                return stage_path(self.state, start, layout, out.features, result, depth), result
+            graph, outputs = graphs.capture(run, warmup, pool)
+            self.sampled_walks[width] = graph, uniforms, draft, outputs
 
     def run_tree(self, tree, depth: int, sampler=None, draft=None):
         if self.tree_pass is None or self.tree_pass[1].size != tree.size or depth != self.tree_depth:
@@ -114,13 +122,13 @@ class GraphedTarget(EagerTarget):
         start.fill_(self.state.begin(tree.size))
         graph.replay()
         if sampler is None:
-            return outputs
-        walk_graph, uniforms, static_draft, result = self.sampled_walks[sampler.width()]
+            return outputs[2:]
+        walk_graph, uniforms, static_draft, walked = self.sampled_walks[sampler.width()]
         uniforms.copy_(sampler.uniforms(uniforms.shape[0]), non_blocking=True)
         for static_part, part in zip(static_draft, draft):
             static_part.copy_(part)
         walk_graph.replay()
-        return outputs[0], outputs[1], result
+        return walked
 
     def _capture_pass(self, t, warmup):
         ids = torch.zeros(t, dtype=torch.long, device=self.device)

@@ -16,8 +16,9 @@ is the bonus.
   draw from p, which leaves with probability p(children).
 
 The greedy walk runs with the target's pass (engine/target.py: in its CUDA graph); a sampled one after it (with
-graphs: in a graph of its own per ranking width, over the pass's outputs).
-The host reads back once per cycle: the accepted count, the bonus, the path's nodes and tokens.
+graphs: in a graph of its own per ranking width, over the pass's outputs). Either ends by staging what the kept
+path's commit and the drafter's context read (`stage_path`), so that after the cycle's one read back (the accepted
+count, the bonus, the path's tokens) the host only replays the commit.
 """
 
 from __future__ import annotations
@@ -52,18 +53,26 @@ def walk(logits: torch.Tensor, tree: DraftTree, max_depth: int, uniforms: torch.
     return descend(chosen, tree.tokens, tree.parents, tree.depth, tree.valid, max_depth)
 
 
+def stage_path(state, start, layout, features: torch.Tensor, result: torch.Tensor, max_depth: int) -> torch.Tensor:
+    """On the device, from the walk's `result`: the kept path's commit inputs into the state (DecodeState.stage_path:
+    the pass's `start`, the path, the conv window rows after its last kept node) and, returned, the pass's feature rows
+    of the path's nodes in path order [max_depth + 1, F] (rows past the kept ones: the root's)."""
+    path = result[2:3 + max_depth]
+    last = result.gather(0, result[:1] + 2)  # the last kept node
+    state.stage_path(start, path, layout.window_rows.index_select(0, last)[0, 1:])
+    return features.index_select(0, path)
+
+
 def tree_cycle(target, proposer, anchor: int, position: int, sampler: Sampler | None):
     """Propose, verify, walk and keep one tree. Returns (the pass's output at the kept rows, the accepted tokens,
     the emitted tokens: the accepted ones and the bonus)."""
     tree = proposer.propose_tree(anchor, position)
     depth = proposer.max_proposals
     sampled = sampler is not None and not sampler.greedy
-    out, layout, result = target.run_tree(tree, depth, *((sampler, proposer.tree_draft()) if sampled else ()))
+    features, result = target.run_tree(tree, depth, *((sampler, proposer.tree_draft()) if sampled else ()))
     values = result.tolist()  # the cycle's one read back
     accepted, bonus = values[:2]
-    path = result[2:3 + accepted]
     tokens = values[3 + depth:4 + depth + accepted]
-    target.state.commit_path(path, layout.window_rows[values[2 + accepted], 1:])
+    target.state.commit_path(accepted + 1)
     # the drafter's context reads the kept rows' features alone (trees are DFlash2's): no rows of logits or hidden
-    kept = TargetOutput(None, None, out.features.index_select(0, path))
-    return kept, tokens[1:], tokens[1:] + [bonus]
+    return TargetOutput(None, None, features), tokens[1:], tokens[1:] + [bonus]

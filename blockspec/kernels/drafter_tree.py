@@ -1,6 +1,7 @@
-"""A DFlash2 draft tree's best-first build from the selector's transition table (drafter/tree.py says what the tree
-holds and why): the op, its PyTorch reference and the dispatch to its Triton program (drafter_tree_triton.py).
-Everything stays on the device, in fixed shapes: no host synchronisation, so a CUDA graph records it.
+"""A DFlash2 draft tree from the selector's scores (drafter/tree.py says what the tree holds and why): the transition
+table and the tree's best-first build, each op with its PyTorch reference and the dispatch to its Triton program
+(drafter_tree_triton.py). Everything stays on the device, in fixed shapes: no host synchronisation, so a CUDA graph
+records it.
 """
 
 from __future__ import annotations
@@ -10,24 +11,50 @@ import torch
 from . import drafter_tree_triton
 
 
+def transition_table(unary, candidates, projected, anchor, predecessor, successor) -> torch.Tensor:
+    """[R, K, K] float32: log q(candidate j of row r | the pick before it is candidate i of row r - 1), the selector's
+    scores (drafter/selector.py) log-softmaxed over j; row 0's pick follows the anchor whatever i. unary /
+    candidates [R, K], projected [R, rank], anchor [1]; codebooks [V, rank]. Where Triton runs, one launch
+    (drafter_tree_triton.py) instead of ~10 small ops; else transition_table_reference."""
+    if drafter_tree_triton.table_available(unary):
+        return drafter_tree_triton.transition_table(unary, candidates, projected, anchor, predecessor, successor)
+    return transition_table_reference(unary, candidates, projected, anchor, predecessor, successor)
+
+
+def transition_table_reference(unary, candidates, projected, anchor, predecessor, successor):
+    k = candidates.shape[1]
+    before = torch.cat([anchor.reshape(1, 1).expand(1, k), candidates[:-1]])    # [R, K] the token before each pick
+    query = predecessor[before] * projected[:, None, :]                           # [R, K(before), rank]
+    scores = unary[:, None, :] + query @ successor[candidates].transpose(1, 2)    # [R, K(before), K]
+    return torch.log_softmax(scores.float(), -1)
+
+
 def build_tree(table: torch.Tensor, candidates: torch.Tensor, anchor: torch.Tensor, chain: torch.Tensor,
                budget: int) -> torch.Tensor:
     """The tree of `budget` nodes (drafter/tree.py) from the transition table [R, K, K], the rows' candidate ids
-    [R, K], the anchor [1] and the greedy chain's candidate index in each row [R], as its nodes [4, budget + 1]
-    int64: rows tokens, parents, depth, valid (1; 0 for padding). Where Triton runs, one program
-    (drafter_tree_triton.py) instead of ~30 ops per node; else
-    build_tree_reference."""
+    [R, K], the anchor [1] and the chain's tokens [R] (each among its row's candidates), as its nodes
+    [4, budget + 1] int64: rows tokens, parents, depth, valid (1; 0 for padding). Where Triton runs, one program
+    (drafter_tree_triton.py) instead of ~30 ops per node; else build_tree_reference."""
     if drafter_tree_triton.available(table, budget):
-        picked = chain[:min(budget, candidates.shape[0])]
-        return drafter_tree_triton.build_tree(table, candidates, anchor, chain, chain_scores(table, picked), budget)
+        return drafter_tree_triton.build_tree(table, candidates, anchor, chain, budget)
     return build_tree_reference(table, candidates, anchor, chain, budget)
+
+
+def chain_choices(candidates: torch.Tensor, chain: torch.Tensor) -> torch.Tensor:
+    """[R] int64: each chain token's candidate index in its row (the first equal; 0 where none is)."""
+    return (candidates == chain[:, None]).to(torch.uint8).argmax(-1)
 
 
 def chain_scores(table: torch.Tensor, picked: torch.Tensor) -> torch.Tensor:
     """[n] float32: the path scores of the chain's first n nodes, whose candidate indices in rows 0 .. n - 1 are
-    `picked` (row 0's pick follows the anchor: its table row 0)."""
+    `picked` (row 0's pick follows the anchor: its table row 0), each the one before plus its table entry in
+    float32, from the first entry (no 0.0 before it, which would turn a -0.0 into 0.0)."""
     steps = torch.arange(picked.shape[0], device=picked.device)
-    return table[steps, torch.cat([picked.new_zeros(1), picked[:-1]]), picked].cumsum(0)
+    entries = table[steps, torch.cat([picked.new_zeros(1), picked[:-1]]), picked]
+    scores = [entries[:1]]
+    for i in range(1, picked.shape[0]):
+        scores.append(scores[-1] + entries[i:i + 1])
+    return torch.cat(scores)
 
 
 def build_tree_reference(table: torch.Tensor, candidates: torch.Tensor, anchor: torch.Tensor, chain: torch.Tensor,
@@ -44,7 +71,7 @@ def build_tree_reference(table: torch.Tensor, candidates: torch.Tensor, anchor: 
     valid = torch.ones(size, dtype=torch.bool, device=device)
     tokens[:1] = anchor.reshape(1)
     steps = torch.arange(length, device=device)
-    picked = chain[:length]
+    picked = chain_choices(candidates, chain)[:length]
     tokens[1:length + 1] = candidates[steps, picked]
     parents[1:length + 1] = steps
     depth[1:length + 1] = steps + 1
