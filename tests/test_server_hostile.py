@@ -209,7 +209,8 @@ def test_slow_and_silent_clients_time_out(server):
     assert time.perf_counter() - start < RECEIVE_TIMEOUT + 3
     for sock in [*slow[10:], silent]:
         sock.close()
-    wait_until(lambda: server.output().count("client left before sending its whole body") == before + 10)
+    # at least: an earlier test's leaving clients may be logged after `before` was counted, on a loaded machine
+    wait_until(lambda: server.output().count("client left before sending its whole body") >= before + 10)
     assert_no_traceback(server)
 
 
