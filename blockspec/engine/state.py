@@ -101,7 +101,10 @@ class DecodeState:
         if self.path_in is None or self.path_in.shape[0] != path.shape[0]:  # eager: sized by the path
             self._allocate_path_inputs(path.shape[0], path.device)
             self.path_graphs = {}  # they read the buffers replaced
-        self.start_in.copy_(start) if isinstance(start, torch.Tensor) else self.start_in.fill_(start)
+        if isinstance(start, torch.Tensor):
+            self.start_in.copy_(start)
+        else:
+            self.start_in.fill_(start)
         self.path_in.copy_(path)
         self.history_rows_in.copy_(history_rows)
 
