@@ -45,7 +45,7 @@ DESCRIPTION = """\
 blockspec demo: a small model trained here and its two speculative proposers, on the CPU (float32).
   target:  17.3M parameters, Qwen3.5 architecture (8 layers: 6 Gated DeltaNet + 2 gated attention, hidden 384),
            byte-level BPE tokenizer of 8192 ids, with its own MTP head (mode mtp)
-  drafter: a 5.1M-parameter DFlash2 drafter (2 layers reading target layers 1, 2, 4, 5, 7; mode dflash2)
+  drafter: a 6.8M-parameter DFlash2 drafter (3 layers reading target layers 1, 2, 4, 5, 7; mode dflash2)
 Both were trained on the Python source files of installed packages, never on the standard library, which the
 prompt and the contexts below come from. The model's text looks like Python but is not meant to be correct (a model
 this small also falls into loops under greedy decoding). What the demo shows: every speculative mode gives plain
@@ -53,13 +53,13 @@ greedy's tokens, and what each proposer's drafts are worth on code it never saw.
 """
 
 # The pair's one-cycle figures over 500 contexts of 10 standard-library modules, measured with `blockspec bench
-# --model DIR/target --drafter DIR/drafter --mode none,mtp,dflash2 --fixtures stdlib --one-cycle 500` on a 2-core
-# CPU (--device cpu --dtype float32 --context-length 1024) and on an H200 (bfloat16); the trees' with
+# --model DIR/target --drafter DIR/drafter --mode mtp,dflash2 --tree-budget 0 --fixtures stdlib --one-cycle 500
+# --context-length 1024` on a 2-core CPU (--device cpu --dtype float32) and on an H100 (bfloat16); the trees' with
 # `python bench/tree_acceptance.py --model DIR/target --drafter DIR/drafter` (CPU, float32).
 PAIR_FIGURES = ("the pair over 500 contexts of 10 standard-library modules (blockspec bench --fixtures stdlib "
-                "--one-cycle 500):\n  CPU float32, context 1024: mtp 2.300 (43.3 %), dflash2 2.060 (15.1 %); "
-                "H200 bfloat16: mtp 2.172, dflash2 2.012\n"
-                "  draft trees (bench/tree_acceptance.py, 500 contexts): chain 1.964, tree 16 2.488, tree 32 2.668\n"
+                "--one-cycle 500 --context-length 1024):\n  CPU float32: mtp 2.488 (49.6 %), dflash2 3.096 (29.9 %); "
+                "H100 bfloat16: mtp 2.378, dflash2 2.914\n"
+                "  draft trees (bench/tree_acceptance.py, 500 contexts): chain 2.964, tree 16 3.750, tree 32 4.088\n"
                 "the published DFlash2 drafter reaches ~5.5 tokens per cycle on the 27B target")
 
 

@@ -194,6 +194,34 @@ def test_code_fixtures_and_one_cycle_acceptance(tmp_path, tiny_checkpoint, tiny_
     assert split["cycles"] > 0 and 1 <= split["mean_accepted_length"] <= 8
 
 
+def test_one_cycle_measures_whole_texts_in_pieces_of_the_context(tiny_checkpoint):
+    """A text longer than the context is measured whole: its contexts come from pieces of the context's length, each
+    position of every piece equally likely, and a piece's trained marks are its own."""
+    from blockspec.engine.engine import Engine
+    from blockspec.train.evaluate import one_cycle_acceptance
+
+    engine = Engine.load(str(tiny_checkpoint(planted=True)), mode="mtp", device="cpu", compute_dtype="float32",
+                         context_length=64)
+    longest = 64 - 2 * (engine.proposer.max_proposals + 1)
+    text = [(7 * i) % 50 + 1 for i in range(5 * longest + 10)]  # five whole pieces and a short one
+    prompts, generate = [], engine.generate
+    engine.generate = lambda ids, *a, **k: prompts.append(list(ids)) or generate(ids, *a, **k)
+    measured = one_cycle_acceptance(engine, [text], 60, seed=1)
+    assert measured["cuts"] == 60 and len(prompts) == 60
+    starts = set()
+    for prompt in prompts:
+        assert 1 <= len(prompt) < longest
+        start = next(s for s in range(0, len(text), longest) if text[s:s + len(prompt)] == prompt)
+        starts.add(start)
+    assert len(starts) >= 5, starts  # the later pieces too, not only the text's first `longest` tokens
+    # trained marks: only the last piece's positions 3.. are trained, so every context is cut there
+    marks = [False] * 5 * longest + [False, False, False] + [True] * 7
+    prompts.clear()
+    one_cycle_acceptance(engine, [text], 8, seed=2, trained=[marks])
+    assert {len(p) for p in prompts} <= set(range(3, 10)) and all(p == text[5 * longest:5 * longest + len(p)]
+                                                                   for p in prompts), prompts
+
+
 @pytest.mark.parametrize("mode", ["mtp", "dflash2"])
 def test_one_cycle_reuses_each_prefix_and_measures_as_fresh_engines(tiny_checkpoint, tiny_drafter, mode):
     """The one-cycle measure runs its cuts by sequence and position, so that each prefill resumes from the cut before

@@ -10,6 +10,8 @@ ratio.
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import random
 import sysconfig
 from pathlib import Path
@@ -30,19 +32,23 @@ def standard_library_files(count: int | None = None, seed: int = 0) -> list[Path
 def one_cycle_acceptance(engine, sequences: list[list[int]], cuts: int, seed: int = 0,
                          sampling: dict | None = None, tree_budgets: list[int] | None = None,
                          trained: list[list[bool]] | None = None) -> dict:
-    """One speculative cycle from each of `cuts` random prefixes of the token sequences (a cut leaves at least one
-    token before it; with `trained`, per sequence and position whether its label is trained on (data.Sequence), a
-    cut c only where the cycle's first proposal is a trained label, trained[c]), greedy or with `sampling`
-    (Engine.generate's keywords): the mean number of tokens a cycle emits (accepted + 1), its histogram, the
-    acceptance rate. With `tree_budgets` (an eager DFlash2 engine whose
-    state records trees of the largest), each cut's cycle runs at every budget from one prefill (the later ones
-    resume from a snapshot before the last prompt token, engine/reuse.py): {budget: the measure}."""
+    """One speculative cycle from each of `cuts` random prefixes of the token sequences, every position of the texts
+    equally likely (a cut leaves at least one token before it; with `trained`, per sequence and position whether its
+    label is trained on (data.Sequence), a cut c only where the cycle's first proposal is a trained label,
+    trained[c]), greedy or with `sampling` (Engine.generate's keywords): the mean number of tokens a cycle emits
+    (accepted + 1), its histogram, the acceptance rate. With `tree_budgets` (an eager DFlash2 engine whose state
+    records trees of the largest), each cut's cycle runs at every budget from one prefill (the later ones resume
+    from a snapshot before the last prompt token, engine/reuse.py): {budget: the measure}."""
     rng = random.Random(seed)
     block = engine.proposer.max_proposals + 1
     longest = engine.config.context_length - 2 * max([block, *(b + 1 for b in tree_budgets or [])])
-    cut_points = [[c for c in range(1, min(len(s), longest)) if trained is None or trained[i][c]]
-                  for i, s in enumerate(sequences)]
-    candidates = [(s[:longest], points) for s, points in zip(sequences, cut_points) if points]
+    # a sequence longer than the context is measured whole, in pieces of `longest` tokens (each piece's contexts
+    # start at its own beginning, as train-drafter's sequences do)
+    pieces = [(s[start:start + longest], None if trained is None else trained[i][start:start + longest])
+              for i, s in enumerate(sequences) for start in range(0, len(s), longest)]
+    candidates = [(piece, points) for piece, marks in pieces
+                  if (points := [c for c in range(1, len(piece)) if marks is None or marks[c]])]
+    counts = list(itertools.accumulate(len(points) for _, points in candidates))
     budgets = tree_budgets or [engine.proposer.tree_budget]
     if tree_budgets and (engine.target.execution != "eager" or engine.prefix is None
                          or max(budgets) + 1 > engine.state.gdn[0].max_partial):
@@ -50,9 +56,10 @@ def one_cycle_acceptance(engine, sequences: list[list[int]], cuts: int, seed: in
     lengths = {b: [] for b in budgets}
     kept = engine.proposer.tree_budget
     draws = []
-    for _ in range(cuts):
-        index = rng.randrange(len(candidates))
-        draws.append((index, candidates[index][1][rng.randrange(len(candidates[index][1]))]))
+    for _ in range(cuts):  # each cut point of every piece equally likely
+        drawn = rng.randrange(counts[-1])
+        index = bisect.bisect_right(counts, drawn)
+        draws.append((index, candidates[index][1][drawn - (counts[index - 1] if index else 0)]))
     try:
         # by sequence and cut: each prompt extends the one before, so prefix reuse (engine/reuse.py) prefills only
         # the tokens between two cuts
