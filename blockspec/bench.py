@@ -418,6 +418,8 @@ def check_arguments(args) -> tuple[list[str], list[dict], list[float] | None]:
         check_folder("--drafter", args.drafter)
     if "dflash2" in modes and not args.synthetic and args.drafter is None:
         raise BlockspecError("--mode dflash2 needs a drafter: give --drafter DIR")
+    if args.one_cycle and args.model:
+        check_one_cycle_texts(args.model, fixtures)
     if args.tree_budget is not None and tree_budgets(args.tree_budget) != [0] and "dflash2" not in modes:
         raise BlockspecError(f"--tree-budget {args.tree_budget}: trees verify DFlash2 proposals: add dflash2 to --mode")
     sampling_variants(args)
@@ -431,6 +433,16 @@ def check_arguments(args) -> tuple[list[str], list[dict], list[float] | None]:
         if path:
             check_output_path(flag, path)
     return modes, fixtures, rates
+
+
+def check_one_cycle_texts(model: str, fixtures: list[dict]) -> None:
+    """--one-cycle cuts the fixtures' texts (a cut leaves a token before it): refused in one line, before any model
+    loads, when no text holds two tokens of the model's tokenizer."""
+    from .models.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer(model)
+    if not any(len(tokenizer.encode(f.get("text", f["prompt"]))) >= 2 for f in fixtures):
+        raise BlockspecError("--one-cycle cuts the fixtures' texts, but none holds two tokens: give longer texts")
 
 
 def bench(args) -> dict:

@@ -254,6 +254,30 @@ def test_one_cycle_needs_real_weights(capsys):
     assert code == 2 and "--one-cycle" in err and err.count("\n") == 1, err
 
 
+def test_one_cycle_refuses_texts_too_short_to_cut(tmp_path, capsys, tiny_checkpoint, no_model_work):
+    """Fixtures whose texts hold fewer than two tokens leave no context to cut: one line, exit 2, before any engine
+    is built (the measure itself raises a ValueError naming the reason, not an IndexError)."""
+    from blockspec.train.evaluate import one_cycle_acceptance
+
+    code = tmp_path / "code"
+    code.mkdir()
+    (code / "a.py").write_text("x")
+    assert main(["bench", "--model", str(tiny_checkpoint(planted=True)), "--mode", "mtp", "--fixtures", str(code),
+                 "--one-cycle", "5", "--device", "cpu", "--max-tokens", "4", "--repeats", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--one-cycle" in err and "two tokens" in err, err
+
+    class Engine:  # what the measure reads before it cuts
+        class proposer:
+            max_proposals = 3
+            tree_budget = 0
+
+        class config:
+            context_length = 64
+    with pytest.raises(ValueError, match="no context to cut"):
+        one_cycle_acceptance(Engine, [[5]], 3)
+
+
 def test_repeat_split_counts_cycles_that_start_inside_a_repeat():
     from blockspec.train.evaluate import repeat_split, summarize_generations
 

@@ -48,6 +48,8 @@ def one_cycle_acceptance(engine, sequences: list[list[int]], cuts: int, seed: in
               for i, s in enumerate(sequences) for start in range(0, len(s), longest)]
     candidates = [(piece, points) for piece, marks in pieces
                   if (points := [c for c in range(1, len(piece)) if marks is None or marks[c]])]
+    if not candidates:
+        raise ValueError("no context to cut: every sequence is shorter than two tokens (or has no trained position)")
     counts = list(itertools.accumulate(len(points) for _, points in candidates))
     budgets = tree_budgets or [engine.proposer.tree_budget]
     if tree_budgets and (engine.target.execution != "eager" or engine.prefix is None
