@@ -213,3 +213,21 @@ def test_the_flag_turns_it_off():
     add_engine_args(parser)
     assert engine_config(parser.parse_args(["--model", "m"])).prefix_reuse is True
     assert engine_config(parser.parse_args(["--model", "m", "--no-prefix-reuse"])).prefix_reuse is False
+
+
+@pytest.mark.parametrize("mode", ["mtp", "dflash2"])
+def test_a_stream_left_open_at_exit_ends_the_process_cleanly(tiny_checkpoint, tiny_drafter, mode):
+    """A caller that exits while a stream is suspended: the interpreter's teardown closes it, keeps nothing, and the
+    process exits 0 (a DFlash2 stream whose snapshot was written at teardown made torch abort it)."""
+    import subprocess
+    import sys
+
+    target = tiny_checkpoint(planted=True)
+    drafter = f", dflash2_model={str(tiny_drafter(target))!r}" if mode == "dflash2" else ""
+    script = (f"from blockspec.engine.engine import Engine\n"
+              f"engine = Engine.load({str(target)!r}, mode={mode!r}, device='cpu', compute_dtype='float32'{drafter})\n"
+              "stream = engine.stream(engine.tokenizer.encode('hello world ' * 3), 40)\n"
+              "print([next(stream) for _ in range(3)])\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and "terminate called" not in done.stderr, done.stderr[-2000:]
+    assert done.stdout.startswith("["), done.stdout

@@ -9,6 +9,7 @@ sampled requests apply the speculative-sampling rule, so output is distributed e
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -226,7 +227,9 @@ def decode(target, proposer: Proposer, prompt: list[int], max_tokens: int, eos: 
     finally:
         _sync(device)
         stats.decode_s = time.perf_counter() - begin
-        if prefix is not None:
+        # a stream still open when the interpreter exits is closed during its teardown, where nothing is worth
+        # keeping, and a snapshot written then makes torch abort the process as it frees the tensors
+        if prefix is not None and not sys.is_finalizing():
             if failed:
                 prefix.clear()
             else:
