@@ -41,6 +41,10 @@ RECIPES = {
     "mtp-4x": (MTP, "text", 4),
     "drafter-3-layers": (["--layers", "3", *DRAFTER[2:]], "text", 1),
     "drafter-3-layers-4x": (["--layers", "3", *DRAFTER[2:]], "text", 4),
+    # sequences as long as the engine's default context (the same target tokens a step): the proposers see the
+    # target's features at every position a 4096-token context reaches
+    "drafter-3-layers-4x-seq-4096": (["--layers", "3", *DRAFTER[2:], "--seq-len", "4096"], "text", 4),
+    "mtp-4x-seq-4096": ([*MTP, "--seq-len", "4096"], "text", 4),
     "drafter-block-16": (DRAFTER + ["--block-size", "16"], "text", 1),
     "drafter-regenerated": (DRAFTER, "regen", 1),
     "mtp-regenerated": (MTP, "regen", 1),

@@ -838,6 +838,10 @@ def test_recipes_bench_dry_run(setup, tmp_path):
                                                                             "--kind"]
     assert recipes.recipe_flags("drafter-mixed", flags, "r.jsonl")[:4] == ["--data", "a", "b", "r.jsonl"]
     assert recipes.recipe_flags("mtp-4x", flags, None)[5:7] == ["--steps", "20"]
+    from blockspec.cli import build_parser
+    long = recipes.recipe_flags("mtp-4x-seq-4096", ["--target", "T", "--seq-len", "1024", *flags], None)
+    parsed = build_parser().parse_args(["train-drafter", *long, "--out", "O"])  # the recipe's --seq-len comes last
+    assert (parsed.seq_len, parsed.kind, parsed.steps) == (4096, "mtp", 20)
     for r, summary in zip(runs, ["drafter/training.json", "mtp/mtp_training.json"]):
         written = json.loads((tmp_path / "work" / summary).read_text())
         assert r["curve"] == {str(e["step"]): e["mean_accepted_length"] for e in written["evaluations"]}
