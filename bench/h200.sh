@@ -53,13 +53,13 @@
 #   pair_bench     the pair (PAIR_TAG's) on standard-library code: tokens/s of the three modes, acceptance over whole
 #                  generations and from 500 real contexts (bench --fixtures stdlib --one-cycle 500; ~5 minutes)
 #   pair_recipes   what each training-recipe change buys on the demo pair's target: RECIPES (default
-#                  drafter-3-layers,drafter-block-16; names of bench/drafter_recipes.py's RECIPES; the shipped
-#                  pair's proposers are drafter-3-layers-4x and mtp-4x) trained RECIPES_PARALLEL (default 2) at once
-#                  for RECIPES_STEPS (default 2000) on the installed packages' .py files, each evaluated every 500
-#                  steps by one cycle from 500 standard-library contexts; RECIPES_ARGS add to the bench (e.g.
-#                  --regenerated /abs/path.jsonl for the *-regenerated and *-mixed recipes); each run's log in $OUT; then each
-#                  *-block-16 drafter run with blocks of 8 (--dflash2-block-size 8), one cycle from 500 contexts.
-#                  Every run's trained weights (not its optimizer state) come back in $OUT/weights_NAME.tar. Runs at once
+#                  drafter-3-layers,drafter-block-16; names of bench/drafter_recipes.py's RECIPES; the shipped pair's
+#                  proposers are drafter-3-layers-4x and mtp-4x) trained RECIPES_PARALLEL (default 2) at once for
+#                  RECIPES_STEPS (default 2000) on the installed packages' .py files, each evaluated every 500 steps by
+#                  one cycle from 500 standard-library contexts; RECIPES_ARGS add to the bench (e.g. --regenerated
+#                  /abs/path.jsonl for the *-regenerated and *-mixed recipes); each run's log in $OUT; then each
+#                  *-block-16 drafter run with blocks of 8 (--dflash2-block-size 8), one cycle from 500 contexts. Every
+#                  run's trained weights (not its optimizer state) come back in $OUT/weights_NAME.tar. Runs at once
 #                  share the GPU: one 8000-step run (drafter-4x) alone takes ~5 minutes with its start-up
 #   demo_trees     the shipped demo pair (blockspec demo --save) with draft trees (DEMO_TREE_BUDGETS, default 0,16,32):
 #                  tokens/s of plain decoding and each budget on standard-library code (bf16, graphs), then one-cycle
