@@ -18,7 +18,8 @@ Writes $OUT/quant_kernels.json when OUT is set.
 `--sweep` (~4 minutes): instead, tile width / pipeline depth / warps / K splits around the default config,
 every int4 shape at M = 1, 8 and 16 and the int8 shapes at M = 1 and 8 (SWEEP_VARIANTS, INT8_SWEEP; SWEEP_SET=deep:
 deeper pipelines with fewer splits, DEEP_VARIANTS; SWEEP_SET=tree: the int4 shapes at a draft tree's 17 and 33 rows,
-TREE_VARIANTS; SWEEP_SHAPES=o,down,...: those int4 shapes only); each config
+TREE_VARIANTS; SWEEP_SET=16: the int4 shapes at 16 rows only, SWEEP_VARIANTS' and wider, deeper and balanced
+tiles, ROWS16_VARIANTS; SWEEP_SHAPES=o,down,...: those int4 shapes only); each config
 checked on 256 rows and once more after the timed graph replays (replayed output == an eager launch, bitwise).
 `default_config` holds the winners of this sweep. Writes $OUT/quant_sweep.json.
 """
@@ -192,6 +193,14 @@ TREE_VARIANTS = {f"n{n} s{s} w{w} wv{v}": dict(block_n=n, stages=s, warps=w, wav
 TREE_VARIANTS["n64 s3 wv2 bal d/2"] = dict(block_n=64, stages=3, waves=2, balance=True,
                                            dot_rows=lambda cfg: cfg.block_m // 2)  # two dots on one operand
 TREE_ROWS = [17, 33]
+# SWEEP_SET=16: a tree of 15 (16 rows) where the weight stream is fast (H200): fewer, wider tiles cut the x traffic
+ROWS16_VARIANTS = {**SWEEP_VARIANTS[16], **{
+    f"n{n} s{s} w{w} wv{v}{' bal' if b else ''}{f' d{d}' if d else ''}":
+        dict(block_n=n, stages=s, warps=w, waves=v, balance=b, dot_rows=d)
+    for n, s, w, v, b, d in [(64, 4, 4, 2, True, 0), (64, 4, 4, 2, True, 8), (64, 3, 4, 1, False, 8),
+                             (64, 3, 4, 4, False, 8), (128, 3, 4, 2, True, 0), (128, 2, 4, 2, True, 0),
+                             (128, 3, 8, 2, True, 0), (128, 3, 4, 2, True, 8), (128, 3, 8, 2, True, 8),
+                             (128, 4, 8, 1, False, 0), (256, 2, 8, 2, True, 0)]}}
 INT8_SWEEP = {"s4": dict(stages=4), "s3": dict(stages=3), "n64 s4": dict(block_n=64, stages=4),
               "n64 s3": dict(block_n=64, stages=3)}
 
@@ -205,16 +214,20 @@ def sweep() -> None:
     """Tile width, pipeline depth and K splits around the default config: every int4 shape at M = 1, 8 and 16,
     the int8 shapes at M = 1 and 8."""
     records = []
-    deep, tree = os.environ.get("SWEEP_SET") == "deep", os.environ.get("SWEEP_SET") == "tree"
+    chosen = os.environ.get("SWEEP_SET")
+    deep, tree, rows16 = chosen == "deep", chosen == "tree", chosen == "16"
     only = os.environ.get("SWEEP_SHAPES", "").split(",") if os.environ.get("SWEEP_SHAPES") else None
+    all_rows = TREE_ROWS if tree else [16] if rows16 else [1, 8, 16]
+    tables = {0: TREE_VARIANTS} if tree else {16: ROWS16_VARIANTS} if rows16 else \
+        DEEP_VARIANTS if deep else SWEEP_VARIANTS
     for sname, n, k in [s for s in SHAPES if only is None or s[0] in only]:
-        variants = [("default", lambda m: wq.default_config(m, n, k), TREE_ROWS if tree else [1, 8, 16])]
-        for bm, table in ({0: TREE_VARIANTS} if tree else DEEP_VARIANTS if deep else SWEEP_VARIANTS).items():
+        variants = [("default", lambda m: wq.default_config(m, n, k), all_rows)]
+        for bm, table in tables.items():
             variants += [(label, lambda m, v=v: changed(wq.default_config(m, n, k), v),
                           TREE_ROWS if tree else [1, 8] if bm == 8 else [16]) for label, v in table.items()]
         time_shape(records, sname, n, k, 4, 128, variants)
         torch.cuda.empty_cache() if not DRY else None
-    for sname, n, k, gs in [] if only or tree else INT8_SHAPES:
+    for sname, n, k, gs in [] if only or tree or rows16 else INT8_SHAPES:
         variants = [("default", lambda m: wq.default_config(m, n, k, 8, gs), [1, 8])]
         variants += [(label, lambda m, v=v: replace(wq.default_config(m, n, k, 8, gs), **v), [1, 8])
                      for label, v in INT8_SWEEP.items()]
@@ -222,7 +235,7 @@ def sweep() -> None:
         torch.cuda.empty_cache() if not DRY else None
     print("\nbest per shape and M (us, % of 3990 GB/s; default):")
     for sname in dict.fromkeys(r["shape"] + f" int{r['bits']}" for r in records):
-        for m in TREE_ROWS if tree else (1, 8, 16):
+        for m in all_rows:
             rs = [r for r in records if f"{r['shape']} int{r['bits']}" == sname and r["m"] == m and "us" in r]
             if rs:
                 best, default = min(rs, key=lambda r: r["us"]), [r for r in rs if r["variant"] == "default"]
