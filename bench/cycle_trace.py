@@ -1,7 +1,8 @@
 """Where a real pair's DFlash2 cycles go, chain against trees: tokens/s, then one profiled generation per budget
 with the cycle's pieces marked (the proposal, the target's pass, the commit, the drafter's context append), per cycle
-(medians over the profiled cycles): the wall time, each piece's host time, the CUDA runtime calls, the kernels' count
-and busy time, and each kernel name's time against the first budget's.
+(medians over the profiled cycles): the wall time, each piece's host time, the time the GPU waited for each piece's
+launches, the CUDA runtime calls, the kernels' count and busy time, and each kernel name's time against the first
+budget's.
 
 The engines of all budgets are loaded first and take turns fixture by fixture, ROUNDS times over the fixtures, so that
 a drifting machine weighs on every budget alike. Under the profiler a cycle takes longer than without (its host
@@ -52,8 +53,15 @@ def marked(engine):
             setattr(obj, name, piece)
 
 
+def correlation(event):
+    """The id tying a kernel to the runtime call (a launch, a graph's launch) that issued it."""
+    return event.get("args", {}).get("correlation")
+
+
 def per_cycle(events) -> dict:
-    """Medians per cycle of a profiled generation's trace events (a cycle: from one proposal's start to the next)."""
+    """Medians per cycle of a profiled generation's trace events (a cycle: from one proposal's start to the next).
+    idle_us PIECE: the time the GPU waited, within a cycle, for a kernel that PIECE's host time launched ("between
+    pieces": launched outside them, e.g. the decode loop's own ops)."""
     ranges = sorted((e for e in events if e.get("cat") == "user_annotation"), key=lambda e: e["ts"])
     starts = [e["ts"] for e in ranges if e["name"].endswith((".propose", ".propose_tree"))]
     runtime = [e for e in events if e.get("cat") in ("cuda_runtime", "cuda_driver")]
@@ -61,6 +69,12 @@ def per_cycle(events) -> dict:
     if not kernels:  # the CPU: its ops stand for kernels
         kernels = [e for e in events if e.get("cat") == "cpu_op"]
     cycles = list(zip(starts, starts[1:]))[SKIPPED_CYCLES:] or list(zip(starts, starts[1:]))
+    piece_names = list(dict.fromkeys(e["name"] for e in ranges))
+    launched_in = {}  # a runtime call's correlation id -> the piece whose host time issued it
+    for call in runtime:
+        inside = [e for e in ranges if e["ts"] <= call["ts"] < e["ts"] + e["dur"]]
+        if inside and correlation(call) is not None:
+            launched_in[correlation(call)] = max(inside, key=lambda e: e["ts"])["name"]
     rows = collections.defaultdict(list)
     names = collections.defaultdict(float)
     for begin, end in cycles:
@@ -71,14 +85,20 @@ def per_cycle(events) -> dict:
         calls = collections.Counter(e["name"] for e in runtime if begin <= e["ts"] < end)
         for name, count in calls.items():
             rows[f"calls {name}"].append(count)
-        spans = sorted((e["ts"], e["ts"] + e["dur"], e["name"]) for e in kernels if begin <= e["ts"] < end)
+        spans = sorted((e["ts"], e["ts"] + e["dur"], e["name"], correlation(e)) for e in kernels
+                       if begin <= e["ts"] < end)
         busy, reached = 0.0, begin
-        for start, stop, name in spans:
+        idle = collections.Counter({f"idle_us {piece}": 0.0 for piece in (*piece_names, "between pieces")})
+        for start, stop, name, launch in spans:
             busy += max(0.0, stop - max(start, reached))
+            if start > reached and reached > begin:  # the GPU waited: for the host's launch of this kernel
+                idle[f"idle_us {launched_in.get(launch, 'between pieces')}"] += start - reached
             reached = max(reached, stop)
             names[name[:80]] += (stop - start) / len(cycles)
         rows["kernels"].append(len(spans))
         rows["busy_us"].append(busy)
+        for key, value in idle.items():
+            rows[key].append(value)
     return {"cycles": len(cycles), **{key: statistics.median(values) for key, values in rows.items()},
             "by_kernel_us": dict(names)}
 
@@ -142,7 +162,7 @@ def main():
               f"{p['kernels']:7.1f}")
     for b, r in results.items():
         print(f"\nbudget {b}, per profiled cycle (medians): "
-              + "; ".join(f"{k} {v:.1f}" for k, v in r["profiled"].items() if k.startswith(("host", "calls"))))
+              + "; ".join(f"{k} {v:.1f}" for k, v in r["profiled"].items() if k.startswith(("host", "idle", "calls"))))
     for b in budgets[1:]:
         mine, theirs = results[b]["profiled"]["by_kernel_us"], results[first]["profiled"]["by_kernel_us"]
         print(f"\nkernel time per cycle, budget {b} against {first} (us; the largest differences):")

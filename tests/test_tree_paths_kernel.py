@@ -1,8 +1,9 @@
-"""A draft tree's layout and walk in one Triton program each (kernels/tree_paths_triton.py) against their PyTorch
-references (kernels/tree_paths.py), through the Triton interpreter in a subprocess: ancestors, conv window rows and
-the walk's result equal, on the drafter's best-first trees (their padding nodes included), the graph warm-up's star of
-invalid children, random trees of every shape up to 64 nodes, forced trees whose siblings repeat a token, and
-chosen tokens that follow the tree for a while, then leave it; and both programs compile for sm_90."""
+"""A draft tree's layout, walk and staging (kernels/tree_paths_triton.py) against their PyTorch references
+(kernels/tree_paths.py), through the Triton interpreter in a subprocess: ancestors, conv window rows, the walk's
+result and the staged commit inputs and kept feature rows equal, on the drafter's best-first trees (their padding
+nodes included), the graph warm-up's star of invalid children, random trees of every shape up to 64 nodes, forced
+trees whose siblings repeat a token, and chosen tokens that follow the tree for a while, then leave it; and the
+programs compile for sm_90."""
 
 import sys
 
@@ -88,9 +89,25 @@ def _mismatches():  # in the interpreter subprocess
             deepest = max(deepest, int(want[0]))
             if not torch.equal(want, got):
                 differ.append(f"descend {want.tolist()} != {got.tolist()}")
+            differ += staging_mismatches(want, parents, depth, max_depth, gen)
         results.append({"case": name, "differ": differ, "deepest": deepest,
                         "kernel": tree_paths_triton.available(parents)})
     return results
+
+
+def staging_mismatches(result, parents, depth, max_depth: int, gen: torch.Generator) -> list[str]:
+    """stage of a walk's result against its reference: the commit inputs and the kept feature rows, with features
+    wider than one program's block and a row stride past their width."""
+    window_rows = tree_paths.layout_reference(parents, depth, 4, max(max_depth, 3))[1]
+    features = torch.randn(parents.shape[0], 2 * tree_paths_triton.STAGE_BLOCK + 40, generator=gen)[:, :-9]
+    start = torch.tensor(int(torch.randint(0, 500, (1,), generator=gen)))
+    outputs = []
+    for op in (tree_paths.stage_reference, tree_paths.stage):
+        buffers = (torch.full((max_depth + 1,), -1), torch.full((3,), -1), torch.tensor(-1))
+        kept = op(result, window_rows, features, start, *buffers)
+        outputs.append((*buffers, kept))
+    names = ("path", "history rows", "start", "kept features")
+    return [f"stage {name}" for name, a, b in zip(names, *outputs) if not torch.equal(a, b)]
 
 
 PARTS = {"test_tree_paths_match_reference_in_interpreter": "cases"}
@@ -106,10 +123,12 @@ def test_tree_paths_match_reference_in_interpreter(request):
 
 @pytest.mark.skipif(not kernels.TRITON_INSTALLED, reason="needs triton")
 def test_tree_paths_compile_for_hopper():
-    """Both programs compile for sm_90 (the GPU path a tree pass takes; the interpreter above checks their results),
+    """The programs compile for sm_90 (the GPU path a tree pass takes; the interpreter above checks their results),
     at a tree of 15 (the GPU's default budget) with programmatic dependent launch, and at the largest pass."""
     layout = {"parents": "*i64", "depth": "*i64", "ancestors": "*u8", "window_rows": "*i64"}
     walk = {"chosen": "*i64", "tokens": "*i64", "parents": "*i64", "depth": "*i64", "valid": "*u8", "out": "*i64"}
+    staging = {"result": "*i64", "window_rows": "*i64", "features": "*bf16", "start": "*i64", "path_out": "*i64",
+               "history_out": "*i64", "start_out": "*i64", "kept": "*bf16", "F": "i32", "stride_f": "i32"}
     for nodes, depth, level in ((16, 7, 3), (64, 63, 0)):
         ptx = sm90_ptx(tree_paths_triton._layout_kernel, dict(T=nodes, TAPS=4, MAX_DEPTH=depth, NODES=nodes, PDL=level),
                        4, 1, layout)
@@ -117,6 +136,9 @@ def test_tree_paths_compile_for_hopper():
         ptx = sm90_ptx(tree_paths_triton._descend_kernel, dict(T=nodes, MAX_DEPTH=depth, NODES=nodes, PDL=level), 1, 1,
                        walk)
         assert ".entry _descend_kernel" in ptx
+        ptx = sm90_ptx(tree_paths_triton._stage_kernel, dict(ROWS=depth + 1, TAPS=4, ROW_BLOCK=max(2, nodes),
+                       TAP_BLOCK=4, BLOCK=tree_paths_triton.STAGE_BLOCK, PDL=level), 4, 3, staging)
+        assert ".entry _stage_kernel" in ptx
 
 
 def test_cpu_takes_the_references():

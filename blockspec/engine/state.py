@@ -6,7 +6,7 @@ left pending. Then exactly one of:
              exactly at the boundary after token n;
   discard()  forget the pass; the committed state is untouched.
 A draft tree's pass (engine/tree.py) is kept with commit_path(n) instead, of the path the pass staged on the device
-(stage_path): the kept path's attention entries move to contiguous positions and DeltaNet layers build the state
+(path_inputs): the kept path's attention entries move to contiguous positions and DeltaNet layers build the state
 after its nodes from the deltas the tree pass recorded.
 The counters (`length`, `pending`) change here and nowhere else. With CUDA graphs the buffer updates of each
 commit(n) are captured once (`capture_commits`) and commit replays them; the bookkeeping stays plain Python.
@@ -48,7 +48,7 @@ class DecodeState:
         self.snapshot_bytes = sum(s.allocate_snapshots(snapshots) for s in self.gdn)
         self.commit_graphs = {}  # (pass length, n) -> the captured buffer updates of commit(n)
         self.path_graphs = {}    # n -> the captured buffer updates of commit_path of an n-node path
-        self.path_in = self.history_rows_in = self.start_in = None  # commit_path's inputs (stage_path)
+        self.path_in = self.history_rows_in = self.start_in = None  # commit_path's inputs (path_inputs)
         self.length = 0    # committed tokens
         self.pending = 0   # tokens of the pass awaiting commit/discard
 
@@ -92,24 +92,19 @@ class DecodeState:
         self.length += n
         self.pending = 0
 
-    def stage_path(self, start, path, history_rows):
-        """The next commit_path's inputs, written on the device by the tree pass (under CUDA graphs its graph records
-        these copies into the buffers the commit graphs read, so nothing is copied between the read back and the
-        commit): the pass's start (its first position, a 0-dim tensor or an int), the walk's path [L] (node indices,
-        root first; entries past the kept ones are not read) and the conv window rows after the path's last kept
-        node [K-1] (layers/tree.py)."""
-        if self.path_in is None or self.path_in.shape[0] != path.shape[0]:  # eager: sized by the path
-            self._allocate_path_inputs(path.shape[0], path.device)
+    def path_inputs(self, longest: int, device):
+        """The next commit_path's inputs (start, path, history_rows), which the tree pass writes on the device
+        (engine/tree.py stage_path; under CUDA graphs its graph records the writes into the buffers the commit graphs
+        read, so nothing is copied between the read back and the commit): the pass's first position [], the walk's
+        path [longest] (node indices, root first; entries past the kept ones are not read) and the conv window rows
+        after the path's last kept node [K-1] (layers/tree.py)."""
+        if self.path_in is None or self.path_in.shape[0] != longest:  # eager: sized by the path
+            self._allocate_path_inputs(longest, device)
             self.path_graphs = {}  # they read the buffers replaced
-        if isinstance(start, torch.Tensor):
-            self.start_in.copy_(start)
-        else:
-            self.start_in.fill_(start)
-        self.path_in.copy_(path)
-        self.history_rows_in.copy_(history_rows)
+        return self.start_in, self.path_in, self.history_rows_in
 
     def commit_path(self, n: int):
-        """Keep the first n nodes of the staged path (stage_path) of a pending tree pass."""
+        """Keep the first n nodes of the staged path (path_inputs) of a pending tree pass."""
         if not 1 <= n <= min(self.pending, self.path_in.shape[0]):
             raise ValueError(f"commit of a {n}-node path of a {self.pending}-node tree")
         graph = self.path_graphs.get(n)

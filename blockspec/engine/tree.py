@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 
 from ..drafter.tree import DraftTree
-from ..kernels.tree_paths import descend
+from ..kernels.tree_paths import descend, stage
 from ..models.qwen3_5 import TargetOutput
 from .sampling import Sampler, draw, proposal_tests, ranked_probs
 
@@ -54,13 +54,13 @@ def walk(logits: torch.Tensor, tree: DraftTree, max_depth: int, uniforms: torch.
 
 
 def stage_path(state, start, layout, features: torch.Tensor, result: torch.Tensor, max_depth: int) -> torch.Tensor:
-    """On the device, from the walk's `result`: the kept path's commit inputs into the state (DecodeState.stage_path:
+    """On the device, from the walk's `result`: the kept path's commit inputs into the state's (DecodeState.path_inputs:
     the pass's `start`, the path, the conv window rows after its last kept node) and, returned, the pass's feature rows
     of the path's nodes in path order [max_depth + 1, F] (rows past the kept ones: the root's)."""
-    path = result[2:3 + max_depth]
-    last = result.gather(0, result[:1] + 2)  # the last kept node
-    state.stage_path(start, path, layout.window_rows.index_select(0, last)[0, 1:])
-    return features.index_select(0, path)
+    start_in, path_in, history_rows_in = state.path_inputs(max_depth + 1, result.device)
+    if not isinstance(start, torch.Tensor):
+        start = torch.full((), start, dtype=torch.long, device=result.device)
+    return stage(result, layout.window_rows, features, start, path_in, history_rows_in, start_in)
 
 
 def tree_cycle(target, proposer, anchor: int, position: int, sampler: Sampler | None):

@@ -1,7 +1,7 @@
 """Paths in a draft tree's pass (layers/tree.py says how a tree pass is laid out, engine/tree.py how it is walked):
-`layout`, each node's ancestors and causal-conv window rows, and `descend`, the accepted path given the token the
-target chose at every node. The ops, their PyTorch references, and the dispatch to one Triton program each
-(tree_paths_triton.py). Everything stays on the device in fixed shapes: no host synchronisation, so a CUDA graph
+`layout`, each node's ancestors and causal-conv window rows, `descend`, the accepted path given the token the
+target chose at every node, and `stage`, what the kept path's commit and the drafter's context read. The ops, their
+PyTorch references, and the dispatch to one Triton launch each (tree_paths_triton.py). Everything stays on the device in fixed shapes: no host synchronisation, so a CUDA graph
 records it.
 
 Nodes are numbered so that a parent comes before its children; node 0 is the root (its own parent, depth 0).
@@ -63,3 +63,24 @@ def descend_reference(chosen, tokens, parents, depth, valid, max_depth: int):
     accepted = on_path.sum(0, keepdim=True) - 1
     bonus = chosen.index_select(0, path.index_select(0, accepted))
     return torch.cat([accepted, bonus, path, tokens[path]])
+
+
+def stage(result: torch.Tensor, window_rows: torch.Tensor, features: torch.Tensor, start: torch.Tensor,
+          path_out: torch.Tensor, history_out: torch.Tensor, start_out: torch.Tensor) -> torch.Tensor:
+    """From descend's result (n, bonus, path [L], tokens [L]; L = path_out's length): the path into path_out [L], the
+    conv window rows after its last kept node (window_rows [T, K] at path[n], taps 1..K-1) into history_out [K - 1],
+    start (a 0-dim tensor) into start_out; returns the feature rows [T, F] of the path's nodes in path order [L, F]
+    (rows past the kept ones: the root's, as the path's entries there are 0). Where Triton runs, one launch; else
+    stage_reference."""
+    if tree_paths_triton.available(window_rows):
+        return tree_paths_triton.stage(result, window_rows, features, start, path_out, history_out, start_out)
+    return stage_reference(result, window_rows, features, start, path_out, history_out, start_out)
+
+
+def stage_reference(result, window_rows, features, start, path_out, history_out, start_out):
+    path = result[2:2 + path_out.shape[0]]
+    last = result.gather(0, result[:1] + 2)
+    path_out.copy_(path)
+    history_out.copy_(window_rows.index_select(0, last)[0, 1:])
+    start_out.copy_(start)
+    return features.index_select(0, path)

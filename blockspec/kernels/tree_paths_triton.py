@@ -1,8 +1,10 @@
-"""A draft tree's `layout` and `descend` (tree_paths.py, beside their references there) in one Triton program each.
+"""A draft tree's `layout` and `descend` (tree_paths.py, beside their references there) in one Triton program each,
+and `stage` in one launch.
 
-Why: the references are ~25 (layout) and ~70 (descend at depth 8) tiny torch ops, each a launch of its own in the
-tree pass's graph, which is what a small model's tree cycle paid for (docs/benchmarks.md, "Draft trees"). One program
-holds the tree's nodes in registers (T <= 64), so each op is a few dozen dependent steps of a single program.
+Why: the references are ~25 (layout), ~70 (descend at depth 8) and 7 (stage) tiny torch ops, each a launch of its own
+in the tree pass's graph, which is what a small model's tree cycle paid for (docs/benchmarks.md, "Draft trees"). One
+program holds the tree's nodes in registers (T <= 64), so each op is a few dozen dependent steps of a single program;
+stage's programs each copy a block of the kept feature rows, the first also the commit's inputs.
 
 Exactly the references' results: integer work only. layout follows each node's parent `max_depth` times (a load of
 the parents per step) instead of pointer doubling; a well-formed tree (parents before children, no node deeper than
@@ -47,7 +49,41 @@ def descend(chosen, tokens, parents, depth, valid, max_depth: int):
     return out
 
 
+STAGE_BLOCK = 1024  # feature columns a stage program copies (of every kept row)
+
+
+def stage(result, window_rows, features, start, path_out, history_out, start_out):
+    rows, width = path_out.shape[0], features.shape[1]
+    kept = torch.empty(rows, width, dtype=features.dtype, device=features.device)
+    taps = window_rows.shape[1]
+    _stage_kernel[(triton.cdiv(width, STAGE_BLOCK),)](
+        result, window_rows, features, start, path_out, history_out, start_out, kept, width, features.stride(0),
+        ROWS=rows, TAPS=taps, ROW_BLOCK=max(2, triton.next_power_of_2(rows)),
+        TAP_BLOCK=max(2, triton.next_power_of_2(taps)), BLOCK=STAGE_BLOCK, num_warps=4, **pdl.options(result))
+    return kept
+
+
 if triton is not None:
+    @triton.jit
+    def _stage_kernel(result, window_rows, features, start, path_out, history_out, start_out, kept, F, stride_f,
+                      ROWS: tl.constexpr, TAPS: tl.constexpr, ROW_BLOCK: tl.constexpr, TAP_BLOCK: tl.constexpr,
+                      BLOCK: tl.constexpr, PDL: tl.constexpr):
+        pdl.begin(PDL)
+        rows = tl.arange(0, ROW_BLOCK)
+        row_ok = rows < ROWS
+        path = tl.load(result + 2 + rows, mask=row_ok, other=0)
+        cols = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        inside = row_ok[:, None] & (cols < F)[None, :]
+        tl.store(kept + rows[:, None] * F + cols[None, :],
+                 tl.load(features + path[:, None] * stride_f + cols[None, :], mask=inside), mask=inside)
+        if tl.program_id(0) == 0:
+            tl.store(path_out + rows, path, mask=row_ok)
+            last = tl.load(result + 2 + tl.load(result))
+            taps = tl.arange(0, TAP_BLOCK)
+            tap_ok = (taps >= 1) & (taps < TAPS)
+            tl.store(history_out + taps - 1, tl.load(window_rows + last * TAPS + taps, mask=tap_ok), mask=tap_ok)
+            tl.store(start_out, tl.load(start))
+
     @triton.jit
     def _layout_kernel(parents, depth, ancestors, window_rows, T: tl.constexpr, TAPS: tl.constexpr,
                        MAX_DEPTH: tl.constexpr, NODES: tl.constexpr, PDL: tl.constexpr):
