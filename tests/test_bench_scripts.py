@@ -20,6 +20,7 @@ DRY_RUNS = {  # script: its arguments ({out}: its $OUT)
     "gdn_kernel": ["--dry-run"],  # its tree part's dry run: test_tree_gdn_kernel.py
     "fp8_kernels": ["--dry-run"],
     "kernel_schedules": ["--dry-run"],
+    "persistent_mlp": ["--dry-run"],
     "quant_kernels": [],  # TRITON_INTERPRET=1 alone is its dry run
     "drafter_training": ["--preset", "tiny", "--seq-len", "64", "--batch-tokens", "64", "--steps", "1",
                          "--profile", "5", "--json-out", "{out}/drafter_training.json"],
@@ -103,6 +104,11 @@ CHECKS = {  # script: what its dry run must have written (the JSON files under i
         [(r.get("kind"), r.get("shape")) for r in out["kernel_schedules.json"][1:]]
         == [("fp8", "tiny"), ("int4", "tiny"), ("fp8", "gate_up rows 136")]
         and all(r[v]["max_diff"] < 1e-4 for r in out["kernel_schedules.json"][1:3] for v in ("default", "unbalanced"))),
+    "persistent_mlp": lambda out: (
+        sorted(out["persistent_mlp.json"]["rows"]) == ["1", "5"]
+        and all(r["persistent_rel_err"] < 1e-5 and r["persistent_rel_err_after"] < 1e-5 and r["sync_left_zero"]
+                and {"engine", "persistent", "stream-only"} <= set(r)
+                for r in out["persistent_mlp.json"]["rows"].values())),
     "quant_kernels": lambda out: (
         out["quant_kernels.json"]["production_failures"] == out["quant_kernels.json"]["alternative_failures"] == []
         and len(out["quant_kernels.json"]["checks"]) > 20 and all(c["ok"] for c in out["quant_kernels.json"]["checks"])

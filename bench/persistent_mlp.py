@@ -1,0 +1,205 @@
+"""Does one persistent launch keep the weight stream going across an op boundary? The 27B's INT4 MLP (gate_up with
+SwiGLU, then down: 134 MB of int4 codes and scales a layer) at 1 and 8 rows, three ways:
+  engine       the engine's two launches (kernels/quant_matmul_triton.py: `wq_matmul_swiglu`, then `wq_matmul`,
+               default configs, programmatic dependent launch as the engine sets it);
+  persistent   one launch of SMs x PROGRAMS_PER_SM programs taking work items from a queue (an atomic counter):
+               first the gate_up tiles (BN_GATE_UP outputs, every K block; silu(gate) * up stored), then the down
+               tiles (BN_DOWN outputs over all of gate_up's output). A program that takes a down tile prefetches its
+               first weight rows into L2, then waits until every gate_up tile is stored (a second counter), so the
+               weight stream runs on while the last gate_up tiles finish;
+  stream-only  the same launch without that wait (down reads whatever the buffer holds): the stream's own rate,
+               what the wait costs.
+Each timed as weight copies > 400 MB in one CUDA graph (L2 never hits), median of replays (bench/timing.py); us per
+MLP, GB/s of its bytes and % of the machine's read bandwidth (measured first). The persistent results are checked
+against the engine's (relative error: both sum in float32, the engine's launches over K ranges that their schedule
+may split, so the two agree to rounding, not bit for bit).
+
+The question it answers for a persistent decoding kernel (docs/benchmarks.md, "What limits each figure"): how near the
+read bandwidth one launch over two ops streams (137.9 MB a layer: ~33 us at the H200's measured ~4.2 TB/s), and
+how much of the gap to the engine's launches the wait between the ops gives back.
+
+Usage (GPU, from bench/; ~1 minute): python persistent_mlp.py; JSON to $OUT/persistent_mlp.json.
+CPU dry run (tiny shapes, untimed; the interpreter runs the programs one after another, so program 0 takes every item
+in the queue's order and the waits pass): TRITON_INTERPRET=1 python persistent_mlp.py --dry-run
+"""
+
+import json
+import os
+import sys
+
+import torch
+import triton
+import triton.language as tl
+from timing import dry_run, replay_ms  # bench/timing.py, beside this script
+
+from blockspec.bench import measure_read_bandwidth
+from blockspec.kernels import pdl, sm_count
+from blockspec.kernels.quant_matmul_triton import _cols, _swiglu_epilogue, unpack_asm, wq_matmul, wq_matmul_swiglu
+from blockspec.quant.int4 import Int4Linear
+
+HIDDEN, INTERMEDIATE = 5120, 17408  # Qwen3.5-27B
+ROWS, BYTES_TIMED = (1, 8), 400_000_000
+BN_GATE_UP, BN_DOWN, PROGRAMS_PER_SM, WARPS, STAGES = 64, 32, 2, 4, 3
+PREFETCH_BLOCKS = 2  # K blocks of its weight rows a down tile prefetches into L2 before it waits
+
+
+@triton.jit
+def _tile_sum(x_ptr, stride_x, q_ptr, s_ptr, rows, n_ok, M, N, KH, NBLK, G: tl.constexpr, BM: tl.constexpr,
+              STAGES: tl.constexpr, ASM: tl.constexpr, U0: tl.constexpr, U1: tl.constexpr, U2: tl.constexpr,
+              U3: tl.constexpr, FRESH: tl.constexpr):
+    """acc [rows, BM] fp32 = dequant(W[rows]) @ x^T over every K block, int4 group G (no zero points): the main
+    loop of `_wq_kernel` for one tile (FRESH: x loaded past L1, as another program of this launch wrote it)."""
+    offs_m = tl.arange(0, BM)
+    offs_c = tl.arange(0, G)
+    q_rows = q_ptr + rows[:, None].to(tl.int64) * KH + offs_c[None, :]
+    sz = rows[:, None] * 4 + tl.arange(0, 4)[None, :]
+    x_cols = x_ptr + offs_m[None, :] * stride_x + offs_c[:, None]
+    m_ok = (offs_m < M)[None, :]
+    acc = tl.zeros([rows.shape[0], BM], tl.float32)
+    for b in tl.range(0, NBLK, num_stages=STAGES):
+        s0, s1, s2, s3 = _cols(tl.load(s_ptr + b * N * 4 + sz, mask=n_ok[:, None], other=0.0), rows.shape[0], 4)
+        h = tl.load(q_rows + b * G, mask=n_ok[:, None], other=0)
+        xb = x_cols + b * (4 * G)
+        for i in tl.static_range(4):
+            if FRESH:
+                xt = tl.load(xb + i * G, mask=m_ok, other=0.0, cache_modifier=".cg")
+            else:
+                xt = tl.load(xb + i * G, mask=m_ok, other=0.0)
+            if ASM:
+                if i == 0:
+                    a = tl.inline_asm_elementwise(U0, "=r,r", [h], dtype=xt.dtype, is_pure=True, pack=2)
+                elif i == 1:
+                    a = tl.inline_asm_elementwise(U1, "=r,r", [h], dtype=xt.dtype, is_pure=True, pack=2)
+                elif i == 2:
+                    a = tl.inline_asm_elementwise(U2, "=r,r", [h], dtype=xt.dtype, is_pure=True, pack=2)
+                else:
+                    a = tl.inline_asm_elementwise(U3, "=r,r", [h], dtype=xt.dtype, is_pure=True, pack=2)
+            else:  # the interpreter: fp32 dots
+                a = ((h >> (4 * i)) & 15).to(tl.float32) - 8
+                xt = xt.to(tl.float32)
+            if i == 0:
+                s = s0
+            elif i == 1:
+                s = s1
+            elif i == 2:
+                s = s2
+            else:
+                s = s3
+            acc += tl.dot(a.to(xt.dtype), xt, tl.zeros([rows.shape[0], BM], tl.float32)) * s.to(tl.float32)[:, None]
+    return acc
+
+
+@triton.jit
+def _mlp_kernel(x_ptr, gq, gs, dq, ds, h_ptr, out_ptr, sync, M, GATE_TILES, DOWN_TILES, PROGRAMS,
+                H: tl.constexpr, I: tl.constexpr, G: tl.constexpr, BM: tl.constexpr, BN_G: tl.constexpr,
+                BN_D: tl.constexpr, STAGES: tl.constexpr, ASM: tl.constexpr, U0: tl.constexpr, U1: tl.constexpr,
+                U2: tl.constexpr, U3: tl.constexpr, WAIT: tl.constexpr, PREFETCH: tl.constexpr):
+    """sync [4] int32, zero before the first launch and left zero by the last program to exit: the queue, gate_up
+    tiles stored, programs exited."""
+    queue, stored, exited = sync, sync + 1, sync + 2
+    offs_m = tl.arange(0, BM)
+    item = tl.atomic_add(queue, 1)
+    while item < GATE_TILES + DOWN_TILES:
+        if item < GATE_TILES:  # BN_G / 2 gate channels and the same channels' up rows (`_tile`'s EPI 2 layout)
+            half = tl.arange(0, BN_G) % (BN_G // 2)
+            channels = item * (BN_G // 2) + half
+            n_ok = channels < I
+            rows = tl.where(n_ok, channels + (tl.arange(0, BN_G) >= BN_G // 2).to(tl.int32) * I, 2 * I)
+            acc = _tile_sum(x_ptr, H, gq, gs, rows, n_ok, M, 2 * I, H // 4, H // (4 * G), G, BM, STAGES, ASM,
+                            U0, U1, U2, U3, False)
+            _swiglu_epilogue(acc, item == item, h_ptr, I, item, offs_m, M, 2 * I, BN_G, BM)
+            tl.debug_barrier()
+            tl.atomic_add(stored, 1, sem="release")
+        else:
+            tile = item - GATE_TILES  # (names of their own: Triton types a name alike in both branches)
+            outputs = tile * BN_D + tl.arange(0, BN_D)
+            out_ok = outputs < H
+            # its first weight blocks into L2 while the last gate_up tiles finish (PDL 1: the helper's gate only)
+            pdl.prefetch_rows(dq, outputs, I // 4, 0, H, I // 4, PREFETCH * G, 64, 1)
+            if WAIT:
+                seen = tl.atomic_add(stored, 0, sem="acquire")
+                while seen < GATE_TILES:
+                    seen = tl.atomic_add(stored, 0, sem="acquire")
+            total = _tile_sum(h_ptr, I, dq, ds, outputs, out_ok, M, H, I // 4, I // (4 * G), G, BM, STAGES, ASM,
+                              U0, U1, U2, U3, True)
+            tl.store(out_ptr + offs_m[None, :] * H + outputs[:, None], total.to(out_ptr.dtype.element_ty),
+                     mask=out_ok[:, None] & (offs_m < M)[None, :])
+        item = tl.atomic_add(queue, 1)
+    if tl.atomic_add(exited, 1, sem="acq_rel") == PROGRAMS - 1:  # the last one out: clean for the next launch
+        tl.atomic_xchg(queue, 0)
+        tl.atomic_xchg(stored, 0)
+        tl.atomic_xchg(exited, 0)
+
+
+def persistent_mlp(x, gate_up, down, h, out, sync, programs, wait=True):
+    """silu(gate) * up of x through gate_up ([gate; up] packed int4 [2I, H]) into h [M, I], then h @ down^T into
+    out [M, H], in one launch of `programs` programs."""
+    cuda = x.is_cuda
+    unpack = [unpack_asm(4, i, False) for i in range(4)]
+    gate_tiles = -(-gate_up.n // BN_GATE_UP)
+    down_tiles = -(-down.n // BN_DOWN)
+    _mlp_kernel[(programs,)](x, gate_up.q, gate_up.s, down.q, down.s, h, out, sync, x.shape[0], gate_tiles,
+                             down_tiles, programs, H=down.n, I=gate_up.n // 2, G=gate_up.group_size,
+                             BM=max(8, triton.next_power_of_2(x.shape[0])), BN_G=BN_GATE_UP, BN_D=BN_DOWN,
+                             STAGES=STAGES, ASM=cuda, U0=unpack[0], U1=unpack[1], U2=unpack[2], U3=unpack[3],
+                             WAIT=wait, PREFETCH=PREFETCH_BLOCKS if cuda else 0, num_warps=WARPS)
+
+
+def packed_int4(n, k, device):
+    w = torch.randn(n, k, device=device) * k ** -0.5
+    return Int4Linear.from_float(w, 128, True, scale_dtype=torch.bfloat16).packed()
+
+
+def main():
+    global HIDDEN, INTERMEDIATE, ROWS, BYTES_TIMED
+    dev, dtype = torch.device("cuda"), torch.bfloat16
+    if "--dry-run" in sys.argv:
+        dev, dtype = dry_run(), torch.float32
+        HIDDEN, INTERMEDIATE, ROWS, BYTES_TIMED = 512, 1536, (1, 5), 0
+    bandwidth = measure_read_bandwidth(dev) or 0.0  # none on the CPU
+    print(f"read bandwidth {bandwidth:.0f} GB/s", flush=True)
+    one = (packed_int4(2 * INTERMEDIATE, HIDDEN, dev), packed_int4(HIDDEN, INTERMEDIATE, dev))
+    mlp_bytes = one[0].nbytes() + one[1].nbytes()
+    copies = max(1, -(-BYTES_TIMED // mlp_bytes))
+    layers = [one] + [(packed_int4(2 * INTERMEDIATE, HIDDEN, dev), packed_int4(HIDDEN, INTERMEDIATE, dev))
+                      for _ in range(copies - 1)]
+    programs = sm_count(dev) * PROGRAMS_PER_SM if dev.type == "cuda" else 3
+    sync = torch.zeros(4, dtype=torch.int32, device=dev)
+    results = {"read_bandwidth_gb_s": round(bandwidth), "mlp_bytes": mlp_bytes, "copies": copies,
+               "programs": programs, "rows": {}}
+    for m in ROWS:
+        x = torch.randn(m, HIDDEN, device=dev).to(dtype)
+        h = torch.zeros(m, INTERMEDIATE, device=dev, dtype=dtype)
+        out = torch.zeros(m, HIDDEN, device=dev, dtype=dtype)
+        want = wq_matmul(wq_matmul_swiglu(x, one[0]), one[1])
+        persistent_mlp(x, *one, h, out, sync, programs)
+        err = float((out.float() - want.float()).abs().max() / want.float().abs().max())
+        row = {"persistent_rel_err": err, "sync_left_zero": bool((sync == 0).all())}
+
+        def engine():
+            for gate_up, down in layers:
+                wq_matmul(wq_matmul_swiglu(x, gate_up), down, out=out)
+
+        def persistent(wait=True):
+            for gate_up, down in layers:
+                persistent_mlp(x, gate_up, down, h, out, sync, programs, wait)
+        for name, fn in (("engine", engine), ("persistent", persistent),
+                         ("stream-only", lambda: persistent(wait=False))):
+            us = replay_ms(fn) * 1e3 / copies
+            row[name] = {"us": round(us, 2), "gb_s": round(mlp_bytes / us / 1e3),
+                         "pct": round(mlp_bytes / us / 1e3 / bandwidth * 100, 1) if bandwidth else None}
+        persistent_mlp(x, *one, h, out, sync, programs)  # after the timed replays: still the engine's result
+        row["persistent_rel_err_after"] = float((out.float() - want.float()).abs().max() / want.float().abs().max())
+        results["rows"][m] = row
+        print(f"M={m}: " + "; ".join(f"{k} {v['us']:.1f} us {v['gb_s']} GB/s ({v['pct']} %)"
+                                     for k, v in row.items() if isinstance(v, dict))
+              + f"; rel err {err:.1e} / {row['persistent_rel_err_after']:.1e}, sync clean {row['sync_left_zero']}",
+              flush=True)
+    path = os.path.join(os.environ.get("OUT", "."), "persistent_mlp.json")
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
