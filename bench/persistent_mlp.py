@@ -1,5 +1,6 @@
 """Does one persistent launch keep the weight stream going across an op boundary? The 27B's INT4 MLP (gate_up with
-SwiGLU, then down: 134 MB of int4 codes and scales a layer) at 1 and 8 rows, three ways:
+SwiGLU, then down: 137.9 MB of int4 codes and scales a layer) at 1, 8 and 16 rows (decode, a chain's verification, a
+tree of 15's), three ways:
   engine       the engine's two launches (kernels/quant_matmul_triton.py: `wq_matmul_swiglu`, then `wq_matmul`,
                default configs, programmatic dependent launch as the engine sets it);
   persistent   one launch of SMs x PROGRAMS_PER_SM programs taking work items from a queue (an atomic counter):
@@ -38,7 +39,7 @@ from blockspec.kernels.quant_matmul_triton import _cols, _swiglu_epilogue, unpac
 from blockspec.quant.int4 import Int4Linear
 
 HIDDEN, INTERMEDIATE = 5120, 17408  # Qwen3.5-27B
-ROWS, BYTES_TIMED = (1, 8), 400_000_000
+ROWS, BYTES_TIMED = (1, 8, 16), 400_000_000
 BN_GATE_UP, BN_DOWN, PROGRAMS_PER_SM, WARPS, STAGES = 64, 32, 2, 4, 3
 PREFETCH_BLOCKS = 2  # K blocks of its weight rows a down tile prefetches into L2 before it waits
 
@@ -155,7 +156,7 @@ def main():
     dev, dtype = torch.device("cuda"), torch.bfloat16
     if "--dry-run" in sys.argv:
         dev, dtype = dry_run(), torch.float32
-        HIDDEN, INTERMEDIATE, ROWS, BYTES_TIMED = 512, 1536, (1, 5), 0
+        HIDDEN, INTERMEDIATE, ROWS, BYTES_TIMED = 512, 1536, (1, 12), 0
     bandwidth = measure_read_bandwidth(dev) or 0.0  # none on the CPU
     print(f"read bandwidth {bandwidth:.0f} GB/s", flush=True)
     one = (packed_int4(2 * INTERMEDIATE, HIDDEN, dev), packed_int4(HIDDEN, INTERMEDIATE, dev))
