@@ -128,7 +128,7 @@ def test_tree_paths_compile_for_hopper():
     layout = {"parents": "*i64", "depth": "*i64", "ancestors": "*u8", "window_rows": "*i64"}
     walk = {"chosen": "*i64", "tokens": "*i64", "parents": "*i64", "depth": "*i64", "valid": "*u8", "out": "*i64"}
     staging = {"result": "*i64", "window_rows": "*i64", "features": "*bf16", "start": "*i64", "path_out": "*i64",
-               "history_out": "*i64", "start_out": "*i64", "kept": "*bf16", "F": "i32", "stride_f": "i32"}
+               "history_out": "*i64", "start_out": "*i64", "kept": "*bf16"}
     for nodes, depth, level in ((16, 7, 3), (64, 63, 0)):
         ptx = sm90_ptx(tree_paths_triton._layout_kernel, dict(T=nodes, TAPS=4, MAX_DEPTH=depth, NODES=nodes, PDL=level),
                        4, 1, layout)

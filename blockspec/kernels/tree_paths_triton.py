@@ -58,7 +58,7 @@ def stage(result, window_rows, features, start, path_out, history_out, start_out
     taps = window_rows.shape[1]
     _stage_kernel[(triton.cdiv(width, STAGE_BLOCK),)](
         result, window_rows, features, start, path_out, history_out, start_out, kept, width, features.stride(0),
-        ROWS=rows, TAPS=taps, ROW_BLOCK=max(2, triton.next_power_of_2(rows)),
+        window_rows.stride(0), ROWS=rows, TAPS=taps, ROW_BLOCK=max(2, triton.next_power_of_2(rows)),
         TAP_BLOCK=max(2, triton.next_power_of_2(taps)), BLOCK=STAGE_BLOCK, num_warps=4, **pdl.options(result))
     return kept
 
@@ -66,8 +66,8 @@ def stage(result, window_rows, features, start, path_out, history_out, start_out
 if triton is not None:
     @triton.jit
     def _stage_kernel(result, window_rows, features, start, path_out, history_out, start_out, kept, F, stride_f,
-                      ROWS: tl.constexpr, TAPS: tl.constexpr, ROW_BLOCK: tl.constexpr, TAP_BLOCK: tl.constexpr,
-                      BLOCK: tl.constexpr, PDL: tl.constexpr):
+                      stride_w, ROWS: tl.constexpr, TAPS: tl.constexpr, ROW_BLOCK: tl.constexpr,
+                      TAP_BLOCK: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
         pdl.begin(PDL)
         rows = tl.arange(0, ROW_BLOCK)
         row_ok = rows < ROWS
@@ -81,7 +81,7 @@ if triton is not None:
             last = tl.load(result + 2 + tl.load(result))
             taps = tl.arange(0, TAP_BLOCK)
             tap_ok = (taps >= 1) & (taps < TAPS)
-            tl.store(history_out + taps - 1, tl.load(window_rows + last * TAPS + taps, mask=tap_ok), mask=tap_ok)
+            tl.store(history_out + taps - 1, tl.load(window_rows + last * stride_w + taps, mask=tap_ok), mask=tap_ok)
             tl.store(start_out, tl.load(start))
 
     @triton.jit
