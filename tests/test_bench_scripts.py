@@ -135,6 +135,26 @@ def test_dry_run(dry_runs, script):
     assert _refused(run) if script in REFUSED else run["exit"] == 0 and CHECKS[script](run["json"]), run
 
 
+def test_persistent_mlp_compiles_for_hopper():
+    """The persistent MLP's launch compiles for sm_90 at the 27B's shapes (its dry run checks its results in the
+    interpreter): the queue's atomics, the L2 prefetch, mma.sync at 8 rows and wgmma at 16."""
+    pytest.importorskip("triton")
+    from helpers import sm90_ptx
+
+    sys.path.insert(0, str(BENCH))
+    import persistent_mlp
+
+    from blockspec.kernels.quant_matmul_triton import unpack_asm
+
+    pointers = {"x_ptr": "*bf16", "gq": "*i16", "gs": "*bf16", "dq": "*i16", "ds": "*bf16", "h_ptr": "*bf16",
+                "out_ptr": "*bf16", "sync": "*i32"}
+    for rows, instruction in ((8, "mma.sync"), (16, "wgmma")):
+        constants = dict(H=5120, I=17408, G=128, BM=rows, BN_G=64, BN_D=32, STAGES=3, ASM=True, WAIT=True,
+                         PREFETCH=2, **{f"U{i}": unpack_asm(4, i, False) for i in range(4)})
+        ptx = sm90_ptx(persistent_mlp._mlp_kernel, constants, 4, 3, pointers)
+        assert instruction in ptx and "atom.global" in ptx and "prefetch.global.L2" in ptx, rows
+
+
 def test_every_bench_script_has_a_dry_run():
     """A script added to bench/ without a dry run here or in another test module fails; so does a test module that
     no longer names the script it is said to run."""
