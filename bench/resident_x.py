@@ -9,10 +9,10 @@ programs x rows x 1024 x 2 bytes (~8 MB at 16 rows against 92 MB for gate_up tod
 slices x rows x N x 4 bytes, through L2.
 
 For the 27B's projections at 8, 16 and 32 rows (decode, a tree of 15, a tree of 31): us per launch of the engine's
-default config and of the resident-x launch, GB/s of the weights' bytes and % of the machine's read bandwidth
-(measured first), and the resident result's relative error against the engine's (both sum in float32; their K
-splits differ, so they agree to rounding). Weight copies > 400 MB in one CUDA graph, median of replays
-(bench/timing.py).
+default config and of the resident-x launch in each of VARIANTS (tile width, programs an SM), GB/s of the weights'
+bytes and % of the machine's read bandwidth (measured first), and the resident results' relative error against the
+engine's (both sum in float32; their K splits differ, so they agree to rounding). Weight copies > 400 MB in one
+CUDA graph, median of replays (bench/timing.py).
 
 Usage (GPU, from bench/; ~1 minute): python resident_x.py; JSON to $OUT/resident_x.json.
 CPU dry run (tiny shapes, untimed): TRITON_INTERPRET=1 python resident_x.py --dry-run
@@ -36,7 +36,8 @@ from blockspec.quant.int4 import Int4Linear
 SHAPES = {"gate_up": (34816, 5120), "gdn_in": (16480, 5120), "down": (5120, 17408), "o": (5120, 6144)}
 ROWS, BYTES_TIMED = (8, 16, 32), 400_000_000
 BLOCKS = 2                 # K blocks (4 groups of 128) of x each program holds: 1024 features
-BN, STAGES, PROGRAMS_PER_SM = 64, 3, 2
+STAGES = 3
+VARIANTS = {"n64 p2": (64, 2), "n64 p1": (64, 1), "n64 p3": (64, 3), "n128 p1": (128, 1)}  # (BN, programs per SM)
 
 
 @triton.jit
@@ -94,18 +95,26 @@ def _resident_kernel(x_ptr, q_ptr, s_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, TIL
                  mask=n_ok[:, None] & (offs_m < M)[None, :] & done)
 
 
-def resident_matmul(x, packed, out, programs_per_slice):
-    """y = x @ dequant(W)^T for int4 group-128 weights without zero points, K a multiple of 1024."""
+def resident_matmul(x, packed, out, bn, programs_per_sm):
+    """y = x @ dequant(W)^T for int4 group-128 weights without zero points, K a multiple of 1024: tiles of bn
+    outputs, about programs_per_sm programs an SM."""
     m, k = x.shape
     split = k // (BLOCKS * 4 * packed.group_size)
-    tiles = -(-packed.n // BN)
+    programs_per_slice = max(1, round(sm_count(x.device) * programs_per_sm / split)) if x.is_cuda else 2
+    tiles = -(-packed.n // bn)
     ws = torch.empty(split * m * packed.n, dtype=torch.float32, device=x.device)
     unpack = [unpack_asm(4, i, False) for i in range(4)]
     _resident_kernel[(split * programs_per_slice,)](
         x, packed.q, packed.s, out, ws, arrival_counters(x.device, tiles), m, packed.n, k, tiles, programs_per_slice,
-        SPLIT=split, G=packed.group_size, BN=BN, BM=max(8, triton.next_power_of_2(m)), STAGES=STAGES,
-        ASM=x.is_cuda, U0=unpack[0], U1=unpack[1], U2=unpack[2], U3=unpack[3], num_warps=8 if m > 16 else 4)
+        SPLIT=split, G=packed.group_size, BN=bn, BM=max(8, triton.next_power_of_2(m)), STAGES=STAGES,
+        ASM=x.is_cuda, U0=unpack[0], U1=unpack[1], U2=unpack[2], U3=unpack[3],
+        num_warps=8 if m > 16 or bn > 64 else 4)
     return out
+
+
+def timing(packed, us: float, bandwidth: float) -> dict:
+    return {"us": round(us, 2), "gb_s": round(packed.nbytes() / us / 1e3),
+            "pct": round(packed.nbytes() / us / 1e3 / bandwidth * 100, 1) if bandwidth else None}
 
 
 def packed_int4(n, k, device):
@@ -126,26 +135,24 @@ def main():
         first = packed_int4(n, k, dev)
         copies = max(1, -(-BYTES_TIMED // first.nbytes()))
         packed = [first] + [packed_int4(n, k, dev) for _ in range(copies - 1)]
-        split = k // (BLOCKS * 4 * first.group_size)
-        per_slice = max(1, round(sm_count(dev) * PROGRAMS_PER_SM / split)) if dev.type == "cuda" else 2
         for m in ROWS:
             x = torch.randn(m, k, device=dev).to(dtype)
             out = torch.empty(m, n, device=dev, dtype=dtype)
             want = wq_matmul(x, first)
-            resident_matmul(x, first, out, per_slice)
-            err = float((out.float() - want.float()).abs().max() / want.float().abs().max())
-            row = {"k_slices": split, "programs": split * per_slice, "rel_err": err}
-            for label, fn in (("engine", lambda: [wq_matmul(x, w, out=out) for w in packed]),
-                              ("resident", lambda: [resident_matmul(x, w, out, per_slice) for w in packed])):
-                us = replay_ms(fn) * 1e3 / copies
-                row[label] = {"us": round(us, 2), "gb_s": round(first.nbytes() / us / 1e3),
-                              "pct": round(first.nbytes() / us / 1e3 / bandwidth * 100, 1) if bandwidth else None}
-            resident_matmul(x, first, out, per_slice)  # after the graph replays: still the engine's result
-            row["rel_err_after"] = float((out.float() - want.float()).abs().max() / want.float().abs().max())
+            us = replay_ms(lambda: [wq_matmul(x, w, out=out) for w in packed]) * 1e3 / copies
+            row = {"k_slices": k // (BLOCKS * 4 * first.group_size), "engine": timing(first, us, bandwidth)}
+            for label, (bn, per_sm) in VARIANTS.items():
+                resident_matmul(x, first, out, bn, per_sm)
+                err = float((out.float() - want.float()).abs().max() / want.float().abs().max())
+                us = replay_ms(lambda: [resident_matmul(x, w, out, bn, per_sm) for w in packed]) * 1e3 / copies
+                resident_matmul(x, first, out, bn, per_sm)  # after the graph replays: still the engine's result
+                after = float((out.float() - want.float()).abs().max() / want.float().abs().max())
+                row[label] = {**timing(first, us, bandwidth), "rel_err": err, "rel_err_after": after}
             results["shapes"].setdefault(name, {})[m] = row
-            print(f"{name} M={m}: engine {row['engine']['us']:.1f} us ({row['engine']['pct']} %), resident "
-                  f"{row['resident']['us']:.1f} us ({row['resident']['pct']} %), {row['programs']} programs over "
-                  f"{split} K slices; rel err {err:.1e} / {row['rel_err_after']:.1e}", flush=True)
+            print(f"{name} M={m} ({row['k_slices']} K slices): " + "; ".join(
+                f"{label} {r['us']:.1f} us ({r['pct']} %)" for label, r in row.items() if isinstance(r, dict))
+                + f"; rel err up to {max(r.get('rel_err', 0) for r in row.values() if isinstance(r, dict)):.1e}",
+                flush=True)
     path = os.path.join(os.environ.get("OUT", "."), "resident_x.json")
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     with open(path, "w") as f:

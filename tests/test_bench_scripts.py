@@ -112,8 +112,10 @@ CHECKS = {  # script: what its dry run must have written (the JSON files under i
                 for r in out["persistent_mlp.json"]["rows"].values())),
     "resident_x": lambda out: (
         sorted(out["resident_x.json"]["shapes"]["tiny"]) == ["12", "3"]
-        and all(r["rel_err"] < 1e-5 and r["rel_err_after"] < 1e-5 and {"engine", "resident"} <= set(r)
-                for r in out["resident_x.json"]["shapes"]["tiny"].values())),
+        and all("engine" in row and [label for label in row if label.startswith("n")] == [
+                    "n64 p2", "n64 p1", "n64 p3", "n128 p1"]
+                and all(v["rel_err"] < 1e-5 and v["rel_err_after"] < 1e-5 for k, v in row.items() if k.startswith("n"))
+                for row in out["resident_x.json"]["shapes"]["tiny"].values())),
     "quant_kernels": lambda out: (
         out["quant_kernels.json"]["production_failures"] == out["quant_kernels.json"]["alternative_failures"] == []
         and len(out["quant_kernels.json"]["checks"]) > 20 and all(c["ok"] for c in out["quant_kernels.json"]["checks"])
@@ -174,10 +176,12 @@ def test_resident_x_compiles_for_hopper():
     pointers = {"x_ptr": "*bf16", "q_ptr": "*i16", "s_ptr": "*bf16", "out_ptr": "*bf16", "ws_ptr": "*fp32",
                 "cnt_ptr": "*i32"}
     for rows, instruction in ((8, "mma.sync"), (16, "wgmma"), (32, "wgmma")):
-        constants = dict(SPLIT=5, G=128, BN=resident_x.BN, BM=rows, STAGES=resident_x.STAGES, ASM=True,
-                         **{f"U{i}": unpack_asm(4, i, False) for i in range(4)})
-        ptx = sm90_ptx(resident_x._resident_kernel, constants, 8 if rows > 16 else 4, resident_x.STAGES, pointers)
-        assert instruction in ptx and "atom.global" in ptx, rows
+        for tile in sorted({bn for bn, _ in resident_x.VARIANTS.values()}):
+            constants = dict(SPLIT=5, G=128, BN=tile, BM=rows, STAGES=resident_x.STAGES, ASM=True,
+                             **{f"U{i}": unpack_asm(4, i, False) for i in range(4)})
+            ptx = sm90_ptx(resident_x._resident_kernel, constants, 8 if rows > 16 or tile > 64 else 4,
+                           resident_x.STAGES, pointers)
+            assert instruction in ptx and "atom.global" in ptx, (rows, tile)
 
 
 def test_every_bench_script_has_a_dry_run():
