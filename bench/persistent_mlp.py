@@ -9,7 +9,8 @@ tree of 15's), three ways:
                first weight rows into L2, then waits until every gate_up tile is stored (a second counter), so the
                weight stream runs on while the last gate_up tiles finish;
   stream-only  the same launch without that wait (down reads whatever the buffer holds): the stream's own rate,
-               what the wait costs.
+               what the wait costs;
+and the persistent launch with OTHER_PER_SM programs an SM.
 Each timed as weight copies > 400 MB in one CUDA graph (L2 never hits), median of replays (bench/timing.py); us per
 MLP, GB/s of its bytes and % of the machine's read bandwidth (measured first). The persistent results are checked
 against the engine's (relative error: both sum in float32, the engine's launches over K ranges that their schedule
@@ -41,6 +42,7 @@ from blockspec.quant.int4 import Int4Linear
 HIDDEN, INTERMEDIATE = 5120, 17408  # Qwen3.5-27B
 ROWS, BYTES_TIMED = (1, 8, 16), 400_000_000
 BN_GATE_UP, BN_DOWN, PROGRAMS_PER_SM, WARPS, STAGES = 64, 32, 2, 4, 3
+OTHER_PER_SM = (1, 3)  # the persistent launch also timed with these many programs an SM
 PREFETCH_BLOCKS = 2  # K blocks of its weight rows a down tile prefetches into L2 before it waits
 
 
@@ -181,11 +183,13 @@ def main():
             for gate_up, down in layers:
                 wq_matmul(wq_matmul_swiglu(x, gate_up), down, out=out)
 
-        def persistent(wait=True):
+        def persistent(count=programs, wait=True):
             for gate_up, down in layers:
-                persistent_mlp(x, gate_up, down, h, out, sync, programs, wait)
+                persistent_mlp(x, gate_up, down, h, out, sync, count, wait)
+        sms = programs // PROGRAMS_PER_SM
         for name, fn in (("engine", engine), ("persistent", persistent),
-                         ("stream-only", lambda: persistent(wait=False))):
+                         ("stream-only", lambda: persistent(wait=False)),
+                         *((f"persistent, {n} an SM", lambda n=n: persistent(sms * n)) for n in OTHER_PER_SM)):
             us = replay_ms(fn) * 1e3 / copies
             row[name] = {"us": round(us, 2), "gb_s": round(mlp_bytes / us / 1e3),
                          "pct": round(mlp_bytes / us / 1e3 / bandwidth * 100, 1) if bandwidth else None}
