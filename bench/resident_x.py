@@ -99,7 +99,9 @@ def resident_matmul(x, packed, out, bn, programs_per_sm):
     """y = x @ dequant(W)^T for int4 group-128 weights without zero points, K a multiple of 1024: tiles of bn
     outputs, about programs_per_sm programs an SM."""
     m, k = x.shape
-    split = k // (BLOCKS * 4 * packed.group_size)
+    split, rest = divmod(k, BLOCKS * 4 * packed.group_size)
+    if rest or packed.z is not None:
+        raise ValueError(f"resident_matmul takes K a multiple of {BLOCKS * 4 * packed.group_size} and no zero points")
     programs_per_slice = max(1, round(sm_count(x.device) * programs_per_sm / split)) if x.is_cuda else 2
     tiles = -(-packed.n // bn)
     ws = torch.empty(split * m * packed.n, dtype=torch.float32, device=x.device)
