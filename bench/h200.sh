@@ -56,6 +56,8 @@
 #                  target with its head; PAIR_TAG, default empty); archives in $OUT
 #   pair_bench     the pair (PAIR_TAG's) on standard-library code: tokens/s of the three modes, acceptance over whole
 #                  generations and from 500 real contexts (bench --fixtures stdlib --one-cycle 500; ~5 minutes)
+#   demo_one_cycle  the shipped demo pair's one-cycle acceptance, MTP and DFlash2's chain (bench --fixtures stdlib
+#                  --one-cycle 500 --context-length 1024, bf16; the two modes in two processes at once, ~3 minutes)
 #   pair_recipes   what each training-recipe change buys on the demo pair's target: RECIPES (default
 #                  drafter-3-layers,drafter-block-16; names of bench/drafter_recipes.py's RECIPES; the shipped pair's
 #                  proposers are drafter-3-layers-4x and mtp-4x) trained RECIPES_PARALLEL (default 2) at once for
@@ -171,6 +173,12 @@ for part in ${PARTS:-bf16 warm int4 vocab}; do
            run ${PAIR_BENCH_S:-400} python3 -m blockspec.cli bench --model ${PAIR_MODEL:-.pair/mtp$T} --drafter .pair/drafter$T \
              --mode none,mtp,dflash2 --fixtures stdlib --one-cycle 500 --max-tokens 128 --repeats 1 \
              --json-out "$OUT/pair_bench$T.json" ;;
+    demo_one_cycle) rm -rf .demo && python3 -m blockspec.cli demo --save .demo > /dev/null
+           for mode in mtp dflash2; do
+             run ${DEMO_ONE_CYCLE_S:-300} python3 -m blockspec.cli bench --model .demo/target \
+               $([ $mode = dflash2 ] && echo --drafter .demo/drafter) --mode $mode --tree-budget 0 --fixtures stdlib \
+               --one-cycle 500 --context-length 1024 --max-tokens 16 --repeats 1 --json-out "$OUT/one_cycle_$mode.json" &
+           done; wait ;;
     pair_recipes) rm -rf .demo /tmp/blockspec-recipes && python3 -m blockspec.cli demo --save .demo > /dev/null
            SITE=$(python3 -c "import os, site; print(' '.join(p for p in site.getsitepackages() if os.path.isdir(p)))")
            LAUNCH="env -u TQDM_DISABLE TQDM_MININTERVAL=20 python3" \
