@@ -122,6 +122,9 @@ def _mlp_kernel(x_ptr, gq, gs, dq, ds, h_ptr, out_ptr, sync, M, GATE_TILES, DOWN
             if WAIT:
                 seen = tl.atomic_add(stored, 0, sem="acquire")
                 while seen < GATE_TILES:
+                    if ASM:  # back off between polls: the SM's other program still streams gate_up tiles
+                        seen = tl.inline_asm_elementwise("nanosleep.u32 256; mov.b32 $0, $1;", "=r,r", [seen],
+                                                         dtype=tl.int32, is_pure=False, pack=1)
                     seen = tl.atomic_add(stored, 0, sem="acquire")
             total = _tile_sum(h_ptr, I, dq, ds, outputs, out_ok, M, H, I // 4, I // (4 * G), G, BM, STAGES, ASM,
                               U0, U1, U2, U3, True)

@@ -144,7 +144,7 @@ def test_dry_run(dry_runs, script):
 
 def test_persistent_mlp_compiles_for_hopper():
     """The persistent MLP's launch compiles for sm_90 at the 27B's shapes (its dry run checks its results in the
-    interpreter): the queue's atomics, the L2 prefetch, mma.sync at 8 rows and wgmma at 16."""
+    interpreter): the queue's atomics, the L2 prefetch, the wait's back-off, mma.sync at 8 rows and wgmma at 16."""
     pytest.importorskip("triton")
     from helpers import sm90_ptx
 
@@ -159,7 +159,7 @@ def test_persistent_mlp_compiles_for_hopper():
         constants = dict(H=5120, I=17408, G=128, BM=rows, BN_G=64, BN_D=32, STAGES=3, ASM=True, WAIT=True,
                          PREFETCH=2, **{f"U{i}": unpack_asm(4, i, False) for i in range(4)})
         ptx = sm90_ptx(persistent_mlp._mlp_kernel, constants, 4, 3, pointers)
-        assert instruction in ptx and "atom.global" in ptx and "prefetch.global.L2" in ptx, rows
+        assert instruction in ptx and "atom.global" in ptx and "prefetch.global.L2" in ptx and "nanosleep" in ptx, rows
 
 
 def test_resident_x_compiles_for_hopper():
