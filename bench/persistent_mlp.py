@@ -5,9 +5,9 @@ tree of 15's), three ways:
                default configs, programmatic dependent launch as the engine sets it);
   persistent   one launch of SMs x PROGRAMS_PER_SM programs taking work items from a queue (an atomic counter):
                first the gate_up tiles (BN_GATE_UP outputs, every K block; silu(gate) * up stored), then the down
-               tiles (BN_DOWN outputs over all of gate_up's output). A program that takes a down tile prefetches its
-               first weight rows into L2, then waits until every gate_up tile is stored (a second counter), so the
-               weight stream runs on while the last gate_up tiles finish;
+               tiles (BN_DOWN outputs over all of gate_up's output). A program that takes a down tile loads its first
+               weight block into registers and prefetches the next ones into L2, then waits until every gate_up tile
+               is stored (a second counter), so the weight stream runs on while the last gate_up tiles finish;
   stream-only  the same launch without that wait (down reads whatever the buffer holds): the stream's own rate,
                what the wait costs;
 and the persistent launch with OTHER_PER_SM programs an SM.
@@ -43,52 +43,61 @@ HIDDEN, INTERMEDIATE = 5120, 17408  # Qwen3.5-27B
 ROWS, BYTES_TIMED = (1, 8, 16), 400_000_000
 BN_GATE_UP, BN_DOWN, PROGRAMS_PER_SM, WARPS, STAGES = 64, 32, 2, 4, 3
 OTHER_PER_SM = (1, 3)  # the persistent launch also timed with these many programs an SM
-PREFETCH_BLOCKS = 2  # K blocks of its weight rows a down tile prefetches into L2 before it waits
+PREFETCH_BLOCKS = 2  # K blocks of its weight rows (after the first, held in registers) a down tile prefetches into
+# L2 before it waits
 
 
 @triton.jit
-def _tile_sum(x_ptr, stride_x, q_ptr, s_ptr, rows, n_ok, M, N, KH, NBLK, G: tl.constexpr, BM: tl.constexpr,
-              STAGES: tl.constexpr, ASM: tl.constexpr, U0: tl.constexpr, U1: tl.constexpr, U2: tl.constexpr,
-              U3: tl.constexpr, FRESH: tl.constexpr):
-    """acc [rows, BM] fp32 = dequant(W[rows]) @ x^T over every K block, int4 group G (no zero points): the main
-    loop of `_wq_kernel` for one tile (FRESH: x loaded past L1, as another program of this launch wrote it)."""
+def _block_sum(acc, h, scales, xb, m_ok, BN: tl.constexpr, G: tl.constexpr, ASM: tl.constexpr, U0: tl.constexpr,
+               U1: tl.constexpr, U2: tl.constexpr, U3: tl.constexpr, FRESH: tl.constexpr):
+    """acc [BN, BM] += one K block: h [BN, G] int16 codes (4 groups, one a nibble of each halfword), scales [BN, 4],
+    x^T group tiles at xb (FRESH: loaded past L1, as another program of this launch wrote x)."""
+    s0, s1, s2, s3 = _cols(scales, BN, 4)
+    for i in tl.static_range(4):
+        if FRESH:
+            xt = tl.load(xb + i * G, mask=m_ok, other=0.0, cache_modifier=".cg")
+        else:
+            xt = tl.load(xb + i * G, mask=m_ok, other=0.0)
+        if ASM:
+            if i == 0:
+                a = tl.inline_asm_elementwise(U0, "=r,r", [h], dtype=xt.dtype, is_pure=True, pack=2)
+            elif i == 1:
+                a = tl.inline_asm_elementwise(U1, "=r,r", [h], dtype=xt.dtype, is_pure=True, pack=2)
+            elif i == 2:
+                a = tl.inline_asm_elementwise(U2, "=r,r", [h], dtype=xt.dtype, is_pure=True, pack=2)
+            else:
+                a = tl.inline_asm_elementwise(U3, "=r,r", [h], dtype=xt.dtype, is_pure=True, pack=2)
+        else:  # the interpreter: fp32 dots
+            a = ((h >> (4 * i)) & 15).to(tl.float32) - 8
+            xt = xt.to(tl.float32)
+        if i == 0:
+            s = s0
+        elif i == 1:
+            s = s1
+        elif i == 2:
+            s = s2
+        else:
+            s = s3
+        acc += tl.dot(a.to(xt.dtype), xt, tl.zeros(acc.shape, tl.float32)) * s.to(tl.float32)[:, None]
+    return acc
+
+
+@triton.jit
+def _tile_sum(acc, x_ptr, stride_x, q_ptr, s_ptr, rows, n_ok, M, N, KH, FIRST, NBLK, G: tl.constexpr,
+              BM: tl.constexpr, STAGES: tl.constexpr, ASM: tl.constexpr, U0: tl.constexpr, U1: tl.constexpr,
+              U2: tl.constexpr, U3: tl.constexpr, FRESH: tl.constexpr):
+    """acc [rows, BM] fp32 + dequant(W[rows]) @ x^T over K blocks FIRST.., int4 group G (no zero points): the main
+    loop of `_wq_kernel` for one tile."""
     offs_m = tl.arange(0, BM)
     offs_c = tl.arange(0, G)
     q_rows = q_ptr + rows[:, None].to(tl.int64) * KH + offs_c[None, :]
     sz = rows[:, None] * 4 + tl.arange(0, 4)[None, :]
     x_cols = x_ptr + offs_m[None, :] * stride_x + offs_c[:, None]
     m_ok = (offs_m < M)[None, :]
-    acc = tl.zeros([rows.shape[0], BM], tl.float32)
-    for b in tl.range(0, NBLK, num_stages=STAGES):
-        s0, s1, s2, s3 = _cols(tl.load(s_ptr + b * N * 4 + sz, mask=n_ok[:, None], other=0.0), rows.shape[0], 4)
+    for b in tl.range(FIRST, NBLK, num_stages=STAGES):
+        scales = tl.load(s_ptr + b * N * 4 + sz, mask=n_ok[:, None], other=0.0)
         h = tl.load(q_rows + b * G, mask=n_ok[:, None], other=0)
-        xb = x_cols + b * (4 * G)
-        for i in tl.static_range(4):
-            if FRESH:
-                xt = tl.load(xb + i * G, mask=m_ok, other=0.0, cache_modifier=".cg")
-            else:
-                xt = tl.load(xb + i * G, mask=m_ok, other=0.0)
-            if ASM:
-                if i == 0:
-                    a = tl.inline_asm_elementwise(U0, "=r,r", [h], dtype=xt.dtype, is_pure=True, pack=2)
-                elif i == 1:
-                    a = tl.inline_asm_elementwise(U1, "=r,r", [h], dtype=xt.dtype, is_pure=True, pack=2)
-                elif i == 2:
-                    a = tl.inline_asm_elementwise(U2, "=r,r", [h], dtype=xt.dtype, is_pure=True, pack=2)
-                else:
-                    a = tl.inline_asm_elementwise(U3, "=r,r", [h], dtype=xt.dtype, is_pure=True, pack=2)
-            else:  # the interpreter: fp32 dots
-                a = ((h >> (4 * i)) & 15).to(tl.float32) - 8
-                xt = xt.to(tl.float32)
-            if i == 0:
-                s = s0
-            elif i == 1:
-                s = s1
-            elif i == 2:
-                s = s2
-            else:
-                s = s3
-            acc += tl.dot(a.to(xt.dtype), xt, tl.zeros([rows.shape[0], BM], tl.float32)) * s.to(tl.float32)[:, None]
+        acc = _block_sum(acc, h, scales, x_cols + b * (4 * G), m_ok, rows.shape[0], G, ASM, U0, U1, U2, U3, FRESH)
     return acc
 
 
@@ -108,8 +117,8 @@ def _mlp_kernel(x_ptr, gq, gs, dq, ds, h_ptr, out_ptr, sync, M, GATE_TILES, DOWN
             channels = item * (BN_G // 2) + half
             n_ok = channels < I
             rows = tl.where(n_ok, channels + (tl.arange(0, BN_G) >= BN_G // 2).to(tl.int32) * I, 2 * I)
-            acc = _tile_sum(x_ptr, H, gq, gs, rows, n_ok, M, 2 * I, H // 4, H // (4 * G), G, BM, STAGES, ASM,
-                            U0, U1, U2, U3, False)
+            acc = _tile_sum(tl.zeros([BN_G, BM], tl.float32), x_ptr, H, gq, gs, rows, n_ok, M, 2 * I, H // 4, 0,
+                            H // (4 * G), G, BM, STAGES, ASM, U0, U1, U2, U3, False)
             _swiglu_epilogue(acc, item == item, h_ptr, I, item, offs_m, M, 2 * I, BN_G, BM)
             tl.debug_barrier()
             tl.atomic_add(stored, 1, sem="release")
@@ -117,8 +126,13 @@ def _mlp_kernel(x_ptr, gq, gs, dq, ds, h_ptr, out_ptr, sync, M, GATE_TILES, DOWN
             tile = item - GATE_TILES  # (names of their own: Triton types a name alike in both branches)
             outputs = tile * BN_D + tl.arange(0, BN_D)
             out_ok = outputs < H
-            # its first weight blocks into L2 while the last gate_up tiles finish (PDL 1: the helper's gate only)
-            pdl.prefetch_rows(dq, outputs, I // 4, 0, H, I // 4, PREFETCH * G, 64, 1)
+            # while the last gate_up tiles finish: its first weight block into registers, the next ones into L2
+            # (PDL 1: the prefetch helper's gate only)
+            first_codes = tl.load(dq + outputs[:, None].to(tl.int64) * (I // 4) + tl.arange(0, G)[None, :],
+                                  mask=out_ok[:, None], other=0)
+            first_scales = tl.load(ds + outputs[:, None] * 4 + tl.arange(0, 4)[None, :], mask=out_ok[:, None],
+                                   other=0.0)
+            pdl.prefetch_rows(dq, outputs, I // 4, G, H, I // 4, PREFETCH * G, 64, 1)
             if WAIT:
                 seen = tl.atomic_add(stored, 0, sem="acquire")
                 while seen < GATE_TILES:
@@ -126,8 +140,11 @@ def _mlp_kernel(x_ptr, gq, gs, dq, ds, h_ptr, out_ptr, sync, M, GATE_TILES, DOWN
                         seen = tl.inline_asm_elementwise("nanosleep.u32 256; mov.b32 $0, $1;", "=r,r", [seen],
                                                          dtype=tl.int32, is_pure=False, pack=1)
                     seen = tl.atomic_add(stored, 0, sem="acquire")
-            total = _tile_sum(h_ptr, I, dq, ds, outputs, out_ok, M, H, I // 4, I // (4 * G), G, BM, STAGES, ASM,
-                              U0, U1, U2, U3, True)
+            x_first = h_ptr + offs_m[None, :] * I + tl.arange(0, G)[:, None]
+            total = _block_sum(tl.zeros([BN_D, BM], tl.float32), first_codes, first_scales, x_first,
+                               (offs_m < M)[None, :], BN_D, G, ASM, U0, U1, U2, U3, True)
+            total = _tile_sum(total, h_ptr, I, dq, ds, outputs, out_ok, M, H, I // 4, 1, I // (4 * G), G, BM, STAGES,
+                              ASM, U0, U1, U2, U3, True)
             tl.store(out_ptr + offs_m[None, :] * H + outputs[:, None], total.to(out_ptr.dtype.element_ty),
                      mask=out_ok[:, None] & (offs_m < M)[None, :])
         item = tl.atomic_add(queue, 1)
