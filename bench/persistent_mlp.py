@@ -18,7 +18,10 @@ may split, so the two agree to rounding, not bit for bit).
 
 The question it answers for a persistent decoding kernel (docs/benchmarks.md, "What limits each figure"): how near the
 read bandwidth one launch over two ops streams (137.9 MB a layer: ~33 us at the H200's measured ~4.2 TB/s), and
-how much of the gap to the engine's launches the wait between the ops gives back.
+how much of the gap to the engine's launches the wait between the ops gives back. An earlier persistent layer tail
+(static phases behind grid-wide barriers, the next phase's weights prefetched into L2 only) measured slower than its
+launches; here the queue keeps every program busy until the boundary, and the next op's first weights are already
+in registers when it is crossed.
 
 Usage (GPU, from bench/; ~1 minute): python persistent_mlp.py; JSON to $OUT/persistent_mlp.json.
 CPU dry run (tiny shapes, untimed; the interpreter runs the programs one after another, so program 0 takes every item
