@@ -12,9 +12,10 @@ tree of 15's), three ways:
                what the wait costs;
 and the persistent launch with OTHER_PER_SM programs an SM.
 Each timed as weight copies > 400 MB in one CUDA graph (L2 never hits), median of replays (bench/timing.py); us per
-MLP, GB/s of its bytes and % of the machine's read bandwidth (measured first). The persistent results are checked
-against the engine's (relative error: both sum in float32, the engine's launches over K ranges that their schedule
-may split, so the two agree to rounding, not bit for bit).
+MLP, GB/s of its bytes and % of the machine's read bandwidth (measured first); then one persistent launch with each
+work item's times on the GPU's global timer (`timeline`: where the boundary falls, how long the down tiles wait).
+The persistent results are checked against the engine's (relative error: both sum in float32, the engine's launches
+over K ranges that their schedule may split, so the two agree to rounding, not bit for bit).
 
 The question it answers for a persistent decoding kernel (docs/benchmarks.md, "What limits each figure"): how near the
 read bandwidth one launch over two ops streams (137.9 MB a layer: ~33 us at the H200's measured ~4.2 TB/s), and
@@ -35,6 +36,7 @@ import sys
 import torch
 import triton
 import triton.language as tl
+from launch_timeline import _stamp  # bench/launch_timeline.py: a read of the GPU's global timer
 from timing import dry_run, replay_ms  # bench/timing.py, beside this script
 
 from blockspec.bench import measure_read_bandwidth
@@ -105,16 +107,21 @@ def _tile_sum(acc, x_ptr, stride_x, q_ptr, s_ptr, rows, n_ok, M, N, KH, FIRST, N
 
 
 @triton.jit
-def _mlp_kernel(x_ptr, gq, gs, dq, ds, h_ptr, out_ptr, sync, M, GATE_TILES, DOWN_TILES, PROGRAMS,
+def _mlp_kernel(x_ptr, gq, gs, dq, ds, h_ptr, out_ptr, sync, stamps, M, GATE_TILES, DOWN_TILES, PROGRAMS,
                 H: tl.constexpr, I: tl.constexpr, G: tl.constexpr, BM: tl.constexpr, BN_G: tl.constexpr,
                 BN_D: tl.constexpr, STAGES: tl.constexpr, ASM: tl.constexpr, U0: tl.constexpr, U1: tl.constexpr,
-                U2: tl.constexpr, U3: tl.constexpr, WAIT: tl.constexpr, PREFETCH: tl.constexpr):
+                U2: tl.constexpr, U3: tl.constexpr, WAIT: tl.constexpr, PREFETCH: tl.constexpr,
+                STAMPS: tl.constexpr):
     """sync [4] int32, zero before the first launch and left zero by the last program to exit: the queue, gate_up
-    tiles stored, programs exited."""
+    tiles stored, programs exited. STAMPS: per work item, stamps [item] = (program, start, end of the wait, end),
+    the times on the GPU's global timer (ns)."""
     queue, stored, exited = sync, sync + 1, sync + 2
     offs_m = tl.arange(0, BM)
     item = tl.atomic_add(queue, 1)
     while item < GATE_TILES + DOWN_TILES:
+        if STAMPS:
+            tl.store(stamps + item * 4, tl.program_id(0).to(tl.int64))
+            tl.store(stamps + item * 4 + 1, _stamp(item, True))
         if item < GATE_TILES:  # BN_G / 2 gate channels and the same channels' up rows (`_tile`'s EPI 2 layout)
             half = tl.arange(0, BN_G) % (BN_G // 2)
             channels = item * (BN_G // 2) + half
@@ -143,6 +150,8 @@ def _mlp_kernel(x_ptr, gq, gs, dq, ds, h_ptr, out_ptr, sync, M, GATE_TILES, DOWN
                         seen = tl.inline_asm_elementwise("nanosleep.u32 256; mov.b32 $0, $1;", "=r,r", [seen],
                                                          dtype=tl.int32, is_pure=False, pack=1)
                     seen = tl.atomic_add(stored, 0, sem="acquire")
+                if STAMPS:
+                    tl.store(stamps + item * 4 + 2, _stamp(seen, True))
             x_first = h_ptr + offs_m[None, :] * I + tl.arange(0, G)[:, None]
             total = _block_sum(tl.zeros([BN_D, BM], tl.float32), first_codes, first_scales, x_first,
                                (offs_m < M)[None, :], BN_D, G, ASM, U0, U1, U2, U3, True)
@@ -150,6 +159,9 @@ def _mlp_kernel(x_ptr, gq, gs, dq, ds, h_ptr, out_ptr, sync, M, GATE_TILES, DOWN
                               ASM, U0, U1, U2, U3, True)
             tl.store(out_ptr + offs_m[None, :] * H + outputs[:, None], total.to(out_ptr.dtype.element_ty),
                      mask=out_ok[:, None] & (offs_m < M)[None, :])
+        if STAMPS:
+            tl.debug_barrier()
+            tl.store(stamps + item * 4 + 3, _stamp(item, True))
         item = tl.atomic_add(queue, 1)
     if tl.atomic_add(exited, 1, sem="acq_rel") == PROGRAMS - 1:  # the last one out: clean for the next launch
         tl.atomic_xchg(queue, 0)
@@ -157,18 +169,41 @@ def _mlp_kernel(x_ptr, gq, gs, dq, ds, h_ptr, out_ptr, sync, M, GATE_TILES, DOWN
         tl.atomic_xchg(exited, 0)
 
 
-def persistent_mlp(x, gate_up, down, h, out, sync, programs, wait=True):
+def persistent_mlp(x, gate_up, down, h, out, sync, programs, wait=True, stamps=None):
     """silu(gate) * up of x through gate_up ([gate; up] packed int4 [2I, H]) into h [M, I], then h @ down^T into
-    out [M, H], in one launch of `programs` programs."""
+    out [M, H], in one launch of `programs` programs; with `stamps` (int64 [items, 4], CUDA), each work item's
+    program and times (`_mlp_kernel`)."""
     cuda = x.is_cuda
     unpack = [unpack_asm(4, i, False) for i in range(4)]
     gate_tiles = -(-gate_up.n // BN_GATE_UP)
     down_tiles = -(-down.n // BN_DOWN)
-    _mlp_kernel[(programs,)](x, gate_up.q, gate_up.s, down.q, down.s, h, out, sync, x.shape[0], gate_tiles,
+    _mlp_kernel[(programs,)](x, gate_up.q, gate_up.s, down.q, down.s, h, out, sync,
+                             sync if stamps is None else stamps, x.shape[0], gate_tiles,
                              down_tiles, programs, H=down.n, I=gate_up.n // 2, G=gate_up.group_size,
                              BM=max(8, triton.next_power_of_2(x.shape[0])), BN_G=BN_GATE_UP, BN_D=BN_DOWN,
                              STAGES=STAGES, ASM=cuda, U0=unpack[0], U1=unpack[1], U2=unpack[2], U3=unpack[3],
-                             WAIT=wait, PREFETCH=PREFETCH_BLOCKS if cuda else 0, num_warps=WARPS)
+                             WAIT=wait, PREFETCH=PREFETCH_BLOCKS if cuda else 0, STAMPS=stamps is not None,
+                             num_warps=WARPS)
+
+
+def timeline(x, layer, h, out, sync, programs) -> dict:
+    """One stamped launch (not timed): us from the first item's start to the last gate_up tile's end (the
+    boundary) and to the last item's end; the down tiles' waits (median, largest) and how many started before the
+    boundary; items' median time (gate_up, down after its wait)."""
+    gate_up, down = layer
+    items = -(-gate_up.n // BN_GATE_UP) + -(-down.n // BN_DOWN)
+    stamps = torch.zeros(items, 4, dtype=torch.int64, device=x.device)
+    persistent_mlp(x, gate_up, down, h, out, sync, programs, stamps=stamps)
+    t = stamps.cpu().double()
+    gate = -(-gate_up.n // BN_GATE_UP)
+    zero = t[:, 1].min()
+    boundary = float(t[:gate, 3].max() - zero) / 1e3
+    waits = (t[gate:, 2] - t[gate:, 1]) / 1e3
+    return {"boundary_us": round(boundary, 2), "end_us": round(float(t[:, 3].max() - zero) / 1e3, 2),
+            "down_wait_median_us": round(float(waits.median()), 2), "down_wait_max_us": round(float(waits.max()), 2),
+            "down_started_before_boundary": int((t[gate:, 1] - zero < boundary * 1e3).sum()),
+            "gate_up_item_median_us": round(float((t[:gate, 3] - t[:gate, 1]).median()) / 1e3, 2),
+            "down_item_after_wait_median_us": round(float((t[gate:, 3] - t[gate:, 2]).median()) / 1e3, 2)}
 
 
 def packed_int4(n, k, device):
@@ -216,13 +251,15 @@ def main():
             us = replay_ms(fn) * 1e3 / copies
             row[name] = {"us": round(us, 2), "gb_s": round(mlp_bytes / us / 1e3),
                          "pct": round(mlp_bytes / us / 1e3 / bandwidth * 100, 1) if bandwidth else None}
+        if dev.type == "cuda":
+            row["timeline"] = timeline(x, one, h, out, sync, programs)
         persistent_mlp(x, *one, h, out, sync, programs)  # after the timed replays: still the engine's result
         row["persistent_rel_err_after"] = float((out.float() - want.float()).abs().max() / want.float().abs().max())
         results["rows"][m] = row
         print(f"M={m}: " + "; ".join(f"{k} {v['us']:.1f} us {v['gb_s']} GB/s ({v['pct']} %)"
                                      for k, v in row.items() if isinstance(v, dict))
-              + f"; rel err {err:.1e} / {row['persistent_rel_err_after']:.1e}, sync clean {row['sync_left_zero']}",
-              flush=True)
+              + f"; rel err {err:.1e} / {row['persistent_rel_err_after']:.1e}, sync clean {row['sync_left_zero']}"
+              + (f"\n  one persistent launch's stamps: {row['timeline']}" if "timeline" in row else ""), flush=True)
     path = os.path.join(os.environ.get("OUT", "."), "persistent_mlp.json")
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     with open(path, "w") as f:

@@ -144,7 +144,8 @@ def test_dry_run(dry_runs, script):
 
 def test_persistent_mlp_compiles_for_hopper():
     """The persistent MLP's launch compiles for sm_90 at the 27B's shapes (its dry run checks its results in the
-    interpreter): the queue's atomics, the L2 prefetch, the wait's back-off, mma.sync at 8 rows and wgmma at 16."""
+    interpreter): the queue's atomics, the L2 prefetch, the wait's back-off, mma.sync at 8 rows and wgmma at 16, and
+    the time stamps only where asked for."""
     pytest.importorskip("triton")
     from helpers import sm90_ptx
 
@@ -154,12 +155,13 @@ def test_persistent_mlp_compiles_for_hopper():
     from blockspec.kernels.quant_matmul_triton import unpack_asm
 
     pointers = {"x_ptr": "*bf16", "gq": "*i16", "gs": "*bf16", "dq": "*i16", "ds": "*bf16", "h_ptr": "*bf16",
-                "out_ptr": "*bf16", "sync": "*i32"}
-    for rows, instruction in ((8, "mma.sync"), (16, "wgmma")):
+                "out_ptr": "*bf16", "sync": "*i32", "stamps": "*i64"}
+    for rows, instruction, stamps in ((8, "mma.sync", False), (16, "wgmma", False), (8, "mma.sync", True)):
         constants = dict(H=5120, I=17408, G=128, BM=rows, BN_G=64, BN_D=32, STAGES=3, ASM=True, WAIT=True,
-                         PREFETCH=2, **{f"U{i}": unpack_asm(4, i, False) for i in range(4)})
+                         PREFETCH=2, STAMPS=stamps, **{f"U{i}": unpack_asm(4, i, False) for i in range(4)})
         ptx = sm90_ptx(persistent_mlp._mlp_kernel, constants, 4, 3, pointers)
         assert instruction in ptx and "atom.global" in ptx and "prefetch.global.L2" in ptx and "nanosleep" in ptx, rows
+        assert ("%globaltimer" in ptx) == stamps, rows
 
 
 def test_resident_x_compiles_for_hopper():
