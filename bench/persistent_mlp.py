@@ -40,11 +40,12 @@ from launch_timeline import _stamp  # bench/launch_timeline.py: a read of the GP
 from timing import dry_run, replay_ms  # bench/timing.py, beside this script
 
 from blockspec.bench import measure_read_bandwidth
-from blockspec.kernels import pdl, sm_count
+from blockspec.kernels import KernelSettings, pdl, sm_count, use
 from blockspec.kernels.quant_matmul_triton import _cols, _swiglu_epilogue, unpack_asm, wq_matmul, wq_matmul_swiglu
 from blockspec.quant.int4 import Int4Linear
 
 HIDDEN, INTERMEDIATE = 5120, 17408  # Qwen3.5-27B
+ENGINE_KERNELS = KernelSettings(pdl_level=3)  # what the engine launches an INT4 target's projections with
 ROWS, BYTES_TIMED = (1, 8, 16), 400_000_000
 BN_GATE_UP, BN_DOWN, PROGRAMS_PER_SM, WARPS, STAGES = 64, 32, 2, 4, 3
 OTHER_PER_SM = (1, 3)  # the persistent launch also timed with these many programs an SM
@@ -238,8 +239,9 @@ def main():
         row = {"persistent_rel_err": err, "sync_left_zero": bool((sync == 0).all())}
 
         def engine():
-            for gate_up, down in layers:
-                wq_matmul(wq_matmul_swiglu(x, gate_up), down, out=out)
+            with use(ENGINE_KERNELS):
+                for gate_up, down in layers:
+                    wq_matmul(wq_matmul_swiglu(x, gate_up), down, out=out)
 
         def persistent(count=programs, wait=True):
             for gate_up, down in layers:
