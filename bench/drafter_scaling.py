@@ -40,14 +40,21 @@ def command(processes: int, out: Path, train_args: list[str]) -> list[str]:
             "-m", "blockspec", "train-drafter", *train_args, "--out", str(out)]
 
 
+def failure_report(stderr: str) -> str:
+    """The lines of a failed torchrun's stderr that name the failure: what the processes said last (a rank's error
+    or abort), which comes before torchrun's own lines, then the end of torchrun's report (its separators left out:
+    the lines with words in them)."""
+    said = [line for line in stderr.splitlines() if any(c.isalpha() for c in line)]
+    report = next((i for i, line in enumerate(said) if "distributed/elastic" in line), len(said))
+    return "\n".join(said[max(0, report - 10):report] + ["(torchrun:)"] + said[max(report, len(said) - 12):])
+
+
 def run(processes: int, out: Path, train_args: list[str]) -> tuple[dict, float]:
     """One train-drafter run under torchrun; its training.json and its wall time."""
     start = time.perf_counter()
     proc = subprocess.run(command(processes, out, train_args), cwd=ROOT, capture_output=True, text=True)
     if proc.returncode != 0:
-        # torchrun's report ends in separators: the lines that name the failure are the ones with words in them
-        said = [line for line in proc.stderr.splitlines() if any(c.isalpha() for c in line)]
-        sys.exit(f"{processes} processes failed (exit {proc.returncode}):\n" + "\n".join(said[-12:]))
+        sys.exit(f"{processes} processes failed (exit {proc.returncode}):\n" + failure_report(proc.stderr))
     return json.loads((out / "training.json").read_text()), time.perf_counter() - start
 
 

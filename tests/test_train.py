@@ -788,6 +788,25 @@ def test_eval_every_keeps_the_best_weights_and_resume_remembers_them(tmp_path):
     assert all(torch.equal(torch.load(tmp_path / "best" / "w.pt")[k], v) for k, v in written[10].items())
 
 
+def test_scaling_bench_names_a_ranks_failure():
+    """A failed run's report keeps what the aborting process said, which torchrun's own report buries."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+    from drafter_scaling import failure_report
+
+    stderr = ("*****\nSetting OMP_NUM_THREADS ...\nterminate called after throwing an instance of 'c10::Error'\n"
+              "W1205 21:08:46 .venv/lib/python3.11/site-packages/torch/distributed/elastic/multiprocessing/api.py:1028]"
+              " Sending process 17858 closing signal SIGTERM\nTraceback (most recent call last):\n"
+              + "  File x, line 1\n" * 20 + "=====\nRoot Cause (first observed failure):\n  rank      : 1\n"
+              "  exitcode  : -6 (pid: 17859)  (SIGABRT)\n=====\n")
+    report = failure_report(stderr).splitlines()
+    assert "terminate called after throwing an instance of 'c10::Error'" in report
+    assert report[-1] == "  exitcode  : -6 (pid: 17859)  (SIGABRT)" and "=====" not in report
+    assert report.index("(torchrun:)") > report.index("terminate called after throwing an instance of 'c10::Error'")
+
+
 def test_scaling_bench_dry_run(setup):
     """bench/drafter_scaling.py (the several-GPU measurement) on the CPU: 1 and 2 gloo processes of one run, the
     same loss curve, an efficiency figure."""
