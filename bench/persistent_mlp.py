@@ -259,7 +259,7 @@ def main():
         row["persistent_rel_err_after"] = float((out.float() - want.float()).abs().max() / want.float().abs().max())
         results["rows"][m] = row
         print(f"M={m}: " + "; ".join(f"{k} {v['us']:.1f} us {v['gb_s']} GB/s ({v['pct']} %)"
-                                     for k, v in row.items() if isinstance(v, dict))
+                                     for k, v in row.items() if isinstance(v, dict) and "us" in v)
               + f"; rel err {err:.1e} / {row['persistent_rel_err_after']:.1e}, sync clean {row['sync_left_zero']}"
               + (f"\n  one persistent launch's stamps: {row['timeline']}" if "timeline" in row else ""), flush=True)
     path = os.path.join(os.environ.get("OUT", "."), "persistent_mlp.json")

@@ -107,6 +107,27 @@ def test_evaluation_measures_the_chain(setup, monkeypatch):
     assert seen == [0] and summary["evaluation"]["cuts"] == 2
 
 
+def test_evaluation_keeps_within_the_targets_positions(trained, tmp_path):
+    """Sequences as long as the target's max_position_embeddings are evaluated (in pieces) within those positions:
+    the evaluation's context is not the sequence length plus a few blocks past it."""
+    import shutil
+
+    from blockspec.train import run as training
+    from blockspec.train.data import Sequence
+
+    root, target, data, _ = trained
+    short = shutil.copytree(target, tmp_path / "target")
+    config = json.loads((short / "config.json").read_text())
+    text = config.get("text_config", config)
+    text["max_position_embeddings"] = 96
+    (short / "config.json").write_text(json.dumps(config))
+    run = run_config(root, short, data, seq_len=96, eval_cuts=6)
+    ids = Engine.load(target, device="cpu").tokenizer.encode(" ".join(WORDS * 6))[:96]
+    heldout = [Sequence(np.array(ids, dtype=np.int32), np.ones(len(ids), dtype=bool))]
+    measured = training.evaluate(run, root / "out", heldout, torch.device("cpu"))
+    assert measured["cuts"] == 6 and 1 <= measured["mean_accepted_length"] <= 8
+
+
 @pytest.mark.parametrize("kind", ["dflash2", "mtp"])
 def test_evaluation_runs_the_frozen_target_itself(setup, monkeypatch, kind):
     """An evaluation during training runs the frozen target already in memory (no second copy: a 27B would not fit

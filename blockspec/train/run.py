@@ -368,10 +368,13 @@ def evaluate(run: DrafterTraining, out: Path, heldout: list[Sequence], device: t
 
     gpu = {"gpu_ranks": [device.index], "compile_mode": -1} if device.type == "cuda" else {}  # rank_device's GPU
     chain = {"dflash2_model": str(out), "dflash2_tree_budget": 0} if run.kind == "dflash2" else {}
+    # a whole training sequence and a few cycles past it, within the target's positions (a sequence longer than
+    # the context is measured in pieces, evaluate.one_cycle_acceptance)
+    positions = TargetConfig.from_file(Path(run.target) / "config.json").max_position_embeddings
     config = PredictConfig.build({"model": str(out if run.kind == "mtp" else run.target), "mode": run.kind,
                                   "device": device.type, **gpu, **chain,
                                   "compute_dtype": "float32" if device.type == "cpu" else "bfloat16",
-                                  "context_length": run.seq_len + 4 * run.block_size})
+                                  "context_length": min(run.seq_len + 4 * run.block_size, positions)})
     given = {}  # what stands in for the checkpoint's tensors
     if target is not None:
         given["model"] = modules_over_the_same_tensors(target)
