@@ -5,12 +5,14 @@ tree of 15's), three ways:
                default configs, programmatic dependent launch as the engine sets it);
   persistent   one launch of SMs x PROGRAMS_PER_SM programs taking work items from a queue (an atomic counter):
                first the gate_up tiles (BN_GATE_UP outputs, every K block; silu(gate) * up stored), then the down
-               tiles (BN_DOWN outputs over all of gate_up's output). A program that takes a down tile loads its first
+               items (BN_DOWN outputs over one of DOWN_SPLIT K slices of gate_up's output; the last slice of a tile
+               to finish adds the slices' sums in slice order). A program that takes a down item loads its first
                weight block into registers and prefetches the next ones into L2, then waits until every gate_up tile
                is stored (a second counter), so the weight stream runs on while the last gate_up tiles finish;
   stream-only  the same launch without that wait (down reads whatever the buffer holds): the stream's own rate,
                what the wait costs;
-and the persistent launch with OTHER_PER_SM programs an SM.
+and the persistent launch with down in OTHER_SPLITS K slices (1: a down tile streams all of K alone; with 160 such
+tiles of 32 outputs at 5120 outputs, fewer items than programs).
 Each timed as weight copies > 400 MB in one CUDA graph (L2 never hits), median of replays (bench/timing.py); us per
 MLP, GB/s of its bytes and % of the machine's read bandwidth (measured first); then one persistent launch with each
 work item's times on the GPU's global timer (`timeline`: where the boundary falls, how long the down tiles wait).
@@ -48,7 +50,8 @@ HIDDEN, INTERMEDIATE = 5120, 17408  # Qwen3.5-27B
 ENGINE_KERNELS = KernelSettings(pdl_level=3)  # what the engine launches an INT4 target's projections with
 ROWS, BYTES_TIMED = (1, 8, 16), 400_000_000
 BN_GATE_UP, BN_DOWN, PROGRAMS_PER_SM, WARPS, STAGES = 64, 32, 2, 4, 3
-OTHER_PER_SM = (1, 3)  # the persistent launch also timed with these many programs an SM
+DOWN_SPLIT = 4  # a down tile's K in this many slices, each a work item of its own (the last one in sums them)
+OTHER_SPLITS = (1, 8)  # the persistent launch also timed with down split so
 PREFETCH_BLOCKS = 2  # K blocks of its weight rows (after the first, held in registers) a down tile prefetches into
 # L2 before it waits
 
@@ -108,15 +111,17 @@ def _tile_sum(acc, x_ptr, stride_x, q_ptr, s_ptr, rows, n_ok, M, N, KH, FIRST, N
 
 
 @triton.jit
-def _mlp_kernel(x_ptr, gq, gs, dq, ds, h_ptr, out_ptr, sync, stamps, M, GATE_TILES, DOWN_TILES, PROGRAMS,
-                H: tl.constexpr, I: tl.constexpr, G: tl.constexpr, BM: tl.constexpr, BN_G: tl.constexpr,
-                BN_D: tl.constexpr, STAGES: tl.constexpr, ASM: tl.constexpr, U0: tl.constexpr, U1: tl.constexpr,
-                U2: tl.constexpr, U3: tl.constexpr, WAIT: tl.constexpr, PREFETCH: tl.constexpr,
+def _mlp_kernel(x_ptr, gq, gs, dq, ds, h_ptr, out_ptr, partial_ptr, sync, stamps, M, GATE_TILES, DOWN_TILES,
+                PROGRAMS, H: tl.constexpr, I: tl.constexpr, G: tl.constexpr, BM: tl.constexpr, BN_G: tl.constexpr,
+                BN_D: tl.constexpr, SPLIT: tl.constexpr, STAGES: tl.constexpr, ASM: tl.constexpr, U0: tl.constexpr,
+                U1: tl.constexpr, U2: tl.constexpr, U3: tl.constexpr, WAIT: tl.constexpr, PREFETCH: tl.constexpr,
                 STAMPS: tl.constexpr):
-    """sync [4] int32, zero before the first launch and left zero by the last program to exit: the queue, gate_up
-    tiles stored, programs exited. STAMPS: per work item, stamps [item] = (program, start, end of the wait, end),
+    """sync [4 + DOWN_TILES] int32, zero before the first launch and left zero by the last program to exit: the
+    queue, gate_up tiles stored, programs exited, then per down tile its K slices summed (SPLIT > 1; their fp32
+    sums in partial [SPLIT, M, H], added in slice order by the last slice in, so the result does not depend on
+    the order the slices finish). STAMPS: per work item, stamps [item] = (program, start, end of the wait, end),
     the times on the GPU's global timer (ns)."""
-    queue, stored, exited = sync, sync + 1, sync + 2
+    queue, stored, exited, slices_in = sync, sync + 1, sync + 2, sync + 4
     offs_m = tl.arange(0, BM)
     item = tl.atomic_add(queue, 1)
     while item < GATE_TILES + DOWN_TILES:
@@ -134,16 +139,19 @@ def _mlp_kernel(x_ptr, gq, gs, dq, ds, h_ptr, out_ptr, sync, stamps, M, GATE_TIL
             tl.debug_barrier()
             tl.atomic_add(stored, 1, sem="release")
         else:
-            tile = item - GATE_TILES  # (names of their own: Triton types a name alike in both branches)
+            tile = (item - GATE_TILES) // SPLIT  # (names of their own: Triton types a name alike in both branches)
+            part = (item - GATE_TILES) % SPLIT
+            first_block = part * (I // (4 * G)) // SPLIT
+            end_block = (part + 1) * (I // (4 * G)) // SPLIT
             outputs = tile * BN_D + tl.arange(0, BN_D)
             out_ok = outputs < H
             # while the last gate_up tiles finish: its first weight block into registers, the next ones into L2
             # (PDL 1: the prefetch helper's gate only)
-            first_codes = tl.load(dq + outputs[:, None].to(tl.int64) * (I // 4) + tl.arange(0, G)[None, :],
-                                  mask=out_ok[:, None], other=0)
-            first_scales = tl.load(ds + outputs[:, None] * 4 + tl.arange(0, 4)[None, :], mask=out_ok[:, None],
-                                   other=0.0)
-            pdl.prefetch_rows(dq, outputs, I // 4, G, H, I // 4, PREFETCH * G, 64, 1)
+            first_codes = tl.load(dq + outputs[:, None].to(tl.int64) * (I // 4) + first_block * G
+                                  + tl.arange(0, G)[None, :], mask=out_ok[:, None], other=0)
+            first_scales = tl.load(ds + first_block * H * 4 + outputs[:, None] * 4 + tl.arange(0, 4)[None, :],
+                                   mask=out_ok[:, None], other=0.0)
+            pdl.prefetch_rows(dq, outputs, I // 4, (first_block + 1) * G, H, I // 4, PREFETCH * G, 64, 1)
             if WAIT:
                 seen = tl.atomic_add(stored, 0, sem="acquire")
                 while seen < GATE_TILES:
@@ -153,13 +161,26 @@ def _mlp_kernel(x_ptr, gq, gs, dq, ds, h_ptr, out_ptr, sync, stamps, M, GATE_TIL
                     seen = tl.atomic_add(stored, 0, sem="acquire")
                 if STAMPS:
                     tl.store(stamps + item * 4 + 2, _stamp(seen, True))
-            x_first = h_ptr + offs_m[None, :] * I + tl.arange(0, G)[:, None]
+            x_first = h_ptr + offs_m[None, :] * I + first_block * (4 * G) + tl.arange(0, G)[:, None]
             total = _block_sum(tl.zeros([BN_D, BM], tl.float32), first_codes, first_scales, x_first,
                                (offs_m < M)[None, :], BN_D, G, ASM, U0, U1, U2, U3, True)
-            total = _tile_sum(total, h_ptr, I, dq, ds, outputs, out_ok, M, H, I // 4, 1, I // (4 * G), G, BM, STAGES,
-                              ASM, U0, U1, U2, U3, True)
-            tl.store(out_ptr + offs_m[None, :] * H + outputs[:, None], total.to(out_ptr.dtype.element_ty),
-                     mask=out_ok[:, None] & (offs_m < M)[None, :])
+            total = _tile_sum(total, h_ptr, I, dq, ds, outputs, out_ok, M, H, I // 4, first_block + 1, end_block, G,
+                              BM, STAGES, ASM, U0, U1, U2, U3, True)
+            out_mask = out_ok[:, None] & (offs_m < M)[None, :]
+            if SPLIT == 1:
+                tl.store(out_ptr + offs_m[None, :] * H + outputs[:, None], total.to(out_ptr.dtype.element_ty),
+                         mask=out_mask)
+            else:
+                at = offs_m[None, :] * H + outputs[:, None]
+                tl.store(partial_ptr + part * M * H + at, total, mask=out_mask)
+                tl.debug_barrier()
+                if tl.atomic_add(slices_in + tile, 1, sem="acq_rel") == SPLIT - 1:
+                    total = tl.zeros([BN_D, BM], tl.float32)
+                    for p in tl.static_range(SPLIT):
+                        total += tl.load(partial_ptr + p * M * H + at, mask=out_mask, other=0.0,
+                                         cache_modifier=".cg")
+                    tl.store(out_ptr + at, total.to(out_ptr.dtype.element_ty), mask=out_mask)
+                    tl.atomic_xchg(slices_in + tile, 0)
         if STAMPS:
             tl.debug_barrier()
             tl.store(stamps + item * 4 + 3, _stamp(item, True))
@@ -170,31 +191,33 @@ def _mlp_kernel(x_ptr, gq, gs, dq, ds, h_ptr, out_ptr, sync, stamps, M, GATE_TIL
         tl.atomic_xchg(exited, 0)
 
 
-def persistent_mlp(x, gate_up, down, h, out, sync, programs, wait=True, stamps=None):
+def persistent_mlp(x, gate_up, down, h, out, partial, sync, programs, wait=True, stamps=None, split=DOWN_SPLIT):
     """silu(gate) * up of x through gate_up ([gate; up] packed int4 [2I, H]) into h [M, I], then h @ down^T into
-    out [M, H], in one launch of `programs` programs; with `stamps` (int64 [items, 4], CUDA), each work item's
-    program and times (`_mlp_kernel`)."""
+    out [M, H], down's K in `split` slices (fp32 sums in partial [>= split, M, H]), in one launch of `programs`
+    programs; sync: int32 [4 + down tiles], zeros; with `stamps` (int64 [items, 4], CUDA), each work item's program
+    and times (`_mlp_kernel`)."""
     cuda = x.is_cuda
     unpack = [unpack_asm(4, i, False) for i in range(4)]
     gate_tiles = -(-gate_up.n // BN_GATE_UP)
     down_tiles = -(-down.n // BN_DOWN)
-    _mlp_kernel[(programs,)](x, gate_up.q, gate_up.s, down.q, down.s, h, out, sync,
+    assert split <= down.k // (4 * down.group_size) and partial.shape[0] >= split and sync.numel() >= 4 + down_tiles
+    _mlp_kernel[(programs,)](x, gate_up.q, gate_up.s, down.q, down.s, h, out, partial, sync,
                              sync if stamps is None else stamps, x.shape[0], gate_tiles,
-                             down_tiles, programs, H=down.n, I=gate_up.n // 2, G=gate_up.group_size,
+                             down_tiles * split, programs, H=down.n, I=gate_up.n // 2, G=gate_up.group_size,
                              BM=max(8, triton.next_power_of_2(x.shape[0])), BN_G=BN_GATE_UP, BN_D=BN_DOWN,
-                             STAGES=STAGES, ASM=cuda, U0=unpack[0], U1=unpack[1], U2=unpack[2], U3=unpack[3],
-                             WAIT=wait, PREFETCH=PREFETCH_BLOCKS if cuda else 0, STAMPS=stamps is not None,
-                             num_warps=WARPS)
+                             SPLIT=split, STAGES=STAGES, ASM=cuda, U0=unpack[0], U1=unpack[1], U2=unpack[2],
+                             U3=unpack[3], WAIT=wait, PREFETCH=PREFETCH_BLOCKS if cuda else 0,
+                             STAMPS=stamps is not None, num_warps=WARPS)
 
 
-def timeline(x, layer, h, out, sync, programs) -> dict:
+def timeline(x, layer, h, out, partial, sync, programs) -> dict:
     """One stamped launch (not timed): us from the first item's start to the last gate_up tile's end (the
     boundary) and to the last item's end; the down tiles' waits (median, largest) and how many started before the
     boundary; items' median time (gate_up, down after its wait)."""
     gate_up, down = layer
-    items = -(-gate_up.n // BN_GATE_UP) + -(-down.n // BN_DOWN)
+    items = -(-gate_up.n // BN_GATE_UP) + -(-down.n // BN_DOWN) * DOWN_SPLIT
     stamps = torch.zeros(items, 4, dtype=torch.int64, device=x.device)
-    persistent_mlp(x, gate_up, down, h, out, sync, programs, stamps=stamps)
+    persistent_mlp(x, gate_up, down, h, out, partial, sync, programs, stamps=stamps)
     t = stamps.cpu().double()
     gate = -(-gate_up.n // BN_GATE_UP)
     zero = t[:, 1].min()
@@ -213,11 +236,11 @@ def packed_int4(n, k, device):
 
 
 def main():
-    global HIDDEN, INTERMEDIATE, ROWS, BYTES_TIMED
+    global HIDDEN, INTERMEDIATE, ROWS, BYTES_TIMED, DOWN_SPLIT, OTHER_SPLITS
     dev, dtype = torch.device("cuda"), torch.bfloat16
-    if "--dry-run" in sys.argv:
+    if "--dry-run" in sys.argv:  # down's K: 3 blocks of 512
         dev, dtype = dry_run(), torch.float32
-        HIDDEN, INTERMEDIATE, ROWS, BYTES_TIMED = 512, 1536, (1, 12), 0
+        HIDDEN, INTERMEDIATE, ROWS, BYTES_TIMED, DOWN_SPLIT, OTHER_SPLITS = 512, 1536, (1, 12), 0, 2, (1, 3)
     bandwidth = measure_read_bandwidth(dev) or 0.0  # none on the CPU
     print(f"read bandwidth {bandwidth:.0f} GB/s", flush=True)
     one = (packed_int4(2 * INTERMEDIATE, HIDDEN, dev), packed_int4(HIDDEN, INTERMEDIATE, dev))
@@ -226,16 +249,21 @@ def main():
     layers = [one] + [(packed_int4(2 * INTERMEDIATE, HIDDEN, dev), packed_int4(HIDDEN, INTERMEDIATE, dev))
                       for _ in range(copies - 1)]
     programs = sm_count(dev) * PROGRAMS_PER_SM if dev.type == "cuda" else 3
-    sync = torch.zeros(4, dtype=torch.int32, device=dev)
+    sync = torch.zeros(4 + -(-HIDDEN // BN_DOWN), dtype=torch.int32, device=dev)
     results = {"read_bandwidth_gb_s": round(bandwidth), "mlp_bytes": mlp_bytes, "copies": copies,
                "programs": programs, "rows": {}}
     for m in ROWS:
         x = torch.randn(m, HIDDEN, device=dev).to(dtype)
         h = torch.zeros(m, INTERMEDIATE, device=dev, dtype=dtype)
         out = torch.zeros(m, HIDDEN, device=dev, dtype=dtype)
+        partial = torch.zeros(max(DOWN_SPLIT, *OTHER_SPLITS), m, HIDDEN, device=dev)
         want = wq_matmul(wq_matmul_swiglu(x, one[0]), one[1])
-        persistent_mlp(x, *one, h, out, sync, programs)
-        err = float((out.float() - want.float()).abs().max() / want.float().abs().max())
+
+        def error(split=DOWN_SPLIT):
+            out.zero_()
+            persistent_mlp(x, *one, h, out, partial, sync, programs, split=split)
+            return float((out.float() - want.float()).abs().max() / want.float().abs().max())
+        err = max(error(split) for split in (*OTHER_SPLITS, DOWN_SPLIT))
         row = {"persistent_rel_err": err, "sync_left_zero": bool((sync == 0).all())}
 
         def engine():
@@ -243,20 +271,18 @@ def main():
                 for gate_up, down in layers:
                     wq_matmul(wq_matmul_swiglu(x, gate_up), down, out=out)
 
-        def persistent(count=programs, wait=True):
+        def persistent(wait=True, split=DOWN_SPLIT):
             for gate_up, down in layers:
-                persistent_mlp(x, gate_up, down, h, out, sync, count, wait)
-        sms = programs // PROGRAMS_PER_SM
+                persistent_mlp(x, gate_up, down, h, out, partial, sync, programs, wait, split=split)
         for name, fn in (("engine", engine), ("persistent", persistent),
                          ("stream-only", lambda: persistent(wait=False)),
-                         *((f"persistent, {n} an SM", lambda n=n: persistent(sms * n)) for n in OTHER_PER_SM)):
+                         *((f"persistent, down in {n}", lambda n=n: persistent(split=n)) for n in OTHER_SPLITS)):
             us = replay_ms(fn) * 1e3 / copies
             row[name] = {"us": round(us, 2), "gb_s": round(mlp_bytes / us / 1e3),
                          "pct": round(mlp_bytes / us / 1e3 / bandwidth * 100, 1) if bandwidth else None}
         if dev.type == "cuda":
-            row["timeline"] = timeline(x, one, h, out, sync, programs)
-        persistent_mlp(x, *one, h, out, sync, programs)  # after the timed replays: still the engine's result
-        row["persistent_rel_err_after"] = float((out.float() - want.float()).abs().max() / want.float().abs().max())
+            row["timeline"] = timeline(x, one, h, out, partial, sync, programs)
+        row["persistent_rel_err_after"] = error()  # after the timed replays: still the engine's result
         results["rows"][m] = row
         print(f"M={m}: " + "; ".join(f"{k} {v['us']:.1f} us {v['gb_s']} GB/s ({v['pct']} %)"
                                      for k, v in row.items() if isinstance(v, dict) and "us" in v)

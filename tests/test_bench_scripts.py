@@ -155,10 +155,11 @@ def test_persistent_mlp_compiles_for_hopper():
     from blockspec.kernels.quant_matmul_triton import unpack_asm
 
     pointers = {"x_ptr": "*bf16", "gq": "*i16", "gs": "*bf16", "dq": "*i16", "ds": "*bf16", "h_ptr": "*bf16",
-                "out_ptr": "*bf16", "sync": "*i32", "stamps": "*i64"}
-    for rows, instruction, stamps in ((8, "mma.sync", False), (16, "wgmma", False), (8, "mma.sync", True)):
-        constants = dict(H=5120, I=17408, G=128, BM=rows, BN_G=64, BN_D=32, STAGES=3, ASM=True, WAIT=True,
-                         PREFETCH=2, STAMPS=stamps, **{f"U{i}": unpack_asm(4, i, False) for i in range(4)})
+                "out_ptr": "*bf16", "partial_ptr": "*fp32", "sync": "*i32", "stamps": "*i64"}
+    for rows, instruction, stamps, split in ((8, "mma.sync", False, 4), (16, "wgmma", False, 1),
+                                             (8, "mma.sync", True, 8)):
+        constants = dict(H=5120, I=17408, G=128, BM=rows, BN_G=64, BN_D=32, SPLIT=split, STAGES=3, ASM=True,
+                         WAIT=True, PREFETCH=2, STAMPS=stamps, **{f"U{i}": unpack_asm(4, i, False) for i in range(4)})
         ptx = sm90_ptx(persistent_mlp._mlp_kernel, constants, 4, 3, pointers)
         assert instruction in ptx and "atom.global" in ptx and "prefetch.global.L2" in ptx and "nanosleep" in ptx, rows
         assert ("%globaltimer" in ptx) == stamps, rows
