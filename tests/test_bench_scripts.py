@@ -21,7 +21,6 @@ DRY_RUNS = {  # script: its arguments ({out}: its $OUT)
     "fp8_kernels": ["--dry-run"],
     "kernel_schedules": ["--dry-run"],
     "persistent_mlp": ["--dry-run"],
-    "resident_x": ["--dry-run"],
     "quant_kernels": [],  # TRITON_INTERPRET=1 alone is its dry run
     "drafter_training": ["--preset", "tiny", "--seq-len", "64", "--batch-tokens", "64", "--steps", "1",
                          "--profile", "5", "--json-out", "{out}/drafter_training.json"],
@@ -110,12 +109,6 @@ CHECKS = {  # script: what its dry run must have written (the JSON files under i
         and all(r["persistent_rel_err"] < 1e-5 and r["persistent_rel_err_after"] < 1e-5 and r["sync_left_zero"]
                 and {"engine", "persistent", "stream-only"} <= set(r)
                 for r in out["persistent_mlp.json"]["rows"].values())),
-    "resident_x": lambda out: (
-        sorted(out["resident_x.json"]["shapes"]["tiny"]) == ["12", "3"]
-        and all("engine" in row and [label for label in row if label.startswith("n")] == [
-                    "n64 p2", "n64 p1", "n64 p3", "n128 p1"]
-                and all(v["rel_err"] < 1e-5 and v["rel_err_after"] < 1e-5 for k, v in row.items() if k.startswith("n"))
-                for row in out["resident_x.json"]["shapes"]["tiny"].values())),
     "quant_kernels": lambda out: (
         out["quant_kernels.json"]["production_failures"] == out["quant_kernels.json"]["alternative_failures"] == []
         and len(out["quant_kernels.json"]["checks"]) > 20 and all(c["ok"] for c in out["quant_kernels.json"]["checks"])
@@ -163,28 +156,6 @@ def test_persistent_mlp_compiles_for_hopper():
         ptx = sm90_ptx(persistent_mlp._mlp_kernel, constants, 4, 3, pointers)
         assert instruction in ptx and "atom.global" in ptx and "prefetch.global.L2" in ptx and "nanosleep" in ptx, rows
         assert ("%globaltimer" in ptx) == stamps, rows
-
-
-def test_resident_x_compiles_for_hopper():
-    """The resident-x launch compiles for sm_90 at gate_up's shape (its dry run checks its results in the
-    interpreter): mma.sync at 8 rows, wgmma at 16 and 32, the split-K sum's atomics."""
-    pytest.importorskip("triton")
-    from helpers import sm90_ptx
-
-    sys.path.insert(0, str(BENCH))
-    import resident_x
-
-    from blockspec.kernels.quant_matmul_triton import unpack_asm
-
-    pointers = {"x_ptr": "*bf16", "q_ptr": "*i16", "s_ptr": "*bf16", "out_ptr": "*bf16", "ws_ptr": "*fp32",
-                "cnt_ptr": "*i32"}
-    for rows, instruction in ((8, "mma.sync"), (16, "wgmma"), (32, "wgmma")):
-        for tile in sorted({bn for bn, _ in resident_x.VARIANTS.values()}):
-            constants = dict(SPLIT=5, G=128, BN=tile, BM=rows, STAGES=resident_x.STAGES, ASM=True,
-                             **{f"U{i}": unpack_asm(4, i, False) for i in range(4)})
-            ptx = sm90_ptx(resident_x._resident_kernel, constants, 8 if rows > 16 or tile > 64 else 4,
-                           resident_x.STAGES, pointers)
-            assert instruction in ptx and "atom.global" in ptx, (rows, tile)
 
 
 def test_every_bench_script_has_a_dry_run():
