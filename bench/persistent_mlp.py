@@ -8,7 +8,8 @@ tree of 15's), three ways:
                items (BN_DOWN outputs over one of DOWN_SPLIT K slices of gate_up's output; the last slice of a tile
                to finish adds the slices' sums in slice order). A program that takes a down item loads its first
                weight block into registers and prefetches the next ones into L2, then waits until every gate_up tile
-               is stored (a second counter), so the weight stream runs on while the last gate_up tiles finish;
+               of its K slice is stored (a counter per slice; the down items come slice by slice, so the first
+               slices' items wait least), and the weight stream runs on while the last gate_up tiles finish;
   stream-only  the same launch without that wait (down reads whatever the buffer holds): the stream's own rate,
                what the wait costs;
 and the persistent launch with down in OTHER_SPLITS K slices (1: a down tile streams all of K alone; with 160 such
@@ -49,7 +50,7 @@ from blockspec.quant.int4 import Int4Linear
 HIDDEN, INTERMEDIATE = 5120, 17408  # Qwen3.5-27B
 ENGINE_KERNELS = KernelSettings(pdl_level=3)  # what the engine launches an INT4 target's projections with
 ROWS, BYTES_TIMED = (1, 8, 16), 400_000_000
-BN_GATE_UP, BN_DOWN, PROGRAMS_PER_SM, WARPS, STAGES = 64, 32, 2, 4, 3
+BN_GATE_UP, BN_DOWN, PROGRAMS_PER_SM, WARPS, STAGES = 64, 32, 4, 4, 2
 DOWN_SPLIT = 4  # a down tile's K in this many slices, each a work item of its own (the last one in sums them)
 OTHER_SPLITS = (1, 8)  # the persistent launch also timed with down split so
 PREFETCH_BLOCKS = 2  # K blocks of its weight rows (after the first, held in registers) a down tile prefetches into
@@ -116,12 +117,16 @@ def _mlp_kernel(x_ptr, gq, gs, dq, ds, h_ptr, out_ptr, partial_ptr, sync, stamps
                 BN_D: tl.constexpr, SPLIT: tl.constexpr, STAGES: tl.constexpr, ASM: tl.constexpr, U0: tl.constexpr,
                 U1: tl.constexpr, U2: tl.constexpr, U3: tl.constexpr, WAIT: tl.constexpr, PREFETCH: tl.constexpr,
                 STAMPS: tl.constexpr):
-    """sync [4 + DOWN_TILES] int32, zero before the first launch and left zero by the last program to exit: the
-    queue, gate_up tiles stored, programs exited, then per down tile its K slices summed (SPLIT > 1; their fp32
-    sums in partial [SPLIT, M, H], added in slice order by the last slice in, so the result does not depend on
-    the order the slices finish). STAMPS: per work item, stamps [item] = (program, start, end of the wait, end),
-    the times on the GPU's global timer (ns)."""
-    queue, stored, exited, slices_in = sync, sync + 1, sync + 2, sync + 4
+    """sync [4 + DOWN_TILES / SPLIT + SPLIT] int32, zero before the first launch and left zero by the last program
+    to exit: the queue, programs exited, then per down tile its K slices summed (SPLIT > 1; their fp32 sums in
+    partial [SPLIT, M, H], added in slice order by the last slice in, so the result does not depend on the order
+    the slices finish), then per K slice of down the gate_up tiles stored whose outputs it reads. Down items come
+    slice by slice: an item waits only for its own slice's gate_up tiles, which the queue handed out first.
+    STAMPS: per work item, stamps [item] = (program, start, end of the wait, end), the times on the GPU's global
+    timer (ns)."""
+    NB: tl.constexpr = I // (4 * G)  # down's K blocks
+    TILES = DOWN_TILES // SPLIT
+    queue, exited, slices_in, stored = sync, sync + 2, sync + 4, sync + 4 + TILES
     offs_m = tl.arange(0, BM)
     item = tl.atomic_add(queue, 1)
     while item < GATE_TILES + DOWN_TILES:
@@ -137,12 +142,14 @@ def _mlp_kernel(x_ptr, gq, gs, dq, ds, h_ptr, out_ptr, partial_ptr, sync, stamps
                             H // (4 * G), G, BM, STAGES, ASM, U0, U1, U2, U3, False)
             _swiglu_epilogue(acc, item == item, h_ptr, I, item, offs_m, M, 2 * I, BN_G, BM)
             tl.debug_barrier()
-            tl.atomic_add(stored, 1, sem="release")
+            block = item * (BN_G // 2) // (4 * G)  # the down K block, and so the slice, that reads these outputs
+            tl.atomic_add(stored + ((block + 1) * SPLIT - 1) // NB, 1, sem="release")
         else:
-            tile = (item - GATE_TILES) // SPLIT  # (names of their own: Triton types a name alike in both branches)
-            part = (item - GATE_TILES) % SPLIT
-            first_block = part * (I // (4 * G)) // SPLIT
-            end_block = (part + 1) * (I // (4 * G)) // SPLIT
+            tile = (item - GATE_TILES) % TILES  # (names of their own: Triton types a name alike in both branches)
+            part = (item - GATE_TILES) // TILES
+            first_block = part * NB // SPLIT
+            end_block = (part + 1) * NB // SPLIT
+            needed = (end_block - first_block) * (4 * G) // (BN_G // 2)
             outputs = tile * BN_D + tl.arange(0, BN_D)
             out_ok = outputs < H
             # while the last gate_up tiles finish: its first weight block into registers, the next ones into L2
@@ -153,12 +160,12 @@ def _mlp_kernel(x_ptr, gq, gs, dq, ds, h_ptr, out_ptr, partial_ptr, sync, stamps
                                    mask=out_ok[:, None], other=0.0)
             pdl.prefetch_rows(dq, outputs, I // 4, (first_block + 1) * G, H, I // 4, PREFETCH * G, 64, 1)
             if WAIT:
-                seen = tl.atomic_add(stored, 0, sem="acquire")
-                while seen < GATE_TILES:
+                seen = tl.atomic_add(stored + part, 0, sem="acquire")
+                while seen < needed:
                     if ASM:  # back off between polls: the SM's other program still streams gate_up tiles
                         seen = tl.inline_asm_elementwise("nanosleep.u32 256; mov.b32 $0, $1;", "=r,r", [seen],
                                                          dtype=tl.int32, is_pure=False, pack=1)
-                    seen = tl.atomic_add(stored, 0, sem="acquire")
+                    seen = tl.atomic_add(stored + part, 0, sem="acquire")
                 if STAMPS:
                     tl.store(stamps + item * 4 + 2, _stamp(seen, True))
             x_first = h_ptr + offs_m[None, :] * I + first_block * (4 * G) + tl.arange(0, G)[:, None]
@@ -187,20 +194,22 @@ def _mlp_kernel(x_ptr, gq, gs, dq, ds, h_ptr, out_ptr, partial_ptr, sync, stamps
         item = tl.atomic_add(queue, 1)
     if tl.atomic_add(exited, 1, sem="acq_rel") == PROGRAMS - 1:  # the last one out: clean for the next launch
         tl.atomic_xchg(queue, 0)
-        tl.atomic_xchg(stored, 0)
+        for p in tl.static_range(SPLIT):
+            tl.atomic_xchg(stored + p, 0)
         tl.atomic_xchg(exited, 0)
 
 
 def persistent_mlp(x, gate_up, down, h, out, partial, sync, programs, wait=True, stamps=None, split=DOWN_SPLIT):
     """silu(gate) * up of x through gate_up ([gate; up] packed int4 [2I, H]) into h [M, I], then h @ down^T into
     out [M, H], down's K in `split` slices (fp32 sums in partial [>= split, M, H]), in one launch of `programs`
-    programs; sync: int32 [4 + down tiles], zeros; with `stamps` (int64 [items, 4], CUDA), each work item's program
+    programs; sync: int32 [4 + down tiles + split], zeros; with `stamps` (int64 [items, 4], CUDA), each work item's program
     and times (`_mlp_kernel`)."""
     cuda = x.is_cuda
     unpack = [unpack_asm(4, i, False) for i in range(4)]
     gate_tiles = -(-gate_up.n // BN_GATE_UP)
     down_tiles = -(-down.n // BN_DOWN)
-    assert split <= down.k // (4 * down.group_size) and partial.shape[0] >= split and sync.numel() >= 4 + down_tiles
+    assert split <= down.k // (4 * down.group_size) and (8 * down.group_size) % BN_GATE_UP == 0
+    assert partial.shape[0] >= split and sync.numel() >= 4 + down_tiles + split
     _mlp_kernel[(programs,)](x, gate_up.q, gate_up.s, down.q, down.s, h, out, partial, sync,
                              sync if stamps is None else stamps, x.shape[0], gate_tiles,
                              down_tiles * split, programs, H=down.n, I=gate_up.n // 2, G=gate_up.group_size,
@@ -249,7 +258,7 @@ def main():
     layers = [one] + [(packed_int4(2 * INTERMEDIATE, HIDDEN, dev), packed_int4(HIDDEN, INTERMEDIATE, dev))
                       for _ in range(copies - 1)]
     programs = sm_count(dev) * PROGRAMS_PER_SM if dev.type == "cuda" else 3
-    sync = torch.zeros(4 + -(-HIDDEN // BN_DOWN), dtype=torch.int32, device=dev)
+    sync = torch.zeros(4 + -(-HIDDEN // BN_DOWN) + max(DOWN_SPLIT, *OTHER_SPLITS), dtype=torch.int32, device=dev)
     results = {"read_bandwidth_gb_s": round(bandwidth), "mlp_bytes": mlp_bytes, "copies": copies,
                "programs": programs, "rows": {}}
     for m in ROWS:
