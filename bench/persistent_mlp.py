@@ -202,8 +202,8 @@ def _mlp_kernel(x_ptr, gq, gs, dq, ds, h_ptr, out_ptr, partial_ptr, sync, stamps
 def persistent_mlp(x, gate_up, down, h, out, partial, sync, programs, wait=True, stamps=None, split=DOWN_SPLIT):
     """silu(gate) * up of x through gate_up ([gate; up] packed int4 [2I, H]) into h [M, I], then h @ down^T into
     out [M, H], down's K in `split` slices (fp32 sums in partial [>= split, M, H]), in one launch of `programs`
-    programs; sync: int32 [4 + down tiles + split], zeros; with `stamps` (int64 [items, 4], CUDA), each work item's program
-    and times (`_mlp_kernel`)."""
+    programs; sync: int32 [4 + down tiles + split], zeros; with `stamps` (int64 [items, 4], CUDA), each work item's
+    program and times (`_mlp_kernel`)."""
     cuda = x.is_cuda
     unpack = [unpack_asm(4, i, False) for i in range(4)]
     gate_tiles = -(-gate_up.n // BN_GATE_UP)
