@@ -247,9 +247,9 @@ def packed_int4(n, k, device):
 def main():
     global HIDDEN, INTERMEDIATE, ROWS, BYTES_TIMED, DOWN_SPLIT, OTHER_SPLITS
     dev, dtype = torch.device("cuda"), torch.bfloat16
-    if "--dry-run" in sys.argv:  # down's K: 3 blocks of 512
+    if "--dry-run" in sys.argv:  # down's K: 3 blocks of 512; 12 rows of a 16-row tile (the masked ones)
         dev, dtype = dry_run(), torch.float32
-        HIDDEN, INTERMEDIATE, ROWS, BYTES_TIMED, DOWN_SPLIT, OTHER_SPLITS = 512, 1536, (1, 12), 0, 2, (1, 3)
+        HIDDEN, INTERMEDIATE, ROWS, BYTES_TIMED, DOWN_SPLIT, OTHER_SPLITS = 512, 1536, (12,), 0, 2, (1, 3)
     bandwidth = measure_read_bandwidth(dev) or 0.0  # none on the CPU
     print(f"read bandwidth {bandwidth:.0f} GB/s", flush=True)
     one = (packed_int4(2 * INTERMEDIATE, HIDDEN, dev), packed_int4(HIDDEN, INTERMEDIATE, dev))

@@ -105,7 +105,7 @@ CHECKS = {  # script: what its dry run must have written (the JSON files under i
         == [("fp8", "tiny"), ("int4", "tiny"), ("fp8", "gate_up rows 136")]
         and all(r[v]["max_diff"] < 1e-4 for r in out["kernel_schedules.json"][1:3] for v in ("default", "unbalanced"))),
     "persistent_mlp": lambda out: (
-        sorted(out["persistent_mlp.json"]["rows"]) == ["1", "12"]
+        sorted(out["persistent_mlp.json"]["rows"]) == ["12"]
         and all(r["persistent_rel_err"] < 1e-5 and r["persistent_rel_err_after"] < 1e-5 and r["sync_left_zero"]
                 and {"engine", "persistent", "stream-only"} <= set(r)
                 for r in out["persistent_mlp.json"]["rows"].values())),

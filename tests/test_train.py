@@ -653,11 +653,11 @@ def assert_same_run(one: dict, two: dict, out_one, out_two):
         torch.testing.assert_close(weights_two[name], tensor, rtol=1e-4, atol=1e-5)
 
 
-def test_two_processes_train_as_one_and_resume(setup):
+def test_two_processes_train_as_one_and_resume(setup, capfd):
     """torchrun with 2 processes (gloo on the CPU) trains on each step's global batch, shared between the ranks, as
     one process does, with the target's layers sharded between them (FSDP2) or whole on each, and continues a run
-    under --resume the same way, in 2 processes or in 1; rank 0 alone logs and writes, evaluations and the best
-    weights included."""
+    under --resume the same way, in 2 processes (`train-drafter --nproc 2`, which starts torchrun itself) or in 1;
+    rank 0 alone logs and writes, evaluations and the best weights included."""
     import shutil
 
     root, target, data = setup
@@ -669,7 +669,10 @@ def test_two_processes_train_as_one_and_resume(setup):
     assert logged.count("train-drafter:") == 1, logged
     assert "on cpu x 2 processes (the target's layers sharded across them, FSDP2)" in logged, logged
     shutil.copytree(root / "ranks", root / "ranks_then_one")
-    torchrun(run_config(root, target, data, out="ranks", steps=6, resume=True, **settings))
+    resume = train_drafter_argv(run_config(root, target, data, out="ranks", steps=6, resume=True, **settings))
+    assert main(resume + ["--nproc", "2"]) == 0
+    logged = capfd.readouterr().out
+    assert logged.count("train-drafter:") == 1 and "on cpu x 2 processes" in logged, logged
     ranks = json.loads((root / "ranks" / "training.json").read_text())
     ranks["history"] = ranks.pop("learning_curve")
     assert_same_run(single, ranks, root / "single", root / "ranks")
@@ -934,18 +937,18 @@ def test_train_step_bench_dry_run(setup):
     assert "syncs_per_step" not in figures and "host waits" not in proc.stdout
 
 
-def test_nproc_starts_torchrun_once_the_run_is_checked(setup, tmp_path, capfd):
-    """`train-drafter --nproc 2` runs the command under torchrun in 2 processes (gloo on the CPU), as torchrun does;
-    a run that 3 processes cannot share is refused here, in one line, before any process starts."""
+def test_nproc_checks_the_run_before_it_starts_torchrun(setup, tmp_path, capfd, monkeypatch):
+    """`train-drafter --nproc 3` on a run that 3 processes cannot share is refused here, in one line, before any
+    process starts (`--nproc 2` runs: test_two_processes_train_as_one_and_resume)."""
+    import subprocess
+
     root, target, data = setup
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: pytest.fail("a process was started"))
     argv = train_drafter_argv(run_config(tmp_path, target, data, steps=2, batch_tokens=192, eval_cuts=0))
     assert main(argv + ["--nproc", "3"]) == 2
     err = capfd.readouterr().err
     assert err.count("\n") == 1 and "3 processes cannot share the 2 sequences of a step evenly" in err, err
-    assert main(argv + ["--nproc", "2"]) == 0
-    out = capfd.readouterr().out
-    assert out.count("train-drafter:") == 1 and "on cpu x 2 processes" in out, out
-    assert len(json.loads((tmp_path / "out" / "training.json").read_text())["learning_curve"]) == 2
+    assert not (tmp_path / "out").exists()
 
 
 def test_a_file_named_in_data_must_be_utf8_and_one_found_in_a_folder_is_skipped(setup, tmp_path, capsys):
