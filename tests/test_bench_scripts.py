@@ -21,6 +21,7 @@ DRY_RUNS = {  # script: its arguments ({out}: its $OUT)
     "fp8_kernels": ["--dry-run"],
     "kernel_schedules": ["--dry-run"],
     "persistent_mlp": ["--dry-run"],
+    "tma_stream": ["--dry-run"],
     "quant_kernels": [],  # TRITON_INTERPRET=1 alone is its dry run
     "drafter_training": ["--preset", "tiny", "--seq-len", "64", "--batch-tokens", "64", "--steps", "1",
                          "--profile", "5", "--json-out", "{out}/drafter_training.json"],
@@ -109,6 +110,12 @@ CHECKS = {  # script: what its dry run must have written (the JSON files under i
         and all(r["persistent_rel_err"] < 1e-5 and r["persistent_rel_err_after"] < 1e-5 and r["sync_left_zero"]
                 and {"engine", "persistent", "stream-only"} <= set(r)
                 for r in out["persistent_mlp.json"]["rows"].values())),
+    "tma_stream": lambda out: (
+        [(name, sorted(shape["rows"])) for name, shape in out["tma_stream.json"]["shapes"].items()]
+        == [("tiny", ["1", "12"]), ("tiny long", ["12"])]
+        and all(row[label]["equal"] and row[label]["us"] > 0 and row["engine"]["us"] > 0
+                for shape in out["tma_stream.json"]["shapes"].values() for row in shape["rows"].values()
+                for label in ("tma", "tma scales"))),
     "quant_kernels": lambda out: (
         out["quant_kernels.json"]["production_failures"] == out["quant_kernels.json"]["alternative_failures"] == []
         and len(out["quant_kernels.json"]["checks"]) > 20 and all(c["ok"] for c in out["quant_kernels.json"]["checks"])
@@ -156,6 +163,27 @@ def test_persistent_mlp_compiles_for_hopper():
         ptx = sm90_ptx(persistent_mlp._mlp_kernel, constants, 4, 3, pointers)
         assert instruction in ptx and "atom.global" in ptx and "prefetch.global.L2" in ptx and "nanosleep" in ptx, rows
         assert ("%globaltimer" in ptx) == stamps, rows
+
+
+def test_tma_stream_compiles_for_hopper():
+    """bench/tma_stream.py's kernel compiles for sm_90 (its dry run checks its results in the interpreter): the codes
+    (and scales) through TMA bulk copies, mma.sync at 8 rows, wgmma at 16, two 8-row dots (mma.sync) for down."""
+    pytest.importorskip("triton")
+    from helpers import sm90_ptx
+
+    sys.path.insert(0, str(BENCH))
+    import tma_stream
+
+    from blockspec.kernels.quant_matmul_triton import unpack_asm
+
+    pointers = {"x_ptr": "*bf16", "q_desc": "tensordesc<i16[64,128]>", "s_ptr": "*bf16",
+                "s_desc": "tensordesc<bf16[1,256]>", "out_ptr": "*bf16", "ws_ptr": "*fp32", "cnt_ptr": "*i32"}
+    for rows, halves, scale_desc, stages, instruction in ((8, 1, False, 2, "mma.sync"), (16, 1, True, 3, "wgmma"),
+                                                          (16, 2, False, 3, "mma.sync")):
+        constants = dict(G=128, BN=64, BM=rows, STAGES=stages, ASM=True, F32DOT=False, HALVES=halves,
+                         SCALE_DESC=scale_desc, WS=False, **{f"U{i}": unpack_asm(4, i, False) for i in range(4)})
+        ptx = sm90_ptx(tma_stream._tma_kernel, constants, 4, stages, pointers)
+        assert "cp.async.bulk.tensor.2d" in ptx and instruction in ptx, (rows, halves)
 
 
 def test_every_bench_script_has_a_dry_run():
