@@ -136,6 +136,26 @@ def test_resume_with_another_target_names_target(target, tmp_path, capsys, monke
             "); give the --target and flags it was started with")
 
 
+def test_records_holding_unicode_line_separators_read_whole(tmp_path):
+    """JSON Lines ends a record at "\\n" alone: text that holds U+2028, U+2029, U+0085 or a form feed, which
+    `blockspec regenerate` writes unescaped (as json.dumps with ensure_ascii=False does), stays in its record, and a
+    file saved with CRLF line ends reads the same; a refused line keeps its number in the file."""
+    from blockspec.errors import BlockspecError
+    from blockspec.train.data import read_records
+
+    texts = ["a\u2028b", "c\u2029d", "e\x85f", "g\x0ch", "plain"]
+    records = [{"messages": [{"role": "user", "content": t}, {"role": "assistant", "content": t}]} for t in texts]
+    lines = [json.dumps(r, ensure_ascii=False) for r in records]
+    unix, crlf = tmp_path / "unix.jsonl", tmp_path / "crlf.jsonl"
+    unix.write_bytes("\n".join(lines).encode() + b"\n")
+    crlf.write_bytes("\r\n".join(lines).encode() + b"\r\n")
+    assert [r.messages for r in read_records(unix)] == [r.messages for r in read_records(crlf)] == [
+        r["messages"] for r in records]
+    unix.write_bytes("\n".join(lines[:4] + ["{not json"]).encode())
+    with pytest.raises(BlockspecError, match=f"{unix}:5: not JSON"):
+        read_records(unix)
+
+
 def test_records_after_a_byte_order_mark_read_as_without_it(tmp_path):
     """A .jsonl that an editor saved with a UTF-8 byte order mark holds the same records."""
     from blockspec.train.data import read_records

@@ -138,7 +138,9 @@ def parse_record(line: str, where: str, need_assistant: bool = True) -> str | Co
 def read_records(path: Path, need_assistant: bool = True,
                  flag: str = "--data") -> list[str | Completion | Conversation]:
     try:
-        lines = path.read_text(encoding="utf-8-sig").splitlines()  # a BOM, as some editors write, is not JSON
+        # a BOM, as some editors write, is not JSON; a record ends at "\n" alone (universal newlines: "\r\n" too),
+        # not at the other line breaks of str.splitlines, which JSON text may hold unescaped (U+2028, U+0085, ...)
+        lines = path.read_text(encoding="utf-8-sig").split("\n")
     except UnicodeDecodeError as exc:
         raise BlockspecError(f"{flag} {path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
     except OSError as exc:
