@@ -50,6 +50,10 @@ RECIPES = {
     "mtp-regenerated": (MTP, "regen", 1),
     "drafter-mixed": (DRAFTER, "mixed", 1),
     "mtp-mixed": (MTP, "mixed", 1),
+    # the shipped pair's recipes on the mixed data (at 2000 steps, human code with sampled regenerations led both
+    # proposers trained on either alone)
+    "drafter-3-layers-4x-mixed": (["--layers", "3", *DRAFTER[2:]], "mixed", 4),
+    "mtp-4x-mixed": (MTP, "mixed", 4),
 }
 
 

@@ -50,7 +50,8 @@
 #   pair_regenerate  the target's own continuations as training data (.pair/target, else the shipped demo target
 #                  without its MTP head): REGEN_PROMPTS (default 8000) 256-token cuts of the installed packages' .py
 #                  files, REGEN_NEW (default 512) new tokens each, for each of REGEN_MODES (default "greedy sampled":
-#                  --greedy, --temperature REGEN_TEMPERATURE, default 1) into .pair/regen_MODE.jsonl
+#                  --greedy, --temperature REGEN_TEMPERATURE, default 1) into .pair/regen_MODE.jsonl, gzipped
+#                  into $OUT too (the machine's .pair does not outlive it)
 #   pair_drafters  its DFlash2 drafter and MTP head (train-drafter on the same files, or PAIR_DATA, e.g.
 #                  .pair/regen_greedy.jsonl; both at once on the one GPU) into .pair/drafterTAG and .pair/mtpTAG (the
 #                  target with its head; PAIR_TAG, default empty); archives in $OUT
@@ -63,7 +64,9 @@
 #                  proposers are drafter-3-layers-4x and mtp-4x) trained RECIPES_PARALLEL (default 2) at once for
 #                  RECIPES_STEPS (default 2000) on the installed packages' .py files, each evaluated every 500 steps by
 #                  one cycle from 500 standard-library contexts; RECIPES_ARGS add to the bench (e.g. --regenerated
-#                  /abs/path.jsonl for the *-regenerated and *-mixed recipes); each run's log in $OUT; then each
+#                  /abs/path.jsonl for the *-regenerated and *-mixed recipes; or RECIPES_REGENERATED, a
+#                  pair_regenerate .jsonl.gz carried in an ignored folder, e.g. out/regen/regen_sampled.jsonl.gz:
+#                  unpacked and given as --regenerated); each run's log in $OUT; then each
 #                  *-block-16 drafter run with blocks of 8 (--dflash2-block-size 8), one cycle from 500 contexts. Every
 #                  run's trained weights (not its optimizer state) come back in $OUT/weights_NAME.tar. Runs at once
 #                  share the GPU: one 8000-step run (drafter-4x) alone takes ~5 minutes with its start-up
@@ -160,6 +163,7 @@ for part in ${PARTS:-bf16 warm int4 vocab}; do
                --prompt-tokens 256 --max-new-tokens ${REGEN_NEW:-512} --max-prompts ${REGEN_PROMPTS:-8000} \
                --batch-size ${REGEN_BATCH:-512} $([ $how = greedy ] && echo --greedy || echo --temperature ${REGEN_TEMPERATURE:-1}) \
                --out .pair/regen_$how.jsonl
+             gzip -c .pair/regen_$how.jsonl > "$OUT/regen_$how.jsonl.gz"  # for RECIPES_REGENERATED on a later machine
            done ;;
     pair_drafters) SITE=$(python3 -c "import os, site; print(' '.join(p for p in site.getsitepackages() if os.path.isdir(p)))")
            TD="python3 -m blockspec.cli train-drafter --target .pair/target --data ${PAIR_DATA:-$SITE --suffixes .py} --seq-len 1024"
@@ -180,6 +184,8 @@ for part in ${PARTS:-bf16 warm int4 vocab}; do
                --one-cycle 500 --context-length 1024 --max-tokens 16 --repeats 1 --json-out "$OUT/one_cycle_$mode.json" &
            done; wait ;;
     pair_recipes) rm -rf .demo /tmp/blockspec-recipes && python3 -m blockspec.cli demo --save .demo > /dev/null
+           [ -n "${RECIPES_REGENERATED:-}" ] && gunzip -c "$RECIPES_REGENERATED" > /tmp/regenerated.jsonl \
+             && RECIPES_ARGS="${RECIPES_ARGS:-} --regenerated /tmp/regenerated.jsonl"
            SITE=$(python3 -c "import os, site; print(' '.join(p for p in site.getsitepackages() if os.path.isdir(p)))")
            LAUNCH="env -u TQDM_DISABLE TQDM_MININTERVAL=20 python3" \
              kernel_bench drafter_recipes ${RECIPES_S:-560} drafter_recipes --recipes \

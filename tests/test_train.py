@@ -881,6 +881,8 @@ def test_recipes_bench_dry_run(setup, tmp_path):
                                                                             "--kind"]
     assert recipes.recipe_flags("drafter-mixed", flags, "r.jsonl")[:4] == ["--data", "a", "b", "r.jsonl"]
     assert recipes.recipe_flags("mtp-4x", flags, None)[5:7] == ["--steps", "20"]
+    mixed = recipes.recipe_flags("drafter-3-layers-4x-mixed", flags, "r.jsonl")
+    assert mixed[:4] == ["--data", "a", "b", "r.jsonl"] and mixed[6:10] == ["--steps", "20", "--layers", "3"], mixed
     from blockspec.cli import build_parser
     long = recipes.recipe_flags("mtp-4x-seq-4096", ["--target", "T", "--seq-len", "1024", *flags], None)
     parsed = build_parser().parse_args(["train-drafter", *long, "--out", "O"])  # the recipe's --seq-len comes last
