@@ -133,30 +133,32 @@ def _run_model_case(directory):  # executed in a subprocess with TRITON_INTERPRE
     kw = dict(device="cpu", compute_dtype="float32", context_length=256, target_quantization="int4")
     plain, mtp = Engine.load(directory, **kw), Engine.load(directory, mode="mtp", **kw)
     ids = plain.tokenizer.encode("hello world")
-    # 8 tokens: plain decoding's one-token steps (~2.5 s each in the interpreter), and two MTP cycles (accepting 2
-    # of 3, then 3 of 3: a partial commit and a whole block)
-    a, b = plain.generate(ids, 8, stop_at_eos=False), mtp.generate(ids, 8, stop_at_eos=False)
+    # 8 tokens in two MTP cycles (accepting 2 of 3, then 3 of 3: a partial commit and a whole block), checked as
+    # greedy by one pass of the plain engine's model over the prompt and them (plain decoding's one-token steps
+    # cost ~2.5 s each in the interpreter)
+    b = mtp.generate(ids, 8, stop_at_eos=False)
 
-    def logits():
+    def logits(tokens):
         plain.state.reset()
-        out = run_pass(plain.model, plain.state, torch.tensor(ids[:5]))
+        out = run_pass(plain.model, plain.state, torch.tensor(tokens))
         plain.state.discard()
         return out.logits.double()
-    folded = logits()
+    greedy = logits(ids + b.tokens[:-1]).argmax(-1)[len(ids) - 1:].tolist()
+    folded = logits(ids[:5])
     folded_norm.enable(plain.model, False)
-    unfolded = logits()
+    unfolded = logits(ids[:5])
     return {
         "folded_norms": [plain.folded_norms, mtp.folded_norms], "layers": len(plain.model.layers),
         "folded_activations": sum(layer.mlp.fold_activation for layer in mtp.model.layers),
-        "same_tokens": a.tokens == b.tokens, "acceptance": b.stats["acceptance_rate"],
+        "same_tokens": greedy == b.tokens and len(b.tokens) == 8, "acceptance": b.stats["acceptance_rate"],
         "logits_err": float((folded - unfolded).abs().max() / unfolded.abs().max())}
 
 
 @pytest.mark.slow
 def test_folded_int4_model_in_interpreter(interpreted):
     """An INT4 tiny model (packed) on the CPU under the interpreter folds every norm but the first and the last, and
-    every MLP activation; MTP decoding
-    with folded norms still equals plain greedy decoding with them; folding moves logits by rounding only."""
+    every MLP activation; MTP decoding with folded norms is still greedy decoding with them (each token the argmax
+    of the folded model's logits after the ones before); folding moves logits by rounding only."""
     r = interpreter_part(interpreted, "model")
     assert r["folded_norms"] == [2 * r["layers"] - 1] * 2 and r["folded_activations"] == r["layers"], r
     assert r["same_tokens"] and r["acceptance"] > 0.05, r
