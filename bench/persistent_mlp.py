@@ -203,20 +203,28 @@ def persistent_mlp(x, gate_up, down, h, out, partial, sync, programs, wait=True,
     """silu(gate) * up of x through gate_up ([gate; up] packed int4 [2I, H]) into h [M, I], then h @ down^T into
     out [M, H], down's K in `split` slices (fp32 sums in partial [>= split, M, H]), in one launch of `programs`
     programs; sync: int32 [4 + down tiles + split], zeros; with `stamps` (int64 [items, 4], CUDA), each work item's
-    program and times (`_mlp_kernel`)."""
+    program and times (`_mlp_kernel`). Returns the launched kernel (its registers: `registers`)."""
     cuda = x.is_cuda
     unpack = [unpack_asm(4, i, False) for i in range(4)]
     gate_tiles = -(-gate_up.n // BN_GATE_UP)
     down_tiles = -(-down.n // BN_DOWN)
     assert split <= down.k // (4 * down.group_size) and (8 * down.group_size) % BN_GATE_UP == 0
     assert partial.shape[0] >= split and sync.numel() >= 4 + down_tiles + split
-    _mlp_kernel[(programs,)](x, gate_up.q, gate_up.s, down.q, down.s, h, out, partial, sync,
+    return _mlp_kernel[(programs,)](x, gate_up.q, gate_up.s, down.q, down.s, h, out, partial, sync,
                              sync if stamps is None else stamps, x.shape[0], gate_tiles,
                              down_tiles * split, programs, H=down.n, I=gate_up.n // 2, G=gate_up.group_size,
                              BM=max(8, triton.next_power_of_2(x.shape[0])), BN_G=BN_GATE_UP, BN_D=BN_DOWN,
                              SPLIT=split, STAGES=STAGES, ASM=cuda, U0=unpack[0], U1=unpack[1], U2=unpack[2],
                              U3=unpack[3], WAIT=wait, PREFETCH=PREFETCH_BLOCKS if cuda else 0,
                              STAMPS=stamps is not None, num_warps=WARPS)
+
+
+def registers(kernel) -> dict | None:
+    """Registers a thread and bytes spilled of a launched kernel (what bounds the programs resident an SM: 65536
+    registers); None in the interpreter."""
+    if getattr(kernel, "n_regs", None) is None:
+        return None
+    return {"per_thread": kernel.n_regs, "spilled_bytes": kernel.n_spills}
 
 
 def timeline(x, layer, h, out, partial, sync, programs) -> dict:
@@ -273,7 +281,8 @@ def main():
             persistent_mlp(x, *one, h, out, partial, sync, programs, split=split)
             return float((out.float() - want.float()).abs().max() / want.float().abs().max())
         err = max(error(split) for split in (*OTHER_SPLITS, DOWN_SPLIT))
-        row = {"persistent_rel_err": err, "sync_left_zero": bool((sync == 0).all())}
+        row = {"persistent_rel_err": err, "sync_left_zero": bool((sync == 0).all()),
+               "registers": registers(persistent_mlp(x, *one, h, out, partial, sync, programs, split=DOWN_SPLIT))}
 
         def engine():
             with use(ENGINE_KERNELS):
@@ -296,6 +305,7 @@ def main():
         print(f"M={m}: " + "; ".join(f"{k} {v['us']:.1f} us {v['gb_s']} GB/s ({v['pct']} %)"
                                      for k, v in row.items() if isinstance(v, dict) and "us" in v)
               + f"; rel err {err:.1e} / {row['persistent_rel_err_after']:.1e}, sync clean {row['sync_left_zero']}"
+              + f"; registers {row['registers']}"
               + (f"\n  one persistent launch's stamps: {row['timeline']}" if "timeline" in row else ""), flush=True)
     path = os.path.join(os.environ.get("OUT", "."), "persistent_mlp.json")
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)

@@ -18,7 +18,8 @@ summation order, so the results equal the engine's bit for bit):
                 compiles.
 The 27B's INT4 projections (gate_up, gdn in, down, o) at 1, 8 and 16 rows; each timed as weight copies > 300 MB in
 one CUDA graph (L2 never hits), median of replays (bench/timing.py); us per launch, GB/s and % of the machine's read
-bandwidth (measured first). A variant that fails to compile is recorded with its error, not fatal.
+bandwidth (measured first), and each launched kernel's registers a thread and bytes spilled (65536 registers an SM
+bound the programs resident there). A variant that fails to compile is recorded with its error, not fatal.
 
 Prediction (H200, before measuring): the engine's launches reach 62-70 % of the read bandwidth on these shapes at 8
 rows; if per-thread copies bound the stream, tma reaches >= 80 %; if the ramp and tail of each launch or HBM's
@@ -35,13 +36,14 @@ import sys
 import torch
 import triton
 import triton.language as tl
+from persistent_mlp import registers  # bench/persistent_mlp.py
 from timing import dry_run, replay_ms  # bench/timing.py, beside this script
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from blockspec.bench import measure_read_bandwidth
-from blockspec.kernels import KernelSettings, arrival_counters, sm_count, use
-from blockspec.kernels.quant_matmul_triton import (_cols, _group, _tile, default_config, finish, schedule, unpack_asm,
-                                                   wq_matmul)
+from blockspec.kernels import KernelSettings, arrival_counters, launch_fitting, sm_count, use
+from blockspec.kernels.quant_matmul_triton import (_cols, _group, _tile, _wq_kernel, default_config, finish,
+                                                   launch_plan, schedule, unpack_asm, wq_matmul)
 from blockspec.quant.int4 import Int4Linear
 
 SHAPES = [("gate_up", 34816, 5120), ("gdn_in", 16480, 5120), ("down", 5120, 17408), ("o", 5120, 6144)]
@@ -95,7 +97,8 @@ def _tma_kernel(x_ptr, q_desc, s_ptr, s_desc, out_ptr, ws_ptr, cnt_ptr, M, N, K,
 
 
 def tma_matmul(x, pw, out, scale_desc=False, extra_stages=0, warp_specialize=False):
-    """out [M, N] = x [M, K] @ dequant(W)^T through `_tma_kernel`, at the engine's default config and schedule."""
+    """out [M, N] = x [M, K] @ dequant(W)^T through `_tma_kernel`, at the engine's default config and schedule;
+    returns the launched kernel."""
     m, cuda = x.shape[0], x.is_cuda
     cfg = default_config(m, pw.n, pw.k, pw.bits, pw.group_size)
     assert pw.bits == 4 and pw.z is None and pw.k % (4 * pw.group_size) == 0
@@ -107,13 +110,12 @@ def tma_matmul(x, pw, out, scale_desc=False, extra_stages=0, warp_specialize=Fal
     q_desc = TensorDescriptor.from_tensor(pw.q, [cfg.block_n, pw.group_size])
     s_desc = TensorDescriptor.from_tensor(pw.s.view(nblk, pw.n * 4), [1, cfg.block_n * 4])
     unpack = [unpack_asm(4, i, x.dtype == torch.float16) for i in range(4)]
-    _tma_kernel[(programs,)](x, q_desc, pw.s, s_desc, out, ws, arrival_counters(x.device, tiles), m, pw.n, pw.k,
+    return _tma_kernel[(programs,)](x, q_desc, pw.s, s_desc, out, ws, arrival_counters(x.device, tiles), m, pw.n, pw.k,
                              nblk, whole, tiles - whole, bps, split, x.stride(0), out.stride(0), G=pw.group_size,
                              BN=cfg.block_n, BM=cfg.block_m, STAGES=cfg.stages + extra_stages, ASM=cuda and cfg.asm,
                              F32DOT=not cuda, U0=unpack[0], U1=unpack[1], U2=unpack[2], U3=unpack[3],
                              HALVES=cfg.block_m // cfg.dot_rows if cfg.dot_rows else 1, SCALE_DESC=scale_desc,
                              WS=warp_specialize, num_warps=cfg.warps)
-    return out
 
 
 def packed_int4(n, k, device):
@@ -141,7 +143,10 @@ def main():
             x = torch.randn(m, k, device=dev).to(dtype)
             out = torch.zeros(m, n, device=dev, dtype=dtype)
             want = wq_matmul(x, one)
-            row = shape["rows"][m] = {"config": default_config(m, n, k).short()}
+            plan = launch_plan(x, one, default_config(m, n, k), out)
+            engine_kernel = launch_fitting(_wq_kernel, (plan.programs,), *plan.args, stages_key="STAGES", **plan.meta)
+            row = shape["rows"][m] = {"config": default_config(m, n, k).short(),
+                                      "engine registers": registers(engine_kernel)}
 
             def engine(level):
                 with use(KernelSettings(pdl_level=level)):
@@ -150,11 +155,11 @@ def main():
             timed = {"engine": lambda: engine(ENGINE_PDL), "engine pdl 0": lambda: engine(0)}
             for label, options in VARIANTS.items():
                 try:
-                    got = tma_matmul(x, one, out.zero_(), **options)
+                    kernel = tma_matmul(x, one, out.zero_(), **options)
                 except Exception as exc:  # noqa: BLE001  (a variant Triton cannot compile here: recorded)
                     row[label] = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"}
                     continue
-                row[label] = {"equal": bool(torch.equal(got, want))}
+                row[label] = {"equal": bool(torch.equal(out, want)), "registers": registers(kernel)}
                 timed[label] = lambda options=options: [tma_matmul(x, w, out, **options) for w in weights]
             for label, fn in timed.items():
                 us = replay_ms(fn) * 1e3 / copies
@@ -164,7 +169,11 @@ def main():
             print(f"{name} M={m} ({row['config']}): " + "; ".join(
                 f"{label} " + (f"{v['us']:.1f} us ({v['pct']} %)" + ("" if v.get("equal", True) else " NOT EQUAL")
                                if "us" in v else f"FAILED {v['error'][:80]}") for label, v in row.items()
-                if isinstance(v, dict)), flush=True)
+                if isinstance(v, dict) and ("us" in v or "error" in v)), flush=True)
+            print("  registers a thread / bytes spilled: " + "; ".join(
+                f"{label} {v['registers']['per_thread']} / {v['registers']['spilled_bytes']}"
+                for label, v in {"engine": {"registers": row["engine registers"]}, **row}.items()
+                if isinstance(v, dict) and v.get("registers")), flush=True)
     path = os.path.join(os.environ.get("OUT", "."), "tma_stream.json")
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     with open(path, "w") as f:
