@@ -211,12 +211,12 @@ def persistent_mlp(x, gate_up, down, h, out, partial, sync, programs, wait=True,
     assert split <= down.k // (4 * down.group_size) and (8 * down.group_size) % BN_GATE_UP == 0
     assert partial.shape[0] >= split and sync.numel() >= 4 + down_tiles + split
     return _mlp_kernel[(programs,)](x, gate_up.q, gate_up.s, down.q, down.s, h, out, partial, sync,
-                             sync if stamps is None else stamps, x.shape[0], gate_tiles,
-                             down_tiles * split, programs, H=down.n, I=gate_up.n // 2, G=gate_up.group_size,
-                             BM=max(8, triton.next_power_of_2(x.shape[0])), BN_G=BN_GATE_UP, BN_D=BN_DOWN,
-                             SPLIT=split, STAGES=STAGES, ASM=cuda, U0=unpack[0], U1=unpack[1], U2=unpack[2],
-                             U3=unpack[3], WAIT=wait, PREFETCH=PREFETCH_BLOCKS if cuda else 0,
-                             STAMPS=stamps is not None, num_warps=WARPS)
+                                    sync if stamps is None else stamps, x.shape[0], gate_tiles,
+                                    down_tiles * split, programs, H=down.n, I=gate_up.n // 2, G=gate_up.group_size,
+                                    BM=max(8, triton.next_power_of_2(x.shape[0])), BN_G=BN_GATE_UP, BN_D=BN_DOWN,
+                                    SPLIT=split, STAGES=STAGES, ASM=cuda, U0=unpack[0], U1=unpack[1], U2=unpack[2],
+                                    U3=unpack[3], WAIT=wait, PREFETCH=PREFETCH_BLOCKS if cuda else 0,
+                                    STAMPS=stamps is not None, num_warps=WARPS)
 
 
 def registers(kernel) -> dict | None:

@@ -110,12 +110,13 @@ def tma_matmul(x, pw, out, scale_desc=False, extra_stages=0, warp_specialize=Fal
     q_desc = TensorDescriptor.from_tensor(pw.q, [cfg.block_n, pw.group_size])
     s_desc = TensorDescriptor.from_tensor(pw.s.view(nblk, pw.n * 4), [1, cfg.block_n * 4])
     unpack = [unpack_asm(4, i, x.dtype == torch.float16) for i in range(4)]
-    return _tma_kernel[(programs,)](x, q_desc, pw.s, s_desc, out, ws, arrival_counters(x.device, tiles), m, pw.n, pw.k,
-                             nblk, whole, tiles - whole, bps, split, x.stride(0), out.stride(0), G=pw.group_size,
-                             BN=cfg.block_n, BM=cfg.block_m, STAGES=cfg.stages + extra_stages, ASM=cuda and cfg.asm,
-                             F32DOT=not cuda, U0=unpack[0], U1=unpack[1], U2=unpack[2], U3=unpack[3],
-                             HALVES=cfg.block_m // cfg.dot_rows if cfg.dot_rows else 1, SCALE_DESC=scale_desc,
-                             WS=warp_specialize, num_warps=cfg.warps)
+    counters = arrival_counters(x.device, tiles)
+    return _tma_kernel[(programs,)](
+        x, q_desc, pw.s, s_desc, out, ws, counters, m, pw.n, pw.k, nblk, whole, tiles - whole, bps, split,
+        x.stride(0), out.stride(0), G=pw.group_size, BN=cfg.block_n, BM=cfg.block_m,
+        STAGES=cfg.stages + extra_stages, ASM=cuda and cfg.asm, F32DOT=not cuda, U0=unpack[0], U1=unpack[1],
+        U2=unpack[2], U3=unpack[3], HALVES=cfg.block_m // cfg.dot_rows if cfg.dot_rows else 1,
+        SCALE_DESC=scale_desc, WS=warp_specialize, num_warps=cfg.warps)
 
 
 def packed_int4(n, k, device):
