@@ -13,7 +13,7 @@ tree of 15's), three ways:
   stream-only  the same launch without that wait (down reads whatever the buffer holds): the stream's own rate,
                what the wait costs;
 and the persistent launch with down in OTHER_SPLITS K slices (1: a down tile streams all of K alone; with 160 such
-tiles of 32 outputs at 5120 outputs, fewer items than programs).
+tiles of 32 outputs at 5120 outputs, fewer items than programs), and with gate_up in tiles of SMALL_GATE_TILE rows.
 Each timed as weight copies > 400 MB in one CUDA graph (L2 never hits), median of replays (bench/timing.py); us per
 MLP, GB/s of its bytes and % of the machine's read bandwidth (measured first); then one persistent launch with each
 work item's times on the GPU's global timer (`timeline`: where the boundary falls, how long the down tiles wait).
@@ -51,6 +51,8 @@ HIDDEN, INTERMEDIATE = 5120, 17408  # Qwen3.5-27B
 ENGINE_KERNELS = KernelSettings(pdl_level=3)  # what the engine launches an INT4 target's projections with
 ROWS, BYTES_TIMED = (1, 8, 16), 400_000_000
 BN_GATE_UP, BN_DOWN, PROGRAMS_PER_SM, WARPS, STAGES = 64, 32, 4, 4, 2
+SMALL_GATE_TILE = 32  # gate_up's tile also timed at this height: fewer registers (a 64-row tile's 16-row launch
+# compiles to 255 a thread, 2 programs an SM; 32 rows to 168, 3 an SM; ptxas on sm_90)
 DOWN_SPLIT = 4  # a down tile's K in this many slices, each a work item of its own (the last one in sums them)
 OTHER_SPLITS = (1, 8)  # the persistent launch also timed with down split so
 PREFETCH_BLOCKS = 2  # K blocks of its weight rows (after the first, held in registers) a down tile prefetches into
@@ -199,21 +201,23 @@ def _mlp_kernel(x_ptr, gq, gs, dq, ds, h_ptr, out_ptr, partial_ptr, sync, stamps
         tl.atomic_xchg(exited, 0)
 
 
-def persistent_mlp(x, gate_up, down, h, out, partial, sync, programs, wait=True, stamps=None, split=DOWN_SPLIT):
-    """silu(gate) * up of x through gate_up ([gate; up] packed int4 [2I, H]) into h [M, I], then h @ down^T into
-    out [M, H], down's K in `split` slices (fp32 sums in partial [>= split, M, H]), in one launch of `programs`
-    programs; sync: int32 [4 + down tiles + split], zeros; with `stamps` (int64 [items, 4], CUDA), each work item's
-    program and times (`_mlp_kernel`). Returns the launched kernel (its registers: `registers`)."""
+def persistent_mlp(x, gate_up, down, h, out, partial, sync, programs, wait=True, stamps=None, split=DOWN_SPLIT,
+                   gate_tile=BN_GATE_UP):
+    """silu(gate) * up of x through gate_up ([gate; up] packed int4 [2I, H]) into h [M, I] in tiles of `gate_tile`
+    rows, then h @ down^T into out [M, H], down's K in `split` slices (fp32 sums in partial [>= split, M, H]), in one
+    launch of `programs` programs; sync: int32 [4 + down tiles + split], zeros; with `stamps` (int64 [items, 4],
+    CUDA), each work item's program and times (`_mlp_kernel`). Returns the launched kernel (its registers:
+    `registers`)."""
     cuda = x.is_cuda
     unpack = [unpack_asm(4, i, False) for i in range(4)]
-    gate_tiles = -(-gate_up.n // BN_GATE_UP)
+    gate_tiles = -(-gate_up.n // gate_tile)
     down_tiles = -(-down.n // BN_DOWN)
-    assert split <= down.k // (4 * down.group_size) and (8 * down.group_size) % BN_GATE_UP == 0
+    assert split <= down.k // (4 * down.group_size) and (8 * down.group_size) % gate_tile == 0
     assert partial.shape[0] >= split and sync.numel() >= 4 + down_tiles + split
     return _mlp_kernel[(programs,)](x, gate_up.q, gate_up.s, down.q, down.s, h, out, partial, sync,
                                     sync if stamps is None else stamps, x.shape[0], gate_tiles,
                                     down_tiles * split, programs, H=down.n, I=gate_up.n // 2, G=gate_up.group_size,
-                                    BM=max(8, triton.next_power_of_2(x.shape[0])), BN_G=BN_GATE_UP, BN_D=BN_DOWN,
+                                    BM=max(8, triton.next_power_of_2(x.shape[0])), BN_G=gate_tile, BN_D=BN_DOWN,
                                     SPLIT=split, STAGES=STAGES, ASM=cuda, U0=unpack[0], U1=unpack[1], U2=unpack[2],
                                     U3=unpack[3], WAIT=wait, PREFETCH=PREFETCH_BLOCKS if cuda else 0,
                                     STAMPS=stamps is not None, num_warps=WARPS)
@@ -276,25 +280,31 @@ def main():
         partial = torch.zeros(max(DOWN_SPLIT, *OTHER_SPLITS), m, HIDDEN, device=dev)
         want = wq_matmul(wq_matmul_swiglu(x, one[0]), one[1])
 
-        def error(split=DOWN_SPLIT):
+        def error(split=DOWN_SPLIT, gate_tile=BN_GATE_UP):
             out.zero_()
-            persistent_mlp(x, *one, h, out, partial, sync, programs, split=split)
+            persistent_mlp(x, *one, h, out, partial, sync, programs, split=split, gate_tile=gate_tile)
             return float((out.float() - want.float()).abs().max() / want.float().abs().max())
         err = max(error(split) for split in (*OTHER_SPLITS, DOWN_SPLIT))
+        err = max(err, error(gate_tile=SMALL_GATE_TILE))
         row = {"persistent_rel_err": err, "sync_left_zero": bool((sync == 0).all()),
-               "registers": registers(persistent_mlp(x, *one, h, out, partial, sync, programs, split=DOWN_SPLIT))}
+               "registers": registers(persistent_mlp(x, *one, h, out, partial, sync, programs, split=DOWN_SPLIT)),
+               "registers_small_gate_tile": registers(persistent_mlp(x, *one, h, out, partial, sync, programs,
+                                                                     split=DOWN_SPLIT, gate_tile=SMALL_GATE_TILE))}
 
         def engine():
             with use(ENGINE_KERNELS):
                 for gate_up, down in layers:
                     wq_matmul(wq_matmul_swiglu(x, gate_up), down, out=out)
 
-        def persistent(wait=True, split=DOWN_SPLIT):
+        def persistent(wait=True, split=DOWN_SPLIT, gate_tile=BN_GATE_UP):
             for gate_up, down in layers:
-                persistent_mlp(x, gate_up, down, h, out, partial, sync, programs, wait, split=split)
+                persistent_mlp(x, gate_up, down, h, out, partial, sync, programs, wait, split=split,
+                               gate_tile=gate_tile)
         for name, fn in (("engine", engine), ("persistent", persistent),
                          ("stream-only", lambda: persistent(wait=False)),
-                         *((f"persistent, down in {n}", lambda n=n: persistent(split=n)) for n in OTHER_SPLITS)):
+                         *((f"persistent, down in {n}", lambda n=n: persistent(split=n)) for n in OTHER_SPLITS),
+                         (f"persistent, gate_up tiles of {SMALL_GATE_TILE}",
+                          lambda: persistent(gate_tile=SMALL_GATE_TILE))):
             us = replay_ms(fn) * 1e3 / copies
             row[name] = {"us": round(us, 2), "gb_s": round(mlp_bytes / us / 1e3),
                          "pct": round(mlp_bytes / us / 1e3 / bandwidth * 100, 1) if bandwidth else None}
@@ -305,7 +315,8 @@ def main():
         print(f"M={m}: " + "; ".join(f"{k} {v['us']:.1f} us {v['gb_s']} GB/s ({v['pct']} %)"
                                      for k, v in row.items() if isinstance(v, dict) and "us" in v)
               + f"; rel err {err:.1e} / {row['persistent_rel_err_after']:.1e}, sync clean {row['sync_left_zero']}"
-              + f"; registers {row['registers']}"
+              + f"; registers {row['registers']} ({SMALL_GATE_TILE}-row gate_up tiles: "
+              + f"{row['registers_small_gate_tile']})"
               + (f"\n  one persistent launch's stamps: {row['timeline']}" if "timeline" in row else ""), flush=True)
     path = os.path.join(os.environ.get("OUT", "."), "persistent_mlp.json")
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
