@@ -115,7 +115,9 @@ CHECKS = {  # script: what its dry run must have written (the JSON files under i
         == [("tiny", ["1", "12"]), ("tiny long", ["12"])]
         and all(row[label]["equal"] and row[label]["us"] > 0 and row["engine"]["us"] > 0
                 for shape in out["tma_stream.json"]["shapes"].values() for row in shape["rows"].values()
-                for label in ("tma", "tma scales"))),
+                for label in ("tma", "tma scales"))
+        and all(row["x once"]["bound"] and row["x once"]["us"] > 0
+                for shape in out["tma_stream.json"]["shapes"].values() for row in shape["rows"].values())),
     "quant_kernels": lambda out: (
         out["quant_kernels.json"]["production_failures"] == out["quant_kernels.json"]["alternative_failures"] == []
         and len(out["quant_kernels.json"]["checks"]) > 20 and all(c["ok"] for c in out["quant_kernels.json"]["checks"])
@@ -181,7 +183,8 @@ def test_tma_stream_compiles_for_hopper():
     for rows, halves, scale_desc, stages, instruction in ((8, 1, False, 2, "mma.sync"), (16, 1, True, 3, "wgmma"),
                                                           (16, 2, False, 3, "mma.sync")):
         constants = dict(G=128, BN=64, BM=rows, STAGES=stages, ASM=True, F32DOT=False, HALVES=halves,
-                         SCALE_DESC=scale_desc, WS=False, **{f"U{i}": unpack_asm(4, i, False) for i in range(4)})
+                         SCALE_DESC=scale_desc, WS=False, X_ONCE=False,
+                         **{f"U{i}": unpack_asm(4, i, False) for i in range(4)})
         ptx = sm90_ptx(tma_stream._tma_kernel, constants, 4, stages, pointers)
         assert "cp.async.bulk.tensor.2d" in ptx and instruction in ptx, (rows, halves)
 
