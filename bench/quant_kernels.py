@@ -17,8 +17,8 @@ CPU dry run of the harness (tiny shapes, Triton interpreter):      TRITON_INTERP
 Writes $OUT/quant_kernels.json when OUT is set.
 `--sweep` (~4 minutes): instead, tile width / pipeline depth / warps / K splits around the default config,
 every int4 shape at M = 1, 8 and 16 and the int8 shapes at M = 1 and 8 (SWEEP_VARIANTS, INT8_SWEEP; SWEEP_SET=deep:
-deeper pipelines with fewer splits, DEEP_VARIANTS; SWEEP_SET=tree: the int4 shapes at a draft tree's 17 and 33 rows,
-TREE_VARIANTS; SWEEP_SET=16: the int4 shapes at 16 rows only, SWEEP_VARIANTS' and wider, deeper and balanced
+deeper pipelines with fewer splits, DEEP_VARIANTS; SWEEP_SET=tree: the int4 shapes at a draft tree's 17, 32 and 33
+rows, TREE_VARIANTS; SWEEP_SET=16: the int4 shapes at 16 rows only, SWEEP_VARIANTS' and wider, deeper and balanced
 tiles, ROWS16_VARIANTS; SWEEP_SHAPES=o,down,...: those int4 shapes only); each config
 checked on 256 rows and once more after the timed graph replays (replayed output == an eager launch, bitwise).
 `default_config` holds the winners of this sweep. Writes $OUT/quant_sweep.json.
@@ -185,14 +185,17 @@ SWEEP_VARIANTS = {  # label: changes to the default config; by activation rows (
 DEEP_VARIANTS = {8: {f"n64 s{s} wv{w}": dict(block_n=64, stages=s, waves=w) for w in (0, 1, 2) for s in (3, 4, 6)},
                  16: {f"n64 s{s} wv{w}": dict(block_n=64, stages=s, waves=w)
                       for w in (0, 1, 2) for s in (3, 4, 6)}}
-# SWEEP_SET=tree: a draft tree's passes (17 and 33 rows: x tiles of 32 and 64 rows). Every program reads its x rows
-# over its K range, so wider output tiles (fewer programs) cut the x traffic that grows with the rows
+# SWEEP_SET=tree: a draft tree's passes (17, 32 and 33 rows: x tiles of 32 and 64 rows). Every program reads its x
+# rows over its K range, so wider output tiles (fewer programs) cut the x traffic that grows with the rows; 2
+# programs an SM fit at 32 rows, so the launch's last round of tiles (balanced or not) and its K splits weigh more
 TREE_VARIANTS = {f"n{n} s{s} w{w} wv{v}": dict(block_n=n, stages=s, warps=w, waves=v)
-                 for n, s, w, v in [(64, 2, 4, 1), (64, 3, 4, 1), (64, 2, 4, 4), (128, 2, 4, 1), (128, 2, 4, 2),
-                                    (128, 3, 8, 1), (128, 2, 8, 4), (256, 2, 8, 1), (256, 3, 8, 1), (256, 2, 8, 2)]}
+                 for n, s, w, v in [(64, 2, 4, 1), (64, 3, 4, 1), (64, 2, 4, 3), (64, 2, 4, 4), (128, 2, 4, 1),
+                                    (128, 2, 4, 2), (128, 3, 8, 1), (128, 2, 8, 4), (256, 2, 8, 1), (256, 3, 8, 1),
+                                    (256, 2, 8, 2)]}
+TREE_VARIANTS["n64 s2 wv1 bal"] = dict(block_n=64, stages=2, waves=1, balance=True)
 TREE_VARIANTS["n64 s3 wv2 bal d/2"] = dict(block_n=64, stages=3, waves=2, balance=True,
                                            dot_rows=lambda cfg: cfg.block_m // 2)  # two dots on one operand
-TREE_ROWS = [17, 33]
+TREE_ROWS = [17, 32, 33]
 # SWEEP_SET=16: a tree of 15 (16 rows) where the weight stream is fast (H200): fewer, wider tiles cut the x traffic
 ROWS16_VARIANTS = {**SWEEP_VARIANTS[16], **{
     f"n{n} s{s} w{w} wv{v}{' bal' if b else ''}{f' d{d}' if d else ''}":

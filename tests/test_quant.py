@@ -307,8 +307,12 @@ def test_default_configs():
     assert wq.default_config(16, 5120, 17408, 8, 128).dot_rows == 0  # 8-bit codes: one wgmma dot
     cfg = wq.default_config(16, 34816, 5120)  # gate_up: ~2 waves, the short last round balanced
     assert (cfg.waves, cfg.balance, cfg.dot_rows) == (2, True, 0)
-    # a draft tree's 17..32 rows: 2 stages, narrow outputs ~4 waves; 33..64 rows: 3 stages, one wave
-    assert wq.schedule(wq.default_config(17, 5120, 17408), 5120, 34) == (0, 7, 5)
+    # a draft tree's 17..32 rows: 2 stages, down ~3 waves, o ~4, gate_up's last round balanced; 33..64 rows: 3
+    # stages, one wave
+    assert wq.schedule(wq.default_config(17, 5120, 17408), 5120, 34) == (0, 5, 7)
+    assert wq.schedule(wq.default_config(32, 5120, 6144), 5120, 12) == (0, 6, 2)
+    assert wq.schedule(wq.default_config(32, 34816, 5120), 34816, 10) == (528, 3, 4)
+    assert wq.schedule(wq.default_config(32, 16480, 5120), 16480, 10) == (0, 1, 10)
     assert wq.default_config(17, 34816, 5120).stages == 2 and wq.default_config(33, 34816, 5120).stages == 3
     assert wq.default_config(33, 5120, 17408) == wq.KernelConfig(64, 64, 4, 3, 2, True, True, dot_rows=32)  # down
     assert wq.default_config(33, 34816, 5120).dot_rows == 0

@@ -37,7 +37,8 @@ the 9..16-row gate_up and down entries: H100 winners, with the whole tree pass t
   M 9..16: wgmma; vocabulary (N >= 131072) n128 s3, ~4 waves; gate_up n64 s3, ~2 waves balanced; other mid-size
            outputs n64 s3, ~1 wave; int4 K > 8192 (down): the M <= 8 schedule with 3 stages and the 16-row tile as
            two 8-row dots (`dot_rows`, mma.sync); 8-bit K > 8192 n64 s2, ~4 waves
-  M 17..32 (int4): n64 s2 wgmma, ~4 waves for narrow outputs (N <= 8192: down, o), else ~1; vocabulary n128 w8 s3
+  M 17..32 (int4): n64 s2 wgmma; narrow outputs (N <= 8192) split to ~3 waves (down) or ~4 (o), others ~1 wave,
+           gate_up's short last round balanced (the H100 winners at 32 rows); vocabulary n128 w8 s3
   M 33..64 (int4): n64 s3 wgmma, ~1 wave; K > 8192 (down): ~2 waves balanced, two 32-row dots (an H100 winner);
            8-bit codes: the M 9..16 entry with BM 32 / 64 (not measured)
   int8 group 32: M <= 8 n64 (N >= 16384) or n128, s3; M 9..16 n128 m16 s6 wgmma (not swept)
@@ -358,7 +359,9 @@ def default_config(m: int, n: int, k: int, bits: int = 4, group_size: int = 128)
             return KernelConfig(64, 64, 4, 3, 2, True, True, 32) if k > 8192 else KernelConfig(64, 64, 4, 3, 1)
         if n >= 131072:
             return KernelConfig(128, 32, 8, 3, 1)
-        return KernelConfig(64, 32, 4, 2, 4 if n <= 8192 else 1)
+        if n <= 8192:  # narrow outputs: K splits to ~3 waves (down) or ~4 (o, gdn out)
+            return KernelConfig(64, 32, 4, 2, 3 if k > 8192 else 4)
+        return KernelConfig(64, 32, 4, 2, 1, True, n * k > 150_000_000)  # gate_up: the short last round balanced
     if m > 16:  # 8-bit codes: the 9..16-row entry with a taller x tile (not measured)
         return replace(default_config(16, n, k, bits, group_size), block_m=1 << (m - 1).bit_length())
     asm = True  # int8 too: the PTX unpacking is the faster (docs/benchmarks.md, "W4A16 / W8A16")
