@@ -542,6 +542,32 @@ def test_fp8_projections_on_gpu(dtype, asm):
         assert torch.equal(got.cpu(), dequantize(weight, scale)[:, columns].T), (rows, asm)
 
 
+def test_int4_tree_rows_on_gpu():
+    """INT4 projections at a draft tree's 17 and 32 rows at the 27B's gate_up (whole tiles and the balanced split
+    last round in one launch) and down (K split to ~3 waves): the dequantized reference's result to rounding; replayed
+    in a CUDA graph they give what they give eagerly."""
+    from blockspec.kernels.quant_matmul_triton import default_config, schedule, wq_matmul
+    from blockspec.quant.int4 import Int4Linear
+
+    g = torch.Generator().manual_seed(0)
+    for n, k in [(34816, 5120), (5120, 17408)]:
+        lin = Int4Linear.from_float(torch.randn(n, k, generator=g) * k ** -0.5).cuda()
+        packed, dense = lin.packed(), lin.dequantize(torch.float32)
+        for rows in (17, 32):
+            assert schedule(default_config(rows, n, k), n, k // 512)[1] > 1  # both take split tiles
+            x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+            got = wq_matmul(x, packed, out_dtype=torch.float32)
+            ref = x.float() @ dense.t()
+            assert (got - ref).abs().max() <= 1e-3 * ref.abs().max(), (n, rows)
+            static, fresh = x.clone(), torch.randn_like(x)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                captured = wq_matmul(static, packed)
+            static.copy_(fresh)
+            graph.replay()
+            assert torch.equal(captured, wq_matmul(fresh, packed)), (n, rows)
+
+
 @pytest.mark.parametrize("budget", [8, 32])
 def test_tree_graph_replay_equals_eager_and_plain(pair, budget):
     """Draft trees under CUDA graphs (the drafter's pass and tree, the tree pass, the path commits) against eager
