@@ -185,9 +185,9 @@ SWEEP_VARIANTS = {  # label: changes to the default config; by activation rows (
 DEEP_VARIANTS = {8: {f"n64 s{s} wv{w}": dict(block_n=64, stages=s, waves=w) for w in (0, 1, 2) for s in (3, 4, 6)},
                  16: {f"n64 s{s} wv{w}": dict(block_n=64, stages=s, waves=w)
                       for w in (0, 1, 2) for s in (3, 4, 6)}}
-# SWEEP_SET=tree: a draft tree's passes (17, 32 and 33 rows: x tiles of 32 and 64 rows). Every program reads its x
-# rows over its K range, so wider output tiles (fewer programs) cut the x traffic that grows with the rows; 2
-# programs an SM fit at 32 rows, so the launch's last round of tiles (balanced or not) and its K splits weigh more
+# SWEEP_SET=tree: a draft tree's passes (17, 32 and 33 rows: x tiles of 32 and 64 rows). Wider output tiles (fewer
+# programs) read less x per weight byte; 2 programs an SM fit at 32 rows, so the launch's last round of tiles
+# (balanced or not) and its K splits weigh more
 TREE_VARIANTS = {f"n{n} s{s} w{w} wv{v}": dict(block_n=n, stages=s, warps=w, waves=v)
                  for n, s, w, v in [(64, 2, 4, 1), (64, 3, 4, 1), (64, 2, 4, 3), (64, 2, 4, 4), (128, 2, 4, 1),
                                     (128, 2, 4, 2), (128, 3, 8, 1), (128, 2, 8, 4), (256, 2, 8, 1), (256, 3, 8, 1),

@@ -352,6 +352,9 @@ class KernelConfig:
                 f"{f' d{self.dot_rows}' if self.dot_rows else ''}")
 
 
+GATE_UP_WEIGHTS = 150_000_000  # weights of a projection at least gate_up's size (178M): its schedule is balanced
+
+
 def default_config(m: int, n: int, k: int, bits: int = 4, group_size: int = 128) -> KernelConfig:
     """The config table of the module docstring (H200 winners of bench/quant_kernels.py --sweep)."""
     if m > 16 and bits == 4 and group_size == 128:  # a draft tree's pass: wgmma, x tiles of 32 or 64 rows
@@ -361,7 +364,7 @@ def default_config(m: int, n: int, k: int, bits: int = 4, group_size: int = 128)
             return KernelConfig(128, 32, 8, 3, 1)
         if n <= 8192:  # narrow outputs: K splits to ~3 waves (down) or ~4 (o, gdn out)
             return KernelConfig(64, 32, 4, 2, 3 if k > 8192 else 4)
-        return KernelConfig(64, 32, 4, 2, 1, True, n * k > 150_000_000)  # gate_up: the short last round balanced
+        return KernelConfig(64, 32, 4, 2, 1, True, n * k > GATE_UP_WEIGHTS)  # gate_up's short last round balanced
     if m > 16:  # 8-bit codes: the 9..16-row entry with a taller x tile (not measured)
         return replace(default_config(16, n, k, bits, group_size), block_m=1 << (m - 1).bit_length())
     asm = True  # int8 too: the PTX unpacking is the faster (docs/benchmarks.md, "W4A16 / W8A16")
@@ -379,7 +382,7 @@ def default_config(m: int, n: int, k: int, bits: int = 4, group_size: int = 128)
         return replace(default_config(8, n, k, bits, group_size), block_m=16, stages=3, dot_rows=8)
     if k > 8192:
         return KernelConfig(64, 16, 4, 2, 4, asm)  # K splits to ~4 waves
-    if n * k > 150_000_000:  # gate_up: ~2 waves, the short last round balanced (`schedule`)
+    if n * k > GATE_UP_WEIGHTS:  # gate_up: ~2 waves, the short last round balanced (`schedule`)
         return KernelConfig(64, 16, 4, 3, 2, asm, True)
     return KernelConfig(64, 16, 4, 3, 1, asm)  # one wave of 3-stage programs: faster than ~4 waves
 
