@@ -31,6 +31,9 @@
 #              engine's two launches, and without the wait between them (bench/persistent_mlp.py)
 #   tma_stream  the W4A16 kernel with its codes (and scales) through TMA bulk copies against the engine's launches, the
 #              27B's INT4 projections at 1, 8 and 16 rows (bench/tma_stream.py)
+#   warp_specialized  the warp-specialized W4A16 kernel (2 or 3 consumer warpgroups) against the engine's launches
+#              at 1, 8, 16 and 32 rows, the 27B's INT4 projections (bench/warp_specialized.py; WS_ARGS, e.g.
+#              "--shapes gate_up,down")
 #   variants   the graphed step under variants of the kernels' constants, alternated with the default
 #              (bench/step_variants.py; VARIANTS_ARGS, default --quant fp8)
 #   timeline   per-program time stamps of every projection launch of the graphed step (bench/launch_timeline.py;
@@ -142,6 +145,7 @@ for part in ${PARTS:-bf16 warm int4 vocab}; do
     schedules) kernel_bench kernel_schedules 150 kernel_schedules ;;
     persistent_mlp) kernel_bench persistent_mlp ${PERSISTENT_S:-200} persistent_mlp ;;
     tma_stream) kernel_bench tma_stream ${TMA_S:-200} tma_stream ;;
+    warp_specialized) kernel_bench warp_specialized ${WS_S:-240} warp_specialized ${WS_ARGS:-} ;;
     variants) kernel_bench step_variants ${VARIANTS_S:-540} step_variants ${VARIANTS_ARGS:---quant fp8} ;;
     timeline) kernel_bench launch_timeline 240 launch_timeline ${TIMELINE_ARGS:---quant fp8 --pdl-levels 0} ;;
     sweep) kernel_bench quant_sweep ${SWEEP_S:-300} quant_kernels --sweep ;;

@@ -19,7 +19,8 @@ Writes $OUT/quant_kernels.json when OUT is set.
 every int4 shape at M = 1, 8 and 16 and the int8 shapes at M = 1 and 8 (SWEEP_VARIANTS, INT8_SWEEP; SWEEP_SET=deep:
 deeper pipelines with fewer splits, DEEP_VARIANTS; SWEEP_SET=tree: the int4 shapes at a draft tree's 17, 32 and 33
 rows, TREE_VARIANTS; SWEEP_SET=16: the int4 shapes at 16 rows only, SWEEP_VARIANTS' and wider, deeper and balanced
-tiles, ROWS16_VARIANTS; SWEEP_SHAPES=o,down,...: those int4 shapes only); each config
+tiles, ROWS16_VARIANTS; SWEEP_SET=ws: the int4 shapes at 17 and 32 rows, the default (on Hopper the warp-specialized
+kernel) against the Triton kernel, WS_VARIANTS; SWEEP_SHAPES=o,down,...: those int4 shapes only); each config
 checked on 256 rows and once more after the timed graph replays (replayed output == an eager launch, bitwise).
 `default_config` holds the winners of this sweep. Writes $OUT/quant_sweep.json.
 """
@@ -188,13 +189,15 @@ DEEP_VARIANTS = {8: {f"n64 s{s} wv{w}": dict(block_n=64, stages=s, waves=w) for 
 # SWEEP_SET=tree: a draft tree's passes (17, 32 and 33 rows: x tiles of 32 and 64 rows). Wider output tiles (fewer
 # programs) read less x per weight byte; 2 programs an SM fit at 32 rows, so the launch's last round of tiles
 # (balanced or not) and its K splits weigh more
-TREE_VARIANTS = {f"n{n} s{s} w{w} wv{v}": dict(block_n=n, stages=s, warps=w, waves=v)
+TREE_VARIANTS = {f"n{n} s{s} w{w} wv{v}": dict(block_n=n, stages=s, warps=w, waves=v, warp_specialized=False)
                  for n, s, w, v in [(64, 2, 4, 1), (64, 3, 4, 1), (64, 2, 4, 3), (64, 2, 4, 4), (128, 2, 4, 1),
                                     (128, 2, 4, 2), (128, 3, 8, 1), (128, 2, 8, 4), (256, 2, 8, 1), (256, 3, 8, 1),
                                     (256, 2, 8, 2)]}
-TREE_VARIANTS["n64 s2 wv1 bal"] = dict(block_n=64, stages=2, waves=1, balance=True)
-TREE_VARIANTS["n64 s3 wv2 bal d/2"] = dict(block_n=64, stages=3, waves=2, balance=True,
+TREE_VARIANTS["n64 s2 wv1 bal"] = dict(block_n=64, stages=2, waves=1, balance=True, warp_specialized=False)
+TREE_VARIANTS["n64 s3 wv2 bal d/2"] = dict(block_n=64, stages=3, waves=2, balance=True, warp_specialized=False,
                                            dot_rows=lambda cfg: cfg.block_m // 2)  # two dots on one operand
+# SWEEP_SET=ws: the 17..32-row default (the warp-specialized Gluon kernel on Hopper) against the Triton kernel's config
+WS_VARIANTS = {"triton kernel": dict(warp_specialized=False)}
 TREE_ROWS = [17, 32, 33]
 # SWEEP_SET=16: a tree of 15 (16 rows) where the weight stream is fast (H200): fewer, wider tiles cut the x traffic
 ROWS16_VARIANTS = {**SWEEP_VARIANTS[16], **{
@@ -218,19 +221,20 @@ def sweep() -> None:
     the int8 shapes at M = 1 and 8."""
     records = []
     chosen = os.environ.get("SWEEP_SET")
-    deep, tree, rows16 = chosen == "deep", chosen == "tree", chosen == "16"
+    deep, tree, rows16, ws = chosen == "deep", chosen == "tree", chosen == "16", chosen == "ws"
     only = os.environ.get("SWEEP_SHAPES", "").split(",") if os.environ.get("SWEEP_SHAPES") else None
-    all_rows = TREE_ROWS if tree else [16] if rows16 else [1, 8, 16]
-    tables = {0: TREE_VARIANTS} if tree else {16: ROWS16_VARIANTS} if rows16 else \
+    tree_rows = [17, 32] if ws else TREE_ROWS
+    all_rows = tree_rows if tree or ws else [16] if rows16 else [1, 8, 16]
+    tables = {0: TREE_VARIANTS} if tree else {0: WS_VARIANTS} if ws else {16: ROWS16_VARIANTS} if rows16 else \
         DEEP_VARIANTS if deep else SWEEP_VARIANTS
     for sname, n, k in [s for s in SHAPES if only is None or s[0] in only]:
         variants = [("default", lambda m: wq.default_config(m, n, k), all_rows)]
         for bm, table in tables.items():
             variants += [(label, lambda m, v=v: changed(wq.default_config(m, n, k), v),
-                          TREE_ROWS if tree else [1, 8] if bm == 8 else [16]) for label, v in table.items()]
+                          tree_rows if bm == 0 else [1, 8] if bm == 8 else [16]) for label, v in table.items()]
         time_shape(records, sname, n, k, 4, 128, variants)
         torch.cuda.empty_cache() if not DRY else None
-    for sname, n, k, gs in [] if only or tree or rows16 else INT8_SHAPES:
+    for sname, n, k, gs in [] if only or tree or rows16 or ws else INT8_SHAPES:
         variants = [("default", lambda m: wq.default_config(m, n, k, 8, gs), [1, 8])]
         variants += [(label, lambda m, v=v: replace(wq.default_config(m, n, k, 8, gs), **v), [1, 8])
                      for label, v in INT8_SWEEP.items()]

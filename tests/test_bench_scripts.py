@@ -35,7 +35,8 @@ DRY_RUNS = {  # script: its arguments ({out}: its $OUT)
 NATIVE = {"drafter_training", "profile_cycle", "cycle_trace"}
 ELSEWHERE = {"checkpoint_loading": "test_checkpoint_loading.py", "drafter_scaling": "test_train.py",
              "train_step": "test_train.py", "drafter_recipes": "test_train.py",
-             "multi_turn": "test_bench.py", "tree_acceptance": "test_bench.py"}
+             "multi_turn": "test_bench.py", "tree_acceptance": "test_bench.py",
+             "warp_specialized": "test_quant_matmul_gluon.py"}
 
 
 def _dry_run(script):

@@ -568,6 +568,49 @@ def test_int4_tree_rows_on_gpu():
             assert torch.equal(captured, wq_matmul(fresh, packed)), (n, rows)
 
 
+def test_warp_specialized_kernel_against_triton_kernel():
+    """The Gluon warp-specialized kernel that the config table takes at 17..32 rows (Hopper) against the Triton
+    kernel's config on the same launches, every epilogue: store (fp32 sums; tiles cut between programs add their
+    pieces in another order), residual add with the next norm begun, then SwiGLU scaled by that norm's 1 / rms."""
+    from dataclasses import replace
+
+    from blockspec.kernels import quant_matmul_gluon
+    from blockspec.kernels.quant_matmul_triton import default_config, wq_matmul, wq_matmul_add_norm, wq_matmul_swiglu
+    from blockspec.quant.int4 import Int4Linear
+
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the warp-specialized kernel is Hopper's")
+    g = torch.Generator().manual_seed(1)
+    packed = {name: Int4Linear.from_float(torch.randn(n, k, generator=g) * k ** -0.5).cuda().packed()
+              for name, (n, k) in {"gate_up": (34816, 5120), "down": (5120, 17408), "gdn_in": (16480, 5120)}.items()}
+
+    def both(fn, name, rows, *args, **kw):
+        cfg = default_config(rows, packed[name].n, packed[name].k)
+        assert cfg.warp_specialized
+        return fn(*args, config=cfg, **kw), fn(*args, config=replace(cfg, warp_specialized=False), **kw)
+
+    def close(a, b, tol):
+        a, b = a.float(), b.float()
+        assert (a - b).abs().max() <= tol * b.abs().max(), float((a - b).abs().max() / b.abs().max())
+
+    for rows in (17, 32):
+        x = {k: torch.randn(rows, k, device="cuda", dtype=torch.bfloat16) for k in (5120, 17408)}
+        assert quant_matmul_gluon.usable(x[5120], packed["gate_up"])
+        for name in packed:
+            ws, tri = both(wq_matmul, name, rows, x[packed[name].k], packed[name], out_dtype=torch.float32)
+            close(ws, tri, 1e-5)
+        residual = torch.randn(rows, 5120, device="cuda", dtype=torch.bfloat16)
+        norm_w = torch.randn(5120, device="cuda", dtype=torch.bfloat16) * 0.1
+        (out, normed, parts), (out_t, normed_t, parts_t) = both(wq_matmul_add_norm, "down", rows, x[17408],
+                                                                packed["down"], residual, norm_w)
+        close(out, out_t, 1e-2)
+        close(normed, normed_t, 1e-2)
+        close(parts, parts_t, 1e-2)
+        ws, tri = both(wq_matmul_swiglu, "gate_up", rows, normed_t, packed["gate_up"], rms=(parts_t, 1e-6))
+        close(ws, tri, 1e-2)
+        assert (ws == tri).float().mean() > 0.95  # the pieces' order moves a bf16 rounding only now and then
+
+
 @pytest.mark.parametrize("budget", [8, 32])
 def test_tree_graph_replay_equals_eager_and_plain(pair, budget):
     """Draft trees under CUDA graphs (the drafter's pass and tree, the tree pass, the path commits) against eager

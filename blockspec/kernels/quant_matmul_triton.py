@@ -37,8 +37,10 @@ the 9..16-row gate_up and down entries: H100 winners, with the whole tree pass t
   M 9..16: wgmma; vocabulary (N >= 131072) n128 s3, ~4 waves; gate_up n64 s3, ~2 waves balanced; other mid-size
            outputs n64 s3, ~1 wave; int4 K > 8192 (down): the M <= 8 schedule with 3 stages and the 16-row tile as
            two 8-row dots (`dot_rows`, mma.sync); 8-bit K > 8192 n64 s2, ~4 waves
-  M 17..32 (int4): n64 s2 wgmma; narrow outputs (N <= 8192) split to ~3 waves (down) or ~4 (o), others ~1 wave,
-           gate_up's short last round balanced (the H100 winners at 32 rows); vocabulary n128 w8 s3
+  M 17..32 (int4): on Hopper with bf16 activations the warp-specialized Gluon kernel (quant_matmul_gluon.py; 13-25 %
+           faster per launch on an H100, qkv even); elsewhere n64 s2 wgmma; narrow outputs (N <= 8192) split to ~3
+           waves (down) or ~4 (o), others ~1 wave, gate_up's short last round balanced (the H100 winners at 32
+           rows); vocabulary n128 w8 s3 (the Triton kernel everywhere)
   M 33..64 (int4): n64 s3 wgmma, ~1 wave; K > 8192 (down): ~2 waves balanced, two 32-row dots (an H100 winner);
            8-bit codes: the M 9..16 entry with BM 32 / 64 (not measured)
   int8 group 32: M <= 8 n64 (N >= 16384) or n128, s3; M 9..16 n128 m16 s6 wgmma (not swept)
@@ -52,7 +54,6 @@ The kernel runs on CUDA, or on CPU tensors under TRITON_INTERPRET=1 (fp32 dots, 
 
 from __future__ import annotations
 
-import functools
 import os
 from dataclasses import dataclass, replace
 
@@ -60,9 +61,10 @@ import torch
 import torch.nn.functional as F
 
 from ..config import MAX_PASS_TOKENS
-from . import arrival_counters, launch_fitting, pdl, sm_count
+from . import arrival_counters, launch_fitting, pdl, quant_matmul_gluon, sm_count
 from .linear_triton import split_blocks
 from .quant_matmul import PackedWeight, block_size
+from .unpack_ptx import unpack_asm
 
 try:  # triton is optional: CPU-only installs use the plain PyTorch reference paths
     import triton
@@ -79,31 +81,6 @@ MAX_KERNEL_ROWS = MAX_PASS_TOKENS  # rows of one launch; beyond (prefill): dequa
 # ----------------------------------------------------------------------------------------------------------
 # Kernel
 # ----------------------------------------------------------------------------------------------------------
-
-@functools.lru_cache(maxsize=None)
-def unpack_asm(bits: int, i: int, fp16: bool, e4m3: bool = False) -> str:
-    """PTX for one 32-bit register (two halfwords): (u - 2**(bits-1)) of code i of each, as bf16x2 / f16x2; with
-    e4m3, the float8_e4m3fn value of byte i of each."""
-    if e4m3:  # byte i and byte 2 + i at the top of each half; sign kept, exponent and mantissa moved down into the
-        # bf16's (fp16's) so the half holds the value times 2**-120 (2**-8), subnormals included; times 2**120 (2**8)
-        # in one packed FMA (+ -0 keeps the sign of zeros): exact, 2.5 PTX instr. per weight, any sm_80+ GPU
-        shift, scale = (1, "0x5C005C00") if fp16 else (4, "0x7B807B80")
-        return (f"{{ .reg .b32 t, v, k, z; prmt.b32 t, $1, 0, 0x{2 + i}4{i}4; and.b32 v, t, 0x7F007F00; "
-                f"shr.b32 v, v, {shift}; lop3.b32 v, t, 0x80008000, v, 0xEA; mov.b32 k, {scale}; "
-                f"mov.b32 z, 0x80008000; fma.rn.{'f16x2' if fp16 else 'bf16x2'} $0, v, k, z; }}")
-    if bits == 4:  # (u | 0x4300) as bf16 is 128 + u, (u | 0x6400) as fp16 is 1024 + u; then * 1 - 136 / - 1032
-        magic, one, bias = ("0x64006400", "0x3C003C00", "0xE408E408") if fp16 else \
-            ("0x43004300", "0x3F803F80", "0xC308C308")
-        src = f"shr.u32 w, $1, {4 * i};" if i else "mov.b32 w, $1;"
-        return (f"{{ .reg .b32 w, t, k, one; mov.b32 k, {bias}; mov.b32 one, {one}; {src} "
-                f"lop3.b32 t, w, 0x000F000F, {magic}, 0xEA; fma.rn.{'f16x2' if fp16 else 'bf16x2'} $0, t, one, k; }}")
-    if fp16:  # bytes (0x64, u) -> fp16 1024 + u, minus 1152
-        return (f"{{ .reg .b32 t, k; mov.b32 k, 0x64806480; prmt.b32 t, $1, 0x64646464, 0x4{2 + i}4{i}; "
-                "sub.rn.f16x2 $0, t, k; }")
-    # bytes (0x4B, 0, 0, u) -> fp32 2**23 + u, minus 2**23 + 128, both halfwords packed to bf16x2 (exact)
-    return (f"{{ .reg .b32 lo, hi; prmt.b32 lo, $1, 0x4B000000, 0x744{i}; prmt.b32 hi, $1, 0x4B000000, 0x744{2 + i}; "
-            "sub.rn.f32 lo, lo, 0f4B000080; sub.rn.f32 hi, hi, 0f4B000080; cvt.rn.bf16x2.f32 $0, hi, lo; }")
-
 
 if triton is not None:
 
@@ -345,11 +322,14 @@ class KernelConfig:
     # x rows per tensor-core dot: 0, the whole tile in one; 8, a 16-row tile as two 8-row dots on one dequantized
     # operand, which Triton compiles to mma.sync where one 16-row dot compiles to wgmma
     dot_rows: int = 0
+    # the warp-specialized Gluon kernel (quant_matmul_gluon) where it serves the launch (Hopper, bf16, int4 g128,
+    # 17..32 rows); the fields above are the Triton kernel's config elsewhere
+    warp_specialized: bool = False
 
     def short(self) -> str:
         return (f"n{self.block_n} m{self.block_m} w{self.warps} s{self.stages} "
                 f"wv{self.waves}{' bal' if self.balance else ''}{'' if self.asm else ' noasm'}"
-                f"{f' d{self.dot_rows}' if self.dot_rows else ''}")
+                f"{f' d{self.dot_rows}' if self.dot_rows else ''}{' ws' if self.warp_specialized else ''}")
 
 
 GATE_UP_WEIGHTS = 150_000_000  # weights of a projection at least gate_up's size (178M): its schedule is balanced
@@ -363,8 +343,9 @@ def default_config(m: int, n: int, k: int, bits: int = 4, group_size: int = 128)
         if n >= 131072:
             return KernelConfig(128, 32, 8, 3, 1)
         if n <= 8192:  # narrow outputs: K splits to ~3 waves (down) or ~4 (o, gdn out)
-            return KernelConfig(64, 32, 4, 2, 3 if k > 8192 else 4)
-        return KernelConfig(64, 32, 4, 2, 1, True, n * k > GATE_UP_WEIGHTS)  # gate_up's short last round balanced
+            return KernelConfig(64, 32, 4, 2, 3 if k > 8192 else 4, warp_specialized=True)
+        # gate_up's short last round balanced
+        return KernelConfig(64, 32, 4, 2, 1, True, n * k > GATE_UP_WEIGHTS, warp_specialized=True)
     if m > 16:  # 8-bit codes: the 9..16-row entry with a taller x tile (not measured)
         return replace(default_config(16, n, k, bits, group_size), block_m=1 << (m - 1).bit_length())
     asm = True  # int8 too: the PTX unpacking is the faster (docs/benchmarks.md, "W4A16 / W8A16")
@@ -475,6 +456,9 @@ def launch_plan(x2: torch.Tensor, pw: PackedWeight, cfg: KernelConfig, out: torc
 
 def _launch(x2: torch.Tensor, pw: PackedWeight, cfg: KernelConfig, out: torch.Tensor,
             epilogue: Epilogue | None = None) -> None:
+    if cfg.warp_specialized and quant_matmul_gluon.usable(x2, pw) and \
+            quant_matmul_gluon.launch(x2, pw, out, epilogue or Epilogue()):
+        return
     plan = launch_plan(x2, pw, cfg, out, epilogue)
     launch_fitting(_wq_kernel, (plan.programs,), *plan.args, stages_key="STAGES", **plan.meta)
 

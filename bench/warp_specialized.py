@@ -1,0 +1,127 @@
+"""The warp-specialized W4A16 kernel (blockspec/kernels/quant_matmul_gluon.py) against the engine's launches at 1, 8,
+16 and 32 rows, the 27B's INT4 projections: us per launch over > 300 MB of weight copies in one CUDA graph, % of the
+read bandwidth measured in the same run, error against the engine and the fraction of outputs equal to its bits.
+Variants: 2 or 3 consumer warpgroups, x blocks of 8 rows (1 and 8 rows), 16 or 32. The engine takes the kernel at
+17..32 rows (2 consumers); this bench times it where it does not.
+GPU (Hopper): python warp_specialized.py [--shapes gate_up,down,...]
+CPU dry run: python warp_specialized.py --dry-run (each variant compiled for sm_90 by Gluon's compiler, untimed).
+Writes $OUT/warp_specialized.json when OUT is set."""
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+from blockspec.kernels import quant_matmul_gluon as gk
+from blockspec.kernels.quant_matmul_triton import Epilogue, default_config, wq_matmul
+
+SHAPES = {"gate_up": (34816, 5120), "gdn_in": (16480, 5120), "attn_qkv": (14336, 5120), "down": (5120, 17408),
+          "o": (5120, 6144)}
+ROWS = (1, 8, 16, 32)
+CONSUMERS = (2, 3)
+
+
+def sm90_compile(k: int, consumers: int, block_m: int, epi: int = 0, rms: bool = False) -> tuple[str, int]:
+    """The kernel compiled here for sm_90 (no GPU needed): (its PTX, its shared memory in bytes)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    from triton.runtime.jit import mangle_type
+
+    def desc(rows, dtype, gl_dtype):
+        layout = gl.NVMMASharedLayout.get_default_for([rows, 128], gl_dtype)
+        return mangle_type(TensorDescriptor.from_tensor(torch.zeros(64, 1280, dtype=dtype), [rows, 128], layout))
+
+    signature = dict(q_desc=desc(gk.BN // 2 if epi == 2 else gk.BN, torch.int16, gl.int16),
+                     x_desc=desc(block_m, torch.bfloat16, gl.bfloat16), s_ptr="*bf16", out_ptr="*bf16",
+                     ws_ptr="*fp32", cnt_ptr="*i32", res_ptr="*bf16", nw_ptr="*bf16", rows_ptr="*bf16",
+                     part_ptr="*fp32", M="i32", N="i32", UNITS="i32", PER="i32", PARTS="i32", stride_om="i32",
+                     eps="fp32")
+    constants = dict(K=k, C=consumers, BM=block_m, S=gk.plan(34816, k, 132, consumers, block_m)[0], EPI=epi,
+                     RMS=rms, PBLOCK=128 if rms else 1, num_warps=4)
+    full = {n: "constexpr" if n in constants else signature[n] for n in gk._ws_kernel.arg_names}
+    aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(gk._ws_kernel.arg_names) if full[n][0] == "*"}
+    compiled = triton.compile(GluonASTSource(gk._ws_kernel, full, constexprs=constants, attrs=aligned),
+                              target=GPUTarget("cuda", 90, 32),
+                              options={"num_warps": 4, "maxnreg": gk.MAX_REGS if consumers == 2 else 128})
+    return compiled.asm["ptx"], compiled.metadata.shared
+
+
+def variants(m: int) -> list[tuple[int, int]]:
+    return [(c, max(8, 1 << (m - 1).bit_length())) for c in CONSUMERS]
+
+
+def dry_run() -> dict:
+    out = {}
+    for m in ROWS:
+        for consumers, block_m in variants(m):
+            ptx, shared = sm90_compile(5120, consumers, block_m)
+            out[f"C{consumers} m{block_m}"] = dict(shared=shared, wgmma=ptx.count(f"wgmma.mma_async.sync.aligned.m64n"
+                                                                                f"{block_m}k16"))
+    return out
+
+
+def measure(names: list[str]) -> dict:
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from timing import replay_ms
+
+    from blockspec.bench import measure_read_bandwidth
+    from blockspec.quant.int4 import Int4Linear
+
+    dev = torch.device("cuda")
+    bandwidth = measure_read_bandwidth(dev)
+    results = dict(device=torch.cuda.get_device_name(dev), read_gbs=bandwidth, shapes={})
+    print(f"{results['device']}: read bandwidth {bandwidth:.0f} GB/s", flush=True)
+    for name in names:
+        n, k = SHAPES[name]
+        weights = [Int4Linear.from_float(torch.randn(n, k, device=dev) * k ** -0.5, 128, True,
+                                         scale_dtype=torch.bfloat16).packed()]
+        weights += [Int4Linear.from_float(torch.randn(n, k, device=dev) * k ** -0.5, 128, True,
+                                          scale_dtype=torch.bfloat16).packed()
+                    for _ in range(max(1, -(-300_000_000 // weights[0].nbytes())) - 1)]
+        nbytes = weights[0].nbytes()
+        rows = results["shapes"][name] = {}
+        for m in ROWS:
+            x = torch.randn(m, k, device=dev).to(torch.bfloat16)
+            out = torch.empty(m, n, device=dev, dtype=torch.bfloat16)
+            cfg = default_config(m, n, k)
+            want = wq_matmul(x, weights[0]).float()
+            engine = replay_ms(lambda: [wq_matmul(x, w, cfg, out=out) for w in weights]) * 1e3 / len(weights)
+            row = rows[m] = {"engine": dict(us=engine, config=cfg.short(), pct=nbytes / engine / 1e3 / bandwidth * 100)}
+            for consumers, block_m in variants(m):
+                def run(w, o):
+                    gk.launch(x, w, o, Epilogue(), consumers, block_m)
+                    return o
+                got = run(weights[0], torch.empty_like(out)).float()
+                us = replay_ms(lambda: [run(w, out) for w in weights]) * 1e3 / len(weights)
+                row[f"C{consumers} m{block_m}"] = dict(
+                    us=us, pct=nbytes / us / 1e3 / bandwidth * 100, equal=float((got == want).float().mean()),
+                    rel_err=float((got - want).abs().max() / want.abs().max()))
+            print(f"{name} M={m}: " + "; ".join(
+                f"{label} {r['us']:.1f} us ({r['pct']:.1f} %)"
+                + (f", equal {r['equal']:.3f}, rel err {r['rel_err']:.1e}" if "equal" in r else f" [{r['config']}]")
+                for label, r in row.items()), flush=True)
+    return results
+
+
+def main() -> None:
+    if "--dry-run" in sys.argv:
+        results = dry_run()
+        print(json.dumps(results))
+    else:
+        names = sys.argv[sys.argv.index("--shapes") + 1].split(",") if "--shapes" in sys.argv else list(SHAPES)
+        unknown = [n for n in names if n not in SHAPES]
+        if unknown:
+            print(f"unknown shape {unknown[0]!r}; the shapes: {', '.join(SHAPES)}", file=sys.stderr)
+            sys.exit(2)
+        results = measure(names)
+    if os.environ.get("OUT"):
+        Path(os.environ["OUT"]).mkdir(parents=True, exist_ok=True)
+        (Path(os.environ["OUT"]) / "warp_specialized.json").write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()

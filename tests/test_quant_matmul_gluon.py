@@ -1,0 +1,109 @@
+"""The warp-specialized W4A16 kernel of a draft tree's 17..32 rows (kernels/quant_matmul_gluon.py) on the CPU: where
+the config table sends launches to it, how its schedule covers the weights, and its sm_90 code compiled here by
+Gluon's compiler. Its numerics against the Triton kernel run on the GPU (tests/test_cuda.py)."""
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from blockspec.kernels import quant_matmul_gluon as gk
+from blockspec.kernels import quant_matmul_triton as wq
+from blockspec.quant.int4 import Int4Linear
+
+SHAPES = {"gate_up": (34816, 5120), "down": (5120, 17408), "gdn_in": (16480, 5120), "o": (5120, 6144),
+          "qkv": (14336, 5120)}
+
+
+def test_config_table_sends_tree_rows_of_int4_to_it():
+    for n, k in SHAPES.values():
+        for m in (17, 24, 32):
+            assert wq.default_config(m, n, k).warp_specialized, (n, k, m)
+        for m in (1, 8, 16, 33, 64):
+            assert not wq.default_config(m, n, k).warp_specialized, (n, k, m)
+        assert not wq.default_config(32, n, k, 8, 128).warp_specialized  # 8-bit codes: the Triton kernel
+    assert not wq.default_config(32, 248320, 5120).warp_specialized  # the vocabulary head: not measured there
+
+
+def test_usable_only_for_its_launches():
+    lin = Int4Linear.from_float(torch.randn(128, 512) * 0.05).packed()
+    assert not gk.usable(torch.randn(24, 512, dtype=torch.bfloat16), lin)  # CPU tensors: the Triton kernel
+
+
+def test_a_kernel_that_does_not_build_hands_its_launches_back(monkeypatch, capsys):
+    """Another Triton's Gluon may not build the kernel: the launch says so once on stderr, launches nothing, and
+    the config's launches go to the Triton kernel from then on."""
+    pytest.importorskip("triton.experimental.gluon")
+    from triton.compiler.errors import CompilationError
+
+    class Refusing:
+        def __getitem__(self, grid):
+            def compile_and_launch(*args, **kwargs):
+                raise CompilationError("", None, "unsupported op")
+            return compile_and_launch
+
+    monkeypatch.setattr(gk, "_ws_kernel", Refusing())
+    monkeypatch.setattr(gk, "_BROKEN", [])
+    monkeypatch.setattr(gk, "_hopper", lambda device: True)
+    pw = Int4Linear.from_float(torch.randn(256, 1024) * 0.05).packed()
+    x, out = torch.randn(24, 1024, dtype=torch.bfloat16), torch.zeros(24, 256, dtype=torch.bfloat16)
+    with monkeypatch.context() as cuda:
+        cuda.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+        assert gk.usable(x, pw)
+    assert not gk.launch(x, pw, out, wq.Epilogue()) and not out.any()
+    assert "does not build" in capsys.readouterr().err and gk._BROKEN
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    assert not gk.usable(x, pw)
+
+
+@pytest.mark.parametrize("name", list(SHAPES))
+def test_schedule_covers_every_block_once(name):
+    """Programs take equal contiguous runs of (tile group, K block) units; a tile cut between runs has at most
+    `pieces` of them, the workspace's depth."""
+    n, k = SHAPES[name]
+    for sms in (132, 114, 78):
+        stages, units, per, pieces = gk.plan(n, k, sms)  # the engine's: 2 consumers, 32 rows
+        nblk = k // gk.BLOCK_K
+        assert units == -(-n // (gk.CONSUMERS * gk.BN)) * nblk and per == -(-units // sms)
+        owners = [u // per for u in range(units)]
+        for t in range(units // nblk):
+            assert len(set(owners[t * nblk:(t + 1) * nblk])) <= pieces
+        assert stages >= 2 and stages * (gk.CONSUMERS * gk.BN * gk.BLOCK_K // 2 + gk.BM * gk.BLOCK_K * 2) <= gk.SMEM
+
+
+@pytest.mark.parametrize("epi,rms,k,consumers,block_m", [(0, True, 5120, 2, 32), (1, False, 17408, 2, 32),
+                                                          (2, True, 5120, 2, 32), (0, False, 5120, 3, 8)])
+def test_sm90_code(epi, rms, k, consumers, block_m):
+    """Compiled for sm_90 on the CPU (bench/warp_specialized.py's compile): the group dots as m64nBMk16 wgmma, the
+    stages through TMA (2 code boxes per consumer with the SwiGLU epilogue, one otherwise, and x's 4), the
+    partitions' registers rebalanced, the split tiles' arrival counters, the shared memory within an SM's 227 KB."""
+    pytest.importorskip("triton.experimental.gluon")
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+    from warp_specialized import sm90_compile
+
+    ptx, shared = sm90_compile(k, consumers, block_m, epi, rms)
+    dots = re.findall(rf"wgmma\.mma_async\.sync\.aligned\.m64n{block_m}k16\.f32\.bf16\.bf16", ptx)
+    assert len(dots) == 32 * consumers  # 4 groups of 8 k16 steps a consumer
+    assert len(re.findall(r"cp\.async\.bulk\.tensor\.2d", ptx)) >= (2 if epi == 2 else 1) * consumers + 4
+    assert "setmaxnreg.inc" in ptx and "setmaxnreg.dec" in ptx
+    assert "atom.global.gpu.acq_rel.add" in ptx
+    assert shared <= 232448
+
+
+def test_bench_dry_run(tmp_path):
+    """bench/warp_specialized.py's dry run ("warp_specialized.py" --dry-run), in a process of its own: the other
+    scripts' dry runs share one with the Triton interpreter, whose patches of triton.language break Gluon's
+    compiler. Every variant it times (2 or 3 consumers, x blocks of 8, 16, 32 rows) compiles for sm_90."""
+    pytest.importorskip("triton.experimental.gluon")
+    root = Path(__file__).resolve().parent.parent
+    proc = subprocess.run([sys.executable, str(root / "bench" / "warp_specialized.py"), "--dry-run"], cwd=str(root),
+                          env=dict(os.environ, OUT=str(tmp_path), PYTHONPATH=str(root)), capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    compiled = json.loads((tmp_path / "warp_specialized.json").read_text())
+    assert sorted(compiled) == sorted(f"C{c} m{m}" for c in (2, 3) for m in (8, 16, 32))
+    assert all(v["wgmma"] == 32 * int(k[1]) and v["shared"] <= 232448 for k, v in compiled.items())
