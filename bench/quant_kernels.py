@@ -189,15 +189,15 @@ DEEP_VARIANTS = {8: {f"n64 s{s} wv{w}": dict(block_n=64, stages=s, waves=w) for 
 # SWEEP_SET=tree: a draft tree's passes (17, 32 and 33 rows: x tiles of 32 and 64 rows). Wider output tiles (fewer
 # programs) read less x per weight byte; 2 programs an SM fit at 32 rows, so the launch's last round of tiles
 # (balanced or not) and its K splits weigh more
-TREE_VARIANTS = {f"n{n} s{s} w{w} wv{v}": dict(block_n=n, stages=s, warps=w, waves=v, warp_specialized=False)
+TREE_VARIANTS = {f"n{n} s{s} w{w} wv{v}": dict(block_n=n, stages=s, warps=w, waves=v, warp_specialized=0)
                  for n, s, w, v in [(64, 2, 4, 1), (64, 3, 4, 1), (64, 2, 4, 3), (64, 2, 4, 4), (128, 2, 4, 1),
                                     (128, 2, 4, 2), (128, 3, 8, 1), (128, 2, 8, 4), (256, 2, 8, 1), (256, 3, 8, 1),
                                     (256, 2, 8, 2)]}
-TREE_VARIANTS["n64 s2 wv1 bal"] = dict(block_n=64, stages=2, waves=1, balance=True, warp_specialized=False)
-TREE_VARIANTS["n64 s3 wv2 bal d/2"] = dict(block_n=64, stages=3, waves=2, balance=True, warp_specialized=False,
+TREE_VARIANTS["n64 s2 wv1 bal"] = dict(block_n=64, stages=2, waves=1, balance=True, warp_specialized=0)
+TREE_VARIANTS["n64 s3 wv2 bal d/2"] = dict(block_n=64, stages=3, waves=2, balance=True, warp_specialized=0,
                                            dot_rows=lambda cfg: cfg.block_m // 2)  # two dots on one operand
 # SWEEP_SET=ws: the 17..32-row default (the warp-specialized Gluon kernel on Hopper) against the Triton kernel's config
-WS_VARIANTS = {"triton kernel": dict(warp_specialized=False)}
+WS_VARIANTS = {"triton kernel": dict(warp_specialized=0)}
 TREE_ROWS = [17, 32, 33]
 # SWEEP_SET=16: a tree of 15 (16 rows) where the weight stream is fast (H200): fewer, wider tiles cut the x traffic
 ROWS16_VARIANTS = {**SWEEP_VARIANTS[16], **{

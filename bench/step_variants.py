@@ -6,7 +6,8 @@ default (default, variant, default, variant: one capture of the same step times 
 
 For each variant: the step's median ms over REPS replays for each of the two captures of each, the mean difference
 against the default's adjacent captures, and the share of the weight-bandwidth roofline. The variants patch module
-constants (the DeltaNet mixer's value slice and warps), wrap `default_config` (the W4A16 / W8A16 table), replace
+constants (the DeltaNet mixer's value slice and warps), wrap `default_config` (the W4A16 / W8A16 table, e.g. the
+warp-specialized Gluon kernel on INT4 projections of 1..8 rows), replace
 the kernel settings (PDL level, L2 prefetch) for their capture, or replace every W4A16 / W8A16 launch by a kernel
 that only reads its weight bytes ("projections read only": the ceiling of any kernel that keeps one launch per
 projection; the reader's time alone per launch is printed first) or by nothing ("projections skipped": the rest
@@ -71,6 +72,14 @@ def wide(m, n, k, bits):
     return m <= 8 and n >= 64 * 132
 
 
+def int4_gate_up(m, n, k, bits):
+    return m <= 8 and bits == 4 and n * k > wq.GATE_UP_WEIGHTS
+
+
+def int4_layers(m, n, k, bits):
+    return m <= 8 and bits == 4 and n < 131072
+
+
 VARIANTS = {
     "mixer BV 32": lambda s: patched(gdn_triton, BLOCK_V=32),
     "mixer BV 32 2 warps": lambda s: patched(gdn_triton, BLOCK_V=32, NUM_WARPS=2),
@@ -86,6 +95,10 @@ VARIANTS = {
     "wide outputs n32 w2": lambda s: configs({"block_n": 32, "warps": 2}, wide),
     # one program per SM on the wide outputs (its warps in step through the pipeline's barriers) instead of 4-5
     "wide outputs n128 w8 s6": lambda s: configs({"block_n": 128, "warps": 8, "stages": 6}, wide),
+    # the warp-specialized Gluon kernel (its x blocks of 8 rows, Hopper, INT4) on gate_up (3 consumer warpgroups:
+    # 11 % faster alone at one row on an H100) or on every layer projection
+    "gate_up warp-specialized": lambda s: configs({"warp_specialized": 3}, int4_gate_up),
+    "projections warp-specialized": lambda s: configs({"warp_specialized": 2}, int4_layers),
     "PDL level 0": lambda s: use(replace(s, pdl_level=0)),
     "PDL level 1": lambda s: use(replace(s, pdl_level=1)),
     "PDL level 2": lambda s: use(replace(s, pdl_level=2)),

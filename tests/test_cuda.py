@@ -587,7 +587,7 @@ def test_warp_specialized_kernel_against_triton_kernel():
     def both(fn, name, rows, *args, **kw):
         cfg = default_config(rows, packed[name].n, packed[name].k)
         assert cfg.warp_specialized
-        return fn(*args, config=cfg, **kw), fn(*args, config=replace(cfg, warp_specialized=False), **kw)
+        return fn(*args, config=cfg, **kw), fn(*args, config=replace(cfg, warp_specialized=0), **kw)
 
     def close(a, b, tol):
         a, b = a.float(), b.float()

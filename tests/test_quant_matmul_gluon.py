@@ -22,7 +22,7 @@ SHAPES = {"gate_up": (34816, 5120), "down": (5120, 17408), "gdn_in": (16480, 512
 def test_config_table_sends_tree_rows_of_int4_to_it():
     for n, k in SHAPES.values():
         for m in (17, 24, 32):
-            assert wq.default_config(m, n, k).warp_specialized, (n, k, m)
+            assert wq.default_config(m, n, k).warp_specialized == gk.CONSUMERS, (n, k, m)
         for m in (1, 8, 16, 33, 64):
             assert not wq.default_config(m, n, k).warp_specialized, (n, k, m)
         assert not wq.default_config(32, n, k, 8, 128).warp_specialized  # 8-bit codes: the Triton kernel
@@ -53,7 +53,7 @@ def test_a_kernel_that_does_not_build_hands_its_launches_back(monkeypatch, capsy
     x, out = torch.randn(24, 1024, dtype=torch.bfloat16), torch.zeros(24, 256, dtype=torch.bfloat16)
     with monkeypatch.context() as cuda:
         cuda.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
-        assert gk.usable(x, pw)
+        assert gk.usable(x, pw) and not gk.usable(x, pw, 16) and not gk.usable(x[:8], pw, 12)
     assert not gk.launch(x, pw, out, wq.Epilogue()) and not out.any()
     assert "does not build" in capsys.readouterr().err and gk._BROKEN
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
@@ -76,7 +76,8 @@ def test_schedule_covers_every_block_once(name):
 
 
 @pytest.mark.parametrize("epi,rms,k,consumers,block_m", [(0, True, 5120, 2, 32), (1, False, 17408, 2, 32),
-                                                          (2, True, 5120, 2, 32), (0, False, 5120, 3, 8)])
+                                                          (2, True, 5120, 2, 32), (0, False, 5120, 3, 8),
+                                                          (2, True, 5120, 3, 8), (1, True, 17408, 2, 8)])
 def test_sm90_code(epi, rms, k, consumers, block_m):
     """Compiled for sm_90 on the CPU (bench/warp_specialized.py's compile): the group dots as m64nBMk16 wgmma, the
     stages through TMA (2 code boxes per consumer with the SwiGLU epilogue, one otherwise, and x's 4), the

@@ -55,10 +55,12 @@ MAX_REGS = 168    # per thread at launch, 12 warps in 64K registers (16 warps wi
 _BROKEN: list[str] = []  # why this kernel did not build here (then the Triton kernel serves its launches)
 
 
-def usable(x2: torch.Tensor, pw: PackedWeight) -> bool:
-    """Whether this kernel serves x2 @ W^T: Hopper, bf16 activations of 17..32 rows, int4 group 128 codes without
-    zero points, K in whole 512-column blocks, and the kernel builds with this Triton."""
-    return (gluon is not None and not _BROKEN and x2.is_cuda and 17 <= x2.shape[0] <= BM and x2.dtype == torch.bfloat16
+def usable(x2: torch.Tensor, pw: PackedWeight, block_m: int = BM) -> bool:
+    """Whether this kernel serves x2 @ W^T in x blocks of block_m rows: Hopper, bf16 activations of at most block_m
+    rows (8, 16 or 32), int4 group 128 codes without zero points, K in whole 512-column blocks, and the kernel
+    builds with this Triton. (The config table takes it at 17..32 rows.)"""
+    return (gluon is not None and not _BROKEN and x2.is_cuda and block_m in (8, 16, 32) and x2.shape[0] <= block_m
+            and x2.dtype == torch.bfloat16
             and pw.bits == 4 and pw.group_size == 128 and pw.z is None and pw.codes != "e4m3"
             and pw.k % BLOCK_K == 0 and _hopper(x2.device))
 
@@ -292,9 +294,9 @@ def plan(n: int, k: int, sms: int, consumers: int = CONSUMERS, block_m: int = BM
 
 def launch(x2: torch.Tensor, pw: PackedWeight, out: torch.Tensor, epi, consumers: int = CONSUMERS,
            block_m: int = BM) -> bool:
-    """x2 [M, K] @ W^T into out through `epi` (quant_matmul_triton.Epilogue); `usable(x2, pw)` must hold, except
-    for the row count: up to block_m (8, 16 or 32) rows, with 2 or 3 consumer warpgroups (bench/warp_specialized.py
-    times the others). False, with one note on stderr, where the kernel does not build: nothing was launched."""
+    """x2 [M, K] @ W^T into out through `epi` (quant_matmul_triton.Epilogue) with 2 or 3 consumer warpgroups;
+    `usable(x2, pw, block_m)` must hold. False, with one note on stderr, where the kernel does not build: nothing
+    was launched."""
     m, k = x2.shape
     sms = sm_count(x2.device)
     stages, units, per, pieces = plan(pw.n, k, sms, consumers, block_m)

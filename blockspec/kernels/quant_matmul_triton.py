@@ -322,14 +322,16 @@ class KernelConfig:
     # x rows per tensor-core dot: 0, the whole tile in one; 8, a 16-row tile as two 8-row dots on one dequantized
     # operand, which Triton compiles to mma.sync where one 16-row dot compiles to wgmma
     dot_rows: int = 0
-    # the warp-specialized Gluon kernel (quant_matmul_gluon) where it serves the launch (Hopper, bf16, int4 g128,
-    # 17..32 rows); the fields above are the Triton kernel's config elsewhere
-    warp_specialized: bool = False
+    # > 0: the warp-specialized Gluon kernel (quant_matmul_gluon) with that many consumer warpgroups and x blocks of
+    # block_m rows, where it serves the launch (Hopper, bf16, int4 g128); the fields above are the Triton kernel's
+    # config elsewhere
+    warp_specialized: int = 0
 
     def short(self) -> str:
         return (f"n{self.block_n} m{self.block_m} w{self.warps} s{self.stages} "
                 f"wv{self.waves}{' bal' if self.balance else ''}{'' if self.asm else ' noasm'}"
-                f"{f' d{self.dot_rows}' if self.dot_rows else ''}{' ws' if self.warp_specialized else ''}")
+                f"{f' d{self.dot_rows}' if self.dot_rows else ''}"
+                f"{f' ws{self.warp_specialized}' if self.warp_specialized else ''}")
 
 
 GATE_UP_WEIGHTS = 150_000_000  # weights of a projection at least gate_up's size (178M): its schedule is balanced
@@ -343,9 +345,9 @@ def default_config(m: int, n: int, k: int, bits: int = 4, group_size: int = 128)
         if n >= 131072:
             return KernelConfig(128, 32, 8, 3, 1)
         if n <= 8192:  # narrow outputs: K splits to ~3 waves (down) or ~4 (o, gdn out)
-            return KernelConfig(64, 32, 4, 2, 3 if k > 8192 else 4, warp_specialized=True)
+            return KernelConfig(64, 32, 4, 2, 3 if k > 8192 else 4, warp_specialized=2)
         # gate_up's short last round balanced
-        return KernelConfig(64, 32, 4, 2, 1, True, n * k > GATE_UP_WEIGHTS, warp_specialized=True)
+        return KernelConfig(64, 32, 4, 2, 1, True, n * k > GATE_UP_WEIGHTS, warp_specialized=2)
     if m > 16:  # 8-bit codes: the 9..16-row entry with a taller x tile (not measured)
         return replace(default_config(16, n, k, bits, group_size), block_m=1 << (m - 1).bit_length())
     asm = True  # int8 too: the PTX unpacking is the faster (docs/benchmarks.md, "W4A16 / W8A16")
@@ -456,8 +458,8 @@ def launch_plan(x2: torch.Tensor, pw: PackedWeight, cfg: KernelConfig, out: torc
 
 def _launch(x2: torch.Tensor, pw: PackedWeight, cfg: KernelConfig, out: torch.Tensor,
             epilogue: Epilogue | None = None) -> None:
-    if cfg.warp_specialized and quant_matmul_gluon.usable(x2, pw) and \
-            quant_matmul_gluon.launch(x2, pw, out, epilogue or Epilogue()):
+    if cfg.warp_specialized and quant_matmul_gluon.usable(x2, pw, cfg.block_m) and \
+            quant_matmul_gluon.launch(x2, pw, out, epilogue or Epilogue(), cfg.warp_specialized, cfg.block_m):
         return
     plan = launch_plan(x2, pw, cfg, out, epilogue)
     launch_fitting(_wq_kernel, (plan.programs,), *plan.args, stages_key="STAGES", **plan.meta)
