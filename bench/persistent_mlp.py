@@ -44,7 +44,8 @@ from timing import dry_run, replay_ms  # bench/timing.py, beside this script
 
 from blockspec.bench import measure_read_bandwidth
 from blockspec.kernels import KernelSettings, pdl, sm_count, use
-from blockspec.kernels.quant_matmul_triton import _cols, _swiglu_epilogue, unpack_asm, wq_matmul, wq_matmul_swiglu
+from blockspec.kernels.quant_matmul_triton import _cols, _swiglu_epilogue, wq_matmul, wq_matmul_swiglu
+from blockspec.kernels.unpack_ptx import unpack_asm
 from blockspec.quant.int4 import Int4Linear
 
 HIDDEN, INTERMEDIATE = 5120, 17408  # Qwen3.5-27B

@@ -47,7 +47,8 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from blockspec.bench import measure_read_bandwidth
 from blockspec.kernels import KernelSettings, arrival_counters, launch_fitting, sm_count, use
 from blockspec.kernels.quant_matmul_triton import (_cols, _group, _tile, _wq_kernel, default_config, finish,
-                                                   launch_plan, schedule, unpack_asm, wq_matmul)
+                                                   launch_plan, schedule, wq_matmul)
+from blockspec.kernels.unpack_ptx import unpack_asm
 from blockspec.quant.int4 import Int4Linear
 
 SHAPES = [("gate_up", 34816, 5120), ("gdn_in", 16480, 5120), ("down", 5120, 17408), ("o", 5120, 6144)]

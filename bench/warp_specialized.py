@@ -93,7 +93,8 @@ def measure(names: list[str]) -> dict:
             row = rows[m] = {"engine": dict(us=engine, config=cfg.short(), pct=nbytes / engine / 1e3 / bandwidth * 100)}
             for consumers, block_m in variants(m):
                 def run(w, o):
-                    gk.launch(x, w, o, Epilogue(), consumers, block_m)
+                    if not gk.launch(x, w, o, Epilogue(), consumers, block_m):
+                        raise SystemExit(f"the kernel does not build here: {gk._BROKEN[0]}")
                     return o
                 got = run(weights[0], torch.empty_like(out)).float()
                 us = replay_ms(lambda: [run(w, out) for w in weights]) * 1e3 / len(weights)

@@ -155,7 +155,7 @@ def test_persistent_mlp_compiles_for_hopper():
     sys.path.insert(0, str(BENCH))
     import persistent_mlp
 
-    from blockspec.kernels.quant_matmul_triton import unpack_asm
+    from blockspec.kernels.unpack_ptx import unpack_asm
 
     pointers = {"x_ptr": "*bf16", "gq": "*i16", "gs": "*bf16", "dq": "*i16", "ds": "*bf16", "h_ptr": "*bf16",
                 "out_ptr": "*bf16", "partial_ptr": "*fp32", "sync": "*i32", "stamps": "*i64"}
@@ -177,7 +177,7 @@ def test_tma_stream_compiles_for_hopper():
     sys.path.insert(0, str(BENCH))
     import tma_stream
 
-    from blockspec.kernels.quant_matmul_triton import unpack_asm
+    from blockspec.kernels.unpack_ptx import unpack_asm
 
     pointers = {"x_ptr": "*bf16", "q_desc": "tensordesc<i16[64,128]>", "s_ptr": "*bf16",
                 "s_desc": "tensordesc<bf16[1,256]>", "out_ptr": "*bf16", "ws_ptr": "*fp32", "cnt_ptr": "*i32"}

@@ -609,6 +609,26 @@ def test_warp_specialized_kernel_against_triton_kernel():
         ws, tri = both(wq_matmul_swiglu, "gate_up", rows, normed_t, packed["gate_up"], rms=(parts_t, 1e-6))
         close(ws, tri, 1e-2)
         assert (ws == tri).float().mean() > 0.95  # the pieces' order moves a bf16 rounding only now and then
+    # channels past the last whole tile group (SwiGLU: 2 x 1056, not a multiple of 64) and the rms with a plain
+    # store; 3 consumers and x blocks of 8 rows (the step's variants) at 1 and 8 rows
+    odd = Int4Linear.from_float(torch.randn(2112, 5120, generator=g) * 5120 ** -0.5).cuda().packed()
+    x = torch.randn(24, 5120, device="cuda", dtype=torch.bfloat16)
+    cfg = default_config(24, 2112, 5120)
+    close(wq_matmul_swiglu(x, odd, rms=(parts_t[:, :1].expand(-1, 24).contiguous(), 1e-6), config=cfg),
+          wq_matmul_swiglu(x, odd, rms=(parts_t[:, :1].expand(-1, 24).contiguous(), 1e-6),
+                           config=replace(cfg, warp_specialized=0)), 1e-2)
+    close(wq_matmul(x, odd, config=cfg, rms=(parts_t[:, :1].expand(-1, 24).contiguous(), 1e-6)),
+          wq_matmul(x, odd, config=replace(cfg, warp_specialized=0),
+                    rms=(parts_t[:, :1].expand(-1, 24).contiguous(), 1e-6)), 1e-2)
+    for rows in (1, 8):
+        x = torch.randn(rows, 5120, device="cuda", dtype=torch.bfloat16)
+        cfg = default_config(rows, 34816, 5120)
+        close(wq_matmul_swiglu(x, packed["gate_up"], config=replace(cfg, warp_specialized=3)),
+              wq_matmul_swiglu(x, packed["gate_up"], config=cfg), 1e-2)
+        close(wq_matmul(x, packed["gdn_in"], config=replace(default_config(rows, 16480, 5120), warp_specialized=2),
+                        out_dtype=torch.float32),
+              wq_matmul(x, packed["gdn_in"], out_dtype=torch.float32), 1e-5)
+    assert not quant_matmul_gluon._BROKEN  # every launch above built: none fell back to the Triton kernel
 
 
 @pytest.mark.parametrize("budget", [8, 32])

@@ -14,6 +14,7 @@ from helpers import patch_triton_interpreter, run_in_triton_interpreter, sm90_pt
 from blockspec import kernels
 from blockspec.kernels import linear_triton
 from blockspec.kernels.linear_triton import LinearConfig, linear_rows
+from blockspec.kernels.unpack_ptx import unpack_asm
 from blockspec.layers.linear import DenseLinear
 
 CASES = [  # rows, N, K, config (sms = 4 in the interpreter: waves * 4 programs before K is split)
@@ -114,7 +115,7 @@ def test_mma_instruction_follows_the_rows():
             const = dict(BITS=4, G=128, BN=cfg.block_n, BM=cfg.block_m, STAGES=cfg.stages, HAS_ZP=False,
                          EVEN_K=True, USE_ASM=True, F32DOT=False, PREFETCH=0, PDL=0, EPI=0, RMS=False, PBLOCK=1,
                          E4M3=False, HALVES=cfg.block_m // (cfg.dot_rows or cfg.block_m),
-                         **{f"U{i}": wq.unpack_asm(4, i, False) for i in range(4)})
+                         **{f"U{i}": unpack_asm(4, i, False) for i in range(4)})
             ptx = sm90_ptx(wq._wq_kernel, const, cfg.warps, cfg.stages, bf16)
             expect = "mma.sync" if cfg.dot_rows == 8 else instruction  # down's 16-row tile as two 8-row dots
             assert expect in ptx and ("wgmma" if expect == "mma.sync" else "mma.sync") not in ptx, (rows, cfg)

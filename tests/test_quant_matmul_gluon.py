@@ -29,9 +29,25 @@ def test_config_table_sends_tree_rows_of_int4_to_it():
     assert not wq.default_config(32, 248320, 5120).warp_specialized  # the vocabulary head: not measured there
 
 
-def test_usable_only_for_its_launches():
-    lin = Int4Linear.from_float(torch.randn(128, 512) * 0.05).packed()
-    assert not gk.usable(torch.randn(24, 512, dtype=torch.bfloat16), lin)  # CPU tensors: the Triton kernel
+def test_usable_only_for_its_launches(monkeypatch):
+    """CUDA bf16 rows at a 16-byte address, up to the x block's rows, int4 group 128 codes without zero points over
+    whole 512-column blocks, 2 or 3 consumers: anything else goes to the Triton kernel."""
+    from blockspec.quant.int8 import Int8Linear
+
+    pw = Int4Linear.from_float(torch.randn(128, 1024) * 0.05).packed()
+    x = torch.randn(25, 1024, dtype=torch.bfloat16)
+    assert not gk.usable(x[:24], pw)  # CPU tensors
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    monkeypatch.setattr(gk, "_hopper", lambda device: True)
+    assert gk.usable(x[:24], pw) and gk.usable(x[:8], pw, 8, 3)
+    refused = [gk.usable(x[:24].half(), pw), gk.usable(x[:24], pw, 16), gk.usable(x[:8], pw, 12),
+               gk.usable(x[:8], pw, 8, 4), gk.usable(x[1:], pw),  # 1024 bf16 = 2 KB a row: x[1:] is aligned,
+               gk.usable(x.view(-1)[1:1 + 24 * 1024].view(24, 1024), pw),  # this view is not
+               gk.usable(x[:24], Int4Linear.from_float(torch.randn(128, 1024) * 0.05, symmetric=False).packed()),
+               gk.usable(x[:24], Int4Linear.from_float(torch.randn(128, 1024) * 0.05, 64).packed()),
+               gk.usable(x[:24, :640].contiguous(), Int4Linear.from_float(torch.randn(128, 640) * 0.05).packed()),
+               gk.usable(x[:24], Int8Linear.from_float(torch.randn(128, 1024) * 0.05).packed())]
+    assert refused == [False, False, False, False, True, False, False, False, False, False], refused
 
 
 def test_a_kernel_that_does_not_build_hands_its_launches_back(monkeypatch, capsys):
@@ -69,9 +85,12 @@ def test_schedule_covers_every_block_once(name):
         stages, units, per, pieces = gk.plan(n, k, sms)  # the engine's: 2 consumers, 32 rows
         nblk = k // gk.BLOCK_K
         assert units == -(-n // (gk.CONSUMERS * gk.BN)) * nblk and per == -(-units // sms)
+        assert -(-units // per) <= sms  # every unit has a program
         owners = [u // per for u in range(units)]
         for t in range(units // nblk):
-            assert len(set(owners[t * nblk:(t + 1) * nblk])) <= pieces
+            streaming = len(set(owners[t * nblk:(t + 1) * nblk]))
+            first = (t * nblk) // per  # the kernel's count of a tile's pieces (`_finish`)
+            assert ((t + 1) * nblk - 1) // per - first + 1 == streaming <= pieces
         assert stages >= 2 and stages * (gk.CONSUMERS * gk.BN * gk.BLOCK_K // 2 + gk.BM * gk.BLOCK_K * 2) <= gk.SMEM
 
 
@@ -89,7 +108,8 @@ def test_sm90_code(epi, rms, k, consumers, block_m):
     ptx, shared = sm90_compile(k, consumers, block_m, epi, rms)
     dots = re.findall(rf"wgmma\.mma_async\.sync\.aligned\.m64n{block_m}k16\.f32\.bf16\.bf16", ptx)
     assert len(dots) == 32 * consumers  # 4 groups of 8 k16 steps a consumer
-    assert len(re.findall(r"cp\.async\.bulk\.tensor\.2d", ptx)) >= (2 if epi == 2 else 1) * consumers + 4
+    copies = (2 if epi == 2 else 1) * consumers + 4  # each 256-byte row split in two under the 128-byte swizzle
+    assert len(re.findall(r"cp\.async\.bulk\.tensor\.2d", ptx)) == 2 * copies
     assert "setmaxnreg.inc" in ptx and "setmaxnreg.dec" in ptx
     assert "atom.global.gpu.acq_rel.add" in ptx
     assert shared <= 232448

@@ -36,6 +36,7 @@ from .unpack_ptx import unpack_asm
 try:  # Gluon ships with triton >= 3.5; without it the Triton kernel serves every row count
     import triton
     from triton.compiler.errors import CompilationError
+    from triton.runtime.errors import OutOfResources
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma
@@ -55,12 +56,13 @@ MAX_REGS = 168    # per thread at launch, 12 warps in 64K registers (16 warps wi
 _BROKEN: list[str] = []  # why this kernel did not build here (then the Triton kernel serves its launches)
 
 
-def usable(x2: torch.Tensor, pw: PackedWeight, block_m: int = BM) -> bool:
-    """Whether this kernel serves x2 @ W^T in x blocks of block_m rows: Hopper, bf16 activations of at most block_m
-    rows (8, 16 or 32), int4 group 128 codes without zero points, K in whole 512-column blocks, and the kernel
-    builds with this Triton. (The config table takes it at 17..32 rows.)"""
-    return (gluon is not None and not _BROKEN and x2.is_cuda and block_m in (8, 16, 32) and x2.shape[0] <= block_m
-            and x2.dtype == torch.bfloat16
+def usable(x2: torch.Tensor, pw: PackedWeight, block_m: int = BM, consumers: int = CONSUMERS) -> bool:
+    """Whether this kernel serves x2 @ W^T with 2 or 3 consumers and x blocks of block_m rows: Hopper, bf16
+    activations of at most block_m rows (8, 16 or 32) at a 16-byte aligned address (TMA), int4 group 128 codes
+    without zero points, K in whole 512-column blocks, and the kernel builds with this Triton. (The config table
+    takes it at 17..32 rows.)"""
+    return (gluon is not None and not _BROKEN and x2.is_cuda and consumers in (2, 3) and block_m in (8, 16, 32)
+            and x2.shape[0] <= block_m and x2.dtype == torch.bfloat16 and x2.data_ptr() % 16 == 0
             and pw.bits == 4 and pw.group_size == 128 and pw.z is None and pw.codes != "e4m3"
             and pw.k % BLOCK_K == 0 and _hopper(x2.device))
 
@@ -128,7 +130,8 @@ if gluon is not None:
                 summed = (res + total.to(out_ptr.dtype.element_ty).to(gl.float32)).to(out_ptr.dtype.element_ty)
                 gl.store(out_ptr + off, summed, mask=mask)
                 v = summed.to(gl.float32)
-                gl.store(part_ptr + (t * C + c) * M + cols, gl.sum(v * v, axis=0), mask=cols < M)
+                gl.store(part_ptr + (t * C + c) * M + cols, gl.sum(v * v, axis=0),  # a tile past N has no row
+                         mask=(cols < M) & ((t * C + c) * _BN < N))
                 w = gl.load(nw_ptr + n, mask=n_ok, other=0.0).to(gl.float32)
                 gl.store(rows_ptr + off, (v * (1.0 + w)[:, None]).to(out_ptr.dtype.element_ty), mask=mask)
             elif EPI == 2:  # gate rows and up rows sit in different warps: meet in shared memory
@@ -200,20 +203,9 @@ if gluon is not None:
             acc = gl.where(flush, zero, acc)
 
     @gluon.jit
-    def _consumer(q_desc, x_desc, s_ptr, out_ptr, ws_ptr, cnt_ptr, res_ptr, nw_ptr, rows_ptr, part_ptr, ring_q,
-                  ring_x, scratch, ready, empty, start, count, M, N, K, PER, PARTS, stride_om, eps,
-                  NBLK: gl.constexpr, C: gl.constexpr, S: gl.constexpr, EPI: gl.constexpr, RMS: gl.constexpr,
-                  PBLOCK: gl.constexpr, BM: gl.constexpr, c: gl.constexpr):
-        """A worker partition: consumer c (the default partition is consumer 0)."""
-        _consume(c, s_ptr, out_ptr, ws_ptr, cnt_ptr, res_ptr, nw_ptr, rows_ptr, part_ptr, ring_q, ring_x, scratch,
-                 ready, empty, start, count, M, N, K, PER, PARTS, stride_om, eps, NBLK, C, S, EPI, RMS, PBLOCK, BM)
-
-    @gluon.jit
-    def _loader(q_desc, x_desc, s_ptr, out_ptr, ws_ptr, cnt_ptr, res_ptr, nw_ptr, rows_ptr, part_ptr, ring_q,
-                ring_x, scratch, ready, empty, start, count, M, N, K, PER, PARTS, stride_om, eps,
-                NBLK: gl.constexpr, C: gl.constexpr, S: gl.constexpr, EPI: gl.constexpr, RMS: gl.constexpr,
-                PBLOCK: gl.constexpr, BM: gl.constexpr, c: gl.constexpr):
-        """The worker partition that streams the stages (its signature is the consumers': `c` unused)."""
+    def _loader(q_desc, x_desc, ring_q, ring_x, ready, empty, start, count, N, NBLK: gl.constexpr, C: gl.constexpr,
+                S: gl.constexpr, EPI: gl.constexpr, BM: gl.constexpr):
+        """The worker partition that streams the stages."""
         G: gl.constexpr = _BLOCK_K // 4
         for j in range(count):
             u = start + j
@@ -260,36 +252,34 @@ if gluon is not None:
                 (_consume, (0, s_ptr, out_ptr, ws_ptr, cnt_ptr, res_ptr, nw_ptr, rows_ptr, part_ptr, ring_q, ring_x,
                             scratch, ready, empty, start, count, M, N, K, PER, PARTS, stride_om, eps, NBLK, C, S, EPI,
                             RMS, PBLOCK, BM)),
-                (_consumer, (q_desc, x_desc, s_ptr, out_ptr, ws_ptr, cnt_ptr, res_ptr, nw_ptr, rows_ptr, part_ptr,
-                             ring_q, ring_x, scratch, ready, empty, start, count, M, N, K, PER, PARTS, stride_om, eps,
-                             NBLK, C, S, EPI, RMS, PBLOCK, BM, 1)),
-                (_loader, (q_desc, x_desc, s_ptr, out_ptr, ws_ptr, cnt_ptr, res_ptr, nw_ptr, rows_ptr, part_ptr,
-                           ring_q, ring_x, scratch, ready, empty, start, count, M, N, K, PER, PARTS, stride_om, eps,
-                           NBLK, C, S, EPI, RMS, PBLOCK, BM, 0))], [4, 1], [232, 40])
+                (_consume, (1, s_ptr, out_ptr, ws_ptr, cnt_ptr, res_ptr, nw_ptr, rows_ptr, part_ptr, ring_q, ring_x,
+                            scratch, ready, empty, start, count, M, N, K, PER, PARTS, stride_om, eps, NBLK, C, S, EPI,
+                            RMS, PBLOCK, BM)),
+                (_loader, (q_desc, x_desc, ring_q, ring_x, ready, empty, start, count, N, NBLK, C, S, EPI, BM))],
+                [4, 1], [232, 40])
         else:
             gl.warp_specialize([
                 (_consume, (0, s_ptr, out_ptr, ws_ptr, cnt_ptr, res_ptr, nw_ptr, rows_ptr, part_ptr, ring_q, ring_x,
                             scratch, ready, empty, start, count, M, N, K, PER, PARTS, stride_om, eps, NBLK, C, S, EPI,
                             RMS, PBLOCK, BM)),
-                (_consumer, (q_desc, x_desc, s_ptr, out_ptr, ws_ptr, cnt_ptr, res_ptr, nw_ptr, rows_ptr, part_ptr,
-                             ring_q, ring_x, scratch, ready, empty, start, count, M, N, K, PER, PARTS, stride_om, eps,
-                             NBLK, C, S, EPI, RMS, PBLOCK, BM, 1)),
-                (_consumer, (q_desc, x_desc, s_ptr, out_ptr, ws_ptr, cnt_ptr, res_ptr, nw_ptr, rows_ptr, part_ptr,
-                             ring_q, ring_x, scratch, ready, empty, start, count, M, N, K, PER, PARTS, stride_om, eps,
-                             NBLK, C, S, EPI, RMS, PBLOCK, BM, 2)),
-                (_loader, (q_desc, x_desc, s_ptr, out_ptr, ws_ptr, cnt_ptr, res_ptr, nw_ptr, rows_ptr, part_ptr,
-                           ring_q, ring_x, scratch, ready, empty, start, count, M, N, K, PER, PARTS, stride_om, eps,
-                           NBLK, C, S, EPI, RMS, PBLOCK, BM, 0))], [4, 4, 1], [160, 160, 24])
+                (_consume, (1, s_ptr, out_ptr, ws_ptr, cnt_ptr, res_ptr, nw_ptr, rows_ptr, part_ptr, ring_q, ring_x,
+                            scratch, ready, empty, start, count, M, N, K, PER, PARTS, stride_om, eps, NBLK, C, S, EPI,
+                            RMS, PBLOCK, BM)),
+                (_consume, (2, s_ptr, out_ptr, ws_ptr, cnt_ptr, res_ptr, nw_ptr, rows_ptr, part_ptr, ring_q, ring_x,
+                            scratch, ready, empty, start, count, M, N, K, PER, PARTS, stride_om, eps, NBLK, C, S, EPI,
+                            RMS, PBLOCK, BM)),
+                (_loader, (q_desc, x_desc, ring_q, ring_x, ready, empty, start, count, N, NBLK, C, S, EPI, BM))],
+                [4, 4, 1], [160, 160, 24])
 
 
 def plan(n: int, k: int, sms: int, consumers: int = CONSUMERS, block_m: int = BM) -> tuple[int, int, int, int]:
-    """(stages, units, units per program, most pieces a tile is cut into) of a launch over W [n, k] (a [gate; up]
-    one: as many tile groups, of half the channels)."""
+    """(stages, units, units per program, most pieces a tile is cut into: 1 where every run is whole tiles) of a
+    launch over W [n, k] (a [gate; up] one: as many tile groups, of half the channels)."""
     stages = min(8, SMEM // (consumers * BN * BLOCK_K // 2 + block_m * BLOCK_K * 2))
     nblk = k // BLOCK_K
     units = -(-n // (consumers * BN)) * nblk
     per = -(-units // sms)
-    return stages, units, per, -(-nblk // per) + 1
+    return stages, units, per, 1 if per % nblk == 0 else -(-nblk // per) + 1
 
 
 def launch(x2: torch.Tensor, pw: PackedWeight, out: torch.Tensor, epi, consumers: int = CONSUMERS,
@@ -306,7 +296,7 @@ def launch(x2: torch.Tensor, pw: PackedWeight, out: torch.Tensor, epi, consumers
     x_desc = TensorDescriptor.from_tensor(x2, [block_m, BLOCK_K // 4],
                                           gl.NVMMASharedLayout.get_default_for([block_m, BLOCK_K // 4], gl.bfloat16))
     ws = torch.empty(pieces * m * pw.n, dtype=torch.float32, device=x2.device)
-    cnt = arrival_counters(x2.device, -(-pw.n // BN))
+    cnt = arrival_counters(x2.device, -(-pw.n // (consumers * BN)) * consumers)
     parts = ws if epi.partials is None else epi.partials
     try:
         _ws_kernel[(sms,)](q_desc, x_desc, pw.s, out, ws, cnt,
@@ -315,7 +305,10 @@ def launch(x2: torch.Tensor, pw: PackedWeight, out: torch.Tensor, epi, consumers
                            S=stages, EPI=epi.kind, RMS=epi.rms,
                            PBLOCK=triton.next_power_of_2(parts.shape[0]) if epi.rms else 1, num_warps=4,
                            maxnreg=MAX_REGS if consumers == 2 else 128)
-    except CompilationError as exc:  # another Triton's Gluon: nothing was launched; the Triton kernel takes over
+    except (CompilationError, OutOfResources, RuntimeError) as exc:
+        if isinstance(exc, RuntimeError) and "PassManager" not in str(exc):
+            raise  # not a compiler pass: a launch's error is the caller's
+        # another Triton's Gluon: nothing was launched; the Triton kernel takes over
         _BROKEN.append(str(exc).splitlines()[0])
         print(f"blockspec: the warp-specialized W4A16 kernel does not build with triton {triton.__version__} "
               f"({_BROKEN[0][:120]}); the Triton kernel runs its launches", file=sys.stderr)

@@ -37,8 +37,8 @@ the 9..16-row gate_up and down entries: H100 winners, with the whole tree pass t
   M 9..16: wgmma; vocabulary (N >= 131072) n128 s3, ~4 waves; gate_up n64 s3, ~2 waves balanced; other mid-size
            outputs n64 s3, ~1 wave; int4 K > 8192 (down): the M <= 8 schedule with 3 stages and the 16-row tile as
            two 8-row dots (`dot_rows`, mma.sync); 8-bit K > 8192 n64 s2, ~4 waves
-  M 17..32 (int4): on Hopper with bf16 activations the warp-specialized Gluon kernel (quant_matmul_gluon.py; 13-25 %
-           faster per launch on an H100, qkv even); elsewhere n64 s2 wgmma; narrow outputs (N <= 8192) split to ~3
+  M 17..32 (int4): on Hopper with bf16 activations the warp-specialized Gluon kernel (quant_matmul_gluon.py; 13-24 %
+           less time per launch on an H100, qkv even); elsewhere n64 s2 wgmma; narrow outputs (N <= 8192) split to ~3
            waves (down) or ~4 (o), others ~1 wave, gate_up's short last round balanced (the H100 winners at 32
            rows); vocabulary n128 w8 s3 (the Triton kernel everywhere)
   M 33..64 (int4): n64 s3 wgmma, ~1 wave; K > 8192 (down): ~2 waves balanced, two 32-row dots (an H100 winner);
@@ -458,7 +458,9 @@ def launch_plan(x2: torch.Tensor, pw: PackedWeight, cfg: KernelConfig, out: torc
 
 def _launch(x2: torch.Tensor, pw: PackedWeight, cfg: KernelConfig, out: torch.Tensor,
             epilogue: Epilogue | None = None) -> None:
-    if cfg.warp_specialized and quant_matmul_gluon.usable(x2, pw, cfg.block_m) and \
+    # the Gluon kernel's tiles are 64 rows, as the add-norm partials' count (tiles of block_n) assumes
+    if cfg.warp_specialized and cfg.block_n == quant_matmul_gluon.BN and \
+            quant_matmul_gluon.usable(x2, pw, cfg.block_m, cfg.warp_specialized) and \
             quant_matmul_gluon.launch(x2, pw, out, epilogue or Epilogue(), cfg.warp_specialized, cfg.block_m):
         return
     plan = launch_plan(x2, pw, cfg, out, epilogue)
@@ -543,5 +545,5 @@ def wq_matmul(x: torch.Tensor, pw: PackedWeight, config: KernelConfig | None = N
     return out.reshape(*lead, pw.n)
 
 
-__all__ = ["KernelConfig", "MAX_KERNEL_ROWS", "Epilogue", "LaunchPlan", "unpack_asm", "kernels_available",
+__all__ = ["KernelConfig", "MAX_KERNEL_ROWS", "Epilogue", "LaunchPlan", "kernels_available",
            "default_config", "schedule", "launch_plan", "wq_matmul", "wq_matmul_add_norm", "wq_matmul_swiglu"]
