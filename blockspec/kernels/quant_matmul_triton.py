@@ -345,9 +345,10 @@ def default_config(m: int, n: int, k: int, bits: int = 4, group_size: int = 128)
         if n >= 131072:
             return KernelConfig(128, 32, 8, 3, 1)
         if n <= 8192:  # narrow outputs: K splits to ~3 waves (down) or ~4 (o, gdn out)
-            return KernelConfig(64, 32, 4, 2, 3 if k > 8192 else 4, warp_specialized=2)
+            return KernelConfig(64, 32, 4, 2, 3 if k > 8192 else 4, warp_specialized=quant_matmul_gluon.CONSUMERS)
         # gate_up's short last round balanced
-        return KernelConfig(64, 32, 4, 2, 1, True, n * k > GATE_UP_WEIGHTS, warp_specialized=2)
+        return KernelConfig(64, 32, 4, 2, 1, True, n * k > GATE_UP_WEIGHTS,
+                            warp_specialized=quant_matmul_gluon.CONSUMERS)
     if m > 16:  # 8-bit codes: the 9..16-row entry with a taller x tile (not measured)
         return replace(default_config(16, n, k, bits, group_size), block_m=1 << (m - 1).bit_length())
     asm = True  # int8 too: the PTX unpacking is the faster (docs/benchmarks.md, "W4A16 / W8A16")
