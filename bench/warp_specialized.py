@@ -22,7 +22,8 @@ ROWS = (1, 8, 16, 32)
 CONSUMERS = (2, 3)
 
 
-def sm90_compile(k: int, consumers: int, block_m: int, epi: int = 0, rms: bool = False) -> tuple[str, int]:
+def sm90_compile(k: int, consumers: int, block_m: int, epi: int = 0, rms: bool = False,
+                 pdl_level: int = 3) -> tuple[str, int]:
     """The kernel compiled here for sm_90 (no GPU needed): (its PTX, its shared memory in bytes)."""
     import triton
     from triton.backends.compiler import GPUTarget
@@ -41,7 +42,7 @@ def sm90_compile(k: int, consumers: int, block_m: int, epi: int = 0, rms: bool =
                      part_ptr="*fp32", M="i32", N="i32", UNITS="i32", PER="i32", PARTS="i32", stride_om="i32",
                      eps="fp32")
     constants = dict(K=k, C=consumers, BM=block_m, S=gk.plan(34816, k, 132, consumers, block_m)[0], EPI=epi,
-                     RMS=rms, PBLOCK=128 if rms else 1, num_warps=4)
+                     RMS=rms, PBLOCK=128 if rms else 1, PDL=pdl_level, num_warps=4)
     full = {n: "constexpr" if n in constants else signature[n] for n in gk._ws_kernel.arg_names}
     aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(gk._ws_kernel.arg_names) if full[n][0] == "*"}
     compiled = triton.compile(GluonASTSource(gk._ws_kernel, full, constexprs=constants, attrs=aligned),

@@ -269,12 +269,13 @@ def test_dense_linear_kernel_bf16_on_gpu(rows):
     assert (final_one - final_three).abs().max() <= 1e-5
 
 
-@pytest.mark.parametrize("rows", [1, 8])
+@pytest.mark.parametrize("rows", [1, 8, 24])
 def test_pdl_chain_in_graph_equals_serial_launches(rows):
     """Programmatic dependent launch (kernels.pdl) changes when kernels start, never what they compute: a chain of
-    norm -> projection -> activation -> split-K projection -> norm -> W4A16 projection at 27B shapes, captured in a
-    CUDA graph with PDL and replayed on fresh inputs, is bitwise equal to the same kernels launched one after
-    another without it (a kernel reading its input before the previous one wrote it would differ)."""
+    norm -> projection -> activation -> split-K projection -> norm -> two W4A16 projections at 27B shapes, captured
+    in a CUDA graph with PDL and replayed on fresh inputs, is bitwise equal to the same kernels launched one after
+    another without it (a kernel reading its input before the previous one wrote it would differ). At 24 rows the
+    W4A16 projections are the warp-specialized kernel's (Hopper), the second reading the first's output."""
     from blockspec.kernels import activation_triton, norm_triton, pdl
     from blockspec.kernels.linear import linear
     from blockspec.kernels import KernelSettings, use
@@ -287,12 +288,15 @@ def test_pdl_chain_in_graph_equals_serial_launches(rows):
     norm_w = torch.randn(5120, **bf) * 0.1
     packed = pack(torch.randint(0, 16, (6144, 5120), device="cuda"),
                   torch.rand(6144, 40, **bf) * 0.01, None, 4, 128)
+    packed_back = pack(torch.randint(0, 16, (5120, 6144), device="cuda"),
+                       torch.rand(5120, 48, **bf) * 0.01, None, 4, 128)
 
     def chain(x, delta):
         summed, h = norm_triton.add_rms_norm_rows(x, delta, norm_w, 1e-6)
         gate_up = linear(h, w_up)
         down = linear(activation_triton.gated(gate_up[:, 17408:], gate_up[:, :17408], "silu"), w_down)
-        return wq_matmul(norm_triton.add_rms_norm_rows(summed, down, norm_w, 1e-6)[1], packed)
+        return wq_matmul(wq_matmul(norm_triton.add_rms_norm_rows(summed, down, norm_w, 1e-6)[1], packed),
+                         packed_back)
 
     inputs = [(torch.randn(rows, 5120, **bf), torch.randn(rows, 5120, **bf)) for _ in range(3)]
     serial = [chain(*pair) for pair in inputs]  # the default settings: no PDL

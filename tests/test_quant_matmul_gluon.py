@@ -108,11 +108,31 @@ def test_sm90_code(epi, rms, k, consumers, block_m):
     ptx, shared = sm90_compile(k, consumers, block_m, epi, rms)
     dots = re.findall(rf"wgmma\.mma_async\.sync\.aligned\.m64n{block_m}k16\.f32\.bf16\.bf16", ptx)
     assert len(dots) == 32 * consumers  # 4 groups of 8 k16 steps a consumer
-    copies = (2 if epi == 2 else 1) * consumers + 4  # each 256-byte row split in two under the 128-byte swizzle
+    codes = (2 if epi == 2 else 1) * consumers  # issued in two places: the first stages', then the loop's
+    copies = 2 * codes + 4  # each 256-byte row split in two under the 128-byte swizzle
     assert len(re.findall(r"cp\.async\.bulk\.tensor\.2d", ptx)) == 2 * copies
     assert "setmaxnreg.inc" in ptx and "setmaxnreg.dec" in ptx
     assert "atom.global.gpu.acq_rel.add" in ptx
     assert shared <= 232448
+
+
+@pytest.mark.parametrize("epi", [0, 2])
+def test_sm90_code_under_pdl(epi):
+    """Launched with PDL, the loader copies the first stages' code tiles (model weights) before it waits for the
+    previous kernel, and x after; every partition waits before the previous kernel's outputs and releases the next
+    kernel after its loop. Without PDL no griddepcontrol at all."""
+    pytest.importorskip("triton.experimental.gluon")
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+    from warp_specialized import sm90_compile
+
+    ptx, _ = sm90_compile(5120, 2, 32, epi, True, pdl_level=3)
+    assert ptx.count("griddepcontrol.wait;") >= 3 and ptx.count("griddepcontrol.launch_dependents;") >= 3
+    loader = ptx[ptx.rindex("setmaxnreg.dec.sync.aligned.u32 \t40"):]  # the loader warp: down to 40 registers
+    before, after = loader[:loader.index("griddepcontrol.launch_dependents;")].split("griddepcontrol.wait;", 1)
+    codes = 2 * (2 if epi == 2 else 1) * 2  # boxes of the 2 consumers' tiles, each row in two
+    assert len(re.findall(r"cp\.async\.bulk\.tensor\.2d", before)) == codes
+    assert len(re.findall(r"cp\.async\.bulk\.tensor\.2d", after)) == codes + 8  # and x's 4 boxes
+    assert "griddepcontrol" not in sm90_compile(5120, 2, 32, epi, True, pdl_level=0)[0]
 
 
 def test_bench_dry_run(tmp_path):

@@ -14,6 +14,8 @@ Kernel
   units, so the weight stream does not restart at tile boundaries and every SM streams the same bytes. A tile whose
   blocks one program streamed is finished by it; a tile cut between runs has its pieces' fp32 partials added by
   the last piece to arrive, in K order (`arrival_counters`, reset after use).
+  Under PDL (pdl.py) the loader copies the first S stages' code tiles, model weights, before it waits for the
+  previous kernel; x, the consumers' partials and residual reads and every store come after the wait.
   Why: at 17..32 rows the Triton kernel's programs (2 an SM, 255 registers) wait on their own loads; here the
   loader keeps S stages in flight whatever the consumers do (docs/benchmarks.md, "Warp-specialized W4A16").
   Results equal the Triton kernel's where a tile is unsplit in both; split tiles sum their pieces in another
@@ -29,7 +31,7 @@ import sys
 
 import torch
 
-from . import arrival_counters, sm_count
+from . import arrival_counters, pdl, sm_count
 from .quant_matmul import PackedWeight
 from .unpack_ptx import unpack_asm
 
@@ -155,7 +157,7 @@ if gluon is not None:
     def _consume(c: gl.constexpr, s_ptr, out_ptr, ws_ptr, cnt_ptr, res_ptr, nw_ptr, rows_ptr, part_ptr, ring_q,
                  ring_x, scratch, ready, empty, start, count, M, N, K, PER, PARTS, stride_om, eps,
                  NBLK: gl.constexpr, C: gl.constexpr, S: gl.constexpr, EPI: gl.constexpr, RMS: gl.constexpr,
-                 PBLOCK: gl.constexpr, BM: gl.constexpr):
+                 PBLOCK: gl.constexpr, BM: gl.constexpr, PDL: gl.constexpr):
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                       instr_shape=[16, BM, 16])
         a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
@@ -164,6 +166,8 @@ if gluon is not None:
         zero = gl.zeros([_BN, BM], gl.float32, layout=mma)
         acc = gl.zeros([_BN, BM], gl.float32, layout=mma)
         inv_rms = gl.zeros([BM], gl.float32, layout=gl.SliceLayout(0, mma))
+        nx = _scales(s_ptr, start, count > 0, N, rows, NBLK, C, c, EPI)  # one unit ahead: their DRAM latency
+        pdl.wait(PDL)  # before the previous kernel's outputs: the partials, the residual
         if RMS:  # the input rows' 1 / rms from the previous launch's per-tile sums of squares
             sums_layout: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [4, 1], [1, 0])
             p_rows = gl.arange(0, PBLOCK, layout=gl.SliceLayout(1, sums_layout))
@@ -171,7 +175,6 @@ if gluon is not None:
             sums = gl.load(part_ptr + p_rows[:, None] * M + p_cols[None, :],
                            mask=(p_rows < PARTS)[:, None] & (p_cols < M)[None, :], other=0.0)
             inv_rms = gl.convert_layout(gl.rsqrt(gl.sum(sums, axis=0) / K + eps), gl.SliceLayout(0, mma))
-        nx = _scales(s_ptr, start, count > 0, N, rows, NBLK, C, c, EPI)  # one unit ahead: their DRAM latency
         for j in range(count):
             u = start + j
             t = u // NBLK
@@ -201,38 +204,47 @@ if gluon is not None:
                 _finish(acc, inv_rms, scratch.index(c), out_ptr, ws_ptr, cnt_ptr, res_ptr, nw_ptr, rows_ptr,
                         part_ptr, t, n, n_ok, cols, M, N, PER, stride_om, NBLK, C, c, EPI, RMS, BM)
             acc = gl.where(flush, zero, acc)
+        pdl.release(PDL)
+
+    @gluon.jit
+    def _load_codes(q_desc, ring_q, bar, slot, t, b, N, C: gl.constexpr, EPI: gl.constexpr, BM: gl.constexpr):
+        """A stage's expected bytes (codes and x) on its `ready` barrier, then its code tiles' copies."""
+        G: gl.constexpr = _BLOCK_K // 4
+        mbarrier.expect(bar, C * _BN * G * 2 + 4 * BM * G * 2)
+        for c in gl.static_range(C):
+            if EPI == 2:  # 32 gate rows, then the same channels' up rows
+                ch = (t * C + c) * (_BN // 2)
+                tma.async_copy_global_to_shared(q_desc, [ch, b * G], bar, ring_q.index(slot * C + c).slice(0, _BN // 2))
+                tma.async_copy_global_to_shared(q_desc, [N // 2 + ch, b * G], bar,
+                                                ring_q.index(slot * C + c).slice(_BN // 2, _BN // 2))
+            else:
+                tma.async_copy_global_to_shared(q_desc, [(t * C + c) * _BN, b * G], bar, ring_q.index(slot * C + c))
 
     @gluon.jit
     def _loader(q_desc, x_desc, ring_q, ring_x, ready, empty, start, count, N, NBLK: gl.constexpr, C: gl.constexpr,
-                S: gl.constexpr, EPI: gl.constexpr, BM: gl.constexpr):
-        """The worker partition that streams the stages."""
+                S: gl.constexpr, EPI: gl.constexpr, BM: gl.constexpr, PDL: gl.constexpr):
+        """The worker partition that streams the stages. The first S stages' codes are model weights, copied before
+        the previous kernel has finished (PDL); x, its output, only after."""
         G: gl.constexpr = _BLOCK_K // 4
+        for j in range(gl.minimum(count, S)):
+            _load_codes(q_desc, ring_q, ready.index(j), j, (start + j) // NBLK, (start + j) % NBLK, N, C, EPI, BM)
+        pdl.wait(PDL)
         for j in range(count):
-            u = start + j
-            t = u // NBLK
-            b = u % NBLK
+            b = (start + j) % NBLK
             slot = j % S
-            mbarrier.wait(empty.index(slot), ((j // S) & 1) ^ 1)  # a fresh barrier passes parity 1 at once
-            bar = ready.index(slot)
-            mbarrier.expect(bar, C * _BN * G * 2 + 4 * BM * G * 2)
-            for c in gl.static_range(C):
-                if EPI == 2:  # 32 gate rows, then the same channels' up rows
-                    ch = (t * C + c) * (_BN // 2)
-                    tma.async_copy_global_to_shared(q_desc, [ch, b * G], bar,
-                                                    ring_q.index(slot * C + c).slice(0, _BN // 2))
-                    tma.async_copy_global_to_shared(q_desc, [N // 2 + ch, b * G], bar,
-                                                    ring_q.index(slot * C + c).slice(_BN // 2, _BN // 2))
-                else:
-                    tma.async_copy_global_to_shared(q_desc, [(t * C + c) * _BN, b * G], bar,
-                                                    ring_q.index(slot * C + c))
+            if j >= S:
+                mbarrier.wait(empty.index(slot), ((j // S) & 1) ^ 1)
+                _load_codes(q_desc, ring_q, ready.index(slot), slot, (start + j) // NBLK, b, N, C, EPI, BM)
             for i in gl.static_range(4):
-                tma.async_copy_global_to_shared(x_desc, [0, (b * 4 + i) * G], bar, ring_x.index(slot * 4 + i))
+                tma.async_copy_global_to_shared(x_desc, [0, (b * 4 + i) * G], ready.index(slot),
+                                                ring_x.index(slot * 4 + i))
+        pdl.release(PDL)
 
     @gluon.jit
     def _ws_kernel(q_desc, x_desc, s_ptr, out_ptr, ws_ptr, cnt_ptr, res_ptr, nw_ptr, rows_ptr, part_ptr, M, N,
                    UNITS, PER, PARTS, stride_om, eps, K: gl.constexpr, C: gl.constexpr, BM: gl.constexpr,
                    S: gl.constexpr, EPI: gl.constexpr, RMS: gl.constexpr, PBLOCK: gl.constexpr,
-                   num_warps: gl.constexpr):
+                   PDL: gl.constexpr, num_warps: gl.constexpr):
         NBLK: gl.constexpr = K // _BLOCK_K
         ring_q = gl.allocate_shared_memory(gl.int16, [S * C, _BN, _BLOCK_K // 4],
                                            gl.NVMMASharedLayout.get_default_for([_BN, _BLOCK_K // 4], gl.int16))
@@ -251,24 +263,24 @@ if gluon is not None:
             gl.warp_specialize([
                 (_consume, (0, s_ptr, out_ptr, ws_ptr, cnt_ptr, res_ptr, nw_ptr, rows_ptr, part_ptr, ring_q, ring_x,
                             scratch, ready, empty, start, count, M, N, K, PER, PARTS, stride_om, eps, NBLK, C, S, EPI,
-                            RMS, PBLOCK, BM)),
+                            RMS, PBLOCK, BM, PDL)),
                 (_consume, (1, s_ptr, out_ptr, ws_ptr, cnt_ptr, res_ptr, nw_ptr, rows_ptr, part_ptr, ring_q, ring_x,
                             scratch, ready, empty, start, count, M, N, K, PER, PARTS, stride_om, eps, NBLK, C, S, EPI,
-                            RMS, PBLOCK, BM)),
-                (_loader, (q_desc, x_desc, ring_q, ring_x, ready, empty, start, count, N, NBLK, C, S, EPI, BM))],
+                            RMS, PBLOCK, BM, PDL)),
+                (_loader, (q_desc, x_desc, ring_q, ring_x, ready, empty, start, count, N, NBLK, C, S, EPI, BM, PDL))],
                 [4, 1], [232, 40])
         else:
             gl.warp_specialize([
                 (_consume, (0, s_ptr, out_ptr, ws_ptr, cnt_ptr, res_ptr, nw_ptr, rows_ptr, part_ptr, ring_q, ring_x,
                             scratch, ready, empty, start, count, M, N, K, PER, PARTS, stride_om, eps, NBLK, C, S, EPI,
-                            RMS, PBLOCK, BM)),
+                            RMS, PBLOCK, BM, PDL)),
                 (_consume, (1, s_ptr, out_ptr, ws_ptr, cnt_ptr, res_ptr, nw_ptr, rows_ptr, part_ptr, ring_q, ring_x,
                             scratch, ready, empty, start, count, M, N, K, PER, PARTS, stride_om, eps, NBLK, C, S, EPI,
-                            RMS, PBLOCK, BM)),
+                            RMS, PBLOCK, BM, PDL)),
                 (_consume, (2, s_ptr, out_ptr, ws_ptr, cnt_ptr, res_ptr, nw_ptr, rows_ptr, part_ptr, ring_q, ring_x,
                             scratch, ready, empty, start, count, M, N, K, PER, PARTS, stride_om, eps, NBLK, C, S, EPI,
-                            RMS, PBLOCK, BM)),
-                (_loader, (q_desc, x_desc, ring_q, ring_x, ready, empty, start, count, N, NBLK, C, S, EPI, BM))],
+                            RMS, PBLOCK, BM, PDL)),
+                (_loader, (q_desc, x_desc, ring_q, ring_x, ready, empty, start, count, N, NBLK, C, S, EPI, BM, PDL))],
                 [4, 4, 1], [160, 160, 24])
 
 
@@ -304,7 +316,7 @@ def launch(x2: torch.Tensor, pw: PackedWeight, out: torch.Tensor, epi, consumers
                            m, pw.n, units, per, parts.shape[0], out.stride(0), epi.eps, K=k, C=consumers, BM=block_m,
                            S=stages, EPI=epi.kind, RMS=epi.rms,
                            PBLOCK=triton.next_power_of_2(parts.shape[0]) if epi.rms else 1, num_warps=4,
-                           maxnreg=MAX_REGS if consumers == 2 else 128)
+                           maxnreg=MAX_REGS if consumers == 2 else 128, **pdl.options(x2))
     except (CompilationError, OutOfResources, RuntimeError) as exc:
         if isinstance(exc, RuntimeError) and "PassManager" not in str(exc):
             raise  # not a compiler pass: a launch's error is the caller's
