@@ -33,7 +33,7 @@
 #              27B's INT4 projections at 1, 8 and 16 rows (bench/tma_stream.py)
 #   warp_specialized  the warp-specialized W4A16 kernel (2 or 3 consumer warpgroups) against the engine's launches
 #              at 1, 8, 16 and 32 rows, the 27B's INT4 projections (bench/warp_specialized.py; WS_ARGS, e.g.
-#              "--shapes gate_up,down")
+#              "--shapes gate_up,down --pdl-level 3": both launched under PDL, as the INT4 engine does)
 #   variants   the graphed step under variants of the kernels' constants, alternated with the default
 #              (bench/step_variants.py; VARIANTS_ARGS, default --quant fp8)
 #   timeline   per-program time stamps of every projection launch of the graphed step (bench/launch_timeline.py;

@@ -3,7 +3,8 @@
 read bandwidth measured in the same run, error against the engine and the fraction of outputs equal to its bits.
 Variants: 2 or 3 consumer warpgroups, x blocks of 8 rows (1 and 8 rows), 16 or 32. The engine takes the kernel at
 17..32 rows (2 consumers); this bench times it where it does not.
-GPU (Hopper): python warp_specialized.py [--shapes gate_up,down,...]
+GPU (Hopper): python warp_specialized.py [--shapes gate_up,down,...] [--pdl-level N] (both kernels launched under
+programmatic dependent launch at that level, kernels/pdl.py; default 0, none; the INT4 engine's is 3)
 CPU dry run: python warp_specialized.py --dry-run (each variant compiled for sm_90 by Gluon's compiler, untimed).
 Writes $OUT/warp_specialized.json when OUT is set."""
 import json
@@ -13,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from blockspec.kernels import quant_matmul_gluon as gk
+from blockspec.kernels import KernelSettings, quant_matmul_gluon as gk, use
 from blockspec.kernels.quant_matmul_triton import Epilogue, default_config, wq_matmul
 
 SHAPES = {"gate_up": (34816, 5120), "gdn_in": (16480, 5120), "attn_qkv": (14336, 5120), "down": (5120, 17408),
@@ -65,48 +66,57 @@ def dry_run() -> dict:
     return out
 
 
-def measure(names: list[str]) -> dict:
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from timing import replay_ms
-
+def measure(names: list[str], pdl_level: int) -> dict:
     from blockspec.bench import measure_read_bandwidth
-    from blockspec.quant.int4 import Int4Linear
 
     dev = torch.device("cuda")
     bandwidth = measure_read_bandwidth(dev)
-    results = dict(device=torch.cuda.get_device_name(dev), read_gbs=bandwidth, shapes={})
-    print(f"{results['device']}: read bandwidth {bandwidth:.0f} GB/s", flush=True)
-    for name in names:
-        n, k = SHAPES[name]
-        weights = [Int4Linear.from_float(torch.randn(n, k, device=dev) * k ** -0.5, 128, True,
-                                         scale_dtype=torch.bfloat16).packed()]
-        weights += [Int4Linear.from_float(torch.randn(n, k, device=dev) * k ** -0.5, 128, True,
-                                          scale_dtype=torch.bfloat16).packed()
-                    for _ in range(max(1, -(-300_000_000 // weights[0].nbytes())) - 1)]
-        nbytes = weights[0].nbytes()
-        rows = results["shapes"][name] = {}
-        for m in ROWS:
-            x = torch.randn(m, k, device=dev).to(torch.bfloat16)
-            out = torch.empty(m, n, device=dev, dtype=torch.bfloat16)
-            cfg = default_config(m, n, k)
-            want = wq_matmul(x, weights[0]).float()
-            engine = replay_ms(lambda: [wq_matmul(x, w, cfg, out=out) for w in weights]) * 1e3 / len(weights)
-            row = rows[m] = {"engine": dict(us=engine, config=cfg.short(), pct=nbytes / engine / 1e3 / bandwidth * 100)}
-            for consumers, block_m in variants(m):
-                def run(w, o):
-                    if not gk.launch(x, w, o, Epilogue(), consumers, block_m):
-                        raise SystemExit(f"the kernel does not build here: {gk._BROKEN[0]}")
-                    return o
-                got = run(weights[0], torch.empty_like(out)).float()
-                us = replay_ms(lambda: [run(w, out) for w in weights]) * 1e3 / len(weights)
-                row[f"C{consumers} m{block_m}"] = dict(
-                    us=us, pct=nbytes / us / 1e3 / bandwidth * 100, equal=float((got == want).float().mean()),
-                    rel_err=float((got - want).abs().max() / want.abs().max()))
-            print(f"{name} M={m}: " + "; ".join(
-                f"{label} {r['us']:.1f} us ({r['pct']:.1f} %)"
-                + (f", equal {r['equal']:.3f}, rel err {r['rel_err']:.1e}" if "equal" in r else f" [{r['config']}]")
-                for label, r in row.items()), flush=True)
+    results = dict(device=torch.cuda.get_device_name(dev), read_gbs=bandwidth, pdl_level=pdl_level, shapes={})
+    print(f"{results['device']}: read bandwidth {bandwidth:.0f} GB/s, PDL level {pdl_level}", flush=True)
+    with use(KernelSettings(pdl_level=pdl_level)):
+        for name in names:
+            results["shapes"][name] = measure_shape(name, bandwidth)
     return results
+
+
+def measure_shape(name: str, bandwidth: float) -> dict:
+    """us per launch at each of ROWS: the engine's config, then each variant."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from timing import replay_ms
+
+    from blockspec.quant.int4 import Int4Linear
+
+    dev = torch.device("cuda")
+    n, k = SHAPES[name]
+    weights = [Int4Linear.from_float(torch.randn(n, k, device=dev) * k ** -0.5, 128, True,
+                                     scale_dtype=torch.bfloat16).packed()]
+    weights += [Int4Linear.from_float(torch.randn(n, k, device=dev) * k ** -0.5, 128, True,
+                                      scale_dtype=torch.bfloat16).packed()
+                for _ in range(max(1, -(-300_000_000 // weights[0].nbytes())) - 1)]
+    nbytes = weights[0].nbytes()
+    rows = {}
+    for m in ROWS:
+        x = torch.randn(m, k, device=dev).to(torch.bfloat16)
+        out = torch.empty(m, n, device=dev, dtype=torch.bfloat16)
+        cfg = default_config(m, n, k)
+        want = wq_matmul(x, weights[0]).float()
+        engine = replay_ms(lambda: [wq_matmul(x, w, cfg, out=out) for w in weights]) * 1e3 / len(weights)
+        row = rows[m] = {"engine": dict(us=engine, config=cfg.short(), pct=nbytes / engine / 1e3 / bandwidth * 100)}
+        for consumers, block_m in variants(m):
+            def run(w, o):
+                if not gk.launch(x, w, o, Epilogue(), consumers, block_m):
+                    raise SystemExit(f"the kernel does not build here: {gk._BROKEN[0]}")
+                return o
+            got = run(weights[0], torch.empty_like(out)).float()
+            us = replay_ms(lambda: [run(w, out) for w in weights]) * 1e3 / len(weights)
+            row[f"C{consumers} m{block_m}"] = dict(
+                us=us, pct=nbytes / us / 1e3 / bandwidth * 100, equal=float((got == want).float().mean()),
+                rel_err=float((got - want).abs().max() / want.abs().max()))
+        print(f"{name} M={m}: " + "; ".join(
+            f"{label} {r['us']:.1f} us ({r['pct']:.1f} %)"
+            + (f", equal {r['equal']:.3f}, rel err {r['rel_err']:.1e}" if "equal" in r else f" [{r['config']}]")
+            for label, r in row.items()), flush=True)
+    return rows
 
 
 def main() -> None:
@@ -119,7 +129,11 @@ def main() -> None:
         if unknown:
             print(f"unknown shape {unknown[0]!r}; the shapes: {', '.join(SHAPES)}", file=sys.stderr)
             sys.exit(2)
-        results = measure(names)
+        level = sys.argv[sys.argv.index("--pdl-level") + 1:][:1] if "--pdl-level" in sys.argv else ["0"]
+        if level not in (["0"], ["1"], ["2"], ["3"]):
+            print(f"--pdl-level {' '.join(level)!r}: one of 0, 1, 2, 3", file=sys.stderr)
+            sys.exit(2)
+        results = measure(names, int(level[0]))
     if os.environ.get("OUT"):
         Path(os.environ["OUT"]).mkdir(parents=True, exist_ok=True)
         (Path(os.environ["OUT"]) / "warp_specialized.json").write_text(json.dumps(results, indent=1))
