@@ -201,8 +201,8 @@ if gluon is not None:
             flush = (b == NBLK - 1) | (j == count - 1)
             if flush:
                 n, n_ok = _rows(t, c, rows, N, C, EPI)
-                _finish(acc, inv_rms, scratch.index(c), out_ptr, ws_ptr, cnt_ptr, res_ptr, nw_ptr, rows_ptr,
-                        part_ptr, t, n, n_ok, cols, M, N, PER, stride_om, NBLK, C, c, EPI, RMS, BM)
+                _finish(acc, inv_rms, scratch.index(c if EPI == 2 else 0), out_ptr, ws_ptr, cnt_ptr, res_ptr,
+                        nw_ptr, rows_ptr, part_ptr, t, n, n_ok, cols, M, N, PER, stride_om, NBLK, C, c, EPI, RMS, BM)
             acc = gl.where(flush, zero, acc)
         pdl.release(PDL)
 
