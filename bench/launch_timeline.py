@@ -18,7 +18,6 @@ import argparse
 import json
 import os
 import statistics
-import types
 from collections import defaultdict
 from contextlib import contextmanager, nullcontext
 from dataclasses import replace
@@ -193,8 +192,8 @@ def main():
     variants = step_variants.chosen(args.variants)  # before any long work
     levels = [int(v) for v in args.pdl_levels.split(",")]
     bandwidth = measure_read_bandwidth(torch.device("cuda"))
-    engine = profile_cycle.build_engine("none", types.SimpleNamespace(
-        context_length=4096, quant=args.quant, vocab_quant=args.vocab_quant, no_fold_norms=False, pdl_level=None))
+    engine = profile_cycle.build_engine("none", profile_cycle.arguments().parse_args(
+        ["--quant", args.quant, "--vocab-quant", args.vocab_quant]))
     prompt = torch.randint(0, engine.model.config.vocab_size, (profile_cycle.PROMPT_TOKENS,), device="cuda")
     results, raw = {"bandwidth_gb_s": round(bandwidth), "quant": args.quant}, {}
     runs = [(f"PDL level {v}", v, lambda s: nullcontext()) for v in levels]

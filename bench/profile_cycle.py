@@ -168,7 +168,8 @@ def profile_tree(engine, prime, timed) -> dict:
     return r
 
 
-def main():
+def arguments() -> argparse.ArgumentParser:
+    """This script's options; step_variants.py and launch_timeline.py build their engines from its parse too."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--modes", default="none,mtp,dflash2")
     ap.add_argument("--quant", default="none", help="target_quantization: none | int4")
@@ -182,6 +183,11 @@ def main():
                                     "blockspec demo --save DIR)")
     ap.add_argument("--drafter", help="with --model: the DFlash2 drafter's directory")
     ap.add_argument("--dry-run", action="store_true", help="CPU: the tiny preset, a 16-token prompt, untimed")
+    return ap
+
+
+def main():
+    ap = arguments()
     args = ap.parse_args()
     if args.model and "dflash2" in args.modes.split(",") and not args.drafter:
         ap.error("--model with mode dflash2 needs --drafter DIR")

@@ -198,8 +198,8 @@ def main():
     args = ap.parse_args()
     names = chosen(args.variants)  # before any long work
     bandwidth = measure_read_bandwidth(torch.device("cuda"))
-    engine = profile_cycle.build_engine("none", types.SimpleNamespace(
-        context_length=4096, quant=args.quant, vocab_quant=args.vocab_quant, no_fold_norms=False, pdl_level=None))
+    engine = profile_cycle.build_engine("none", profile_cycle.arguments().parse_args(
+        ["--quant", args.quant, "--vocab-quant", args.vocab_quant]))
     prompt = torch.randint(0, engine.model.config.vocab_size, (profile_cycle.PROMPT_TOKENS,), device="cuda")
     roofline_ms = bytes_per_plain_step(engine) / (bandwidth * 1e9) * 1e3
 
