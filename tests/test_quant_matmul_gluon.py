@@ -116,6 +116,24 @@ def test_sm90_code(epi, rms, k, consumers, block_m):
     assert shared <= 232448
 
 
+@pytest.mark.parametrize("epi,rms,k", [(0, True, 5120), (1, False, 17408), (2, True, 5120)])
+def test_the_engines_variant_does_not_spill(epi, rms, k, tmp_path):
+    """The config table's variant (2 consumers, x blocks of 32 rows) in MAX_REGS registers a thread, every epilogue:
+    ptxas (Triton's own, run here on the CPU) reports no spill stores, which would put local-memory traffic beside
+    the weight stream."""
+    pytest.importorskip("triton.experimental.gluon")
+    from triton.backends.nvidia.compiler import get_ptxas
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+    from warp_specialized import sm90_compile
+
+    (tmp_path / "ws.ptx").write_text(sm90_compile(k, gk.CONSUMERS, gk.BM, epi, rms)[0])
+    report = subprocess.run([get_ptxas(90).path, "-arch=sm_90a", "-v", str(tmp_path / "ws.ptx"), "-o",
+                             str(tmp_path / "ws.cubin")], capture_output=True, text=True, check=True).stderr
+    used = re.search(r"Used (\d+) registers", report)
+    assert used and int(used[1]) <= gk.MAX_REGS, report
+    assert re.search(r"\b0 bytes spill stores", report), report
+
+
 @pytest.mark.parametrize("epi", [0, 2])
 def test_sm90_code_under_pdl(epi):
     """Launched with PDL, the loader copies the first stages' code tiles (model weights) before it waits for the
