@@ -24,19 +24,21 @@ import os
 import statistics
 import sys
 import types
-from contextlib import contextmanager, nullcontext
+from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import replace
+from unittest import mock
 
 import profile_cycle  # bench/profile_cycle.py, beside this script: the synthetic engine
 import torch
 import triton
 import triton.language as tl
 from timing import event_ms, replay_ms
+from warp_specialized import LEAN  # bench/warp_specialized.py, beside this script
 
 from blockspec.bench import bytes_per_plain_step, measure_read_bandwidth
 from blockspec.engine.decode import prefill
 from blockspec.engine.target import GraphedTarget
-from blockspec.kernels import gdn_triton, use
+from blockspec.kernels import gdn_triton, quant_matmul_gluon, use
 from blockspec.kernels import quant_matmul_triton as wq
 
 REPS = 50
@@ -52,6 +54,14 @@ def patched(module, **values):
     finally:
         for k, v in saved.items():
             setattr(module, k, v)
+
+
+@contextmanager
+def together(*contexts):
+    with ExitStack() as stack:
+        for context in contexts:
+            stack.enter_context(context)
+        yield
 
 
 def configs(change, where):
@@ -99,6 +109,10 @@ VARIANTS = {
     # 11 % faster alone at one row on an H100) or on every layer projection
     "gate_up warp-specialized": lambda s: configs({"warp_specialized": 3}, int4_gate_up),
     "projections warp-specialized": lambda s: configs({"warp_specialized": 2}, int4_layers),
+    # the same in warp_specialized.py's lean footprint (104 registers a thread, a 120 KB ring), which leaves room on
+    # its SMs for the small kernels around it
+    "projections warp-specialized lean": lambda s: together(configs({"warp_specialized": 2}, int4_layers),
+                                                            mock.patch.multiple(quant_matmul_gluon, **LEAN)),
     "PDL level 0": lambda s: use(replace(s, pdl_level=0)),
     "PDL level 1": lambda s: use(replace(s, pdl_level=1)),
     "PDL level 2": lambda s: use(replace(s, pdl_level=2)),

@@ -116,21 +116,24 @@ def test_sm90_code(epi, rms, k, consumers, block_m):
     assert shared <= 232448
 
 
-@pytest.mark.parametrize("epi,rms,k", [(0, True, 5120), (1, False, 17408), (2, True, 5120)])
-def test_the_engines_variant_does_not_spill(epi, rms, k, tmp_path):
-    """The config table's variant (2 consumers, x blocks of 32 rows) in MAX_REGS registers a thread, every epilogue:
-    ptxas (Triton's own, run here on the CPU) reports no spill stores, which would put local-memory traffic beside
-    the weight stream."""
+@pytest.mark.parametrize("epi,rms,k,lean", [(0, True, 5120, False), (1, False, 17408, False), (2, True, 5120, False),
+                                            (0, False, 5120, True), (2, True, 5120, True)])
+def test_no_spills(epi, rms, k, lean, tmp_path):
+    """The config table's variant (2 consumers, x blocks of 32 rows) in its registers a thread, every epilogue, and
+    the bench's lean footprint at 8 rows: ptxas (Triton's own, run here on the CPU) reports no spill stores, which
+    would put local-memory traffic beside the weight stream."""
     pytest.importorskip("triton.experimental.gluon")
     from triton.backends.nvidia.compiler import get_ptxas
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
-    from warp_specialized import sm90_compile
+    from warp_specialized import footprint, sm90_compile
 
-    (tmp_path / "ws.ptx").write_text(sm90_compile(k, gk.CONSUMERS, gk.BM, epi, rms)[0])
+    with footprint(lean):
+        (tmp_path / "ws.ptx").write_text(sm90_compile(k, gk.CONSUMERS, 8 if lean else gk.BM, epi, rms)[0])
+        registers = gk.REGISTERS[gk.CONSUMERS][0]
     report = subprocess.run([get_ptxas(90).path, "-arch=sm_90a", "-v", str(tmp_path / "ws.ptx"), "-o",
                              str(tmp_path / "ws.cubin")], capture_output=True, text=True, check=True).stderr
     used = re.search(r"Used (\d+) registers", report)
-    assert used and int(used[1]) <= gk.MAX_REGS, report
+    assert used and int(used[1]) <= registers, report
     assert re.search(r"\b0 bytes spill stores", report), report
 
 
@@ -164,5 +167,6 @@ def test_bench_dry_run(tmp_path):
                           text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     compiled = json.loads((tmp_path / "warp_specialized.json").read_text())
-    assert sorted(compiled) == sorted(f"C{c} m{m}" for c in (2, 3) for m in (8, 16, 32))
+    assert sorted(compiled) == sorted([f"C{c} m{m}" for c in (2, 3) for m in (8, 16, 32)] + ["C2 m8 lean"])
+    assert compiled["C2 m8 lean"]["shared"] <= 128 * 1024  # its 120 KB ring and barriers
     assert all(v["wgmma"] == 32 * int(k[1]) and v["shared"] <= 232448 for k, v in compiled.items())

@@ -51,8 +51,10 @@ BM = 32           # activation rows of the x block (the wgmma N): 17..32 rows
 BLOCK_K = 512     # one K block: 4 groups of 128, one int16 column of codes per 4 weights
 CONSUMERS = 2     # consumer warpgroups per SM (3 measured slower at 32 rows)
 SMEM = 200 * 1024  # the ring's budget of the 227 KB an SM gives one program (barriers and the SwiGLU scratch aside)
-MAX_REGS = 168    # per thread at launch, 12 warps in 64K registers (16 warps with 3 consumers: 128); the
-# partitions rebalance them (the loader's warp 40 or 24, the consumers the rest)
+# Registers a thread by consumer count: at launch (12 warps in an SM's 64K at 168; 16 at 128), then after the split
+# for each worker consumer warpgroup and for the loader warp; the default partition (consumer 0) keeps the rest
+# (168 x 3 - 232 - 40 = 232).
+REGISTERS = {2: (168, 232, 40), 3: (128, 160, 24)}
 
 
 _BROKEN: list[str] = []  # why this kernel did not build here (then the Triton kernel serves its launches)
@@ -244,7 +246,7 @@ if gluon is not None:
     def _ws_kernel(q_desc, x_desc, s_ptr, out_ptr, ws_ptr, cnt_ptr, res_ptr, nw_ptr, rows_ptr, part_ptr, M, N,
                    UNITS, PER, PARTS, stride_om, eps, K: gl.constexpr, C: gl.constexpr, BM: gl.constexpr,
                    S: gl.constexpr, EPI: gl.constexpr, RMS: gl.constexpr, PBLOCK: gl.constexpr,
-                   PDL: gl.constexpr, num_warps: gl.constexpr):
+                   PDL: gl.constexpr, CREGS: gl.constexpr, LREGS: gl.constexpr, num_warps: gl.constexpr):
         NBLK: gl.constexpr = K // _BLOCK_K
         ring_q = gl.allocate_shared_memory(gl.int16, [S * C, _BN, _BLOCK_K // 4],
                                            gl.NVMMASharedLayout.get_default_for([_BN, _BLOCK_K // 4], gl.int16))
@@ -268,7 +270,7 @@ if gluon is not None:
                             scratch, ready, empty, start, count, M, N, K, PER, PARTS, stride_om, eps, NBLK, C, S, EPI,
                             RMS, PBLOCK, BM, PDL)),
                 (_loader, (q_desc, x_desc, ring_q, ring_x, ready, empty, start, count, N, NBLK, C, S, EPI, BM, PDL))],
-                [4, 1], [232, 40])
+                [4, 1], [CREGS, LREGS])
         else:
             gl.warp_specialize([
                 (_consume, (0, s_ptr, out_ptr, ws_ptr, cnt_ptr, res_ptr, nw_ptr, rows_ptr, part_ptr, ring_q, ring_x,
@@ -281,7 +283,7 @@ if gluon is not None:
                             scratch, ready, empty, start, count, M, N, K, PER, PARTS, stride_om, eps, NBLK, C, S, EPI,
                             RMS, PBLOCK, BM, PDL)),
                 (_loader, (q_desc, x_desc, ring_q, ring_x, ready, empty, start, count, N, NBLK, C, S, EPI, BM, PDL))],
-                [4, 4, 1], [160, 160, 24])
+                [4, 4, 1], [CREGS, CREGS, LREGS])
 
 
 def plan(n: int, k: int, sms: int, consumers: int = CONSUMERS, block_m: int = BM) -> tuple[int, int, int, int]:
@@ -315,8 +317,9 @@ def launch(x2: torch.Tensor, pw: PackedWeight, out: torch.Tensor, epi, consumers
                            *(out if t is None else t for t in (epi.residual, epi.weight, epi.rows)), parts,
                            m, pw.n, units, per, parts.shape[0], out.stride(0), epi.eps, K=k, C=consumers, BM=block_m,
                            S=stages, EPI=epi.kind, RMS=epi.rms,
-                           PBLOCK=triton.next_power_of_2(parts.shape[0]) if epi.rms else 1, num_warps=4,
-                           maxnreg=MAX_REGS if consumers == 2 else 128, **pdl.options(x2))
+                           PBLOCK=triton.next_power_of_2(parts.shape[0]) if epi.rms else 1,
+                           CREGS=REGISTERS[consumers][1], LREGS=REGISTERS[consumers][2], num_warps=4,
+                           maxnreg=REGISTERS[consumers][0], **pdl.options(x2))
     except (CompilationError, OutOfResources, RuntimeError) as exc:
         if isinstance(exc, RuntimeError) and "PassManager" not in str(exc):
             raise  # not a compiler pass: a launch's error is the caller's
