@@ -54,11 +54,11 @@ greedy's tokens, and what each proposer's drafts are worth on code it never saw.
 
 # The pair's one-cycle figures over 500 contexts of 10 standard-library modules, measured with `blockspec bench
 # --model DIR/target --drafter DIR/drafter --mode mtp,dflash2 --tree-budget 0 --fixtures stdlib --one-cycle 500
-# --context-length 1024` on a 2-core CPU (--device cpu --dtype float32) and on an H100 (bfloat16); the trees' with
+# --context-length 1024` on a 2-core CPU (--device cpu --dtype float32) and on an H200 (bfloat16); the trees' with
 # `python bench/tree_acceptance.py --model DIR/target --drafter DIR/drafter` (CPU, float32).
 PAIR_FIGURES = ("the pair over 500 contexts of 10 standard-library modules (blockspec bench --fixtures stdlib "
                 "--one-cycle 500 --context-length 1024):\n  CPU float32: mtp 2.466 (48.9 %), dflash2 3.068 (29.5 %); "
-                "H100 bfloat16: mtp 2.378, dflash2 2.914\n"
+                "H200 bfloat16: mtp 2.366, dflash2 2.918\n"
                 "  draft trees (bench/tree_acceptance.py, 500 contexts): chain 2.964, tree 16 3.750, tree 32 4.088\n"
                 "the published DFlash2 drafter reaches ~5.5 tokens per cycle on the 27B target")
 
