@@ -1,5 +1,6 @@
-"""Where a real pair's DFlash2 cycles go, chain against trees: tokens/s, then one profiled generation per budget
-with the cycle's pieces marked (the proposal, the target's pass, the commit, the drafter's context append), per cycle
+"""Where a real pair's DFlash2 cycles go, chain against trees: tokens/s; each piece's host time per cycle, unprofiled
+(its calls timed on the host over one generation of each prompt); then one profiled generation per budget with the
+cycle's pieces marked (the proposal, the target's pass, the commit, the drafter's context append), per cycle
 (medians over the profiled cycles): the wall time, each piece's host time, the time the GPU waited for each piece's
 launches, the CUDA runtime calls, the kernels' count and busy time, and each kernel name's time against the first
 budget's.
@@ -17,12 +18,14 @@ Writes $OUT/cycle_trace.json (with --json-out, there).
 
 import argparse
 import collections
+import contextlib
 import functools
 import json
 import os
 import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -38,8 +41,9 @@ PIECES = {"proposer": ("propose", "propose_tree", "observe"), "target": ("run", 
 SKIPPED_CYCLES = 3  # the first cycles of the profiled generation (the profiler's own start-up)
 
 
-def marked(engine):
-    """The engine's cycle pieces wrapped in profiler ranges ("Class.method"), on its objects only."""
+def wrapped(engine, around):
+    """The engine's cycle pieces, each call run inside around(label) ("Class.method"), on its objects only; returns
+    a function that puts the plain methods back."""
     owners = {"proposer": engine.proposer, "target": engine.target, "state": engine.state}
     for owner, names in PIECES.items():
         obj = owners[owner]
@@ -48,9 +52,41 @@ def marked(engine):
 
             @functools.wraps(method)
             def piece(*args, method=method, label=f"{type(obj).__name__}.{name}", **kwargs):
-                with torch.profiler.record_function(label):
+                with around(label):
                     return method(*args, **kwargs)
             setattr(obj, name, piece)
+    return lambda: [vars(owners[owner]).pop(name) for owner, names in PIECES.items() for name in names]
+
+
+def host_times(engine, prompts, max_tokens) -> dict:
+    """Unprofiled host time per cycle (us, means over one generation of each prompt, its prefill left out): each
+    piece's call (no synchronisation inside it: its launches), and the rest of the cycle (the decode loop, the read
+    back's wait for the GPU, the yields)."""
+    totals, decoding = collections.Counter(), [False]
+
+    @contextlib.contextmanager
+    def clocked(label):
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            if decoding[0]:
+                totals[label] += time.perf_counter() - start
+    seconds = cycles = 0
+    unwrap = wrapped(engine, clocked)
+    try:
+        for prompt in prompts:
+            steps = engine.stream(prompt, max_tokens)
+            next(steps)  # the prefill and its first token
+            decoding[0] = True
+            for _ in steps:
+                pass
+            decoding[0] = False
+            seconds, cycles = seconds + engine.last_stats["decode_s"], cycles + engine.last_stats["cycles"]
+    finally:
+        unwrap()
+    pieces = {f"host_us {label}": 1e6 * t / cycles for label, t in totals.items()}
+    return {**pieces, "host_us rest": 1e6 * seconds / cycles - sum(pieces.values())}
 
 
 def correlation(event):
@@ -142,8 +178,9 @@ def main():
     activities = [torch.profiler.ProfilerActivity.CPU]
     if torch.cuda.is_available() and not args.dry_run:
         activities.append(torch.profiler.ProfilerActivity.CUDA)
+    hosts = {b: host_times(engine, prompts, args.max_tokens) for b, engine in engines.items()}
     for b, engine in engines.items():
-        marked(engine)
+        wrapped(engine, torch.profiler.record_function)
         with torch.profiler.profile(activities=activities) as prof:
             engine.generate(prompts[min(3, len(prompts) - 1)], args.max_tokens)
         with tempfile.TemporaryDirectory() as tmp:
@@ -151,7 +188,8 @@ def main():
             events = json.loads(Path(f"{tmp}/trace.json").read_text())["traceEvents"]
         t = totals[b]
         results[b] = {"tokens_per_s": t["tokens"] / t["seconds"], "cycle_ms": t["seconds"] / t["cycles"] * 1e3,
-                      "tokens_per_cycle": t["emitted"] / t["cycles"], "profiled": per_cycle(events)}
+                      "tokens_per_cycle": t["emitted"] / t["cycles"], "unprofiled": hosts[b],
+                      "profiled": per_cycle(events)}
     first = budgets[0]
     print(f"{'budget':>6s} {'tok/s':>9s} {'x first':>8s} {'tok/cycle':>9s} {'cycle ms':>9s}   profiled, per cycle: "
           f"{'wall us':>8s} {'busy us':>8s} {'kernels':>7s}")
@@ -160,6 +198,9 @@ def main():
         print(f"{b:6d} {r['tokens_per_s']:9.1f} {r['tokens_per_s'] / results[first]['tokens_per_s']:8.3f} "
               f"{r['tokens_per_cycle']:9.3f} {r['cycle_ms']:9.3f}   {'':20s} {p['wall_us']:8.1f} {p['busy_us']:8.1f} "
               f"{p['kernels']:7.1f}")
+    for b, r in results.items():
+        print(f"\nbudget {b}, unprofiled host time per cycle (means): "
+              + "; ".join(f"{k} {v:.1f}" for k, v in r["unprofiled"].items()))
     for b, r in results.items():
         print(f"\nbudget {b}, per profiled cycle (medians): "
               + "; ".join(f"{k} {v:.1f}" for k, v in r["profiled"].items() if k.startswith(("host", "idle", "calls"))))

@@ -133,7 +133,8 @@ CHECKS = {  # script: what its dry run must have written (the JSON files under i
         sorted(out["cycle_trace.json"]["results"]) == ["0", "15"]
         and all(r["tokens_per_s"] > 0 and r["profiled"]["cycles"] >= 1 and r["profiled"]["by_kernel_us"]
                 for r in out["cycle_trace.json"]["results"].values())
-        and "host_us DecodeState.commit_path" in out["cycle_trace.json"]["results"]["15"]["profiled"]),
+        and "host_us DecodeState.commit_path" in out["cycle_trace.json"]["results"]["15"]["profiled"]
+        and out["cycle_trace.json"]["results"]["15"]["unprofiled"]["host_us DecodeState.commit_path"] > 0),
 }
 REFUSED = {"step_variants", "launch_timeline"}
 
