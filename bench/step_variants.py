@@ -7,7 +7,7 @@ default (default, variant, default, variant: one capture of the same step times 
 For each variant: the step's median ms over REPS replays for each of the two captures of each, the mean difference
 against the default's adjacent captures, and the share of the weight-bandwidth roofline. The variants patch module
 constants (the DeltaNet mixer's value slice and warps), wrap `default_config` (the W4A16 / W8A16 table, e.g. the
-warp-specialized Gluon kernel on INT4 projections of 1..8 rows), replace
+warp-specialized Gluon kernel on INT4 projections of 1..8 rows, or not), replace
 the kernel settings (PDL level, L2 prefetch) for their capture, or replace every W4A16 / W8A16 launch by a kernel
 that only reads its weight bytes ("projections read only": the ceiling of any kernel that keeps one launch per
 projection; the reader's time alone per launch is printed first) or by nothing ("projections skipped": the rest
@@ -26,19 +26,18 @@ import sys
 import types
 from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import replace
-from unittest import mock
 
 import profile_cycle  # bench/profile_cycle.py, beside this script: the synthetic engine
 import torch
 import triton
 import triton.language as tl
 from timing import event_ms, replay_ms
-from warp_specialized import LEAN  # bench/warp_specialized.py, beside this script
+from warp_specialized import footprint  # bench/warp_specialized.py, beside this script
 
 from blockspec.bench import bytes_per_plain_step, measure_read_bandwidth
 from blockspec.engine.decode import prefill
 from blockspec.engine.target import GraphedTarget
-from blockspec.kernels import gdn_triton, quant_matmul_gluon, use
+from blockspec.kernels import gdn_triton, use
 from blockspec.kernels import quant_matmul_triton as wq
 
 REPS = 50
@@ -105,14 +104,13 @@ VARIANTS = {
     "wide outputs n32 w2": lambda s: configs({"block_n": 32, "warps": 2}, wide),
     # one program per SM on the wide outputs (its warps in step through the pipeline's barriers) instead of 4-5
     "wide outputs n128 w8 s6": lambda s: configs({"block_n": 128, "warps": 8, "stages": 6}, wide),
-    # the warp-specialized Gluon kernel (its x blocks of 8 rows, Hopper, INT4) on gate_up (3 consumer warpgroups:
-    # 11 % faster alone at one row on an H100) or on every layer projection
-    "gate_up warp-specialized": lambda s: configs({"warp_specialized": 3}, int4_gate_up),
-    "projections warp-specialized": lambda s: configs({"warp_specialized": 2}, int4_layers),
-    # the same in warp_specialized.py's lean footprint (104 registers a thread, a 120 KB ring), which leaves room on
-    # its SMs for the small kernels around it
-    "projections warp-specialized lean": lambda s: together(configs({"warp_specialized": 2}, int4_layers),
-                                                            mock.patch.multiple(quant_matmul_gluon, **LEAN)),
+    # the warp-specialized Gluon kernel at 1..8 rows (x blocks of 8; Hopper, INT4), by default on every layer
+    # projection in its lean footprint: off (the Triton kernel), on gate_up with 3 consumer warpgroups instead (11 %
+    # faster alone at one row on an H100), or everywhere in the footprint of 17..32 rows (a whole SM a program)
+    "Triton kernel at 1..8 rows": lambda s: configs({"warp_specialized": 0}, int4_layers),
+    "gate_up 3 consumers": lambda s: configs({"warp_specialized": 3}, int4_gate_up),
+    "projections warp-specialized whole SM": lambda s: together(configs({"warp_specialized": 2}, int4_layers),
+                                                                footprint(True)),
     "PDL level 0": lambda s: use(replace(s, pdl_level=0)),
     "PDL level 1": lambda s: use(replace(s, pdl_level=1)),
     "PDL level 2": lambda s: use(replace(s, pdl_level=2)),

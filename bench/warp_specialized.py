@@ -1,9 +1,9 @@
 """The warp-specialized W4A16 kernel (blockspec/kernels/quant_matmul_gluon.py) against the engine's launches at 1, 8,
 16 and 32 rows, the 27B's INT4 projections: us per launch over > 300 MB of weight copies in one CUDA graph, % of the
 read bandwidth measured in the same run, error against the engine and the fraction of outputs equal to its bits.
-Variants: 2 or 3 consumer warpgroups, x blocks of 8 rows (1 and 8 rows), 16 or 32; at 1 and 8 rows also 2 consumers
-in a lean footprint (LEAN). The engine takes the kernel at 17..32 rows (2 consumers); this bench times it where it
-does not.
+Variants: 2 or 3 consumer warpgroups, x blocks of 8 rows (1 and 8 rows: with 2 consumers the kernel's lean footprint,
+`quant_matmul_gluon.LEAN`), 16 or 32; at 1 and 8 rows also 2 consumers in the footprint of 17..32 rows, a whole SM a
+program ("whole SM"). The engine takes the kernel at 1..8 rows for gate_up and gdn in, and at 17..32 rows.
 GPU (Hopper): python warp_specialized.py [--shapes gate_up,down,...] [--pdl-level N] (both kernels launched under
 programmatic dependent launch at that level, kernels/pdl.py; default 0, none; the INT4 engine's is 3)
 CPU dry run: python warp_specialized.py --dry-run (each variant compiled for sm_90 by Gluon's compiler, untimed).
@@ -24,10 +24,6 @@ SHAPES = {"gate_up": (34816, 5120), "gdn_in": (16480, 5120), "attn_qkv": (14336,
           "o": (5120, 6144)}
 ROWS = (1, 8, 16, 32)
 CONSUMERS = (2, 3)
-# A lean footprint at 1..8 rows: 104 registers a thread at launch (2 consumers: 144 each after the split, the loader
-# 24; ptxas: no spills) and a 120 KB ring (3 stages), so that the small kernels before and after a launch fit on an
-# SM beside its program under PDL, where the default footprint takes a whole SM
-LEAN = dict(REGISTERS={**gk.REGISTERS, 2: (104, 144, 24)}, SMEM=120 * 1024)
 
 
 def sm90_compile(k: int, consumers: int, block_m: int, epi: int = 0, rms: bool = False,
@@ -49,38 +45,40 @@ def sm90_compile(k: int, consumers: int, block_m: int, epi: int = 0, rms: bool =
                      ws_ptr="*fp32", cnt_ptr="*i32", res_ptr="*bf16", nw_ptr="*bf16", rows_ptr="*bf16",
                      part_ptr="*fp32", M="i32", N="i32", UNITS="i32", PER="i32", PARTS="i32", stride_om="i32",
                      eps="fp32")
+    registers = gk.footprint(consumers, block_m)[0]
     constants = dict(K=k, C=consumers, BM=block_m, S=gk.plan(34816, k, 132, consumers, block_m)[0], EPI=epi,
-                     RMS=rms, PBLOCK=128 if rms else 1, PDL=pdl_level, CREGS=gk.REGISTERS[consumers][1],
-                     LREGS=gk.REGISTERS[consumers][2], num_warps=4)
+                     RMS=rms, PBLOCK=128 if rms else 1, PDL=pdl_level, CREGS=registers[1], LREGS=registers[2],
+                     num_warps=4)
     full = {n: "constexpr" if n in constants else signature[n] for n in gk._ws_kernel.arg_names}
     aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(gk._ws_kernel.arg_names) if full[n][0] == "*"}
     compiled = triton.compile(GluonASTSource(gk._ws_kernel, full, constexprs=constants, attrs=aligned),
                               target=GPUTarget("cuda", 90, 32),
-                              options={"num_warps": 4, "maxnreg": gk.REGISTERS[consumers][0]})
+                              options={"num_warps": 4, "maxnreg": registers[0]})
     return compiled.asm["ptx"], compiled.metadata.shared
 
 
 def variants(m: int) -> list[tuple[int, int, bool]]:
-    """(consumers, x block rows, lean) of each variant timed at m rows."""
+    """(consumers, x block rows, whole SM) of each variant timed at m rows."""
     block_m = max(8, 1 << (m - 1).bit_length())
     return [(c, block_m, False) for c in CONSUMERS] + ([(2, 8, True)] if m <= 8 else [])
 
 
-def label(consumers: int, block_m: int, lean: bool) -> str:
-    return f"C{consumers} m{block_m}" + (" lean" if lean else "")
+def label(consumers: int, block_m: int, whole_sm: bool) -> str:
+    return f"C{consumers} m{block_m}" + (" whole SM" if whole_sm else "")
 
 
-def footprint(lean: bool):
-    return mock.patch.multiple(gk, **LEAN) if lean else nullcontext()
+def footprint(whole_sm: bool):
+    """With whole_sm, 2 consumers at 8 rows take the registers and ring of 17..32 rows."""
+    return mock.patch.object(gk, "LEAN", (gk.REGISTERS[2], gk.SMEM)) if whole_sm else nullcontext()
 
 
 def dry_run() -> dict:
     out = {}
     for m in ROWS:
-        for consumers, block_m, lean in variants(m):
-            with footprint(lean):
+        for consumers, block_m, whole_sm in variants(m):
+            with footprint(whole_sm):
                 ptx, shared = sm90_compile(5120, consumers, block_m)
-            out[label(consumers, block_m, lean)] = dict(
+            out[label(consumers, block_m, whole_sm)] = dict(
                 shared=shared, wgmma=ptx.count(f"wgmma.mma_async.sync.aligned.m64n{block_m}k16"))
     return out
 
@@ -121,15 +119,15 @@ def measure_shape(name: str, bandwidth: float) -> dict:
         want = wq_matmul(x, weights[0]).float()
         engine = replay_ms(lambda: [wq_matmul(x, w, cfg, out=out) for w in weights]) * 1e3 / len(weights)
         row = rows[m] = {"engine": dict(us=engine, config=cfg.short(), pct=nbytes / engine / 1e3 / bandwidth * 100)}
-        for consumers, block_m, lean in variants(m):
+        for consumers, block_m, whole_sm in variants(m):
             def run(w, o):
                 if not gk.launch(x, w, o, Epilogue(), consumers, block_m):
                     raise SystemExit(f"the kernel does not build here: {gk._BROKEN[0]}")
                 return o
-            with footprint(lean):  # launches captured under it keep its kernel
+            with footprint(whole_sm):  # launches captured under it keep its kernel
                 got = run(weights[0], torch.empty_like(out)).float()
                 us = replay_ms(lambda: [run(w, out) for w in weights]) * 1e3 / len(weights)
-            row[label(consumers, block_m, lean)] = dict(
+            row[label(consumers, block_m, whole_sm)] = dict(
                 us=us, pct=nbytes / us / 1e3 / bandwidth * 100, equal=float((got == want).float().mean()),
                 rel_err=float((got - want).abs().max() / want.abs().max()))
         print(f"{name} M={m}: " + "; ".join(

@@ -573,8 +573,7 @@ def test_int4_tree_rows_on_gpu():
 
 
 def test_warp_specialized_kernel_against_triton_kernel():
-    """The Gluon warp-specialized kernel that the config table takes at 17..32 rows (Hopper) against the Triton
-    kernel's config on the same launches, every epilogue: store (fp32 sums; tiles cut between programs add their
+    """The Gluon warp-specialized kernel that the config table takes at 1..8 and 17..32 rows (Hopper), against the Triton kernel's config on the same launches, every epilogue: store (fp32 sums; tiles cut between programs add their
     pieces in another order), residual add with the next norm begun, then SwiGLU scaled by that norm's 1 / rms."""
     from dataclasses import replace
 
@@ -614,7 +613,7 @@ def test_warp_specialized_kernel_against_triton_kernel():
         close(ws, tri, 1e-2)
         assert (ws == tri).float().mean() > 0.95  # the pieces' order moves a bf16 rounding only now and then
     # channels past the last whole tile group (SwiGLU: 2 x 1056, not a multiple of 64) and the rms with a plain
-    # store; 3 consumers and x blocks of 8 rows (the step's variants) at 1 and 8 rows
+    # store
     odd = Int4Linear.from_float(torch.randn(2112, 5120, generator=g) * 5120 ** -0.5).cuda().packed()
     x = torch.randn(24, 5120, device="cuda", dtype=torch.bfloat16)
     cfg = default_config(24, 2112, 5120)
@@ -624,14 +623,18 @@ def test_warp_specialized_kernel_against_triton_kernel():
     close(wq_matmul(x, odd, config=cfg, rms=(parts_t[:, :1].expand(-1, 24).contiguous(), 1e-6)),
           wq_matmul(x, odd, config=replace(cfg, warp_specialized=0),
                     rms=(parts_t[:, :1].expand(-1, 24).contiguous(), 1e-6)), 1e-2)
-    for rows in (1, 8):
+    for rows in (1, 8):  # the engine's gate_up (SwiGLU), gdn in and down (add-norm) at 1..8 rows (lean); 3 consumers
         x = torch.randn(rows, 5120, device="cuda", dtype=torch.bfloat16)
-        cfg = default_config(rows, 34816, 5120)
-        close(wq_matmul_swiglu(x, packed["gate_up"], config=replace(cfg, warp_specialized=3)),
-              wq_matmul_swiglu(x, packed["gate_up"], config=cfg), 1e-2)
-        close(wq_matmul(x, packed["gdn_in"], config=replace(default_config(rows, 16480, 5120), warp_specialized=2),
-                        out_dtype=torch.float32),
-              wq_matmul(x, packed["gdn_in"], out_dtype=torch.float32), 1e-5)
+        rms = (parts_t[:, :1].expand(-1, rows).contiguous(), 1e-6)
+        ws, tri = both(wq_matmul_swiglu, "gate_up", rows, x, packed["gate_up"], rms=rms)
+        close(ws, tri, 1e-2)
+        close(wq_matmul_swiglu(x, packed["gate_up"], rms=rms,
+                               config=replace(default_config(rows, 34816, 5120), warp_specialized=3)), tri, 1e-2)
+        ws, tri = both(wq_matmul, "gdn_in", rows, x, packed["gdn_in"], rms=rms, out_dtype=torch.float32)
+        close(ws, tri, 1e-5)
+        h = torch.randn(rows, 17408, device="cuda", dtype=torch.bfloat16)
+        for ws, tri in zip(*both(wq_matmul_add_norm, "down", rows, h, packed["down"], residual[:rows], norm_w)):
+            close(ws, tri, 1e-2)
     assert not quant_matmul_gluon._BROKEN  # every launch above built: none fell back to the Triton kernel
 
 

@@ -1,6 +1,6 @@
-"""The warp-specialized W4A16 kernel of a draft tree's 17..32 rows (kernels/quant_matmul_gluon.py) on the CPU: where
-the config table sends launches to it, how its schedule covers the weights, and its sm_90 code compiled here by
-Gluon's compiler. Its numerics against the Triton kernel run on the GPU (tests/test_cuda.py)."""
+"""The warp-specialized W4A16 kernel (kernels/quant_matmul_gluon.py) on the CPU: where the config table sends launches
+to it, how its schedule covers the weights, and its sm_90 code compiled here by Gluon's compiler. Its numerics
+against the Triton kernel run on the GPU (tests/test_cuda.py)."""
 import json
 import os
 import re
@@ -19,14 +19,21 @@ SHAPES = {"gate_up": (34816, 5120), "down": (5120, 17408), "gdn_in": (16480, 512
           "qkv": (14336, 5120)}
 
 
-def test_config_table_sends_tree_rows_of_int4_to_it():
+def test_config_table_sends_tree_rows_and_few_rows_of_int4_to_it():
+    """17..32 rows of every INT4 layer projection, and 1..8 rows, whose x blocks of 8 rows take the lean footprint;
+    not 9..16 or 33.. rows, 8-bit codes or the vocabulary head."""
     for n, k in SHAPES.values():
         for m in (17, 24, 32):
             assert wq.default_config(m, n, k).warp_specialized == gk.CONSUMERS, (n, k, m)
-        for m in (1, 8, 16, 33, 64):
+        for m in (1, 8):
+            cfg = wq.default_config(m, n, k)
+            assert cfg.warp_specialized == 2 and cfg.block_m == 8 and gk.footprint(2, 8) == gk.LEAN, (n, k, m)
+        for m in (16, 33, 64):
             assert not wq.default_config(m, n, k).warp_specialized, (n, k, m)
         assert not wq.default_config(32, n, k, 8, 128).warp_specialized  # 8-bit codes: the Triton kernel
-    assert not wq.default_config(32, 248320, 5120).warp_specialized  # the vocabulary head: not measured there
+        assert not wq.default_config(8, n, k, 8, 128).warp_specialized
+    for m in (1, 8, 32):  # the vocabulary head: not measured there
+        assert not wq.default_config(m, 248320, 5120).warp_specialized
 
 
 def test_usable_only_for_its_launches(monkeypatch):
@@ -116,20 +123,19 @@ def test_sm90_code(epi, rms, k, consumers, block_m):
     assert shared <= 232448
 
 
-@pytest.mark.parametrize("epi,rms,k,lean", [(0, True, 5120, False), (1, False, 17408, False), (2, True, 5120, False),
-                                            (0, False, 5120, True), (2, True, 5120, True)])
-def test_no_spills(epi, rms, k, lean, tmp_path):
-    """The config table's variant (2 consumers, x blocks of 32 rows) in its registers a thread, every epilogue, and
-    the bench's lean footprint at 8 rows: ptxas (Triton's own, run here on the CPU) reports no spill stores, which
-    would put local-memory traffic beside the weight stream."""
+@pytest.mark.parametrize("epi,rms,k,block_m", [(0, True, 5120, 32), (1, False, 17408, 32), (2, True, 5120, 32),
+                                               (0, True, 5120, 8), (2, True, 5120, 8)])
+def test_no_spills(epi, rms, k, block_m, tmp_path):
+    """The config table's variants (2 consumers; x blocks of 32 rows in a whole SM's registers, of 8 rows in the
+    lean footprint), every epilogue they serve: ptxas (Triton's own, run here on the CPU) reports no spill stores,
+    which would put local-memory traffic beside the weight stream."""
     pytest.importorskip("triton.experimental.gluon")
     from triton.backends.nvidia.compiler import get_ptxas
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
-    from warp_specialized import footprint, sm90_compile
+    from warp_specialized import sm90_compile
 
-    with footprint(lean):
-        (tmp_path / "ws.ptx").write_text(sm90_compile(k, gk.CONSUMERS, 8 if lean else gk.BM, epi, rms)[0])
-        registers = gk.REGISTERS[gk.CONSUMERS][0]
+    (tmp_path / "ws.ptx").write_text(sm90_compile(k, gk.CONSUMERS, block_m, epi, rms)[0])
+    registers = gk.footprint(gk.CONSUMERS, block_m)[0][0]
     report = subprocess.run([get_ptxas(90).path, "-arch=sm_90a", "-v", str(tmp_path / "ws.ptx"), "-o",
                              str(tmp_path / "ws.cubin")], capture_output=True, text=True, check=True).stderr
     used = re.search(r"Used (\d+) registers", report)
@@ -167,6 +173,6 @@ def test_bench_dry_run(tmp_path):
                           text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     compiled = json.loads((tmp_path / "warp_specialized.json").read_text())
-    assert sorted(compiled) == sorted([f"C{c} m{m}" for c in (2, 3) for m in (8, 16, 32)] + ["C2 m8 lean"])
-    assert compiled["C2 m8 lean"]["shared"] <= 128 * 1024  # its 120 KB ring and barriers
+    assert sorted(compiled) == sorted([f"C{c} m{m}" for c in (2, 3) for m in (8, 16, 32)] + ["C2 m8 whole SM"])
+    assert compiled["C2 m8"]["shared"] <= 128 * 1024 < compiled["C2 m8 whole SM"]["shared"]  # the lean 120 KB ring
     assert all(v["wgmma"] == 32 * int(k[1]) and v["shared"] <= 232448 for k, v in compiled.items())

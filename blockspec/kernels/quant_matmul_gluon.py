@@ -55,7 +55,15 @@ SMEM = 200 * 1024  # the ring's budget of the 227 KB an SM gives one program (ba
 # for each worker consumer warpgroup and for the loader warp; the default partition (consumer 0) keeps the rest
 # (168 x 3 - 232 - 40 = 232).
 REGISTERS = {2: (168, 232, 40), 3: (128, 160, 24)}
+# x blocks of 8 rows (1..8 activation rows) with 2 consumers: a lean program, 104 registers a thread at launch (144
+# a worker consumer, 24 the loader; no spills) and a 120 KB ring (3 stages). The small kernels around a launch
+# (norms, the mixers) then start beside it on its SM under PDL, where a whole-SM program waits for them to leave.
+LEAN = ((104, 144, 24), 120 * 1024)
 
+
+def footprint(consumers: int, block_m: int) -> tuple[tuple[int, int, int], int]:
+    """(registers a thread: at launch, a worker consumer's, the loader's; the ring's shared memory) of a program."""
+    return LEAN if consumers == 2 and block_m == 8 else (REGISTERS[consumers], SMEM)
 
 _BROKEN: list[str] = []  # why this kernel did not build here (then the Triton kernel serves its launches)
 
@@ -289,7 +297,7 @@ if gluon is not None:
 def plan(n: int, k: int, sms: int, consumers: int = CONSUMERS, block_m: int = BM) -> tuple[int, int, int, int]:
     """(stages, units, units per program, most pieces a tile is cut into: 1 where every run is whole tiles) of a
     launch over W [n, k] (a [gate; up] one: as many tile groups, of half the channels)."""
-    stages = min(8, SMEM // (consumers * BN * BLOCK_K // 2 + block_m * BLOCK_K * 2))
+    stages = min(8, footprint(consumers, block_m)[1] // (consumers * BN * BLOCK_K // 2 + block_m * BLOCK_K * 2))
     nblk = k // BLOCK_K
     units = -(-n // (consumers * BN)) * nblk
     per = -(-units // sms)
@@ -304,6 +312,7 @@ def launch(x2: torch.Tensor, pw: PackedWeight, out: torch.Tensor, epi, consumers
     m, k = x2.shape
     sms = sm_count(x2.device)
     stages, units, per, pieces = plan(pw.n, k, sms, consumers, block_m)
+    registers = footprint(consumers, block_m)[0]
     q_rows = BN // 2 if epi.kind == 2 else BN
     q_desc = TensorDescriptor.from_tensor(pw.q, [q_rows, BLOCK_K // 4],
                                           gl.NVMMASharedLayout.get_default_for([q_rows, BLOCK_K // 4], gl.int16))
@@ -318,8 +327,8 @@ def launch(x2: torch.Tensor, pw: PackedWeight, out: torch.Tensor, epi, consumers
                            m, pw.n, units, per, parts.shape[0], out.stride(0), epi.eps, K=k, C=consumers, BM=block_m,
                            S=stages, EPI=epi.kind, RMS=epi.rms,
                            PBLOCK=triton.next_power_of_2(parts.shape[0]) if epi.rms else 1,
-                           CREGS=REGISTERS[consumers][1], LREGS=REGISTERS[consumers][2], num_warps=4,
-                           maxnreg=REGISTERS[consumers][0], **pdl.options(x2))
+                           CREGS=registers[1], LREGS=registers[2], num_warps=4, maxnreg=registers[0],
+                           **pdl.options(x2))
     except (CompilationError, OutOfResources, RuntimeError) as exc:
         if isinstance(exc, RuntimeError) and "PassManager" not in str(exc):
             raise  # not a compiler pass: a launch's error is the caller's

@@ -33,7 +33,9 @@ Configs: `default_config`, a fixed table (no autotuning: a timing-based choice w
 it the summation order, i.e. the numerics), the H200 winners of bench/quant_kernels.py --sweep (docs/benchmarks.md;
 the 9..16-row gate_up and down entries: H100 winners, with the whole tree pass timed there):
   M <= 8:  n64 m8 w4, split-K to ~2 waves of the SMs; 3 stages above 80M weights, else 2; unsplit tiles with a
-           short last round balanced over the SMs (`schedule`)
+           short last round balanced over the SMs (`schedule`); int4 layer projections (outputs below the
+           vocabulary's) on Hopper with bf16 activations: the warp-specialized kernel, 2 consumers in its lean
+           footprint (the INT4 step 0.33 ms shorter on an H100)
   M 9..16: wgmma; vocabulary (N >= 131072) n128 s3, ~4 waves; gate_up n64 s3, ~2 waves balanced; other mid-size
            outputs n64 s3, ~1 wave; int4 K > 8192 (down): the M <= 8 schedule with 3 stages and the 16-row tile as
            two 8-row dots (`dot_rows`, mma.sync); 8-bit K > 8192 n64 s2, ~4 waves
@@ -358,12 +360,15 @@ def default_config(m: int, n: int, k: int, bits: int = 4, group_size: int = 128)
         return KernelConfig(128, 16, 4, 6, 4, asm)
     if m <= 8 and bits == 8:  # e4m3 / int8 g128 (2x int4's bytes per tile): 3 stages; narrow outputs split to ~4 waves
         return KernelConfig(64, 8, 4, 3, 4 if n < 64 * 132 else 1, asm, True)
-    if m <= 8:  # 64-row tiles, shallow pipelines: more programs resident per SM hide more latency than deeper ones
-        return KernelConfig(64, 8, 4, 3 if n * k > 80_000_000 else 2, 2, asm, True)
+    if m <= 8:  # 64-row tiles, shallow pipelines: more programs resident per SM hide more latency than deeper ones;
+        # on Hopper the layers' projections (not the vocabulary's) take the warp-specialized kernel's lean program
+        ws = 2 if n < 131072 else 0
+        return KernelConfig(64, 8, 4, 3 if n * k > 80_000_000 else 2, 2, asm, True, warp_specialized=ws)
     if n >= 131072:  # vocabulary-sized
         return KernelConfig(128, 16, 4, 3, 4, asm)
     if k > 8192 and bits == 4:  # long rows (down): the 8-row schedule, two 8-row dots (mma.sync) on each operand
-        return replace(default_config(8, n, k, bits, group_size), block_m=16, stages=3, dot_rows=8)
+        return replace(default_config(8, n, k, bits, group_size), block_m=16, stages=3, dot_rows=8,
+                       warp_specialized=0)
     if k > 8192:
         return KernelConfig(64, 16, 4, 2, 4, asm)  # K splits to ~4 waves
     if n * k > GATE_UP_WEIGHTS:  # gate_up: ~2 waves, the short last round balanced (`schedule`)
