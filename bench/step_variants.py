@@ -1,20 +1,20 @@
-"""The graphed plain decode step of a synthetic Qwen3.5-27B under variants of the kernels' constants, each against
-the default in the same process. Isolated launches can mislead: the K split that made FP8's down and o projections
-1-1.5 us faster alone made the step 0.2-0.3 ms slower. So a candidate is timed where it runs, alternated with the
-default (default, variant, default, variant: one capture of the same step times differently from the next by up to
-~0.35 ms, more than some of the differences).
+"""The graphed plain decode step of a synthetic Qwen3.5-27B (or, with --rows T, its graphed pass of T tokens, committed
+whole) under variants of the kernels' constants, each against the default in the same process. Isolated launches can
+mislead: the K split that made FP8's down and o projections 1-1.5 us faster alone made the step 0.2-0.3 ms slower. So
+a candidate is timed where it runs, alternated with the default (default, variant, default, variant: one capture of
+the same step times differently from the next by up to ~0.35 ms, more than some of the differences).
 
 For each variant: the step's median ms over REPS replays for each of the two captures of each, the mean difference
 against the default's adjacent captures, and the share of the weight-bandwidth roofline. The variants patch module
 constants (the DeltaNet mixer's value slice and warps), wrap `default_config` (the W4A16 / W8A16 table, e.g. the
-warp-specialized Gluon kernel on INT4 projections of 1..8 rows, or not), replace
-the kernel settings (PDL level, L2 prefetch) for their capture, or replace every W4A16 / W8A16 launch by a kernel
-that only reads its weight bytes ("projections read only": the ceiling of any kernel that keeps one launch per
-projection; the reader's time alone per launch is printed first) or by nothing ("projections skipped": the rest
-of the step); every patch is undone before the next.
+warp-specialized Gluon kernel on INT4 projections of 1..8 rows, or not, and of 9..16), replace the kernel settings
+(PDL level, L2 prefetch) for their capture, or replace every W4A16 / W8A16 launch by a kernel that only reads its
+weight bytes ("projections read only": the ceiling of any kernel that keeps one launch per projection; the reader's
+time alone per launch is printed first) or by nothing ("projections skipped": the rest of the step); every patch is
+undone before the next.
 
 Usage (GPU, from bench/; ~20 s per variant on an H200, after building): python step_variants.py --quant fp8
-  [--vocab-quant int8] [--variants NAME,...]; JSON to $OUT/step_variants.json.
+  [--vocab-quant int8] [--variants NAME,...] [--rows T]; JSON to $OUT/step_variants.json.
 """
 
 import argparse
@@ -32,12 +32,13 @@ import torch
 import triton
 import triton.language as tl
 from timing import event_ms, replay_ms
-from warp_specialized import footprint  # bench/warp_specialized.py, beside this script
+from warp_specialized import LEAN_16, footprint  # bench/warp_specialized.py, beside this script
 
 from blockspec.bench import bytes_per_plain_step, measure_read_bandwidth
 from blockspec.engine.decode import prefill
+from blockspec.config import MAX_PASS_TOKENS
 from blockspec.engine.target import GraphedTarget
-from blockspec.kernels import gdn_triton, use
+from blockspec.kernels import gdn_triton, quant_matmul_gluon, use
 from blockspec.kernels import quant_matmul_triton as wq
 
 REPS = 50
@@ -89,6 +90,10 @@ def int4_layers(m, n, k, bits):
     return m <= 8 and bits == 4 and n < 131072
 
 
+def int4_layers_16(m, n, k, bits):
+    return 8 < m <= 16 and bits == 4 and n < 131072
+
+
 VARIANTS = {
     "mixer BV 32": lambda s: patched(gdn_triton, BLOCK_V=32),
     "mixer BV 32 2 warps": lambda s: patched(gdn_triton, BLOCK_V=32, NUM_WARPS=2),
@@ -110,7 +115,13 @@ VARIANTS = {
     "Triton kernel at 1..8 rows": lambda s: configs({"warp_specialized": 0}, int4_layers),
     "gate_up 3 consumers": lambda s: configs({"warp_specialized": 3}, int4_gate_up),
     "projections warp-specialized whole SM": lambda s: together(configs({"warp_specialized": 2}, int4_layers),
-                                                                footprint(True)),
+                                                                footprint({8: (quant_matmul_gluon.REGISTERS[2],
+                                                                               quant_matmul_gluon.SMEM)})),
+    # at 9..16 rows (--rows 16: a tree of 15's pass), the same kernel with x blocks of 16 rows on every INT4 layer
+    # projection, in a whole SM a program or in warp_specialized.py's candidate lean footprint (LEAN_16)
+    "warp-specialized at 9..16 rows": lambda s: configs({"warp_specialized": 2, "block_m": 16}, int4_layers_16),
+    "warp-specialized lean at 9..16 rows": lambda s: together(
+        configs({"warp_specialized": 2, "block_m": 16}, int4_layers_16), footprint({16: LEAN_16})),
     "PDL level 0": lambda s: use(replace(s, pdl_level=0)),
     "PDL level 1": lambda s: use(replace(s, pdl_level=1)),
     "PDL level 2": lambda s: use(replace(s, pdl_level=2)),
@@ -207,7 +218,12 @@ def main():
     ap.add_argument("--quant", default="fp8", help="target_quantization: int4 | fp8")
     ap.add_argument("--vocab-quant", default="none")
     ap.add_argument("--variants", help="comma-separated names (default: all)")
+    ap.add_argument("--rows", type=int, default=1, help="tokens a pass (1: the plain step; 8: a chain's "
+                    "verification; 16: a tree of 15's rows), each committed whole")
     args = ap.parse_args()
+    if not 1 <= args.rows <= MAX_PASS_TOKENS:
+        print(f"--rows {args.rows}: between 1 and {MAX_PASS_TOKENS}", file=sys.stderr)
+        sys.exit(2)
     names = chosen(args.variants)  # before any long work
     bandwidth = measure_read_bandwidth(torch.device("cuda"))
     engine = profile_cycle.build_engine("none", profile_cycle.arguments().parse_args(
@@ -217,16 +233,17 @@ def main():
 
     def step_ms(variant):
         with use(engine.kernels), variant(engine.kernels):
-            target = GraphedTarget(engine.model, engine.state, (), lengths=(1,))
+            target = GraphedTarget(engine.model, engine.state, (), lengths=(args.rows,))
         engine.state.reset()
         prefill(target, prompt, 0, len(prompt), engine.proposer)
 
         def step():
-            target.verify([0])
-            engine.state.commit(1)
+            target.verify([0] * args.rows)
+            engine.state.commit(args.rows)
         return event_ms(step, reps=REPS)
 
-    results = {"bandwidth_gb_s": round(bandwidth), "quant": args.quant, "roofline_ms": round(roofline_ms, 3)}
+    results = {"bandwidth_gb_s": round(bandwidth), "quant": args.quant, "rows": args.rows,
+               "roofline_ms": round(roofline_ms, 3)}
     if "projections read only" in names:
         results["read_only_alone"] = read_only_alone(bandwidth)
     for name in names:

@@ -3,7 +3,8 @@
 read bandwidth measured in the same run, error against the engine and the fraction of outputs equal to its bits.
 Variants: 2 or 3 consumer warpgroups, x blocks of 8 rows (1 and 8 rows: with 2 consumers the kernel's lean footprint,
 `quant_matmul_gluon.LEAN`), 16 or 32; at 1 and 8 rows also 2 consumers in the footprint of 17..32 rows, a whole SM a
-program ("whole SM"). The engine takes the kernel at 1..8 rows for gate_up and gdn in, and at 17..32 rows.
+program ("whole SM"); at 16 rows also 2 consumers in a lean footprint (LEAN_16). The engine takes the kernel at
+1..8 and 17..32 rows.
 GPU (Hopper): python warp_specialized.py [--shapes gate_up,down,...] [--pdl-level N] (both kernels launched under
 programmatic dependent launch at that level, kernels/pdl.py; default 0, none; the INT4 engine's is 3)
 CPU dry run: python warp_specialized.py --dry-run (each variant compiled for sm_90 by Gluon's compiler, untimed).
@@ -57,28 +58,37 @@ def sm90_compile(k: int, consumers: int, block_m: int, epi: int = 0, rms: bool =
     return compiled.asm["ptx"], compiled.metadata.shared
 
 
-def variants(m: int) -> list[tuple[int, int, bool]]:
-    """(consumers, x block rows, whole SM) of each variant timed at m rows."""
+# A candidate lean footprint for x blocks of 16 rows (9..16 rows: a tree of 15's pass), not yet the config table's:
+# 112 registers a thread at launch (152 a worker consumer, 24 the loader; ptxas: no spills) and a 144 KB ring (3
+# stages), about half an SM
+LEAN_16 = ((112, 152, 24), 144 * 1024)
+
+
+def variants(m: int) -> list[tuple[str, int, int, object]]:
+    """(label, consumers, x block rows, the footprint it runs in) of each variant timed at m rows."""
     block_m = max(8, 1 << (m - 1).bit_length())
-    return [(c, block_m, False) for c in CONSUMERS] + ([(2, 8, True)] if m <= 8 else [])
+    out = [(f"C{c} m{block_m}", c, block_m, nullcontext()) for c in CONSUMERS]
+    if m <= 8:
+        out.append(("C2 m8 whole SM", 2, 8, footprint({8: (gk.REGISTERS[2], gk.SMEM)})))
+    elif m <= 16:
+        out.append(("C2 m16 lean", 2, 16, footprint({16: LEAN_16})))
+    return out
 
 
-def label(consumers: int, block_m: int, whole_sm: bool) -> str:
-    return f"C{consumers} m{block_m}" + (" whole SM" if whole_sm else "")
-
-
-def footprint(whole_sm: bool):
-    """With whole_sm, 2 consumers at 8 rows take the registers and ring of 17..32 rows."""
-    return mock.patch.object(gk, "LEAN", (gk.REGISTERS[2], gk.SMEM)) if whole_sm else nullcontext()
+def footprint(table: dict):
+    """The kernel's footprints with 2 consumers at the x block rows in `table` replaced by its (registers, ring
+    bytes): a context for the launches (and captures) made under it."""
+    plain = gk.footprint
+    return mock.patch.object(gk, "footprint", lambda c, b: table[b] if c == 2 and b in table else plain(c, b))
 
 
 def dry_run() -> dict:
     out = {}
     for m in ROWS:
-        for consumers, block_m, whole_sm in variants(m):
-            with footprint(whole_sm):
+        for label, consumers, block_m, context in variants(m):
+            with context:
                 ptx, shared = sm90_compile(5120, consumers, block_m)
-            out[label(consumers, block_m, whole_sm)] = dict(
+            out[label] = dict(
                 shared=shared, wgmma=ptx.count(f"wgmma.mma_async.sync.aligned.m64n{block_m}k16"))
     return out
 
@@ -119,15 +129,15 @@ def measure_shape(name: str, bandwidth: float) -> dict:
         want = wq_matmul(x, weights[0]).float()
         engine = replay_ms(lambda: [wq_matmul(x, w, cfg, out=out) for w in weights]) * 1e3 / len(weights)
         row = rows[m] = {"engine": dict(us=engine, config=cfg.short(), pct=nbytes / engine / 1e3 / bandwidth * 100)}
-        for consumers, block_m, whole_sm in variants(m):
+        for label, consumers, block_m, context in variants(m):
             def run(w, o):
                 if not gk.launch(x, w, o, Epilogue(), consumers, block_m):
                     raise SystemExit(f"the kernel does not build here: {gk._BROKEN[0]}")
                 return o
-            with footprint(whole_sm):  # launches captured under it keep its kernel
+            with context:  # launches captured under it keep its kernel
                 got = run(weights[0], torch.empty_like(out)).float()
                 us = replay_ms(lambda: [run(w, out) for w in weights]) * 1e3 / len(weights)
-            row[label(consumers, block_m, whole_sm)] = dict(
+            row[label] = dict(
                 us=us, pct=nbytes / us / 1e3 / bandwidth * 100, equal=float((got == want).float().mean()),
                 rel_err=float((got - want).abs().max() / want.abs().max()))
         print(f"{name} M={m}: " + "; ".join(

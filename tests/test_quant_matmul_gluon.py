@@ -173,6 +173,7 @@ def test_bench_dry_run(tmp_path):
                           text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     compiled = json.loads((tmp_path / "warp_specialized.json").read_text())
-    assert sorted(compiled) == sorted([f"C{c} m{m}" for c in (2, 3) for m in (8, 16, 32)] + ["C2 m8 whole SM"])
+    assert sorted(compiled) == sorted([f"C{c} m{m}" for c in (2, 3) for m in (8, 16, 32)]
+                                      + ["C2 m8 whole SM", "C2 m16 lean"])
     assert compiled["C2 m8"]["shared"] <= 128 * 1024 < compiled["C2 m8 whole SM"]["shared"]  # the lean 120 KB ring
     assert all(v["wgmma"] == 32 * int(k[1]) and v["shared"] <= 232448 for k, v in compiled.items())
