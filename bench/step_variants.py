@@ -90,6 +90,10 @@ def int4_layers(m, n, k, bits):
     return m <= 8 and bits == 4 and n < 131072
 
 
+def fp8_layers(m, n, k, bits):
+    return m <= 8 and bits == 8 and n < 131072
+
+
 def int4_layers_16(m, n, k, bits):
     return 8 < m <= 16 and bits == 4 and n < 131072
 
@@ -117,6 +121,11 @@ VARIANTS = {
     "projections warp-specialized whole SM": lambda s: together(configs({"warp_specialized": 2}, int4_layers),
                                                                 footprint({8: (quant_matmul_gluon.REGISTERS[2],
                                                                                quant_matmul_gluon.SMEM)})),
+    # FP8 targets (--quant fp8): the same kernel in its lean footprint on every layer projection of 1..8 rows, at
+    # FP8's PDL level (0) or under PDL 3, where the small kernels around a launch start beside its programs
+    "FP8 projections warp-specialized": lambda s: configs({"warp_specialized": 2}, fp8_layers),
+    "FP8 projections warp-specialized PDL 3": lambda s: together(configs({"warp_specialized": 2}, fp8_layers),
+                                                                 use(replace(s, pdl_level=3))),
     # at 9..16 rows (--rows 16: a tree of 15's pass), the same kernel with x blocks of 16 rows on every INT4 layer
     # projection, in a whole SM a program or in warp_specialized.py's candidate lean footprint (LEAN_16)
     "warp-specialized at 9..16 rows": lambda s: configs({"warp_specialized": 2, "block_m": 16}, int4_layers_16),

@@ -5,8 +5,9 @@ Variants: 2 or 3 consumer warpgroups, x blocks of 8 rows (1 and 8 rows: with 2 c
 `quant_matmul_gluon.LEAN`), 16 or 32; at 1 and 8 rows also 2 consumers in the footprint of 17..32 rows, a whole SM a
 program ("whole SM"); at 16 rows also 2 consumers in a lean footprint (LEAN_16). The engine takes the kernel at
 1..8 and 17..32 rows.
-GPU (Hopper): python warp_specialized.py [--shapes gate_up,down,...] [--pdl-level N] (both kernels launched under
-programmatic dependent launch at that level, kernels/pdl.py; default 0, none; the INT4 engine's is 3)
+GPU (Hopper): python warp_specialized.py [--shapes gate_up,down,...] [--pdl-level N] [--fp8] (both kernels launched
+under programmatic dependent launch at that level, kernels/pdl.py; default 0, none; the INT4 engine's is 3; --fp8:
+the projections as FP8 e4m3 codes with 128 x 128 block scales, which the engine runs on the Triton kernel)
 CPU dry run: python warp_specialized.py --dry-run (each variant compiled for sm_90 by Gluon's compiler, untimed).
 Writes $OUT/warp_specialized.json when OUT is set."""
 import json
@@ -27,8 +28,8 @@ ROWS = (1, 8, 16, 32)
 CONSUMERS = (2, 3)
 
 
-def sm90_compile(k: int, consumers: int, block_m: int, epi: int = 0, rms: bool = False,
-                 pdl_level: int = 3) -> tuple[str, int]:
+def sm90_compile(k: int, consumers: int, block_m: int, epi: int = 0, rms: bool = False, pdl_level: int = 3,
+                 bits: int = 4, e4m3: bool = False) -> tuple[str, int]:
     """The kernel compiled here for sm_90 (no GPU needed): (its PTX, its shared memory in bytes)."""
     import triton
     from triton.backends.compiler import GPUTarget
@@ -47,9 +48,9 @@ def sm90_compile(k: int, consumers: int, block_m: int, epi: int = 0, rms: bool =
                      part_ptr="*fp32", M="i32", N="i32", UNITS="i32", PER="i32", PARTS="i32", stride_om="i32",
                      eps="fp32")
     registers = gk.footprint(consumers, block_m)[0]
-    constants = dict(K=k, C=consumers, BM=block_m, S=gk.plan(34816, k, 132, consumers, block_m)[0], EPI=epi,
+    constants = dict(K=k, C=consumers, BM=block_m, S=gk.plan(34816, k, 132, consumers, block_m, bits)[0], EPI=epi,
                      RMS=rms, PBLOCK=128 if rms else 1, PDL=pdl_level, CREGS=registers[1], LREGS=registers[2],
-                     num_warps=4)
+                     **gk.unpacking(bits, e4m3), num_warps=4)
     full = {n: "constexpr" if n in constants else signature[n] for n in gk._ws_kernel.arg_names}
     aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(gk._ws_kernel.arg_names) if full[n][0] == "*"}
     compiled = triton.compile(GluonASTSource(gk._ws_kernel, full, constexprs=constants, attrs=aligned),
@@ -93,39 +94,44 @@ def dry_run() -> dict:
     return out
 
 
-def measure(names: list[str], pdl_level: int) -> dict:
+def measure(names: list[str], pdl_level: int, fp8: bool = False) -> dict:
     from blockspec.bench import measure_read_bandwidth
 
     dev = torch.device("cuda")
     bandwidth = measure_read_bandwidth(dev)
-    results = dict(device=torch.cuda.get_device_name(dev), read_gbs=bandwidth, pdl_level=pdl_level, shapes={})
+    results = dict(device=torch.cuda.get_device_name(dev), read_gbs=bandwidth, pdl_level=pdl_level, fp8=fp8,
+                   shapes={})
     print(f"{results['device']}: read bandwidth {bandwidth:.0f} GB/s, PDL level {pdl_level}", flush=True)
     with use(KernelSettings(pdl_level=pdl_level)):
         for name in names:
-            results["shapes"][name] = measure_shape(name, bandwidth)
+            results["shapes"][name] = measure_shape(name, bandwidth, fp8)
     return results
 
 
-def measure_shape(name: str, bandwidth: float) -> dict:
+def measure_shape(name: str, bandwidth: float, fp8: bool = False) -> dict:
     """us per launch at each of ROWS: the engine's config, then each variant."""
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from timing import replay_ms
 
+    from blockspec.quant.fp8 import Fp8Linear, quantize
     from blockspec.quant.int4 import Int4Linear
 
     dev = torch.device("cuda")
     n, k = SHAPES[name]
-    weights = [Int4Linear.from_float(torch.randn(n, k, device=dev) * k ** -0.5, 128, True,
-                                     scale_dtype=torch.bfloat16).packed()]
-    weights += [Int4Linear.from_float(torch.randn(n, k, device=dev) * k ** -0.5, 128, True,
-                                      scale_dtype=torch.bfloat16).packed()
-                for _ in range(max(1, -(-300_000_000 // weights[0].nbytes())) - 1)]
+
+    def packed():
+        w = torch.randn(n, k, device=dev) * k ** -0.5
+        if fp8:
+            return Fp8Linear.from_blocks(*quantize(w)).packed()
+        return Int4Linear.from_float(w, 128, True, scale_dtype=torch.bfloat16).packed()
+    weights = [packed()]
+    weights += [packed() for _ in range(max(1, -(-300_000_000 // weights[0].nbytes())) - 1)]
     nbytes = weights[0].nbytes()
     rows = {}
     for m in ROWS:
         x = torch.randn(m, k, device=dev).to(torch.bfloat16)
         out = torch.empty(m, n, device=dev, dtype=torch.bfloat16)
-        cfg = default_config(m, n, k)
+        cfg = default_config(m, n, k, 8 if fp8 else 4, 128)
         want = wq_matmul(x, weights[0]).float()
         engine = replay_ms(lambda: [wq_matmul(x, w, cfg, out=out) for w in weights]) * 1e3 / len(weights)
         row = rows[m] = {"engine": dict(us=engine, config=cfg.short(), pct=nbytes / engine / 1e3 / bandwidth * 100)}
@@ -161,7 +167,7 @@ def main() -> None:
         if level not in (["0"], ["1"], ["2"], ["3"]):
             print(f"--pdl-level {' '.join(level)!r}: one of 0, 1, 2, 3", file=sys.stderr)
             sys.exit(2)
-        results = measure(names, int(level[0]))
+        results = measure(names, int(level[0]), "--fp8" in sys.argv)
     if os.environ.get("OUT"):
         Path(os.environ["OUT"]).mkdir(parents=True, exist_ok=True)
         (Path(os.environ["OUT"]) / "warp_specialized.json").write_text(json.dumps(results, indent=1))

@@ -573,12 +573,15 @@ def test_int4_tree_rows_on_gpu():
 
 
 def test_warp_specialized_kernel_against_triton_kernel():
-    """The Gluon warp-specialized kernel that the config table takes at 1..8 and 17..32 rows (Hopper), against the Triton kernel's config on the same launches, every epilogue: store (fp32 sums; tiles cut between programs add their
-    pieces in another order), residual add with the next norm begun, then SwiGLU scaled by that norm's 1 / rms."""
+    """The Gluon warp-specialized kernel that the config table takes for INT4 at 1..8 and 17..32 rows (Hopper),
+    against the Triton kernel's config on the same launches, every epilogue: store (fp32 sums; tiles cut between
+    programs add their pieces in another order), residual add with the next norm begun, then SwiGLU scaled by that
+    norm's 1 / rms; and its FP8 (e4m3) codes against the Triton kernel's."""
     from dataclasses import replace
 
     from blockspec.kernels import quant_matmul_gluon
     from blockspec.kernels.quant_matmul_triton import default_config, wq_matmul, wq_matmul_add_norm, wq_matmul_swiglu
+    from blockspec.quant.fp8 import Fp8Linear, quantize
     from blockspec.quant.int4 import Int4Linear
 
     if torch.cuda.get_device_capability()[0] != 9:
@@ -635,6 +638,18 @@ def test_warp_specialized_kernel_against_triton_kernel():
         h = torch.randn(rows, 17408, device="cuda", dtype=torch.bfloat16)
         for ws, tri in zip(*both(wq_matmul_add_norm, "down", rows, h, packed["down"], residual[:rows], norm_w)):
             close(ws, tri, 1e-2)
+    # FP8 (e4m3) codes at 1, 8 and 24 rows, which the config table does not send there yet: 2 groups a K block
+    fp8 = {name: Fp8Linear.from_blocks(*quantize(torch.randn(n, k, generator=g) * 0.01)).cuda().packed()
+           for name, (n, k) in {"gate_up": (34816, 5120), "down": (5120, 17408)}.items()}
+    for rows in (1, 8, 24):
+        x = torch.randn(rows, 5120, device="cuda", dtype=torch.bfloat16)
+        h = torch.randn(rows, 17408, device="cuda", dtype=torch.bfloat16)
+        for name, inputs in (("gate_up", x), ("down", h)):
+            cfg = default_config(rows, fp8[name].n, fp8[name].k, 8, 128)
+            ws_cfg = replace(cfg, block_n=64, block_m=max(8, 1 << (rows - 1).bit_length()), warp_specialized=2)
+            assert quant_matmul_gluon.usable(inputs, fp8[name], ws_cfg.block_m)
+            close(wq_matmul(inputs, fp8[name], config=ws_cfg, out_dtype=torch.float32),
+                  wq_matmul(inputs, fp8[name], config=cfg, out_dtype=torch.float32), 1e-5)
     assert not quant_matmul_gluon._BROKEN  # every launch above built: none fell back to the Triton kernel
 
 

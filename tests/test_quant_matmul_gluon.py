@@ -37,8 +37,10 @@ def test_config_table_sends_tree_rows_and_few_rows_of_int4_to_it():
 
 
 def test_usable_only_for_its_launches(monkeypatch):
-    """CUDA bf16 rows at a 16-byte address, up to the x block's rows, int4 group 128 codes without zero points over
-    whole 512-column blocks, 2 or 3 consumers: anything else goes to the Triton kernel."""
+    """CUDA bf16 rows at a 16-byte address, up to the x block's rows, 4- or 8-bit group 128 codes without zero
+    points over whole blocks (512 columns for 4-bit codes, 256 for 8-bit), 2 or 3 consumers: anything else goes to
+    the Triton kernel."""
+    from blockspec.quant.fp8 import Fp8Linear, quantize
     from blockspec.quant.int8 import Int8Linear
 
     pw = Int4Linear.from_float(torch.randn(128, 1024) * 0.05).packed()
@@ -55,6 +57,10 @@ def test_usable_only_for_its_launches(monkeypatch):
                gk.usable(x[:24, :640].contiguous(), Int4Linear.from_float(torch.randn(128, 640) * 0.05).packed()),
                gk.usable(x[:24], Int8Linear.from_float(torch.randn(128, 1024) * 0.05).packed())]
     assert refused == [False, False, False, False, True, False, False, False, False, False], refused
+    fp8 = Fp8Linear.from_blocks(*quantize(torch.randn(128, 768) * 0.05)).packed()
+    assert gk.usable(x[:8, :768].contiguous(), fp8, 8)  # 3 blocks of 256
+    assert gk.usable(x[:8, :768].contiguous(), Int8Linear.from_float(torch.randn(128, 768) * 0.05, 128).packed(), 8)
+    assert not gk.usable(x[:8, :768].contiguous(), Int4Linear.from_float(torch.randn(128, 768) * 0.05).packed(), 8)
 
 
 def test_a_kernel_that_does_not_build_hands_its_launches_back(monkeypatch, capsys):
@@ -84,13 +90,14 @@ def test_a_kernel_that_does_not_build_hands_its_launches_back(monkeypatch, capsy
 
 
 @pytest.mark.parametrize("name", list(SHAPES))
-def test_schedule_covers_every_block_once(name):
+@pytest.mark.parametrize("bits", [4, 8])
+def test_schedule_covers_every_block_once(name, bits):
     """Programs take equal contiguous runs of (tile group, K block) units; a tile cut between runs has at most
     `pieces` of them, the workspace's depth."""
     n, k = SHAPES[name]
     for sms in (132, 114, 78):
-        stages, units, per, pieces = gk.plan(n, k, sms)  # the engine's: 2 consumers, 32 rows
-        nblk = k // gk.BLOCK_K
+        stages, units, per, pieces = gk.plan(n, k, sms, bits=bits)  # 2 consumers, 32 rows
+        nblk = k // (gk.G * 16 // bits)
         assert units == -(-n // (gk.CONSUMERS * gk.BN)) * nblk and per == -(-units // sms)
         assert -(-units // per) <= sms  # every unit has a program
         owners = [u // per for u in range(units)]
@@ -98,43 +105,51 @@ def test_schedule_covers_every_block_once(name):
             streaming = len(set(owners[t * nblk:(t + 1) * nblk]))
             first = (t * nblk) // per  # the kernel's count of a tile's pieces (`_finish`)
             assert ((t + 1) * nblk - 1) // per - first + 1 == streaming <= pieces
-        assert stages >= 2 and stages * (gk.CONSUMERS * gk.BN * gk.BLOCK_K // 2 + gk.BM * gk.BLOCK_K * 2) <= gk.SMEM
+        assert stages >= 2 and stages * (gk.CONSUMERS * gk.BN * gk.G * 2 + gk.BM * gk.G * 16 // bits * 2) <= gk.SMEM
 
 
-@pytest.mark.parametrize("epi,rms,k,consumers,block_m", [(0, True, 5120, 2, 32), (1, False, 17408, 2, 32),
-                                                          (2, True, 5120, 2, 32), (0, False, 5120, 3, 8),
-                                                          (2, True, 5120, 3, 8), (1, True, 17408, 2, 8)])
-def test_sm90_code(epi, rms, k, consumers, block_m):
+@pytest.mark.parametrize("epi,rms,k,consumers,block_m,bits,e4m3", [
+    (0, True, 5120, 2, 32, 4, False), (1, False, 17408, 2, 32, 4, False), (2, True, 5120, 2, 32, 4, False),
+    (0, False, 5120, 3, 8, 4, False), (2, True, 5120, 3, 8, 4, False), (1, True, 17408, 2, 8, 4, False),
+    (2, True, 5120, 2, 8, 8, True), (1, False, 17408, 2, 8, 8, True), (0, True, 5120, 2, 16, 8, False)])
+def test_sm90_code(epi, rms, k, consumers, block_m, bits, e4m3):
     """Compiled for sm_90 on the CPU (bench/warp_specialized.py's compile): the group dots as m64nBMk16 wgmma, the
-    stages through TMA (2 code boxes per consumer with the SwiGLU epilogue, one otherwise, and x's 4), the
-    partitions' registers rebalanced, the split tiles' arrival counters, the shared memory within an SM's 227 KB."""
+    stages through TMA (2 code boxes per consumer with the SwiGLU epilogue, one otherwise, and x's one per group),
+    the codes unpacked as their format's (int4, int8, e4m3), the partitions' registers rebalanced, the split
+    tiles' arrival counters, the shared memory within an SM's 227 KB."""
     pytest.importorskip("triton.experimental.gluon")
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
     from warp_specialized import sm90_compile
 
-    ptx, shared = sm90_compile(k, consumers, block_m, epi, rms)
+    ptx, shared = sm90_compile(k, consumers, block_m, epi, rms, bits=bits, e4m3=e4m3)
+    groups = 16 // bits
     dots = re.findall(rf"wgmma\.mma_async\.sync\.aligned\.m64n{block_m}k16\.f32\.bf16\.bf16", ptx)
-    assert len(dots) == 32 * consumers  # 4 groups of 8 k16 steps a consumer
+    assert len(dots) == 8 * groups * consumers  # 8 k16 steps a group and consumer
     codes = (2 if epi == 2 else 1) * consumers  # issued in two places: the first stages', then the loop's
-    copies = 2 * codes + 4  # each 256-byte row split in two under the 128-byte swizzle
-    assert len(re.findall(r"cp\.async\.bulk\.tensor\.2d", ptx)) == 2 * copies
+    # each 256-byte row split in two under the 128-byte swizzle
+    assert len(re.findall(r"cp\.async\.bulk\.tensor\.2d", ptx)) == 4 * codes + 2 * groups
+    signature = {(4, False): "0xC308C308", (8, False): "0f4B000080", (8, True): "0x7B807B80"}  # unpack_ptx's
+    assert all((signature[key] in ptx) == (key == (bits, e4m3)) for key in signature)
     assert "setmaxnreg.inc" in ptx and "setmaxnreg.dec" in ptx
     assert "atom.global.gpu.acq_rel.add" in ptx
     assert shared <= 232448
 
 
-@pytest.mark.parametrize("epi,rms,k,block_m", [(0, True, 5120, 32), (1, False, 17408, 32), (2, True, 5120, 32),
-                                               (0, True, 5120, 8), (2, True, 5120, 8)])
-def test_no_spills(epi, rms, k, block_m, tmp_path):
+@pytest.mark.parametrize("epi,rms,k,block_m,bits,e4m3", [
+    (0, True, 5120, 32, 4, False), (1, False, 17408, 32, 4, False), (2, True, 5120, 32, 4, False),
+    (0, True, 5120, 8, 4, False), (2, True, 5120, 8, 4, False), (1, False, 17408, 8, 4, False),
+    (2, True, 5120, 8, 8, True), (1, False, 17408, 8, 8, True), (0, True, 5120, 8, 8, True)])
+def test_no_spills(epi, rms, k, block_m, bits, e4m3, tmp_path):
     """The config table's variants (2 consumers; x blocks of 32 rows in a whole SM's registers, of 8 rows in the
-    lean footprint), every epilogue they serve: ptxas (Triton's own, run here on the CPU) reports no spill stores,
-    which would put local-memory traffic beside the weight stream."""
+    lean footprint), every epilogue they serve, and FP8 (e4m3) codes in the lean footprint: ptxas (Triton's own,
+    run here on the CPU) reports no spill stores, which would put local-memory traffic beside the weight stream.
+    (int8 codes, the vocabulary head's, which stays on the Triton kernel, spill 24 bytes there.)"""
     pytest.importorskip("triton.experimental.gluon")
     from triton.backends.nvidia.compiler import get_ptxas
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
     from warp_specialized import sm90_compile
 
-    (tmp_path / "ws.ptx").write_text(sm90_compile(k, gk.CONSUMERS, block_m, epi, rms)[0])
+    (tmp_path / "ws.ptx").write_text(sm90_compile(k, gk.CONSUMERS, block_m, epi, rms, bits=bits, e4m3=e4m3)[0])
     registers = gk.footprint(gk.CONSUMERS, block_m)[0][0]
     report = subprocess.run([get_ptxas(90).path, "-arch=sm_90a", "-v", str(tmp_path / "ws.ptx"), "-o",
                              str(tmp_path / "ws.cubin")], capture_output=True, text=True, check=True).stderr
