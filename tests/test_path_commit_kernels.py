@@ -5,7 +5,8 @@ the float32 rule stepped over the path (whose steps give the path's deltas; the 
 commit must not read); the KV move `attention_inputs_triton.keep_path`
 bitwise equal to `keep_path_reference` (index_select, index_copy_), paths that move a node onto an entry another
 kept node leaves included. Random paths (root first, increasing node indices, 1..8 nodes) of passes of up to 64
-nodes; the layers' keep_path take the kernels where Triton runs."""
+nodes; the layers' keep_path take the kernels where Triton runs, and the layers of one stack take one launch
+together."""
 
 import sys
 from unittest import mock
@@ -80,6 +81,35 @@ def _gdn_cases(cases):  # in the interpreter subprocess
     return results
 
 
+def _gdn_stack():  # in the interpreter subprocess
+    """Three layers' states in one GDNStack, the same path kept in each: keep_paths' one launch against each layer's
+    reference."""
+    from blockspec.kernels import gdn, gdn_triton
+    from blockspec.layers.gdn import GDNStack, GDNState, keep_paths
+
+    hk, dk, hv, dv, t, n = 2, 16, 6, 20, 17, 5
+    shape, layers = (hk, dk, hv, dv), 3
+    stack = GDNStack(layers, 2 * hk * dk + hv * dv, TAPS, shape, t, "cpu", torch.float32)
+    states = [GDNState(2 * hk * dk + hv * dv, TAPS, shape, t, "cpu", torch.float32, stack, i) for i in range(layers)]
+    gen = torch.Generator().manual_seed(5)
+    path = random_path(t, n, gen)
+    history_rows = torch.randint(TAPS - 1 + t, (TAPS - 1,), generator=gen)
+    wants = []
+    for i, state in enumerate(states):
+        args, _ = recorded_pass(hk, dk, hv, dv, t, seed=100 + i)
+        for name, buffer in [("mixed", state.pending_mixed), ("g", state.pending_g), ("deltas", state.pending_deltas),
+                             ("state", state.recurrent), ("window", state.pending_window)]:
+            buffer.copy_(args[name])
+        want = {name: x.clone() for name, x in args.items()}
+        gdn.keep_path_reference(**want, shape=shape, path=path, history_rows=history_rows)
+        wants.append(want)
+    with mock.patch.object(gdn_triton, "keep_path", wraps=gdn_triton.keep_path) as kernel:
+        keep_paths(states, path, history_rows)
+    return {"state_vs_reference": max(float((s.recurrent - w["state"]).abs().max()) for s, w in zip(states, wants)),
+            "history": all(torch.equal(s.history, w["history"]) for s, w in zip(states, wants)),
+            "launches": kernel.call_count}
+
+
 def _kv_cases():  # in the interpreter subprocess
     from blockspec.kernels import attention_inputs_triton
     from blockspec.kernels.attention import keep_path_reference
@@ -114,7 +144,8 @@ def interpreted(request):
 
 
 PARTS = {"test_gdn_keep_path_kernel_in_interpreter": "gdn", "test_gdn_keep_path_kernel_large_in_interpreter":
-         "gdn_large", "test_kv_keep_path_kernel_in_interpreter": "kv"}
+         "gdn_large", "test_kv_keep_path_kernel_in_interpreter": "kv",
+         "test_stacked_layers_keep_path_in_one_launch": "stack"}
 
 
 def _check_gdn(results, cases):
@@ -134,6 +165,11 @@ def test_gdn_keep_path_kernel_large_in_interpreter(interpreted):
     _check_gdn(interpreter_part(interpreted, "gdn_large"), GDN_LARGE)
 
 
+def test_stacked_layers_keep_path_in_one_launch(interpreted):
+    r = interpreter_part(interpreted, "stack")
+    assert r["state_vs_reference"] < 1e-5 and r["history"] and r["launches"] == 1, r
+
+
 def test_kv_keep_path_kernel_in_interpreter(interpreted):
     results = interpreter_part(interpreted, "kv")
     assert len(results) == len(KV_CASES)
@@ -143,5 +179,5 @@ def test_kv_keep_path_kernel_in_interpreter(interpreted):
 
 if __name__ == "__main__":  # python test_path_commit_kernels.py PART..., with TRITON_INTERPRET=1
     patch_triton_interpreter()
-    report_parts({"gdn": lambda: _gdn_cases(GDN_CASES), "gdn_large": lambda: _gdn_cases(GDN_LARGE), "kv": _kv_cases},
-                 sys.argv[1:])
+    report_parts({"gdn": lambda: _gdn_cases(GDN_CASES), "gdn_large": lambda: _gdn_cases(GDN_LARGE), "kv": _kv_cases,
+                  "stack": _gdn_stack}, sys.argv[1:])

@@ -28,6 +28,7 @@ import torch
 
 from ..errors import BlockspecError
 from ..layers.attention import KVCache
+from ..layers.gdn import keep_paths
 from . import graphs
 
 
@@ -36,9 +37,15 @@ class DecodeState:
                  snapshots: int = 0):
         c = model.config
         self.capacity = capacity
+        mixers = [layer.linear_attn for layer in model.layers if not layer.is_attention]
+        # the DeltaNet layers of one shape (every layer of Qwen3.5) in one stack: a kept path's commit is then one
+        # launch (keep_paths)
+        stacked = len({m.state_shape() for m in mixers}) == 1
+        stack = mixers[0].new_stack(len(mixers), max_partial, device, dtype) if stacked else None
         self.layers = [
             KVCache(capacity, c.num_key_value_heads, c.head_dim, device, dtype) if layer.is_attention
-            else layer.linear_attn.new_state(max_partial, device, dtype)
+            else layer.linear_attn.new_state(max_partial, device, dtype, stack,
+                                             mixers.index(layer.linear_attn) if stacked else 0)
             for layer in model.layers
         ]
         self.gdn = [s for s in self.layers if not isinstance(s, KVCache)]
@@ -125,8 +132,8 @@ class DecodeState:
         for s in self.layers:
             if isinstance(s, KVCache):
                 s.keep_path(start, path)
-            else:
-                s.keep_path(path, history_rows)
+        if self.gdn:
+            keep_paths(self.gdn, path, history_rows)
 
     def capture_path_commits(self, longest: int, pool, warmup: int = 2):
         """Capture commit_path of every path length 1..longest over static inputs, before the tree pass that stages

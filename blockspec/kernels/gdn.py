@@ -97,10 +97,15 @@ def keep_path(mixed, g, state, shape, path, deltas, window, history_rows, histor
     """Keep the root-to-node path `path` [n] (node indices, root first) of a recorded tree pass (conv output
     mixed [T, C], log decays g [T, Hv], the nodes' deltas [T, Hv, Dv] from gated_delta_tree, conv window
     [K-1+T, C]): the state after the path, in place over `state`, in closed form, and the conv history [K-1, C] set
-    to the window rows history_rows [K-1]. On CUDA one Triton launch (gdn_triton.keep_path, paths of up to
-    MAX_PATH nodes), else the reference."""
+    to the window rows history_rows [K-1]. Every buffer but path and history_rows may carry a leading dimension of
+    layers (state [L, Hv, Dk, Dv], ...): the same path kept in each. On CUDA one Triton launch (gdn_triton.keep_path,
+    paths of up to MAX_PATH nodes), else the reference, layer by layer."""
     if path.shape[0] <= gdn_triton.MAX_PATH and gdn_triton.available(mixed):
         return gdn_triton.keep_path(mixed, g, state, shape, path, deltas, window, history_rows, history)
+    if state.dim() == 4:
+        for m, log_decays, s, d, w, h in zip(mixed, g, state, deltas, window, history):
+            keep_path_reference(m, log_decays, s, shape, path, d, w, history_rows, h)
+        return None
     return keep_path_reference(mixed, g, state, shape, path, deltas, window, history_rows, history)
 
 

@@ -64,16 +64,21 @@ def keep_path(mixed, g, state, shape, path, deltas, window, history_rows, histor
     the conv history [K-1, C] set to the rows history_rows [K-1] of the recorded window). Programs (value head, BV
     value channels): the path's keys normalised and weighted by the decay after each node, then one float32
     product [Dk, n] x [n, BV] added to the decayed state tile; the history's channels are copied by their owners as
-    in the recurrence kernel."""
+    in the recurrence kernel. With a leading layer dimension on every buffer but path and history_rows (state [L,
+    Hv, Dk, Dv], ...: the layers of one stack, DecodeState's), the L layers' paths in the same launch, a grid
+    dimension of layers: their latencies overlap where one launch a layer waits on each in turn."""
     n = path.shape[0]
     if n > MAX_PATH:
         raise ValueError(f"a kept path holds at most {MAX_PATH} nodes, got {n}")
     key_heads, key_dim, value_heads, value_dim = shape
+    stacked = state.dim() == 4
+    layers = state.shape[0] if stacked else 1
+    strides = [t.stride(0) if stacked else 0 for t in (mixed, g, deltas, state, window, history)]
     block_v = block_v or PATH_BLOCK_V
-    _keep_path_kernel[(value_heads * triton.cdiv(value_dim, block_v),)](
-        mixed, mixed.stride(0), g, deltas, state, path.contiguous(), n, window, history_rows.contiguous(), history,
-        KEY_HEADS=key_heads, VALUE_HEADS=value_heads, K=key_dim, V=value_dim, BV=block_v,
-        BK=triton.next_power_of_2(key_dim), BP=MAX_PATH, TAPS=history.shape[0] + 1,
+    _keep_path_kernel[(value_heads * triton.cdiv(value_dim, block_v), layers)](
+        mixed, mixed.stride(-2), g, deltas, state, path.contiguous(), n, window, history_rows.contiguous(), history,
+        *strides, KEY_HEADS=key_heads, VALUE_HEADS=value_heads, K=key_dim, V=value_dim, BV=block_v,
+        BK=triton.next_power_of_2(key_dim), BP=MAX_PATH, TAPS=history.shape[-2] + 1,
         num_warps=num_warps or PATH_WARPS, **pdl.options(state))
 
 
@@ -390,11 +395,20 @@ if triton is not None:
 
     @triton.jit(do_not_specialize=["N"])
     def _keep_path_kernel(mixed, s_mixed, g_buf, deltas, state, path, N, window, history_rows, history,
+                          l_mixed, l_g, l_deltas, l_state, l_window, l_history,
                           KEY_HEADS: tl.constexpr, VALUE_HEADS: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                           BV: tl.constexpr, BK: tl.constexpr, BP: tl.constexpr, TAPS: tl.constexpr,
                           PDL: tl.constexpr):
-        """keep_path's closed form for value head hv's BV value channels (keep_path_reference's docstring)."""
+        """keep_path's closed form for value head hv's BV value channels of layer program_id(1) (keep_path_reference's
+        docstring; l_*: each buffer's stride between layers)."""
         pdl.begin(PDL)
+        layer = tl.program_id(1).to(tl.int64)
+        mixed += layer * l_mixed
+        g_buf += layer * l_g
+        deltas += layer * l_deltas
+        state += layer * l_state
+        window += layer * l_window
+        history += layer * l_history
         i_v, hv, hk, ks, vs, k_ok, v_ok, tile, tile_ok = _head_tile(tl.program_id(0), KEY_HEADS, VALUE_HEADS, K, V,
                                                                     BV, BK)
         C = 2 * KEY_HEADS * K + VALUE_HEADS * V

@@ -4,7 +4,9 @@ The state of a DeltaNet layer is a short convolution history plus one recurrent 
 k tokens leaves the committed state untouched and records what commit(n) needs: the final state (n == k), or the
 per-token inputs of the recurrence so that the state after n tokens is recomputed by rerunning only the cheap
 recurrence over n tokens, never a second target pass. A draft tree's pass records each node's delta instead, from
-which the state after a kept path is one product (keep_path).
+which the state after a kept path is one product (keep_path). The states of a model's layers share one GDNStack:
+each buffer is a slice of one tensor with a leading layer dimension, so a kept path's commit of every layer is one
+launch (keep_paths).
 """
 
 import torch
@@ -14,28 +16,43 @@ from ..kernels.gdn import deltanet_mixer, deltanet_tree_mixer, gated_delta, keep
 from ..kernels.gdn_gates import GateProjections, Gates
 
 
-class GDNState:
-    """Committed conv history and recurrent state, plus static buffers for the pending pass (allocated once per
-    engine and reused per request, so a CUDA graph of a pass and of each commit(n) can be captured over them)."""
+class GDNStack:
+    """The buffers of `count` DeltaNet layers' states of one shape, each with a leading layer dimension (allocated
+    once per engine and reused per request, so a CUDA graph of a pass and of each commit can be captured over
+    them): committed conv history and recurrent state, and what the pending pass records."""
 
-    def __init__(self, conv_dim: int, kernel: int, shape: tuple[int, int, int, int], max_partial: int,
+    def __init__(self, count: int, conv_dim: int, kernel: int, shape: tuple[int, int, int, int], max_partial: int,
                  device, dtype):
         key_heads, key_dim, value_heads, value_dim = shape
         f32 = dict(device=device, dtype=torch.float32)
-        self.shape = shape
-        self.history = torch.zeros(kernel - 1, conv_dim, device=device, dtype=dtype)
-        self.recurrent = torch.zeros(value_heads, key_dim, value_dim, **f32)
-        self.max_partial = max_partial
-        self.in_place = False  # see DecodeState
+        self.count, self.shape = count, shape
+        self.history = torch.zeros(count, kernel - 1, conv_dim, device=device, dtype=dtype)
+        self.recurrent = torch.zeros(count, value_heads, key_dim, value_dim, **f32)
         self.pending_history = torch.zeros_like(self.history)
-        self.pending_recurrent = torch.zeros_like(self.recurrent)  # the pass writes its final state here
+        self.pending_recurrent = torch.zeros_like(self.recurrent)  # a pass writes its final state here
         # inputs of a short pass (<= max_partial tokens), enough to recompute the state after any n of them
-        self.pending_window = torch.zeros(kernel - 1 + max_partial, conv_dim, device=device, dtype=dtype)
-        self.pending_mixed = torch.zeros(max_partial, conv_dim, device=device, dtype=dtype)
-        self.pending_g = torch.zeros(max_partial, value_heads, **f32)
+        self.pending_window = torch.zeros(count, kernel - 1 + max_partial, conv_dim, device=device, dtype=dtype)
+        self.pending_mixed = torch.zeros(count, max_partial, conv_dim, device=device, dtype=dtype)
+        self.pending_g = torch.zeros(count, max_partial, value_heads, **f32)
         self.pending_beta = torch.zeros_like(self.pending_g)
         # a tree pass's nodes' deltas: a kept path's state is built from them (keep_path)
-        self.pending_deltas = torch.zeros(max_partial, value_heads, value_dim, **f32)
+        self.pending_deltas = torch.zeros(count, max_partial, value_heads, value_dim, **f32)
+
+
+class GDNState:
+    """One layer's committed conv history and recurrent state and its pending pass's records: its slice of a
+    GDNStack (of its own, unless given one)."""
+
+    def __init__(self, conv_dim: int, kernel: int, shape: tuple[int, int, int, int], max_partial: int,
+                 device, dtype, stack: GDNStack | None = None, index: int = 0):
+        self.stack = stack or GDNStack(1, conv_dim, kernel, shape, max_partial, device, dtype)
+        self.index = index
+        self.shape = shape
+        self.max_partial = max_partial
+        self.in_place = False  # see DecodeState
+        for name in ("history", "recurrent", "pending_history", "pending_recurrent", "pending_window",
+                     "pending_mixed", "pending_g", "pending_beta", "pending_deltas"):
+            setattr(self, name, getattr(self.stack, name)[index])
         self.allocate_snapshots(0)
 
     def allocate_snapshots(self, count: int) -> int:
@@ -57,7 +74,8 @@ class GDNState:
         """Passes write their final state over the committed one (see DecodeState's `in_place`); one-token passes
         also shift the conv history in place, so their commit copies nothing."""
         self.in_place = True
-        self.pending_recurrent = self.recurrent  # the separate buffer is never needed
+        self.pending_recurrent = self.recurrent  # the separate buffer is never needed: freed once no layer holds it
+        self.stack.pending_recurrent = self.stack.recurrent
 
     def history_in_place(self, t: int) -> bool:
         return self.in_place and t == 1
@@ -112,6 +130,18 @@ class GDNState:
                   self.pending_window, history_rows, self.history)
 
 
+def keep_paths(states: list[GDNState], path: torch.Tensor, history_rows: torch.Tensor):
+    """keep_path of every state: all the layers of one stack, in order, in one call (one launch on CUDA)."""
+    stack = states[0].stack if states else None
+    if stack is not None and stack.count > 1 and [(s.stack, s.index) for s in states] == \
+            [(stack, i) for i in range(stack.count)]:
+        keep_path(stack.pending_mixed, stack.pending_g, stack.recurrent, stack.shape, path, stack.pending_deltas,
+                  stack.pending_window, history_rows, stack.history)
+        return
+    for s in states:
+        s.keep_path(path, history_rows)
+
+
 class GatedDeltaNet(nn.Module):
     PACKS = {"in_proj": ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")}  # packed at load (layers/linear.py)
 
@@ -135,9 +165,19 @@ class GatedDeltaNet(nn.Module):
         self.out_proj = nn.Linear(v_size, hidden_size, bias=False)
         self.in_proj = None
 
-    def new_state(self, max_partial: int, device, dtype) -> GDNState:
-        shape = (self.key_heads, self.key_dim, self.value_heads, self.value_dim)
-        return GDNState(self.conv_dim, self.conv1d.kernel_size[0], shape, max_partial, device, dtype)
+    def state_shape(self) -> tuple[int, int, int, int, int, int]:
+        """(key heads, key dim, value heads, value dim, conv channels, conv taps): what its state's buffers hold."""
+        return self.key_heads, self.key_dim, self.value_heads, self.value_dim, self.conv_dim, self.conv1d.kernel_size[0]
+
+    def new_state(self, max_partial: int, device, dtype, stack: GDNStack | None = None, index: int = 0) -> GDNState:
+        """This layer's state: slice `index` of `stack` (of layers of its state_shape), else in a stack of its own."""
+        *shape, conv_dim, kernel = self.state_shape()
+        return GDNState(conv_dim, kernel, tuple(shape), max_partial, device, dtype, stack, index)
+
+    def new_stack(self, count: int, max_partial: int, device, dtype) -> GDNStack:
+        """Room for the states of `count` layers of this one's state_shape (new_state's `stack`)."""
+        *shape, conv_dim, kernel = self.state_shape()
+        return GDNStack(count, conv_dim, kernel, tuple(shape), max_partial, device, dtype)
 
     def forward(self, x: torch.Tensor, state: GDNState) -> torch.Tensor:
         return self.out_proj(self.mix(x, state))
