@@ -10,7 +10,7 @@ in one CUDA graph, median of replays):
     spine of T/2 + 1 nodes with a leaf on each: as deep as a tree of T nodes with leaves gets), for each config
     (BV, warps, precision); each against the reference (max abs error of layer 0's output); then `keep_path`
     committing the root alone and the path to the deepest node from the pass's deltas (max abs error of the state
-    against keep_path_reference).
+    against keep_path_reference), one launch a layer and every layer's in one launch (their buffers stacked).
 Usage (GPU; under a minute on an H200 either way): python bench/gdn_kernel.py [--parts recurrence,mixer,conv] or
 --parts tree; JSON to $OUT/gdn_kernel.json.
 CPU dry run of the first three parts (tiny heads, one layer, each sweep's first config, untimed):
@@ -194,6 +194,14 @@ def trees(report, dev, dtype, shape=(HK, DK, HV, DV), layers=LAYERS, sizes=TREE_
                     us = replay_ms(commit) * 1e3 / layers if timed else float("nan")
                     report(f"T={t} {kind} keep_path of {kept.shape[0]} nodes BLOCK_V={block_v} warps={warps}", us,
                            err)
+                # the layers' buffers stacked (DecodeState's GDNStack): every layer's commit in one launch
+                stacked = [torch.stack(b) for b in (mixeds, [gb[0] for gb in gate_bufs], states, deltas, windows,
+                                                     histories)]
+                keep_path(*stacked[:3], shape, kept, *stacked[3:5], history_rows, stacked[5])
+                err = (stacked[2][0] - want).abs().max().item()
+                us = replay_ms(lambda n=kept: keep_path(*stacked[:3], shape, n, *stacked[3:5], history_rows,
+                                                        stacked[5])) * 1e3 / layers if timed else float("nan")
+                report(f"T={t} {kind} keep_path of {kept.shape[0]} nodes, the {layers} layers in one launch", us, err)
 
 if __name__ == "__main__":
     with torch.no_grad():

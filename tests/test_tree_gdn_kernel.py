@@ -219,14 +219,17 @@ def test_tree_pass_over_trees_of_1_to_64_nodes_in_interpreter(interpreted):
 def test_bench_tree_part_dry_run_in_interpreter(interpreted):
     """bench/gdn_kernel.py --parts tree (the H200's measurement) on tiny shapes, untimed: its trees, inputs and
     reference check run, each config agrees with the reference, and so does keep_path of the root and of the
-    deepest path (the drafted trees' chain of 9 nodes, the comb of 17: its spine of 9)."""
+    deepest path (the drafted trees' chain of 9 nodes, the comb of 17: its spine of 9), a launch a layer and the
+    layers' buffers stacked."""
     reported = interpreter_part(interpreted, "bench")
     assert list(reported) == [key for t, kind in [(9, "drafted"), (17, "drafted"), (17, "comb")]
                               for key in [f"T={t} {kind} tree BLOCK_V=16 warps=4 tf32x3",
                                           f"T={t} {kind} tree BLOCK_V=32 warps=4 tf32",
-                                          *[f"T={t} {kind} keep_path of {n} nodes BLOCK_V={config}" for n in (1, 9)
-                                            for config in (("16 warps=2", "32 warps=4") if (t, kind) == (17, "drafted")
-                                                           else ("16 warps=2",))]]
+                                          *[key for n in (1, 9) for key in [
+                                              *[f"T={t} {kind} keep_path of {n} nodes BLOCK_V={config}"
+                                                for config in (("16 warps=2", "32 warps=4")
+                                                               if (t, kind) == (17, "drafted") else ("16 warps=2",))],
+                                              f"T={t} {kind} keep_path of {n} nodes, the 1 layers in one launch"]]]
                               ], reported
     assert all(err < 1e-4 for err in reported.values()), reported
 
