@@ -2,7 +2,7 @@
 interpreter in a subprocess: a pass computing (and storing) its gates, then a replay of the first n tokens from the
 stored gates, in place over the state, as a partial commit does; and the whole mixer in one launch (conv +
 recurrence + gated output norm, `short_pass`) against the reference chain, also shifting the conv history in place
-(plain decoding's one-token step)."""
+(plain decoding's one-token step); and the layers of one state stack committed by one launch."""
 
 import json
 
@@ -56,7 +56,41 @@ def _run_cases():  # executed in a subprocess with TRITON_INTERPRET=1
                         "final": _err(final, final_ref),
                         "gates": max(_err(g_buf, g_ref), _err(beta_buf, beta_ref)),
                         "replay": _err(replayed, partial_ref)})
-    print("RESULTS " + json.dumps({"recurrence": results, "mixer": _mixer_cases()}))
+    print("RESULTS " + json.dumps({"recurrence": results, "mixer": _mixer_cases(), "stacked": _stacked_cases()}))
+
+
+def _stacked_cases():
+    """Three layers' states in one GDNStack (DecodeState's): a partial commit (the recurrence replayed over the first
+    n recorded tokens) and a whole one, each one call for all layers (`commits`), against each layer alone."""
+    from unittest import mock
+
+    from blockspec.kernels import gdn_triton
+    from blockspec.layers.gdn import GDNStack, GDNState, commits
+
+    hk, dk, hv, dv, t, layers = 2, 16, 6, 20, 8, 3
+    shape, channels = (hk, dk, hv, dv), 2 * hk * dk + hv * dv
+    gen = torch.Generator().manual_seed(7)
+    stack = GDNStack(layers, channels, 4, shape, t, "cpu", torch.float32)
+    states = [GDNState(channels, 4, shape, t, "cpu", torch.float32, stack, i) for i in range(layers)]
+    for buffer in (stack.pending_mixed, stack.recurrent, stack.pending_recurrent, stack.pending_window):
+        buffer.copy_(torch.randn(buffer.shape, generator=gen))
+    stack.pending_g.copy_(-torch.rand(stack.pending_g.shape, generator=gen))
+    stack.pending_beta.copy_(torch.rand(stack.pending_beta.shape, generator=gen))
+    committed = stack.recurrent.clone()
+    out = {}
+    for n in (5, t):
+        stack.recurrent.copy_(committed)
+        want = []
+        for s in states:
+            q, k, v = gdn.deltanet_qkv.reference(s.pending_mixed[:n], *shape)
+            final = gdn.gated_delta_rule_reference(q, k, v, s.pending_g[:n], s.pending_beta[:n], s.recurrent)[1]
+            want.append((final if n < t else s.pending_recurrent.clone(), s.pending_window[n:n + 3].clone()))
+        with mock.patch.object(gdn_triton, "gated_delta_short", wraps=gdn_triton.gated_delta_short) as kernel:
+            commits(states, t, n)
+        out[f"n={n}"] = {"state": max(_err(s.recurrent, w[0]) for s, w in zip(states, want)),
+                         "history": max(_err(s.history, w[1]) for s, w in zip(states, want)),
+                         "launches": kernel.call_count}
+    return out
 
 
 def _mixer_cases():
@@ -106,6 +140,9 @@ def test_short_pass_kernel_matches_reference_in_interpreter():
     assert len(results["mixer"]) == 4
     for r in results["mixer"]:  # NaN-filled buffers: a channel the kernel forgets to write fails here
         assert max(r["out"], r["final"], r["window"], r["mixed"], r["gates"]) < 1e-4 and r["counters_clean"], r
+    stacked = results["stacked"]
+    assert stacked["n=5"]["state"] < 1e-4 and stacked["n=5"]["history"] == 0 and stacked["n=5"]["launches"] == 1
+    assert stacked["n=8"]["state"] == 0 and stacked["n=8"]["history"] == 0 and stacked["n=8"]["launches"] == 0
     shifted = [r for r in results["mixer"] if "shifted_history" in r]
     assert shifted
     for r in shifted:

@@ -28,7 +28,7 @@ import torch
 
 from ..errors import BlockspecError
 from ..layers.attention import KVCache
-from ..layers.gdn import keep_paths
+from ..layers.gdn import commits, keep_paths
 from . import graphs
 
 
@@ -38,8 +38,8 @@ class DecodeState:
         c = model.config
         self.capacity = capacity
         mixers = [layer.linear_attn for layer in model.layers if not layer.is_attention]
-        # the DeltaNet layers of one shape (every layer of Qwen3.5) in one stack: a kept path's commit is then one
-        # launch (keep_paths)
+        # the DeltaNet layers of one shape (every layer of Qwen3.5) in one stack: a commit, partial, whole or of a
+        # tree's path, is then one launch or copy for all of them (commits, keep_paths)
         stacked = len({m.state_shape() for m in mixers}) == 1
         stack = mixers[0].new_stack(len(mixers), max_partial, device, dtype) if stacked else None
         self.layers = [
@@ -152,8 +152,7 @@ class DecodeState:
         return any(s.commit_moves_data(t, n) for s in self.gdn)
 
     def _move(self, t: int, n: int):
-        for s in self.gdn:
-            s.commit(t, n)
+        commits(self.gdn, t, n)
 
     def capture_commits(self, lengths, pool, warmup: int = 2):
         """Capture, for each pass length, the buffer updates of every commit(n) that has any (attention caches and

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from . import fused, gdn_triton
-from .gdn_gates import computed
+from .gdn_gates import Gates, computed
 from .norm import gated_rms_norm
 
 
@@ -84,9 +84,14 @@ def gated_delta(mixed, gates, state_in, state_out, shape, gates_out=None, out_dt
     """A DeltaNet layer's recurrence from its convolved projection `mixed` [T, C]: returns out [T, Hv, Dv] and writes
     the final state into state_out (which may be state_in). shape = (Hk, Dk, Hv, Dv); gates: GateProjections, or Gates
     as stored by an earlier pass through gates_out (gdn_gates.py). Short passes on CUDA: one Triton kernel; else
-    fla-core's chunked kernel (CUDA) or the reference, after preparing the inputs."""
-    if mixed.shape[0] <= SHORT_PASS and gdn_triton.available(mixed):
+    fla-core's chunked kernel (CUDA) or the reference, after preparing the inputs. With stored Gates every buffer
+    may carry a leading dimension of layers (state [L, Hv, Dk, Dv], mixed [L, T, C], gates [L, T, Hv]): each
+    layer's recurrence (one launch for all on CUDA), out [L, T, Hv, Dv]."""
+    if mixed.shape[-2] <= SHORT_PASS and gdn_triton.available(mixed):
         return gdn_triton.gated_delta_short(mixed, state_in, state_out, shape, gates, gates_out, out_dtype)
+    if state_in.dim() == 4:
+        return torch.stack([gated_delta(m, Gates(g, beta), s_in, s_out, shape, out_dtype=out_dtype)
+                            for m, g, beta, s_in, s_out in zip(mixed, gates.g, gates.beta, state_in, state_out)])
     gates = computed(gates, gates_out)
     out, final = gated_delta_rule(*deltanet_qkv(mixed, *shape), gates.g, gates.beta, state_in)
     state_out.copy_(final)

@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 
 from . import arrival_counters, pdl, triton_runs_on
-from .gdn_gates import GateProjections
+from .gdn_gates import GateProjections, Gates
 
 try:
     import triton
@@ -51,9 +51,16 @@ def gated_delta_short(mixed, state_in, state_out, shape, gates, gates_out=None, 
     """mixed [T, 2*Hk*Dk + Hv*Dv] (conv output, rows may be strided); state_in / state_out [Hv, Dk, Dv] float32
     (may be the same tensor); shape = (Hk, Dk, Hv, Dv); gates: GateProjections (b, a rows may be strided) or Gates
     (gdn_gates.py). With gates_out = (g, beta) buffers the computed gates are stored there (for a later replay).
-    Returns out [T, Hv, Dv] (out_dtype, default float32)."""
-    out = torch.empty(mixed.shape[0], shape[2], shape[3], device=mixed.device, dtype=out_dtype or torch.float32)
-    _launch(mixed, state_in, state_out, shape, gates, gates_out, out, None, None, block_v, num_warps)
+    Returns out [T, Hv, Dv] (out_dtype, default float32). With stored Gates, every buffer may carry a leading
+    dimension of layers (state_in [L, Hv, Dk, Dv], mixed [L, T, C], gates [L, T, Hv]; DecodeState's stack): the L
+    layers' recurrences in one launch, a grid dimension of layers (out [L, T, Hv, Dv])."""
+    stacked = state_in.dim() == 4
+    if stacked and not isinstance(gates, Gates):
+        raise ValueError("stacked layers take stored Gates, not projections")
+    out = torch.empty(*mixed.shape[:-1], shape[2], shape[3], device=mixed.device, dtype=out_dtype or torch.float32)
+    layers = (state_in.shape[0], [t.stride(0) for t in (mixed, gates.g, gates.beta, state_in, state_out, out)]) \
+        if stacked else None
+    _launch(mixed, state_in, state_out, shape, gates, gates_out, out, None, None, block_v, num_warps, layers)
     return out
 
 
@@ -186,8 +193,11 @@ def _gate_args(gates, gates_out, out):
     return gates.g, gates.g, gates.g, gates.g, gates.g, gates.beta
 
 
-def _launch(mixed, state_in, state_out, shape, gates, gates_out, out, conv, norm, block_v, num_warps):
+def _launch(mixed, state_in, state_out, shape, gates, gates_out, out, conv, norm, block_v, num_warps, layers=None):
+    """The recurrence kernel's launch; layers: (count, the strides between layers of mixed, g, beta, state_in,
+    state_out, out) for stacked layers (gated_delta_short)."""
     key_heads, key_dim, value_heads, value_dim = shape
+    count, strides = layers or (1, [0] * 6)
     b, a, a_log, dt_bias, g_buf, beta_buf = _gate_args(gates, gates_out, out)
     computes = isinstance(gates, GateProjections)
     x, history, conv_weight, window, update_history = conv if conv is not None else (mixed, mixed, mixed, mixed,
@@ -196,10 +206,10 @@ def _launch(mixed, state_in, state_out, shape, gates, gates_out, out, conv, norm
     z, norm_weight, eps = norm if norm is not None else (out, out, 0.0)
     block_v, num_warps = block_v or BLOCK_V, num_warps or NUM_WARPS
     counters = arrival_counters(out.device, value_heads + key_heads) if norm is not None else out
-    _gated_delta_kernel[(value_heads * triton.cdiv(value_dim, block_v),)](
-        mixed, mixed.stride(0), b, a, b.stride(0), a_log, dt_bias, g_buf, beta_buf, state_in, state_out, out,
-        key_dim ** -0.5, out.shape[0], x, x.stride(0), history, conv_weight, window, z, z.stride(0),
-        z.stride(1) if norm is not None else 0, norm_weight, eps, counters, KEY_HEADS=key_heads,
+    _gated_delta_kernel[(value_heads * triton.cdiv(value_dim, block_v), count)](
+        mixed, mixed.stride(-2), b, a, b.stride(0), a_log, dt_bias, g_buf, beta_buf, state_in, state_out, out,
+        key_dim ** -0.5, out.shape[-3], x, x.stride(0), history, conv_weight, window, z, z.stride(0),
+        z.stride(1) if norm is not None else 0, norm_weight, eps, counters, *strides, KEY_HEADS=key_heads,
         VALUE_HEADS=value_heads, K=key_dim, V=value_dim, BV=block_v, BK=triton.next_power_of_2(key_dim),
         BVN=triton.next_power_of_2(value_dim), TAPS=taps, COMPUTE_GATES=computes,
         SAVE_GATES=computes and gates_out is not None, CONV=conv is not None, NORM=norm is not None,
@@ -348,11 +358,20 @@ if triton is not None:
     @triton.jit(do_not_specialize=["T"])
     def _gated_delta_kernel(mixed, s_mixed, b, a, s_ab, a_log, dt_bias, g_buf, beta_buf, h0, ht, out, scale,
                             T, x, s_x, history, conv_w, window, z, s_z_t, s_z_h, norm_w, eps, counters,
+                            l_mixed, l_g, l_beta, l_h0, l_ht, l_out,
                             KEY_HEADS: tl.constexpr, VALUE_HEADS: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                             BV: tl.constexpr, BK: tl.constexpr, BVN: tl.constexpr, TAPS: tl.constexpr,
                             COMPUTE_GATES: tl.constexpr, SAVE_GATES: tl.constexpr, CONV: tl.constexpr,
                             NORM: tl.constexpr, HISTORY_IN_PLACE: tl.constexpr, PDL: tl.constexpr):
+        """Layer program_id(1) (stacked layers, l_*: each buffer's stride between layers; 0 for one layer)."""
         pdl.begin(PDL)
+        layer = tl.program_id(1).to(tl.int64)
+        mixed += layer * l_mixed
+        g_buf += layer * l_g
+        beta_buf += layer * l_beta
+        h0 += layer * l_h0
+        ht += layer * l_ht
+        out += layer * l_out
         i_v, hv, hk, ks, vs, k_ok, v_ok, tile, tile_ok = _head_tile(tl.program_id(0), KEY_HEADS, VALUE_HEADS, K, V,
                                                                     BV, BK)
         state = tl.load(h0 + tile, mask=tile_ok, other=0.0)

@@ -5,8 +5,8 @@ k tokens leaves the committed state untouched and records what commit(n) needs: 
 per-token inputs of the recurrence so that the state after n tokens is recomputed by rerunning only the cheap
 recurrence over n tokens, never a second target pass. A draft tree's pass records each node's delta instead, from
 which the state after a kept path is one product (keep_path). The states of a model's layers share one GDNStack:
-each buffer is a slice of one tensor with a leading layer dimension, so a kept path's commit of every layer is one
-launch (keep_paths).
+each buffer is a slice of one tensor with a leading layer dimension, so a commit of every layer is one launch or
+copy (commits, keep_paths).
 """
 
 import torch
@@ -130,16 +130,45 @@ class GDNState:
                   self.pending_window, history_rows, self.history)
 
 
-def keep_paths(states: list[GDNState], path: torch.Tensor, history_rows: torch.Tensor):
-    """keep_path of every state: all the layers of one stack, in order, in one call (one launch on CUDA)."""
+def _whole_stack(states: list[GDNState]) -> GDNStack | None:
+    """The stack of which `states` are every layer, in order, alike in place or not; else None."""
     stack = states[0].stack if states else None
-    if stack is not None and stack.count > 1 and [(s.stack, s.index) for s in states] == \
-            [(stack, i) for i in range(stack.count)]:
-        keep_path(stack.pending_mixed, stack.pending_g, stack.recurrent, stack.shape, path, stack.pending_deltas,
-                  stack.pending_window, history_rows, stack.history)
+    if stack is None or stack.count < 2 or len({s.in_place for s in states}) > 1:
+        return None
+    return stack if [(s.stack, s.index) for s in states] == [(stack, i) for i in range(stack.count)] else None
+
+
+def commits(states: list[GDNState], t: int, n: int):
+    """commit(t, n) of every state: the layers of one stack at once (one launch or copy for all of them)."""
+    stack = _whole_stack(states)
+    if stack is None:
+        for s in states:
+            s.commit(t, n)
         return
-    for s in states:
-        s.keep_path(path, history_rows)
+    first, keep = states[0], stack.history.shape[1]
+    if n < t and (first.in_place or t > first.max_partial):
+        first.commit(t, n)  # refused there, with its reason
+    if n == t:
+        if not first.history_in_place(n):
+            stack.history.copy_(stack.pending_history if n > first.max_partial else
+                                stack.pending_window[:, n:n + keep])
+        if not first.in_place:
+            stack.recurrent.copy_(stack.pending_recurrent)
+        return
+    gates = Gates(stack.pending_g[:, :n], stack.pending_beta[:, :n])
+    gated_delta(stack.pending_mixed[:, :n], gates, stack.recurrent, stack.recurrent, stack.shape)
+    stack.history.copy_(stack.pending_window[:, n:n + keep])
+
+
+def keep_paths(states: list[GDNState], path: torch.Tensor, history_rows: torch.Tensor):
+    """keep_path of every state: the layers of one stack at once (one launch on CUDA)."""
+    stack = _whole_stack(states)
+    if stack is None:
+        for s in states:
+            s.keep_path(path, history_rows)
+        return
+    keep_path(stack.pending_mixed, stack.pending_g, stack.recurrent, stack.shape, path, stack.pending_deltas,
+              stack.pending_window, history_rows, stack.history)
 
 
 class GatedDeltaNet(nn.Module):
