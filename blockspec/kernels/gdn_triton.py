@@ -355,6 +355,11 @@ if triton is not None:
                 tl.store(at, y.to(dtype), mask=here)
             tl.atomic_xchg(counters + hv, 0)  # clean for the next launch / graph replay
 
+    @triton.jit
+    def _in_layer(ptr, stride):
+        """ptr moved to layer program_id(1) of a stack whose layers lie `stride` elements apart."""
+        return ptr + tl.program_id(1).to(tl.int64) * stride
+
     @triton.jit(do_not_specialize=["T"])
     def _gated_delta_kernel(mixed, s_mixed, b, a, s_ab, a_log, dt_bias, g_buf, beta_buf, h0, ht, out, scale,
                             T, x, s_x, history, conv_w, window, z, s_z_t, s_z_h, norm_w, eps, counters,
@@ -365,13 +370,8 @@ if triton is not None:
                             NORM: tl.constexpr, HISTORY_IN_PLACE: tl.constexpr, PDL: tl.constexpr):
         """Layer program_id(1) (stacked layers, l_*: each buffer's stride between layers; 0 for one layer)."""
         pdl.begin(PDL)
-        layer = tl.program_id(1).to(tl.int64)
-        mixed += layer * l_mixed
-        g_buf += layer * l_g
-        beta_buf += layer * l_beta
-        h0 += layer * l_h0
-        ht += layer * l_ht
-        out += layer * l_out
+        mixed, g_buf, beta_buf = _in_layer(mixed, l_mixed), _in_layer(g_buf, l_g), _in_layer(beta_buf, l_beta)
+        h0, ht, out = _in_layer(h0, l_h0), _in_layer(ht, l_ht), _in_layer(out, l_out)
         i_v, hv, hk, ks, vs, k_ok, v_ok, tile, tile_ok = _head_tile(tl.program_id(0), KEY_HEADS, VALUE_HEADS, K, V,
                                                                     BV, BK)
         state = tl.load(h0 + tile, mask=tile_ok, other=0.0)
@@ -421,13 +421,8 @@ if triton is not None:
         """keep_path's closed form for value head hv's BV value channels of layer program_id(1) (keep_path_reference's
         docstring; l_*: each buffer's stride between layers)."""
         pdl.begin(PDL)
-        layer = tl.program_id(1).to(tl.int64)
-        mixed += layer * l_mixed
-        g_buf += layer * l_g
-        deltas += layer * l_deltas
-        state += layer * l_state
-        window += layer * l_window
-        history += layer * l_history
+        mixed, g_buf, deltas = _in_layer(mixed, l_mixed), _in_layer(g_buf, l_g), _in_layer(deltas, l_deltas)
+        state, window, history = _in_layer(state, l_state), _in_layer(window, l_window), _in_layer(history, l_history)
         i_v, hv, hk, ks, vs, k_ok, v_ok, tile, tile_ok = _head_tile(tl.program_id(0), KEY_HEADS, VALUE_HEADS, K, V,
                                                                     BV, BK)
         C = 2 * KEY_HEADS * K + VALUE_HEADS * V
