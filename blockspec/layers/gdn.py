@@ -105,29 +105,39 @@ class GDNState:
 
     def commit(self, t: int, n: int):
         """Keep the first n tokens of the pending t-token pass (DecodeState keeps the counts)."""
-        keep = self.history.shape[0]
-        if n == t:
-            if not self.history_in_place(n):
-                history = self.pending_history if n > self.max_partial else self.pending_window[n:n + keep]
-                self.history.copy_(history)
-            if not self.in_place:
-                self.recurrent.copy_(self.pending_recurrent)
-            return
-        if self.in_place:
-            raise RuntimeError(f"partial commit of an in-place pass ({n} of {t} tokens)")
-        if t > self.max_partial:
-            raise RuntimeError(f"partial commit of a {t}-token pass (max {self.max_partial})")
-        # the recurrence alone over the first n tokens, in place, from the recorded inputs
-        gates = Gates(self.pending_g[:n], self.pending_beta[:n])
-        gated_delta(self.pending_mixed[:n], gates, self.recurrent, self.recurrent, self.shape)
-        self.history.copy_(self.pending_window[n:n + keep])
+        _commit(self, t, n, self)
 
     def keep_path(self, path: torch.Tensor, history_rows: torch.Tensor):
         """Keep the path `path` [n] (node indices, root first) of the pending tree pass: the state after its nodes
         from their recorded keys, decays and deltas, in place; the conv history from the window rows
         `history_rows` [K-1] (the last kept node's conv inputs after its oldest)."""
-        keep_path(self.pending_mixed, self.pending_g, self.recurrent, self.shape, path, self.pending_deltas,
-                  self.pending_window, history_rows, self.history)
+        _keep_path(self, path, history_rows)
+
+
+def _commit(b: GDNState | GDNStack, t: int, n: int, state: GDNState):
+    """commit(t, n) over the buffers of `b`: a state's, or a whole stack's (the same with a leading layer dimension:
+    one launch or copy for every layer); `state`'s flags hold for all of them."""
+    keep = b.history.shape[-2]
+    if n == t:
+        if not state.history_in_place(n):
+            b.history.copy_(b.pending_history if n > state.max_partial else b.pending_window.narrow(-2, n, keep))
+        if not state.in_place:
+            b.recurrent.copy_(b.pending_recurrent)
+        return
+    if state.in_place:
+        raise RuntimeError(f"partial commit of an in-place pass ({n} of {t} tokens)")
+    if t > state.max_partial:
+        raise RuntimeError(f"partial commit of a {t}-token pass (max {state.max_partial})")
+    # the recurrence alone over the first n tokens, in place, from the recorded inputs
+    gates = Gates(b.pending_g.narrow(-2, 0, n), b.pending_beta.narrow(-2, 0, n))
+    gated_delta(b.pending_mixed.narrow(-2, 0, n), gates, b.recurrent, b.recurrent, b.shape)
+    b.history.copy_(b.pending_window.narrow(-2, n, keep))
+
+
+def _keep_path(b: GDNState | GDNStack, path: torch.Tensor, history_rows: torch.Tensor):
+    """keep_path over the buffers of `b`: a state's, or a whole stack's (one launch for every layer)."""
+    keep_path(b.pending_mixed, b.pending_g, b.recurrent, b.shape, path, b.pending_deltas, b.pending_window,
+              history_rows, b.history)
 
 
 def _whole_stack(states: list[GDNState]) -> GDNStack | None:
@@ -139,36 +149,23 @@ def _whole_stack(states: list[GDNState]) -> GDNStack | None:
 
 
 def commits(states: list[GDNState], t: int, n: int):
-    """commit(t, n) of every state: the layers of one stack at once (one launch or copy for all of them)."""
+    """commit(t, n) of every state: the layers of one stack at once."""
     stack = _whole_stack(states)
-    if stack is None:
-        for s in states:
-            s.commit(t, n)
+    if stack is not None:
+        _commit(stack, t, n, states[0])
         return
-    first, keep = states[0], stack.history.shape[1]
-    if n < t and (first.in_place or t > first.max_partial):
-        first.commit(t, n)  # refused there, with its reason
-    if n == t:
-        if not first.history_in_place(n):
-            stack.history.copy_(stack.pending_history if n > first.max_partial else
-                                stack.pending_window[:, n:n + keep])
-        if not first.in_place:
-            stack.recurrent.copy_(stack.pending_recurrent)
-        return
-    gates = Gates(stack.pending_g[:, :n], stack.pending_beta[:, :n])
-    gated_delta(stack.pending_mixed[:, :n], gates, stack.recurrent, stack.recurrent, stack.shape)
-    stack.history.copy_(stack.pending_window[:, n:n + keep])
+    for s in states:
+        s.commit(t, n)
 
 
 def keep_paths(states: list[GDNState], path: torch.Tensor, history_rows: torch.Tensor):
-    """keep_path of every state: the layers of one stack at once (one launch on CUDA)."""
+    """keep_path of every state: the layers of one stack at once."""
     stack = _whole_stack(states)
-    if stack is None:
-        for s in states:
-            s.keep_path(path, history_rows)
+    if stack is not None:
+        _keep_path(stack, path, history_rows)
         return
-    keep_path(stack.pending_mixed, stack.pending_g, stack.recurrent, stack.shape, path, stack.pending_deltas,
-              stack.pending_window, history_rows, stack.history)
+    for s in states:
+        s.keep_path(path, history_rows)
 
 
 class GatedDeltaNet(nn.Module):
