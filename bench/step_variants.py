@@ -32,13 +32,13 @@ import torch
 import triton
 import triton.language as tl
 from timing import event_ms, replay_ms
-from warp_specialized import LEAN_16, footprint  # bench/warp_specialized.py, beside this script
+from warp_specialized import LEAN_16, WHOLE_SM, footprint  # bench/warp_specialized.py, beside this script
 
 from blockspec.bench import bytes_per_plain_step, measure_read_bandwidth
 from blockspec.engine.decode import prefill
 from blockspec.config import MAX_PASS_TOKENS
 from blockspec.engine.target import GraphedTarget
-from blockspec.kernels import gdn_triton, quant_matmul_gluon, use
+from blockspec.kernels import gdn_triton, use
 from blockspec.kernels import quant_matmul_triton as wq
 
 REPS = 50
@@ -87,15 +87,15 @@ def int4_gate_up(m, n, k, bits):
 
 
 def int4_layers(m, n, k, bits):
-    return m <= 8 and bits == 4 and n < 131072
+    return m <= 8 and bits == 4 and n < wq.VOCABULARY_OUTPUTS
 
 
 def fp8_layers(m, n, k, bits):
-    return m <= 8 and bits == 8 and n < 131072
+    return m <= 8 and bits == 8 and n < wq.VOCABULARY_OUTPUTS
 
 
 def int4_layers_16(m, n, k, bits):
-    return 8 < m <= 16 and bits == 4 and n < 131072
+    return 8 < m <= 16 and bits == 4 and n < wq.VOCABULARY_OUTPUTS
 
 
 VARIANTS = {
@@ -119,8 +119,7 @@ VARIANTS = {
     "Triton kernel at 1..8 rows": lambda s: configs({"warp_specialized": 0}, int4_layers),
     "gate_up 3 consumers": lambda s: configs({"warp_specialized": 3}, int4_gate_up),
     "projections warp-specialized whole SM": lambda s: together(configs({"warp_specialized": 2}, int4_layers),
-                                                                footprint({8: (quant_matmul_gluon.REGISTERS[2],
-                                                                               quant_matmul_gluon.SMEM)})),
+                                                                footprint({8: WHOLE_SM})),
     # FP8 targets (--quant fp8): the same kernel in its lean footprint on every layer projection of 1..8 rows, at
     # FP8's PDL level (0) or under PDL 3, where the small kernels around a launch start beside its programs
     "FP8 projections warp-specialized": lambda s: configs({"warp_specialized": 2}, fp8_layers),

@@ -63,6 +63,7 @@ def sm90_compile(k: int, consumers: int, block_m: int, epi: int = 0, rms: bool =
 # 112 registers a thread at launch (152 a worker consumer, 24 the loader; ptxas: no spills) and a 144 KB ring (3
 # stages), about half an SM
 LEAN_16 = ((112, 152, 24), 144 * 1024)
+WHOLE_SM = (gk.REGISTERS[2], gk.SMEM)  # 2 consumers in the footprint of 17..32 rows: a whole SM a program
 
 
 def variants(m: int) -> list[tuple[str, int, int, object]]:
@@ -70,7 +71,7 @@ def variants(m: int) -> list[tuple[str, int, int, object]]:
     block_m = max(8, 1 << (m - 1).bit_length())
     out = [(f"C{c} m{block_m}", c, block_m, nullcontext()) for c in CONSUMERS]
     if m <= 8:
-        out.append(("C2 m8 whole SM", 2, 8, footprint({8: (gk.REGISTERS[2], gk.SMEM)})))
+        out.append(("C2 m8 whole SM", 2, 8, footprint({8: WHOLE_SM})))
     elif m <= 16:
         out.append(("C2 m16 lean", 2, 16, footprint({16: LEAN_16})))
     return out

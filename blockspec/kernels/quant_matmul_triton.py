@@ -337,6 +337,7 @@ class KernelConfig:
 
 
 GATE_UP_WEIGHTS = 150_000_000  # weights of a projection at least gate_up's size (178M): its schedule is balanced
+VOCABULARY_OUTPUTS = 131072  # outputs of a vocabulary-sized projection (the head) and more; every layer's are fewer
 
 
 def default_config(m: int, n: int, k: int, bits: int = 4, group_size: int = 128) -> KernelConfig:
@@ -344,7 +345,7 @@ def default_config(m: int, n: int, k: int, bits: int = 4, group_size: int = 128)
     if m > 16 and bits == 4 and group_size == 128:  # a draft tree's pass: wgmma, x tiles of 32 or 64 rows
         if m > 32:  # down (K > 8192): ~2 waves balanced, the 64-row tile as two 32-row dots
             return KernelConfig(64, 64, 4, 3, 2, True, True, 32) if k > 8192 else KernelConfig(64, 64, 4, 3, 1)
-        if n >= 131072:
+        if n >= VOCABULARY_OUTPUTS:
             return KernelConfig(128, 32, 8, 3, 1)
         if n <= 8192:  # narrow outputs: K splits to ~3 waves (down) or ~4 (o, gdn out)
             return KernelConfig(64, 32, 4, 2, 3 if k > 8192 else 4, warp_specialized=quant_matmul_gluon.CONSUMERS)
@@ -362,9 +363,9 @@ def default_config(m: int, n: int, k: int, bits: int = 4, group_size: int = 128)
         return KernelConfig(64, 8, 4, 3, 4 if n < 64 * 132 else 1, asm, True)
     if m <= 8:  # 64-row tiles, shallow pipelines: more programs resident per SM hide more latency than deeper ones;
         # on Hopper the layers' projections (not the vocabulary's) take the warp-specialized kernel's lean program
-        ws = 2 if n < 131072 else 0
+        ws = quant_matmul_gluon.CONSUMERS if n < VOCABULARY_OUTPUTS else 0
         return KernelConfig(64, 8, 4, 3 if n * k > 80_000_000 else 2, 2, asm, True, warp_specialized=ws)
-    if n >= 131072:  # vocabulary-sized
+    if n >= VOCABULARY_OUTPUTS:
         return KernelConfig(128, 16, 4, 3, 4, asm)
     if k > 8192 and bits == 4:  # long rows (down): the 8-row schedule, two 8-row dots (mma.sync) on each operand
         return replace(default_config(8, n, k, bits, group_size), block_m=16, stages=3, dot_rows=8,
