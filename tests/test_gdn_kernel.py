@@ -152,3 +152,24 @@ def test_short_pass_kernel_matches_reference_in_interpreter():
 
 if __name__ == "__main__":
     _run_cases()
+
+
+@pytest.mark.parametrize("tokens", [1, 7, 32, 33, 100])
+def test_chunked_rule_equals_token_by_token_reference(tokens):
+    """The CPU's gated delta rule (closed form, chunk after chunk) gives the reference's outputs and final state,
+    across chunk boundaries; the committed state is not modified."""
+    gen = torch.Generator().manual_seed(tokens)
+    hk, dk, hv, dv = 2, 16, 4, 12
+    mixed = torch.randn(tokens, 2 * hk * dk + hv * dv, generator=gen)
+    g, beta = deltanet_gates.reference(*torch.randn(2, tokens, hv, generator=gen) * 3,
+                                       torch.randn(hv, generator=gen), torch.randn(hv, generator=gen))
+    q, k, v = gdn.deltanet_qkv.reference(mixed, hk, dk, hv, dv)
+    state = torch.randn(hv, dk, dv, generator=gen)
+    kept = state.clone()
+    out_ref, final_ref = gdn.gated_delta_rule_reference(q, k, v, g, beta, state)
+    out, final = gdn.gated_delta_rule_chunked(q, k, v, g, beta, state, chunk=32)
+    assert torch.equal(state, kept)
+    assert _err(out, out_ref) < 1e-5 and _err(final, final_ref) < 1e-5
+    if tokens > 1:  # the state really follows the tokens: without the last one it is another
+        assert _err(gdn.gated_delta_rule_chunked(q[:-1], k[:-1], v[:-1], g[:-1], beta[:-1], state)[1],
+                    final_ref) > 1e-3

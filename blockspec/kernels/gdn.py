@@ -120,11 +120,16 @@ def keep_path_reference(mixed, g, state, shape, path, deltas, window, history_ro
     it: S = e^(G_n) S_0 + sum_i e^(G_n - G_i) k_i u_i^T, G_i the sum of g over the path's nodes up to i. No serial
     steps: one product of the path's keys with its deltas."""
     _, k, _ = deltanet_qkv(mixed.index_select(0, path), *shape)
-    log_decay = g.index_select(0, path).float().cumsum(0)  # [n, Hv]
-    weights = (log_decay[-1] - log_decay).exp()
-    state.mul_(log_decay[-1].exp()[:, None, None]).add_(
-        torch.einsum("nhk,nhv->hkv", k * weights[..., None], deltas.index_select(0, path)))
+    state.copy_(state_after(state, k, g.index_select(0, path), deltas.index_select(0, path)))
     history.copy_(window.index_select(0, history_rows))
+
+
+def state_after(state, k, g, deltas):
+    """The state after n tokens whose deltas u [n, H, Dv] are known (keys k [n, H, Dk], log decays g [n, H]): the
+    state decayed by all of them plus each k u^T decayed by the tokens after it."""
+    log_decay = g.float().cumsum(0)  # [n, H]
+    weights = (log_decay[-1] - log_decay).exp()
+    return state * log_decay[-1].exp()[:, None, None] + torch.einsum("nhk,nhv->hkv", k * weights[..., None], deltas)
 
 
 def deltanet_mixer(x, history, conv_weight, gates, state_in, state_out, shape, z, norm_weight, eps, window_out=None,
@@ -175,7 +180,7 @@ def gated_delta_tree_closed(q, k, v, g, beta, state, ancestors):
     a = beta[1:].T[:, :, None] * ratio * (kn @ kn.transpose(1, 2)) * (1 - eye)  # strict ancestors only
     decay = log_decay.T.exp()[:, :, None]  # [H, n, 1]
     r = beta[1:].T[:, :, None] * (v[1:].transpose(0, 1) - decay * (kn @ s_root))
-    u = torch.linalg.solve(eye + a, r)
+    u = torch.linalg.solve_triangular(eye + a, r, upper=False, unitriangular=True)  # ancestors come first
     out = decay * (qn @ s_root) + (ratio * (qn @ kn.transpose(1, 2))) @ u
     return torch.cat([out0[None], out.transpose(0, 1)]), torch.cat([delta0[None], u.transpose(0, 1)])
 
@@ -227,10 +232,29 @@ def deltanet_tree_mixer(x, history, conv_weight, gates, state, shape, z, norm_we
 
 
 def gated_delta_rule(q, k, v, g, beta, state):
-    """The gated delta rule over T tokens: fla-core's chunked kernel on CUDA when installed, else the reference."""
+    """The gated delta rule over T tokens: fla-core's chunked kernel on CUDA when installed, else the closed form
+    chunk by chunk (gated_delta_rule_chunked)."""
     if q.is_cuda and fla_available():
         return gated_delta_rule_fla(q, k, v, g, beta, state)
-    return gated_delta_rule_reference(q, k, v, g, beta, state)
+    return gated_delta_rule_chunked(q, k, v, g, beta, state)
+
+
+CHUNK = 32  # tokens solved at once: of 8 .. 128, the fastest over a 960-token prompt on 2 CPU cores
+
+
+def gated_delta_rule_chunked(q, k, v, g, beta, state, chunk: int = CHUNK):
+    """gated_delta_rule_reference's contract without a serial step a token: each chunk is a path of a draft tree
+    (every earlier token of the chunk an ancestor) solved in closed form (gated_delta_tree_closed), and the state
+    carried to the next chunk from the chunk's deltas (state_after)."""
+    out = torch.empty(v.shape, dtype=torch.float32, device=v.device)
+    path = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril()
+    for start in range(0, q.shape[0], chunk):
+        rows = slice(start, start + chunk)
+        n = q[rows].shape[0]
+        out[rows], deltas = gated_delta_tree_closed(q[rows], k[rows], v[rows], g[rows], beta[rows], state,
+                                                    path[:n, :n])
+        state = state_after(state, k[rows], g[rows], deltas)
+    return out, state
 
 
 @functools.cache
