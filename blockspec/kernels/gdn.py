@@ -1,6 +1,6 @@
 """Gated DeltaNet ops: depthwise causal conv1d with carried state, the recurrence's inputs (gates, normalised
-q/k), and the gated delta rule: the float32 references here; the fast paths are fla-core's kernels (prefill) and
-gdn_triton.py (short passes)."""
+q/k), and the gated delta rule: the float32 references here, and the closed forms the CPU runs (trees, chunks of a
+chain); the fast paths are fla-core's kernels (prefill) and gdn_triton.py (short passes, trees)."""
 
 import functools
 
@@ -84,9 +84,9 @@ def gated_delta(mixed, gates, state_in, state_out, shape, gates_out=None, out_dt
     """A DeltaNet layer's recurrence from its convolved projection `mixed` [T, C]: returns out [T, Hv, Dv] and writes
     the final state into state_out (which may be state_in). shape = (Hk, Dk, Hv, Dv); gates: GateProjections, or Gates
     as stored by an earlier pass through gates_out (gdn_gates.py). Short passes on CUDA: one Triton kernel; else
-    fla-core's chunked kernel (CUDA) or the reference, after preparing the inputs. With stored Gates every buffer
-    may carry a leading dimension of layers (state [L, Hv, Dk, Dv], mixed [L, T, C], gates [L, T, Hv]): each
-    layer's recurrence (one launch for all on CUDA), out [L, T, Hv, Dv]."""
+    fla-core's chunked kernel (CUDA) or the closed form (gated_delta_rule), after preparing the inputs. With stored
+    Gates every buffer may carry a leading dimension of layers (state [L, Hv, Dk, Dv], mixed [L, T, C], gates [L, T,
+    Hv]): each layer's recurrence (one launch for all on CUDA), out [L, T, Hv, Dv]."""
     if mixed.shape[-2] <= SHORT_PASS and gdn_triton.available(mixed):
         return gdn_triton.gated_delta_short(mixed, state_in, state_out, shape, gates, gates_out, out_dtype)
     if state_in.dim() == 4:
