@@ -27,12 +27,13 @@ DRY_RUNS = {  # script: its arguments ({out}: its $OUT)
                          "--profile", "5", "--json-out", "{out}/drafter_training.json"],
     "profile_cycle": ["--dry-run", "--modes", "mtp,dflash2"],
     "cycle_trace": ["--dry-run"],
+    "cpu_recurrence": ["--dry-run"],
     # GraphedTarget's CUDA graphs have no CPU path: their imports and their argument check only
     "step_variants": ["--variants", "no such variant"],
     "launch_timeline": ["--variants", "no such variant"],
 }
 # no Triton on the CPU: PyTorch's paths, as on a machine without CUDA (not interpreted)
-NATIVE = {"drafter_training", "profile_cycle", "cycle_trace"}
+NATIVE = {"drafter_training", "profile_cycle", "cycle_trace", "cpu_recurrence"}
 ELSEWHERE = {"checkpoint_loading": "test_checkpoint_loading.py", "drafter_scaling": "test_train.py",
              "train_step": "test_train.py", "drafter_recipes": "test_train.py",
              "multi_turn": "test_bench.py", "tree_acceptance": "test_bench.py",
@@ -136,6 +137,12 @@ CHECKS = {  # script: what its dry run must have written (the JSON files under i
                 for r in out["cycle_trace.json"]["results"].values())
         and "host_us DecodeState.commit_path" in out["cycle_trace.json"]["results"]["15"]["profiled"]
         and out["cycle_trace.json"]["results"]["15"]["unprofiled"]["host_us DecodeState.commit_path"] > 0),
+    "cpu_recurrence": lambda out: (
+        sorted(out["cpu_recurrence.json"]) == ["1", "2", "3", "40", "8"]
+        and [r["engine"] for r in out["cpu_recurrence.json"].values()]
+        == ["token by token", "token by token", "chunks of 3", "chunks of 8", "chunks of 32"]
+        and max(v for r in out["cpu_recurrence.json"].values() for key, v in r.items() if key.endswith("max_err"))
+        < 1e-5),
 }
 REFUSED = {"step_variants", "launch_timeline"}
 

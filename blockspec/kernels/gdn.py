@@ -232,29 +232,51 @@ def deltanet_tree_mixer(x, history, conv_weight, gates, state, shape, z, norm_we
 
 
 def gated_delta_rule(q, k, v, g, beta, state):
-    """The gated delta rule over T tokens: fla-core's chunked kernel on CUDA when installed, else the closed form
-    chunk by chunk (gated_delta_rule_chunked)."""
+    """The gated delta rule over T tokens: fla-core's chunked kernel on CUDA when installed, else the chunked form
+    in torch ops (gated_delta_rule_chunked), or token by token for up to SERIAL_TOKENS."""
     if q.is_cuda and fla_available():
         return gated_delta_rule_fla(q, k, v, g, beta, state)
+    if q.shape[0] <= SERIAL_TOKENS:
+        return gated_delta_rule_reference(q, k, v, g, beta, state)
     return gated_delta_rule_chunked(q, k, v, g, beta, state)
 
 
-CHUNK = 32  # tokens solved at once: of 8 .. 128, the fastest over a 960-token prompt on 2 CPU cores
+SERIAL_TOKENS = 2  # up to here stepping token by token costs the CPU less than one chunk's solves
+CHUNK = 32  # the fastest chunk over a long prompt on the CPU (bench/cpu_recurrence.py)
 
 
 def gated_delta_rule_chunked(q, k, v, g, beta, state, chunk: int = CHUNK):
-    """gated_delta_rule_reference's contract without a serial step a token: each chunk is a path of a draft tree
-    (every earlier token of the chunk an ancestor) solved in closed form (gated_delta_tree_closed), and the state
-    carried to the next chunk from the chunk's deltas (state_after)."""
-    out = torch.empty(v.shape, dtype=torch.float32, device=v.device)
-    path = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril()
-    for start in range(0, q.shape[0], chunk):
-        rows = slice(start, start + chunk)
-        n = q[rows].shape[0]
-        out[rows], deltas = gated_delta_tree_closed(q[rows], k[rows], v[rows], g[rows], beta[rows], state,
-                                                    path[:n, :n])
-        state = state_after(state, k[rows], g[rows], deltas)
-    return out, state
+    """gated_delta_rule_reference's contract without a serial step a token: the chunked form (fla's, in float32
+    torch ops). Within a chunk of n tokens from state S, with G_i the cumulative log decay and u_i token i's delta,
+        S_i = e^G_i S + sum_{j <= i} e^(G_i - G_j) k_j u_j^T,   (I + A) U = B V - B e^G K S,
+    A[i, j] = b_i e^(G_i - G_j) (k_i . k_j) for j < i (gated_delta_tree_closed's system on a path). Everything but S
+    is known up front, so every chunk's two triangular solves run at once, and only U = U_v - W S, the outputs and
+    the next chunk's state go chunk after chunk: four small products a chunk. Every exponent is <= 0."""
+    t, heads = g.shape
+    chunk = min(chunk, max(t, 1))  # a short pass is one chunk of its own length
+    pad = -t % chunk
+
+    def chunks(x):  # [T, H, ...] -> [chunks, H, chunk, ...], zero tokens (no decay, no update) at the end
+        x = torch.cat([x.float(), x.new_zeros(pad, *x.shape[1:], dtype=torch.float32)])
+        return x.reshape(-1, chunk, *x.shape[1:]).transpose(1, 2)
+
+    q, k, v, g, beta = map(chunks, (q, k, v, g, beta))
+    log_decay = g.cumsum(-1)  # [C, H, n]
+    lower = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril()
+    ratio = torch.where(lower, log_decay[..., :, None] - log_decay[..., None, :], -torch.inf).exp()  # j <= i
+    system = torch.eye(chunk, device=q.device) + (beta[..., None] * ratio * (k @ k.transpose(-1, -2))).tril(-1)
+    solve = functools.partial(torch.linalg.solve_triangular, system, upper=False, unitriangular=True)
+    u_v = solve(beta[..., None] * v)                                      # U = u_v - w S
+    w = solve((beta * log_decay.exp())[..., None] * k)
+    q_decayed, scores = log_decay.exp()[..., None] * q, ratio * (q @ k.transpose(-1, -2))
+    k_after = (log_decay[..., -1:] - log_decay).exp()[..., None] * k     # decayed to the chunk's end
+    tail = log_decay[..., -1].exp()[..., None, None]
+    out = torch.empty_like(u_v)
+    for c in range(q.shape[0]):
+        u = u_v[c] - w[c] @ state
+        out[c] = q_decayed[c] @ state + scores[c] @ u
+        state = tail[c] * state + k_after[c].transpose(-1, -2) @ u
+    return out.transpose(1, 2).reshape(-1, heads, out.shape[-1])[:t], state
 
 
 @functools.cache
