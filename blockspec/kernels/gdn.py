@@ -1,6 +1,6 @@
 """Gated DeltaNet ops: depthwise causal conv1d with carried state, the recurrence's inputs (gates, normalised
-q/k), and the gated delta rule: the float32 references here, and the closed forms the CPU runs (trees, chunks of a
-chain); the fast paths are fla-core's kernels (prefill) and gdn_triton.py (short passes, trees)."""
+q/k), and the gated delta rule: the float32 references here, and the forms the CPU runs (a tree in closed form, a
+chain in chunks); the fast paths are fla-core's kernels (prefill) and gdn_triton.py (short passes, trees)."""
 
 import functools
 
@@ -84,9 +84,9 @@ def gated_delta(mixed, gates, state_in, state_out, shape, gates_out=None, out_dt
     """A DeltaNet layer's recurrence from its convolved projection `mixed` [T, C]: returns out [T, Hv, Dv] and writes
     the final state into state_out (which may be state_in). shape = (Hk, Dk, Hv, Dv); gates: GateProjections, or Gates
     as stored by an earlier pass through gates_out (gdn_gates.py). Short passes on CUDA: one Triton kernel; else
-    fla-core's chunked kernel (CUDA) or the closed form (gated_delta_rule), after preparing the inputs. With stored
-    Gates every buffer may carry a leading dimension of layers (state [L, Hv, Dk, Dv], mixed [L, T, C], gates [L, T,
-    Hv]): each layer's recurrence (one launch for all on CUDA), out [L, T, Hv, Dv]."""
+    fla-core's chunked kernel (CUDA) or the CPU's chunked form (gated_delta_rule), after preparing the inputs. With
+    stored Gates every buffer may carry a leading dimension of layers (state [L, Hv, Dk, Dv], mixed [L, T, C], gates
+    [L, T, Hv]): each layer's recurrence (one launch for all on CUDA), out [L, T, Hv, Dv]."""
     if mixed.shape[-2] <= SHORT_PASS and gdn_triton.available(mixed):
         return gdn_triton.gated_delta_short(mixed, state_in, state_out, shape, gates, gates_out, out_dtype)
     if state_in.dim() == 4:
@@ -120,16 +120,11 @@ def keep_path_reference(mixed, g, state, shape, path, deltas, window, history_ro
     it: S = e^(G_n) S_0 + sum_i e^(G_n - G_i) k_i u_i^T, G_i the sum of g over the path's nodes up to i. No serial
     steps: one product of the path's keys with its deltas."""
     _, k, _ = deltanet_qkv(mixed.index_select(0, path), *shape)
-    state.copy_(state_after(state, k, g.index_select(0, path), deltas.index_select(0, path)))
-    history.copy_(window.index_select(0, history_rows))
-
-
-def state_after(state, k, g, deltas):
-    """The state after n tokens whose deltas u [n, H, Dv] are known (keys k [n, H, Dk], log decays g [n, H]): the
-    state decayed by all of them plus each k u^T decayed by the tokens after it."""
-    log_decay = g.float().cumsum(0)  # [n, H]
+    log_decay = g.index_select(0, path).float().cumsum(0)  # [n, Hv]
     weights = (log_decay[-1] - log_decay).exp()
-    return state * log_decay[-1].exp()[:, None, None] + torch.einsum("nhk,nhv->hkv", k * weights[..., None], deltas)
+    state.mul_(log_decay[-1].exp()[:, None, None]).add_(
+        torch.einsum("nhk,nhv->hkv", k * weights[..., None], deltas.index_select(0, path)))
+    history.copy_(window.index_select(0, history_rows))
 
 
 def deltanet_mixer(x, history, conv_weight, gates, state_in, state_out, shape, z, norm_weight, eps, window_out=None,
