@@ -88,7 +88,8 @@ CHECKS = {  # script: what its dry run must have written (the JSON files under i
     "attention_kernels": lambda out: (
         sorted(out["attention_kernels.json"]) == sorted(
             [f"capacity=128 filled=100 T={t} {name}" for t in (1, 8) for name in ("sdpa", "triton")]
-            + [f"capacity=128 filled=100 tree={t} {name}" for t in (16, 24) for name in ("triton", "triton row blocks")])
+            + [f"capacity=128 filled=100 tree={t} {name}" for t in (16, 24)
+               for name in ("triton", "triton row blocks")])
         and max(_max_errors(out["attention_kernels.json"], "max_err")) < 1e-5),
     "norm_kernel": lambda out: sorted(out["norm_kernel.json"]) == sorted(
         f"rows={rows} warps={warps}{' (default)' if warps == 16 else ''}" for rows in (1, 8) for warps in (1, 16)),
