@@ -35,7 +35,7 @@ the 9..16-row gate_up and down entries: H100 winners, with the whole tree pass t
   M <= 8:  n64 m8 w4, split-K to ~2 waves of the SMs; 3 stages above 80M weights, else 2; unsplit tiles with a
            short last round balanced over the SMs (`schedule`); int4 layer projections (outputs below the
            vocabulary's) on Hopper with bf16 activations: the warp-specialized kernel, 2 consumers in its lean
-           footprint (the INT4 step 0.33 ms shorter on an H100)
+           footprint (docs/benchmarks.md, "The lean program at 1..8 rows")
   M 9..16: wgmma; vocabulary (N >= 131072) n128 s3, ~4 waves; gate_up n64 s3, ~2 waves balanced; other mid-size
            outputs n64 s3, ~1 wave; int4 K > 8192 (down): the M <= 8 schedule with 3 stages and the 16-row tile as
            two 8-row dots (`dot_rows`, mma.sync); 8-bit K > 8192 n64 s2, ~4 waves
