@@ -151,7 +151,7 @@ def profile_engine(engine, bandwidth, kernels) -> dict:
 
 
 def profile_tree(engine, prime, timed) -> dict:
-    """The pieces of one draft-tree cycle (engine/tree.py), each graphed as the decode loop runs it."""
+    """The pieces of one draft-tree cycle (engine/sampling.py walk), each graphed as the decode loop runs it."""
     target, state, proposer = engine.target, engine.state, engine.proposer
     n, depth = proposer.tree_budget + 1, proposer.max_proposals
     r = {}

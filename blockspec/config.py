@@ -109,7 +109,7 @@ class PredictConfig(CheckedSettings):
     draft_vocabulary: int | str = 0  # 0: proposals over the full head; N or a JSON file of ids: layers/draft_head
     dflash2_model: str | None = None
     dflash2_quantization: Literal["none", "int8"] = "none"
-    # draft nodes a DFlash2 cycle verifies as a tree in one target pass (engine/tree.py): the greedy chain, then the
+    # draft nodes a DFlash2 cycle verifies as a tree in one target pass (engine/sampling.py walk): the greedy chain, then the
     # drafter's most likely other continuations, best first; 0: the chain alone; None: DEFAULT_TREE_BUDGET in mode
     # dflash2 (`tree_budget`)
     dflash2_tree_budget: int | None = Field(None, ge=0, le=MAX_PASS_TOKENS - 1)

@@ -693,7 +693,7 @@ def test_tree_build_kernel_equals_reference_on_cuda(style):
     from test_tree_build_kernel import inputs
 
     from blockspec.kernels import drafter_tree_triton
-    from blockspec.drafter.tree import DraftTree, build_tree
+    from blockspec.layers.tree import DraftTree, build_tree
     from blockspec.kernels.drafter_tree import build_tree_reference
     for k, rows in ((16, 7), (8, 16), (4, 7)):
         table, candidates, anchor, chain = (x.cuda() for x in inputs(k, rows, style, seed=k + rows))

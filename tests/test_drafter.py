@@ -17,10 +17,10 @@ from torch.nn import functional as F
 
 from blockspec.drafter import DFlash2Drafter, DrafterConfig
 from blockspec.drafter.context import EMPTY_SLOT, DrafterContext
-from blockspec.drafter.conv import DynamicCausalConv
+from blockspec.drafter.model import DynamicCausalConv
 from blockspec.kernels.drafter_conv import grouped_dynamic_causal_conv
 from blockspec.kernels.attention import apply_rope, rope_inverse_frequencies, rope_tables
-from blockspec.drafter.selector import CandidateSelector
+from blockspec.drafter.model import CandidateSelector
 from blockspec.errors import BlockspecError
 
 transformers = pytest.importorskip("transformers")

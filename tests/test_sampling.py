@@ -16,7 +16,7 @@ import torch
 from helpers import cli, run_pass
 from safetensors.torch import load_file, save_file
 
-from blockspec.engine import sampling, tree
+from blockspec.engine import sampling
 from blockspec.engine import target as engine_target
 from blockspec.engine.engine import Engine
 from blockspec.engine.sampling import TOP_K_CAP, draw, processed_probs, ranked_probs
@@ -229,7 +229,7 @@ def walk_reporting_per_position_q(unary, candidates, projected, anchor, predeces
 
 
 TRUE_WALK = drafter_selector.sampled_walk_reference
-TRUE_TREE_WALK = tree.walk
+TRUE_TREE_WALK = sampling.walk
 
 
 def tree_walk_descending_on_argmax(logits, draft_tree, max_depth, uniforms=None, draft=None, filters=None,
@@ -264,7 +264,7 @@ def test_biased_variants_are_rejected(engines, monkeypatch, variant):
         monkeypatch.setattr(engine_target, "walk", tree_walk_descending_on_argmax)
         mode = "dflash2 tree"
     else:
-        monkeypatch.setattr(tree, "proposal_tests", chain_tests_redrawing_from_p)
+        monkeypatch.setattr(sampling, "proposal_tests", chain_tests_redrawing_from_p)
         mode = "dflash2 tree"
     _, p = distribution_test(engines[mode], SETTINGS["T0.7"], f"{mode} T0.7 with {variant}", CONTROL_SAMPLES)
     assert p < REJECTED

@@ -9,12 +9,12 @@ import pytest
 import torch
 from helpers import cli, run_pass
 
-from blockspec.drafter.tree import DraftTree, build_tree, transition_log_probs
+from blockspec.layers.tree import DraftTree, build_tree, transition_log_probs
 from blockspec.config import DEFAULT_TREE_BUDGET, SamplingSettings
 from blockspec.engine.engine import Engine
 from blockspec.engine.sampling import Sampler, speculative_accept
 from blockspec.engine.state import DecodeState
-from blockspec.engine.tree import walk
+from blockspec.engine.sampling import walk
 from blockspec.layers.tree import TreeLayout
 
 
@@ -218,14 +218,13 @@ def test_kept_path_equals_a_pass_over_it(pair):
     tree = engine.proposer.propose_tree(prompt[-1], len(prompt) - 1)
     start = state.begin(tree.size)  # the tree pass as EagerTarget.run_tree runs it, staging the deepest node's path
     layout = TreeLayout.build(tree.parents, tree.depth, start, model.config.linear_conv_kernel_dim)
-    out = model(tree.tokens, state.layers, start=start, tree=layout)
+    out = model(tree.tokens, state.layers, start=start, capture=engine.proposer.capture_layers, tree=layout)
     node = int(tree.depth.argmax())
     path = path_of(tree.parents.tolist(), node)
-    start_in, path_in, history_rows_in = state.path_inputs(len(path), "cpu")
-    start_in.fill_(start)
-    path_in.copy_(torch.tensor(path))
-    history_rows_in.copy_(layout.window_rows[node, 1:])
+    walked = torch.tensor([len(path) - 1, 0, *path, *tree.tokens[path].tolist()])  # a walk's result down to node
+    features = state.stage_path(start, layout.window_rows, out.features, walked, len(path))
     state.commit_path(len(path))
+    assert torch.equal(features, out.features[path])
     fresh = DecodeState(model, 512, 64, "cpu", torch.float32)
     run_pass(model, fresh, torch.tensor(prompt[:-1]))
     fresh.commit(len(prompt) - 1)

@@ -13,7 +13,7 @@ import pytest
 import torch
 from helpers import interpreter_part, patch_triton_interpreter, report_parts, run_in_triton_interpreter, selected_parts
 
-from blockspec.drafter.tree import DraftTree, build_tree
+from blockspec.layers.tree import DraftTree, build_tree
 from blockspec.kernels import drafter_tree_triton
 from blockspec.kernels.drafter_tree import build_tree_reference, transition_table, transition_table_reference
 

@@ -13,7 +13,7 @@ from helpers import (interpreter_part, patch_triton_interpreter, report_parts, r
                      sm90_ptx)
 
 from blockspec import kernels
-from blockspec.drafter.tree import DraftTree
+from blockspec.layers.tree import DraftTree
 from blockspec.kernels import tree_paths, tree_paths_triton
 from blockspec.kernels.drafter_tree import build_tree_reference
 

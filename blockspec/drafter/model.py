@@ -11,6 +11,7 @@ into proposals.
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -19,15 +20,15 @@ from torch import nn
 
 from blockspec.drafter.config import DrafterConfig
 from blockspec.drafter.context import DrafterContext
-from blockspec.drafter.conv import DynamicCausalConv
-from blockspec.drafter.selector import CandidateSelector, Selection
-from blockspec.drafter.tree import DraftTree
 from blockspec.errors import BlockspecError
 from blockspec.kernels.attention import masked_attention, prepare_attention_inputs
 from blockspec.kernels.attention import rope_tables
+from blockspec.kernels.drafter_conv import grouped_dynamic_causal_conv
+from blockspec.kernels.drafter_selector import greedy_walk, sampled_walk
 from blockspec.layers.mlp import SwiGLU
 from blockspec.layers.norm import PlainRMSNorm as RMSNorm
 from blockspec.layers.linear import pack_projections
+from blockspec.layers.tree import DraftTree, build_tree, transition_log_probs
 
 WEIGHTS_FILE = "model.safetensors"
 QUANTIZED_PROJECTIONS = re.compile(r"fc$|layers\.\d+\.(self_attn|mlp)\.")  # what dflash2_quantization quantizes
@@ -36,6 +37,106 @@ _BARE_TENSOR_NAMES = {
     "candidate_selector.predecessor_codebook": "candidate_selector.predecessor_codebook.weight",
     "candidate_selector.successor_codebook": "candidate_selector.successor_codebook.weight",
 }
+
+
+class DynamicCausalConv(nn.Module):
+    """A conv pair wrapped around one sublayer: `prepare` before it, `finish` after it (kernels/drafter_conv.py: each
+    output row mixes the K rows up to it of the same block, with per-channel learned and per-group predicted taps).
+
+    Both dynamic kernels are predicted from the sublayer's (normed) input, so `prepare` returns the one
+    `finish` needs.
+    """
+
+    def __init__(self, channels: int, kernel_size: int, group_size: int, *, dtype: torch.dtype | None = None):
+        super().__init__()
+        self.kernel_size = kernel_size
+        self.group_size = group_size
+        self.groups = channels // group_size
+        # [0] = taps before the sublayer, [1] = taps after it.
+        self.base_kernel = nn.Parameter(torch.empty(2, kernel_size, channels, dtype=dtype))
+        self.kernel_projection = nn.Linear(channels, 2 * kernel_size * self.groups, bias=False, dtype=dtype)
+
+    def prepare(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        dynamic = self.kernel_projection(x).view(x.shape[0], 2, self.kernel_size, self.groups)
+        before = grouped_dynamic_causal_conv(x, dynamic[:, 0], self.base_kernel[0], self.group_size)
+        return before, dynamic[:, 1]
+
+    def finish(self, y: torch.Tensor, dynamic_after: torch.Tensor) -> torch.Tensor:
+        return grouped_dynamic_causal_conv(y, dynamic_after, self.base_kernel[1], self.group_size)
+
+
+@dataclass
+class Selection:
+    """A sampling walk's inputs (temperature, a 0-dim tensor, 0 = greedy; one uniform in (0, 1] per row, float64)
+    and outputs: each row's candidate token ids and the probabilities q it drew from [rows, K]."""
+
+    temperature: torch.Tensor
+    uniforms: torch.Tensor
+    candidates: torch.Tensor | None = None
+    probs: torch.Tensor | None = None
+
+
+class CandidateSelector(nn.Module):
+    """Picks each proposal among the top-K tokens of its row, given the previous pick.
+
+    score(prev -> cand at row i) = logit_i[cand] + < predecessor[prev] * P h_i , successor[cand] >
+    The walk starts from the anchor token (the last committed token). Greedy, it takes each row's best score; with a
+    `Selection` at temperature T > 0 (sampling), it draws each row's pick from q = softmax(scores / T) over the row's
+    candidates, given the pick before it, by inverse CDF with one uniform per row, and reports q: the distribution the
+    proposal was really drawn from, which the speculative-sampling rule needs (as the reference selector, dflash's
+    CandidateSelector.select, draws and reports it).
+    """
+
+    def __init__(self, vocab_size: int, hidden_size: int, rank: int, top_k: int, *, dtype: torch.dtype | None = None):
+        super().__init__()
+        self.top_k = top_k
+        self.predecessor_codebook = nn.Embedding(vocab_size, rank, dtype=dtype)
+        self.successor_codebook = nn.Embedding(vocab_size, rank, dtype=dtype)
+        self.hidden_projection = nn.Linear(hidden_size, rank, bias=False, dtype=dtype)
+
+    def transition_scores(
+        self, unary: torch.Tensor, candidates: torch.Tensor, previous: torch.Tensor, projected: torch.Tensor
+    ) -> torch.Tensor:
+        """Scores [K] of moving from token `previous` ([1]) to each of `candidates` ([K], logits `unary`)."""
+        query = self.predecessor_codebook(previous)[0] * projected  # [rank]
+        return unary + self.successor_codebook(candidates) @ query
+
+    def _candidates(self, hidden, logits, vocabulary):
+        """Each row's top-K (unary logits, token ids) and the selector's projection of the row's hidden state."""
+        # Unsorted, like the reference: candidate order decides exact score ties (common in bf16).
+        unary, candidates = torch.topk(logits, self.top_k, dim=-1, sorted=False)
+        if vocabulary is not None:
+            candidates = vocabulary[candidates]
+        return unary, candidates, self.hidden_projection(hidden)
+
+    def _walk(self, unary, candidates, projected, anchor, selection):
+        codebooks = self.predecessor_codebook.weight, self.successor_codebook.weight
+        if selection is None:
+            return greedy_walk(unary, candidates, projected, anchor.reshape(1), *codebooks)
+        chosen, selection.probs = sampled_walk(unary, candidates, projected, anchor.reshape(1), *codebooks,
+                                               selection.temperature, selection.uniforms)
+        selection.candidates = candidates
+        return chosen
+
+    def walk(self, hidden: torch.Tensor, logits: torch.Tensor, anchor: torch.Tensor,
+             vocabulary: torch.Tensor | None = None, selection: Selection | None = None) -> torch.Tensor:
+        """hidden [n, H], logits [n, V], anchor [1] -> chosen tokens [n]. No host synchronisation. With a draft
+        vocabulary, logits column j is token vocabulary[j] (layers/draft_head.py). With a `selection`, the walk
+        samples at its temperature and fills its candidates and probs."""
+        unary, candidates, projected = self._candidates(hidden, logits, vocabulary)
+        return self._walk(unary, candidates, projected, anchor, selection)
+
+    def tree(self, hidden: torch.Tensor, logits: torch.Tensor, anchor: torch.Tensor, budget: int,
+             vocabulary: torch.Tensor | None = None, marginal: bool = False,
+             selection: Selection | None = None) -> DraftTree:
+        """A draft tree of `budget` nodes (layers/tree.py) holding the walk's chain: the greedy walk's, or with a
+        `selection` the sampled walk's (its candidates and probs filled as `walk` fills them); no host
+        synchronisation."""
+        unary, candidates, projected = self._candidates(hidden, logits, vocabulary)
+        chain = self._walk(unary, candidates, projected, anchor, selection)
+        table = transition_log_probs(unary, candidates, projected, anchor, self.predecessor_codebook.weight,
+                                     self.successor_codebook.weight, marginal=marginal)
+        return build_tree(table, candidates, anchor, chain, budget)
 
 
 class DrafterAttention(nn.Module):
@@ -287,7 +388,7 @@ class DFlash2Drafter(nn.Module):
     @torch.no_grad()
     def propose_tree(self, anchor_token: torch.Tensor | int, anchor_position: torch.Tensor | int, budget: int,
                      marginal: bool = False, selection: Selection | None = None) -> DraftTree:
-        """A draft tree of `budget` nodes for positions anchor_position + 1 ... (drafter/tree.py), from one pass;
+        """A draft tree of `budget` nodes for positions anchor_position + 1 ... (layers/tree.py), from one pass;
         with a `selection` its chain is the sampled walk's (selector.py)."""
         if isinstance(anchor_position, int) and anchor_position != self.context.length:
             raise ValueError(f"proposal at {anchor_position}, but the context holds {self.context.length} positions")

@@ -5,6 +5,8 @@ Plain decoding is the same loop with a proposer that proposes nothing (k = 0): o
 Acceptance follows the request's sampling (engine/sampling.py): greedy keeps the longest prefix equal to the
 target's argmax plus the target's next argmax, so output is identical to plain greedy whatever the proposer does;
 sampled requests apply the speculative-sampling rule, so output is distributed exactly as plain sampling.
+With a draft tree (DFlash2's tree budget) a cycle verifies the tree's nodes in one pass instead of a chain, walks
+the tree and keeps the accepted path (`tree_cycle`).
 """
 
 from __future__ import annotations
@@ -16,9 +18,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..models.qwen3_5 import TargetOutput
 from .reuse import PrefixCache
 from .sampling import Sampler, leading_matches
-from .tree import tree_cycle
 
 
 class Proposer:
@@ -59,7 +61,7 @@ class Proposer:
         raise NotImplementedError
 
     def propose_tree(self, anchor: int, position: int):
-        """A DraftTree of tree_budget nodes (drafter/tree.py) for positions position + 1 .., on the device."""
+        """A DraftTree of tree_budget nodes (layers/tree.py) for positions position + 1 .., on the device."""
         raise NotImplementedError
 
     def draft(self) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -131,6 +133,24 @@ def prefill(target, prompt: torch.Tensor, start: int, chunk: int, proposer: Prop
             checkpoint[1](out, ids.shape[0] - 1)
         begin = end
     return first_token, out, ids.shape[0] - 1
+
+
+def tree_cycle(target, proposer: Proposer, anchor: int, position: int, sampler: Sampler | None):
+    """Propose a draft tree, verify it in one target pass, walk it (engine/sampling.py walk) and keep its accepted
+    path. The greedy walk and the path's staging run in the pass's CUDA graph, a sampled walk in a graph of its own
+    (engine/target.py): after the cycle's one read back (the accepted count, the bonus, the path's tokens) the host
+    only replays the commit. Returns (the pass's output at the kept rows, the accepted tokens, the emitted tokens:
+    the accepted ones and the bonus)."""
+    tree = proposer.propose_tree(anchor, position)
+    depth = proposer.max_proposals
+    sampled = sampler is not None and not sampler.greedy
+    features, result = target.run_tree(tree, depth, *((sampler, proposer.tree_draft()) if sampled else ()))
+    values = result.tolist()  # the cycle's one read back
+    accepted, bonus = values[:2]
+    tokens = values[3 + depth:4 + depth + accepted]
+    target.state.commit_path(accepted + 1)
+    # the drafter's context reads the kept rows' features alone (trees are DFlash2's): no rows of logits or hidden
+    return TargetOutput(None, None, features), tokens[1:], tokens[1:] + [bonus]
 
 
 def decode(target, proposer: Proposer, prompt: list[int], max_tokens: int, eos: set[int], chunk: int,

@@ -4,7 +4,7 @@ The drafter reads the target's intermediate features (outputs of its target_laye
 only: prefill chunks and the committed rows of each verification pass are appended to its bounded context.
 The proposal length comes from the drafter checkpoint's block size (self_speculative_num_tokens does not change it).
 Under sampling the candidate selector draws each proposal and reports the distribution it drew from (the
-speculative-sampling rule's q; drafter/selector.py).
+speculative-sampling rule's q; drafter/model.py CandidateSelector).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from ..drafter.model import DFlash2Drafter
-from ..drafter.selector import Selection
+from ..drafter.model import Selection
 from . import graphs
 from .decode import Proposer
 from .sampling import Sampler
@@ -26,7 +26,7 @@ class DFlash2Proposer(Proposer):
         """`drafter`: loaded, packed (and quantized) around the target's embedding and head; `draft_head`: the
         shared head over a draft vocabulary the drafter proposes over (None: the full head); `sampler`: the
         engine's, the request's sampling (None: greedy); `tree_budget`: draft nodes per tree (0: chains), ordered
-        by `tree_scores` (drafter/tree.py)."""
+        by `tree_scores` (layers/tree.py)."""
         self.drafter = drafter
         self.tree_budget, self.tree_marginal = tree_budget, tree_scores == "marginal"
         self.draft_head = draft_head
@@ -80,7 +80,7 @@ class DFlash2Proposer(Proposer):
 
     def propose_tree(self, anchor, position):
         """The cycle's draft tree. Under sampling its chain is the selector's sampled walk, whose proposals and q
-        `tree_draft` returns for the walk's speculative-sampling tests (engine/tree.py)."""
+        `tree_draft` returns for the walk's speculative-sampling tests (engine/sampling.py walk)."""
         sampled = self.sampler is not None and not self.sampler.greedy
         uniforms = self.sampler.uniforms(self.max_proposals) if sampled else None
         if self.tree_graph is None:

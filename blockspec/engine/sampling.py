@@ -19,6 +19,19 @@ Sampled requests (SamplingSettings, config.py):
                      sampling from the target, whatever the proposer proposes, provided q is the distribution the
                      proposal was really drawn from (the MTP head's processed distribution; the DFlash2 selector's
                      softmax over its candidates, given the pick before).
+  `walk`             a draft tree's acceptance. At every node the target chooses the token that follows the node's
+                     path; from the root, the walk moves to the child holding the token chosen at the node it stands
+                     on, and stops where no child does; the token chosen there is the bonus. Greedy, the target's
+                     argmax: the output is plain greedy decoding's, token for token. Sampled, a token distributed as
+                     p given the path: at a node off the chain, a draw from p; at a node of the chain, whose chain
+                     child s the selector drew from its q, the speculative-sampling rule: s with probability
+                     min(1, p(s) / q(s)), else a draw from the residual max(p - q, 0), which may still be one of the
+                     node's other children. Only one node per depth is ever stood on, so each depth's two uniforms
+                     are used once: every emitted token is drawn from p given the tokens before it, and the output is
+                     distributed exactly as plain sampling. The walk leaves a chain node at least as often as a
+                     chain's verification accepts its proposal, and also when the residual's draw is another child:
+                     it accepts at least what the chain accepts. At a node off the chain no lossless rule leaves with
+                     higher probability than the draw from p, which leaves with probability p(children).
 
 Randomness: every draw and acceptance test consumes uniforms from a CPU torch.Generator seeded per request (its
 seed, or a fresh one), copied to the device beside the ids and positions each pass already receives. No random
@@ -35,6 +48,8 @@ from dataclasses import dataclass
 import torch
 
 from ..config import SamplingSettings
+from ..kernels.tree_paths import descend
+from ..layers.tree import DraftTree
 from . import graphs
 
 
@@ -120,6 +135,28 @@ def proposal_tests(ids, p, vocab_size: int, proposals, draft_ids, draft_probs, u
     return accepted, torch.where(residual.sum(-1, keepdim=True) > 0, residual, p)
 
 
+def walk(logits: torch.Tensor, tree: DraftTree, max_depth: int, uniforms: torch.Tensor | None = None, draft=None,
+         filters=None, width: int | None = None) -> torch.Tensor:
+    """A draft tree's acceptance rule (module docstring), on the device: logits [T, V] of the tree pass. Sampled: uniforms [2 (max_depth
+    + 1)] float64 (each depth's test, then each depth's draw), draft, (candidate ids, q) [max_depth, K] of the
+    chain held in nodes 1, 2, ... (layers/tree.py), and the request's filters and ranking width (Sampler).
+    Returns int64 [2 + 2 (max_depth + 1)]: accepted nodes n, the
+    bonus token, the path's node indices (root first; entries past n + 1 are 0), the path's tokens."""
+    if uniforms is None:
+        chosen = logits.argmax(-1)
+    else:
+        ids, probs = ranked_probs(logits, *filters, width=width)
+        tests, draws = uniforms[:max_depth + 1], uniforms[max_depth + 1:]
+        chosen = ids.gather(1, draw(probs, draws[tree.depth]).reshape(-1, 1))[:, 0]
+        chain = min(tree.size - 1, max_depth)  # nodes 0 .. chain - 1 hold the chain's nodes 1 .. chain as children
+        proposals = tree.tokens[1:chain + 1]
+        passed, residual = proposal_tests(ids[:chain], probs[:chain], logits.shape[1], proposals,
+                                          draft[0][:chain], draft[1][:chain], tests[:chain])
+        redrawn = ids[:chain].gather(1, draw(residual, draws[:chain]).reshape(-1, 1))[:, 0]
+        chosen = torch.cat([torch.where(passed, proposals, redrawn), chosen[chain:]])
+    return descend(chosen, tree.tokens, tree.parents, tree.depth, tree.valid, max_depth)
+
+
 def fresh_seed() -> int:
     """A seed within SamplingSettings' range, so that the one a request reports can be sent back."""
     return int.from_bytes(os.urandom(8), "little") >> 1
@@ -144,6 +181,7 @@ class Sampler:
     def __init__(self, device):
         self.device = torch.device(device)
         self.settings = SamplingSettings()
+        self.greedy = True               # the request's settings are greedy (temperature 0)
         self.seed: int | None = None   # the request's seed (drawn fresh when it gave none); None when greedy
         self.generator = torch.Generator()
         # the filter values of the request; temperature 1 until the engine's first begin(), so that the warm-ups of
@@ -154,16 +192,12 @@ class Sampler:
         self.min_p = torch.zeros((), device=self.device)
         self.graphs: dict[int, _AcceptGraph] = {}
 
-    @property
-    def greedy(self) -> bool:
-        return self.settings.greedy
-
     def filters(self) -> tuple[torch.Tensor, ...]:
         return self.temperature, self.top_k, self.top_p, self.min_p
 
     def begin(self, settings: SamplingSettings):
         """Start a request with these settings (greedy ones set temperature 0: the DFlash2 walk reads it)."""
-        self.settings = settings
+        self.settings, self.greedy = settings, settings.greedy
         self.seed = None if settings.greedy else settings.seed if settings.seed is not None else fresh_seed()
         if self.seed is not None:
             self.generator.manual_seed(self.seed)

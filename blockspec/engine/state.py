@@ -5,8 +5,8 @@ left pending. Then exactly one of:
   commit(n)  keep the first n tokens (1 <= n <= k): attention caches move their length, DeltaNet layers end
              exactly at the boundary after token n;
   discard()  forget the pass; the committed state is untouched.
-A draft tree's pass (engine/tree.py) is kept with commit_path(n) instead, of the path the pass staged on the device
-(path_inputs): the kept path's attention entries move to contiguous positions and DeltaNet layers build the state
+A draft tree's pass (layers/tree.py) is kept with commit_path(n) instead, of the path the pass staged on the device
+(stage_path): the kept path's attention entries move to contiguous positions and DeltaNet layers build the state
 after its nodes from the deltas the tree pass recorded.
 The counters (`length`, `pending`) change here and nowhere else. With CUDA graphs the buffer updates of each
 commit(n) are captured once (`capture_commits`) and commit replays them; the bookkeeping stays plain Python.
@@ -27,6 +27,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import BlockspecError
+from ..kernels.tree_paths import stage
 from ..layers.attention import KVCache
 from ..layers.gdn import commits, keep_paths
 from . import graphs
@@ -55,7 +56,7 @@ class DecodeState:
         self.snapshot_bytes = sum(s.allocate_snapshots(snapshots) for s in self.gdn)
         self.commit_graphs = {}  # (pass length, n) -> the captured buffer updates of commit(n)
         self.path_graphs = {}    # n -> the captured buffer updates of commit_path of an n-node path
-        self.path_in = self.history_rows_in = self.start_in = None  # commit_path's inputs (path_inputs)
+        self.path_in = self.history_rows_in = self.start_in = None  # commit_path's inputs (stage_path)
         self.length = 0    # committed tokens
         self.pending = 0   # tokens of the pass awaiting commit/discard
 
@@ -99,19 +100,24 @@ class DecodeState:
         self.length += n
         self.pending = 0
 
-    def path_inputs(self, longest: int, device):
-        """The next commit_path's inputs (start, path, history_rows), which the tree pass writes on the device
-        (engine/tree.py stage_path; under CUDA graphs its graph records the writes into the buffers the commit graphs
-        read, so nothing is copied between the read back and the commit): the pass's first position [], the walk's
-        path [longest] (node indices, root first; entries past the kept ones are not read) and the conv window rows
-        after the path's last kept node [K-1] (layers/tree.py)."""
+    def stage_path(self, start, window_rows: torch.Tensor, features: torch.Tensor, walked: torch.Tensor,
+                   longest: int) -> torch.Tensor:
+        """On the device, from a tree walk's result `walked` (engine/sampling.py walk): the next commit_path's inputs,
+        written where the commit reads them (under CUDA graphs the tree pass's graph records the writes into the
+        buffers the commit graphs read, so nothing is copied between the read back and the commit): the pass's
+        first position `start` (an int, or a 0-dim device tensor), the path of at most `longest` nodes and the conv
+        window rows after its last kept node (of the layout's `window_rows`, layers/tree.py). Returns the pass's
+        feature rows [longest, F] of the path's nodes in path order (rows past the kept ones: the root's), which
+        the drafter's context reads."""
         if self.path_in is None or self.path_in.shape[0] != longest:  # eager: sized by the path
-            self._allocate_path_inputs(longest, device)
+            self._allocate_path_inputs(longest, walked.device)
             self.path_graphs = {}  # they read the buffers replaced
-        return self.start_in, self.path_in, self.history_rows_in
+        if not isinstance(start, torch.Tensor):
+            start = torch.full((), start, dtype=torch.long, device=walked.device)
+        return stage(walked, window_rows, features, start, self.path_in, self.history_rows_in, self.start_in)
 
     def commit_path(self, n: int):
-        """Keep the first n nodes of the staged path (path_inputs) of a pending tree pass."""
+        """Keep the first n nodes of the staged path (stage_path) of a pending tree pass."""
         if not 1 <= n <= min(self.pending, self.path_in.shape[0]):
             raise ValueError(f"commit of a {n}-node path of a {self.pending}-node tree")
         graph = self.path_graphs.get(n)

@@ -14,11 +14,16 @@ from __future__ import annotations
 
 import torch
 
-from ..drafter.tree import DraftTree
-from ..layers.tree import TreeLayout
+from ..layers.tree import DraftTree, TreeLayout
 from . import graphs
-from .sampling import TOP_K_CAP
-from .tree import stage_path, walk
+from .sampling import TOP_K_CAP, walk
+
+
+def walk_and_stage(state, out, tree: DraftTree, layout: TreeLayout, start, depth: int, *sampled):
+    """A tree pass's walk (sampled: its uniforms, draft, filters and width) and its kept path staged for the commit
+    (DecodeState.stage_path). Returns (the path's feature rows, the walk's result)."""
+    result = walk(out.logits, tree, depth, *sampled)
+    return state.stage_path(start, layout.window_rows, out.features, result, depth + 1), result
 
 
 class EagerTarget:
@@ -44,8 +49,8 @@ class EagerTarget:
         return out, greedy.tolist()
 
     def run_tree(self, tree, depth: int, sampler=None, draft=None):
-        """One pass over a draft tree's nodes (drafter/tree.py, at most `depth` below the root) from the committed
-        length, walked (engine/tree.py) and its kept path staged for DecodeState.commit_path, the pass left pending;
+        """One pass over a draft tree's nodes (layers/tree.py, at most `depth` below the root) from the committed
+        length, walked (engine/sampling.py) and its kept path staged for DecodeState.commit_path, the pass left pending;
         returns (the pass's features at the walk's path [depth + 1, F], the walk's result as a device tensor). The
         walk is greedy, or sampled with a sampler (not greedy) and the chain's draft (candidate ids, q), its
         uniforms drawn from the sampler."""
@@ -53,11 +58,10 @@ class EagerTarget:
         layout = TreeLayout.build(tree.parents, tree.depth, start, self.model.config.linear_conv_kernel_dim, depth)
         out = self.model(tree.tokens, self.state.layers, start=start, capture=self.capture, tree=layout)
         if sampler is None:
-            result = walk(out.logits, tree, depth)
-        else:
-            uniforms = sampler.uniforms(2 * (depth + 1)).to(self.device)
-            result = walk(out.logits, tree, depth, uniforms, draft, sampler.filters(), sampler.width())
-        return stage_path(self.state, start, layout, out.features, result, depth), result
+            return walk_and_stage(self.state, out, tree, layout, start, depth)
+        uniforms = sampler.uniforms(2 * (depth + 1)).to(self.device)
+        return walk_and_stage(self.state, out, tree, layout, start, depth, uniforms, draft, sampler.filters(),
+                              sampler.width())
 
 
 class GraphedTarget(EagerTarget):
@@ -91,8 +95,7 @@ class GraphedTarget(EagerTarget):
         def run():
             layout = TreeLayout.build(tree.parents, tree.depth, start, kernel, depth)
             out = self.model(tree.tokens, self.state.layers, capture=self.capture, tree=layout)
-            result = walk(out.logits, tree, depth)
-            return out, layout, stage_path(self.state, start, layout, out.features, result, depth), result
+            return out, layout, *walk_and_stage(self.state, out, tree, layout, start, depth)
         graph, outputs = graphs.capture(run, warmup, self.pool)
         return graph, tree, start, outputs
 
@@ -109,8 +112,8 @@ class GraphedTarget(EagerTarget):
         pool = torch.cuda.graph_pool_handle()
         for width in (None, TOP_K_CAP):
             def run(width=width):
-                result = walk(out.logits, tree, depth, uniforms, draft, sampler.filters(), width)
-                return stage_path(self.state, start, layout, out.features, result, depth), result
+                return walk_and_stage(self.state, out, tree, layout, start, depth, uniforms, draft, sampler.filters(),
+                                      width)
             graph, outputs = graphs.capture(run, warmup, pool)
             self.sampled_walks[width] = graph, uniforms, draft, outputs
 

@@ -1,5 +1,6 @@
 """The DFlash2 drafter's grouped dynamic causal convolution over its noise block: the op, its PyTorch reference and
-the dispatch to its Triton kernel (drafter_conv_triton.py); drafter/conv.py wraps it around the drafter's sublayers.
+the dispatch to its Triton kernel (drafter_conv_triton.py); drafter/model.py's DynamicCausalConv wraps it around the
+drafter's sublayers.
 
 Each output row t mixes the rows t, t-1, ..., t-(K-1) of the same block. Tap o's weight is a learned per-channel
 value plus a per-group value predicted from row t's content. Rows before the block start count as zero, so nothing

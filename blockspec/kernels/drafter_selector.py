@@ -1,5 +1,5 @@
 """The DFlash2 candidate selector's walk over its rows' candidates, greedy or sampling: the ops, their PyTorch
-references and the dispatch to the Triton program (drafter_selector_triton.py); drafter/selector.py's
+references and the dispatch to the Triton program (drafter_selector_triton.py); drafter/model.py's
 CandidateSelector scores the candidates and calls them.
 
 score(prev -> cand at row i) = logit_i[cand] + < predecessor[prev] * P h_i , successor[cand] >, from the anchor.

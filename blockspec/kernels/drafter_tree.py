@@ -1,4 +1,4 @@
-"""A DFlash2 draft tree from the selector's scores (drafter/tree.py says what the tree holds and why): the transition
+"""A DFlash2 draft tree from the selector's scores (layers/tree.py says what the tree holds and why): the transition
 table and the tree's best-first build, each op with its PyTorch reference and the dispatch to its Triton program
 (drafter_tree_triton.py). Everything stays on the device, in fixed shapes: no host synchronisation, so a CUDA graph
 records it.
@@ -13,7 +13,7 @@ from . import drafter_tree_triton
 
 def transition_table(unary, candidates, projected, anchor, predecessor, successor) -> torch.Tensor:
     """[R, K, K] float32: log q(candidate j of row r | the pick before it is candidate i of row r - 1), the selector's
-    scores (drafter/selector.py) log-softmaxed over j; row 0's pick follows the anchor whatever i. unary /
+    scores (drafter/model.py CandidateSelector) log-softmaxed over j; row 0's pick follows the anchor whatever i. unary /
     candidates [R, K], projected [R, rank], anchor [1]; codebooks [V, rank]. Where Triton runs, one launch
     (drafter_tree_triton.py) instead of ~10 small ops; else transition_table_reference."""
     if drafter_tree_triton.table_available(unary):
@@ -31,7 +31,7 @@ def transition_table_reference(unary, candidates, projected, anchor, predecessor
 
 def build_tree(table: torch.Tensor, candidates: torch.Tensor, anchor: torch.Tensor, chain: torch.Tensor,
                budget: int) -> torch.Tensor:
-    """The tree of `budget` nodes (drafter/tree.py) from the transition table [R, K, K], the rows' candidate ids
+    """The tree of `budget` nodes (layers/tree.py) from the transition table [R, K, K], the rows' candidate ids
     [R, K], the anchor [1] and the chain's tokens [R] (each among its row's candidates), as its nodes
     [4, budget + 1] int64: rows tokens, parents, depth, valid (1; 0 for padding). Where Triton runs, one program
     (drafter_tree_triton.py) instead of ~30 ops per node; else build_tree_reference."""

@@ -1,6 +1,6 @@
-"""Paths in a draft tree's pass (layers/tree.py says how a tree pass is laid out, engine/tree.py how it is walked):
-`layout`, each node's ancestors and causal-conv window rows, `descend`, the accepted path given the token the
-target chose at every node, and `stage`, what the kept path's commit and the drafter's context read. The ops, their
+"""Paths in a draft tree's pass (layers/tree.py says how a tree pass is laid out, engine/sampling.py's walk how it is
+walked): `layout`, each node's ancestors and causal-conv window rows, `descend`, the accepted path given the token
+the target chose at every node, and `stage`, what the kept path's commit and the drafter's context read. The ops, their
 PyTorch references, and the dispatch to one Triton launch each (tree_paths_triton.py). Everything stays on the
 device in fixed shapes: no host synchronisation, so a CUDA graph records it.
 

@@ -74,6 +74,7 @@ class TargetModel(nn.Module):
     def __init__(self, config: TargetConfig):
         super().__init__()
         self.config = config
+        self.rotary_dim = config.rotary_dim  # channels RoPE rotates, read by every pass
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config, t) for t in config.layer_types)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -96,7 +97,7 @@ class TargetModel(nn.Module):
         return linear_float32(normed, head.weight)
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype):
-        return rope_tables(positions, self.config.rotary_dim, self.config.rope_theta, dtype)
+        return rope_tables(positions, self.rotary_dim, self.config.rope_theta, dtype)
 
     def forward(self, ids: torch.Tensor, caches: list, *, start: int | None = None,
                 positions: torch.Tensor | None = None, capture: tuple[int, ...] = (),
