@@ -1,9 +1,13 @@
-"""The package's shape: modules import one way (no circles, lazy imports inside functions included), and the
-decode state's counters move only in its own module; the GPU benches import what exists."""
+"""The package's shape: modules import one way (no circles, lazy imports inside functions included), the decode
+state's counters move only in its own module, one DFlash2 cycle reads few files; the GPU benches import what
+exists."""
 
 import ast
 import re
+import sys
 from pathlib import Path
+
+import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "blockspec"
 
@@ -104,3 +108,46 @@ def test_bench_scripts_import_what_exists():
                             if not hasattr(module, a.name) and importlib.util.find_spec(f"{node.module}.{a.name}")
                             is None]
     assert missing == []
+
+
+def files_of_one_cycle(engine, prompt: list[int], tokens: int) -> dict[str, set[str]]:
+    """The package's files (relative to it) whose functions run in one decode cycle, each with their names: from the
+    proposer's third proposal to its fourth, the steady state past prefill and the first cycles."""
+    entry = "propose_tree" if engine.proposer.tree_budget else "propose"
+    proposer_file = sys.modules[type(engine.proposer).__module__].__file__
+    seen: dict[str, set[str]] = {}
+    proposals = 0
+
+    def trace(frame, event, arg):
+        nonlocal proposals
+        path = frame.f_code.co_filename
+        if event == "call" and frame.f_code.co_name == entry and path == proposer_file:
+            proposals += 1
+        # a generator resumed (the decode loop, Engine.stream) shows as its return: counted too
+        if event in ("call", "return") and proposals == 3 and path.startswith(str(PACKAGE)):
+            seen.setdefault(str(Path(path).relative_to(PACKAGE)), set()).add(frame.f_code.co_name)
+
+    sys.setprofile(trace)
+    try:
+        engine.generate(prompt, tokens, stop_at_eos=False)
+    finally:
+        sys.setprofile(None)
+    assert proposals > 3, proposals  # the cycle traced ended
+    return seen
+
+
+@pytest.mark.parametrize("budget", [0, 12])
+def test_a_dflash2_cycle_reads_at_most_15_files_outside_the_kernels(tiny_checkpoint, tiny_drafter, budget):
+    """A newcomer follows one DFlash2 cycle, chain or tree, through at most 15 files of engine, model, layers and
+    drafter; the ops it calls live in kernels/, each beside its reference."""
+    from blockspec import Engine
+
+    target = tiny_checkpoint(planted=True)
+    engine = Engine.load(target, device="cpu", compute_dtype="float32", context_length=256, mode="dflash2",
+                         dflash2_model=str(tiny_drafter(target)), dflash2_tree_budget=budget)
+    seen = files_of_one_cycle(engine, engine.tokenizer.encode("hello world"), 40)
+    outside = sorted(f for f in seen if not f.startswith("kernels/"))
+    assert {"engine/decode.py", "engine/state.py", "engine/target.py", "drafter/model.py",
+            "models/qwen3_5.py"} <= set(outside), outside
+    assert ("propose_tree" if budget else "propose") in seen["engine/dflash2.py"]
+    assert len(outside) <= 15, outside
