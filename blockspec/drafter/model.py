@@ -5,7 +5,12 @@ the anchor token (last committed token, whose target features are not known yet)
 embedded with the target's table. Every layer attends to [bounded context K/V, the block's own K/V]; the
 context K/V come from the committed target features (fc -> hidden_norm -> per-layer k/v projections).
 The final-normed rows 1.. give logits through the target's head, and the candidate selector turns them
-into proposals.
+into proposals (a chain), or into a draft tree (layers/tree.py).
+
+Its modules, in the order a pass meets them: each sublayer wrapped in a pair of dynamic causal convolutions
+(`DynamicCausalConv`), attention over the context and the block (`DrafterAttention`), the layer (`DrafterLayer`),
+the candidate selector (`CandidateSelector`), then the drafter (`DFlash2Drafter`); its bounded context of target
+features lives in context.py.
 """
 
 from __future__ import annotations
