@@ -28,7 +28,7 @@ CAPACITIES, FILLS, QUERIES, TREE_NODES = (4096, 32768), (1000, 4000), (1, 8, 16)
 def main():
     dev, dtype = torch.device("cuda"), torch.bfloat16
     if "--dry-run" in sys.argv:
-        global HQ, HKV, D, LAYERS, CAPACITIES, FILLS, QUERIES
+        global HQ, HKV, D, LAYERS, CAPACITIES, FILLS, QUERIES, TREE_NODES
         dev, dtype = dry_run(), torch.float32
         HQ, HKV, D, LAYERS, CAPACITIES, FILLS, QUERIES, TREE_NODES = 4, 2, 16, 1, (128,), (100,), (1, 8), (16, 24)
     results = {}

@@ -36,6 +36,7 @@ from warp_specialized import LEAN_16, WHOLE_SM, footprint  # bench/warp_speciali
 
 from blockspec.bench import bytes_per_plain_step, measure_read_bandwidth
 from blockspec.engine.decode import prefill
+from blockspec.engine.state import DecodeState
 from blockspec.config import MAX_PASS_TOKENS
 from blockspec.engine.target import GraphedTarget
 from blockspec.kernels import gdn_triton, use
@@ -238,16 +239,20 @@ def main():
         ["--quant", args.quant, "--vocab-quant", args.vocab_quant]))
     prompt = torch.randint(0, engine.model.config.vocab_size, (profile_cycle.PROMPT_TOKENS,), device="cuda")
     roofline_ms = bytes_per_plain_step(engine) / (bandwidth * 1e9) * 1e3
+    # plain decoding's state writes passes in place, which only one-token passes allow: a pass of more rows gets a
+    # state of its own, as a speculative engine's
+    state = engine.state if args.rows == 1 else DecodeState(engine.model, engine.state.capacity, args.rows, "cuda",
+                                                            engine.model.embed_tokens.weight.dtype)
 
     def step_ms(variant):
         with use(engine.kernels), variant(engine.kernels):
-            target = GraphedTarget(engine.model, engine.state, (), lengths=(args.rows,))
-        engine.state.reset()
+            target = GraphedTarget(engine.model, state, (), lengths=(args.rows,))
+        state.reset()
         prefill(target, prompt, 0, len(prompt), engine.proposer)
 
         def step():
             target.verify([0] * args.rows)
-            engine.state.commit(args.rows)
+            state.commit(args.rows)
         return event_ms(step, reps=REPS)
 
     results = {"bandwidth_gb_s": round(bandwidth), "quant": args.quant, "rows": args.rows,
