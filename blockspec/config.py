@@ -19,11 +19,9 @@ SUPPORTED_MODEL_TYPES = {"qwen3_5", "qwen3_5_text"}
 # The most tokens one target pass verifies (anchor + proposals, or a draft tree's root + nodes): the pending buffers
 # of a partial or path commit and the kernels' row limits are sized by it.
 MAX_PASS_TOKENS = 64
-# Draft-tree budget where none is set, the best measured against the chain (docs/benchmarks.md, "Draft trees"): a
-# tree of 15 draft nodes, whose pass of 16 rows keeps the projections' 16-row tiles. The 27B on the H200 projects to
-# 1.25x the chain's tokens/s in bf16 and 1.06x with INT4 (17 rows and more lose there); the demo pair on the CPU
-# decodes 1.22-1.23x the chain's tokens/s (16: 1.20-1.23x). A small launch-bound model on a GPU gains nothing from a
-# tree (the demo pair on the H200: 1.00x the chain's tokens/s).
+# Draft-tree budget where none is set: the best budget measured against the chain on every device, bf16 and INT4
+# alike (docs/benchmarks.md, "The default budget"), a tree of 15 draft nodes, whose pass of 16 rows keeps the
+# projections' 16-row tiles.
 DEFAULT_TREE_BUDGET = 15
 SUPPORTED_ARCHITECTURES = {"Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration"}
 
