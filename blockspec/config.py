@@ -107,7 +107,7 @@ class PredictConfig(CheckedSettings):
     draft_vocabulary: int | str = 0  # 0: proposals over the full head; N or a JSON file of ids: layers/draft_head
     dflash2_model: str | None = None
     dflash2_quantization: Literal["none", "int8"] = "none"
-    # draft nodes a DFlash2 cycle verifies as a tree in one target pass (engine/sampling.py walk): the greedy chain, then the
+    # draft nodes a DFlash2 cycle verifies as a tree in one target pass (layers/tree.py): the greedy chain, then the
     # drafter's most likely other continuations, best first; 0: the chain alone; None: DEFAULT_TREE_BUDGET in mode
     # dflash2 (`tree_budget`)
     dflash2_tree_budget: int | None = Field(None, ge=0, le=MAX_PASS_TOKENS - 1)
@@ -214,8 +214,9 @@ class PredictConfig(CheckedSettings):
 
 def unused_settings(config: PredictConfig) -> list[str]:
     """'KEY: VALUE does nothing: WHY' for each key given by name (a file's, a flag's: model_fields_set) that this run
-    never reads, for a note on stderr; a default, given or not, is never named. A value asking for what the run cannot do (e.g.
-    dflash2_quantization int8 outside mode dflash2) is refused instead, when the engine loads (engine/load.py)."""
+    never reads, for a note on stderr; a default, given or not, is never named. A value asking for what the run
+    cannot do (e.g. dflash2_quantization int8 outside mode dflash2) is refused instead, when the engine loads
+    (engine/load.py)."""
     mode, cpu = config.decode_mode, config.device == "cpu" and "device is 'cpu'"
     not_dflash2 = mode != "dflash2" and f"mode is {mode!r}"
     why = {

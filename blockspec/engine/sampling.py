@@ -137,11 +137,11 @@ def proposal_tests(ids, p, vocab_size: int, proposals, draft_ids, draft_probs, u
 
 def walk(logits: torch.Tensor, tree: DraftTree, max_depth: int, uniforms: torch.Tensor | None = None, draft=None,
          filters=None, width: int | None = None) -> torch.Tensor:
-    """A draft tree's acceptance rule (module docstring), on the device: logits [T, V] of the tree pass. Sampled: uniforms [2 (max_depth
-    + 1)] float64 (each depth's test, then each depth's draw), draft, (candidate ids, q) [max_depth, K] of the
-    chain held in nodes 1, 2, ... (layers/tree.py), and the request's filters and ranking width (Sampler).
-    Returns int64 [2 + 2 (max_depth + 1)]: accepted nodes n, the
-    bonus token, the path's node indices (root first; entries past n + 1 are 0), the path's tokens."""
+    """A draft tree's acceptance rule (module docstring), on the device: logits [T, V] of the tree pass. Sampled:
+    uniforms [2 (max_depth + 1)] float64 (each depth's test, then each depth's draw), draft, (candidate ids, q)
+    [max_depth, K] of the chain held in nodes 1, 2, ... (layers/tree.py), and the request's filters and ranking
+    width (Sampler). Returns int64 [2 + 2 (max_depth + 1)]: accepted nodes n, the bonus token, the path's node
+    indices (root first; entries past n + 1 are 0), the path's tokens."""
     if uniforms is None:
         chosen = logits.argmax(-1)
     else:
