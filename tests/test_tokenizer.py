@@ -1,6 +1,8 @@
 """The tokenizer: special tokens in user text stay text, chat prompts take their control tokens from the template
-only, and a text certainly too long is refused without being tokenized."""
+only, a text certainly too long is refused without being tokenized, and a conversation's length before the
+generation prompt survives a template that renders only with one."""
 
+import copy
 import random
 
 import pytest
@@ -45,3 +47,14 @@ def test_too_long_text_is_refused_without_tokenizing_and_fitting_text_never(tok)
         messages = [{"role": "user", "content": text}]
         tok.encode(text, max_tokens=len(tok.encode(text)))
         tok.chat_prompt_ids(messages, max_tokens=len(tok.chat_prompt_ids(messages)))
+
+
+def test_conversation_length_of_a_template_that_needs_its_generation_prompt(tok):
+    messages = [{"role": "user", "content": "hi"}]
+    ids = tok.chat_prompt_ids(messages)
+    assert tok.conversation_length(messages, ids) is not None  # the tiny template renders both ways
+    strict = copy.copy(tok)
+    strict.chat_template = ("{% if not add_generation_prompt %}{{ raise_exception('a generation prompt is needed') }}"
+                            "{% endif %}" + tok.chat_template)
+    assert strict.chat_prompt_ids(messages) == ids
+    assert strict.conversation_length(messages, ids) is None

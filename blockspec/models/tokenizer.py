@@ -177,8 +177,13 @@ class Tokenizer:
     def conversation_length(self, messages: list[dict], prompt_ids: list[int]) -> int | None:
         """How many of prompt_ids (the chat prompt of `messages`) render the conversation itself, before the
         generation prompt: the part the next turn's prompt starts with, where a template renders the reply it asked
-        for differently (Qwen's drops the empty thinking block). None where the rendering is not a prefix."""
-        ids = self.chat_prompt_ids(messages, generation_prompt=False)
+        for differently (Qwen's drops the empty thinking block). None where the rendering is not a prefix, or where
+        the template renders a conversation only with its generation prompt (it raises without one): no snapshot is
+        placed then, and the request goes on."""
+        try:
+            ids = self.chat_prompt_ids(messages, generation_prompt=False)
+        except BlockspecError:
+            return None
         return len(ids) if prompt_ids[:len(ids)] == ids else None
 
     @cached_property
