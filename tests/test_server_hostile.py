@@ -1,11 +1,12 @@
 """`blockspec serve` under hostile input, clients that leave or stall, and shutdown: real server subprocesses driven
 by the openai client, httpx and raw sockets.
 
-Covers the request-body limit (413) with /health answering meanwhile, a flood of large bodies (bounded parsing),
-a client leaving (its slot free at once, its generation or prefill stopped), malformed input (400 naming the field,
-never 5xx, no traceback in the log), numeric ranges, slow and silent clients (timeouts), Host / Origin / API-key checks,
-the served model id, special tokens in user text, SIGTERM (running requests finish within the grace period, the
-rest end cleanly, exit 0), and a soak of mixed requests with disconnects.
+Covers the request-body limit (413) with /health answering meanwhile, a flood of large bodies (bounded parsing), a
+body with two lengths (400), a client leaving (its slot free at once, its generation or prefill stopped), malformed
+input (400 naming the field, never 5xx, no traceback in the log), numeric ranges, slow and silent clients
+(timeouts), Host / Origin / API-key checks, the served model id, special tokens in user text, SIGTERM (running
+requests finish within the grace period, the rest end cleanly, exit 0), and a soak of mixed requests with
+disconnects.
 """
 
 from __future__ import annotations
@@ -166,6 +167,27 @@ def test_flood_of_large_bodies_leaves_small_requests_and_health_fast(server):
     assert rss_after - rss_before < 100, (rss_before, rss_after)
     print(f"\nflood of 3.9 MB bodies for 3 s {counts}: small request max {1000 * max(small):.0f} ms over "
           f"{len(small)}, /health max {1000 * max(health):.0f} ms, RSS {rss_before:.0f} -> {rss_after:.0f} MB")
+    assert_no_traceback(server)
+
+
+def test_a_body_with_two_lengths_is_refused_before_it_is_read(server):
+    """Content-Length and Transfer-Encoding together: the HTTP layer would read the chunks, so a large body could
+    pass for a small one (and skip the large bodies' budget); it is refused 400 at once, naming both headers."""
+    body = b'{"prompt": "' + b"a" * 100_000 + b'"}'
+    sock = raw_request(server, "/v1/completions", b"%x\r\n" % len(body) + body + b"\r\n0\r\n\r\n",
+                       {"Content-Length": "1", "Transfer-Encoding": "chunked"})
+    data = b""
+    try:  # the server answers without reading the body, then closes: the unread body may reset the connection
+        while chunk := sock.recv(65536):
+            data += chunk
+    except ConnectionResetError:
+        pass
+    sock.close()
+    head, _, payload = data.partition(b"\r\n\r\n")
+    assert head.split(b" ", 2)[1] == b"400", data[:300]
+    error = json.loads(payload)["error"]
+    assert error["code"] == "ambiguous_length" and "Content-Length" in error["message"], error
+    assert post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 1}).status_code == 200
     assert_no_traceback(server)
 
 

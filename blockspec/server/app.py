@@ -24,7 +24,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ..config import ServerSettings
 from ..errors import BlockspecError
 from .access import AccessGuard, host_check_warning
-from .connection import ClientLeft, TimedH11Protocol, read_body, shutting_down, until_disconnected
+from .connection import ClientLeft, TimedH11Protocol, declared_length, read_body, shutting_down, until_disconnected
 from .requests import ApiError, Prepared, RequestParser, internal_error
 from .responses import JobStreamingResponse, sse, stats_extension, usage
 from .text import IncrementalText
@@ -172,8 +172,7 @@ def create_app(engine, settings: ServerSettings = ServerSettings(), bound_addres
 
     async def parse(request: Request, kind: str) -> Prepared:
         nonlocal large_held
-        declared = request.headers.get("content-length", "")
-        size = int(declared) if declared.isdigit() else None
+        size = declared_length(request)
         large = size is None or size > LARGE_BODY
         if large and size is not None and large_held + size > large_limit and size <= settings.max_body_bytes:
             raise parse_queue_full()  # refused before its body is read (a larger one gets read_body's 413)

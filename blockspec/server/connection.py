@@ -91,6 +91,20 @@ def shutting_down() -> ApiError:
                     type_="server_error", code="shutting_down")
 
 
+def declared_length(request: Request) -> int | None:
+    """The body's length as its headers declare it: Content-Length's, or None where none is given (chunked). A
+    request with both Content-Length and Transfer-Encoding is refused, 400: its length is ambiguous (RFC 9112 6.1),
+    and the HTTP layer reads the chunks whatever Content-Length says, so that a large body would pass for a small
+    one."""
+    declared = request.headers.get("content-length", "")
+    if "transfer-encoding" in request.headers:
+        if declared:
+            raise ApiError(400, "the request has both Content-Length and Transfer-Encoding headers, which leaves its "
+                           "length ambiguous; send one of them", code="ambiguous_length")
+        return None
+    return int(declared) if declared.isdigit() else None
+
+
 async def read_body(request: Request, max_bytes: int, timeout_s: float, closing: asyncio.Event,
                     hold: Callable[[int], None] | None = None) -> bytes:
     """The whole body, or ApiError 413 (larger than max_bytes: refused from its Content-Length before any of it is
@@ -98,8 +112,8 @@ async def read_body(request: Request, max_bytes: int, timeout_s: float, closing:
     called with each chunk's size as it arrives (it may refuse the body by raising ApiError)."""
     too_large = ApiError(413, f"the request body is larger than the server's limit of {max_bytes} bytes "
                          "(--max-body-mb)", code="body_too_large")
-    declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > max_bytes:
+    declared = declared_length(request)
+    if declared is not None and declared > max_bytes:
         raise too_large
     chunks, size = [], 0
 
