@@ -2,11 +2,11 @@
 by the openai client, httpx and raw sockets.
 
 Covers the request-body limit (413) with /health answering meanwhile, a flood of large bodies (bounded parsing), a
-body with two lengths (400), a client leaving (its slot free at once, its generation or prefill stopped), malformed
-input (400 naming the field, never 5xx, no traceback in the log), numeric ranges, slow and silent clients
-(timeouts), Host / Origin / API-key checks, the served model id, special tokens in user text, SIGTERM (running
-requests finish within the grace period, the rest end cleanly, exit 0), and a soak of mixed requests with
-disconnects.
+body with two lengths (400), requests the HTTP layer cannot parse (a JSON 400), a client leaving (its slot free at
+once, its generation or prefill stopped), malformed input (400 naming the field, never 5xx, no traceback in the
+log), numeric ranges, slow and silent clients (timeouts), Host / Origin / API-key checks, the served model id,
+special tokens in user text, SIGTERM (running requests finish within the grace period, the rest end cleanly, exit
+0), and a soak of mixed requests with disconnects.
 """
 
 from __future__ import annotations
@@ -176,19 +176,37 @@ def test_a_body_with_two_lengths_is_refused_before_it_is_read(server):
     body = b'{"prompt": "' + b"a" * 100_000 + b'"}'
     sock = raw_request(server, "/v1/completions", b"%x\r\n" % len(body) + body + b"\r\n0\r\n\r\n",
                        {"Content-Length": "1", "Transfer-Encoding": "chunked"})
-    data = b""
-    try:  # the server answers without reading the body, then closes: the unread body may reset the connection
-        while chunk := sock.recv(65536):
-            data += chunk
-    except ConnectionResetError:
-        pass
-    sock.close()
+    data = read_all(sock)
     head, _, payload = data.partition(b"\r\n\r\n")
     assert head.split(b" ", 2)[1] == b"400", data[:300]
     error = json.loads(payload)["error"]
     assert error["code"] == "ambiguous_length" and "Content-Length" in error["message"], error
     assert post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 1}).status_code == 200
     assert_no_traceback(server)
+
+
+def read_all(sock: socket.socket) -> bytes:
+    """Everything the server sends before it closes (an unread request body may reset the connection after it)."""
+    data = b""
+    try:
+        while chunk := sock.recv(65536):
+            data += chunk
+    except ConnectionResetError:
+        pass
+    sock.close()
+    return data
+
+
+@pytest.mark.parametrize("head", [b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: -1\r\n\r\n",
+                                  b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nBad Header\r\n\r\n",
+                                  b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03\r\n\r\n"])
+def test_a_request_the_http_layer_cannot_parse_gets_a_json_400(server, head):
+    sock = socket.create_connection(("127.0.0.1", server.port), timeout=30)
+    sock.sendall(head)
+    status, _, payload = read_all(sock).partition(b"\r\n\r\n")
+    assert status.split(b" ", 2)[1] == b"400" and b"application/json" in status, status
+    assert json.loads(payload)["error"]["code"] == "malformed_http", payload
+    assert post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 1}).status_code == 200
 
 
 def test_slow_large_bodies_do_not_hold_back_other_large_bodies(server):

@@ -4,6 +4,7 @@ and its leaving noticed at once."""
 from __future__ import annotations
 
 import asyncio
+import json
 import socket
 from collections.abc import Callable
 
@@ -26,7 +27,7 @@ class TimedH11Protocol(H11Protocol):
     """uvicorn's HTTP/1.1 connection, closed when a request's headers are not all there receive_timeout_s after the
     connection opened or the previous response ended: uvicorn alone waits forever for a first request, and for one
     sent a byte at a time. A client that half-closes the connection after its whole request still gets the answer
-    (uvicorn alone drops it)."""
+    (uvicorn alone drops it). A request it cannot parse is answered in JSON, as every other bad request."""
 
     def __init__(self, *args, receive_timeout_s: float, **kwargs):
         super().__init__(*args, **kwargs)
@@ -37,6 +38,17 @@ class TimedH11Protocol(H11Protocol):
     def connection_made(self, transport):
         super().connection_made(transport)
         self.expect_request()
+
+    def send_400_response(self, msg: str) -> None:
+        """A request the HTTP layer cannot parse (its framing or headers) answered as every other bad request: 400
+        with an OpenAI-style JSON body, then the connection closed (uvicorn's own answer is plain text)."""
+        body = json.dumps(ApiError(400, f"malformed HTTP request: {msg}", code="malformed_http").body()).encode()
+        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                   (b"connection", b"close")]
+        for event in (h11.Response(status_code=400, headers=headers, reason=b"Bad Request"), h11.Data(data=body),
+                      h11.EndOfMessage()):
+            self.transport.write(self.conn.send(event))
+        self.transport.close()
 
     def on_response_complete(self):
         super().on_response_complete()
