@@ -482,6 +482,10 @@ def test_host_origin_and_api_key(server):
     r = post(server, "/v1/completions", body, headers={"Host": f"attacker.example:{server.port}"})
     assert r.status_code == 403 and r.json()["error"]["code"] == "host_not_allowed"
     assert post(server, "/v1/completions", body, headers={"Host": f"localhost:{server.port}"}).status_code == 200
+    assert post(server, "/v1/completions", body, headers={"Host": f"[::1]:{server.port}"}).status_code == 200
+    for malformed in ("[::1", f"[::1]x:{server.port}", "[::1]:"):
+        r = post(server, "/v1/completions", body, headers={"Host": malformed})
+        assert r.status_code == 403 and r.json()["error"]["code"] == "host_not_allowed", malformed
     # a cross-site form post (text/plain, no preflight) from a foreign page: refused, nothing runs
     served = server.health()["served"]
     r = post(server, "/v1/completions", content=json.dumps(body).encode(),

@@ -33,10 +33,13 @@ def is_loopback(address: str) -> bool:
 
 
 def host_name(host_header: str) -> str:
-    """The name part of a Host header: 'localhost:8000' -> 'localhost', '[::1]:8000' -> '::1'."""
+    """The name part of a Host header: 'localhost:8000' -> 'localhost', '[::1]:8000' -> '::1'; a malformed bracketed
+    one ('[::1', '[::1]x') whole, so that it names no allowed host."""
     host = host_header.strip().lower()
     if host.startswith("["):
-        return host[1:].split("]", 1)[0]
+        address, bracket, rest = host[1:].partition("]")
+        well_formed = bracket and (not rest or rest[:1] == ":" and rest[1:].isdigit())
+        return address if well_formed else host
     name, _, port = host.rpartition(":")
     return (name if name and port.isdigit() else host).rstrip(".")
 
