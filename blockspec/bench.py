@@ -16,6 +16,7 @@ from __future__ import annotations
 import gc
 import json
 import math
+import os
 import random
 import statistics
 import tempfile
@@ -429,6 +430,11 @@ def check_arguments(args) -> tuple[list[str], list[dict], list[float] | None]:
         except ImportError:
             raise BlockspecError("--png-out needs matplotlib, which is not installed: pip install 'blockspec[plot]'") \
                 from None
+        if Path(args.png_out).suffix.lower() != ".png":
+            raise BlockspecError(f"--png-out {args.png_out}: the chart is written as a PNG image; give a file name "
+                                 "ending in .png")
+        if args.json_out and os.path.abspath(args.json_out) == os.path.abspath(args.png_out):
+            raise BlockspecError(f"--json-out and --png-out name the same file ({args.png_out}): give two names")
     for flag, path in (("--json-out", args.json_out), ("--png-out", args.png_out)):
         if path:
             check_output_path(flag, path)

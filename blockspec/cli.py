@@ -25,9 +25,9 @@ def parse_prompt_ids(text: str) -> list[int]:
         raise BlockspecError(f"--prompt-ids must be comma-separated integers (got {text!r})") from None
 
 
-def prompt_tokens(engine, args) -> list[int]:
-    if args.prompt_ids is not None:
-        return parse_prompt_ids(args.prompt_ids)
+def prompt_tokens(engine, args, given_ids: list[int] | None) -> list[int]:
+    if given_ids is not None:
+        return given_ids
     if args.chat:
         return engine.tokenizer.chat_prompt_ids([{"role": "user", "content": args.prompt}])
     return engine.tokenizer.encode(args.prompt)
@@ -72,11 +72,12 @@ def cmd_generate(args):
         raise BlockspecError("give exactly one of --prompt TEXT or --prompt-ids 1,2,3")
     if args.chat and args.prompt_ids is not None:
         raise BlockspecError("--chat needs --prompt TEXT, not --prompt-ids")
+    given_ids = None if args.prompt_ids is None else parse_prompt_ids(args.prompt_ids)  # refused before the load
     config = engine_config(args)
     check_reply_room(config)
     note_unused_sampling(config)
     engine = Engine(config)
-    ids = prompt_tokens(engine, args)
+    ids = prompt_tokens(engine, args, given_ids)
     if args.prompt is not None and not ids:
         raise BlockspecError("the prompt is empty: give some text")
     engine.check_request(ids, config.max_tokens)
@@ -109,6 +110,8 @@ def cmd_chat(args):
     from .chat import run_chat
     from .engine.engine import Engine
 
+    if sys.stdin is None or sys.stdin.closed:
+        raise BlockspecError("chat reads your messages from standard input, which is closed")
     config = engine_config(args)
     # a default max_tokens past a short context is not refused: chat limits each reply to the room left (chat.py)
     if "max_tokens" in config.model_fields_set:

@@ -168,6 +168,8 @@ def check_output_path(flag: str, path: str) -> Path:
     folder, or a place that cannot be written, is refused in one line naming the flag. Leaves no new file or folder
     behind, whatever comes of it: the writer creates the folders when it writes (`write_output`), so a run refused
     later makes none."""
+    if not path or path.endswith(("/", os.sep)):  # Path() would drop the separator and write onto what it names
+        raise BlockspecError(f"{flag} '{path}': give a file name (the path is empty or ends in a separator)")
     path = Path(path)
     # os.path's checks, not Path's: a name too long for the file system is a place that cannot be written, where
     # Path.exists raises

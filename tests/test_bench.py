@@ -4,8 +4,10 @@ import contextlib
 import importlib.util
 import io
 import json
+import re
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -147,6 +149,21 @@ def test_png_out_without_matplotlib_is_refused_before_the_run(tmp_path, capsys, 
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--png-out needs matplotlib" in err and "pip install 'blockspec[plot]'" in err
     assert not (tmp_path / "charts").exists()  # refused before anything was made
+
+
+@pytest.mark.parametrize("json_name, png_name, message", [
+    (None, "b.txt", "--png-out .*b.txt: the chart is written as a PNG image; give a file name ending in .png"),
+    ("same.png", "same.png", "--json-out and --png-out name the same file"),
+])
+def test_png_out_that_cannot_be_a_png_is_refused_before_the_run(tmp_path, capsys, monkeypatch, no_model_work,
+                                                                json_name, png_name, message):
+    monkeypatch.setitem(sys.modules, "matplotlib", types.ModuleType("matplotlib"))  # as if it were installed
+    (tmp_path / "same.png").write_text("kept")
+    flags = ["--png-out", str(tmp_path / png_name)] + (["--json-out", str(tmp_path / json_name)] if json_name else [])
+    assert main([*QUICK, *flags]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and re.search(message, err), err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["same.png"] and (tmp_path / "same.png").read_text() == "kept"
 
 
 def test_results_survive_a_write_that_fails_after_the_run(tmp_path):

@@ -142,6 +142,18 @@ def test_bad_request_one_line_error(tiny, args, message):
     assert message in err, err
 
 
+def test_bad_prompt_ids_and_a_closed_stdin_are_refused_before_the_load(tmp_path, capsys, monkeypatch):
+    """A model folder that does not exist: the refusal names the bad input, not the model, so it came first."""
+    missing = str(tmp_path / "no-model")
+    assert main(["generate", "--model", missing, "--prompt-ids", "1,x", *BASE]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "comma-separated integers" in err, err
+    monkeypatch.setattr("sys.stdin", None)  # started with standard input closed (`<&-`)
+    assert main(["chat", "--model", missing, *BASE]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "standard input, which is closed" in err, err
+
+
 def test_bad_config_file(tiny, tmp_path, capsys):
     cases = [("temperatur: 0.5\n", "unknown config key 'temperatur'"),
              ("context_length: -3\n", "invalid value for 'context_length'"),

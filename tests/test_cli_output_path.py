@@ -59,3 +59,13 @@ def test_a_relative_path_in_a_new_folder(tmp_path, monkeypatch):
         check_output_path("--out", os.path.join("new", LONG))
     assert tree(tmp_path) == []
     assert check_output_path("--out", os.path.join("new", "v.json")) and tree(tmp_path) == []
+
+
+@pytest.mark.parametrize("name", ["existing.txt/", "new/", ""])
+def test_a_path_ending_in_a_separator_or_empty_is_refused_and_the_file_kept(tmp_path, name):
+    """Path() drops a trailing separator: 'existing.txt/' would be written onto existing.txt."""
+    (tmp_path / "existing.txt").write_text("precious")
+    path = str(tmp_path / name) + ("/" if name.endswith("/") else "") if name else ""
+    with pytest.raises(BlockspecError, match="give a file name \\(the path is empty or ends in a separator\\)"):
+        check_output_path("--json-out", path)
+    assert tree(tmp_path) == ["existing.txt"] and (tmp_path / "existing.txt").read_text() == "precious"

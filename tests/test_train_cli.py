@@ -3,11 +3,13 @@ target loads or any training, and nothing written."""
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
 
 from blockspec.cli import main
+from blockspec.errors import BlockspecError
 from blockspec.fixtures.tiny import build_tiny_checkpoint
 from blockspec.train.loop import fingerprint
 
@@ -166,3 +168,15 @@ def test_records_after_a_byte_order_mark_read_as_without_it(tmp_path):
     marked.write_text("\ufeff" + line + "\n", encoding="utf-8")
     assert [r.messages for r in read_records(marked)] == [r.messages for r in read_records(plain)] == [
         json.loads(line)["messages"]]
+
+
+def test_an_output_place_that_refuses_files_is_refused_before_the_work(tmp_path):
+    """/proc takes no new file, whatever its permission bits tell root: refused by writing one, as the run would."""
+    from blockspec.train.loop import check_output, write_refused
+    from blockspec.train.regenerate import check_out
+
+    with pytest.raises(BlockspecError, match="^--out /proc/x: cannot write in /proc \\("):
+        check_output(Path("/proc/x"), resume=False)
+    with pytest.raises(BlockspecError, match="^--out /proc/x.jsonl: cannot write in the folder /proc \\("):
+        check_out(Path("/proc/x.jsonl"))
+    assert write_refused(tmp_path) is None and list(tmp_path.iterdir()) == []  # a good place: nothing left there

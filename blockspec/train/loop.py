@@ -13,6 +13,7 @@ import math
 import os
 import random
 import shutil
+import tempfile
 import time
 import zipfile
 from contextlib import contextmanager
@@ -42,14 +43,25 @@ def check_output(out: Path, resume: bool):
     existing = next(folder for folder in [out, *out.parents] if folder.exists())
     if not existing.is_dir():
         raise BlockspecError(f"--out {out}: {existing} is a file, not a folder")
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise BlockspecError(f"--out {out}: {existing} is not writable")
+    unwritable = write_refused(existing)
+    if unwritable:
+        raise BlockspecError(f"--out {out}: cannot write in {existing} ({unwritable})")
     if resume and not (out / STATE_FILE).is_file():
         raise BlockspecError(f"--resume: {out / STATE_FILE} does not exist (nothing to resume)")
     if resume and not zipfile.is_zipfile(out / STATE_FILE):  # what torch.save writes, its index last
         raise BlockspecError(f"--resume: {out / STATE_FILE} is truncated or not a saved training state")
     if not resume and out.is_dir() and any(out.iterdir()):
         raise BlockspecError(f"--out {out} is not empty: choose a new directory or pass --resume")
+
+
+def write_refused(folder: Path) -> str | None:
+    """Why a file cannot be written in `folder` (None: it can), found by writing one, which is then removed: the
+    permission bits alone say yes to root, and to file systems that refuse every file (/proc)."""
+    try:
+        with tempfile.TemporaryFile(dir=folder):
+            return None
+    except OSError as exc:
+        return exc.strerror or str(exc)
 
 
 def saved_settings(out: Path, cls=None) -> dict:

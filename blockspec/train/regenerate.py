@@ -30,7 +30,7 @@ from ..errors import BlockspecError
 from ..models.checkpoint import check_folder, generation_defaults
 from ..models.tokenizer import Tokenizer
 from .data import Completion, Conversation, check_chat_template, read_paths, text_files
-from .loop import check_weights, plural
+from .loop import check_weights, plural, write_refused
 
 
 @dataclass
@@ -67,8 +67,9 @@ def check_out(out: Path):
         raise BlockspecError(f"--out {out}: {out.parent} is a file, not a folder")
     if not out.parent.is_dir():
         raise BlockspecError(f"--out {out}: the folder {out.parent} does not exist")
-    if not os.access(out.parent, os.W_OK | os.X_OK):
-        raise BlockspecError(f"--out {out}: the folder {out.parent} is not writable")
+    unwritable = write_refused(out.parent)
+    if unwritable:
+        raise BlockspecError(f"--out {out}: cannot write in the folder {out.parent} ({unwritable})")
 
 
 def check_run(run: Regeneration) -> TargetConfig:
