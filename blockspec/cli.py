@@ -25,9 +25,8 @@ def parse_prompt_ids(text: str) -> list[int]:
         raise BlockspecError(f"--prompt-ids must be comma-separated integers (got {text!r})") from None
 
 
-def prompt_tokens(engine, args, given_ids: list[int] | None) -> list[int]:
-    if given_ids is not None:
-        return given_ids
+def prompt_tokens(engine, args) -> list[int]:
+    """The --prompt text's tokens: as a chat's user turn with --chat."""
     if args.chat:
         return engine.tokenizer.chat_prompt_ids([{"role": "user", "content": args.prompt}])
     return engine.tokenizer.encode(args.prompt)
@@ -77,7 +76,7 @@ def cmd_generate(args):
     check_reply_room(config)
     note_unused_sampling(config)
     engine = Engine(config)
-    ids = prompt_tokens(engine, args, given_ids)
+    ids = given_ids if given_ids is not None else prompt_tokens(engine, args)
     if args.prompt is not None and not ids:
         raise BlockspecError("the prompt is empty: give some text")
     engine.check_request(ids, config.max_tokens)

@@ -142,7 +142,6 @@ def test_records_holding_unicode_line_separators_read_whole(tmp_path):
     """JSON Lines ends a record at "\\n" alone: text that holds U+2028, U+2029, U+0085 or a form feed, which
     `blockspec regenerate` writes unescaped (as json.dumps with ensure_ascii=False does), stays in its record, and a
     file saved with CRLF line ends reads the same; a refused line keeps its number in the file."""
-    from blockspec.errors import BlockspecError
     from blockspec.train.data import read_records
 
     texts = ["a\u2028b", "c\u2029d", "e\x85f", "g\x0ch", "plain"]

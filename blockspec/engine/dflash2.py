@@ -11,8 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from ..drafter.model import DFlash2Drafter
-from ..drafter.model import Selection
+from ..drafter.model import DFlash2Drafter, Selection
 from . import graphs
 from .decode import Proposer
 from .sampling import Sampler
