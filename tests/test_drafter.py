@@ -512,6 +512,14 @@ def test_refuses_wrong_shape(tmp_path):
         load(tmp_path, FakeTarget(seed=2))
 
 
+def test_refuses_integer_weights(tmp_path):
+    save_reference(tmp_path, seed=1)
+    _rewrite_weights(tmp_path, lambda t: t.update({"layers.0.self_attn.k_proj.weight":
+                                                   t["layers.0.self_attn.k_proj.weight"].long()}))
+    with pytest.raises(BlockspecError, match=r"'layers\.0\.self_attn\.k_proj\.weight' is stored as I64"):
+        load(tmp_path, FakeTarget(seed=2))
+
+
 @pytest.mark.parametrize(
     "edit,needle",
     [
@@ -522,6 +530,9 @@ def test_refuses_wrong_shape(tmp_path):
         (lambda c: c.pop("sliding_window"), "sliding_window"),
         (lambda c: c["dflash_config"].update(block_size=100), "'dflash_config.block_size' must be at most 64"),
         (lambda c: c.update(num_target_layers=3), "'dflash_config.target_layer_ids' include 3, but num_target_layers"),
+        (lambda c: c.update(num_target_layers=TARGET_LAYERS + 1),
+         f"num_target_layers {TARGET_LAYERS + 1} (the target it was trained with) does not match the target's"),
+        (lambda c: c.update(architectures="DFlash2DraftModel"), "must be a list of names including"),
     ],
 )
 def test_refuses_bad_config(tmp_path, edit, needle):

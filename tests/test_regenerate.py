@@ -189,11 +189,28 @@ def copied_target(prompts, tmp_path):
     return root, tmp_path / "target"
 
 
+DOWN = "model.layers.0.mlp.down_proj.weight"
+
+
+def edit_weights(target, edit):
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(target / "model.safetensors")
+    edit(weights)
+    save_file(weights, target / "model.safetensors", metadata={"format": "pt"})
+
+
 @pytest.mark.parametrize("damage,message", [
     (lambda t: (t / "generation_config.json").write_text("[1]"),
      "generation_config.json: a JSON object expected, got list"),
     (lambda t: (t / "model.safetensors").write_bytes((t / "model.safetensors").read_bytes()[:-100]),
      "model.safetensors: corrupt or unreadable safetensors file"),
+    (lambda t: edit_weights(t, lambda w: w.update({DOWN: w[DOWN][:, :-1].contiguous()})),
+     f"tensor {DOWN} has shape (64, 127), expected (64, 128)"),
+    (lambda t: edit_weights(t, lambda w: w.pop(DOWN)), f"missing tensor {DOWN} (shape (64, 128))"),
+    (lambda t: edit_weights(t, lambda w: w.update({DOWN: w[DOWN].long()})), f"tensor {DOWN} is torch.int64"),
+    (lambda t: edit_weights(t, lambda w: w.update({"model.layers.0.mlp.extra.weight": w[DOWN].clone()})),
+     "unexpected tensor model.layers.0.mlp.extra.weight"),
 ])
 def test_a_damaged_target_is_one_line_before_it_loads(copied_target, tmp_path, capsys, monkeypatch, damage, message):
     import blockspec.train.regenerate as module

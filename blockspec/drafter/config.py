@@ -40,6 +40,7 @@ class DrafterConfig:
     input_embedding_scale: float = 1.0
     output_multiplier: float = 1.0
     logit_softcap: float | None = None
+    num_target_layers: int | None = None  # the layer count of the target it was trained with, where recorded
 
     @classmethod
     def from_file(cls, path: str | Path) -> DrafterConfig:
@@ -68,7 +69,9 @@ class DrafterConfig:
     def from_dict(cls, raw: dict[str, Any], source: str = "config.json") -> DrafterConfig:
         read = _Reader(raw, source)
         architectures = raw.get("architectures")
-        if not isinstance(architectures, list) or ARCHITECTURE not in architectures:
+        if not isinstance(architectures, list):
+            read.fail("architectures", f"must be a list of names including {ARCHITECTURE!r} (found {architectures!r})")
+        if ARCHITECTURE not in architectures:
             read.fail("architectures", f"must include {ARCHITECTURE!r} (found {architectures!r})")
         if not isinstance(raw.get("dflash_config"), dict):
             read.fail("dflash_config", "is missing or not an object")
@@ -153,6 +156,7 @@ class DrafterConfig:
             input_embedding_scale=read.draft_number("input_embedding_scale", 1.0),
             output_multiplier=read.draft_number("output_multiplier", 1.0),
             logit_softcap=softcap if softcap is not None and softcap > 0 else None,
+            num_target_layers=num_target_layers,
         )
 
 

@@ -287,7 +287,13 @@ class DFlash2Drafter(nn.Module):
                         raise BlockspecError(
                             f"drafter weights {path}: missing tensor '{name}' (expected shape {expected})"
                         )
-                    shape = tuple(stored.get_slice(names[name]).get_shape())
+                    stored_slice = stored.get_slice(names[name])
+                    if stored_slice.get_dtype() not in ("F16", "BF16", "F32"):
+                        raise BlockspecError(
+                            f"drafter weights {path}: tensor '{names[name]}' is stored as {stored_slice.get_dtype()}, "
+                            "expected float16, bfloat16 or float32"
+                        )
+                    shape = tuple(stored_slice.get_shape())
                     if shape != expected:
                         raise BlockspecError(
                             f"drafter weights {path}: tensor '{names[name]}' has shape {shape}, "
@@ -429,3 +435,9 @@ def check_fits_target(
                 f"{where}: target_layer_ids {list(config.target_layer_ids)} include {layer_id}, "
                 f"but the target has {num_layers} layers (0..{num_layers - 1})"
             )
+    if config.num_target_layers is not None and config.num_target_layers != num_layers:
+        raise BlockspecError(
+            f"drafter {directory / 'config.json'}: num_target_layers {config.num_target_layers} (the target it was "
+            "trained with) does not match "
+            f"the target's {num_layers} layers"
+        )

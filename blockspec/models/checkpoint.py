@@ -31,6 +31,10 @@ from .qwen3_5 import TargetModel
 
 TEXT_PREFIXES = ("model.language_model.", "language_model.model.", "model.")
 SKIPPED_PREFIXES = ("model.visual.", "visual.", "model.vision_tower.")
+HEADER_DTYPES = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32, "F64": torch.float64,
+                 "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "BOOL": torch.bool, "U8": torch.uint8,
+                 "I8": torch.int8, "I16": torch.int16, "U16": torch.uint16, "I32": torch.int32, "U32": torch.uint32,
+                 "I64": torch.int64, "U64": torch.uint64}  # a safetensors header's dtype names
 FLOAT32_SUFFIXES = ("A_log", "dt_bias", "norm.weight", "layernorm.weight")  # small; kept exact in float32
 
 
@@ -310,19 +314,9 @@ def load_target(directory: str | Path, device="cpu", dtype=torch.float32, progre
                 if key.startswith("mtp."):
                     mtp[key] = tensor
                     continue
-                if key not in expected:
-                    if key == "lm_head.weight" and config.tie_word_embeddings:
-                        continue
-                    raise BlockspecError(f"{directory}: unexpected tensor {name} (not part of a "
-                                         f"{config_label(config)})")
-                want = tuple(expected[key].shape)
-                if not tensor.is_floating_point() or tensor.element_size() == 1:
-                    raise BlockspecError(f"{path}: tensor {name} is {tensor.dtype}, which config.json's "
-                                         "quantization_config does not describe (dense weights are float16, bfloat16 "
-                                         "or float32)")
-                if tuple(tensor.shape) != want:
-                    raise BlockspecError(f"{directory}: tensor {name} has shape {tuple(tensor.shape)}, "
-                                         f"expected {want}")
+                if key not in expected and key == "lm_head.weight" and config.tie_word_embeddings:
+                    continue
+                check_dense_tensor(directory, path, name, tensor.dtype, tuple(tensor.shape), expected, config)
                 if key in quantized_at_load:
                     swap_in(model, key[:-len(".weight")], quantize(dense_linear(tensor, device, dtype)), str(path))
                     continue
@@ -344,16 +338,65 @@ def load_target(directory: str | Path, device="cpu", dtype=torch.float32, progre
     extra = [k for k in loaded if k not in expected]
     if extra:
         raise BlockspecError(f"{directory}: tensor {extra[0]} belongs to a projection stored quantized")
-    missing = [k for k in expected if k not in loaded]
-    if missing:
-        stored_name = missing[0] if missing[0].startswith("lm_head") else "model." + missing[0]  # text layout
-        raise BlockspecError(f"{directory}: missing tensor {stored_name} (shape {tuple(expected[missing[0]].shape)})"
-                             + (f" and {len(missing) - 1} more" if len(missing) > 1 else ""))
+    check_complete(directory, expected, loaded)
     model.load_state_dict(loaded, assign=True, strict=False)  # the quantized projections were swapped in whole
     model.checkpoint_quantization = None if scheme is None else scheme.kind
     pack_projections(model)
     model.requires_grad_(False).eval()
     return model, mtp
+
+
+def check_dense_tensor(directory: Path, path: Path, name: str, dtype: torch.dtype, shape: tuple, expected: dict,
+                       config: TargetConfig) -> None:
+    """Refuse stored dense tensor `name` (TargetModel key in `expected`, name -> parameter) unless the model has it,
+    in a float type and its shape."""
+    key = text_name(name)
+    if key not in expected:
+        raise BlockspecError(f"{directory}: unexpected tensor {name} (not part of a {config_label(config)})")
+    if not dtype.is_floating_point or dtype.itemsize == 1:
+        raise BlockspecError(f"{path}: tensor {name} is {dtype}, which config.json's quantization_config does not "
+                             "describe (dense weights are float16, bfloat16 or float32)")
+    want = tuple(expected[key].shape)
+    if shape != want:
+        raise BlockspecError(f"{directory}: tensor {name} has shape {shape}, expected {want}")
+
+
+def check_complete(directory: Path, expected: dict, stored) -> None:
+    """Refuse a checkpoint that lacks one of the model's parameters (`expected`: name -> parameter)."""
+    missing = [k for k in expected if k not in stored]
+    if missing:
+        stored_name = missing[0] if missing[0].startswith("lm_head") else "model." + missing[0]  # text layout
+        raise BlockspecError(f"{directory}: missing tensor {stored_name} (shape {tuple(expected[missing[0]].shape)})"
+                             + (f" and {len(missing) - 1} more" if len(missing) > 1 else ""))
+
+
+def check_dense_checkpoint(directory: str | Path) -> None:
+    """A dense checkpoint's tensors against config.json's model from the files' headers alone (nothing read): what
+    load_target refuses as it loads, refused before a loader that would not (transformers' fills a missing tensor
+    with random values and raises with a page of report on a wrong shape). Quantized checkpoints: not checked."""
+    directory = Path(directory)
+    config = TargetConfig.from_file(directory / "config.json")
+    if checkpoint_quantization(directory / "config.json") is not None:
+        return
+    with torch.device("meta"):
+        expected = dict(TargetModel(config).named_parameters())
+    stored = set()
+    for path in checkpoint_files(directory):
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                headers = [(name, f.get_slice(name)) for name in f.keys()]
+                headers = [(name, part.get_dtype(), tuple(part.get_shape())) for name, part in headers]
+        except Exception as exc:  # safetensors raises its own error types
+            raise unreadable(path, exc) from None
+        for name, dtype, shape in headers:
+            key = text_name(name)
+            if key is None or key.startswith("mtp.") or (
+                    key == "lm_head.weight" and key not in expected and config.tie_word_embeddings):
+                continue
+            stored_dtype = HEADER_DTYPES.get(dtype, torch.uint8)  # a type unknown here: refused as not a float
+            check_dense_tensor(directory, path, name, stored_dtype, shape, expected, config)
+            stored.add(key)
+    check_complete(directory, expected, stored)
 
 
 def dense_linear(weight: torch.Tensor, device, dtype) -> nn.Linear:

@@ -27,7 +27,7 @@ import torch
 
 from ..config import MAX_SEED, TargetConfig
 from ..errors import BlockspecError
-from ..models.checkpoint import check_folder, generation_defaults
+from ..models.checkpoint import check_dense_checkpoint, check_folder, generation_defaults
 from ..models.tokenizer import Tokenizer
 from .data import Completion, Conversation, check_chat_template, read_paths, text_files
 from .loop import check_weights, plural, write_refused
@@ -92,6 +92,7 @@ def check_run(run: Regeneration) -> TargetConfig:
     if Path(run.out).resolve() in text_files(run.prompts, run.suffixes, flag="--prompts"):  # read, then replaced
         raise BlockspecError(f"--out {run.out}: is one of the --prompts files; give another file to write")
     check_weights(Path(run.target))
+    check_dense_checkpoint(run.target)
     settings = Path(run.target) / "generation_config.json"
     try:  # transformers reads it too, as it loads the target
         raw = json.loads(settings.read_text()) if settings.is_file() else {}
