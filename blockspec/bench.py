@@ -58,7 +58,12 @@ def code_fixtures(path: str) -> list[dict]:
     stems = [file.stem for file in files]
     fixtures = []
     for file in files:  # the file's stem, or with its folder where two stems are alike (__init__)
-        text = file.read_text(encoding="utf-8", errors="replace")
+        try:  # the standard library's few non-UTF-8 bytes are replaced; a user's folder must hold text
+            text = file.read_text(encoding="utf-8", errors="replace" if path == "stdlib" else "strict")
+        except UnicodeDecodeError as exc:
+            raise BlockspecError(f"--fixtures {path}: {file} is not UTF-8 text (byte {exc.start})") from None
+        except OSError as exc:
+            raise BlockspecError(f"--fixtures {path}: cannot read {file} ({exc.strerror or exc})") from None
         name = file.stem if stems.count(file.stem) == 1 else f"{file.parent.name}/{file.stem}"
         fixtures.append({"name": name, "prompt": text[:CODE_PROMPT_CHARS], "text": text, "chat": False})
     return fixtures

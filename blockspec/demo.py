@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from .cli_common import create_folders, format_stats, remove_folders, stream_text
-from .config import PredictConfig
+from .config import PredictConfig, TargetConfig
 from .errors import BlockspecError
 from .train.evaluate import one_cycle_acceptance, standard_library_files
 
@@ -189,6 +189,14 @@ def run_demo(max_tokens: int, context_length: int | None) -> None:
         tokenizer = Tokenizer(target)
         prompt = prompt_text(read_source(prompt_file), tokenizer)
         ids = tokenizer.encode(prompt)
+        positions = TargetConfig.from_file(target / "config.json").max_position_embeddings
+        if len(ids) + max_tokens > positions:
+            raise BlockspecError(f"--max-tokens {max_tokens}: the demo's prompt ({len(ids)} tokens) and its "
+                                 f"continuation need {len(ids) + max_tokens} positions, but the demo's target holds "
+                                 f"{positions}: give --max-tokens {positions - len(ids)} or less")
+        if context_length is not None and context_length > positions:
+            raise BlockspecError(f"--context-length {context_length}: the demo's target holds {positions} positions "
+                                 "at most")
         context_length = context_length or max(MIN_CONTEXT_LENGTH, len(ids) + max_tokens)
         if len(ids) + max_tokens > context_length:
             raise BlockspecError(f"--context-length {context_length}: the demo's prompt ({len(ids)} tokens) + "
@@ -213,6 +221,8 @@ def save_pair(directory: str, max_tokens: int, context_length: int | None) -> No
     and its drafter, then its target, are moved in, so DIR/target appears only beside a whole drafter. Refused or
     interrupted, the save leaves DIR as it was and removes what it made, the missing parent folders included."""
     flag = f"--save {directory}"
+    if not directory:
+        raise BlockspecError("--save is empty: give a new or empty folder")
     directory = Path(directory)
     if os.path.lexists(directory) and not os.path.isdir(directory):
         raise BlockspecError(f"{flag}: exists and is not a folder; give a new or empty folder")

@@ -446,6 +446,15 @@ def test_fixtures_file_not_utf8_is_refused_without_a_traceback(tmp_path):
     assert proc.returncode == 2 and proc.stderr == f"blockspec: error: fixtures file {path}: not UTF-8 text (byte 0)\n"
 
 
+def test_a_fixtures_folder_with_a_file_that_is_not_text_is_refused(tmp_path, capsys, no_model_work):
+    (tmp_path / "a.py").write_text("x = 1\n")
+    (tmp_path / "b.py").write_bytes(b"x = 1\n\xff\xfe")
+    code = main(["bench", "--synthetic", "tiny", "--device", "cpu", "--fixtures", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert code == 2 and err == f"blockspec: error: --fixtures {tmp_path}: {tmp_path / 'b.py'} is not UTF-8 text " \
+                                "(byte 6)\n", err
+
+
 @pytest.mark.parametrize("args,needle", [
     (["--synthetic", "tiny", "--model", "{dir}"], "--model and --synthetic both given"),
     (["--synthetic", "tiny", "--drafter", "{dir}", "--mode", "dflash2"], "--drafter and --synthetic both given"),

@@ -245,11 +245,17 @@ def demo_prompt_length(tmp_path_factory):
                                           (("--context-length", 1), "--context-length must be at least 2"),
                                           (("--max-tokens", 30, "--context-length", 50),
                                            "--context-length 50: the demo's prompt ({} tokens) + --max-tokens 30 "
-                                           "need at least {}")])
+                                           "need at least {}"),
+                                          (("--max-tokens", 100_000_000), "--max-tokens 100000000: the demo's prompt "
+                                           "({} tokens) and its continuation need {} positions, but the demo's "
+                                           "target holds 4096"),
+                                          (("--context-length", 5000), "--context-length 5000: the demo's target "
+                                           "holds 4096 positions at most")])
 def test_demo_refuses_bad_arguments_before_printing(args, message, demo_prompt_length):
     code, out, err = cli("demo", *args)
     assert code == 2 and out == "", out  # no banner, no mode header
-    message = message.format(demo_prompt_length, demo_prompt_length + 30)
+    added = 100_000_000 if "100000000" in message else 30
+    message = message.format(demo_prompt_length, demo_prompt_length + added)
     assert err.count("\n") == 1 and message in err, err
 
 
@@ -356,6 +362,8 @@ def test_demo_save_refuses_a_folder_that_is_not_empty(tmp_path):
     (tmp_path / "file").write_text("")
     code, out, err = cli("demo", "--save", tmp_path / "file")
     assert code == 2 and "is not a folder" in err
+    code, out, err = cli("demo", "--save", "")
+    assert code == 2 and err == "blockspec: error: --save is empty: give a new or empty folder\n", err
 
 
 # ------------------------------------------------------------------------ paths, seeds, pre-flight, version
