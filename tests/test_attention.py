@@ -45,6 +45,7 @@ TRITON_CASES = [  # (capacity, query heads, kv heads, head dim, start, queries)
     (40, 8, 2, 16, 0, 1), (40, 8, 2, 16, 13, 8), (300, 12, 4, 32, 0, 16), (300, 12, 4, 32, 131, 1),
     (300, 12, 4, 32, 250, 5), (1000, 6, 1, 64, 700, 3), (5000, 24, 4, 32, 4990, 8),  # 27B's grouping, many splits
     (5000, 24, 4, 32, 200, 16),  # a short fill of a long cache: its keys shared out among the splits
+    (5000, 32, 8, 32, 3000, 4),  # 8 KV heads: the filled keys go to the 16 splits of one wave (132 SMs), not 40
 ]
 
 

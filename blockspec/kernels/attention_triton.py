@@ -9,7 +9,9 @@ from `positions` on the device, so a replay reads only the filled prefix, whatev
 Layout: the T queries of the KV heads' G grouped query heads are stacked as the M = T*G rows of one tile (row
 r: token r // G, head kv*G + r % G), so each key/value tile is loaded once per KV head. Programs (kv head, split)
 each cover one slice of the cache with the online softmax and write an unnormalised partial + log-sum-exp; a
-second kernel merges the splits (splits past the filled length write lse = -inf and are weighted 0).
+second kernel merges the splits it was given. The causal and tree kernels share the filled keys (read from
+`positions`) out among as many splits as keep the programs to one wave, so a short fill of a long cache still
+spreads over the GPU, and a split that gets no keys writes no partial.
 
 Trees: every node sees the committed prefix (keys < slots[0]) and, of the tree's own T keys after it, those of its
 ancestors (the [T, T] mask, read as uint8 in the tiles that reach them). Beyond MAX_QUERIES nodes the T*G rows
@@ -24,7 +26,7 @@ from __future__ import annotations
 import torch
 
 from ..config import MAX_PASS_TOKENS
-from . import launch_fitting, pdl, triton_runs_on
+from . import launch_fitting, pdl, sm_count, triton_runs_on
 
 try:
     import triton
@@ -47,7 +49,9 @@ def available(q: torch.Tensor, tree: bool = False) -> bool:
 
 
 def split_plan(capacity: int, block_n: int) -> tuple[int, int]:
-    """(splits, keys per split): fixed by the cache capacity, so one captured graph serves every length."""
+    """(splits, keys per split) over `capacity` keys: the grid, fixed by the cache capacity so that one captured
+    graph serves every length. The causal and tree kernels share the filled keys out among these splits, read on
+    the device (the keys per split here: the masked kernel's, which may read every key)."""
     splits = max(1, min(MAX_SPLITS, triton.cdiv(capacity, 128)))
     per_split = triton.cdiv(triton.cdiv(capacity, splits), block_n) * block_n
     return triton.cdiv(capacity, per_split), per_split
@@ -98,7 +102,7 @@ def _split_kv_attention(q, k, v, positions, visible, scale, ancestors=None):
     lse = torch.empty(splits, kv_heads, padded, device=q.device, dtype=torch.float32)
     launch_fitting(_attention_split_kernel, (plan["row_blocks"], kv_heads, splits),
                    q, k, v, positions, None if mask is None else mask.view(torch.uint8), partial, lse, scale,
-                   k.shape[0], q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+                   k.shape[0], sm_count(q.device), q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                    0 if mask is None else mask.stride(0),
                    T=t, GROUP=group, D=d, BLOCK_M=plan["block_m"], BLOCK_N=plan["block_n"],
                    PER_SPLIT=plan["per_split"], MASKED=masked, TREE=tree, num_warps=plan["num_warps"],
@@ -107,13 +111,13 @@ def _split_kv_attention(q, k, v, positions, visible, scale, ancestors=None):
     _merge_splits_kernel[(kv_heads, t * group)](partial, lse, out, out.stride(0), out.stride(1),
                                                 SPLITS=splits, GROUP=group, D=d, ROWS=padded,
                                                 BLOCK_S=max(2, triton.next_power_of_2(splits)), KV_HEADS=kv_heads,
-                                                SPARSE=tree, **pdl.options(q))
+                                                **pdl.options(q))
     return out
 
 
 if triton is not None:
     @triton.jit
-    def _attention_split_kernel(q, k, v, positions, mask, partial, lse, scale, L,
+    def _attention_split_kernel(q, k, v, positions, mask, partial, lse, scale, L, wave,
                                 sq_t, sq_h, sk_l, sk_h, sv_l, sv_h, s_mask,
                                 T: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr,
                                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PER_SPLIT: tl.constexpr,
@@ -122,19 +126,27 @@ if triton is not None:
         read its tiles once from memory and again from L2. MASKED: `mask` is the visibility [T, L] (row stride s_mask) and
         every key may be read. Else `positions[0]` is the start (query token 0's position, or the committed length of
         a tree) and keys up to start + T are read: causal (token i sees keys 0..start+i), or TREE: every key before
-        start, and start + j where mask[i, j] (the ancestors [T, T], row stride s_mask)."""
+        start, and start + j where mask[i, j] (the ancestors [T, T], row stride s_mask). `wave`: the programs one
+        wave runs (the SMs)."""
         pdl.begin(PDL)
         kv = tl.program_id(1)
         split = tl.program_id(2)
-        lo = split * PER_SPLIT
         rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         token = rows // GROUP
         if MASKED:
+            lo = split * PER_SPLIT
             hi = tl.minimum(lo + PER_SPLIT, L)
             last_visible = token + L                    # no causal limit: the mask decides
         else:
             start = tl.load(positions)
-            hi = tl.minimum(lo + PER_SPLIT, start + T)
+            # the filled keys, not the capacity, are shared out, among as many splits as keep the programs to
+            # one wave: a split past them writes no partial, which the merge would read back (rows x D floats)
+            filled = start + T
+            active = tl.minimum(tl.num_programs(2), tl.cdiv(filled, BLOCK_N))
+            active = tl.minimum(active, tl.maximum(1, wave // (tl.num_programs(0) * tl.num_programs(1))))
+            per_split = tl.cdiv(tl.cdiv(filled, active), BLOCK_N) * BLOCK_N
+            lo = split * per_split
+            hi = tl.minimum(lo + per_split, filled)
             if TREE:
                 last_visible = token + L                # no causal limit: the ancestor mask decides past start
             else:
@@ -172,18 +184,16 @@ if triton is not None:
             m = m_new
         out = (split * tl.num_programs(1) + kv) * (BLOCK_M * tl.num_programs(0)) + rows
         result = acc / tl.where(denom > 0, denom, 1.0)[:, None]
-        if TREE:  # the merge reads a partial only where its lse is finite
-            tl.store(partial + out[:, None] * D + dims[None, :], result, mask=(denom > 0)[:, None])
-        else:
-            tl.store(partial + out[:, None] * D + dims[None, :], result)
+        # the merge reads a partial only where its lse is finite
+        tl.store(partial + out[:, None] * D + dims[None, :], result, mask=(denom > 0)[:, None])
         tl.store(lse + out, tl.where(denom > 0, m + tl.log(denom), float("-inf")))
 
     @triton.jit
     def _merge_splits_kernel(partial, lse, out, so_t, so_h, SPLITS: tl.constexpr, GROUP: tl.constexpr,
                              D: tl.constexpr, ROWS: tl.constexpr, BLOCK_S: tl.constexpr, KV_HEADS: tl.constexpr,
-                             SPARSE: tl.constexpr, PDL: tl.constexpr):
-        """partial [SPLITS, KV_HEADS, ROWS, D], lse [SPLITS, KV_HEADS, ROWS]; SPARSE: a partial whose lse is -inf
-        was not written (and weighs 0)."""
+                             PDL: tl.constexpr):
+        """partial [SPLITS, KV_HEADS, ROWS, D], lse [SPLITS, KV_HEADS, ROWS]; a partial whose lse is -inf was not
+        written (and weighs 0)."""
         pdl.begin(PDL)
         kv = tl.program_id(0)
         row = tl.program_id(1)
@@ -191,8 +201,7 @@ if triton is not None:
         split_ok = splits < SPLITS
         at = (splits * KV_HEADS + kv) * ROWS + row
         weights = tl.load(lse + at, mask=split_ok, other=float("-inf"))
-        if SPARSE:
-            split_ok &= weights > float("-inf")
+        split_ok &= weights > float("-inf")
         weights = tl.exp(weights - tl.max(weights, 0))
         dims = tl.arange(0, D)
         parts = tl.load(partial + at[:, None] * D + dims[None, :], mask=split_ok[:, None], other=0.0)
