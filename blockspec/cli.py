@@ -122,13 +122,15 @@ def cmd_chat(args):
 def cmd_serve(args):
     values = {"host": args.host, "port": args.port, "queue_size": args.queue_size, "max_body_mb": args.max_body_mb,
               "receive_timeout_s": args.receive_timeout, "shutdown_grace_s": args.shutdown_grace,
-              "allowed_hosts": args.allowed_hosts, "allowed_origins": args.allowed_origins, "api_key": args.api_key}
+              "allowed_hosts": args.allowed_hosts, "allowed_origins": args.allowed_origins, "api_key": args.api_key,
+              "max_connections": args.max_connections}
     settings = ServerSettings(**{k: v for k, v in values.items() if v is not None})
     settings.check()
-    from .server import bind_socket, serve  # fails with a one-line hint when the 'serve' extras are missing
+    from .server import bind_socket, reserve_files, serve  # fails with a one-line hint when the 'serve' extras are missing
     from .engine.engine import Engine
 
     sock = bind_socket(settings.host, settings.port)  # a busy port is refused now, not after the model has loaded
+    reserve_files(settings.max_connections)
     try:
         config = engine_config(args)
         engine = Engine(config)
@@ -413,6 +415,9 @@ def add_serve_parser(sub):
     serve.add_argument("--receive-timeout", type=float, default=ServerSettings.receive_timeout_s, metavar="S",
                        help="seconds a client has to send its request: the headers from connecting (then the "
                             "connection is closed), the body after them (then HTTP 408)")
+    serve.add_argument("--max-connections", type=int, default=ServerSettings.max_connections, metavar="N",
+                       help="connections open at once; past it the one idle the longest is closed (all busy: "
+                            "HTTP 503)")
     serve.add_argument("--shutdown-grace", type=float, default=ServerSettings.shutdown_grace_s, metavar="S",
                        help="on SIGTERM, seconds the running request may go on before it is stopped")
     serve.add_argument("--allowed-hosts", type=comma_list, metavar="NAMES",

@@ -306,6 +306,7 @@ class ServerSettings:
     allowed_hosts: tuple[str, ...] = ()     # Host header names accepted besides loopback ones and host ('*': any)
     allowed_origins: tuple[str, ...] = ()   # web page origins allowed to call the server ('*': any)
     api_key: str | None = None          # when set, /v1 requests need 'Authorization: Bearer <api_key>'
+    max_connections: int = 256          # open at once; past it the longest idle one closes (all busy: 503)
 
     @property
     def max_body_bytes(self) -> int:
@@ -332,6 +333,12 @@ class ServerSettings:
                                      "http://localhost:3000, or *)")
         if self.api_key is not None and not self.api_key.strip():
             raise BlockspecError("--api-key must not be empty")
+        if self.api_key is not None and not (self.api_key.isascii() and self.api_key.isprintable()
+                                             and self.api_key == self.api_key.strip()):
+            # headers arrive as Latin-1 bytes, and clients send a key's other characters as UTF-8
+            raise BlockspecError("--api-key must be printable ASCII without leading or trailing spaces")
+        if self.max_connections < 1:
+            raise BlockspecError(f"--max-connections must be at least 1 (got {self.max_connections})")
 
 
 @dataclass(frozen=True)

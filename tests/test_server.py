@@ -7,6 +7,7 @@ planted tiny model never does (EOS -> finish_reason 'stop', multi-byte character
 
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
 import threading
@@ -330,6 +331,16 @@ REFUSALS = [
     ("chat", {**CHAT, "max_tokens": "ten"}, "max_tokens", "integer"),
     ("chat", {"messages": [{"role": "user", "content": LONG_TEXT}]}, "messages", "context_length"),
     ("completion", {"prompt": LONG_TEXT}, "prompt", "context_length"),
+    ("completion", {"prompt": LONG_TEXT, "max_tokens": 2}, "prompt", "shorten the prompt"),
+    ("chat", {"messages": [{"role": "user", "content": LONG_TEXT}], "max_tokens": 2}, "messages", "context_length"),
+    ("chat", {**CHAT, "max_completion_tokens": 5, "max_tokens": -5}, "max_tokens", "differ"),
+    ("chat", {**CHAT, "prompt": "hi"}, "prompt", "a field of /v1/completions"),
+    ("completion", {**COMPLETION, "messages": CHAT["messages"]}, "messages", "a field of /v1/chat/completions"),
+    ("completion", {**COMPLETION, "add_generation_prompt": True}, "add_generation_prompt", "a field of"),
+    ("chat", {**CHAT, "user": 123}, "user", "must be a string"),
+    ("chat", {**CHAT, "metadata": [1]}, "metadata", "must be an object"),
+    ("chat", {**CHAT, "prediction": {"type": "content", "content": "x"}}, "prediction", "predicted output"),
+    ("chat", {**CHAT, "reasoning_effort": "high"}, "reasoning_effort", "reasoning effort"),
     ("completion", {"prompt": [1, 2, 100000]}, "prompt", "vocabulary"),
     ("completion", {"prompt": ["one", "two"]}, "prompt", "one prompt"),
     ("completion", {"prompt": ""}, "prompt", "empty"),
@@ -352,6 +363,17 @@ def test_refusals_answer_400_naming_the_field(server, tiny, reference):
             error = r.json()["error"]
             assert error["param"] == param and words in error["message"], (body, error)
             assert error["type"] == "invalid_request_error"
+        for method, path, status in (("DELETE", "/health", 405), ("GET", "/v1/completions", 405),
+                                     ("POST", "/v1/completions/", 404), ("HEAD", "/health", 200),
+                                     ("HEAD", "/v1/models", 200)):
+            r = http.request(method, path)
+            assert r.status_code == status, (method, path, r.status_code, r.text)
+            if status == 405:
+                assert r.headers["allow"] and r.json()["error"]["type"] == "invalid_request_error", r.headers
+            if method == "HEAD":
+                assert r.content == b"", r.content
+            elif status == 404:
+                assert "Not Found" in r.json()["error"]["message"]
         for raw in (b"{not json", b"", b"[1, 2]"):
             r = http.post("/v1/chat/completions", content=raw, headers={"content-type": "application/json"})
             assert r.status_code == 400 and "JSON" in r.json()["error"]["message"], r.text
@@ -493,16 +515,44 @@ def test_vllm_request_extensions_in_process(tiny):
         assert r.status_code == 200 and '"usage": {' in r.text and r.text.endswith("data: [DONE]\n\n"), r.text
 
 
-def test_pipelined_request_running_past_the_receive_timeout_is_answered():
-    """A keep-alive client that sends its next request before the answer to the previous one ends (pipelining): the
-    next request runs, past --receive-timeout, and is answered whole; the connection closes only once idle for that
-    long after its last answer."""
-    import asyncio
+@contextlib.contextmanager
+def protocol_server(app, receive_timeout_s=0.3, max_connections=8):
+    """A uvicorn server of the engine's connection protocol (TimedH11Protocol) around a bare ASGI app, on a free
+    port of 127.0.0.1 in a thread; yields the port."""
     import functools
 
     import uvicorn
 
     from blockspec.server.connection import TimedH11Protocol
+
+    listening = socket.socket()
+    listening.bind(("127.0.0.1", 0))
+    protocol = functools.partial(TimedH11Protocol, receive_timeout_s=receive_timeout_s,
+                                 max_connections=max_connections)
+    server = uvicorn.Server(uvicorn.Config(app, http=protocol, lifespan="off", log_level="error"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [listening]}, daemon=True)
+    thread.start()
+    try:
+        while not server.started:
+            time.sleep(0.01)
+        yield listening.getsockname()[1]
+    finally:
+        server.should_exit = True
+        thread.join(10)
+
+
+def read_all(sock: socket.socket) -> bytes:
+    data = b""
+    while chunk := sock.recv(65536):
+        data += chunk
+    return data
+
+
+def test_pipelined_request_running_past_the_receive_timeout_is_answered():
+    """A keep-alive client that sends its next request before the answer to the previous one ends (pipelining): the
+    next request runs, past --receive-timeout, and is answered whole; the connection closes only once idle for that
+    long after its last answer."""
+    import asyncio
 
     async def app(scope, receive, send):
         assert scope["type"] == "http"
@@ -511,29 +561,77 @@ def test_pipelined_request_running_past_the_receive_timeout_is_answered():
         await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"4")]})
         await send({"type": "http.response.body", "body": scope["path"][1:5].encode()})
 
-    listening = socket.socket()
-    listening.bind(("127.0.0.1", 0))
-    port = listening.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, http=functools.partial(TimedH11Protocol, receive_timeout_s=0.3),
-                                           lifespan="off", log_level="error"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [listening]}, daemon=True)
-    thread.start()
-    try:
-        while not server.started:
-            time.sleep(0.01)
+    with protocol_server(app) as port, socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+        sock.sendall(b"GET /fast HTTP/1.1\r\nHost: x\r\n\r\nGET /slow HTTP/1.1\r\nHost: x\r\n\r\n")
+        data = b""
+        while data.count(b"HTTP/1.1 200") < 2 or not data.endswith(b"slow"):
+            chunk = sock.recv(4096)
+            assert chunk, data  # closed before the second answer
+            data += chunk
+        answered = time.perf_counter()
+        assert sock.recv(100) == b""  # closed once idle
+        assert 0.2 < time.perf_counter() - answered < 2
+
+
+async def answer_ok(scope, receive, send):
+    """Answers 200 "ok" at once, whatever body is still coming (as a 413 refused from its Content-Length is)."""
+    if scope["type"] == "http":
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+
+async def answer_after_the_body(scope, receive, send):
+    if scope["type"] == "http":
+        while (await receive()).get("more_body"):
+            pass
+        await answer_ok(scope, receive, send)
+
+
+def test_past_max_connections_the_longest_idle_connection_closes_and_all_busy_is_503():
+    """A flood of idle connections neither holds a new client back nor opens files without end: past
+    max_connections the one idle the longest closes; where every other one has a request in progress, the new one
+    is answered 503 in JSON."""
+    with protocol_server(answer_after_the_body, receive_timeout_s=30, max_connections=3) as port:
+        idle = [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(3)]
+        time.sleep(0.2)
         with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
-            sock.sendall(b"GET /fast HTTP/1.1\r\nHost: x\r\n\r\nGET /slow HTTP/1.1\r\nHost: x\r\n\r\n")
-            data = b""
-            while data.count(b"HTTP/1.1 200") < 2 or not data.endswith(b"slow"):
-                chunk = sock.recv(4096)
-                assert chunk, data  # closed before the second answer
-                data += chunk
-            answered = time.perf_counter()
-            assert sock.recv(100) == b""  # closed once idle
-            assert 0.2 < time.perf_counter() - answered < 2
-    finally:
-        server.should_exit = True
-        thread.join(10)
+            sock.sendall(b"GET / HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            assert read_all(sock).startswith(b"HTTP/1.1 200")
+        assert idle[0].recv(10) == b""  # the oldest idle one was closed for it
+        for sock in idle:
+            sock.close()
+        time.sleep(0.2)
+        # three connections with a request in progress: headers sent, the body not yet
+        busy = [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(3)]
+        for sock in busy:
+            sock.sendall(b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 10\r\n\r\n")
+        time.sleep(0.2)
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+            sock.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+            head, _, body = read_all(sock).partition(b"\r\n\r\n")
+            assert head.startswith(b"HTTP/1.1 503") and json.loads(body)["error"]["code"] == "too_many_connections"
+        for sock in busy:
+            sock.close()
+
+
+def test_an_answer_sent_before_the_body_came_in_reaches_a_client_that_asked_to_close():
+    """Connection: close and a body still coming (a 413 refused from its Content-Length): the connection reads and
+    drops the rest before it closes, so no reset overtakes the answer."""
+    body = b"x" * 8_000_000
+    with protocol_server(answer_ok) as port, socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall(f"POST / HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Length: {len(body)}\r\n\r\n"
+                     .encode())
+        time.sleep(0.2)  # answered by now, before the body
+        sock.sendall(body)
+        assert read_all(sock).startswith(b"HTTP/1.1 200")
+
+
+def test_an_http_1_0_client_that_half_closes_gets_its_answer():
+    """HTTP/1.0, the request whole, then shutdown(SHUT_WR) (`nc -N`): answered, as HTTP/1.1 clients are."""
+    with protocol_server(answer_ok) as port, socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+        sock.sendall(b"POST / HTTP/1.0\r\nHost: x\r\nContent-Length: 2\r\n\r\nhi")
+        sock.shutdown(socket.SHUT_WR)
+        assert read_all(sock).startswith(b"HTTP/1.1 200")
 
 
 class Undecodable:
@@ -648,6 +746,10 @@ def test_allowed_origins_match_with_the_default_port_written_or_not():
     (["--shutdown-grace", "-1"], "--shutdown-grace must be 0 or more seconds (got -1)"),
     (["--allowed-origins", "example.com"], "--allowed-origins: 'example.com' is not an origin"),
     (["--api-key", " "], "--api-key must not be empty"),
+    (["--api-key", "sécret"], "--api-key must be printable ASCII without leading or trailing spaces"),
+    (["--api-key", "key "], "--api-key must be printable ASCII without leading or trailing spaces"),
+    (["--max-connections", "0"], "--max-connections must be at least 1 (got 0)"),
+    (["--max-connections", str(2 ** 40)], f"--max-connections {2 ** 40}: this process may open"),
     (["--allowed-hosts", "box.lan,localhost:8000"], "--allowed-hosts: 'localhost:8000' has a port, but the Host "
      "header is checked by name only, on any port: write 'localhost'"),
     (["--allowed-hosts", "[fe80::1]:8000"], "--allowed-hosts: '[fe80::1]:8000' has a port, but the Host header is "

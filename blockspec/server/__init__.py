@@ -21,7 +21,7 @@ except ImportError as _exc:
     raise BlockspecError(f"blockspec serve needs the 'serve' extras ({_exc.name} is not installed): "
                          "pip install 'blockspec[serve]'") from None
 
-from .app import bind_socket, create_app, serve
+from .app import bind_socket, create_app, reserve_files, serve
 from .text import IncrementalText
 
-__all__ = ["IncrementalText", "bind_socket", "create_app", "serve"]
+__all__ = ["IncrementalText", "bind_socket", "create_app", "reserve_files", "serve"]

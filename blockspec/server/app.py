@@ -85,7 +85,9 @@ def create_app(engine, settings: ServerSettings = ServerSettings(), bound_addres
         parsing.shutdown(wait=False)
         parsing_large.shutdown(wait=False)
 
-    app = FastAPI(title="blockspec", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
+    # a path with a trailing slash is not redirected (an empty 307) but answered 404 in JSON, as any unknown path
+    app = FastAPI(title="blockspec", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan,
+                  redirect_slashes=False)
     app.add_middleware(AccessGuard, settings=settings, bound_address=bound_address or settings.host)
     app.add_middleware(InternalErrors)
     parser = RequestParser(engine)
@@ -119,9 +121,10 @@ def create_app(engine, settings: ServerSettings = ServerSettings(), bound_addres
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request, exc):
         return ApiError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}",
-                        type_="invalid_request_error" if exc.status_code < 500 else "server_error").response()
+                        type_="invalid_request_error" if exc.status_code < 500 else "server_error",
+                        headers=exc.headers).response()  # a 405's Allow
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health():
         state = {"status": "shutting_down" if closing.is_set() else "ok", "model": engine.model_name,
                  "mode": engine.mode, "context_length": engine.context_length, **worker.load()}
@@ -131,11 +134,11 @@ def create_app(engine, settings: ServerSettings = ServerSettings(), bound_addres
         return {"id": engine.model_name, "object": "model", "created": started_at, "owned_by": "blockspec",
                 "max_model_len": engine.context_length, "blockspec": {"mode": engine.mode}}
 
-    @app.get("/v1/models")
+    @app.api_route("/v1/models", methods=["GET", "HEAD"])
     async def models():
         return {"object": "list", "data": [model_card()]}
 
-    @app.get("/v1/models/{model_id:path}")
+    @app.api_route("/v1/models/{model_id:path}", methods=["GET", "HEAD"])
     async def model(model_id: str):
         if model_id != engine.model_name:
             raise ApiError(404, f"model '{model_id}' is not served here; this server serves '{engine.model_name}'",
@@ -274,6 +277,30 @@ def create_app(engine, settings: ServerSettings = ServerSettings(), bound_addres
     return app
 
 
+FILES_BESIDE_CONNECTIONS = 256  # the process's other open files: the model's, the libraries', the listening socket
+
+
+def reserve_files(max_connections: int) -> None:
+    """The process's open-file limit raised to hold max_connections connections and its other files, or a one-line
+    BlockspecError naming --max-connections where the hard limit is lower: past the limit the listening socket's
+    accept fails on every new connection."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    needed = max_connections + FILES_BESIDE_CONNECTIONS
+    if soft == resource.RLIM_INFINITY or soft >= needed:
+        return
+    limit = soft if hard == resource.RLIM_INFINITY else hard
+    try:
+        if hard != resource.RLIM_INFINITY and hard < needed:
+            raise ValueError(f"ulimit -Hn is {hard}")
+        resource.setrlimit(resource.RLIMIT_NOFILE, (needed, hard))
+    except (ValueError, OSError) as exc:
+        raise BlockspecError(f"--max-connections {max_connections}: this process may open too few files for the "
+                             f"connections and {FILES_BESIDE_CONNECTIONS} more ({exc}); give --max-connections "
+                             f"{max(1, limit - FILES_BESIDE_CONNECTIONS)} or less") from None
+
+
 def bind_socket(host: str, port: int) -> socket.socket:
     """A TCP socket bound to host:port (not yet listening; uvicorn listens on it), or a one-line BlockspecError naming
     why not: bind it before loading the model so that a busy port is reported at once. The port is checked to be in
@@ -309,16 +336,34 @@ class DrainingServer(uvicorn.Server):
     def __init__(self, config: uvicorn.Config, begin_shutdown):
         super().__init__(config)
         self.begin_shutdown = begin_shutdown
+        self.accept_error_logged = float("-inf")
 
     async def shutdown(self, sockets=None):
         self.begin_shutdown()
         await super().shutdown(sockets)
+
+    async def startup(self, sockets=None):
+        asyncio.get_running_loop().set_exception_handler(self.loop_error)
+        await super().startup(sockets)
+
+    def loop_error(self, loop, context):
+        """asyncio's errors outside any request: an accept that failed (out of open files, say: asyncio retries it
+        after a second) logged in one line at most once a second, not a traceback each time; others as asyncio
+        does."""
+        exc = context.get("exception")
+        if isinstance(exc, OSError) and "accept" in context.get("message", ""):
+            if loop.time() - self.accept_error_logged >= 1.0:
+                self.accept_error_logged = loop.time()
+                log.warning("cannot accept connections: %s", exc.strerror or exc)
+            return
+        loop.default_exception_handler(context)
 
 
 def serve(engine, settings: ServerSettings = ServerSettings(), log_level: str = "info",
           sock: socket.socket | None = None):
     """Run the server until SIGTERM or Ctrl-C (blocking), on `sock` (from bind_socket) or on settings' address."""
     settings.check()
+    reserve_files(settings.max_connections)
     sock = sock or bind_socket(settings.host, settings.port)
     address, port = sock.getsockname()[:2]  # port: the one the OS chose for --port 0
     app = create_app(engine, settings, bound_address=address)
@@ -327,7 +372,8 @@ def serve(engine, settings: ServerSettings = ServerSettings(), log_level: str = 
     if warning := host_check_warning(settings, address):
         print(f"blockspec: warning: {warning}", file=sys.stderr, flush=True)
     # uvicorn waits this long for the requests to end, past the grace period the app gives the running one
-    protocol = functools.partial(TimedH11Protocol, receive_timeout_s=settings.receive_timeout_s)
+    protocol = functools.partial(TimedH11Protocol, receive_timeout_s=settings.receive_timeout_s,
+                                 max_connections=settings.max_connections)
     config = uvicorn.Config(app, host=settings.host, port=port, http=protocol, log_level=log_level,
                             log_config=LOG_CONFIG, timeout_graceful_shutdown=settings.shutdown_grace_s + 5)
     # uvicorn raises the signal that stopped it again once it is done: SIGTERM's default action would then kill the

@@ -7,6 +7,7 @@ import asyncio
 import json
 import socket
 from collections.abc import Callable
+from http import HTTPStatus
 
 import h11
 from starlette.requests import ClientDisconnect, Request
@@ -21,40 +22,108 @@ class ClientLeft(Exception):
 
 # How often a half-closed connection is checked for the reset that tells a client gone entirely
 RESET_CHECK_S = 0.05
+# How long a connection answered before its request body was all in reads and drops the rest before it closes: a
+# socket closed with unread data sends a reset, which can reach the client before it has read the answer (a 413)
+LINGER_S = 2.0
+
+
+class LingeringTransport:
+    """The connection's transport, whose close() lingers (TimedH11Protocol.linger) when the answer went out before
+    the whole request body came in."""
+
+    def __init__(self, transport, protocol: TimedH11Protocol):
+        self._transport, self._protocol = transport, protocol
+
+    def __getattr__(self, name):
+        return getattr(self._transport, name)
+
+    def close(self):
+        protocol = self._protocol
+        if protocol.lingering is not None:
+            return  # the client's end of stream or the linger's time closes it
+        if protocol.cycle is not None and protocol.conn.their_state is h11.SEND_BODY:
+            protocol.linger()
+        else:
+            self._transport.close()
 
 
 class TimedH11Protocol(H11Protocol):
     """uvicorn's HTTP/1.1 connection, closed when a request's headers are not all there receive_timeout_s after the
     connection opened or the previous response ended: uvicorn alone waits forever for a first request, and for one
     sent a byte at a time. A client that half-closes the connection after its whole request still gets the answer
-    (uvicorn alone drops it). A request it cannot parse is answered in JSON, as every other bad request."""
+    (uvicorn alone drops it). A request it cannot parse is answered in JSON, as every other bad request. At most
+    max_connections stay open (make_room), and one answered before its body was all in closes lingering (linger)."""
 
-    def __init__(self, *args, receive_timeout_s: float, **kwargs):
+    def __init__(self, *args, receive_timeout_s: float, max_connections: int, **kwargs):
         super().__init__(*args, **kwargs)
-        self.receive_timeout_s = receive_timeout_s
+        self.receive_timeout_s, self.max_connections = receive_timeout_s, max_connections
         self.request_deadline: asyncio.TimerHandle | None = None
         self.half_closed = None  # the cycle whose client sent its end of stream
+        self.idle_since = 0.0  # when the connection last began waiting for a request
+        self.lingering = None  # the timer of a lingering close (LingeringTransport)
 
     def connection_made(self, transport):
-        super().connection_made(transport)
+        self.raw_transport = transport
+        super().connection_made(LingeringTransport(transport, self))
         self.expect_request()
+        if len(self.connections) > self.max_connections and not self.make_room():
+            self.refuse(503, "too many open connections: every one has a request in progress; retry later",
+                        "too_many_connections")
+
+    def idle(self) -> bool:
+        """No request in progress: none began since the connection opened or the last answer ended."""
+        return ((self.cycle is None or self.cycle.response_complete) and self.lingering is None
+                and not self.transport.is_closing())
+
+    def make_room(self) -> bool:
+        """Past --max-connections, the connection idle the longest closes, so that a flood of idle connections
+        (each of them open until --receive-timeout) neither exhausts the process's files nor holds a new client
+        back; False where every other connection has a request in progress."""
+        idle = [c for c in self.connections if c is not self and c.idle()]
+        if not idle:
+            return False
+        min(idle, key=lambda c: c.idle_since).transport.close()
+        return True
+
+    def refuse(self, status: int, message: str, code: str) -> None:
+        """Answer with an OpenAI-style JSON error and close: for what is refused before the app sees a request."""
+        body = json.dumps(ApiError(status, message, code=code,
+                                   type_="invalid_request_error" if status < 500 else "server_error").body()).encode()
+        head = (f"HTTP/1.1 {status} {HTTPStatus(status).phrase}\r\ncontent-type: application/json\r\n"
+                f"content-length: {len(body)}\r\nconnection: close\r\n\r\n").encode()
+        self.raw_transport.write(head + body)
+        self.linger()
+
+    def linger(self) -> None:
+        """Close once the client has sent what it was sending: the answer's end goes out (write_eof), what arrives
+        is dropped until the client's end of stream or LINGER_S. A socket closed with unread data sends a reset,
+        which can reach the client before it has read the answer (a 413 to a body still coming)."""
+        transport = self.raw_transport
+        if transport.is_closing():
+            return
+        try:
+            transport.write_eof()  # can_write_eof() is true for TCP; the client may be gone already
+        except OSError:
+            transport.close()
+            return
+        transport.resume_reading()
+        self.lingering = self.loop.call_later(LINGER_S, transport.close)
 
     def send_400_response(self, msg: str) -> None:
         """A request the HTTP layer cannot parse (its framing or headers) answered as every other bad request: 400
         with an OpenAI-style JSON body, then the connection closed (uvicorn's own answer is plain text)."""
-        body = json.dumps(ApiError(400, f"malformed HTTP request: {msg}", code="malformed_http").body()).encode()
-        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                   (b"connection", b"close")]
-        for event in (h11.Response(status_code=400, headers=headers, reason=b"Bad Request"), h11.Data(data=body),
-                      h11.EndOfMessage()):
-            self.transport.write(self.conn.send(event))
-        self.transport.close()
+        self.refuse(400, f"malformed HTTP request: {msg}", "malformed_http")
+
+    def data_received(self, data: bytes) -> None:
+        if self.lingering is None:
+            super().data_received(data)
 
     def on_response_complete(self):
         super().on_response_complete()
         self.expect_request()
 
     def expect_request(self):
+        self.idle_since = self.loop.time()
         if self.request_deadline is not None:
             self.request_deadline.cancel()
         self.request_deadline = self.loop.call_later(self.receive_timeout_s, self.close_unless_requested, self.cycle)
@@ -67,19 +136,20 @@ class TimedH11Protocol(H11Protocol):
             self.transport.close()
 
     def eof_received(self):
-        """The client sent its end of stream. Once a whole HTTP/1.1 request is in, the connection stays open for the
+        """The client sent its end of stream. Once a whole request is in, the connection stays open for the
         answer (then closes), as the client may only have shut its sending side (shutdown(SHUT_WR): `nc -N`, some
         proxies); before that, or idle, it closes as a client that left. A client that closed its socket entirely
         sends the same end of stream, but its machine answers any data with a reset: an interim '100 Continue' (which
         HTTP/1.1 clients skip, RFC 9110 15.2) is sent at once, and a reset seen on the socket ends the connection as
         a client that left, so that its generation stops."""
         cycle = self.cycle
-        if (cycle is None or cycle.response_complete or self.conn.their_state not in (h11.DONE, h11.MUST_CLOSE)
-                or cycle.scope["http_version"] != "1.1"):
+        if (self.lingering is not None or cycle is None or cycle.response_complete
+                or self.conn.their_state not in (h11.DONE, h11.MUST_CLOSE)):
             return None  # asyncio closes the transport: connection_lost
         if cycle is not self.half_closed:  # the first end of stream of this request (reading resumed sees it again)
             self.half_closed, cycle.keep_alive = cycle, False
-            if not cycle.response_started:
+            # an HTTP/1.0 client takes no interim answer (RFC 9110 15.2): one that left is found at the first write
+            if not cycle.response_started and cycle.scope["http_version"] == "1.1":
                 interim = h11.InformationalResponse(status_code=100, headers=[], reason=b"Continue")
                 self.transport.write(self.conn.send(interim))
             self.loop.call_later(RESET_CHECK_S, self.close_if_reset, cycle)
@@ -95,6 +165,8 @@ class TimedH11Protocol(H11Protocol):
 
     def connection_lost(self, exc):
         self.request_deadline.cancel()
+        if self.lingering is not None:
+            self.lingering.cancel()
         super().connection_lost(exc)
 
 

@@ -34,7 +34,18 @@ AT_NEUTRAL_ONLY = {
     "chat_template_kwargs": ({"chat"}, ({}, {"enable_thinking": False}),
                              "chat template arguments (the template renders with enable_thinking false)"),
     "modalities": ({"chat"}, (["text"],), "outputs other than text"),
+    "audio": ({"chat"}, (), "audio output"),
+    "prediction": ({"chat"}, (), "a predicted output"),
+    "reasoning_effort": ({"chat"}, (), "a reasoning effort (the chat template decides)"),
 }
+# Fields of one endpoint that a request to the other may not carry: the other endpoint would ignore them
+ENDPOINT_FIELDS = {"chat": ("messages", "add_generation_prompt", "continue_final_message", "chat_template",
+                            "chat_template_kwargs", "modalities"),
+                   "completion": ("prompt", "suffix")}
+ENDPOINT_PATHS = {"chat": "/v1/chat/completions", "completion": "/v1/completions"}
+# OpenAI's fields about the request, not its output: their types checked, their values not used
+ABOUT_THE_REQUEST = {"user": (str, "a string"), "metadata": (dict, "an object"), "store": (bool, "a boolean"),
+                     "service_tier": (str, "a string")}
 MAX_DEPTH = 32                               # arrays and objects inside one another in a request body
 SCAN_PIECE = 1 << 16                         # bytes json_values scans at a time, the GIL free between pieces
 LONE_SURROGATE = re.compile("[\ud800-\udfff]")  # what a JSON \ud800 escape without its pair decodes to
@@ -276,6 +287,14 @@ class RequestParser:
         return {**self.sampling_defaults, **{k: v for k, v in values.items() if v is not None}}
 
     def common(self, body: dict, kind: str) -> tuple[bool, bool, str]:
+        other = "completion" if kind == "chat" else "chat"
+        for name in ENDPOINT_FIELDS[other]:
+            if body.get(name) is not None:
+                raise bad(f"'{name}' is a field of {ENDPOINT_PATHS[other]}, not of {ENDPOINT_PATHS[kind]}", name)
+        for name, (python_type, wanted) in ABOUT_THE_REQUEST.items():
+            value = body.get(name)
+            if value is not None and not isinstance(value, python_type):
+                raise bad(f"'{name}' must be {wanted} (got {_json_type(value)})", name)
         model = body.get("model")
         if model is not None and not isinstance(model, str):
             raise bad(f"'model' must be a string (got {_json_type(model)})", "model")
@@ -458,10 +477,13 @@ class RequestParser:
         legacy = get_int(body, "max_tokens", None)
         if explicit is None:
             explicit, max_param = legacy, "max_tokens"
+        elif legacy is not None and legacy != explicit:
+            raise bad(f"max_tokens ({legacy}) and max_completion_tokens ({explicit}) differ: send one of them",
+                      "max_tokens")
         if not prompt_ids:
             raise bad("the prompt is empty: give at least one token", prompt_param)
         room = self.engine.context_length - len(prompt_ids)
-        if explicit is None and room < 1:
+        if room < 1:
             raise bad(f"the prompt is {len(prompt_ids)} tokens but context_length is {self.engine.context_length}: "
                       "no room left to generate; shorten the prompt", prompt_param)
         max_tokens = explicit if explicit is not None else min(self.engine.config.max_tokens, room)
