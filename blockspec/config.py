@@ -19,6 +19,7 @@ SUPPORTED_MODEL_TYPES = {"qwen3_5", "qwen3_5_text"}
 # The most tokens one target pass verifies (anchor + proposals, or a draft tree's root + nodes): the pending buffers
 # of a partial or path commit and the kernels' row limits are sized by it.
 MAX_PASS_TOKENS = 64
+MAX_VERIFY_TOKENS = 16  # the longest chain pass (anchor + proposals), whose partial commit the buffers hold
 # Draft-tree budget where none is set: the best budget measured against the chain on every device, bf16 and INT4
 # alike (docs/benchmarks.md, "The default budget"), a tree of 15 draft nodes, whose pass of 16 rows keeps the
 # projections' 16-row tiles.
@@ -103,7 +104,7 @@ class PredictConfig(CheckedSettings):
     prefix_reuse: bool = True
     prefix_snapshots: int = Field(4, ge=1, le=64)  # state snapshots kept for it, allocated at load
     max_tokens: int = Field(256, ge=1)
-    self_speculative_num_tokens: int = Field(3, ge=1, le=16)
+    self_speculative_num_tokens: int = Field(3, ge=1, le=MAX_VERIFY_TOKENS - 1)
     draft_vocabulary: int | str = 0  # 0: proposals over the full head; N or a JSON file of ids: layers/draft_head
     dflash2_model: str | None = None
     dflash2_quantization: Literal["none", "int8"] = "none"
@@ -256,8 +257,9 @@ class _DuplicateKey(yaml.YAMLError):
 
 
 class _ConfigLoader(yaml.SafeLoader):
-    """SafeLoader that refuses a key given twice in a mapping (PyYAML keeps the last) and reads 1e-3 as a number
-    (as YAML 1.2 does; PyYAML's 1.1 rules read it as the string '1e-3')."""
+    """SafeLoader that refuses a key given twice in a mapping (PyYAML keeps the last) and reads numbers in decimal:
+    010 is ten (not PyYAML's octal eight), 1:30 a string (not its base-60 ninety), 0x10 and 0b110 strings (refused
+    where a number is wanted), 1_000 a thousand, 1e-3 a number (the YAML 1.1 rules make it the string '1e-3')."""
 
     def construct_mapping(self, node, deep=False):
         lines = {}
@@ -275,9 +277,15 @@ class _ConfigLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep=deep)
 
 
+_YAML_INT, _YAML_FLOAT = "tag:yaml.org,2002:int", "tag:yaml.org,2002:float"
+_ConfigLoader.yaml_implicit_resolvers = {
+    first: [(tag, pattern) for tag, pattern in resolvers if tag not in (_YAML_INT, _YAML_FLOAT)]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+_ConfigLoader.add_implicit_resolver(_YAML_INT, re.compile(r"^[-+]?[0-9][0-9_]*$"), list("-+0123456789"))
 _ConfigLoader.add_implicit_resolver(
-    "tag:yaml.org,2002:float", re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)[eE][-+]?[0-9]+$"),
-    list("-+0123456789."))
+    _YAML_FLOAT, re.compile(r"^(?:[-+]?(?:\.[0-9][0-9_]*|[0-9][0-9_]*(?:\.[0-9_]*)?)(?:[eE][-+]?[0-9]+)?"
+                            r"|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$"), list("-+0123456789."))
+_ConfigLoader.add_constructor(_YAML_INT, lambda loader, node: int(loader.construct_scalar(node).replace("_", "")))
 
 
 def describe_validation_error(exc: ValidationError) -> str:

@@ -69,6 +69,9 @@ def test_merged_keys_may_be_overridden(tmp_path):
     ("gpu_ranks: [true]\n", "gpu_ranks.0", "(got True)"),
     ("pdl_prefetch_mb: '4'\n", "pdl_prefetch_mb", "(got '4')"),
     ("fold_norms: 'off'\n", "fold_norms", "Input should be true or false (got 'off')"),
+    ("temperature: 1:30\n", "temperature", "(got '1:30')"),  # not PyYAML's base-60 ninety
+    ("max_tokens: 0x10\n", "max_tokens", "(got '0x10')"),
+    ("self_speculative_num_tokens: 16\n", "self_speculative_num_tokens", "less than or equal to 15"),  # 17-row pass
 ])
 def test_values_are_taken_as_written(tmp_path, content, key, problem):
     message = refused(tmp_path, content)
@@ -84,12 +87,13 @@ def test_load_progress_takes_true_or_false(tmp_path, value):
 def test_well_typed_values_are_accepted(tmp_path):
     config = loaded(tmp_path, "temperature: 1\nmin_p: 1e-3\ntop_p: .5e0\nprefix_reuse: no\nload_progress: true\n"
                               "draft_vocabulary: ids.json\ncompile_mode: -1\ngpu_ranks: [0]\nseed: null\n"
-                              "pdl_prefetch_mb: 2\nmax_tokens: 1_000\n")
+                              "pdl_prefetch_mb: 2\nmax_tokens: 1_000\nprefill_chunk_size: 010\n")
     assert config.temperature == 1.0 and isinstance(config.temperature, float)
     assert config.min_p == 0.001 and config.top_p == 0.5
     assert config.prefix_reuse is False and config.load_progress is True
     assert config.draft_vocabulary == "ids.json" and config.compile_mode == -1 and config.seed is None
     assert config.pdl_prefetch_mb == 2.0 and config.max_tokens == 1000
+    assert config.prefill_chunk_size == 10  # decimal, not PyYAML's octal eight
 
 
 def test_overrides_apply_on_top_of_the_file(tmp_path):

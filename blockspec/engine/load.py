@@ -17,7 +17,7 @@ from typing import Callable
 
 import torch
 
-from ..config import PredictConfig, TargetConfig, unused_settings
+from ..config import MAX_VERIFY_TOKENS, PredictConfig, TargetConfig, unused_settings
 from ..drafter.config import DrafterConfig
 from ..drafter.model import QUANTIZED_PROJECTIONS, DFlash2Drafter, check_fits_target
 from ..errors import BlockspecError, UnsupportedRequest
@@ -37,8 +37,6 @@ from .sampling import Sampler
 from .state import DecodeState
 from .target import EagerTarget, GraphedTarget
 from .weights import prepare, quantize_head, resident_bytes, rtn
-
-MAX_VERIFY_TOKENS = 16  # longest chain pass (anchor + proposals) whose partial commit is supported
 
 
 def pass_rows(tree_budget: int) -> int:
