@@ -367,6 +367,21 @@ def test_train_target_writes_a_checkpoint_blockspec_and_transformers_agree_on(tm
     assert "--hidden 128 differs from the run saved in" in capsys.readouterr().err
 
 
+def test_a_diverging_run_stops_in_one_line_before_it_saves_its_weights(tmp_path, capsys):
+    data = tmp_path / "src"
+    data.mkdir()
+    rng = random.Random(1)
+    (data / "m.py").write_text("\n".join(" ".join(rng.choice(WORDS) for _ in range(8)) for _ in range(80)))
+    out = tmp_path / "t"
+    assert main(["train-target", "--data", str(data), "--out", str(out), "--vocab", "300", "--hidden", "64",
+                 "--layers", "4", "--heads", "2", "--intermediate", "128", "--seq-len", "32", "--batch-tokens", "64",
+                 "--steps", "6", "--checkpoint-every", "2", "--lr", "1e308", "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    last = err.splitlines()[-1]  # after the progress bar's lines
+    assert last.startswith("blockspec: error: training diverged: the loss of step") and "is nan" in last, err
+    assert not (out / "model.safetensors").exists()  # no weights of a diverged step were written
+
+
 def test_a_refused_train_target_leaves_no_folder(tmp_path, capsys):
     (tmp_path / "short.txt").write_text("too short for one sequence")
     argv = ["train-target", "--data", str(tmp_path / "short.txt"), "--out", str(tmp_path / "t"), "--vocab", "300",

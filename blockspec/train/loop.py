@@ -339,6 +339,9 @@ class Trainer:
             *whole, norm, count = totals.tolist()
             queued, tokens = None, tokens + int(count)
             figures = {**dict(zip(["loss", *names], whole)), "grad_norm": norm}
+            if not math.isfinite(figures["loss"]):  # before any checkpoint of the weights it left behind
+                raise BlockspecError(f"training diverged: the loss of step {step} is {figures['loss']} (a lower --lr "
+                                     f"may help); {self.out} holds the last checkpoint written before it, if any")
             self.history.append({"step": step, **{k: round(v, 4) for k, v in figures.items()}})
             if hasattr(progress, "set_postfix"):
                 shown = {"loss": f"{figures['loss']:.3f}"}
