@@ -82,6 +82,8 @@ def load_fixtures(path: str | None, prompt: str | None) -> list[dict]:
     if path is not None and (path == "stdlib" or Path(path).is_dir()):
         return code_fixtures(path)
     where = f"fixtures file {path or DEFAULT_FIXTURES}"
+    if path is not None and Path(path).exists() and not Path(path).is_file():  # a device or a pipe: read without end
+        raise BlockspecError(f"{where}: not a regular file")
     try:
         text = Path(path or DEFAULT_FIXTURES).read_bytes().decode("utf-8")
         fixtures = json.loads(text)
@@ -91,6 +93,8 @@ def load_fixtures(path: str | None, prompt: str | None) -> list[dict]:
         raise BlockspecError(f"{where}: not UTF-8 text (byte {exc.start})") from None
     except json.JSONDecodeError as exc:
         raise BlockspecError(f"{where}: not valid JSON ({exc})") from None
+    except RecursionError:
+        raise BlockspecError(f"{where}: not valid JSON (nested too deeply)") from None
     check_fixtures(fixtures, where)
     return fixtures
 

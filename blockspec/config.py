@@ -19,6 +19,7 @@ SUPPORTED_MODEL_TYPES = {"qwen3_5", "qwen3_5_text"}
 # The most tokens one target pass verifies (anchor + proposals, or a draft tree's root + nodes): the pending buffers
 # of a partial or path commit and the kernels' row limits are sized by it.
 MAX_PASS_TOKENS = 64
+MAX_CONFIG_BYTES = 1 << 20  # a YAML config file larger than this is refused unread
 MAX_VERIFY_TOKENS = 16  # the longest chain pass (anchor + proposals), whose partial commit the buffers hold
 # Draft-tree budget where none is set: the best budget measured against the chain on every device, bf16 and INT4
 # alike (docs/benchmarks.md, "The default budget"), a tree of 15 draft nodes, whose pass of 16 rows keeps the
@@ -179,7 +180,12 @@ class PredictConfig(CheckedSettings):
         values are taken as written: a duplicate key, a key that is not a setting's name, a string for a number or
         a flag, true / false for a number: each refused in one line naming the file and the key."""
         path = Path(path)
+        if path.exists() and not path.is_file():  # a device (/dev/zero) or a pipe would be read without end
+            raise BlockspecError(f"config file {path}: not a regular file")
         try:
+            if path.stat().st_size > MAX_CONFIG_BYTES:
+                raise BlockspecError(f"config file {path}: larger than {MAX_CONFIG_BYTES >> 20} MB; a config is a "
+                                     "few lines of YAML")
             data = yaml.load(path.read_bytes().decode("utf-8-sig"), Loader=_ConfigLoader)
         except OSError as exc:
             raise BlockspecError(f"config file {path}: {exc.strerror}") from None
@@ -188,6 +194,8 @@ class PredictConfig(CheckedSettings):
                                  f"{exc.start})") from None
         except _DuplicateKey as exc:
             raise BlockspecError(f"config file {path}: {exc}") from None
+        except RecursionError:
+            raise BlockspecError(f"config file {path}: not valid YAML (nested too deeply)") from None
         except yaml.YAMLError as exc:
             mark = getattr(exc, "problem_mark", None)
             where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
@@ -388,6 +396,8 @@ class TargetConfig:
             raise BlockspecError(f"{path}: cannot be read ({exc.strerror})") from None
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise BlockspecError(f"{path}: not valid JSON ({exc})") from None
+        except RecursionError:
+            raise BlockspecError(f"{path}: not valid JSON (nested too deeply)") from None
         return cls.from_dict(raw, source=str(path))
 
     @classmethod

@@ -226,7 +226,7 @@ def test_draft_vocabulary_checked_before_the_target_loads(tiny_checkpoint, tmp_p
     err = refusal(capsys, *mtp, tmp_path / "missing.json")
     assert "cannot read" in err
     err = refusal(capsys, *mtp, tmp_path)
-    assert "Is a directory" in err
+    assert "is not a regular file" in err
 
 
 def test_mode_mtp_refused_without_mtp_layers(tiny_checkpoint, tmp_path, capsys):

@@ -133,3 +133,11 @@ def test_the_command_line_exits_2_in_one_line(tmp_path, capsys, content, needle)
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1 and "Traceback" not in err, err
     assert "bad.yaml" in err and needle in err, err
+
+
+def test_a_device_a_huge_file_and_deep_nesting_are_refused(tmp_path):
+    for device in ("/dev/zero", "/dev/null"):  # read without end, or not a config at all
+        with pytest.raises(BlockspecError, match=f"config file {device}: not a regular file"):
+            PredictConfig.from_yaml(device)
+    assert "nested too deeply" in refused(tmp_path, "a: " + "[" * 5000)
+    assert "larger than 1 MB" in refused(tmp_path, "# " + "x" * (1 << 20))

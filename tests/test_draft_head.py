@@ -108,6 +108,12 @@ def test_draft_ids(tmp_path):
         messages.append(str(exc.value))
     assert all(m.startswith("draft_vocabulary: ") and "\n" not in m for m in messages)
     assert "cannot read" in messages[0] and "not JSON" in messages[1] and "token id 100" in messages[-1]
+    (tmp_path / "latin1.json").write_bytes(b"[1, 2]\xff")
+    (tmp_path / "deep.json").write_text("[" * 100_000)
+    for path, needle in (("/dev/zero", "is not a regular file"), (tmp_path / "latin1.json", r"not UTF-8 text \(byte 6\)"),
+                         (tmp_path / "deep.json", "nested too deeply")):
+        with pytest.raises(BlockspecError, match=needle):
+            draft_ids(str(path), 100)
 
 
 def test_draft_vocabulary_refusals(planted, capsys):

@@ -58,3 +58,26 @@ def test_conversation_length_of_a_template_that_needs_its_generation_prompt(tok)
                             "{% endif %}" + tok.chat_template)
     assert strict.chat_prompt_ids(messages) == ids
     assert strict.conversation_length(messages, ids) is None
+
+
+@pytest.mark.parametrize("damage,message", [
+    (lambda d: (d / "tokenizer_config.json").write_text("[]"), "tokenizer_config.json: a JSON object expected, got list"),
+    (lambda d: (d / "tokenizer_config.json").write_text("[" * 100_000), "tokenizer_config.json: not valid JSON"),
+    (lambda d: (d / "tokenizer_config.json").write_text('{"eos_token": 5}'),
+     "tokenizer_config.json: 'eos_token' must be a token's text"),
+    (lambda d: (d / "tokenizer_config.json").write_text('{"chat_template": ["x"]}'),
+     "tokenizer_config.json: 'chat_template' must be a string (got list)"),
+    (lambda d: (d / "chat_template.jinja").write_bytes(b"{{ x }}\xff"), "chat_template.jinja: not UTF-8 text (byte 7)"),
+    (lambda d: (d / "chat_template.jinja").mkdir(), "chat_template.jinja: cannot be read"),
+])
+def test_damaged_tokenizer_files_are_refused_in_one_line(tiny_checkpoint, tmp_path, damage, message):
+    import shutil
+
+    from blockspec.errors import BlockspecError
+
+    shutil.copytree(tiny_checkpoint(), tmp_path / "m")
+    (tmp_path / "m" / "chat_template.jinja").unlink(missing_ok=True)
+    damage(tmp_path / "m")
+    with pytest.raises(BlockspecError) as error:
+        Tokenizer(tmp_path / "m")
+    assert message in str(error.value) and "\n" not in str(error.value), error.value

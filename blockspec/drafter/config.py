@@ -51,6 +51,8 @@ class DrafterConfig:
             raise BlockspecError(f"drafter config {path} does not exist") from None
         except (OSError, ValueError) as exc:
             raise BlockspecError(f"drafter config {path} cannot be read as JSON: {exc}") from None
+        except RecursionError:
+            raise BlockspecError(f"drafter config {path} cannot be read as JSON: nested too deeply") from None
         if not isinstance(raw, dict):
             raise BlockspecError(f"drafter config {path}: top level is not a JSON object")
         return cls.from_dict(raw, source=str(path))

@@ -65,7 +65,7 @@ def generation_defaults(directory: str | Path) -> dict:
         return {}
     try:
         raw = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
         print(f"blockspec: note: {path} is not readable JSON ({exc}); its sampling values are not used",
               file=sys.stderr)
         return {}
@@ -105,8 +105,10 @@ def checkpoint_files(directory: Path) -> list[Path]:
     if index.exists():
         try:
             weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, UnicodeDecodeError) as exc:
-            raise BlockspecError(f"{index}: corrupt index ({exc!r})") from None
+        except (json.JSONDecodeError, KeyError, TypeError, UnicodeDecodeError, OSError, RecursionError) as exc:
+            raise BlockspecError(f"{index}: corrupt index ({type(exc).__name__}: {str(exc)[:80]})") from None
+        if not isinstance(weight_map, dict) or not all(isinstance(n, str) and n for n in weight_map.values()):
+            raise BlockspecError(f"{index}: corrupt index ('weight_map' must map tensor names to file names)")
         files = [directory / name for name in sorted(set(weight_map.values()))]
         missing = [f.name for f in files if not f.exists()]
         if missing:

@@ -52,6 +52,19 @@ def render_chat(template: str, messages: list[dict], add_generation_prompt: bool
         raise BlockspecError(f"chat template failed to render these messages: {type(exc).__name__}: {exc}") from None
 
 
+def read_text(path: Path, parse=None):
+    """A tokenizer file's UTF-8 text (parsed by `parse`, json.loads), or a one-line BlockspecError naming it."""
+    try:
+        text = path.read_text(encoding="utf-8")
+        return text if parse is None else parse(text)
+    except OSError as exc:
+        raise BlockspecError(f"{path}: cannot be read ({exc.strerror or exc})") from None
+    except UnicodeDecodeError as exc:
+        raise BlockspecError(f"{path}: not UTF-8 text (byte {exc.start})") from None
+    except (ValueError, RecursionError) as exc:  # json.JSONDecodeError is a ValueError
+        raise BlockspecError(f"{path}: not valid JSON ({str(exc)[:100] or 'nested too deeply'})") from None
+
+
 class TooManyTokens(BlockspecError):
     """A text certainly longer than the tokens allowed for it, found without tokenizing it."""
 
@@ -67,16 +80,21 @@ class Tokenizer:
         except Exception as exc:  # the tokenizers library raises a bare Exception on bad files
             raise BlockspecError(f"{path}: unreadable tokenizer ({str(exc).splitlines()[0]})") from None
         cfg_path = directory / "tokenizer_config.json"
-        try:
-            self.config = json.loads(cfg_path.read_text()) if cfg_path.exists() else {}
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise BlockspecError(f"{cfg_path}: not valid JSON ({exc})") from None
+        self.config = read_text(cfg_path, json.loads) if cfg_path.exists() else {}
+        if not isinstance(self.config, dict):
+            raise BlockspecError(f"{cfg_path}: a JSON object expected, got {type(self.config).__name__}")
         template_file = directory / "chat_template.jinja"
-        self.chat_template = template_file.read_text() if template_file.exists() else self.config.get("chat_template")
+        self.chat_template = read_text(template_file) if template_file.exists() else self.config.get("chat_template")
+        if self.chat_template is not None and not isinstance(self.chat_template, str):
+            raise BlockspecError(f"{cfg_path}: 'chat_template' must be a string (got "
+                                 f"{type(self.chat_template).__name__})")
         eos = set(eos_token_ids)
         eos_token = self.config.get("eos_token")
         if isinstance(eos_token, dict):
             eos_token = eos_token.get("content")
+        if eos_token is not None and not isinstance(eos_token, str):
+            raise BlockspecError(f"{cfg_path}: 'eos_token' must be a token's text or an object with its 'content' "
+                                 f"(got {json.dumps(self.config.get('eos_token'))[:40]})")
         if eos_token and self._tok.token_to_id(eos_token) is not None:
             eos.add(self._tok.token_to_id(eos_token))
         self.eos_token_ids = eos
