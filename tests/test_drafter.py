@@ -512,6 +512,14 @@ def test_refuses_wrong_shape(tmp_path):
         load(tmp_path, FakeTarget(seed=2))
 
 
+def test_refuses_weights_of_more_layers_than_the_config(tmp_path):
+    save_reference(tmp_path, seed=1)
+    _rewrite_weights(tmp_path, lambda t: t.update({f"layers.{LAYERS}.mlp.up_proj.weight":
+                                                   t["layers.0.mlp.up_proj.weight"].clone()}))
+    with pytest.raises(BlockspecError, match=f"is of a layer past num_hidden_layers {LAYERS}"):
+        load(tmp_path, FakeTarget(seed=2))
+
+
 def test_refuses_integer_weights(tmp_path):
     save_reference(tmp_path, seed=1)
     _rewrite_weights(tmp_path, lambda t: t.update({"layers.0.self_attn.k_proj.weight":
@@ -533,6 +541,12 @@ def test_refuses_integer_weights(tmp_path):
         (lambda c: c.update(num_target_layers=TARGET_LAYERS + 1),
          f"num_target_layers {TARGET_LAYERS + 1} (the target it was trained with) does not match the target's"),
         (lambda c: c.update(architectures="DFlash2DraftModel"), "must be a list of names including"),
+        (lambda c: c.update(rms_norm_eps=-1), "'rms_norm_eps' must be above 0"),
+        (lambda c: c.update(rms_norm_eps=float("nan")), "'rms_norm_eps' must be a finite number"),
+        (lambda c: c.update(rope_parameters={"rope_theta": float("inf"), "rope_type": "default"}),
+         "rope_theta' must be a positive number"),
+        (lambda c: c["dflash_config"].update(output_multiplier=float("inf")), "output_multiplier' must be a finite"),
+        (lambda c: c["dflash_config"].update(final_logit_softcapping=float("nan")), "final_logit_softcapping' must"),
     ],
 )
 def test_refuses_bad_config(tmp_path, edit, needle):

@@ -6,6 +6,7 @@ Every problem is reported as one BlockspecError line naming the file and the key
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -134,6 +135,11 @@ class DrafterConfig:
         if top_k > vocab_size:
             read.fail("dflash_config.selector_top_k", f"{top_k} exceeds vocab_size {vocab_size}")
         softcap = read.draft_number("final_logit_softcapping", None)
+        if softcap is not None and softcap < 0:
+            read.fail("dflash_config.final_logit_softcapping", f"must be 0 or more (found {softcap!r}; 0: none)")
+        eps = read.number("rms_norm_eps", 1e-6)
+        if eps <= 0:
+            read.fail("rms_norm_eps", f"must be above 0 (found {eps!r})")
 
         return cls(
             vocab_size=vocab_size,
@@ -143,7 +149,7 @@ class DrafterConfig:
             num_heads=num_heads,
             num_kv_heads=num_kv_heads,
             head_dim=head_dim,
-            rms_norm_eps=read.number("rms_norm_eps", 1e-6),
+            rms_norm_eps=eps,
             rope_theta=read.rope_theta(),
             sliding_window=sliding_window,
             causal=True if is_causal is None else is_causal,
@@ -180,8 +186,8 @@ class _Reader:
 
     def number(self, key: str, default: float) -> float:
         value = self.raw.get(key, default)
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            self.fail(key, f"must be a number (found {value!r})")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            self.fail(key, f"must be a finite number (found {value!r})")
         return float(value)
 
     def boolean(self, key: str, default: bool) -> bool:
@@ -207,8 +213,8 @@ class _Reader:
         value = self.draft_value(key, default)
         if value is None:
             return None
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            self.fail(f"dflash_config.{key}", f"must be a number (found {value!r})")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            self.fail(f"dflash_config.{key}", f"must be a finite number (found {value!r})")
         return float(value)
 
     def rope_theta(self) -> float:
@@ -224,7 +230,7 @@ class _Reader:
         if params.get("partial_rotary_factor", 1.0) != 1.0 or self.raw.get("partial_rotary_factor", 1.0) != 1.0:
             self.fail("partial_rotary_factor", "only full rotary embedding (1.0) is supported")
         theta = params.get("rope_theta")
-        if isinstance(theta, bool) or not isinstance(theta, (int, float)) or theta <= 0:
+        if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not 0 < theta < math.inf:
             self.fail("rope_parameters.rope_theta", f"must be a positive number (found {theta!r})")
         return float(theta)
 

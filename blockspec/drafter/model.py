@@ -299,6 +299,11 @@ class DFlash2Drafter(nn.Module):
                             f"drafter weights {path}: tensor '{names[name]}' has shape {shape}, "
                             f"the config implies {expected}"
                         )
+                deeper = next((n for n in names if n.startswith("layers.")
+                               and n.split(".")[1].isdigit() and int(n.split(".")[1]) >= self.config.num_layers), None)
+                if deeper is not None:  # weights of more layers than the config builds: not this config's drafter
+                    raise BlockspecError(f"drafter weights {path}: tensor '{names[deeper]}' is of a layer past "
+                                         f"num_hidden_layers {self.config.num_layers} (config.json)")
                 for name, parameter in parameters.items():
                     parameter.copy_(stored.get_tensor(names[name]))
         except BlockspecError:
