@@ -57,6 +57,16 @@ def check_reply_room(config):
                              f"no room is left for the prompt ({fix})")
 
 
+def check_chat_template(config, command: str):
+    """A chat needs the checkpoint's chat template: refused before the load where the tokenizer has none."""
+    from .models.tokenizer import Tokenizer
+
+    if config.model and (Path(config.model) / "tokenizer.json").is_file():  # else the load refuses the folder
+        if Tokenizer(config.model).chat_template is None:
+            raise BlockspecError(f"{command} renders messages with the checkpoint's chat template, but {config.model} "
+                                 "has none (tokenizer_config.json's chat_template, or chat_template.jinja)")
+
+
 def note_unused_sampling(config):
     """The load notes settings that do nothing (engine/load.note_ignored_settings); the sampling keys that greedy
     decoding never reads are noted here, as only generate and chat decode every token at the config's settings."""
@@ -74,6 +84,8 @@ def cmd_generate(args):
     given_ids = None if args.prompt_ids is None else parse_prompt_ids(args.prompt_ids)  # refused before the load
     config = engine_config(args)
     check_reply_room(config)
+    if args.chat:
+        check_chat_template(config, "generate --chat")
     note_unused_sampling(config)
     engine = Engine(config)
     ids = given_ids if given_ids is not None else prompt_tokens(engine, args)
@@ -115,6 +127,7 @@ def cmd_chat(args):
     # a default max_tokens past a short context is not refused: chat limits each reply to the room left (chat.py)
     if "max_tokens" in config.model_fields_set:
         check_reply_room(config)
+    check_chat_template(config, "chat")
     note_unused_sampling(config)
     run_chat(Engine(config), config.max_tokens, system=args.system)
 
@@ -126,13 +139,15 @@ def cmd_serve(args):
               "max_connections": args.max_connections}
     settings = ServerSettings(**{k: v for k, v in values.items() if v is not None})
     settings.check()
-    from .server import bind_socket, reserve_files, serve  # fails with a one-line hint when the 'serve' extras are missing
+    from .server import bind_socket, reserve_files, serve  # a one-line hint when the 'serve' extras are missing
     from .engine.engine import Engine
 
     sock = bind_socket(settings.host, settings.port)  # a busy port is refused now, not after the model has loaded
     reserve_files(settings.max_connections)
     try:
         config = engine_config(args)
+        if "max_tokens" in config.model_fields_set:  # a request's own max_tokens is checked as it comes
+            check_reply_room(config)
         engine = Engine(config)
         print(f"blockspec: requests that leave out the sampling fields: {describe_sampling(engine.serving_defaults())}",
               flush=True)

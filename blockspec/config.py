@@ -19,6 +19,7 @@ SUPPORTED_MODEL_TYPES = {"qwen3_5", "qwen3_5_text"}
 # The most tokens one target pass verifies (anchor + proposals, or a draft tree's root + nodes): the pending buffers
 # of a partial or path commit and the kernels' row limits are sized by it.
 MAX_PASS_TOKENS = 64
+MAX_BODY_MB = 1024  # the largest request body `serve` may be told to take, in MB
 MAX_CONFIG_BYTES = 1 << 20  # a YAML config file larger than this is refused unread
 MAX_VERIFY_TOKENS = 16  # the longest chain pass (anchor + proposals), whose partial commit the buffers hold
 # Draft-tree budget where none is set: the best budget measured against the chain on every device, bf16 and INT4
@@ -141,6 +142,13 @@ class PredictConfig(CheckedSettings):
     def _draft_vocabulary(cls, value: int | str) -> int | str:
         if (isinstance(value, int) and value < 0) or value == "":
             raise ValueError("give 0 (the full head), a number of token ids, or a JSON file of ids")
+        return value
+
+    @field_validator("model", "dflash2_model")
+    @classmethod
+    def _a_path(cls, value: str | None) -> str | None:
+        if value == "":  # else read as no drafter (mode none) or the current folder
+            raise ValueError("is empty: give a checkpoint folder")
         return value
 
     @field_validator("gpu_ranks")
@@ -336,6 +344,8 @@ class ServerSettings:
         for flag, value in (("--max-body-mb", self.max_body_mb), ("--receive-timeout", self.receive_timeout_s)):
             if not (math.isfinite(value) and value > 0):
                 raise BlockspecError(f"{flag} must be a number above 0 (got {value:g})")
+        if self.max_body_mb > MAX_BODY_MB:
+            raise BlockspecError(f"--max-body-mb must be at most {MAX_BODY_MB} (got {self.max_body_mb:g})")
         if not (math.isfinite(self.shutdown_grace_s) and self.shutdown_grace_s >= 0):
             raise BlockspecError(f"--shutdown-grace must be 0 or more seconds (got {self.shutdown_grace_s:g})")
         for name in self.allowed_hosts:

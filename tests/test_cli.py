@@ -1,5 +1,6 @@
 """CLI: --json schema, demo, and one-line errors with exit code 2 for every kind of bad input."""
 
+import io
 import json
 import re
 import shutil
@@ -152,6 +153,34 @@ def test_bad_prompt_ids_and_a_closed_stdin_are_refused_before_the_load(tmp_path,
     assert main(["chat", "--model", missing, *BASE]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "standard input, which is closed" in err, err
+
+
+def test_a_chat_without_a_template_an_empty_drafter_and_a_server_reply_past_the_context_refused_before_the_load(
+        tiny, tmp_path, capsys, monkeypatch):
+    import shutil
+
+    import blockspec.engine.engine
+
+    monkeypatch.setattr(blockspec.engine.engine.Engine, "__init__", lambda *a, **k: pytest.fail("the model loaded"))
+    bare = tmp_path / "bare"
+    shutil.copytree(tiny, bare)
+    (bare / "chat_template.jinja").unlink(missing_ok=True)
+    settings = json.loads((bare / "tokenizer_config.json").read_text())
+    settings.pop("chat_template", None)
+    (bare / "tokenizer_config.json").write_text(json.dumps(settings))
+    monkeypatch.setattr("sys.stdin", io.StringIO("hi\n"))
+    for argv, message in [
+        (["chat", "--model", str(bare)], f"chat renders messages with the checkpoint's chat template, but {bare} has "
+         "none"),
+        (["generate", "--chat", "--model", str(bare), "--prompt", "hi"], "generate --chat renders messages"),
+        (["generate", "--model", str(tiny), "--drafter", "", "--prompt", "hi"], "'dflash2_model': Value error, is "
+         "empty"),
+        (["serve", "--model", str(tiny), "--port", "0", "--max-tokens", "99999"], "max_tokens 99999 is not below "
+         "context_length"),
+    ]:
+        assert main([*argv, "--device", "cpu"]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and message in err, (argv, err)
 
 
 def test_bad_config_file(tiny, tmp_path, capsys):

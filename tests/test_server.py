@@ -749,6 +749,7 @@ def test_allowed_origins_match_with_the_default_port_written_or_not():
     (["--api-key", "sécret"], "--api-key must be printable ASCII without leading or trailing spaces"),
     (["--api-key", "key "], "--api-key must be printable ASCII without leading or trailing spaces"),
     (["--max-connections", "0"], "--max-connections must be at least 1 (got 0)"),
+    (["--max-body-mb", "1e308"], "--max-body-mb must be at most 1024 (got 1e+308)"),
     (["--max-connections", str(2 ** 40)], f"--max-connections {2 ** 40}: this process may open"),
     (["--allowed-hosts", "box.lan,localhost:8000"], "--allowed-hosts: 'localhost:8000' has a port, but the Host "
      "header is checked by name only, on any port: write 'localhost'"),
