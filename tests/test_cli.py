@@ -314,8 +314,8 @@ def test_demo_context_length_fits_max_tokens(monkeypatch, capsys, demo_prompt_le
 
     monkeypatch.setattr(engine_module, "Engine", Recorder)
     monkeypatch.setattr(demo, "one_cycle_acceptance", one_cycle)
-    assert main(["demo", "--max-tokens", "5000"]) == 0
-    assert [c.context_length for c in seen] == [demo_prompt_length + 5000] * 4
+    assert main(["demo", "--max-tokens", "3000"]) == 0
+    assert [c.context_length for c in seen] == [demo_prompt_length + 3000] * 4
     assert main(["demo", "--max-tokens", "10"]) == 0
     assert seen[-1].context_length == 512
     assert main(["demo", "--max-tokens", "10", "--context-length", str(demo_prompt_length + 10)]) == 0
