@@ -212,6 +212,14 @@ def run_demo(max_tokens: int, context_length: int | None) -> None:
         measure_one_cycle(engines, measured_files)
 
 
+def check_positions(target: Path, max_tokens: int, context_length: int | None) -> None:
+    """The saved pair's commands refused where they would ask for more positions than its target holds."""
+    positions = TargetConfig.from_file(target / "config.json").max_position_embeddings
+    if max(max_tokens + 1, context_length or 0) > positions:
+        given = f"--max-tokens {max_tokens}" + (f" --context-length {context_length}" if context_length else "")
+        raise BlockspecError(f"{given}: the demo's target holds {positions} positions")
+
+
 def save_pair(directory: str, max_tokens: int, context_length: int | None) -> None:
     """Unpack the pair into DIR/target and DIR/drafter (DIR new or empty); print commands that use them.
 
@@ -223,6 +231,9 @@ def save_pair(directory: str, max_tokens: int, context_length: int | None) -> No
     flag = f"--save {directory}"
     if not directory:
         raise BlockspecError("--save is empty: give a new or empty folder")
+    if context_length is not None and max_tokens >= context_length:  # the printed commands would be refused
+        raise BlockspecError(f"--max-tokens {max_tokens} is not below --context-length {context_length}: the saved "
+                             "pair's commands would leave no room for a prompt")
     directory = Path(directory)
     if os.path.lexists(directory) and not os.path.isdir(directory):
         raise BlockspecError(f"{flag}: exists and is not a folder; give a new or empty folder")
@@ -244,6 +255,7 @@ def save_pair(directory: str, max_tokens: int, context_length: int | None) -> No
     try:
         if existed:
             extract_pair(partial, flag)
+            check_positions(partial / "target", max_tokens, context_length)
             for folder in ("drafter", "target"):  # the target last: alone, it would pass for a model
                 os.rename(partial / folder, place / folder)
                 moved.append(place / folder)
@@ -251,6 +263,7 @@ def save_pair(directory: str, max_tokens: int, context_length: int | None) -> No
             pair = partial / "pair"  # mkdtemp's folder is private: DIR is made like any new folder
             pair.mkdir()
             extract_pair(pair, flag)
+            check_positions(pair / "target", max_tokens, context_length)
             os.rename(pair, place)  # fails, changing nothing, when DIR has been filled meanwhile
     except BaseException as exc:  # refused, or interrupted (Ctrl-C)
         for folder in [partial, *moved]:

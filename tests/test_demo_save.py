@@ -13,8 +13,8 @@ import pytest
 from blockspec.cli import main
 
 
-def save(capsys, directory) -> tuple[int, str, str]:
-    code = main(["demo", "--save", str(directory)])
+def save(capsys, directory, *flags) -> tuple[int, str, str]:
+    code = main(["demo", "--save", str(directory), *flags])
     out, err = capsys.readouterr()
     return code, out, err
 
@@ -158,3 +158,19 @@ def test_a_refused_save_keeps_what_the_folder_holds(tmp_path, capsys):
     assert code == 2 and "the folder is not empty" in err, err
     assert [p.name for p in directory.rglob("*")] == ["target", "mine.txt"]
     assert (directory / "target" / "mine.txt").read_text() == "mine"
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--max-tokens", "600", "--context-length", "512"], "--max-tokens 600 is not below --context-length 512"),
+    (["--max-tokens", "5000"], "--max-tokens 5000: the demo's target holds 4096 positions"),
+    (["--context-length", "9000"], "--context-length 9000: the demo's target holds 4096 positions"),
+])
+def test_settings_the_saved_commands_would_refuse_are_refused_leaving_nothing(tmp_path, capsys, flags, message):
+    for existing in (False, True):
+        directory = tmp_path / f"pair{existing}"
+        if existing:
+            directory.mkdir()
+        code, out, err = save(capsys, directory, *flags)
+        assert code == 2 and err.count("\n") == 1 and message in err, err
+        assert (list(directory.iterdir()) == []) if existing else not directory.exists()
+        assert [p.name for p in tmp_path.iterdir() if "partial" in p.name] == []
