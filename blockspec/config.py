@@ -19,6 +19,7 @@ SUPPORTED_MODEL_TYPES = {"qwen3_5", "qwen3_5_text"}
 # The most tokens one target pass verifies (anchor + proposals, or a draft tree's root + nodes): the pending buffers
 # of a partial or path commit and the kernels' row limits are sized by it.
 MAX_PASS_TOKENS = 64
+MAX_CONFIG_SIZE, MAX_CONFIG_LAYERS = 1 << 20, 1024  # a config.json's sizes and layer counts past these are refused
 MAX_BODY_MB = 1024  # the largest request body `serve` may be told to take, in MB
 MAX_CONFIG_BYTES = 1 << 20  # a YAML config file larger than this is refused unread
 MAX_VERIFY_TOKENS = 16  # the longest chain pass (anchor + proposals), whose partial commit the buffers hold
@@ -440,12 +441,13 @@ class TargetConfig:
                 return default
             raise BlockspecError(f"{source}: missing config key '{key}'")
 
-        def integer(key, value, minimum=1):
-            # JSON writers may store a whole number as 4096.0; 8192.7 or "8" is refused, never truncated or parsed
+        def integer(key, value, minimum=1, maximum=MAX_CONFIG_SIZE):
+            # JSON writers may store a whole number as 4096.0; 8192.7 or "8" is refused, never truncated or parsed;
+            # sizes far past any model's are refused before the memory estimate builds the model's shapes
             if isinstance(value, float) and value.is_integer():
                 value = int(value)
-            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-                fail(key, f"must be an integer of at least {minimum} (got {value!r})")
+            if isinstance(value, bool) or not isinstance(value, int) or not minimum <= value <= maximum:
+                fail(key, f"must be an integer from {minimum} to {maximum} (got {value!r})")
             return value
 
         def positive(key, value):
@@ -458,11 +460,12 @@ class TargetConfig:
         rope = text.get(rope_key) or {}
         if not isinstance(rope, dict):
             fail(rope_key, f"must be an object (got {rope!r})")
-        if rope.get("rope_type", "default") not in ("default", None):
-            raise BlockspecError(f"{source}: rope_parameters.rope_type {rope['rope_type']!r} is not supported "
+        if rope.get("rope_type", rope.get("type", "default")) not in ("default", None):
+            key = "rope_type" if "rope_type" in rope else "type"  # transformers' older configs say 'type'
+            raise BlockspecError(f"{source}: {rope_key}.{key} {rope[key]!r} is not supported "
                                  "(only 'default')")
 
-        layers = integer("num_hidden_layers", need("num_hidden_layers"))
+        layers = integer("num_hidden_layers", need("num_hidden_layers"), maximum=MAX_CONFIG_LAYERS)
         interval = integer("full_attention_interval", text.get("full_attention_interval", 4))
         layer_types = text.get("layer_types") or [
             "full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(layers)]
@@ -506,10 +509,11 @@ class TargetConfig:
                                 rope.get("rope_theta", text.get("rope_theta", 10_000_000.0))),
             partial_rotary_factor=factor,
             tie_word_embeddings=tie,
-            mtp_num_hidden_layers=integer("mtp_num_hidden_layers", text.get("mtp_num_hidden_layers") or 0, 0),
+            mtp_num_hidden_layers=integer("mtp_num_hidden_layers", text.get("mtp_num_hidden_layers") or 0, 0,
+                                          MAX_CONFIG_LAYERS),
             eos_token_ids=eos,
             max_position_embeddings=integer("max_position_embeddings", text.get("max_position_embeddings", 262144),
-                                            2),
+                                            2, 1 << 24),
         )
         if cfg.num_attention_heads % cfg.num_key_value_heads:
             raise BlockspecError(f"{source}: num_attention_heads {heads} is not a multiple of num_key_value_heads "

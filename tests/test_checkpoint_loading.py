@@ -145,6 +145,10 @@ ROPE = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 
     ({"num_attention_heads": 3}, "num_attention_heads 3 is not a multiple of num_key_value_heads 2"),
     ({"architectures": "Qwen3_5ForCausalLM"}, "'architectures' must be a list"),
     ({"quantization_config": "gptq"}, "'quantization_config' must be an object"),
+    ({"num_hidden_layers": 1_000_000, "layer_types": None}, "'num_hidden_layers' must be an integer from 1 to 1024"),
+    ({"hidden_size": 10 ** 12}, "'hidden_size' must be an integer from 1 to 1048576"),
+    ({"rope_parameters": None, "rope_scaling": {"type": "yarn", "factor": 4.0}},
+     "rope_scaling.type 'yarn' is not supported"),
 ])
 def test_bad_target_config_values_refused_naming_the_key(tiny_checkpoint, tmp_path, capsys, config, needle):
     directory = without_weights(tiny_checkpoint, tmp_path, **config)
