@@ -513,7 +513,7 @@ class TargetConfig:
                                           MAX_CONFIG_LAYERS),
             eos_token_ids=eos,
             max_position_embeddings=integer("max_position_embeddings", text.get("max_position_embeddings", 262144),
-                                            2, 1 << 24),
+                                            2, 1 << 62),  # the memory estimate bounds the context
         )
         if cfg.num_attention_heads % cfg.num_key_value_heads:
             raise BlockspecError(f"{source}: num_attention_heads {heads} is not a multiple of num_key_value_heads "
