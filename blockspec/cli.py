@@ -188,6 +188,7 @@ def cmd_draft_vocabulary(args):
         except (OSError, UnicodeDecodeError) as exc:
             raise BlockspecError(f"--texts {name}: {getattr(exc, 'strerror', None) or exc}") from None
     tokenizer = Tokenizer(args.model, target.eos_token_ids)
+    tokenizer.check_fits(target.vocab_size, args.model)
     token_lists = [tokenizer.encode(text) for text in texts]
     if not any(token_lists):
         raise BlockspecError(f"--texts {' '.join(args.texts)}: no tokens to count (the texts are empty)")

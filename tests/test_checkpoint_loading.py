@@ -212,6 +212,14 @@ def test_context_length_within_max_position_embeddings(tiny_checkpoint, tmp_path
     assert engine.context_length == 64 and engine.state.capacity == 64
 
 
+def test_a_tokenizer_with_ids_past_the_vocabulary_refused_before_the_weights(tiny_checkpoint, tmp_path, capsys):
+    directory = without_weights(tiny_checkpoint, tmp_path, vocab_size=100, eos_token_id=None)
+    for command in (GENERATE, ("draft-vocabulary", "--texts", directory / "config.json", "--out", tmp_path / "v",
+                               "--size", 50)):
+        err = refusal(capsys, *command, "--model", directory)
+        assert "tokenizer.json has 259 ids, more than the model's vocab_size 100" in err, err
+
+
 def test_caches_past_the_host_memory_refused_on_the_cpu(tiny_checkpoint, tmp_path, capsys):
     directory = without_weights(tiny_checkpoint, tmp_path, max_position_embeddings=10 ** 12)
     err = refusal(capsys, *GENERATE, "--model", directory, "--context-length", 10 ** 11)

@@ -217,6 +217,9 @@ def load(config: PredictConfig, *, model=None, mtp_tensors=None,
     check_mtp(config, target_config, source)
     if drafter is None:
         check_drafter(config, target_config)
+    if tokenizer is None:  # read before the weights: a tokenizer with ids the model lacks is refused now
+        tokenizer = Tokenizer(config.model, target_config.eos_token_ids)
+        tokenizer.check_fits(target_config.vocab_size, config.model)
     device = resolve_device(config.device)
     parts = LoadedParts(config, device, resolve_execution(config, device), config.torch_dtype,
                         config.tree_budget)
@@ -239,7 +242,7 @@ def load(config: PredictConfig, *, model=None, mtp_tensors=None,
                                          mtp_head=config.decode_mode == "mtp")
     parts.model = model
     target_quantizer = prepare_target(parts)
-    parts.tokenizer = tokenizer or Tokenizer(config.model, model.config.eos_token_ids)
+    parts.tokenizer = tokenizer
     parts.sampler = Sampler(device)
     with use(parts.kernels):
         parts.proposer = build_proposer(parts, target_quantizer, mtp_tensors, drafter)
