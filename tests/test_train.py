@@ -272,6 +272,29 @@ def test_resume_reads_the_saved_settings_and_refuses_other_ones(trained, capsys)
         train(run_config(root, target, data, window=16, resume=True), log=lambda *_: None)
 
 
+@pytest.mark.parametrize("damage,message", [
+    (lambda state: {**state, "step": "x"}, "('step' is missing or of another type)"),
+    (lambda state: {"step": 1}, "('module' is missing or of another type)"),
+    (lambda state: [state], "(the top level is missing or of another type)"),
+    (lambda state: {**state, "rng": 5}, "('rng' is missing or of another type)"),
+    (lambda state: {**state, "rng": (1, 2)}, "does not fit this run's optimizer or random generators"),
+    (lambda state: {**state, "optimizer": {"state": {}, "param_groups": []}},
+     "does not fit this run's optimizer or random generators"),
+])
+def test_resume_of_a_state_of_another_structure_is_one_line(trained, tmp_path, capsys, damage, message):
+    import shutil
+
+    root, target, data, _ = trained
+    out = tmp_path / "out"
+    shutil.copytree(root / "out", out)
+    state = torch.load(out / "training_state.pt", weights_only=False)
+    torch.save(damage(state), out / "training_state.pt")
+    assert main(["train-drafter", "--target", str(target), "--data", str(data), "--out", str(out), "--resume",
+                 "--device", "cpu", "--steps", "20"]) == 2
+    err = capsys.readouterr().err
+    assert message in err.splitlines()[-1] and err.splitlines()[-1].startswith("blockspec: error: --resume"), err
+
+
 def test_mtp_refuses_to_replace_a_head_without_replace_mtp(setup, capsys):
     root, target, data = setup
     assert main(["train-drafter", "--kind", "mtp", "--target", str(target), "--data", str(data), "--out",

@@ -81,7 +81,7 @@ def test_train_target_refuses_a_model_or_step_larger_than_memory(target, tmp_pat
 def saved_run(out, settings: dict):
     """A folder as a training run leaves it (its state, its settings), enough for --resume's checks."""
     out.mkdir()
-    torch.save({"step": 1}, out / "training_state.pt")
+    torch.save(saved_state(1), out / "training_state.pt")
     (out / "training_run.json").write_text(json.dumps(settings))
 
 
@@ -96,6 +96,14 @@ def test_resume_of_another_command_s_run_is_refused_by_name(target, tmp_path, ca
             "holds settings this command does not have (hidden, vocab): it is another command's run")
 
 
+def saved_state(step: int) -> dict:
+    """A saved run's state as Trainer.checkpoint lays it out (check_resumed reads its structure), at `step`."""
+    import random
+
+    return {"step": step, "module": {}, "optimizer": {}, "history": [], "rng": random.Random(0).getstate(),
+            "torch_rng": torch.get_rng_state()}
+
+
 def test_resume_with_another_target_of_the_same_shapes_is_refused(target, tmp_path, capsys):
     """A run remembers its target by fingerprint: another checkpoint of the same shapes is refused before it loads;
     a copy of the same one elsewhere has the same fingerprint (its path may change between runs)."""
@@ -103,7 +111,7 @@ def test_resume_with_another_target_of_the_same_shapes_is_refused(target, tmp_pa
     other = build_tiny_checkpoint(tmp_path / "other", seed=1)
     settings = {"kind": "dflash2", "layers": 1, "steps": 2, "seq_len": 64}
     saved_run(tmp_path / "out", settings)
-    state = {"step": 1, "inputs": {"target": fingerprint(checkpoint)}}
+    state = {**saved_state(1), "inputs": {"target": fingerprint(checkpoint)}}
     torch.save(state, tmp_path / "out" / "training_state.pt")
     refused(capsys, ["train-drafter", "--target", str(other), "--data", str(root / "data.txt"), "--out",
                      str(tmp_path / "out"), "--resume", "--layers", "1", "--seq-len", "64", "--device", "cpu"],

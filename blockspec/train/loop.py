@@ -119,6 +119,11 @@ def resumed_settings(out: Path, given: dict, cls=None) -> dict:
     return {**saved, **given}
 
 
+# what a saved run's state holds (Trainer.checkpoint), checked before a resumed run builds anything
+STATE_PARTS = {"module": dict, "optimizer": dict, "step": int, "history": list, "rng": tuple,
+               "torch_rng": torch.Tensor}
+
+
 def check_resumed(run, inputs: dict | None = None):
     """A resumed run's settings (however given) must be the saved run's, except RESUMABLE_CHANGES; its state must
     load, its inputs (Trainer's `inputs`, e.g. the target's fingerprint) be the saved run's, and --steps must not
@@ -129,9 +134,17 @@ def check_resumed(run, inputs: dict | None = None):
     resumed_settings(out, settings_to_save(run), type(run))
     try:  # mapped, not read: the weights and moments are read again once the model is built
         state = torch.load(out / STATE_FILE, weights_only=False, map_location="cpu", mmap=True)
-        step, saved_inputs = state["step"], state.get("inputs") or {}
     except Exception as exc:  # torch raises what the pickle or the archive reader met
         raise BlockspecError(f"--resume: {out / STATE_FILE} cannot be loaded ({str(exc).splitlines()[0]})") from None
+    wrong = "the top level" if not isinstance(state, dict) else next(
+        (f"'{key}'" for key, kind in STATE_PARTS.items()
+         if not isinstance(state.get(key), kind) or isinstance(state.get(key), bool)), None)
+    if wrong is not None:
+        raise BlockspecError(f"--resume: {out / STATE_FILE} is not a saved run's state ({wrong} is missing or of "
+                             "another type)")
+    step, saved_inputs = state["step"], state.get("inputs") or {}
+    if step < 0 or not isinstance(saved_inputs, dict):
+        raise BlockspecError(f"--resume: {out / STATE_FILE} is not a saved run's state (step {step})")
     for key, value in (inputs or {}).items():
         if key in saved_inputs and saved_inputs[key] != value:
             raise BlockspecError(f"--resume: --{key} {getattr(run, key)} is not the {key} the run saved in {out} "
@@ -284,11 +297,15 @@ class Trainer:
             first = str(exc).strip().splitlines()[-1].strip()
             raise BlockspecError(f"--resume: the run saved in {self.out} has other shapes than these settings "
                                  f"({first}); give the --target and flags it was started with") from None
-        self.optimizer.load_state_dict(state["optimizer"])
+        try:
+            self.optimizer.load_state_dict(state["optimizer"])
+            self.rng.setstate(state["rng"])
+            torch.set_rng_state(state["torch_rng"])
+        except (ValueError, KeyError, TypeError, RuntimeError) as exc:
+            raise BlockspecError(f"--resume: the state saved in {self.out} does not fit this run's optimizer or "
+                                 f"random generators ({type(exc).__name__}: {str(exc).splitlines()[0][:80]})") from None
         self.step, self.history = state["step"], state["history"]
         self.evaluations, self.best = state.get("evaluations", []), state.get("best")
-        self.rng.setstate(state["rng"])
-        torch.set_rng_state(state["torch_rng"])
 
     def checkpoint(self, evaluate: Callable[[], dict] | None = None):
         """The kind's own output (its weights where blockspec loads them); with `evaluate`, their evaluation (rank
