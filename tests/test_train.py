@@ -240,6 +240,7 @@ def test_shared_context_forward_equals_dflash_block_by_block(setup, block_sparse
     (["--lr", "nan"], "--lr must be positive and finite (got nan)"),
     (["--loss-decay", "0"], "--loss-decay must be positive and finite (got 0.0)"),
     (["--loss-decay", "nan"], "--loss-decay must be positive and finite (got nan)"),
+    (["--window", "100000000000"], "--window 100000000000 is longer than the target's max_position_embeddings"),
     (["--layers", "1000000"], "--layers 1000000: the drafter's training state"),
     (["--target-layer-ids", ""], "--target-layer-ids must be comma-separated integers (got '')"),
     (["--target-layer-ids", "1,1,1"], "--target-layer-ids [1, 1, 1]: a layer is given twice"),

@@ -95,7 +95,7 @@ def check_run(run: Regeneration) -> TargetConfig:
     check_dense_checkpoint(run.target)
     settings = Path(run.target) / "generation_config.json"
     try:  # transformers reads it too, as it loads the target
-        raw = json.loads(settings.read_text()) if settings.is_file() else {}
+        raw = json.loads(settings.read_text()) if settings.exists() else {}  # a folder there is refused
     except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
         raise BlockspecError(f"{settings}: not readable JSON ({exc})") from None
     if not isinstance(raw, dict):

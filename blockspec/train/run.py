@@ -86,6 +86,8 @@ def check_run(run: DrafterTraining, world: int | None = None) -> TargetConfig:
         (not 0 < run.loss_decay < math.inf, f"--loss-decay must be positive and finite (got {run.loss_decay})"),
         (not 2 <= run.block_size <= 16, f"--block-size must be 2..16 (got {run.block_size})"),
         (run.window < run.block_size, f"--window {run.window} is shorter than the block ({run.block_size})"),
+        (run.window > target.max_position_embeddings, f"--window {run.window} is longer than the target's "
+                                                      f"max_position_embeddings {target.max_position_embeddings}"),
         (run.steps < 1 or (run.tokens is not None and run.tokens < 1), "--steps and --tokens must be at least 1"),
         (run.batch_tokens < run.block_size, f"--batch-tokens must hold one block ({run.block_size} tokens)"),
         (run.seq_len < 2 * run.block_size, f"--seq-len must be at least twice the block ({2 * run.block_size})"),
