@@ -203,7 +203,7 @@ def edit_weights(target, edit):
 @pytest.mark.parametrize("damage,message", [
     (lambda t: (t / "generation_config.json").write_text("[1]"),
      "generation_config.json: a JSON object expected, got list"),
-    (lambda t: ((t / "generation_config.json").unlink(), (t / "generation_config.json").mkdir()),
+    (lambda t: ((t / "generation_config.json").unlink(missing_ok=True), (t / "generation_config.json").mkdir()),
      "generation_config.json: not readable JSON"),
     (lambda t: (t / "model.safetensors").write_bytes((t / "model.safetensors").read_bytes()[:-100]),
      "model.safetensors: corrupt or unreadable safetensors file"),
