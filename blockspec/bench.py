@@ -416,6 +416,8 @@ def check_arguments(args) -> tuple[list[str], list[dict], list[float] | None]:
         raise BlockspecError("--one-cycle measures the acceptance of proposals: add mtp or dflash2 to --mode")
     if args.forced_acceptance is not None and not args.synthetic:
         raise BlockspecError("--forced-acceptance needs --synthetic weights (it replaces real proposals)")
+    if args.forced_acceptance is not None and modes == ["none"]:
+        raise BlockspecError("--forced-acceptance sets the acceptance of proposals: add mtp or dflash2 to --mode")
     rates = parse_rates(args.forced_acceptance, len(fixtures))
     if args.model:
         check_folder("--model", args.model)

@@ -124,7 +124,8 @@ def weight_overrides(args) -> dict:
 
 
 def _count_or_path(text: str) -> int | str:
-    return int(text) if text.lstrip("-").isdigit() else text
+    digits = text.lstrip("-")
+    return int(text) if digits.isascii() and digits.isdigit() else text  # "٥" is a file name, not 5
 
 
 def engine_config(args) -> PredictConfig:

@@ -469,6 +469,8 @@ def test_a_fixtures_folder_with_a_file_that_is_not_text_is_refused(tmp_path, cap
     (["--synthetic", "tiny", "--bandwidth", "-1"], "--bandwidth must be a positive number of GB/s (got -1.0)"),
     (["--synthetic", "tiny", "--bandwidth", "nan"], "--bandwidth must be a positive number of GB/s (got nan)"),
     (["--synthetic", "tiny", "--bandwidth", "inf"], "--bandwidth must be a positive number of GB/s (got inf)"),
+    (["--synthetic", "tiny", "--mode", "none", "--forced-acceptance", "0.5"], "--forced-acceptance sets the "
+     "acceptance of proposals"),
 ])
 def test_flags_that_would_be_ignored_or_meaningless_are_refused(tmp_path, capsys, no_model_work, args, needle):
     """A flag the run would silently ignore, or a figure it cannot use, is refused before any model work."""

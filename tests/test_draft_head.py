@@ -90,6 +90,12 @@ def test_draft_head_rows_are_the_shared_head(planted, vocabulary_quantization):
     assert torch.equal(head(x)[clear], logits.argmax(-1)[clear])
 
 
+def test_a_number_in_other_digits_is_a_file_name():
+    from blockspec.cli_common import _count_or_path
+
+    assert _count_or_path("512") == 512 and _count_or_path("\u0665") == "\u0665"
+
+
 def test_draft_ids(tmp_path):
     assert draft_ids(4, 100, eos_ids=[99, 2]).tolist() == [0, 1, 2, 3, 99]
     assert draft_ids(500, 100).tolist() == list(range(100))

@@ -246,6 +246,7 @@ def test_shared_context_forward_equals_dflash_block_by_block(setup, block_sparse
     (["--target-layer-ids", "1,1,1"], "--target-layer-ids [1, 1, 1]: a layer is given twice"),
     (["--heldout", "nan"], "--heldout must be in [0, 1) (got nan)"),
     (["--heldout", "-1"], "--heldout must be in [0, 1) (got -1.0)"),
+    (["--out", ""], "--out is empty: give a folder"),
 ])
 def test_bad_input_is_one_line_before_training(setup, capsys, args, message):
     root, target, data = setup

@@ -35,9 +35,12 @@ NOT_SAVED = {"target", "data", "eval_data", "suffixes", "out", "resume", "device
              "compile"}
 
 
-def check_output(out: Path, resume: bool):
+def check_output(out: str | Path, resume: bool):
     """A run writes into a new or empty directory, or continues the one saved there (--resume); a directory that
     cannot be made or written is refused now, not after the loading."""
+    if str(out) == "":  # Path("") is the current folder
+        raise BlockspecError("--out is empty: give a folder")
+    out = Path(out)
     if out.exists() and not out.is_dir():
         raise BlockspecError(f"--out {out}: is a file, not a folder")
     existing = next(folder for folder in [out, *out.parents] if folder.exists())

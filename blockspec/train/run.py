@@ -134,7 +134,7 @@ def check_run(run: DrafterTraining, world: int | None = None) -> TargetConfig:
     check_weights(Path(run.target))
     if run.eval_data:
         text_files(run.eval_data, run.suffixes, flag="--eval-data")
-    check_output(Path(run.out), run.resume)
+    check_output(run.out, run.resume)
     check_resumed(run, run_inputs(run))
     if run.kind == "mtp" and not run.replace_mtp and not run.resume:
         from .mtp import has_mtp_head

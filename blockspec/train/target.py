@@ -83,7 +83,7 @@ def check_run(run: TargetTraining):
         if bad:
             raise BlockspecError(why)
     check_fits(run)
-    check_output(Path(run.out), run.resume)
+    check_output(run.out, run.resume)
     check_resumed(run)
 
 
