@@ -68,8 +68,8 @@ def test_prompt_and_fixture_file(tmp_path):
 @pytest.mark.parametrize("args,needle", [
     (["--synthetic", "huge"], "unknown synthetic preset"),
     (["--synthetic", "tiny", "--mode", "fast"], "--mode 'fast'"),
-    (["--synthetic", "tiny", "--forced-acceptance", "1.5"], "--forced-acceptance"),
-    (["--synthetic", "tiny", "--forced-acceptance", "0.1,0.2"], "one per fixture"),
+    (["--synthetic", "tiny", "--mode", "mtp", "--forced-acceptance", "1.5"], "--forced-acceptance"),
+    (["--synthetic", "tiny", "--mode", "mtp", "--forced-acceptance", "0.1,0.2"], "one per fixture"),
     (["--model", "/nonexistent", "--forced-acceptance", "0.5"], "needs --synthetic"),
     (["--synthetic", "tiny", "--compare-greedy"], "give --temperature above 0"),
     (["--synthetic", "tiny", "--temperature", "1", "--top-p", "0"], "'top_p'"),
