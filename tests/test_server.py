@@ -529,7 +529,7 @@ def protocol_server(app, receive_timeout_s=0.3, max_connections=8):
     listening.bind(("127.0.0.1", 0))
     protocol = functools.partial(TimedH11Protocol, receive_timeout_s=receive_timeout_s,
                                  max_connections=max_connections)
-    server = uvicorn.Server(uvicorn.Config(app, http=protocol, lifespan="off", log_level="error"))
+    server = uvicorn.Server(uvicorn.Config(app, http=protocol, lifespan="off", log_level="error", log_config=None))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [listening]}, daemon=True)
     thread.start()
     try:
@@ -612,6 +612,16 @@ def test_past_max_connections_the_longest_idle_connection_closes_and_all_busy_is
             assert head.startswith(b"HTTP/1.1 503") and json.loads(body)["error"]["code"] == "too_many_connections"
         for sock in busy:
             sock.close()
+    with protocol_server(answer_ok, max_connections=3) as port:  # answered before their bodies: lingering
+        lingering = [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(3)]
+        for sock in lingering:
+            sock.sendall(b"POST / HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Length: 10\r\n\r\n")
+        time.sleep(0.2)
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:  # one of them makes room
+            sock.sendall(b"GET / HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            assert read_all(sock).startswith(b"HTTP/1.1 200")
+        for sock in lingering:
+            sock.close()
 
 
 def test_an_answer_sent_before_the_body_came_in_reaches_a_client_that_asked_to_close():
@@ -624,6 +634,34 @@ def test_an_answer_sent_before_the_body_came_in_reaches_a_client_that_asked_to_c
         time.sleep(0.2)  # answered by now, before the body
         sock.sendall(body)
         assert read_all(sock).startswith(b"HTTP/1.1 200")
+
+
+def test_a_request_refused_in_its_body_ends_for_the_app_without_a_write_after_the_refusal(caplog):
+    """A chunked body whose second chunk cannot be parsed: the connection answers 400 and lingers; the app's request
+    ends as one whose client left, so its own answer (here after a 0.5 s wait, as a 408) writes nothing."""
+    import asyncio
+    import logging
+
+    async def answer_after_the_body_or_a_wait(scope, receive, send):
+        if scope["type"] != "http":
+            return
+        try:
+            while (message := await asyncio.wait_for(receive(), 0.5))["type"] != "http.disconnect" \
+                    and message.get("more_body"):
+                pass
+        except asyncio.TimeoutError:
+            pass
+        await answer_ok(scope, receive, send)
+
+    with caplog.at_level(logging.ERROR), protocol_server(answer_after_the_body_or_a_wait) as port, \
+            socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+        sock.sendall(b"POST / HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n5\r\n{\"pro\r\n")
+        time.sleep(0.2)
+        sock.sendall(b"zz\r\n")
+        head, _, body = read_all(sock).partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 400") and json.loads(body)["error"]["code"] == "malformed_http"
+        time.sleep(1.0)  # past the app's wait
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
 
 
 def test_an_http_1_0_client_that_half_closes_gets_its_answer():

@@ -281,13 +281,14 @@ FILES_BESIDE_CONNECTIONS = 256  # the process's other open files: the model's, t
 
 
 def reserve_files(max_connections: int) -> None:
-    """The process's open-file limit raised to hold max_connections connections and its other files, or a one-line
+    """The process's open-file limit raised to hold max_connections connections (twice: as many may linger after
+    their answer) and its other files, or a one-line
     BlockspecError naming --max-connections where the hard limit is lower: past the limit the listening socket's
     accept fails on every new connection."""
     import resource
 
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    needed = max_connections + FILES_BESIDE_CONNECTIONS
+    needed = 2 * max_connections + FILES_BESIDE_CONNECTIONS  # open ones, and as many lingering (connection.py)
     if soft == resource.RLIM_INFINITY or soft >= needed:
         return
     limit = soft if hard == resource.RLIM_INFINITY else hard
@@ -296,9 +297,9 @@ def reserve_files(max_connections: int) -> None:
             raise ValueError(f"ulimit -Hn is {hard}")
         resource.setrlimit(resource.RLIMIT_NOFILE, (needed, hard))
     except (ValueError, OSError) as exc:
-        raise BlockspecError(f"--max-connections {max_connections}: this process may open too few files for the "
-                             f"connections and {FILES_BESIDE_CONNECTIONS} more ({exc}); give --max-connections "
-                             f"{max(1, limit - FILES_BESIDE_CONNECTIONS)} or less") from None
+        raise BlockspecError(f"--max-connections {max_connections}: this process may open too few files for twice "
+                             f"the connections and {FILES_BESIDE_CONNECTIONS} more ({exc}); give --max-connections "
+                             f"{max(1, (limit - FILES_BESIDE_CONNECTIONS) // 2)} or less") from None
 
 
 def bind_socket(host: str, port: int) -> socket.socket:

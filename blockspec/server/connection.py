@@ -37,6 +37,10 @@ class LingeringTransport:
     def __getattr__(self, name):
         return getattr(self._transport, name)
 
+    def write(self, data):
+        if self._protocol.lingering is None:  # lingering, the connection's answer is out and its end sent
+            self._transport.write(data)
+
     def close(self):
         protocol = self._protocol
         if protocol.lingering is not None:
@@ -67,7 +71,7 @@ class TimedH11Protocol(H11Protocol):
         super().connection_made(LingeringTransport(transport, self))
         self.expect_request()
         if len(self.connections) > self.max_connections and not self.make_room():
-            self.refuse(503, "too many open connections: every one has a request in progress; retry later",
+            self.refuse(503, "too many open connections, each with a request in progress; retry later",
                         "too_many_connections")
 
     def idle(self) -> bool:
@@ -76,10 +80,16 @@ class TimedH11Protocol(H11Protocol):
                 and not self.transport.is_closing())
 
     def make_room(self) -> bool:
-        """Past --max-connections, the connection idle the longest closes, so that a flood of idle connections
-        (each of them open until --receive-timeout) neither exhausts the process's files nor holds a new client
-        back; False where every other connection has a request in progress."""
-        idle = [c for c in self.connections if c is not self and c.idle()]
+        """Past --max-connections, a lingering connection (answered, linger) closes, else the one idle the longest,
+        so that a flood of idle connections (each of them open until --receive-timeout) neither exhausts the
+        process's files nor holds a new client back; False where every other connection has a request in
+        progress."""
+        others = [c for c in self.connections if c is not self]
+        lingering = [c for c in others if c.lingering is not None]
+        if lingering:
+            lingering[0].raw_transport.close()
+            return True
+        idle = [c for c in others if c.idle()]
         if not idle:
             return False
         min(idle, key=lambda c: c.idle_since).transport.close()
@@ -92,6 +102,9 @@ class TimedH11Protocol(H11Protocol):
         head = (f"HTTP/1.1 {status} {HTTPStatus(status).phrase}\r\ncontent-type: application/json\r\n"
                 f"content-length: {len(body)}\r\nconnection: close\r\n\r\n").encode()
         self.raw_transport.write(head + body)
+        if self.cycle is not None and not self.cycle.response_complete:  # the app's request ends as one whose
+            self.cycle.disconnected = True                              # client left: it writes nothing more
+            self.cycle.message_event.set()
         self.linger()
 
     def linger(self) -> None:
@@ -100,6 +113,9 @@ class TimedH11Protocol(H11Protocol):
         which can reach the client before it has read the answer (a 413 to a body still coming)."""
         transport = self.raw_transport
         if transport.is_closing():
+            return
+        if sum(c.lingering is not None for c in self.connections) >= self.max_connections:
+            transport.close()  # lingering connections hold files too: at most max_connections of them
             return
         try:
             transport.write_eof()  # can_write_eof() is true for TCP; the client may be gone already
