@@ -227,6 +227,7 @@ def test_shared_context_forward_equals_dflash_block_by_block(setup, block_sparse
 
 @pytest.mark.parametrize("args,message", [
     (["--data", "/no/such/dir"], "--data /no/such/dir: no such file or directory"),
+    (["--data", "/dev/null"], "--data /dev/null: not a regular file or a folder"),
     (["--target-layer-ids", "0,9"], "layer 9 is outside the target's 4 layers"),
     (["--block-size", "1"], "--block-size must be 2..16"),
     (["--target", "/no/target"], "--target /no/target: no such folder"),

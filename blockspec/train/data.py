@@ -71,6 +71,8 @@ def text_files(paths: list[str], suffixes=None, flag: str = "--data") -> list[Pa
             files.add(path.resolve())
         elif path.is_dir():
             files |= {p.resolve() for p in path.rglob("*") if p.is_file() and p.suffix in suffixes}
+        elif path.exists():  # a device or a pipe: read without end, or nothing
+            raise BlockspecError(f"{flag} {name}: not a regular file or a folder")
         else:
             raise BlockspecError(f"{flag} {name}: no such file or directory")
     if not files:
