@@ -441,8 +441,5 @@ def check_fits_target(
                 f"but the target has {num_layers} layers (0..{num_layers - 1})"
             )
     if config.num_target_layers is not None and config.num_target_layers != num_layers:
-        raise BlockspecError(
-            f"drafter {directory / 'config.json'}: num_target_layers {config.num_target_layers} (the target it was "
-            "trained with) does not match "
-            f"the target's {num_layers} layers"
-        )
+        raise BlockspecError(f"drafter {directory / 'config.json'}: num_target_layers {config.num_target_layers} (the "
+                             f"target it was trained with) does not match the target's {num_layers} layers")
