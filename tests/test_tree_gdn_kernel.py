@@ -175,7 +175,7 @@ def _bench_dry_run():  # in the interpreter subprocess: bench/gdn_kernel.py's tr
 
     # value dim 32: with BV 16 two value slices a head, so the last-arriving slice norms the others' rows
     module.trees(report, torch.device("cpu"), torch.float32, shape=(1, 16, 2, 32), layers=1, sizes=(9, 17),
-                 configs=((16, 4, "tf32x3"), (32, 4, "tf32")), path_configs=((16, 2), (32, 4)), timed=False)
+                 configs=((16, 4, "tf32x3", 16), (32, 4, "tf32", 32)), path_configs=((16, 2), (32, 4)), timed=False)
     return reported
 
 
@@ -220,16 +220,18 @@ def test_bench_tree_part_dry_run_in_interpreter(interpreted):
     """bench/gdn_kernel.py --parts tree (the H200's measurement) on tiny shapes, untimed: its trees, inputs and
     reference check run, each config agrees with the reference, and so does keep_path of the root and of the
     deepest path (the drafted trees' chain of 9 nodes, the comb of 17: its spine of 9), a launch a layer and the
-    layers' buffers stacked."""
+    layers' buffers stacked, each config of the kept path."""
     reported = interpreter_part(interpreted, "bench")
+    def configs(t, kind):
+        return ("16 warps=2", "32 warps=4") if (t, kind) == (17, "drafted") else ("16 warps=2",)
     assert list(reported) == [key for t, kind in [(9, "drafted"), (17, "drafted"), (17, "comb")]
-                              for key in [f"T={t} {kind} tree BLOCK_V=16 warps=4 tf32x3",
-                                          f"T={t} {kind} tree BLOCK_V=32 warps=4 tf32",
+                              for key in [f"T={t} {kind} tree BLOCK_V=16 warps=4 tf32x3 BLOCK_K=16",
+                                          f"T={t} {kind} tree BLOCK_V=32 warps=4 tf32 BLOCK_K=32",
                                           *[key for n in (1, 9) for key in [
                                               *[f"T={t} {kind} keep_path of {n} nodes BLOCK_V={config}"
-                                                for config in (("16 warps=2", "32 warps=4")
-                                                               if (t, kind) == (17, "drafted") else ("16 warps=2",))],
-                                              f"T={t} {kind} keep_path of {n} nodes, the 1 layers in one launch"]]]
+                                                for config in configs(t, kind)],
+                                              *[f"T={t} {kind} keep_path of {n} nodes, the 1 layers in one launch "
+                                                f"BLOCK_V={config}" for config in configs(t, kind)]]]]
                               ], reported
     assert all(err < 1e-4 for err in reported.values()), reported
 

@@ -115,7 +115,7 @@ def short_pass(x, history, conv_weight, gates, state_in, state_out, shape, z, no
 
 def tree_pass(x, history, conv_weight, gates, state, shape, z, norm_weight, eps, window_rows, ancestors, max_depth,
               window_out=None, mixed_out=None, gates_out=None, deltas_out=None, block_v=None, num_warps=None,
-              precision=None):
+              precision=None, block_k=None):
     """A DeltaNet layer's mixer over a draft tree's T <= 64 nodes (layers/tree.py): the contract of
     blockspec.kernels.gdn.deltanet_tree_mixer. Node i convolves the rows window_rows[i] [K] of [history; x] and
     steps from its parent's state (the root from the committed `state` [Hv, Dk, Dv] float32, which is left as it
@@ -170,7 +170,7 @@ def tree_pass(x, history, conv_weight, gates, state, shape, z, norm_weight, eps,
         mixed, ancestors.contiguous().view(torch.uint8), b, a, b.stride(0), a_log, dt_bias, g_buf, beta_buf, state,
         out, deltas, key_dim ** -0.5, t, z, z.stride(0), z.stride(1), norm_weight, eps,
         arrival_counters(x.device, value_heads), KEY_HEADS=key_heads, VALUE_HEADS=value_heads, K=key_dim, V=value_dim,
-        BV=block_v, BK=TREE_BLOCK_K, BVN=triton.next_power_of_2(value_dim), BT=rows,
+        BV=block_v, BK=block_k or TREE_BLOCK_K, BVN=triton.next_power_of_2(value_dim), BT=rows,
         DOUBLINGS=max(0, min(max_depth, t - 1) - 1).bit_length(), PRECISION=precision, NORM_ROWS=TREE_NORM_ROWS,
         COMPUTE_GATES=computes, SAVE_GATES=computes and gates_out is not None, num_warps=num_warps,
         **pdl.options(out))
