@@ -8,9 +8,10 @@ in one CUDA graph, median of replays):
     chain), 17, 33 and 64 (the closed form's matrices cover the T - 1 nodes below the root, padded to 16, 32, 64):
     the drafter's shape (its chain to depth 8, then nodes hanging best first, shallow ones first) and the comb (a
     spine of T/2 + 1 nodes with a leaf on each: as deep as a tree of T nodes with leaves gets), for each config
-    (BV, warps, precision); each against the reference (max abs error of layer 0's output); then `keep_path`
-    committing the root alone and the path to the deepest node from the pass's deltas (max abs error of the state
-    against keep_path_reference), one launch a layer and every layer's in one launch (their buffers stacked).
+    (BV, warps, precision, key channels a load); each against the reference (max abs error of layer 0's output);
+    then `keep_path` committing the root alone and the path to the deepest node from the pass's deltas (max abs
+    error of the state against keep_path_reference), one launch a layer and every layer's in one launch (their
+    buffers stacked), each (BV, warps) of PATH_CONFIGS at 17 drafted nodes.
 Usage (GPU; under a minute on an H200 either way): python bench/gdn_kernel.py [--parts recurrence,mixer,conv] or
 --parts tree; JSON to $OUT/gdn_kernel.json.
 CPU dry run of the first three parts (tiny heads, one layer, each sweep's first config, untimed):
