@@ -181,8 +181,9 @@ MAX_TREE_NODES = 64  # the walk packs node indices into 6 bits
 MAX_PATH = 16  # nodes of a kept path: a drafter block's rows at most
 PATH_BLOCK_V, PATH_WARPS = 16, 2  # keep_path: the fastest in bench/gdn_kernel.py --parts tree
 TREE_NORM_ROWS, TREE_CONV_ROWS = 8, 16  # rows the norm epilogue / a tree conv program takes at a time
-# the closed-form tree recurrence: value channels a program (tl.dot needs >= 16), key channels a load
-TREE_BLOCK_V, TREE_BLOCK_K = 64, 32
+# the closed-form tree recurrence: value channels a program (tl.dot needs >= 16), key channels a load (the 27B's
+# 128 in one: one dependent round of products instead of four, the fastest in bench/gdn_kernel.py --parts tree)
+TREE_BLOCK_V, TREE_BLOCK_K = 64, 128
 
 
 def _gate_args(gates, gates_out, out):
