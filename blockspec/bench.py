@@ -31,6 +31,7 @@ from .config import DEFAULT_TREE_BUDGET, PredictConfig, SamplingSettings
 from .engine import memory
 from .engine.decode import Proposer
 from .errors import BlockspecError
+from .files import read_json
 from .kernels import pdl
 from .kernels import use
 from .models.checkpoint import check_folder
@@ -82,19 +83,7 @@ def load_fixtures(path: str | None, prompt: str | None) -> list[dict]:
     if path is not None and (path == "stdlib" or Path(path).is_dir()):
         return code_fixtures(path)
     where = f"fixtures file {path or DEFAULT_FIXTURES}"
-    if path is not None and Path(path).exists() and not Path(path).is_file():  # a device or a pipe: read without end
-        raise BlockspecError(f"{where}: not a regular file")
-    try:
-        text = Path(path or DEFAULT_FIXTURES).read_bytes().decode("utf-8")
-        fixtures = json.loads(text)
-    except OSError as exc:
-        raise BlockspecError(f"{where}: {exc.strerror or exc}") from None
-    except UnicodeDecodeError as exc:
-        raise BlockspecError(f"{where}: not UTF-8 text (byte {exc.start})") from None
-    except json.JSONDecodeError as exc:
-        raise BlockspecError(f"{where}: not valid JSON ({exc})") from None
-    except RecursionError:
-        raise BlockspecError(f"{where}: not valid JSON (nested too deeply)") from None
+    fixtures = read_json(path or DEFAULT_FIXTURES, where)
     check_fixtures(fixtures, where)
     return fixtures
 

@@ -3,7 +3,6 @@ target architecture read from config.json."""
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from dataclasses import dataclass, field
@@ -14,6 +13,7 @@ import yaml
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from .errors import BlockspecError
+from .files import read_json
 
 SUPPORTED_MODEL_TYPES = {"qwen3_5", "qwen3_5_text"}
 # The most tokens one target pass verifies (anchor + proposals, or a draft tree's root + nodes): the pending buffers
@@ -399,17 +399,9 @@ class TargetConfig:
 
     @classmethod
     def from_file(cls, path: Path) -> "TargetConfig":
-        try:
-            raw = json.loads(path.read_text())
-        except FileNotFoundError:
-            raise BlockspecError(f"{path}: file not found (is this a Hugging Face checkpoint directory?)") from None
-        except OSError as exc:
-            raise BlockspecError(f"{path}: cannot be read ({exc.strerror})") from None
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise BlockspecError(f"{path}: not valid JSON ({exc})") from None
-        except RecursionError:
-            raise BlockspecError(f"{path}: not valid JSON (nested too deeply)") from None
-        return cls.from_dict(raw, source=str(path))
+        if not Path(path).exists():
+            raise BlockspecError(f"{path}: file not found (is this a Hugging Face checkpoint directory?)")
+        return cls.from_dict(read_json(path), source=str(path))
 
     @classmethod
     def from_dict(cls, raw: dict, source: str = "config.json") -> "TargetConfig":

@@ -236,9 +236,9 @@ def test_draft_vocabulary_checked_before_the_target_loads(tiny_checkpoint, tmp_p
     err = refusal(capsys, *mtp, tmp_path / "ids.json")
     assert "holds token id 300, outside the vocabulary [0, 259)" in err
     err = refusal(capsys, *mtp, tmp_path / "missing.json")
-    assert "cannot read" in err
+    assert f"draft_vocabulary: {tmp_path / 'missing.json'}: file not found" in err
     err = refusal(capsys, *mtp, tmp_path)
-    assert "is not a regular file" in err
+    assert f"draft_vocabulary: {tmp_path}: cannot be read (Is a directory)" in err
 
 
 def test_mode_mtp_refused_without_mtp_layers(tiny_checkpoint, tmp_path, capsys):

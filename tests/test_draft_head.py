@@ -113,10 +113,10 @@ def test_draft_ids(tmp_path):
             draft_ids(str(path), 100)
         messages.append(str(exc.value))
     assert all(m.startswith("draft_vocabulary: ") and "\n" not in m for m in messages)
-    assert "cannot read" in messages[0] and "not JSON" in messages[1] and "token id 100" in messages[-1]
+    assert "file not found" in messages[0] and "not valid JSON" in messages[1] and "token id 100" in messages[-1]
     (tmp_path / "latin1.json").write_bytes(b"[1, 2]\xff")
     (tmp_path / "deep.json").write_text("[" * 100_000)
-    for path, needle in (("/dev/zero", "is not a regular file"), (tmp_path / "latin1.json", r"not UTF-8 text \(byte 6\)"),
+    for path, needle in (("/dev/zero", "/dev/zero: not a regular file"), (tmp_path / "latin1.json", r"not UTF-8 text \(byte 6\)"),
                          (tmp_path / "deep.json", "nested too deeply")):
         with pytest.raises(BlockspecError, match=needle):
             draft_ids(str(path), 100)
@@ -135,7 +135,7 @@ def test_draft_vocabulary_refusals(planted, capsys):
     assert "invalid value for 'draft_vocabulary'" in err and err.count("\n") == 1
     assert main(base + ["--mode", "mtp", "--draft-vocabulary", "/nonexistent/ids.json"]) == 2
     err = capsys.readouterr().err
-    assert "draft_vocabulary: cannot read /nonexistent/ids.json" in err and err.count("\n") == 1
+    assert "draft_vocabulary: /nonexistent/ids.json: file not found" in err and err.count("\n") == 1
 
 
 def test_draft_vocabulary_smaller_than_the_selector_is_refused(planted, drafter, capsys):

@@ -865,7 +865,7 @@ def test_fields_left_out_take_generation_config_then_flags(tiny, tmp_path):
 
 
 @pytest.mark.parametrize("text, note", [("[0.6, 20]", "holds a JSON list, not an object"),
-                                        ("{not json", "is not readable JSON")])
+                                        ("{not json", "generation_config.json: not valid JSON (Expecting property name")])
 def test_a_generation_config_that_is_not_an_object_is_noted_once(tiny, tmp_path, capsys, text, note):
     import shutil
 

@@ -5,7 +5,6 @@ Every problem is reported as one BlockspecError line naming the file and the key
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -13,6 +12,7 @@ from typing import Any
 
 from blockspec.config import MAX_PASS_TOKENS
 from blockspec.errors import BlockspecError
+from blockspec.files import read_json
 
 ARCHITECTURE = "DFlash2DraftModel"
 
@@ -46,14 +46,7 @@ class DrafterConfig:
     @classmethod
     def from_file(cls, path: str | Path) -> DrafterConfig:
         path = Path(path)
-        try:
-            raw = json.loads(path.read_text())
-        except FileNotFoundError:
-            raise BlockspecError(f"drafter config {path} does not exist") from None
-        except (OSError, ValueError) as exc:
-            raise BlockspecError(f"drafter config {path} cannot be read as JSON: {exc}") from None
-        except RecursionError:
-            raise BlockspecError(f"drafter config {path} cannot be read as JSON: nested too deeply") from None
+        raw = read_json(path, f"drafter config {path}")
         if not isinstance(raw, dict):
             raise BlockspecError(f"drafter config {path}: top level is not a JSON object")
         return cls.from_dict(raw, source=str(path))

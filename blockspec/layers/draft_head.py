@@ -13,13 +13,11 @@ list of ids (say, counted on one's own traffic).
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import torch
 from torch import nn
 
 from ..errors import BlockspecError
+from ..files import read_json
 from ..kernels.linear import linear_float32
 
 
@@ -29,18 +27,7 @@ def draft_ids(spec: int | str, vocab_size: int, eos_ids=()) -> torch.Tensor:
     if isinstance(spec, int):
         ids = set(range(min(spec, vocab_size))) | {int(i) for i in eos_ids if 0 <= int(i) < vocab_size}
     else:
-        if Path(spec).exists() and not Path(spec).is_file():  # a device or a pipe would be read without end
-            raise BlockspecError(f"{key}: {spec} is not a regular file")
-        try:
-            ids = json.loads(Path(spec).read_text())
-        except OSError as exc:
-            raise BlockspecError(f"{key}: cannot read {spec}: {exc.strerror}") from None
-        except json.JSONDecodeError as exc:
-            raise BlockspecError(f"{key}: {spec} is not JSON ({exc.msg}, line {exc.lineno})") from None
-        except UnicodeDecodeError as exc:
-            raise BlockspecError(f"{key}: {spec} is not UTF-8 text (byte {exc.start})") from None
-        except RecursionError:
-            raise BlockspecError(f"{key}: {spec} is not a list of token ids (nested too deeply)") from None
+        ids = read_json(spec, f"{key}: {spec}")
         if not isinstance(ids, list) or not ids or not all(isinstance(i, int) and not isinstance(i, bool)
                                                            for i in ids):
             raise BlockspecError(f"{key}: {spec} must hold a non-empty JSON list of token ids (integers)")

@@ -20,6 +20,7 @@ from torch import nn
 
 from ..config import SamplingSettings, TargetConfig
 from ..errors import BlockspecError
+from ..files import read_json
 from ..layers.linear import pack_projections
 from .progress import ShardProgress
 from ..quant.awq import AWQScheme
@@ -64,10 +65,9 @@ def generation_defaults(directory: str | Path) -> dict:
     if not path.is_file():
         return {}
     try:
-        raw = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
-        print(f"blockspec: note: {path} is not readable JSON ({exc}); its sampling values are not used",
-              file=sys.stderr)
+        raw = read_json(path)
+    except BlockspecError as exc:
+        print(f"blockspec: note: {exc}; its sampling values are not used", file=sys.stderr)
         return {}
     if not isinstance(raw, dict):
         print(f"blockspec: note: {path} holds a JSON {type(raw).__name__}, not an object; its sampling values are not "
@@ -103,10 +103,8 @@ def checkpoint_files(directory: Path) -> list[Path]:
     directory = check_folder("model", directory)
     index = directory / "model.safetensors.index.json"
     if index.exists():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError, UnicodeDecodeError, OSError, RecursionError) as exc:
-            raise BlockspecError(f"{index}: corrupt index ({type(exc).__name__}: {str(exc)[:80]})") from None
+        raw = read_json(index)
+        weight_map = raw.get("weight_map") if isinstance(raw, dict) else None
         if not isinstance(weight_map, dict) or not all(isinstance(n, str) and n for n in weight_map.values()):
             raise BlockspecError(f"{index}: corrupt index ('weight_map' must map tensor names to file names)")
         files = [directory / name for name in sorted(set(weight_map.values()))]

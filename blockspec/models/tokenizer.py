@@ -15,6 +15,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 
 from ..errors import BlockspecError
+from ..files import read_json, read_text
 
 
 # ChatML, the format of Qwen's chat templates, with its special tokens: the template of the checkpoints this package
@@ -52,19 +53,6 @@ def render_chat(template: str, messages: list[dict], add_generation_prompt: bool
         raise BlockspecError(f"chat template failed to render these messages: {type(exc).__name__}: {exc}") from None
 
 
-def read_text(path: Path, parse=None):
-    """A tokenizer file's UTF-8 text (parsed by `parse`, json.loads), or a one-line BlockspecError naming it."""
-    try:
-        text = path.read_text(encoding="utf-8")
-        return text if parse is None else parse(text)
-    except OSError as exc:
-        raise BlockspecError(f"{path}: cannot be read ({exc.strerror or exc})") from None
-    except UnicodeDecodeError as exc:
-        raise BlockspecError(f"{path}: not UTF-8 text (byte {exc.start})") from None
-    except (ValueError, RecursionError) as exc:  # json.JSONDecodeError is a ValueError
-        raise BlockspecError(f"{path}: not valid JSON ({str(exc)[:100] or 'nested too deeply'})") from None
-
-
 class TooManyTokens(BlockspecError):
     """A text certainly longer than the tokens allowed for it, found without tokenizing it."""
 
@@ -80,7 +68,7 @@ class Tokenizer:
         except Exception as exc:  # the tokenizers library raises a bare Exception on bad files
             raise BlockspecError(f"{path}: unreadable tokenizer ({str(exc).splitlines()[0]})") from None
         cfg_path = directory / "tokenizer_config.json"
-        self.config = read_text(cfg_path, json.loads) if cfg_path.exists() else {}
+        self.config = read_json(cfg_path) if cfg_path.exists() else {}
         if not isinstance(self.config, dict):
             raise BlockspecError(f"{cfg_path}: a JSON object expected, got {type(self.config).__name__}")
         template_file = directory / "chat_template.jinja"

@@ -23,6 +23,7 @@ from typing import Callable
 import torch
 
 from ..errors import BlockspecError
+from ..files import read_json
 from .ranks import Ranks
 
 STATE_FILE = "training_state.pt"
@@ -71,12 +72,9 @@ def saved_settings(out: Path, cls=None) -> dict:
     """The settings of the run saved in `out` ({} when it predates RUN_FILE), each of the type of `cls`'s field (the
     run's dataclass) when given."""
     path = out / RUN_FILE
-    try:
-        saved = json.loads(path.read_text())
-    except FileNotFoundError:
+    if not path.exists():
         return {}
-    except (OSError, ValueError, RecursionError) as exc:
-        raise BlockspecError(f"--resume: {path} cannot be read ({exc})") from None
+    saved = read_json(path, f"--resume {path}")
     if not isinstance(saved, dict):
         raise BlockspecError(f"--resume: {path} must hold a JSON object of settings, not {type(saved).__name__}")
     unknown = sorted(set(saved) - {field.name for field in dataclasses.fields(cls)}) if cls else []

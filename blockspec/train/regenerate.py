@@ -27,6 +27,7 @@ import torch
 
 from ..config import MAX_SEED, TargetConfig
 from ..errors import BlockspecError
+from ..files import read_json
 from ..models.checkpoint import check_dense_checkpoint, check_folder, generation_defaults
 from ..models.tokenizer import Tokenizer
 from .data import Completion, Conversation, check_chat_template, read_paths, text_files
@@ -94,10 +95,7 @@ def check_run(run: Regeneration) -> TargetConfig:
     check_weights(Path(run.target))
     check_dense_checkpoint(run.target)
     settings = Path(run.target) / "generation_config.json"
-    try:  # transformers reads it too, as it loads the target
-        raw = json.loads(settings.read_text()) if settings.exists() else {}  # a folder there is refused
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
-        raise BlockspecError(f"{settings}: not readable JSON ({exc})") from None
+    raw = read_json(settings) if settings.exists() else {}  # transformers reads it too, as it loads the target
     if not isinstance(raw, dict):
         raise BlockspecError(f"{settings}: a JSON object expected, got {type(raw).__name__}")
     return target
