@@ -22,6 +22,7 @@ openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 
 from blockspec.engine.engine import Engine  # noqa: E402
+from blockspec.server.connection import IDLE_BEFORE_CLOSE_S  # noqa: E402
 from live_server import Server  # noqa: E402
 
 CONTEXT = 1024
@@ -593,7 +594,7 @@ def test_past_max_connections_the_longest_idle_connection_closes_and_all_busy_is
     is answered 503 in JSON."""
     with protocol_server(answer_after_the_body, receive_timeout_s=30, max_connections=3) as port:
         idle = [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(3)]
-        time.sleep(0.2)
+        time.sleep(IDLE_BEFORE_CLOSE_S + 0.1)
         with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
             sock.sendall(b"GET / HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
             assert read_all(sock).startswith(b"HTTP/1.1 200")
@@ -622,6 +623,73 @@ def test_past_max_connections_the_longest_idle_connection_closes_and_all_busy_is
             assert read_all(sock).startswith(b"HTTP/1.1 200")
         for sock in lingering:
             sock.close()
+
+
+def test_connections_just_opened_are_not_closed_to_make_room():
+    """Past max_connections, a connection opened (or answered) less than IDLE_BEFORE_CLOSE_S ago may have its request
+    on the way: it is not closed for a newer one (a close would reset it unanswered), which gets the JSON 503
+    instead. Two clients that connect and send a request back to back, with the other connections busy: each gets
+    an answer, none a reset."""
+    with protocol_server(answer_after_the_body, receive_timeout_s=30, max_connections=2) as port:
+        for _ in range(5):
+            with socket.create_connection(("127.0.0.1", port), timeout=5) as busy:
+                busy.sendall(b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 10\r\n\r\n")
+                time.sleep(0.1)
+                first = socket.create_connection(("127.0.0.1", port), timeout=5)
+                second = socket.create_connection(("127.0.0.1", port), timeout=5)
+                for sock in (first, second):
+                    sock.sendall(b"GET / HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+                answers = [read_all(sock) for sock in (first, second)]  # a reset raises ConnectionResetError
+                assert answers[0].startswith(b"HTTP/1.1 200"), answers
+                head, _, body = answers[1].partition(b"\r\n\r\n")
+                assert head.startswith(b"HTTP/1.1 503") and json.loads(body)["error"]["code"] == \
+                    "too_many_connections", answers
+                first.close()
+                second.close()
+            time.sleep(0.1)
+
+
+def test_a_client_that_leaves_after_a_stray_byte_is_noticed_and_a_later_pipelined_request_answered():
+    """Bytes after a whole request while its answer is being made (a stray line end, RFC 9112 2.2, or the next
+    pipelined request): the connection still sees the client leave at once, so the app's request ends as one whose
+    client left (here after 0.2 s, where its answer would take 5); a client that stays gets its next request
+    answered after the first."""
+    import asyncio
+
+    left = []
+
+    async def app(scope, receive, send):
+        if scope["type"] != "http":
+            return
+        while (await receive()).get("more_body"):
+            pass
+        if scope["path"] == "/slow":
+            start = time.perf_counter()
+            try:
+                message = await asyncio.wait_for(receive(), 5)  # as until_disconnected: the next is the leaving
+                left.append((message["type"], time.perf_counter() - start))
+                return
+            except asyncio.TimeoutError:
+                pass
+        if scope["path"] == "/wait":
+            await asyncio.sleep(0.5)
+        await answer_ok(scope, receive, send)
+
+    with protocol_server(app, receive_timeout_s=30) as port:
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+            sock.sendall(b"POST /slow HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\nhi")
+            time.sleep(0.1)
+            sock.sendall(b"\r\n")
+            time.sleep(0.1)
+        deadline = time.perf_counter() + 3
+        while not left and time.perf_counter() < deadline:
+            time.sleep(0.05)
+        assert left and left[0][0] == "http.disconnect" and left[0][1] < 1.5, left
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+            sock.sendall(b"POST /wait HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\nhi")
+            time.sleep(0.1)
+            sock.sendall(b"GET /next HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            assert read_all(sock).count(b"HTTP/1.1 200 OK") == 2
 
 
 def test_an_answer_sent_before_the_body_came_in_reaches_a_client_that_asked_to_close():

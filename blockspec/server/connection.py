@@ -25,6 +25,12 @@ RESET_CHECK_S = 0.05
 # How long a connection answered before its request body was all in reads and drops the rest before it closes: a
 # socket closed with unread data sends a reset, which can reach the client before it has read the answer (a 413)
 LINGER_S = 2.0
+# How long a connection must have waited for its request before it may be closed to make room for a new one: one
+# just opened (or just answered) may have its request on the way, which a close would reset unanswered
+IDLE_BEFORE_CLOSE_S = 0.5
+# Bytes held, at most, that arrive after a whole request while its answer is being made (the next pipelined
+# request, or a stray line end): reading goes on meanwhile so that the client's leaving is seen at once
+HELD_LIMIT = 65536
 
 
 class LingeringTransport:
@@ -55,7 +61,8 @@ class TimedH11Protocol(H11Protocol):
     """uvicorn's HTTP/1.1 connection, closed when a request's headers are not all there receive_timeout_s after the
     connection opened or the previous response ended: uvicorn alone waits forever for a first request, and for one
     sent a byte at a time. A client that half-closes the connection after its whole request still gets the answer
-    (uvicorn alone drops it). A request it cannot parse is answered in JSON, as every other bad request. At most
+    (uvicorn alone drops it), and one that leaves after sending more than its request is noticed as one that
+    left (data_received). A request it cannot parse is answered in JSON, as every other bad request. At most
     max_connections stay open (make_room), and one answered before its body was all in closes lingering (linger)."""
 
     def __init__(self, *args, receive_timeout_s: float, max_connections: int, **kwargs):
@@ -65,6 +72,7 @@ class TimedH11Protocol(H11Protocol):
         self.half_closed = None  # the cycle whose client sent its end of stream
         self.idle_since = 0.0  # when the connection last began waiting for a request
         self.lingering = None  # the timer of a lingering close (LingeringTransport)
+        self.held = None  # bytes after a whole request whose answer is not out yet (data_received), or None
 
     def connection_made(self, transport):
         self.raw_transport = transport
@@ -75,12 +83,14 @@ class TimedH11Protocol(H11Protocol):
                         "too_many_connections")
 
     def idle(self) -> bool:
-        """No request in progress: none began since the connection opened or the last answer ended."""
+        """No request in progress: none began since the connection opened or the last answer ended, at least
+        IDLE_BEFORE_CLOSE_S ago."""
         return ((self.cycle is None or self.cycle.response_complete) and self.lingering is None
-                and not self.transport.is_closing())
+                and not self.transport.is_closing() and self.loop.time() - self.idle_since >= IDLE_BEFORE_CLOSE_S)
 
     def make_room(self) -> bool:
-        """Past --max-connections, a lingering connection (answered, linger) closes, else the one idle the longest,
+        """Past --max-connections, a lingering connection (answered, linger) closes, else the one idle the longest
+        (IDLE_BEFORE_CLOSE_S at least: a newer one may have its request on the way),
         so that a flood of idle connections (each of them open until --receive-timeout) neither exhausts the
         process's files nor holds a new client back; False where every other connection has a request in
         progress."""
@@ -131,10 +141,30 @@ class TimedH11Protocol(H11Protocol):
         self.refuse(400, f"malformed HTTP request: {msg}", "malformed_http")
 
     def data_received(self, data: bytes) -> None:
-        if self.lingering is None:
-            super().data_received(data)
+        """As uvicorn, but for what arrives after a whole request while its answer is being made: uvicorn leaves
+        it in h11's buffer and stops reading, so that a client that then leaves goes unnoticed and its generation
+        runs to the end. Here reading goes on, what arrives is held (HELD_LIMIT at most) for h11 until the answer
+        is out, and the client's end of stream reaches eof_received."""
+        if self.lingering is not None:
+            return
+        if self.held is not None:
+            self.held += data
+            if len(self.held) > HELD_LIMIT:
+                self.raw_transport.pause_reading()
+            return
+        super().data_received(data)
+        cycle = self.cycle
+        if (self.flow.read_paused and cycle is not None and not cycle.response_complete
+                and self.conn.their_state in (h11.DONE, h11.MUST_CLOSE)):  # h11 paused: the request is whole
+            self.held = bytearray()
+            self.raw_transport.resume_reading()
 
     def on_response_complete(self):
+        if self.held is not None:  # h11 takes what came after the request, as it would have read it
+            held, self.held = bytes(self.held), None
+            self.raw_transport.resume_reading()  # where HELD_LIMIT paused it; h11 may pause it again
+            if held:  # (h11 takes empty data for the end of stream)
+                self.conn.receive_data(held)
         super().on_response_complete()
         self.expect_request()
 
