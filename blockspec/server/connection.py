@@ -31,6 +31,10 @@ IDLE_BEFORE_CLOSE_S = 0.5
 # Bytes held, at most, that arrive after a whole request while its answer is being made (the next pipelined
 # request, or a stray line end): reading goes on meanwhile so that the client's leaving is seen at once
 HELD_LIMIT = 65536
+# A body that arrives in more pieces than this (chunks, or reads of a Content-Length body), averaging under
+# SMALL_PIECE bytes, is refused: the HTTP parser (pure Python) spends microseconds on each, so a body sent in 1-byte
+# chunks would hold the event loop, and every other client, for seconds
+MAX_SMALL_PIECES, SMALL_PIECE = 1024, 16
 
 
 class LingeringTransport:
@@ -73,10 +77,14 @@ class TimedH11Protocol(H11Protocol):
         self.idle_since = 0.0  # when the connection last began waiting for a request
         self.lingering = None  # the timer of a lingering close (LingeringTransport)
         self.held = None  # bytes after a whole request whose answer is not out yet (data_received), or None
+        self.pieces = self.piece_bytes = 0  # of the request's body so far (count_pieces)
+        self.refusal = None  # why count_pieces refused the request
 
     def connection_made(self, transport):
         self.raw_transport = transport
         super().connection_made(LingeringTransport(transport, self))
+        next_event = self.conn.next_event
+        self.conn.next_event = lambda: self.count_pieces(next_event())
         self.expect_request()
         if len(self.connections) > self.max_connections and not self.make_room():
             self.refuse(503, "too many open connections, each with a request in progress; retry later",
@@ -135,10 +143,24 @@ class TimedH11Protocol(H11Protocol):
         transport.resume_reading()
         self.lingering = self.loop.call_later(LINGER_S, transport.close)
 
+    def count_pieces(self, event):
+        """h11's next event, counted: past MAX_SMALL_PIECES pieces of a body averaging under SMALL_PIECE bytes, the
+        request is refused as malformed (h11.RemoteProtocolError, which uvicorn answers by send_400_response)."""
+        if type(event) is h11.Data:
+            self.pieces, self.piece_bytes = self.pieces + 1, self.piece_bytes + len(event.data)
+            if self.pieces > MAX_SMALL_PIECES and self.piece_bytes < SMALL_PIECE * self.pieces:
+                self.refusal = (f"the body came in more than {MAX_SMALL_PIECES} pieces of "
+                                f"{self.piece_bytes / self.pieces:.0f} bytes on average; send it in chunks of at "
+                                f"least {SMALL_PIECE} bytes, or with a Content-Length")
+                raise h11.RemoteProtocolError(self.refusal)
+        elif type(event) is h11.Request:
+            self.pieces = self.piece_bytes = 0
+        return event
+
     def send_400_response(self, msg: str) -> None:
         """A request the HTTP layer cannot parse (its framing or headers) answered as every other bad request: 400
         with an OpenAI-style JSON body, then the connection closed (uvicorn's own answer is plain text)."""
-        self.refuse(400, f"malformed HTTP request: {msg}", "malformed_http")
+        self.refuse(400, f"malformed HTTP request: {self.refusal or msg}", "malformed_http")
 
     def data_received(self, data: bytes) -> None:
         """As uvicorn, but for what arrives after a whole request while its answer is being made: uvicorn leaves
