@@ -649,6 +649,52 @@ def test_connections_just_opened_are_not_closed_to_make_room():
             time.sleep(0.1)
 
 
+def test_past_max_connections_a_stalled_client_makes_room_where_none_is_idle():
+    """Where no connection is idle, one whose client has held up its request for STALLED_S or more makes room: one
+    that does not read its answers (pipelined requests, a small receive buffer) is closed at once, its unsent
+    answers dropped; one whose body stopped arriving is answered 408 in JSON. Before STALLED_S, the newcomer is the
+    one refused (503)."""
+    from blockspec.server.connection import STALLED_S
+
+    def newcomer(port) -> bytes:
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+            sock.sendall(b"GET / HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            return read_all(sock)
+
+    async def app(scope, receive, send):  # 100 KB answers to GET /large, else answer_after_the_body
+        if scope["type"] == "http" and scope["path"] == "/large":
+            await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"100000")]})
+            await send({"type": "http.response.body", "body": b"x" * 100_000})
+        else:
+            await answer_after_the_body(scope, receive, send)
+
+    with protocol_server(app, receive_timeout_s=30, max_connections=1) as port:
+        deaf = socket.socket()
+        deaf.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1024)
+        deaf.connect(("127.0.0.1", port))
+        deaf.settimeout(5)
+        deaf.sendall(b"GET /large HTTP/1.1\r\nHost: x\r\n\r\n" * 200)  # 20 MB of answers it does not read
+        time.sleep(0.3)
+        assert newcomer(port).startswith(b"HTTP/1.1 503")
+        time.sleep(STALLED_S)
+        assert newcomer(port).startswith(b"HTTP/1.1 200")
+        received = 0
+        with contextlib.suppress(ConnectionResetError):  # closed: what was still to send is dropped
+            while chunk := deaf.recv(65536):
+                received += len(chunk)
+        assert received < 200 * 100_000, received
+        deaf.close()
+        time.sleep(0.1)
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as slow:
+            slow.sendall(b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 10\r\n\r\nabc")
+            time.sleep(0.3)
+            assert newcomer(port).startswith(b"HTTP/1.1 503")
+            time.sleep(STALLED_S)
+            assert newcomer(port).startswith(b"HTTP/1.1 200")
+            head, _, body = read_all(slow).partition(b"\r\n\r\n")
+            assert head.startswith(b"HTTP/1.1 408") and json.loads(body)["error"]["code"] == "body_timeout"
+
+
 def test_a_client_that_leaves_after_a_stray_byte_is_noticed_and_a_later_pipelined_request_answered():
     """Bytes after a whole request while its answer is being made (a stray line end, RFC 9112 2.2, or the next
     pipelined request): the connection still sees the client leave at once, so the app's request ends as one whose
@@ -957,7 +1003,7 @@ def test_fields_left_out_take_generation_config_then_flags(tiny, tmp_path):
 
 
 @pytest.mark.parametrize("text, note", [("[0.6, 20]", "holds a JSON list, not an object"),
-                                        ("{not json", "generation_config.json: not valid JSON (Expecting property name")])
+                                        ("{not json", "generation_config.json: not valid JSON (Expecting property")])
 def test_a_generation_config_that_is_not_an_object_is_noted_once(tiny, tmp_path, capsys, text, note):
     import shutil
 

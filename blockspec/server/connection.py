@@ -28,6 +28,9 @@ LINGER_S = 2.0
 # How long a connection must have waited for its request before it may be closed to make room for a new one: one
 # just opened (or just answered) may have its request on the way, which a close would reset unanswered
 IDLE_BEFORE_CLOSE_S = 0.5
+# How long a connection's client must have held up its request (not reading its answers, or not sending the rest
+# of its body) before the connection may be closed to make room for a new one, where none is idle
+STALLED_S = 1.0
 # Bytes held, at most, that arrive after a whole request while its answer is being made (the next pipelined
 # request, or a stray line end): reading goes on meanwhile so that the client's leaving is seen at once
 HELD_LIMIT = 65536
@@ -78,6 +81,8 @@ class TimedH11Protocol(H11Protocol):
         self.lingering = None  # the timer of a lingering close (LingeringTransport)
         self.held = None  # bytes after a whole request whose answer is not out yet (data_received), or None
         self.pieces = self.piece_bytes = 0  # of the request's body so far (count_pieces)
+        self.received_at = 0.0  # when bytes last came in
+        self.write_paused_at = None  # since when the client has not read its answers fast enough, or None
         self.refusal = None  # why count_pieces refused the request
 
     def connection_made(self, transport):
@@ -98,20 +103,52 @@ class TimedH11Protocol(H11Protocol):
 
     def make_room(self) -> bool:
         """Past --max-connections, a lingering connection (answered, linger) closes, else the one idle the longest
-        (IDLE_BEFORE_CLOSE_S at least: a newer one may have its request on the way),
-        so that a flood of idle connections (each of them open until --receive-timeout) neither exhausts the
-        process's files nor holds a new client back; False where every other connection has a request in
-        progress."""
+        (IDLE_BEFORE_CLOSE_S at least: a newer one may have its request on the way), else the one whose client has
+        held up its request the longest (stalled_since: not reading its answers, closed at once; or not sending its
+        body, answered 408), so that a flood of idle or stalled connections (each of them open until --receive-timeout,
+        or for good where their answers are not read) neither exhausts the process's files nor holds a new client
+        back; False where every other connection has a request making progress."""
         others = [c for c in self.connections if c is not self]
         lingering = [c for c in others if c.lingering is not None]
         if lingering:
             lingering[0].raw_transport.close()
             return True
         idle = [c for c in others if c.idle()]
-        if not idle:
+        if idle:
+            min(idle, key=lambda c: c.idle_since).transport.close()
+            return True
+        stalled = [(since, c) for c in others if (since := c.stalled_since()) is not None]
+        if not stalled:
             return False
-        min(idle, key=lambda c: c.idle_since).transport.close()
+        _, longest = min(stalled, key=lambda pair: pair[0])
+        if longest.write_paused_at is not None:  # its answers are not read: they would never drain, nor a close
+            longest.raw_transport.abort()
+        else:
+            longest.refuse(408, f"the request body stopped arriving for {STALLED_S:g} s or more while the server "
+                           "had no room for new connections", "body_timeout")
         return True
+
+    def stalled_since(self) -> float | None:
+        """Since when this connection's client has held up its request for STALLED_S or more (not reading its
+        answers, or not sending the rest of its body), or None."""
+        now = self.loop.time()
+        if self.lingering is not None or self.transport.is_closing():
+            return None
+        if self.write_paused_at is not None:
+            since = self.write_paused_at
+        elif self.cycle is not None and self.conn.their_state is h11.SEND_BODY:
+            since = self.received_at
+        else:
+            return None
+        return since if now - since >= STALLED_S else None
+
+    def pause_writing(self) -> None:
+        self.write_paused_at = self.loop.time()
+        super().pause_writing()
+
+    def resume_writing(self) -> None:
+        self.write_paused_at = None
+        super().resume_writing()
 
     def refuse(self, status: int, message: str, code: str) -> None:
         """Answer with an OpenAI-style JSON error and close: for what is refused before the app sees a request."""
@@ -169,6 +206,7 @@ class TimedH11Protocol(H11Protocol):
         is out, and the client's end of stream reaches eof_received."""
         if self.lingering is not None:
             return
+        self.received_at = self.loop.time()
         if self.held is not None:
             self.held += data
             if len(self.held) > HELD_LIMIT:
