@@ -11,6 +11,7 @@ special tokens in user text, SIGTERM (running requests finish within the grace p
 
 from __future__ import annotations
 
+import gzip
 import json
 import random
 import socket
@@ -409,6 +410,9 @@ MALFORMED = [
      "modalities", "other than text"),
     ("chat/completions", '{"messages": [{"role": "user", "content": "x"}], "add_generation_prompt": "no"}', 400,
      "add_generation_prompt", "boolean"),
+    ("completions", '{"prompt": [["a"]]}', 400, "prompt", "must be a string or an array of token ids"),
+    ("completions", '{"prompt": ["a", "b"]}', 400, "prompt", "holds 2 prompts"),
+    ("completions", '{"prompt": "x", "stop": ["a", null]}', 400, "stop", "(got an array holding null)"),
     ("completions", '{"prompt": "x",}', 400, None, "not valid JSON"),
     ("completions", '"just a string"', 400, None, "JSON object"),
     ("completions", "   ", 400, None, "empty"),
@@ -430,6 +434,9 @@ def test_malformed_input_answers_400_naming_the_field(servers, name):
             assert error["param"] == param and words in error["message"], (raw[:200], error)
         r = http.post("/v1/completions", content=b'{"prompt": "\xff\xfe"}')
         assert r.status_code == 400 and "UTF-8" in r.json()["error"]["message"]
+        r = http.post("/v1/completions", content=gzip.compress(b'{"prompt": "x"}'),
+                      headers={"Content-Encoding": "gzip"})
+        assert r.status_code == 415 and r.json()["error"]["code"] == "unsupported_content_encoding", r.text
     assert_no_traceback(server)
 
 
@@ -525,6 +532,8 @@ def test_model_id_is_the_served_name_only(server, tiny):
         r = post(server, "/v1/completions", {"model": model_id, "prompt": "x", "max_tokens": 1})
         assert r.status_code == 404 and r.json()["error"]["param"] == "model", (model_id, r.text)
     assert httpx.get(f"{server.url}/v1/models/{tiny.name}", headers=server.headers()).status_code == 200
+    r = httpx.get(f"{server.url}/v1/models/{'m' * 60_000}", headers=server.headers())  # named, cut short
+    assert r.status_code == 404 and len(r.text) < 400 and "'mmm" in r.json()["error"]["message"], r.text[:400]
 
 
 def test_user_text_never_becomes_control_tokens(server):

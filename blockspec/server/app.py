@@ -24,8 +24,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ..config import ServerSettings
 from ..errors import BlockspecError
 from .access import AccessGuard, host_check_warning
-from .connection import ClientLeft, TimedH11Protocol, declared_length, read_body, shutting_down, until_disconnected
-from .requests import ApiError, Prepared, RequestParser, internal_error
+from .connection import (ClientLeft, TimedH11Protocol, check_unencoded, declared_length, read_body, shutting_down,
+                         until_disconnected)
+from .requests import ApiError, Prepared, RequestParser, internal_error, shown
 from .responses import JobStreamingResponse, sse, stats_extension, usage
 from .text import IncrementalText
 from .worker import Closed, Job, QueueFull, Worker, job_events, wait_started
@@ -141,7 +142,7 @@ def create_app(engine, settings: ServerSettings = ServerSettings(), bound_addres
     @app.api_route("/v1/models/{model_id:path}", methods=["GET", "HEAD"])
     async def model(model_id: str):
         if model_id != engine.model_name:
-            raise ApiError(404, f"model '{model_id}' is not served here; this server serves '{engine.model_name}'",
+            raise ApiError(404, f"model {shown(model_id)} is not served here; this server serves '{engine.model_name}'",
                            "model", code="model_not_found")
         return model_card()
 
@@ -175,6 +176,7 @@ def create_app(engine, settings: ServerSettings = ServerSettings(), bound_addres
 
     async def parse(request: Request, kind: str) -> Prepared:
         nonlocal large_held
+        check_unencoded(request)
         size = declared_length(request)
         large = size is None or size > LARGE_BODY
         if large and size is not None and large_held + size > large_limit and size <= settings.max_body_bytes:

@@ -13,7 +13,7 @@ import h11
 from starlette.requests import ClientDisconnect, Request
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from .requests import ApiError
+from .requests import ApiError, shown
 
 
 class ClientLeft(Exception):
@@ -279,6 +279,15 @@ class TimedH11Protocol(H11Protocol):
 def shutting_down() -> ApiError:
     return ApiError(503, "the server is shutting down; retry on another instance or after it restarts",
                     type_="server_error", code="shutting_down")
+
+
+def check_unencoded(request: Request) -> None:
+    """ApiError 415 for a body sent under a Content-Encoding (gzip, ...): the server reads bodies as sent, and such a
+    body would be refused as text that is not UTF-8."""
+    encoding = request.headers.get("content-encoding", "").strip()
+    if encoding.lower() not in ("", "identity"):
+        raise ApiError(415, f"the request body is sent with Content-Encoding {shown(encoding)}; send it unencoded",
+                       code="unsupported_content_encoding")
 
 
 def declared_length(request: Request) -> int | None:

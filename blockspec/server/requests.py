@@ -315,7 +315,9 @@ class RequestParser:
         stop = body.get("stop")
         if stop is not None:
             if not (isinstance(stop, str) or isinstance(stop, list) and all(isinstance(s, str) for s in stop)):
-                raise bad(f"'stop' must be a string or an array of strings (got {_json_type(stop)})", "stop")
+                got = _json_type(stop) if not isinstance(stop, list) else \
+                    f"an array holding {next(_json_type(s) for s in stop if not isinstance(s, str))}"
+                raise bad(f"'stop' must be a string or an array of strings (got {got})", "stop")
             if stop == "" or isinstance(stop, list) and "" in stop:
                 raise bad("'stop' must not hold an empty string", "stop")
             if stop:
@@ -430,7 +432,8 @@ class RequestParser:
         prompt = body.get("prompt")
         if prompt is None:
             raise bad("'prompt' is required: a string or an array of token ids", "prompt")
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        batch = isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list))
+        if batch:
             prompt = prompt[0]  # a batch of one
         if isinstance(prompt, str):
             try:
@@ -439,7 +442,7 @@ class RequestParser:
                 raise bad(f"{exc} (context_length {self.engine.context_length})", "prompt") from None
         if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             return list(prompt)
-        if isinstance(prompt, list) and all(isinstance(p, (str, list)) for p in prompt):
+        if not batch and isinstance(prompt, list) and all(isinstance(p, (str, list)) for p in prompt):
             raise bad(f"'prompt' holds {len(prompt)} prompts: blockspec serves one prompt per request", "prompt")
         raise bad("'prompt' must be a string or an array of token ids", "prompt")
 
