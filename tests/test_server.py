@@ -802,6 +802,27 @@ def test_a_request_refused_in_its_body_ends_for_the_app_without_a_write_after_th
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
 
 
+def test_an_upgrade_request_is_answered_as_plain_http_without_warnings():
+    import logging
+
+    warnings = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = warnings.append
+    logger = logging.getLogger("uvicorn.error")
+    logger.addHandler(handler)
+    level = logger.level
+    try:
+        with protocol_server(answer_ok) as port, socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+            logger.setLevel(logging.WARNING)  # protocol_server's log level is "error"
+            sock.sendall(b"GET / HTTP/1.1\r\nHost: x\r\nConnection: Upgrade, close\r\nUpgrade: websocket\r\n"
+                         b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n")
+            assert read_all(sock).startswith(b"HTTP/1.1 200")
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+    assert not warnings, [w.getMessage() for w in warnings]
+
+
 def test_an_http_1_0_client_that_half_closes_gets_its_answer():
     """HTTP/1.0, the request whole, then shutdown(SHUT_WR) (`nc -N`): answered, as HTTP/1.1 clients are."""
     with protocol_server(answer_ok) as port, socket.create_connection(("127.0.0.1", port), timeout=5) as sock:

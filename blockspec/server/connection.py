@@ -180,6 +180,10 @@ class TimedH11Protocol(H11Protocol):
         transport.resume_reading()
         self.lingering = self.loop.call_later(LINGER_S, transport.close)
 
+    def _unsupported_upgrade_warning(self) -> None:
+        """A request to upgrade the connection (to a WebSocket) is answered as plain HTTP (RFC 9110 7.8: the server
+        may ignore Upgrade) without uvicorn's two warnings a request, one of them advice to install a library."""
+
     def count_pieces(self, event):
         """h11's next event, counted: past MAX_SMALL_PIECES pieces of a body averaging under SMALL_PIECE bytes, the
         request is refused as malformed (h11.RemoteProtocolError, which uvicorn answers by send_400_response)."""
