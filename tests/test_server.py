@@ -774,6 +774,23 @@ def test_an_answer_sent_before_the_body_came_in_reaches_a_client_that_asked_to_c
         assert read_all(sock).startswith(b"HTTP/1.1 200")
 
 
+def test_a_keep_alive_request_answered_before_its_body_closes_instead_of_reading_it_all():
+    """A keep-alive request answered before its body is all in (a 413, a 405, a GET with a body): the rest is not
+    read in full for a next request (here 100 GB declared, sent as fast as loopback takes it); the connection
+    answers, then closes lingering, within LINGER_S."""
+    from blockspec.server.connection import LINGER_S
+
+    with protocol_server(answer_ok) as port, socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall(b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 100000000000\r\n\r\n")
+        start, closed = time.perf_counter(), False
+        try:
+            while time.perf_counter() - start < LINGER_S + 3:
+                sock.sendall(b"x" * 65536)
+        except (BrokenPipeError, ConnectionResetError):
+            closed = True
+        assert closed and time.perf_counter() - start < LINGER_S + 3
+
+
 def test_a_request_refused_in_its_body_ends_for_the_app_without_a_write_after_the_refusal(caplog):
     """A chunked body whose second chunk cannot be parsed: the connection answers 400 and lingers; the app's request
     ends as one whose client left, so its own answer (here after a 0.5 s wait, as a 408) writes nothing."""
