@@ -653,7 +653,9 @@ def test_past_max_connections_a_stalled_client_makes_room_where_none_is_idle():
     """Where no connection is idle, one whose client has held up its request for STALLED_S or more makes room: one
     that does not read its answers (pipelined requests, a small receive buffer) is closed at once, its unsent
     answers dropped; one whose body stopped arriving is answered 408 in JSON. Before STALLED_S, the newcomer is the
-    one refused (503)."""
+    one refused (503), as it is where the server itself has stopped reading a body (its app not reading yet)."""
+    import asyncio
+
     from blockspec.server.connection import STALLED_S
 
     def newcomer(port) -> bytes:
@@ -661,7 +663,9 @@ def test_past_max_connections_a_stalled_client_makes_room_where_none_is_idle():
             sock.sendall(b"GET / HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
             return read_all(sock)
 
-    async def app(scope, receive, send):  # 100 KB answers to GET /large, else answer_after_the_body
+    async def app(scope, receive, send):  # 100 KB answers to GET /large, else answer_after_the_body (/later: 3 s on)
+        if scope["type"] == "http" and scope["path"] == "/later":
+            await asyncio.sleep(STALLED_S + 2)
         if scope["type"] == "http" and scope["path"] == "/large":
             await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"100000")]})
             await send({"type": "http.response.body", "body": b"x" * 100_000})
@@ -693,6 +697,16 @@ def test_past_max_connections_a_stalled_client_makes_room_where_none_is_idle():
             assert newcomer(port).startswith(b"HTTP/1.1 200")
             head, _, body = read_all(slow).partition(b"\r\n\r\n")
             assert head.startswith(b"HTTP/1.1 408") and json.loads(body)["error"]["code"] == "body_timeout"
+        time.sleep(0.1)
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as waiting:  # the server is not reading it
+            waiting.sendall(b"POST /later HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Length: 1000000"
+                            b"\r\n\r\n")
+            sender = threading.Thread(target=lambda: waiting.sendall(b"x" * 1_000_000), daemon=True)
+            sender.start()
+            time.sleep(STALLED_S + 0.3)
+            assert newcomer(port).startswith(b"HTTP/1.1 503")
+            assert read_all(waiting).startswith(b"HTTP/1.1 200")
+            sender.join(5)
 
 
 def test_a_client_that_leaves_after_a_stray_byte_is_noticed_and_a_later_pipelined_request_answered():

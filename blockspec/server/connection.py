@@ -54,6 +54,10 @@ class LingeringTransport:
         if self._protocol.lingering is None:  # lingering, the connection's answer is out and its end sent
             self._transport.write(data)
 
+    def resume_reading(self):
+        self._protocol.received_at = self._protocol.loop.time()  # the client may send again from now
+        self._transport.resume_reading()
+
     def close(self):
         protocol = self._protocol
         if protocol.lingering is not None:
@@ -105,9 +109,9 @@ class TimedH11Protocol(H11Protocol):
         """Past --max-connections, a lingering connection (answered, linger) closes, else the one idle the longest
         (IDLE_BEFORE_CLOSE_S at least: a newer one may have its request on the way), else the one whose client has
         held up its request the longest (stalled_since: not reading its answers, closed at once; or not sending its
-        body, answered 408), so that a flood of idle or stalled connections (each of them open until --receive-timeout,
-        or for good where their answers are not read) neither exhausts the process's files nor holds a new client
-        back; False where every other connection has a request making progress."""
+        body, answered 408), so that a flood of idle or stalled connections (each of them open until
+        --receive-timeout, or for good where their answers are not read) neither exhausts the process's files nor
+        holds a new client back; False where every other connection has a request making progress."""
         others = [c for c in self.connections if c is not self]
         lingering = [c for c in others if c.lingering is not None]
         if lingering:
@@ -136,8 +140,8 @@ class TimedH11Protocol(H11Protocol):
             return None
         if self.write_paused_at is not None:
             since = self.write_paused_at
-        elif self.cycle is not None and self.conn.their_state is h11.SEND_BODY:
-            since = self.received_at
+        elif self.cycle is not None and self.conn.their_state is h11.SEND_BODY and not self.flow.read_paused:
+            since = self.received_at  # (or when reading resumed: a body waiting to be read is not the client's stall)
         else:
             return None
         return since if now - since >= STALLED_S else None
