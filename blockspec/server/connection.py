@@ -4,8 +4,11 @@ and its leaving noticed at once."""
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import json
 import socket
+import struct
+import termios
 from collections.abc import Callable
 from http import HTTPStatus
 
@@ -35,9 +38,10 @@ STALLED_S = 1.0
 # request, or a stray line end): reading goes on meanwhile so that the client's leaving is seen at once
 HELD_LIMIT = 65536
 # A body that arrives in more pieces than this (chunks, or reads of a Content-Length body), averaging under
-# SMALL_PIECE bytes, is refused: the HTTP parser (pure Python) spends microseconds on each, so a body sent in 1-byte
-# chunks would hold the event loop, and every other client, for seconds
-MAX_SMALL_PIECES, SMALL_PIECE = 1024, 16
+# SMALL_PIECE bytes, is refused: the HTTP parser (pure Python) spends ~6 us on each, so a body sent in 1-byte
+# chunks would hold the event loop, and every other client, for seconds; 32768 pieces cost ~0.2 s, and a JSON body
+# streamed by json.JSONEncoder().iterencode comes in pieces of ~5 bytes (a 6 KB chat: 1213 of them)
+MAX_SMALL_PIECES, SMALL_PIECE = 32768, 16
 
 
 class LingeringTransport:
@@ -86,7 +90,8 @@ class TimedH11Protocol(H11Protocol):
         self.held = None  # bytes after a whole request whose answer is not out yet (data_received), or None
         self.pieces = self.piece_bytes = 0  # of the request's body so far (count_pieces)
         self.received_at = 0.0  # when bytes last came in
-        self.write_paused_at = None  # since when the client has not read its answers fast enough, or None
+        self.write_paused_at = None  # since when the client has read none of its answers (writing paused), or None
+        self.write_buffered = 0  # the bytes the client had not read then (unread)
         self.refusal = None  # why count_pieces refused the request
 
     def connection_made(self, transport):
@@ -139,15 +144,30 @@ class TimedH11Protocol(H11Protocol):
         if self.lingering is not None or self.transport.is_closing():
             return None
         if self.write_paused_at is not None:
+            unread = self.unread()
+            if unread < self.write_buffered:  # the client reads, however slowly: a stall counts from now
+                self.write_paused_at, self.write_buffered = now, unread
             since = self.write_paused_at
-        elif self.cycle is not None and self.conn.their_state is h11.SEND_BODY and not self.flow.read_paused:
+        elif (self.cycle is not None and self.conn.their_state is h11.SEND_BODY and not self.flow.read_paused
+              and not self.cycle.waiting_for_100_continue):
             since = self.received_at  # (or when reading resumed: a body waiting to be read is not the client's stall)
         else:
             return None
         return since if now - since >= STALLED_S else None
 
+    def unread(self) -> int:
+        """Bytes written that the client has not read: the transport's buffer and the socket's send queue (Linux's
+        SIOCOUTQ; the socket only takes more once much of it has gone, so the buffer alone stays still for seconds
+        under a slow but steady reader)."""
+        try:
+            queued = struct.unpack("i", fcntl.ioctl(self.raw_transport.get_extra_info("socket").fileno(),
+                                                    termios.TIOCOUTQ, b"\0" * 4))[0]
+        except (OSError, AttributeError):
+            queued = 0
+        return self.raw_transport.get_write_buffer_size() + queued
+
     def pause_writing(self) -> None:
-        self.write_paused_at = self.loop.time()
+        self.write_paused_at, self.write_buffered = self.loop.time(), self.unread()
         super().pause_writing()
 
     def resume_writing(self) -> None:
@@ -200,6 +220,7 @@ class TimedH11Protocol(H11Protocol):
                 raise h11.RemoteProtocolError(self.refusal)
         elif type(event) is h11.Request:
             self.pieces = self.piece_bytes = 0
+            self.received_at = self.loop.time()  # its body is awaited from now (a pipelined one's headers came earlier)
         return event
 
     def send_400_response(self, msg: str) -> None:
@@ -215,11 +236,21 @@ class TimedH11Protocol(H11Protocol):
         if self.lingering is not None:
             return
         self.received_at = self.loop.time()
+        cycle = self.cycle
+        answering = cycle is not None and not cycle.response_complete
+        if answering and self.conn.their_state is h11.MUST_CLOSE:
+            return  # after a request that closes the connection (Connection: close, HTTP/1.0) nothing is read
+        if answering and self.conn.their_state is h11.DONE and self.held is None:
+            self.held = bytearray()  # after a whole request: held before h11 sees it (below)
         if self.held is not None:
             self.held += data
             if len(self.held) > HELD_LIMIT:
                 self.raw_transport.pause_reading()
             return
+        if self.conn.their_state is h11.IDLE and not self.conn.trailing_data[0]:
+            data = data.lstrip(b"\r\n")  # empty lines before a request line are ignored (RFC 9112 2.2)
+            if not data:
+                return
         super().data_received(data)
         cycle = self.cycle
         if (self.flow.read_paused and cycle is not None and not cycle.response_complete
@@ -231,6 +262,8 @@ class TimedH11Protocol(H11Protocol):
         if self.held is not None:  # h11 takes what came after the request, as it would have read it
             held, self.held = bytes(self.held), None
             self.raw_transport.resume_reading()  # where HELD_LIMIT paused it; h11 may pause it again
+            if not self.conn.trailing_data[0]:
+                held = held.lstrip(b"\r\n")  # empty lines before the next request line (RFC 9112 2.2)
             if held:  # (h11 takes empty data for the end of stream)
                 self.conn.receive_data(held)
         super().on_response_complete()
