@@ -24,8 +24,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ..config import ServerSettings
 from ..errors import BlockspecError
 from .access import AccessGuard, host_check_warning
-from .connection import (ClientLeft, TimedH11Protocol, check_unencoded, declared_length, read_body, shutting_down,
-                         until_disconnected)
+from .connection import (MAX_HEAD_BYTES, ClientLeft, TimedH11Protocol, check_unencoded, declared_length, read_body,
+                         shutting_down, until_disconnected)
 from .requests import ApiError, Prepared, RequestParser, internal_error, shown
 from .responses import JobStreamingResponse, sse, stats_extension, usage
 from .text import IncrementalText
@@ -378,7 +378,8 @@ def serve(engine, settings: ServerSettings = ServerSettings(), log_level: str = 
     protocol = functools.partial(TimedH11Protocol, receive_timeout_s=settings.receive_timeout_s,
                                  max_connections=settings.max_connections)
     config = uvicorn.Config(app, host=settings.host, port=port, http=protocol, log_level=log_level,
-                            log_config=LOG_CONFIG, timeout_graceful_shutdown=settings.shutdown_grace_s + 5)
+                            log_config=LOG_CONFIG, timeout_graceful_shutdown=settings.shutdown_grace_s + 5,
+                            h11_max_incomplete_event_size=MAX_HEAD_BYTES)
     # uvicorn raises the signal that stopped it again once it is done: SIGTERM's default action would then kill the
     # process (status 143) after a clean shutdown, so a handler that does nothing takes its place meanwhile
     previous = signal.signal(signal.SIGTERM, lambda signum, frame: None)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import fcntl
+import functools
 import json
 import socket
 import struct
@@ -42,6 +43,10 @@ HELD_LIMIT = 65536
 # chunks would hold the event loop, and every other client, for seconds; 32768 pieces cost ~0.2 s, and a JSON body
 # streamed by json.JSONEncoder().iterencode comes in pieces of ~5 bytes (a 6 KB chat: 1213 of them)
 MAX_SMALL_PIECES, SMALL_PIECE = 32768, 16
+# Bytes of a request line and its headers, at most: h11 refuses a head past its buffer limit only while the head is
+# incomplete, so a larger one that arrives in one read would pass where the same one in two reads is refused; the
+# limit is applied to both (431), and given to uvicorn as h11's buffer limit
+MAX_HEAD_BYTES = 16384
 
 
 class LingeringTransport:
@@ -92,13 +97,12 @@ class TimedH11Protocol(H11Protocol):
         self.received_at = 0.0  # when bytes last came in
         self.write_paused_at = None  # since when the client has read none of its answers (writing paused), or None
         self.write_buffered = 0  # the bytes the client had not read then (unread)
-        self.refusal = None  # why count_pieces refused the request
+        self.refusal = None  # (status, message, code) of a request refused by next_event
 
     def connection_made(self, transport):
         self.raw_transport = transport
         super().connection_made(LingeringTransport(transport, self))
-        next_event = self.conn.next_event
-        self.conn.next_event = lambda: self.count_pieces(next_event())
+        self.conn.next_event = functools.partial(self.next_event, self.conn.next_event)
         self.expect_request()
         if len(self.connections) > self.max_connections and not self.make_room():
             self.refuse(503, "too many open connections, each with a request in progress; retry later",
@@ -208,16 +212,37 @@ class TimedH11Protocol(H11Protocol):
         """A request to upgrade the connection (to a WebSocket) is answered as plain HTTP (RFC 9110 7.8: the server
         may ignore Upgrade) without uvicorn's two warnings a request, one of them advice to install a library."""
 
+    def next_event(self, h11_next_event):
+        """h11's next event, with the refusals of count_pieces and of a head past MAX_HEAD_BYTES (h11 raises
+        h11.RemoteProtocolError, which uvicorn answers by send_400_response, with its own message)."""
+        try:
+            event = h11_next_event()
+        except h11.RemoteProtocolError as exc:
+            if exc.error_status_hint == 431 and self.refusal is None:  # h11: its buffer past the limit, incomplete
+                self.refusal = self.head_too_large()
+            raise
+        if type(event) is h11.Request:
+            size = len(event.method) + len(event.target) + 12 + sum(len(k) + len(v) + 4 for k, v in event.headers)
+            if size > MAX_HEAD_BYTES:  # (the head as sent, but for spaces around header values)
+                self.refusal = self.head_too_large()
+                raise h11.RemoteProtocolError(self.refusal[1], error_status_hint=431)
+        return self.count_pieces(event)
+
+    @staticmethod
+    def head_too_large() -> tuple[int, str, str]:
+        return (431, f"the request line and headers are larger than the server's limit of {MAX_HEAD_BYTES} bytes",
+                "headers_too_large")
+
     def count_pieces(self, event):
         """h11's next event, counted: past MAX_SMALL_PIECES pieces of a body averaging under SMALL_PIECE bytes, the
         request is refused as malformed (h11.RemoteProtocolError, which uvicorn answers by send_400_response)."""
         if type(event) is h11.Data:
             self.pieces, self.piece_bytes = self.pieces + 1, self.piece_bytes + len(event.data)
             if self.pieces > MAX_SMALL_PIECES and self.piece_bytes < SMALL_PIECE * self.pieces:
-                self.refusal = (f"the body came in more than {MAX_SMALL_PIECES} pieces of "
-                                f"{self.piece_bytes / self.pieces:.0f} bytes on average; send it in chunks of at "
-                                f"least {SMALL_PIECE} bytes, or with a Content-Length")
-                raise h11.RemoteProtocolError(self.refusal)
+                self.refusal = (400, f"malformed HTTP request: the body came in more than {MAX_SMALL_PIECES} "
+                                f"pieces of {self.piece_bytes / self.pieces:.0f} bytes on average; send it in chunks "
+                                f"of at least {SMALL_PIECE} bytes, or with a Content-Length", "malformed_http")
+                raise h11.RemoteProtocolError(self.refusal[1])
         elif type(event) is h11.Request:
             self.pieces = self.piece_bytes = 0
             self.received_at = self.loop.time()  # its body is awaited from now (a pipelined one's headers came earlier)
@@ -225,8 +250,9 @@ class TimedH11Protocol(H11Protocol):
 
     def send_400_response(self, msg: str) -> None:
         """A request the HTTP layer cannot parse (its framing or headers) answered as every other bad request: 400
-        with an OpenAI-style JSON body, then the connection closed (uvicorn's own answer is plain text)."""
-        self.refuse(400, f"malformed HTTP request: {self.refusal or msg}", "malformed_http")
+        (431 for a head past MAX_HEAD_BYTES) with an OpenAI-style JSON body, then the connection closed (uvicorn's
+        own answer is plain text)."""
+        self.refuse(*(self.refusal or (400, f"malformed HTTP request: {msg}", "malformed_http")))
 
     def data_received(self, data: bytes) -> None:
         """As uvicorn, but for what arrives after a whole request while its answer is being made: uvicorn leaves
