@@ -249,6 +249,62 @@ def test_a_head_past_the_limit_gets_a_json_431_however_it_arrives(server, where,
     assert_no_traceback(server)
 
 
+def test_a_head_or_trailer_is_measured_by_the_bytes_it_took(server):
+    """Spaces around a header value count (h11 strips them); a chunked body's trailer section past the limit is
+    refused too, named as such; both in one write, where h11 alone lets them through. The log names each refusal."""
+    from blockspec.server.connection import MAX_HEAD_BYTES
+    host = f"Host: 127.0.0.1:{server.port}\r\n" + "".join(f"{k}: {v}\r\n" for k, v in server.headers().items())
+    padded = f"GET /health HTTP/1.1\r\n{host}Connection: close\r\na:{' ' * (MAX_HEAD_BYTES + 100)}b\r\n\r\n"
+    body = b'{"prompt": "hi", "max_tokens": 1}'
+    trailer = (f"POST /v1/completions HTTP/1.1\r\n{host}Connection: close\r\nContent-Type: application/json\r\n"
+               f"Transfer-Encoding: chunked\r\n\r\n{len(body):x}\r\n").encode() + body + \
+        f"\r\n0\r\nx-trailer: {'t' * (MAX_HEAD_BYTES + 100)}\r\n\r\n".encode()
+    for data, what in ((padded.encode(), "request line and headers"), (trailer, "trailer section")):
+        sock = socket.create_connection(("127.0.0.1", server.port), timeout=30)
+        sock.sendall(data)
+        status, _, payload = read_all(sock).partition(b"\r\n\r\n")
+        assert status.split(b" ", 2)[1] == b"431", status
+        assert what in json.loads(payload)["error"]["message"], payload
+    assert server.output().count("refused: 431") >= 2, server.output()[-2000:]
+    assert_no_traceback(server)
+
+
+@pytest.mark.parametrize("pipelined", [b"{P}\r\n{C}", b"{G}\r\n\r\n\r\n{G}\n\n{C}", b"{P}\n{C}"])
+def test_empty_lines_between_pipelined_requests_are_ignored(server, pipelined):
+    """RFC 9112 2.2: empty lines before a request line are ignored, also where they come in the same read as the
+    request before them (then they sit in the HTTP parser's buffer, which refused them with a 400 and dropped the
+    requests after it)."""
+    host = f"Host: 127.0.0.1:{server.port}\r\n" + "".join(f"{k}: {v}\r\n" for k, v in server.headers().items())
+    body = b'{"prompt": "hi", "max_tokens": 1}'
+    parts = {b"{P}": f"POST /v1/completions HTTP/1.1\r\n{host}Content-Type: application/json\r\n"
+                     f"Content-Length: {len(body)}\r\n\r\n".encode() + body,
+             b"{G}": f"GET /health HTTP/1.1\r\n{host}\r\n".encode(),
+             b"{C}": f"GET /health HTTP/1.1\r\n{host}Connection: close\r\n\r\n".encode()}
+    data = pipelined
+    for name, part in parts.items():
+        data = data.replace(name, part)
+    sock = socket.create_connection(("127.0.0.1", server.port), timeout=30)
+    sock.sendall(data)
+    answers = read_all(sock)  # the last request closes the connection
+    want = pipelined.count(b"{P}") + pipelined.count(b"{G}") + 1
+    assert answers.count(b"HTTP/1.1 200") == want and b"HTTP/1.1 4" not in answers, answers[:600]
+
+
+@pytest.mark.parametrize("header, status, reason", [
+    (b"Host: b\r\n", b"400", "multiple Host"),
+    (b"Content-Length: 3\r\nContent-Length: 4\r\n", b"400", "Content-Length"),
+    (b"Transfer-Encoding: gzip, chunked\r\n", b"501", "Transfer-Encoding"),
+    (b"X(A): b\r\n", b"400", "header line")])
+def test_a_request_the_http_layer_refuses_is_answered_with_its_reason(server, header, status, reason):
+    sock = socket.create_connection(("127.0.0.1", server.port), timeout=30)
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: a\r\n" + header + b"\r\n")
+    head, _, payload = read_all(sock).partition(b"\r\n\r\n")
+    assert head.split(b" ", 2)[1] == status, head
+    error = json.loads(payload)["error"]
+    assert error["code"] == "malformed_http" and reason in error["message"], payload
+    assert f"refused: {int(status)} malformed HTTP request" in server.output()
+
+
 def test_slow_large_bodies_do_not_hold_back_other_large_bodies(server):
     """Five clients that announce chunked bodies and send one byte each (as many as queue-size + 1 = 3 large bodies
     and more): large bodies are counted by the bytes they hold, so a 100 KB body and a chunked one sent meanwhile are

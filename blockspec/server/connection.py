@@ -7,6 +7,7 @@ import asyncio
 import fcntl
 import functools
 import json
+import logging
 import socket
 import struct
 import termios
@@ -18,6 +19,9 @@ from starlette.requests import ClientDisconnect, Request
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from .requests import ApiError, shown
+
+
+log = logging.getLogger("blockspec.server")
 
 
 class ClientLeft(Exception):
@@ -179,7 +183,10 @@ class TimedH11Protocol(H11Protocol):
         super().resume_writing()
 
     def refuse(self, status: int, message: str, code: str) -> None:
-        """Answer with an OpenAI-style JSON error and close: for what is refused before the app sees a request."""
+        """Answer with an OpenAI-style JSON error and close: for what is refused before the app sees a request. The
+        log gets one line naming the client and the answer, as an access line would."""
+        client = "%s:%d" % self.client[:2] if self.client else "-"
+        log.info("%s - refused: %d %s", client, status, message)
         body = json.dumps(ApiError(status, message, code=code,
                                    type_="invalid_request_error" if status < 500 else "server_error").body()).encode()
         head = (f"HTTP/1.1 {status} {HTTPStatus(status).phrase}\r\ncontent-type: application/json\r\n"
@@ -213,25 +220,33 @@ class TimedH11Protocol(H11Protocol):
         may ignore Upgrade) without uvicorn's two warnings a request, one of them advice to install a library."""
 
     def next_event(self, h11_next_event):
-        """h11's next event, with the refusals of count_pieces and of a head past MAX_HEAD_BYTES (h11 raises
-        h11.RemoteProtocolError, which uvicorn answers by send_400_response, with its own message)."""
+        """h11's next event, with empty lines before a request line dropped (RFC 9112 2.2; h11 refuses them) and the
+        refusals of count_pieces and of a head or trailer section past MAX_HEAD_BYTES (by the bytes it took). h11's
+        refusal of a request (h11.RemoteProtocolError, which uvicorn answers by send_400_response with a message of
+        its own) keeps h11's reason for the answer."""
+        buffer = self.conn._receive_buffer  # h11's unparsed input: no public call drops bytes of it or counts them
+        in_head = self.conn.their_state is h11.IDLE
+        if in_head:
+            start = bytes(buffer._data[:256])
+            if blank := len(start) - len(start.lstrip(b"\r\n")):
+                buffer._extract(blank)
+        before = len(buffer)
         try:
             event = h11_next_event()
         except h11.RemoteProtocolError as exc:
-            if exc.error_status_hint == 431 and self.refusal is None:  # h11: its buffer past the limit, incomplete
-                self.refusal = self.head_too_large()
+            if self.refusal is None:
+                self.refusal = self.too_large(in_head) if exc.error_status_hint == 431 else \
+                    (exc.error_status_hint, f"malformed HTTP request: {str(exc)[:200]}", "malformed_http")
             raise
-        if type(event) is h11.Request:
-            size = len(event.method) + len(event.target) + 12 + sum(len(k) + len(v) + 4 for k, v in event.headers)
-            if size > MAX_HEAD_BYTES:  # (the head as sent, but for spaces around header values)
-                self.refusal = self.head_too_large()
-                raise h11.RemoteProtocolError(self.refusal[1], error_status_hint=431)
+        if type(event) in (h11.Request, h11.EndOfMessage) and before - len(buffer) > MAX_HEAD_BYTES:
+            self.refusal = self.too_large(type(event) is h11.Request)
+            raise h11.RemoteProtocolError(self.refusal[1], error_status_hint=431)
         return self.count_pieces(event)
 
     @staticmethod
-    def head_too_large() -> tuple[int, str, str]:
-        return (431, f"the request line and headers are larger than the server's limit of {MAX_HEAD_BYTES} bytes",
-                "headers_too_large")
+    def too_large(head: bool) -> tuple[int, str, str]:
+        what = "the request line and headers are" if head else "a chunked body's chunk line or trailer section is"
+        return 431, f"{what} larger than the server's limit of {MAX_HEAD_BYTES} bytes", "headers_too_large"
 
     def count_pieces(self, event):
         """h11's next event, counted: past MAX_SMALL_PIECES pieces of a body averaging under SMALL_PIECE bytes, the
@@ -249,9 +264,9 @@ class TimedH11Protocol(H11Protocol):
         return event
 
     def send_400_response(self, msg: str) -> None:
-        """A request the HTTP layer cannot parse (its framing or headers) answered as every other bad request: 400
-        (431 for a head past MAX_HEAD_BYTES) with an OpenAI-style JSON body, then the connection closed (uvicorn's
-        own answer is plain text)."""
+        """A request the HTTP layer cannot parse (its framing or headers) answered as every other bad request, with
+        an OpenAI-style JSON body naming h11's reason (uvicorn's own answer is plain text, and names none): 400, 431
+        for a head past MAX_HEAD_BYTES, 501 for a transfer coding other than chunked; then the connection closed."""
         self.refuse(*(self.refusal or (400, f"malformed HTTP request: {msg}", "malformed_http")))
 
     def data_received(self, data: bytes) -> None:
@@ -273,10 +288,6 @@ class TimedH11Protocol(H11Protocol):
             if len(self.held) > HELD_LIMIT:
                 self.raw_transport.pause_reading()
             return
-        if self.conn.their_state is h11.IDLE and not self.conn.trailing_data[0]:
-            data = data.lstrip(b"\r\n")  # empty lines before a request line are ignored (RFC 9112 2.2)
-            if not data:
-                return
         super().data_received(data)
         cycle = self.cycle
         if (self.flow.read_paused and cycle is not None and not cycle.response_complete
@@ -288,8 +299,6 @@ class TimedH11Protocol(H11Protocol):
         if self.held is not None:  # h11 takes what came after the request, as it would have read it
             held, self.held = bytes(self.held), None
             self.raw_transport.resume_reading()  # where HELD_LIMIT paused it; h11 may pause it again
-            if not self.conn.trailing_data[0]:
-                held = held.lstrip(b"\r\n")  # empty lines before the next request line (RFC 9112 2.2)
             if held:  # (h11 takes empty data for the end of stream)
                 self.conn.receive_data(held)
         super().on_response_complete()
