@@ -390,6 +390,30 @@ def test_a_client_that_half_closes_after_its_request_gets_the_whole_answer(serve
     assert_no_traceback(server)
 
 
+@pytest.mark.parametrize("apart", [False, True])
+def test_requests_pipelined_before_a_half_close_are_all_answered(server, apart):
+    """Requests pipelined, then shutdown(SHUT_WR): each is answered in turn, then the connection closes; the later
+    requests in the same write as the first (in the HTTP parser's buffer) or written after it (held)."""
+    host = f"Host: 127.0.0.1:{server.port}\r\n" + "".join(f"{k}: {v}\r\n" for k, v in server.headers().items())
+    body = json.dumps({"prompt": "a story", "max_tokens": 64, "ignore_eos": True}).encode()
+    post_ = (f"POST /v1/completions HTTP/1.1\r\n{host}Content-Type: application/json\r\n"
+             f"Content-Length: {len(body)}\r\n\r\n").encode() + body
+    get = f"GET /health HTTP/1.1\r\n{host}\r\n".encode()
+    sock = socket.create_connection(("127.0.0.1", server.port), timeout=30)
+    if apart:
+        sock.sendall(post_)
+        time.sleep(0.1)  # the first request is running when the rest arrives
+        sock.sendall(get + get)
+    else:
+        sock.sendall(post_ + get + get)
+    sock.shutdown(socket.SHUT_WR)
+    data = read_to_end(sock)
+    sock.close()
+    assert data.count(b"HTTP/1.1 200") == 3 and b"HTTP/1.1 4" not in data, data[:600]
+    assert server.health()["running"] == 0
+    assert_no_traceback(server)
+
+
 def test_client_leaving_during_prefill_frees_the_engine_at_once(servers):
     """A 1000-token prompt (~1 s of prefill at 8 tokens a pass) whose client leaves as soon as it runs: the prefill
     stops at its next chunk, the engine is free at once, and the next request's answer is unchanged."""

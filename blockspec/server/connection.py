@@ -303,6 +303,8 @@ class TimedH11Protocol(H11Protocol):
                 self.conn.receive_data(held)
         super().on_response_complete()
         self.expect_request()
+        if self.half_closed is not None and self.cycle.response_complete:  # no pipelined request began: the
+            self.transport.close()                                         # client sends no more
 
     def expect_request(self):
         self.idle_since = self.loop.time()
@@ -318,9 +320,10 @@ class TimedH11Protocol(H11Protocol):
             self.transport.close()
 
     def eof_received(self):
-        """The client sent its end of stream. Once a whole request is in, the connection stays open for the
-        answer (then closes), as the client may only have shut its sending side (shutdown(SHUT_WR): `nc -N`, some
-        proxies); before that, or idle, it closes as a client that left. A client that closed its socket entirely
+        """The client sent its end of stream. Once a whole request is in, the connection stays open for its
+        answer and those of the requests pipelined behind it (then closes), as the client may only have shut its
+        sending side (shutdown(SHUT_WR): `nc -N`, some proxies); before that, or idle, it closes as a client that
+        left. A client that closed its socket entirely
         sends the same end of stream, but its machine answers any data with a reset: an interim '100 Continue' (which
         HTTP/1.1 clients skip, RFC 9110 15.2) is sent at once, and a reset seen on the socket ends the connection as
         a client that left, so that its generation stops."""
@@ -329,7 +332,9 @@ class TimedH11Protocol(H11Protocol):
                 or self.conn.their_state not in (h11.DONE, h11.MUST_CLOSE)):
             return None  # asyncio closes the transport: connection_lost
         if cycle is not self.half_closed:  # the first end of stream of this request (reading resumed sees it again)
-            self.half_closed, cycle.keep_alive = cycle, False
+            self.half_closed = cycle
+            # requests pipelined behind this one are answered in turn (on_response_complete closes after the last)
+            cycle.keep_alive = bool(self.held or self.conn.trailing_data[0])
             # an HTTP/1.0 client takes no interim answer (RFC 9110 15.2): one that left is found at the first write
             if not cycle.response_started and cycle.scope["http_version"] == "1.1":
                 interim = h11.InformationalResponse(status_code=100, headers=[], reason=b"Continue")
