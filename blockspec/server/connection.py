@@ -47,9 +47,9 @@ HELD_LIMIT = 65536
 # chunks would hold the event loop, and every other client, for seconds; 32768 pieces cost ~0.2 s, and a JSON body
 # streamed by json.JSONEncoder().iterencode comes in pieces of ~5 bytes (a 6 KB chat: 1213 of them)
 MAX_SMALL_PIECES, SMALL_PIECE = 32768, 16
-# Bytes of a request line and its headers, at most: h11 refuses a head past its buffer limit only while the head is
-# incomplete, so a larger one that arrives in one read would pass where the same one in two reads is refused; the
-# limit is applied to both (431), and given to uvicorn as h11's buffer limit
+# Bytes of a request line and its headers (or of a chunked body's trailer section), at most: h11 refuses one past its
+# buffer limit only while it is incomplete, so a larger one that arrives in one read would pass where the same one in
+# two reads is refused; next_event applies the limit to both (431), and uvicorn gives it to h11 as its buffer limit
 MAX_HEAD_BYTES = 16384
 
 
@@ -323,10 +323,9 @@ class TimedH11Protocol(H11Protocol):
         """The client sent its end of stream. Once a whole request is in, the connection stays open for its
         answer and those of the requests pipelined behind it (then closes), as the client may only have shut its
         sending side (shutdown(SHUT_WR): `nc -N`, some proxies); before that, or idle, it closes as a client that
-        left. A client that closed its socket entirely
-        sends the same end of stream, but its machine answers any data with a reset: an interim '100 Continue' (which
-        HTTP/1.1 clients skip, RFC 9110 15.2) is sent at once, and a reset seen on the socket ends the connection as
-        a client that left, so that its generation stops."""
+        left. A client that closed its socket entirely sends the same end of stream, but its machine answers any
+        data with a reset: an interim '100 Continue' (which HTTP/1.1 clients skip, RFC 9110 15.2) is sent at once,
+        and a reset seen on the socket ends the connection as a client that left, so that its generation stops."""
         cycle = self.cycle
         if (self.lingering is not None or cycle is None or cycle.response_complete
                 or self.conn.their_state not in (h11.DONE, h11.MUST_CLOSE)):
