@@ -771,7 +771,8 @@ def test_empty_lines_before_a_request_and_bytes_after_one_that_closes_are_ignore
             await asyncio.sleep(0.3)
             await answer_after_the_body(scope, receive, send)
 
-    with protocol_server(app) as port:
+    # the second request comes ~0.3 s after the first's answer: well within the wait for a next request
+    with protocol_server(app, receive_timeout_s=3.0) as port:
         with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
             sock.sendall(b"GET /1 HTTP/1.1\r\nHost: x\r\n\r\n")
             time.sleep(0.1)

@@ -305,6 +305,34 @@ def test_a_request_the_http_layer_refuses_is_answered_with_its_reason(server, he
     assert f"refused: {int(status)} malformed HTTP request" in server.output()
 
 
+def test_a_target_in_absolute_form_is_served_and_another_http_version_refused(server):
+    """RFC 9112 3.2.2: a server must accept `GET http://host/path`, the target's authority taking the Host header's
+    place (a foreign one is refused as a foreign Host is); RFC 9110 15.6.6: a request line of a version other than
+    1.x gets 505, where the HTTP parser took it and answered as HTTP/1.1."""
+    keyed = "".join(f"{k}: {v}\r\n" for k, v in server.headers().items())
+    for target, authority, status in (("/v1/models", "", b"200"), ("http://127.0.0.1:{port}/v1/models", "", b"200"),
+                                      ("HTTP://127.0.0.1:{port}/v1/models?x=1", "", b"200"),
+                                      ("http://attacker.example:{port}/v1/models", "", b"403"),
+                                      ("http://127.0.0.1:{port}/v1/models", "attacker.example", b"200")):
+        target = target.format(port=server.port)
+        host = authority or f"127.0.0.1:{server.port}"
+        sock = socket.create_connection(("127.0.0.1", server.port), timeout=30)
+        sock.sendall(f"GET {target} HTTP/1.1\r\nHost: {host}\r\n{keyed}Connection: close\r\n\r\n".encode())
+        head, _, payload = read_all(sock).partition(b"\r\n\r\n")
+        assert head.split(b" ", 2)[1] == status, (target, host, head)
+        if status == b"200":
+            assert json.loads(payload)["data"], payload
+    for version in (b"2.0", b"0.9", b"3.1"):
+        sock = socket.create_connection(("127.0.0.1", server.port), timeout=30)
+        sock.sendall(b"GET /health HTTP/" + version + b"\r\nHost: 127.0.0.1\r\n\r\n")
+        head, _, payload = read_all(sock).partition(b"\r\n\r\n")
+        assert head.split(b" ", 2)[1] == b"505", (version, head)
+        error = json.loads(payload)["error"]
+        assert error["code"] == "http_version_not_supported" and version.decode() in error["message"], payload
+    assert "refused: 505" in server.output()
+    assert_no_traceback(server)
+
+
 def test_slow_large_bodies_do_not_hold_back_other_large_bodies(server):
     """Five clients that announce chunked bodies and send one byte each (as many as queue-size + 1 = 3 large bodies
     and more): large bodies are counted by the bytes they hold, so a 100 KB body and a chunked one sent meanwhile are

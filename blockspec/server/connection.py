@@ -8,6 +8,7 @@ import fcntl
 import functools
 import json
 import logging
+import re
 import socket
 import struct
 import termios
@@ -241,6 +242,13 @@ class TimedH11Protocol(H11Protocol):
         if type(event) in (h11.Request, h11.EndOfMessage) and before - len(buffer) > MAX_HEAD_BYTES:
             self.refusal = self.too_large(type(event) is h11.Request)
             raise h11.RemoteProtocolError(self.refusal[1], error_status_hint=431)
+        if type(event) is h11.Request:
+            if not event.http_version.startswith(b"1."):  # h11 takes any digit.digit, and would answer as 1.1
+                version = event.http_version.decode("ascii")
+                self.refusal = (505, f"HTTP/{version} is not supported; send HTTP/1.1 requests",
+                                "http_version_not_supported")
+                raise h11.RemoteProtocolError(self.refusal[1], error_status_hint=505)
+            event = origin_form(event)
         return self.count_pieces(event)
 
     @staticmethod
@@ -354,6 +362,20 @@ class TimedH11Protocol(H11Protocol):
         if self.lingering is not None:
             self.lingering.cancel()
         super().connection_lost(exc)
+
+
+def origin_form(request: h11.Request) -> h11.Request:
+    """A request whose target is in absolute form (`GET http://host:port/path`), which a server must accept (RFC
+    9112 3.2.2), as the origin form the app routes (`/path`), with the target's authority as its Host (the RFC has
+    it replace the Host header); any other request as it came."""
+    absolute = re.fullmatch(rb"(?i)https?://(?:[^/?#@]*@)?([^/?#]*)([^#]*)(?:#.*)?", request.target)
+    if absolute is None:
+        return request
+    authority, path = absolute.groups()
+    target = path if path.startswith(b"/") else b"/" + path
+    headers = [(name, value) for name, value in request.headers.raw_items() if name.lower() != b"host"]
+    return h11.Request(method=request.method, target=target, headers=[(b"host", authority), *headers],
+                       http_version=request.http_version)
 
 
 def shutting_down() -> ApiError:
