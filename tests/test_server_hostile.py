@@ -399,12 +399,15 @@ def read_to_end(sock: socket.socket) -> bytes:
     return data
 
 
-@pytest.mark.parametrize("stream, connection", [(False, "close"), (False, "keep-alive"), (True, "close")])
+@pytest.mark.parametrize("stream, connection", [(False, "close"), (False, "keep-alive"), (True, "close"),
+                                                (False, "Upgrade"), (True, "keep-alive, Upgrade")])
 def test_a_client_that_half_closes_after_its_request_gets_the_whole_answer(server, stream, connection):
     """shutdown(SHUT_WR) after the whole request (as `nc -N` and some proxies do) says only that nothing more is
-    sent: the answer comes whole, then the connection closes; the engine is free after it."""
+    sent: the answer comes whole, then the connection closes; the engine is free after it. Also after a request
+    that asks to upgrade the connection (answered as plain HTTP)."""
     body = json.dumps({"prompt": "a story", "max_tokens": 8, "stream": stream}).encode()
-    sock = raw_request(server, "/v1/completions", body, {"Connection": connection})
+    upgrade = {"Upgrade": "websocket"} if "Upgrade" in connection else {}
+    sock = raw_request(server, "/v1/completions", body, {"Connection": connection, **upgrade})
     sock.shutdown(socket.SHUT_WR)
     data = read_to_end(sock)
     sock.close()

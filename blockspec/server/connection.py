@@ -336,7 +336,7 @@ class TimedH11Protocol(H11Protocol):
         and a reset seen on the socket ends the connection as a client that left, so that its generation stops."""
         cycle = self.cycle
         if (self.lingering is not None or cycle is None or cycle.response_complete
-                or self.conn.their_state not in (h11.DONE, h11.MUST_CLOSE)):
+                or self.conn.their_state not in (h11.DONE, h11.MUST_CLOSE, h11.MIGHT_SWITCH_PROTOCOL)):
             return None  # asyncio closes the transport: connection_lost
         if cycle is not self.half_closed:  # the first end of stream of this request (reading resumed sees it again)
             self.half_closed = cycle
