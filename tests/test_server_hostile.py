@@ -15,6 +15,7 @@ import gzip
 import json
 import random
 import socket
+import struct
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -390,6 +391,35 @@ def test_non_streamed_client_leaving_frees_the_engine_at_once(server):
     assert freed < 0.5, freed
     print(f"\nengine free {1000 * freed:.0f} ms after a non-streamed client left (polled)")
     assert "client left during its generation" in server.output()
+
+
+@pytest.mark.parametrize("leaving", ["close", "reset", "half-close"])
+def test_a_client_that_leaves_after_sending_more_than_is_held_frees_the_engine_at_once(server, leaving):
+    """Past HELD_LIMIT bytes sent after a whole request (a large pipelined request), reading stops until the answer
+    is out; a client that then closes its socket, or resets the connection, is still seen leaving at once, and one
+    that only shuts its sending side gets both answers."""
+    from blockspec.server.connection import HELD_LIMIT
+    body = json.dumps({"prompt": "a long story", "max_tokens": LONG}).encode()
+    sock = raw_request(server, "/v1/completions", body, {"Connection": "keep-alive"})
+    wait_until(lambda: server.health()["running"] == 1)
+    small = b'{"prompt": "hi", "max_tokens": 1}' + b" " * (HELD_LIMIT + 4096)
+    sock.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1:{server.port}\r\nContent-Type: application/json\r\n"
+                 f"Content-Length: {len(small)}\r\n".encode()
+                 + "".join(f"{k}: {v}\r\n" for k, v in server.headers().items()).encode() + b"\r\n" + small)
+    time.sleep(0.2)  # read and held, reading paused
+    if leaving == "half-close":
+        sock.shutdown(socket.SHUT_WR)
+        answers = read_to_end(sock)
+        assert answers.count(b"HTTP/1.1 200 OK") == 2, answers[:300]
+        return
+    if leaving == "reset":
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    sock.close()
+    freed = wait_until(lambda: server.health()["running"] == 0, timeout=5)
+    assert freed < 0.5, freed
+    assert "client left during its generation" in server.output()
+    assert post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 1}).status_code == 200
+    assert_no_traceback(server)
 
 
 def read_to_end(sock: socket.socket) -> bytes:

@@ -43,6 +43,8 @@ STALLED_S = 1.0
 # Bytes held, at most, that arrive after a whole request while its answer is being made (the next pipelined
 # request, or a stray line end): reading goes on meanwhile so that the client's leaving is seen at once
 HELD_LIMIT = 65536
+# Linux's TCP state of a connection whose peer sent its end of stream (tcp_info.tcpi_state)
+TCP_CLOSE_WAIT = 8
 # A body that arrives in more pieces than this (chunks, or reads of a Content-Length body), averaging under
 # SMALL_PIECE bytes, is refused: the HTTP parser (pure Python) spends ~6 us on each, so a body sent in 1-byte
 # chunks would hold the event loop, and every other client, for seconds; 32768 pieces cost ~0.2 s, and a JSON body
@@ -293,8 +295,9 @@ class TimedH11Protocol(H11Protocol):
             self.held = bytearray()  # after a whole request: held before h11 sees it (below)
         if self.held is not None:
             self.held += data
-            if len(self.held) > HELD_LIMIT:
+            if len(self.held) > HELD_LIMIT and self.raw_transport.is_reading():
                 self.raw_transport.pause_reading()
+                self.loop.call_later(RESET_CHECK_S, self.watch_paused, cycle)
             return
         super().data_received(data)
         cycle = self.cycle
@@ -302,6 +305,23 @@ class TimedH11Protocol(H11Protocol):
                 and self.conn.their_state in (h11.DONE, h11.MUST_CLOSE)):  # h11 paused: the request is whole
             self.held = bytearray()
             self.raw_transport.resume_reading()
+
+    def watch_paused(self, cycle):
+        """While reading is paused (HELD_LIMIT bytes held) the client's end of stream or reset waits behind the unread
+        bytes, where asyncio does not see it: the socket's own state shows it, a reset (the connection aborted: the
+        client left) or an end of stream (TCP state CLOSE_WAIT, on Linux: then as eof_received)."""
+        transport = self.raw_transport
+        if cycle.response_complete or transport.is_closing() or self.held is None:
+            return
+        sock = transport.get_extra_info("socket")
+        ended = hasattr(socket, "TCP_INFO") and sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 1)[0] == \
+            TCP_CLOSE_WAIT
+        if sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR):
+            transport.abort()
+        elif ended:
+            self.eof_received()  # seen early (eof_received takes each request's end of stream once)
+        else:
+            self.loop.call_later(RESET_CHECK_S, self.watch_paused, cycle)
 
     def on_response_complete(self):
         if self.held is not None:  # h11 takes what came after the request, as it would have read it
