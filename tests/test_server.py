@@ -307,7 +307,15 @@ REFUSALS = [
     ("chat", {**CHAT, "stop": ""}, "stop", "empty string"),
     ("chat", {**CHAT, "stop": ["a", 1]}, "stop", "array of strings"),
     ("chat", {**CHAT, "logit_bias": ""}, "logit_bias", "must be an object"),
-    ("chat", {**CHAT, "response_format": {"a": 1}}, "response_format", "string 'type'"),
+    ("chat", {**CHAT, "response_format": {"a": 1}}, "response_format", "'type' is"),
+    ("chat", {**CHAT, "response_format": {"type": "bogus"}}, "response_format", "'type' is"),
+    ("chat", {**CHAT, "logit_bias": {"1": 0, "2": 5}}, "logit_bias", "constraints"),
+    ("chat", {**CHAT, "logit_bias": {"1": False}}, "logit_bias", "constraints"),
+    ("chat", {**CHAT, "stream": True, "stream_options": {"include_usage": True, "foo": 1}}, "stream_options",
+     "'foo' is not supported"),
+    ("chat", {**CHAT, "stream": True, "stream_options": {"continuous_usage_stats": True}}, "stream_options",
+     "continuous_usage_stats"),
+    ("chat", {**CHAT, "tool_choice": "required"}, "tool_choice", "function calling"),
     ("completion", {**COMPLETION, "logprobs": 0}, "logprobs", "logprobs"),
     ("completion", {**COMPLETION, "suffix": 0}, "suffix", "must be a string"),
     ("completion", {**COMPLETION, "stream": True, "stream_options": {"include_usage": 0}}, "stream_options",
@@ -384,6 +392,11 @@ def test_refusals_answer_400_naming_the_field(server, tiny, reference):
                                                 "top_k": 259, "max_tokens": 6})
         assert r.status_code == 200, r.text
         assert r.json()["choices"][0]["text"] == reference(reference.engine.tokenizer.encode("hi"), 6).text
+        r = http.post("/v1/chat/completions", json={**CHAT, "tools": [], "tool_choice": "none", "max_tokens": 6,
+                                                     "logit_bias": {"1": 0, "2": 0.0}, "stream": True,
+                                                     "stream_options": {"include_usage": True,
+                                                                        "continuous_usage_stats": False}})
+        assert r.status_code == 200 and '"completion_tokens":6' in r.text.replace(" ", ""), r.text[-400:]
     assert server.health()["running"] == 0
 
 
@@ -611,6 +624,7 @@ def test_past_max_connections_the_longest_idle_connection_closes_and_all_busy_is
             sock.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
             head, _, body = read_all(sock).partition(b"\r\n\r\n")
             assert head.startswith(b"HTTP/1.1 503") and json.loads(body)["error"]["code"] == "too_many_connections"
+            assert b"\r\nretry-after: 1\r\n" in head, head
         for sock in busy:
             sock.close()
     with protocol_server(answer_ok, max_connections=3) as port:  # answered before their bodies: lingering

@@ -113,7 +113,7 @@ class TimedH11Protocol(H11Protocol):
         self.expect_request()
         if len(self.connections) > self.max_connections and not self.make_room():
             self.refuse(503, "too many open connections, each with a request in progress; retry later",
-                        "too_many_connections")
+                        "too_many_connections", retry_after_s=1)
 
     def idle(self) -> bool:
         """No request in progress: none began since the connection opened or the last answer ended, at least
@@ -185,15 +185,17 @@ class TimedH11Protocol(H11Protocol):
         self.write_paused_at = None
         super().resume_writing()
 
-    def refuse(self, status: int, message: str, code: str) -> None:
-        """Answer with an OpenAI-style JSON error and close: for what is refused before the app sees a request. The
-        log gets one line naming the client and the answer, as an access line would."""
+    def refuse(self, status: int, message: str, code: str, retry_after_s: int | None = None) -> None:
+        """Answer with an OpenAI-style JSON error and close: for what is refused before the app sees a request (with
+        a Retry-After header where a retry may succeed). The log gets one line naming the client and the answer, as
+        an access line would."""
         client = "%s:%d" % self.client[:2] if self.client else "-"
         log.info("%s - refused: %d %s", client, status, message)
         body = json.dumps(ApiError(status, message, code=code,
                                    type_="invalid_request_error" if status < 500 else "server_error").body()).encode()
+        retry = f"retry-after: {retry_after_s}\r\n" if retry_after_s is not None else ""
         head = (f"HTTP/1.1 {status} {HTTPStatus(status).phrase}\r\ncontent-type: application/json\r\n"
-                f"content-length: {len(body)}\r\nconnection: close\r\n\r\n").encode()
+                f"content-length: {len(body)}\r\n{retry}connection: close\r\n\r\n").encode()
         self.raw_transport.write(head + body)
         if self.cycle is not None and not self.cycle.response_complete:  # the app's request ends as one whose
             self.cycle.disconnected = True                              # client left: it writes nothing more

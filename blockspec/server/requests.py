@@ -38,6 +38,9 @@ AT_NEUTRAL_ONLY = {
     "prediction": ({"chat"}, (), "a predicted output"),
     "reasoning_effort": ({"chat"}, (), "a reasoning effort (the chat template decides)"),
 }
+# stream_options keys: name -> whether true is served (false always is); vLLM's continuous_usage_stats puts usage in
+# every chunk
+STREAM_OPTIONS = {"include_usage": True, "continuous_usage_stats": False}
 # Fields of one endpoint that a request to the other may not carry: the other endpoint would ignore them
 ENDPOINT_FIELDS = {"chat": ("messages", "add_generation_prompt", "continue_final_message", "chat_template",
                             "chat_template_kwargs", "modalities"),
@@ -328,13 +331,14 @@ class RequestParser:
             if value != neutral:
                 raise bad(f"{name}={body[name]}: penalties are not supported by blockspec, in any mode (omit {name})",
                           name)
-        if get_object(body, "logit_bias"):
+        logit_bias = get_object(body, "logit_bias")
+        if logit_bias and any(type(v) not in (int, float) or v != 0 for v in logit_bias.values()):  # 0: no bias
             self.refuse_unless("logit_bias", constraints=True)
         response_format = get_object(body, "response_format")
         if response_format is not None:
-            if not isinstance(response_format.get("type"), str):
-                raise bad("'response_format' must be an object with a string 'type' ('text'; 'json_object' and "
-                          "'json_schema' are refused)", "response_format")
+            if response_format.get("type") not in ("text", "json_object", "json_schema"):
+                raise bad("'response_format' must be an object whose 'type' is \"text\", \"json_object\" or "
+                          "\"json_schema\" (the last two are refused)", "response_format")
             if response_format["type"] != "text":
                 self.refuse_unless("response_format", constraints=True)
         for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar"):
@@ -347,7 +351,7 @@ class RequestParser:
             if value:
                 raise bad(f"{name}: function calling is not supported by blockspec", name)
         for name in ("tool_choice", "parallel_tool_calls", "function_call"):  # as OpenAI: only beside tools
-            if body.get(name) is not None:
+            if body.get(name) is not None and not (name in ("tool_choice", "function_call") and body[name] == "none"):
                 raise bad(f"{name}: function calling is not supported by blockspec (omit {name})", name)
         if kind == "completion":
             if get_bool(body, "echo"):
@@ -367,9 +371,17 @@ class RequestParser:
         options = get_object(body, "stream_options")
         if options is not None and not stream:
             raise bad("'stream_options' is allowed only with \"stream\": true", "stream_options")
-        include_usage = (options or {}).get("include_usage", False)
-        if not isinstance(include_usage, bool):
-            raise bad("'stream_options.include_usage' must be a boolean", "stream_options")
+        options = options or {}
+        for key, value in options.items():
+            if key not in STREAM_OPTIONS:
+                raise bad(f"stream_options: {shown(key)} is not supported by blockspec (known: "
+                          f"{', '.join(STREAM_OPTIONS)})", "stream_options")
+            if not isinstance(value, bool):
+                raise bad(f"'stream_options.{key}' must be a boolean", "stream_options")
+            if value and not STREAM_OPTIONS[key]:
+                raise bad(f"'stream_options.{key}' true is not supported by blockspec (usage comes in the last "
+                          "chunk alone, with include_usage)", "stream_options")
+        include_usage = options.get("include_usage", False)
         return stream, include_usage, model or self.engine.model_name
 
     def chat_messages(self, body: dict) -> list[dict]:
