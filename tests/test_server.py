@@ -130,6 +130,27 @@ def test_multi_turn_conversation_reuses_its_prefix(server, tiny, reference):
     assert 0 < cached[1] < cached[2] < len(ids), cached
 
 
+def test_a_kept_prefix_is_reused_only_by_requests_of_its_cache_salt(server, tiny, reference):
+    """vLLM's cache_salt: a request reuses the kept conversation only where it carries the same salt (or neither
+    carries one), so one tenant cannot learn another's prompt from cached_tokens (or its speed); answers are the
+    same whatever is reused."""
+    client, question = server.client(), user("Tell me about lighthouses and their keepers.")
+    ids = chat_ids(reference, question)
+
+    def cached(salt):
+        extra = {"cache_salt": salt} if salt is not None else {}
+        reply = client.chat.completions.create(model=model_name(tiny), messages=question, max_tokens=4,
+                                               extra_body=extra)
+        assert reply.choices[0].message.content == reference(ids, 4).text
+        return reply.usage.prompt_tokens_details.cached_tokens
+    order = [None, None, "tenant-a", "tenant-a", "tenant-b", "tenant-a", None]
+    got = [cached(salt) for salt in order]
+    assert got[1] > 0 and got[3] == got[1], got  # the same salt (or none twice): reused
+    assert got[2] == got[4] == got[5] == got[6] == 0, got  # another salt's conversation: none of it
+    r = httpx.post(server.url + "/v1/completions", json={"prompt": "hi", "cache_salt": ""}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "cache_salt", r.text
+
+
 def test_chat_streamed_with_usage(server, tiny, reference):
     messages = [{"role": "system", "content": "Be brief."}, *user("Count for me.")]
     chunks = list(server.client().chat.completions.create(

@@ -148,7 +148,7 @@ def create_app(engine, settings: ServerSettings = ServerSettings(), bound_addres
 
     def submit(prepared: Prepared) -> Job:
         job = Job(prepared.prompt_ids, prepared.max_tokens, asyncio.get_running_loop(), prepared.sampling,
-                  prepared.snapshot_at, prepared.stop_at_eos)
+                  prepared.snapshot_at, prepared.stop_at_eos, prepared.cache_salt)
         try:
             worker.submit(job)
         except QueueFull as full:

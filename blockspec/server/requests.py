@@ -237,6 +237,7 @@ class Prepared:
     sampling: dict            # the request's sampling values, its own or the server's defaults (Engine.stream)
     snapshot_at: int | None = None  # a chat: where its conversation ends, before the generation prompt
     stop_at_eos: bool = True        # False: vLLM's ignore_eos (generate max_tokens tokens)
+    cache_salt: str | None = None   # vLLM's: a kept prefix is reused only by requests of the same salt
 
 
 def unserved(n: int = 1, logprobs: bool = False, images: bool = False, stop=None, constraints: bool = False):
@@ -469,6 +470,9 @@ class RequestParser:
             raise bad(f"the request body must be a JSON object (got {_json_type(body)})")
         stream, include_usage, model = self.common(body, kind)
         sampling = self.sampling(body)
+        cache_salt = body.get("cache_salt")
+        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+            raise bad(f"'cache_salt' must be a non-empty string (got {json.dumps(cache_salt)[:40]})", "cache_salt")
         if kind == "chat":
             if not get_bool(body, "split_special_tokens", True):
                 raise bad("split_special_tokens: message text never becomes control tokens; send raw special tokens "
@@ -512,4 +516,4 @@ class RequestParser:
                 message = message.replace("max_tokens", max_param)
             raise bad(message, param) from None
         return Prepared(kind, prompt_ids, max_tokens, stream, include_usage, model, sampling, snapshot_at,
-                        not get_bool(body, "ignore_eos", False))
+                        not get_bool(body, "ignore_eos", False), cache_salt)

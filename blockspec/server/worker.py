@@ -33,6 +33,7 @@ class Job:
     sampling: dict = field(default_factory=dict)  # Engine.stream's sampling arguments (Prepared.sampling)
     snapshot_at: int | None = None  # Engine.stream's (Prepared.snapshot_at)
     stop_at_eos: bool = True        # Engine.stream's (Prepared.stop_at_eos)
+    cache_salt: str | None = None   # Prepared.cache_salt
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
     # queued -> running -> finished; running -> stopping (its client left) -> finished; queued -> abandoned
@@ -61,6 +62,7 @@ class Worker:
         self.waiting: deque[Job] = deque()
         self.running: Job | None = None
         self.served = 0
+        self.cache_salt = None  # the salt of the request whose conversation the engine keeps (Job.cache_salt)
         self.closed = False
         self.stopped = False
         self.thread = threading.Thread(target=self.loop, name="blockspec-engine", daemon=True)
@@ -142,6 +144,9 @@ class Worker:
     def execute(self, job: Job) -> tuple[str, object]:
         """Run one job, streaming its tokens; return its final event: ("done", stats) or ("error", ApiError)."""
         job.started = time.perf_counter()
+        if job.cache_salt != self.cache_salt:  # the kept conversation is another salt's: none of it is reused
+            self.engine.forget_prefix()
+            self.cache_salt = job.cache_salt
         tokens = self.engine.stream(job.prompt_ids, job.max_tokens, job.stop_at_eos, **job.sampling,
                                     snapshot_at=job.snapshot_at, stop=job.cancelled.is_set)
         try:
