@@ -351,6 +351,13 @@ def check_synthetic_fits(name: str, config: PredictConfig, device) -> memory.Mem
     return needed
 
 
+def fixture_ids(engine, fixture: dict) -> list[int]:
+    """A fixture's prompt tokens: as a chat's user turn unless the fixture says "chat": false."""
+    if fixture.get("chat") is False:
+        return engine.tokenizer.encode(fixture["prompt"])
+    return engine.tokenizer.chat_prompt_ids([{"role": "user", "content": fixture["prompt"]}])
+
+
 def run_fixture(engine, ids, args, trajectory, rate, sampling: dict):
     if rate is not None and engine.mode != "none":  # the engine's proposer is a ForcedAcceptance (build_engine)
         engine.proposer.aim(rate, trajectory)
@@ -435,9 +442,12 @@ def check_arguments(args) -> tuple[list[str], list[dict], list[float] | None]:
                                  "ending in .png")
         if args.json_out and os.path.abspath(args.json_out) == os.path.abspath(args.png_out):
             raise BlockspecError(f"--json-out and --png-out name the same file ({args.png_out}): give two names")
+    inputs = [(flag, getattr(args, name, None)) for flag, name in (
+        ("--model", "model"), ("--drafter", "drafter"), ("--fixtures", "fixtures"), ("--config", "config"),
+        ("--draft-vocabulary", "draft_vocabulary"))]
     for flag, path in (("--json-out", args.json_out), ("--png-out", args.png_out)):
         if path:
-            check_output_path(flag, path)
+            check_output_path(flag, path, inputs)
     return modes, fixtures, rates
 
 
@@ -494,9 +504,13 @@ def bench(args) -> dict:
                 results["note"] = RANDOM_ACCEPTANCE_NOTE
                 print(RANDOM_ACCEPTANCE_NOTE)
             print(format_header(widths), flush=True)
+            for fixture in fixtures:  # each fits the context before any is measured
+                try:
+                    engine.check_request(fixture_ids(engine, fixture), args.max_tokens)
+                except BlockspecError as exc:
+                    raise BlockspecError(f"fixture {fixture['name']!r}: {exc}") from None
         for fixture in fixtures:
-            ids = (engine.tokenizer.encode(fixture["prompt"]) if fixture.get("chat") is False else
-                   engine.tokenizer.chat_prompt_ids([{"role": "user", "content": fixture["prompt"]}]))
+            ids = fixture_ids(engine, fixture)
             rate = rates[fixtures.index(fixture)] if rates else None
             for sampling in variants:
                 measured = run_fixture(engine, ids, args, trajectories.get(fixture["name"]), rate, sampling)

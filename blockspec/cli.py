@@ -9,6 +9,7 @@ import argparse
 import errno
 import json
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -19,10 +20,12 @@ from .config import ServerSettings, unused_sampling
 from .errors import BlockspecError
 
 def parse_prompt_ids(text: str) -> list[int]:
-    try:
-        return [int(t) for t in text.replace(" ", "").split(",") if t != ""]
-    except ValueError:
-        raise BlockspecError(f"--prompt-ids must be comma-separated integers (got {text!r})") from None
+    if not text.strip():
+        return []
+    ids = [t.strip() for t in text.split(",")]
+    if not all(re.fullmatch(r"[0-9]+", t, re.ASCII) for t in ids):
+        raise BlockspecError(f"--prompt-ids must be comma-separated token ids, integers from 0 (got {text!r})")
+    return [int(t) for t in ids]
 
 
 def prompt_tokens(engine, args) -> list[int]:
@@ -192,7 +195,8 @@ def cmd_draft_vocabulary(args):
     token_lists = [tokenizer.encode(text) for text in texts]
     if not any(token_lists):
         raise BlockspecError(f"--texts {' '.join(args.texts)}: no tokens to count (the texts are empty)")
-    check_output_path("--out", args.out)  # after the refusals above: a refused run makes no folder
+    # after the refusals above: a refused run makes no folder
+    check_output_path("--out", args.out, [("--model", args.model), *(("--texts", name) for name in args.texts)])
     ids = most_frequent_ids(token_lists, args.size, target.vocab_size, tokenizer.eos_token_ids)
     try:
         write_output(args.out, json.dumps(ids))

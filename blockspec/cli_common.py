@@ -164,13 +164,23 @@ def utf8_text(text: str) -> str:
     return text
 
 
-def check_output_path(flag: str, path: str) -> Path:
+def check_output_path(flag: str, path: str, inputs=()) -> Path:
     """Before long work, make sure a file can be written at `path` (missing parent folders are created to try it); a
-    folder, or a place that cannot be written, is refused in one line naming the flag. Leaves no new file or folder
-    behind, whatever comes of it: the writer creates the folders when it writes (`write_output`), so a run refused
-    later makes none."""
+    folder, or a place that cannot be written, is refused in one line naming the flag, and so is one of the run's
+    `inputs` ((flag, file or folder, or None) pairs) or a place inside an input folder, which the result would overwrite.
+    Leaves no new file or folder behind, whatever comes of it: the writer creates the folders when it writes
+    (`write_output`), so a run refused later makes none."""
     if not path or path.endswith(("/", os.sep)):  # Path() would drop the separator and write onto what it names
         raise BlockspecError(f"{flag} '{path}': give a file name (the path is empty or ends in a separator)")
+    target = os.path.realpath(path)
+    for name, given in inputs:
+        if not given:
+            continue
+        source = os.path.realpath(given)
+        if target == source or os.path.isdir(source) and target.startswith(source.rstrip(os.sep) + os.sep):
+            what = "is" if target == source else "is inside"
+            raise BlockspecError(f"{flag} {path}: {what} the run's input {name} {given}, which it would overwrite; "
+                                 "give another file to write")
     path = Path(path)
     # os.path's checks, not Path's: a name too long for the file system is a place that cannot be written, where
     # Path.exists raises

@@ -129,12 +129,30 @@ def test_output_paths_checked_before_the_run(tmp_path, capsys, monkeypatch, no_m
 
     monkeypatch.setitem(sys.modules, "matplotlib", types.ModuleType("matplotlib"))  # installed or not: the paths
     (tmp_path / "file").write_text("")
+    fixtures = tmp_path / "fixtures.json"
+    fixtures.write_text(json.dumps([{"name": "a", "prompt": "hi"}]))
+    assert main([*QUICK[:-6], "--max-tokens", "4", "--repeats", "1", "--fixtures", str(fixtures), "--json-out",
+                 str(fixtures)]) == 2
+    err = capsys.readouterr().err
+    assert f"--json-out {fixtures}: is the run's input --fixtures {fixtures}" in err and err.count("\n") == 1, err
+    assert json.loads(fixtures.read_text()) == [{"name": "a", "prompt": "hi"}]
     for flag, path, needle in [("--json-out", tmp_path, "is a folder"),
                                ("--json-out", tmp_path / "file" / "r.json", "is a file, not a folder"),
                                ("--png-out", tmp_path / "file" / "sub" / "r.png", "is a file, not a folder")]:
         assert main([*QUICK, flag, str(path)]) == 2
         err = capsys.readouterr().err
         assert err.startswith(f"blockspec: error: {flag} {path}: ") and needle in err and err.count("\n") == 1, err
+
+
+def test_a_fixture_past_the_context_is_refused_before_any_is_measured(tmp_path, capsys):
+    fixtures = tmp_path / "fixtures.json"
+    fixtures.write_text(json.dumps([{"name": "short", "prompt": "hi"}, {"name": "long", "prompt": "word " * 600}]))
+    out = tmp_path / "r.json"
+    assert main([*QUICK[:-6], "--max-tokens", "4", "--repeats", "1", "--context-length", "256", "--fixtures",
+                 str(fixtures), "--json-out", str(out)]) == 2
+    captured = capsys.readouterr()
+    assert captured.err.startswith("blockspec: error: fixture 'long': ") and "context_length 256" in captured.err
+    assert "short" not in captured.out and not out.exists(), captured.out  # no row measured
 
 
 def test_json_out_into_missing_folders(tmp_path, capsys):

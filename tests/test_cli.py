@@ -127,7 +127,9 @@ REQUEST_ERRORS = [
     (("--prompt", "", "--max-tokens", 4), "prompt is empty"),
     (("--prompt-ids", "", "--max-tokens", 4), "prompt is empty"),
     (("--prompt-ids", "1,2,999", "--max-tokens", 4), "token id 999 is outside the vocabulary (0..258)"),
-    (("--prompt-ids", "1,x", "--max-tokens", 4), "comma-separated integers"),
+    (("--prompt-ids", "1,x", "--max-tokens", 4), "comma-separated token ids"),
+    *((("--prompt-ids", ids, "--max-tokens", 4), "comma-separated token ids")
+      for ids in ("1 2 3", "1,,2", ",1,2", "+1", "1_000", "\u0663", "-1")),
     (("--prompt", "a", "--max-tokens", 0), "max_tokens"),
     (("--prompt", "a", "--prompt-ids", "1", "--max-tokens", 3), "exactly one of"),
     (("--prompt", "a", "--max-tokens", 3, "--mode", "dflash2"), "needs a drafter"),
@@ -148,7 +150,7 @@ def test_bad_prompt_ids_and_a_closed_stdin_are_refused_before_the_load(tmp_path,
     missing = str(tmp_path / "no-model")
     assert main(["generate", "--model", missing, "--prompt-ids", "1,x", *BASE]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "comma-separated integers" in err, err
+    assert err.count("\n") == 1 and "comma-separated token ids" in err, err
     monkeypatch.setattr("sys.stdin", None)  # started with standard input closed (`<&-`)
     assert main(["chat", "--model", missing, *BASE]) == 2
     err = capsys.readouterr().err
@@ -418,6 +420,13 @@ def one_line_refusal(capsys, argv) -> str:
      "--out {notes}/o: {notes} is a file, not a folder"),
     (["train-target", "--data", "{notes}", "--out", "{notes}/o"], "--out {notes}/o: {notes} is a file, not a folder"),
     (["train-target", "--data", "{notes}", "--out", "{notes}"], "--out {notes}: is a file, not a folder"),
+    (["draft-vocabulary", "--model", "{tiny}", "--texts", "{notes}", "--size", "100", "--out", "{notes}"],
+     "--out {notes}: is the run's input --texts {notes}"),
+    (["draft-vocabulary", "--model", "{tiny}", "--texts", "{notes}", "--size", "100", "--out",
+      "{tiny}/tokenizer.json"],
+     "--out {tiny}/tokenizer.json: is inside the run's input --model {tiny}"),
+    (["bench", "--model", "{tiny}", "--max-tokens", "2", "--json-out", "{tiny}/config.json"],
+     "--json-out {tiny}/config.json: is inside the run's input --model {tiny}"),
 ], ids=lambda v: " ".join(v[:3]) if isinstance(v, list) else None)
 def test_a_wrong_kind_of_path_is_one_line(tiny, tmp_path, capsys, argv, message):
     notes = tmp_path / "notes.txt"
