@@ -167,9 +167,9 @@ def utf8_text(text: str) -> str:
 def check_output_path(flag: str, path: str, inputs=()) -> Path:
     """Before long work, make sure a file can be written at `path` (missing parent folders are created to try it); a
     folder, or a place that cannot be written, is refused in one line naming the flag, and so is one of the run's
-    `inputs` ((flag, file or folder, or None) pairs) or a place inside an input folder, which the result would overwrite.
-    Leaves no new file or folder behind, whatever comes of it: the writer creates the folders when it writes
-    (`write_output`), so a run refused later makes none."""
+    `inputs` ((flag, file or folder, or None) pairs) or a place inside an input folder, which the result would
+    overwrite. Leaves no new file or folder behind, whatever comes of it: the writer creates the folders when it
+    writes (`write_output`), so a run refused later makes none."""
     if not path or path.endswith(("/", os.sep)):  # Path() would drop the separator and write onto what it names
         raise BlockspecError(f"{flag} '{path}': give a file name (the path is empty or ends in a separator)")
     target = os.path.realpath(path)
