@@ -424,6 +424,13 @@ def check_arguments(args) -> tuple[list[str], list[dict], list[float] | None]:
         if not args.drafter:
             raise BlockspecError("--drafter is empty: give the DFlash2 drafter's folder")
         check_folder("--drafter", args.drafter)
+    for flag, value, neutral, wanted in (
+            ("--dflash2-block-size", args.dflash2_block_size, None, "dflash2"),
+            ("--dflash2-quantization", args.dflash2_quantization, "none", "dflash2"),
+            ("--draft-vocabulary", args.draft_vocabulary, 0, "mtp or dflash2")):
+        if value not in (None, neutral) and not set(modes) & set(wanted.split(" or ")):
+            raise BlockspecError(f"{flag} {value} applies to mode {wanted} only, but --mode is {args.mode!r}: add "
+                                 f"{wanted} to --mode or drop {flag}")
     if "dflash2" in modes and not args.synthetic and args.drafter is None:
         raise BlockspecError("--mode dflash2 needs a drafter: give --drafter DIR")
     if args.one_cycle and args.model:

@@ -489,6 +489,12 @@ def test_a_fixtures_folder_with_a_file_that_is_not_text_is_refused(tmp_path, cap
     (["--synthetic", "tiny", "--bandwidth", "inf"], "--bandwidth must be a positive number of GB/s (got inf)"),
     (["--synthetic", "tiny", "--mode", "none", "--forced-acceptance", "0.5"], "--forced-acceptance sets the "
      "acceptance of proposals"),
+    (["--synthetic", "tiny", "--mode", "none", "--draft-vocabulary", "100"], "--draft-vocabulary 100 applies to "
+     "mode mtp or dflash2 only"),
+    (["--synthetic", "tiny", "--mode", "none,mtp", "--dflash2-block-size", "4"], "--dflash2-block-size 4 applies "
+     "to mode dflash2 only"),
+    (["--synthetic", "tiny", "--mode", "mtp", "--dflash2-quantization", "int8"], "--dflash2-quantization int8 "
+     "applies to mode dflash2 only"),
 ])
 def test_flags_that_would_be_ignored_or_meaningless_are_refused(tmp_path, capsys, no_model_work, args, needle):
     """A flag the run would silently ignore, or a figure it cannot use, is refused before any model work."""
