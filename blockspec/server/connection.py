@@ -225,8 +225,9 @@ class TimedH11Protocol(H11Protocol):
         may ignore Upgrade) without uvicorn's two warnings a request, one of them advice to install a library."""
 
     def next_event(self, h11_next_event):
-        """h11's next event, with empty lines before a request line dropped (RFC 9112 2.2; h11 refuses them) and the
-        refusals of count_pieces and of a head or trailer section past MAX_HEAD_BYTES (by the bytes it took). h11's
+        """h11's next event, with empty lines before a request line dropped (RFC 9112 2.2; h11 refuses them), a
+        target in absolute form made the origin form (origin_form), and the refusals of count_pieces, of an HTTP
+        version other than 1.x (505) and of a head or trailer section past MAX_HEAD_BYTES (by the bytes it took). h11's
         refusal of a request (h11.RemoteProtocolError, which uvicorn answers by send_400_response with a message of
         its own) keeps h11's reason for the answer."""
         buffer = self.conn._receive_buffer  # h11's unparsed input: no public call drops bytes of it or counts them
@@ -316,11 +317,10 @@ class TimedH11Protocol(H11Protocol):
         if cycle.response_complete or transport.is_closing() or self.held is None:
             return
         sock = transport.get_extra_info("socket")
-        ended = hasattr(socket, "TCP_INFO") and sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 1)[0] == \
-            TCP_CLOSE_WAIT
         if sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR):
             transport.abort()
-        elif ended:
+        elif hasattr(socket, "TCP_INFO") and \
+                sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 1)[0] == TCP_CLOSE_WAIT:
             self.eof_received()  # seen early (eof_received takes each request's end of stream once)
         else:
             self.loop.call_later(RESET_CHECK_S, self.watch_paused, cycle)
