@@ -187,7 +187,7 @@ class PredictConfig(CheckedSettings):
     def from_yaml(cls, path: str | Path, **overrides) -> "PredictConfig":
         """The config in a YAML file, overrides (typed values, e.g. the command line's flags) on top. The file's
         values are taken as written: a duplicate key, a key that is not a setting's name, a string for a number or
-        a flag, true / false for a number: each refused in one line naming the file and the key."""
+        a flag, true / false for a number: each refused in one line naming the file, the key and its line."""
         path = Path(path)
         if path.exists() and not path.is_file():  # a device (/dev/zero) or a pipe would be read without end
             raise BlockspecError(f"config file {path}: not a regular file")
@@ -195,7 +195,7 @@ class PredictConfig(CheckedSettings):
             if path.stat().st_size > MAX_CONFIG_BYTES:
                 raise BlockspecError(f"config file {path}: larger than {MAX_CONFIG_BYTES >> 20} MB; a config is a "
                                      "few lines of YAML")
-            data = yaml.load(path.read_bytes().decode("utf-8-sig"), Loader=_ConfigLoader)
+            data, lines = _load_yaml(path.read_bytes().decode("utf-8-sig"))
         except OSError as exc:
             raise BlockspecError(f"config file {path}: {exc.strerror}") from None
         except UnicodeDecodeError as exc:
@@ -214,18 +214,21 @@ class PredictConfig(CheckedSettings):
         if not isinstance(data, dict):
             raise BlockspecError(f"config file {path}: expected a mapping of keys to values (got "
                                  f"{'a list' if isinstance(data, list) else repr(data)})")
+
+        def where(key) -> str:  # the file, and the key's line where it is written (not merged from elsewhere)
+            return f"{path} line {lines[key]}" if key in lines else str(path)
         for key, value in data.items():
             if not isinstance(key, str):
                 raise BlockspecError(f"config file {path}: config key {key!r} is not a setting's name")
             spec = cls.model_fields.get(key)  # an unknown key is refused below
             if isinstance(value, bool) and spec is not None and spec.annotation is not bool:
                 # strict validation still takes false for compile_mode's 0
-                raise BlockspecError(f"{path}: invalid value for '{key}': Input should not be true or false "
+                raise BlockspecError(f"{where(key)}: invalid value for '{key}': Input should not be true or false "
                                      f"(got {value!r})")
         try:  # the file's values strictly (no '1' for 1, no 'no' for false), the typed overrides as usual
             cls.model_validate(data, strict=True)
         except ValidationError as exc:
-            raise BlockspecError(f"{path}: {describe_validation_error(exc)}") from None
+            raise BlockspecError(f"{where(exc.errors()[0]['loc'][0])}: {describe_validation_error(exc)}") from None
         data.update({k: v for k, v in overrides.items() if v is not None})
         return cls.build(data, source=str(path))
 
@@ -266,6 +269,22 @@ def unused_sampling(config: PredictConfig) -> list[str]:
         return []
     return [f"{', '.join(given)} {'does' if len(given) == 1 else 'do'} nothing: temperature is 0 (greedy "
             "decoding); set temperature above 0 to sample"]
+
+
+def _load_yaml(text: str) -> tuple[object, dict[str, int]]:
+    """The document (_ConfigLoader's) and the line (from 1) of each key of its top-level mapping."""
+    loader = _ConfigLoader(text)
+    try:
+        node = loader.get_single_node()
+        data = None if node is None else loader.construct_document(node)
+    finally:
+        loader.dispose()
+    lines = {}
+    if isinstance(node, yaml.MappingNode):
+        for key_node, _ in node.value:
+            if isinstance(key_node, yaml.ScalarNode) and key_node.tag != "tag:yaml.org,2002:merge":
+                lines.setdefault(key_node.value, key_node.start_mark.line + 1)
+    return data, lines
 
 
 class _DuplicateKey(yaml.YAMLError):

@@ -78,6 +78,18 @@ def test_values_are_taken_as_written(tmp_path, content, key, problem):
     assert f"invalid value for '{key}': " in message and problem in message, message
 
 
+@pytest.mark.parametrize("bad", ["temperatur: 0.5", "max_tokens: abc", "seed: true", "gpu_ranks: [0, x]"])
+def test_a_refused_key_is_named_with_its_line(tmp_path, bad):
+    message = refused(tmp_path, f"# a run\ntemperature: 0.5\n{bad}\nmax_new: 1\n")
+    assert "run.yaml line 3: " in message, message
+
+
+def test_a_merged_key_is_named_with_the_line_it_is_written_on(tmp_path):
+    message = refused(tmp_path, "temperature: 0.5\n<<: {seed: 1,\n  max_tokens: x}\n")
+    assert message.endswith("run.yaml line 3: invalid value for 'max_tokens': Input should be a valid integer "
+                            "(got 'x')"), message
+
+
 @pytest.mark.parametrize("value", ["'yes'", "1", "sometimes", "[true]"])
 def test_load_progress_takes_true_or_false(tmp_path, value):
     message = refused(tmp_path, f"load_progress: {value}\n")
