@@ -155,7 +155,12 @@ def test_sampled_regeneration_repeats_with_its_seed_and_trains_a_drafter(prompts
     ({"--prompts": "{root}/empty.jsonl"}, "--prompts {root}/empty.jsonl:2: the prompt is empty"),
     ({"--prompts": "{root}/reply.jsonl"},
      "--prompts {root}/reply.jsonl:1: the conversation is only the assistant turn"),
-    ({"--max-new-tokens": "100000000000"}, "--max-new-tokens 100000000000: with the longest prompt"),
+    ({"--max-new-tokens": "100000000000"},
+     "--max-new-tokens 100000000000: with the longest prompt (111 tokens) the replies would run past the target's "
+     "4096 positions (config.json: max_position_embeddings): lower --max-new-tokens\n"),
+    ({"--prompts": "{root}/notes.txt", "--max-new-tokens": "100000000000", "--prompt-tokens": "1000"},
+     "(config.json: max_position_embeddings): lower --max-new-tokens, or --prompt-tokens (1000), the length of the "
+     "texts' prompts\n"),
     ({"--prompts": "{root}/surrogate.jsonl"}, "--prompts {root}/surrogate.jsonl:1: a string holds an unpaired"),
 ])
 def test_bad_input_is_one_line_before_the_target_loads(prompts, tmp_path, capsys, monkeypatch, change, message):
@@ -171,6 +176,7 @@ def test_bad_input_is_one_line_before_the_target_loads(prompts, tmp_path, capsys
     (tmp_path / "empty.jsonl").write_text('{"prompt": "a", "completion": ""}\n{"prompt": "", "completion": ""}\n')
     (tmp_path / "reply.jsonl").write_text('{"messages": [{"role": "assistant", "content": "x"}]}\n')
     (tmp_path / "surrogate.jsonl").write_text('{"text": "a\\ud800b"}\n')
+    (tmp_path / "notes.txt").write_text(TEXT)
     flags = {"--target": str(target), "--prompts": str(root / "chats.jsonl"), "--out": str(tmp_path / "out.jsonl"),
              **{k: v if v is None else v.format(root=tmp_path) for k, v in change.items()}}
     assert main(["regenerate", "--device", "cpu", *[x for kv in flags.items() for x in kv if x is not None]]) == 2

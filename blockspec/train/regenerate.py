@@ -192,7 +192,9 @@ def regenerate(run: Regeneration, log=print) -> dict:
     if longest + run.max_new_tokens > target.max_position_embeddings:
         raise BlockspecError(f"--max-new-tokens {run.max_new_tokens}: with the longest prompt ({longest} tokens) the "
                              f"replies would run past the target's {target.max_position_embeddings} positions "
-                             "(config.json: max_position_embeddings)")
+                             "(config.json: max_position_embeddings): lower --max-new-tokens"
+                             + (f", or --prompt-tokens ({run.prompt_tokens}), the length of the texts' prompts"
+                                if any(p.messages is None for p in prompts) else ""))
     if run.max_prompts is not None and len(prompts) > run.max_prompts:  # drawn with the seed, kept in their order
         prompts = [prompts[i] for i in sorted(random.Random(run.seed).sample(range(len(prompts)), run.max_prompts))]
     settings = sampling_settings(run)
