@@ -35,39 +35,54 @@ def prompt_tokens(engine, args) -> list[int]:
     return engine.tokenizer.encode(args.prompt)
 
 
-def check_reply_room(config):
-    """max_tokens below context_length, as the load will fit it to the checkpoint's config.json
-    (engine/load.fit_context), which must also hold a prompt of one token or more: refused before the load (a
-    prompt's own length is checked once it is tokenized)."""
+def served_context(config) -> tuple[int, str, str]:
+    """The context_length the load will serve: the config's, fitted to the checkpoint's config.json
+    (engine/load.fit_context) where that is readable. With what to say of it in an error: where a lower limit came
+    from, and how to make room (the context raised only below the checkpoint's positions)."""
     from .config import TargetConfig
     from .engine.load import fit_context
 
-    context, source = config.context_length, None
+    context, limit, where = config.context_length, None, ""
     path = Path(config.model or "") / "config.json"
     try:
         readable = bool(config.model) and path.is_file()
     except OSError:  # a folder that cannot be read: the load refuses it, naming it
         readable = False
     if readable:  # a missing config.json is refused by the load
-        fitted = config.model_copy()
-        fit_context(fitted, TargetConfig.from_file(path), str(path))
+        target = TargetConfig.from_file(path)
+        limit, fitted = target.max_position_embeddings, config.model_copy()
+        fit_context(fitted, target, str(path))
         if fitted.context_length < context:
-            context, source = fitted.context_length, path
+            context, where = fitted.context_length, f" (the max_position_embeddings of {path})"
+    return context, where, "" if limit is not None and context >= limit else " or raise --context-length"
+
+
+def check_reply_room(config):
+    """max_tokens below the context_length served, which must also hold a prompt of one token or more: refused
+    before the load (a prompt's own length is checked once it is tokenized)."""
+    context, where, or_raise = served_context(config)
     if config.max_tokens >= context:
-        where = f" (the max_position_embeddings of {source})" if source else ""
-        fix = "lower --max-tokens" if source else "lower --max-tokens or raise --context-length"
         raise BlockspecError(f"max_tokens {config.max_tokens} is not below context_length {context}{where}: "
-                             f"no room is left for the prompt ({fix})")
+                             f"no room is left for the prompt (lower --max-tokens{or_raise})")
 
 
-def check_chat_template(config, command: str):
-    """A chat needs the checkpoint's chat template: refused before the load where the tokenizer has none."""
+def check_chat_template(config, command: str, system: str | None = None):
+    """A chat needs the checkpoint's chat template: refused before the load where the tokenizer has none; so is a
+    system prompt that leaves no room in the context for a message."""
     from .models.tokenizer import Tokenizer
 
-    if config.model and (Path(config.model) / "tokenizer.json").is_file():  # else the load refuses the folder
-        if Tokenizer(config.model).chat_template is None:
-            raise BlockspecError(f"{command} renders messages with the checkpoint's chat template, but {config.model} "
-                                 "has none (tokenizer_config.json's chat_template, or chat_template.jinja)")
+    if not (config.model and (Path(config.model) / "tokenizer.json").is_file()):  # the load refuses the folder
+        return
+    tokenizer = Tokenizer(config.model)
+    if tokenizer.chat_template is None:
+        raise BlockspecError(f"{command} renders messages with the checkpoint's chat template, but {config.model} "
+                             "has none (tokenizer_config.json's chat_template, or chat_template.jinja)")
+    if system:
+        ids = tokenizer.chat_prompt_ids([{"role": "system", "content": system}, {"role": "user", "content": ""}])
+        context, where, or_raise = served_context(config)
+        if len(ids) >= context:
+            raise BlockspecError(f"--system: {len(ids)} tokens with the chat template, but context_length is "
+                                 f"{context}{where}: no room is left for a message (shorten it{or_raise})")
 
 
 def note_unused_sampling(config):
@@ -130,7 +145,7 @@ def cmd_chat(args):
     # a default max_tokens past a short context is not refused: chat limits each reply to the room left (chat.py)
     if "max_tokens" in config.model_fields_set:
         check_reply_room(config)
-    check_chat_template(config, "chat")
+    check_chat_template(config, "chat", args.system)
     note_unused_sampling(config)
     run_chat(Engine(config), config.max_tokens, system=args.system)
 

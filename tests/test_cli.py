@@ -157,7 +157,7 @@ def test_bad_prompt_ids_and_a_closed_stdin_are_refused_before_the_load(tmp_path,
     assert err.count("\n") == 1 and "standard input, which is closed" in err, err
 
 
-def test_a_chat_without_a_template_an_empty_drafter_and_a_server_reply_past_the_context_refused_before_the_load(
+def test_chats_without_a_template_or_room_an_empty_drafter_and_a_reply_past_the_context_refused_before_the_load(
         tiny, tmp_path, capsys, monkeypatch):
     import shutil
 
@@ -179,6 +179,9 @@ def test_a_chat_without_a_template_an_empty_drafter_and_a_server_reply_past_the_
          "empty"),
         (["serve", "--model", str(tiny), "--port", "0", "--max-tokens", "99999"], "max_tokens 99999 is not below "
          "context_length"),
+        (["chat", "--model", str(tiny), "--context-length", "64", "--system", "be brief " * 40], "--system: "),
+        (["chat", "--model", str(tiny), "--system", "be brief " * 9000], "tokens with the chat template, but "
+         "context_length is 4096: no room is left for a message (shorten it)\n"),
     ]:
         assert main([*argv, "--device", "cpu"]) == 2
         err = capsys.readouterr().err
