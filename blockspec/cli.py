@@ -228,12 +228,34 @@ def training_fields(args, cls) -> dict:
     them (train/loop.py); otherwise the given ones (the dataclass has the defaults)."""
     from .train.loop import check_output, resumed_settings
 
+    if args.steps is not None and args.tokens is not None:
+        raise BlockspecError(f"--steps {args.steps} and --tokens {args.tokens}: give one of them (--tokens sets the "
+                             "steps from the tokens a step trains on)")
     given = {k: v for k, v in vars(args).items() if k in cls.__dataclass_fields__ and v is not None}
     if not args.resume:
         return given
     check_output(Path(args.out), resume=True)
     settings = resumed_settings(Path(args.out), given, cls)
     return {k: v for k, v in settings.items() if k in cls.__dataclass_fields__}
+
+
+def note_unused_training_flags(args, run):
+    """A note on stderr for each flag given that the run does not read: a DFlash2 drafter's shape with --kind mtp,
+    --heldout where nothing held out is evaluated. Not refused, and a default (or --heldout 0) never named, as the
+    engine's notes (config.unused_settings): a script may give every run the same flags."""
+    from .train.run import DFLASH2_ONLY
+
+    def value(flag):
+        key = flag[2:].replace("-", "_")
+        given = getattr(args, key)
+        return None if given == run.__dataclass_fields__[key].default else given
+    unused = [f"{flag} {value(flag)} does nothing: --kind mtp trains the target's own MTP head, whose shape is the "
+              "target's" for flag in DFLASH2_ONLY if run.kind == "mtp" and value(flag) is not None]
+    if value("--heldout") and (run.eval_data or run.eval_cuts == 0):
+        unused.append(f"--heldout {args.heldout} does nothing: {'--eval-data is' if run.eval_data else 'nothing is'} "
+                      "evaluated on, so every text of --data trains")
+    for note in unused:
+        print(f"blockspec: note: {note}", file=sys.stderr)
 
 
 def cmd_train_drafter(args):
@@ -246,6 +268,7 @@ def cmd_train_drafter(args):
             raise BlockspecError(f"--target-layer-ids must be comma-separated integers (got "
                                  f"{args.target_layer_ids!r})") from None
     run = DrafterTraining(**training_fields(args, DrafterTraining))
+    note_unused_training_flags(args, run)
     if args.nproc is None:
         train(run)
         return 0

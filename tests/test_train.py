@@ -248,6 +248,7 @@ def test_shared_context_forward_equals_dflash_block_by_block(setup, block_sparse
     (["--heldout", "nan"], "--heldout must be in [0, 1) (got nan)"),
     (["--heldout", "-1"], "--heldout must be in [0, 1) (got -1.0)"),
     (["--out", ""], "--out is empty: give a folder"),
+    (["--steps", "5", "--tokens", "4096"], "--steps 5 and --tokens 4096: give one of them"),
 ])
 def test_bad_input_is_one_line_before_training(setup, capsys, args, message):
     root, target, data = setup
@@ -296,6 +297,19 @@ def test_resume_of_a_state_of_another_structure_is_one_line(trained, tmp_path, c
                  "--device", "cpu", "--steps", "20"]) == 2
     err = capsys.readouterr().err
     assert message in err.splitlines()[-1] and err.splitlines()[-1].startswith("blockspec: error: --resume"), err
+
+
+def test_flags_the_run_does_not_read_are_noted(setup, capsys):
+    root, target, data = setup
+    assert main(["train-drafter", "--kind", "mtp", "--target", str(target), "--data", str(data), "--out",
+                 str(root / "noted"), "--device", "cpu", "--selector-rank", "8", "--window", "64", "--heldout", "0.1",
+                 "--eval-cuts", "0", "--lr", "1e-3"]) == 2  # refused after the notes: the target has a head
+    notes = [line for line in capsys.readouterr().err.splitlines() if line.startswith("blockspec: note: ")]
+    assert [n.split()[2] for n in notes] == ["--window", "--selector-rank", "--heldout"], notes
+    assert "--kind mtp trains the target's own MTP head" in notes[0] and "every text of --data trains" in notes[2]
+    assert main(["train-drafter", "--target", str(target), "--data", str(data), "--out", str(root / "noted"),
+                 "--device", "cpu", "--selector-rank", "0", "--window", "64", "--heldout", "0.1"]) == 2
+    assert "note" not in capsys.readouterr().err
 
 
 def test_mtp_refuses_to_replace_a_head_without_replace_mtp(setup, capsys):
@@ -987,7 +1001,7 @@ def test_nproc_checks_the_run_before_it_starts_torchrun(setup, tmp_path, capfd, 
 
     root, target, data = setup
     monkeypatch.setattr(subprocess, "run", lambda *a, **k: pytest.fail("a process was started"))
-    argv = train_drafter_argv(run_config(tmp_path, target, data, steps=2, batch_tokens=192, eval_cuts=0))
+    argv = train_drafter_argv(run_config(tmp_path, target, data, steps=2, batch_tokens=192, eval_cuts=0, heldout=0))
     assert main(argv + ["--nproc", "3"]) == 2
     err = capfd.readouterr().err
     assert err.count("\n") == 1 and "3 processes cannot share the 2 sequences of a step evenly" in err, err

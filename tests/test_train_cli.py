@@ -48,14 +48,14 @@ def test_a_role_that_is_not_a_string_is_one_line(target, tmp_path, capsys):
 
 
 @pytest.mark.parametrize("flags,message", [
-    ([], "--batch-tokens 100000000000000: a step's target features would take"),
+    (["--window", "32"], "--batch-tokens 100000000000000: a step's target features would take"),
     (["--kind", "mtp"], "--batch-tokens 100000000000000: a step's logits would take"),
 ])
 def test_a_step_larger_than_memory_is_refused_before_the_target_loads(target, tmp_path, capsys, flags, message):
     root, checkpoint = target
     refused(capsys, ["train-drafter", "--target", str(checkpoint), "--data", str(root / "data.txt"), "--out",
                      str(tmp_path / "out"), "--device", "cpu", "--batch-tokens", "100000000000000", "--seq-len", "64",
-                     "--window", "32", *flags], message)
+                     *flags], message)
     assert not (tmp_path / "out").exists()
 
 
@@ -65,6 +65,7 @@ def test_a_step_larger_than_memory_is_refused_before_the_target_loads(target, tm
     (["--intermediate", "100000000000"], "the model's training state"),
     (["--layers", "400000000"], "the model's training state"),
     (["--vocab", "100000000000"], "the model's training state"),
+    (["--steps", "3", "--tokens", "64"], "--steps 3 and --tokens 64: give one of them"),
 ])
 def test_train_target_refuses_a_model_or_step_larger_than_memory(target, tmp_path, capsys, monkeypatch, flags,
                                                                    message):

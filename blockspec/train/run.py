@@ -63,6 +63,11 @@ class DrafterTraining:
     compile: bool | None = None                 # the trained module's step through torch.compile (None: on CUDA)
 
 
+# train-drafter's flags that shape a DFlash2 drafter or its loss, which --kind mtp does not read
+DFLASH2_ONLY = ("--layers", "--block-size", "--window", "--target-layer-ids", "--heads", "--intermediate-size",
+                "--selector-rank", "--selector-top-k", "--loss-decay")
+
+
 def compiles(setting: bool | None, device: torch.device) -> bool:
     """Whether the trained module's step runs through torch.compile: as set, else on CUDA (a small drafter's eager
     step is bound by its launches: compiled, the demo pair's ran 2.3x on an H200) and not on the CPU."""
