@@ -9,7 +9,8 @@ files; the engine runs eagerly (the sweep resumes snapshots between passes), bui
 With --tokens-per-s N, also whole generations: N greedy tokens from each file's prompt (as `blockspec bench`), by
 plain decoding and by each budget (one engine each, the device's default execution), the engines taking turns file
 by file and round by round (--rounds), so that a machine whose speed drifts over minutes (a shared CPU) weighs on
-every budget alike; tokens/s (all tokens after each first over all decode time) and the ratio to the chain's.
+every budget alike; tokens/s (all tokens after each first over all decode time), the tokens per cycle of those
+generations, and each one's ratio to the chain's.
 Usage: python bench/tree_acceptance.py --model DIR/target --drafter DIR/drafter [--budgets 0,8,16,24,32,48]
 [--scores transition|marginal] [--temperature 0] [--cuts 500] [--device cpu] [--dtype float32]
 [--context-length 1024] [--tokens-per-s 64 --rounds 2 --threads 2]
@@ -63,7 +64,7 @@ def main(argv=None):
               f"({m['mean_accepted_length'] / chain:.3f}x budget {budgets[0]})", flush=True)
     if args.tokens_per_s:
         del engine
-        summary["tokens_per_s"] = tokens_per_s(args, budgets)
+        summary["generations"] = generations(args, budgets)
     out = args.json_out or (os.path.join(os.environ["OUT"], "tree_acceptance.json") if "OUT" in os.environ else None)
     if out:
         with open(out, "w") as f:
@@ -71,8 +72,9 @@ def main(argv=None):
     return summary
 
 
-def tokens_per_s(args, budgets) -> dict:
-    """The --tokens-per-s measurement (module docstring): {"none" and each budget: tokens/s}."""
+def generations(args, budgets) -> dict:
+    """The --tokens-per-s measurement (module docstring): {"tokens_per_s", "tokens_per_cycle": {"none" and each
+    budget: its figure}}."""
     engines = {"none": Engine.load(args.model, device=args.device, compute_dtype=args.dtype,
                                    context_length=args.context_length, prefix_reuse=False)}
     for budget in budgets:
@@ -82,19 +84,22 @@ def tokens_per_s(args, budgets) -> dict:
                                       prefix_reuse=False)
     room = args.context_length - args.tokens_per_s  # a prompt's tokens beyond the context's room are cut
     prompts = [engines["none"].tokenizer.encode(f["prompt"])[:room] for f in code_fixtures(args.fixtures)]
-    tokens, seconds = dict.fromkeys(engines, 0), dict.fromkeys(engines, 0.0)
+    tokens, seconds, cycles = dict.fromkeys(engines, 0), dict.fromkeys(engines, 0.0), dict.fromkeys(engines, 0)
     for _ in range(args.rounds):
         for ids in prompts:
             for name, engine in engines.items():
                 stats = engine.generate(ids, args.tokens_per_s, stop_at_eos=False).stats
                 tokens[name] += stats["generated"] - 1
                 seconds[name] += stats["decode_s"]
+                cycles[name] += stats.get("cycles", stats["generated"] - 1)  # plain decoding: a token a step
     rates = {name: round(tokens[name] / seconds[name], 2) for name in engines}
+    per_cycle = {name: round(tokens[name] / cycles[name], 4) for name in engines}
     chain = rates[budgets[0]]
     for name, rate in rates.items():
         label = "plain decoding" if name == "none" else f"budget {name:2d}"
-        print(f"{label}: {rate:.1f} tokens/s ({rate / chain:.3f}x budget {budgets[0]})", flush=True)
-    return rates
+        print(f"{label}: {rate:.1f} tokens/s ({rate / chain:.3f}x budget {budgets[0]}), {per_cycle[name]:.3f} "
+              f"tokens per cycle ({per_cycle[name] / per_cycle[budgets[0]]:.3f}x)", flush=True)
+    return {"tokens_per_s": rates, "tokens_per_cycle": per_cycle}
 
 
 if __name__ == "__main__":

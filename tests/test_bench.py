@@ -382,8 +382,10 @@ def test_tree_acceptance_bench_runs_on_the_cpu(tiny_checkpoint, tiny_drafter, tm
     assert [written[b]["cuts"] for b in ("0", "4", "12")] == [6, 6, 6]
     assert lengths == [summary["budgets"][b]["mean_accepted_length"] for b in (0, 4, 12)]
     assert 1.0 <= lengths[0] <= lengths[1] <= lengths[2], lengths
-    rates = json.loads((tmp_path / "trees.json").read_text())["tokens_per_s"]
+    measured = json.loads((tmp_path / "trees.json").read_text())["generations"]
+    rates, per_cycle = measured["tokens_per_s"], measured["tokens_per_cycle"]
     assert sorted(rates) == ["0", "12", "4", "none"] and all(rate > 0 for rate in rates.values()), rates
+    assert per_cycle["none"] == 1 and all(1 <= per_cycle[b] <= 4 for b in ("0", "4", "12")), per_cycle
 
 
 def test_profile_cycle_runs_on_a_checkpoint_pair(tiny_checkpoint, tiny_drafter, tmp_path):
