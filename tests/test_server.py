@@ -345,8 +345,13 @@ REFUSALS = [
     ("chat", {**CHAT, "n": 2}, "n", "n=2"),
     ("chat", {**CHAT, "logprobs": True}, "logprobs", "logprobs"),
     ("chat", {**CHAT, "top_logprobs": 3}, "top_logprobs", "logprobs"),
-    ("chat", {**CHAT, "stop": ["\n"]}, "stop", "stop"),
-    ("completion", {**COMPLETION, "stop": "x"}, "stop", "stop"),
+    ("chat", {**CHAT, "stop": ["x"] * 65}, "stop", "at most 64 strings of at most 1024 characters"),
+    ("completion", {**COMPLETION, "stop": "x" * 1025}, "stop", "at most 64 strings"),
+    ("completion", {**COMPLETION, "stop_token_ids": [1, -1]}, "stop_token_ids", "integers in 0.."),
+    ("completion", {**COMPLETION, "stop_token_ids": 3}, "stop_token_ids", "array of token ids"),
+    ("chat", {**CHAT, "stop_token_ids": [True]}, "stop_token_ids", "array of token ids"),
+    ("chat", {**CHAT, "stop_token_ids": [2] * 65}, "stop_token_ids", "at most 64 ids"),
+    ("chat", {**CHAT, "include_stop_str_in_output": 1}, "include_stop_str_in_output", "boolean"),
     ("completion", {**COMPLETION, "logprobs": 2}, "logprobs", "logprobs"),
     ("completion", {**COMPLETION, "best_of": 3}, "best_of", "best_of"),
     ("chat", {**CHAT, "presence_penalty": 0.5}, "presence_penalty", "penalt"),
@@ -431,11 +436,12 @@ class FakeEngine:
     serving_defaults = lambda self: {}  # noqa: E731  (no checkpoint: no generation_config.json)
     mode, model_name, context_length, vocab_size = "none", "fake", 256, 259
 
-    def __init__(self, tokenizer, reply):
+    def __init__(self, tokenizer, reply, delay_s: float = 0.0):
         from types import SimpleNamespace
 
-        self.tokenizer, self.reply, self.last_stats = tokenizer, reply, {}
+        self.tokenizer, self.reply, self.last_stats, self.delay_s = tokenizer, reply, {}, delay_s
         self.config = SimpleNamespace(model="fake", max_tokens=64)
+        self.yielded = 0  # tokens the last stream gave before it was closed
 
     def stream(self, prompt_ids, max_tokens, stop_at_eos=True, snapshot_at=None, stop=None):
         if self.reply is None:
@@ -444,8 +450,11 @@ class FakeEngine:
         tokens = self.tokenizer.encode(self.reply) + [min(self.tokenizer.eos_token_ids)]
         if not stop_at_eos:  # on past EOS: the reply again
             tokens = tokens * -(-max_tokens // len(tokens))
+        self.yielded = 0
         try:
             for token in tokens[:max_tokens]:
+                time.sleep(self.delay_s)
+                self.yielded += 1
                 yield token
         finally:
             self.last_stats = {"mode": "none", "generated": min(len(tokens), max_tokens), "prefill_s": 0.0,
@@ -482,6 +491,92 @@ def test_eos_and_multibyte_text_in_process(tiny):
         assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
         short = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2}).json()
         assert short["choices"][0]["finish_reason"] == "length"
+
+
+def test_stop_strings_and_stop_tokens_end_the_reply(tiny):
+    """OpenAI's `stop` and vLLM's `stop_token_ids` / `include_stop_str_in_output`: the reply ends at the first stop,
+    which a streamed reply never gives out a character of, as in the whole answer; usage counts the tokens up to
+    the one that completed it, finish_reason is "stop" and stop_reason names it; the engine stops soon after."""
+    from starlette.testclient import TestClient
+
+    from blockspec.config import ServerSettings
+    from blockspec.models.tokenizer import Tokenizer
+    from blockspec.server import create_app
+
+    tok = Tokenizer(tiny, [])
+    reply = "def ö(x):\n    return x\n\n\ndef g(y):\n    return y * 2\n" * 2
+    ids = tok.encode(reply)
+    assert len(ids) < 200
+    engine = FakeEngine(tok, reply, delay_s=0.01)
+    app = create_app(engine, ServerSettings(queue_size=2))
+
+    def tokens_until(text: str) -> int:  # the fewest tokens whose decoding holds `text`
+        return next(n for n in range(len(ids) + 1) if text in tok.decode(ids[:n]))
+
+    def ask(http, body, stream):
+        if not stream:
+            answer = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 200, **body}).json()
+            choice = answer["choices"][0]
+            return choice["text"], choice["finish_reason"], choice["stop_reason"], answer["usage"]
+        with http.stream("POST", "/v1/completions", json={"prompt": "hi", "max_tokens": 200, "stream": True, **body,
+                                                          "stream_options": {"include_usage": True}}) as r:
+            chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+        texts = [c["choices"][0]["text"] for c in chunks if c["choices"]]
+        last = next(c["choices"][0] for c in reversed(chunks) if c["choices"])
+        return "".join(texts), last["finish_reason"], last["stop_reason"], chunks[-1]["usage"]
+
+    cases = [  # body, the text, the stop reason, the tokens that complete it
+        ({"stop": ["\n\n\n"]}, reply[:reply.index("\n\n\n")], "\n\n\n", tokens_until("x\n\n\n")),
+        ({"stop": "urn y", "include_stop_str_in_output": True}, reply[:reply.index("urn y") + 5], "urn y",
+         tokens_until("urn y")),
+        ({"stop": ["zz", "g(", "(x)"]}, "def ö", "(x)", tokens_until("(x)")),  # the earliest in the text
+        ({"stop": ["y * 2\n" * 2]}, reply, None, len(ids) + 1),  # never met: EOS ends the reply
+        ({"stop_token_ids": [ids[5]]}, tok.decode(ids[:6]), ids[5], 6),
+    ]
+    with TestClient(app, base_url="http://localhost") as http:
+        for body, text, reason, count in cases:
+            for stream in (False, True):
+                got = ask(http, body, stream)
+                assert got[:3] == (text, "stop", reason), (body, stream, got)
+                assert got[3]["completion_tokens"] == count, (body, stream, got)
+                if reason is not None:  # the engine was stopped, not run to the end of the reply
+                    assert engine.yielded < len(ids) + 1, (body, engine.yielded)
+        with http.stream("POST", "/v1/completions", json={"prompt": "hi", "stream": True, "stop": "\n\n\ndef"}) as r:
+            pieces = [json.loads(line[6:])["choices"][0]["text"] for line in r.iter_lines()
+                      if line.startswith("data: {")]
+        assert "".join(pieces) == reply[:reply.index("\n\n\ndef")] and len(pieces) > 3
+        answer = http.post("/v1/chat/completions", json={"messages": user("hi"), "stop": ["return"]}).json()
+        assert answer["choices"][0]["message"]["content"] == "def ö(x):\n    "
+        assert answer["choices"][0]["stop_reason"] == "return"
+
+
+def test_reply_text_never_gives_out_a_stop_string(tiny):
+    """ReplyText over random batches of the tokens: the pieces given out concatenate to the text before the first
+    stop (with include_string, through it), and no piece given out before the end holds a stop string's start that
+    the stop then took back."""
+    import random
+
+    from blockspec.models.tokenizer import Tokenizer
+    from blockspec.server.text import ReplyText, Stops
+
+    tok = Tokenizer(tiny, [])
+    reply = "héllo wörld, stop ✓ here; and 😀 more text after the stop ✓ mark"
+    ids = tok.encode(reply)
+    rng = random.Random(0)
+    for strings, include in [(("stop ✓",), False), (("✓ here", "wörld,"), True), (("ö", "😀"), False),
+                             (("absent",), False), ((), False)]:
+        found = [(reply.find(s), s) for s in strings if s in reply]
+        end = len(reply) if not found else min(found)[0] + (len(min(found)[1]) if include else 0)
+        for _ in range(20):
+            text, given, at = ReplyText(tok, Stops(strings, frozenset(), include)), "", 0
+            while at < len(ids) and text.stop_reason is None:
+                step = rng.randint(1, 5)
+                given += text.push(ids[at:at + step])
+                at += step
+                assert reply.startswith(given) and len(given) <= end, (strings, given)
+            given += text.finish()
+            assert given == reply[:end], (strings, include, given)
+            assert text.stop_reason == (min(found)[1] if found else None)
 
 
 def test_streamed_text_gives_out_all_but_a_possible_partial_character(tiny):
@@ -1199,7 +1294,7 @@ def test_fields_served_in_no_mode_are_refused_naming_them():
     from blockspec.server.requests import unserved
 
     for kwargs, needle in [({"n": 2}, "n=2"), ({"images": True}, "image"), ({"constraints": True}, "constraints"),
-                           ({"logprobs": True}, "logprobs"), ({"stop": ["x"]}, "stop sequences")]:
+                           ({"logprobs": True}, "logprobs")]:
         why = unserved(**kwargs)
         assert needle in why and ("in every mode" in why or "in any mode" in why), why
-    assert unserved() is None and unserved(n=1, stop=[]) is None
+    assert unserved() is None and unserved(n=1) is None

@@ -574,7 +574,7 @@ MALFORMED = [
      '"max_tokens": "abc"}', 400, "max_tokens", "integer"),
     ("completions", '{"prompt": "x", "ignore_eos": 1}', 400, "ignore_eos", "boolean"),
     ("completions", '{"prompt": "x", "min_tokens": 4}', 400, "min_tokens", "minimum length"),
-    ("completions", '{"prompt": "x", "stop_token_ids": [7]}', 400, "stop_token_ids", "stop token ids"),
+    ("completions", '{"prompt": "x", "stop_token_ids": [7.0]}', 400, "stop_token_ids", "array of token ids"),
     ("completions", '{"prompt": "x", "skip_special_tokens": false}', 400, "skip_special_tokens", "special tokens"),
     ("completions", '{"prompt": "x", "prompt_logprobs": 0}', 400, "prompt_logprobs", "prompt logprobs"),
     ("completions", '{"prompt": "x", "truncate_prompt_tokens": 8}', 400, "truncate_prompt_tokens", "truncation"),

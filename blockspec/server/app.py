@@ -28,7 +28,7 @@ from .connection import (MAX_HEAD_BYTES, ClientLeft, TimedH11Protocol, check_une
                          shutting_down, until_disconnected)
 from .requests import ApiError, Prepared, RequestParser, internal_error, shown
 from .responses import JobStreamingResponse, sse, stats_extension, usage
-from .text import IncrementalText
+from .text import ReplyText
 from .worker import Closed, Job, QueueFull, Worker, job_events, wait_started
 
 log = logging.getLogger("blockspec.server")
@@ -159,8 +159,22 @@ def create_app(engine, settings: ServerSettings = ServerSettings(), bound_addres
             raise shutting_down() from None
         return job
 
-    def finish_reason(prepared: Prepared, tokens: list[int]) -> str:
-        return "stop" if prepared.stop_at_eos and tokens and tokens[-1] in eos else "length"
+    def finish_reason(prepared: Prepared, reply: ReplyText) -> str:
+        tokens = reply.tokens
+        ended = reply.stop_reason is not None or prepared.stop_at_eos and tokens and tokens[-1] in eos
+        return "stop" if ended else "length"
+
+    async def reply_events(prepared: Prepared, job: Job, reply: ReplyText):
+        """(text piece, final) for each batch of the job's tokens (job_events): the pieces of the reply's text, up
+        to its stop (server/text.py ReplyText), after which the job stops at its next token and its final event
+        ends the reply."""
+        async for batch, final in job_events(job):
+            piece = reply.push(batch) if reply.stop_reason is None else ""
+            if reply.stop_reason is not None:
+                job.cancelled.set()  # the engine stops at its next token: nothing it generates is given out
+            if final:  # the tokens generated are given out whole, also before an error
+                piece += reply.finish()
+            yield piece, final
 
     def on_disconnect(watcher: asyncio.Future, job: Job):
         """The client closed its connection: its job gives its place up at once and stops at its next token (a
@@ -214,22 +228,22 @@ def create_app(engine, settings: ServerSettings = ServerSettings(), bound_addres
                 worker.cancel(job)
 
     async def complete(prepared: Prepared, job: Job):
-        tokens, final = [], None
-        async for batch, final in job_events(job):
-            tokens += batch
+        reply, pieces, final = ReplyText(engine.tokenizer, prepared.stops), [], None
+        async for piece, final in reply_events(prepared, job, reply):
+            pieces.append(piece)
         if final[0] == "error":
             raise final[1]
-        text = await asyncio.get_running_loop().run_in_executor(parsing, engine.tokenizer.decode, tokens)
-        created, reason = int(time.time()), finish_reason(prepared, tokens)
+        text, created, reason = "".join(pieces), int(time.time()), finish_reason(prepared, reply)
         if prepared.kind == "chat":
             choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                      "finish_reason": reason}
+                      "finish_reason": reason, "stop_reason": reply.stop_reason}
             head = {"id": f"chatcmpl-{uuid.uuid4().hex[:24]}", "object": "chat.completion"}
         else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason,
+                      "stop_reason": reply.stop_reason}
             head = {"id": f"cmpl-{uuid.uuid4().hex[:24]}", "object": "text_completion"}
         return {**head, "created": created, "model": prepared.model, "choices": [choice],
-                "usage": usage(len(prepared.prompt_ids), len(tokens), final[1]),
+                "usage": usage(len(prepared.prompt_ids), len(reply.tokens), final[1]),
                 "blockspec": stats_extension(final[1], engine)}
 
     async def stream_events(prepared: Prepared, job: Job):
@@ -239,21 +253,20 @@ def create_app(engine, settings: ServerSettings = ServerSettings(), bound_addres
                 "model": prepared.model}
         extra = {"usage": None} if prepared.include_usage else {}
 
-        def chunk(text: str | None, reason: str | None = None, first: bool = False, **more) -> str:
+        def chunk(text: str | None, reason: str | None = None, first: bool = False, stop_reason=None, **more) -> str:
             if chat:
                 delta = {"role": "assistant", "content": ""} if first else ({"content": text} if text else {})
                 choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
             else:
                 choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": reason}
+            if reason is not None:
+                choice["stop_reason"] = stop_reason
             return sse({**head, "choices": [choice], **extra, **more})
 
         if chat:
             yield chunk(None, first=True)
-        text = IncrementalText(engine.tokenizer)
-        async for batch, final in job_events(job):
-            piece = text.push(batch) if batch else ""
-            if final:  # the tokens generated are given out whole, also before an error
-                piece += text.finish()
+        reply = ReplyText(engine.tokenizer, prepared.stops)
+        async for piece, final in reply_events(prepared, job, reply):
             if final and final[0] == "error":
                 if piece:
                     yield chunk(piece)
@@ -262,10 +275,11 @@ def create_app(engine, settings: ServerSettings = ServerSettings(), bound_addres
             if piece:
                 yield chunk(piece)
             if final:
-                tokens = text.tokens
-                yield chunk(None, finish_reason(prepared, tokens), blockspec=stats_extension(final[1], engine))
+                yield chunk(None, finish_reason(prepared, reply), stop_reason=reply.stop_reason,
+                            blockspec=stats_extension(final[1], engine))
                 if prepared.include_usage:
-                    yield sse({**head, "choices": [], "usage": usage(len(prepared.prompt_ids), len(tokens), final[1])})
+                    yield sse({**head, "choices": [], "usage": usage(len(prepared.prompt_ids), len(reply.tokens),
+                                                                     final[1])})
         yield "data: [DONE]\n\n"
 
     @app.post("/v1/chat/completions")

@@ -12,6 +12,7 @@ from fastapi.responses import JSONResponse
 from ..config import MAX_TEMPERATURE, MIN_TEMPERATURE, SamplingSettings
 from ..errors import BlockspecError
 from ..models.tokenizer import TooManyTokens
+from .text import Stops
 
 CHAT_ROLES = {"system", "user", "assistant", "tool", "developer"}
 RANGES = {"temperature": f"must be a finite number in [0, {MAX_TEMPERATURE:g}] (0, or below {MIN_TEMPERATURE:g}: "
@@ -24,7 +25,6 @@ MESSAGE_EXTRAS = {"name": str, "tool_calls": list, "tool_call_id": str, "reasoni
 # endpoints, "chat" or "completion", the neutral values, what a request sending another value asks for)
 AT_NEUTRAL_ONLY = {
     "min_tokens": ({"chat", "completion"}, (0,), "a minimum length (EOS ends generation)"),
-    "stop_token_ids": ({"chat", "completion"}, ([],), "stop token ids (EOS ends generation)"),
     "skip_special_tokens": ({"chat", "completion"}, (True,), "special tokens in the text (they are left out)"),
     "prompt_logprobs": ({"chat", "completion"}, (), "prompt logprobs"),
     "truncate_prompt_tokens": ({"chat", "completion"}, (), "prompt truncation"),
@@ -49,6 +49,8 @@ ENDPOINT_PATHS = {"chat": "/v1/chat/completions", "completion": "/v1/completions
 # OpenAI's fields about the request, not its output: their types checked, their values not used
 ABOUT_THE_REQUEST = {"user": (str, "a string"), "metadata": (dict, "an object"), "store": (bool, "a boolean"),
                      "service_tier": (str, "a string")}
+MAX_STOPS = 64                               # stop strings, and stop token ids, a request may give
+MAX_STOP_CHARS = 1024                        # characters of a stop string (as many are held back when streaming)
 MAX_DEPTH = 32                               # arrays and objects inside one another in a request body
 SCAN_PIECE = 1 << 16                         # bytes json_values scans at a time, the GIL free between pieces
 LONE_SURROGATE = re.compile("[\ud800-\udfff]")  # what a JSON \ud800 escape without its pair decodes to
@@ -238,15 +240,15 @@ class Prepared:
     snapshot_at: int | None = None  # a chat: where its conversation ends, before the generation prompt
     stop_at_eos: bool = True        # False: vLLM's ignore_eos (generate max_tokens tokens)
     cache_salt: str | None = None   # vLLM's: a kept prefix is reused only by requests of the same salt
+    stops: Stops = Stops()          # what else ends the reply (server/text.py ReplyText)
 
 
-def unserved(n: int = 1, logprobs: bool = False, images: bool = False, stop=None, constraints: bool = False):
+def unserved(n: int = 1, logprobs: bool = False, images: bool = False, constraints: bool = False):
     """Why a request asks for what blockspec serves in no mode (one line naming it), or None."""
     refusals = [
         (n != 1, f"n={n}: blockspec generates one sequence per request, in every mode"),
         (logprobs, "logprobs: not supported by blockspec, in any mode"),
         (images, "image inputs: blockspec serves text only, in every mode"),
-        (stop, "stop sequences: not supported by blockspec, in any mode (EOS ends generation)"),
         (constraints, "decode constraints: not supported by blockspec, in any mode"),
     ]
     return next((why for asked, why in refusals if asked), None)
@@ -316,16 +318,6 @@ class RequestParser:
             self.refuse_unless("logprobs", logprobs=True)
         if get_int(body, "top_logprobs", 0) != 0:
             self.refuse_unless("top_logprobs", logprobs=True)
-        stop = body.get("stop")
-        if stop is not None:
-            if not (isinstance(stop, str) or isinstance(stop, list) and all(isinstance(s, str) for s in stop)):
-                got = _json_type(stop) if not isinstance(stop, list) else \
-                    f"an array holding {next(_json_type(s) for s in stop if not isinstance(s, str))}"
-                raise bad(f"'stop' must be a string or an array of strings (got {got})", "stop")
-            if stop == "" or isinstance(stop, list) and "" in stop:
-                raise bad("'stop' must not hold an empty string", "stop")
-            if stop:
-                self.refuse_unless("stop", stop=stop)
         for name, neutral, bounds in (("frequency_penalty", 0.0, (-2.0, 2.0)), ("presence_penalty", 0.0, (-2.0, 2.0)),
                                       ("repetition_penalty", 1.0, (0.0, math.inf))):
             value = get_number(body, name, neutral, bounds)
@@ -384,6 +376,33 @@ class RequestParser:
                           "chunk alone, with include_usage)", "stream_options")
         include_usage = options.get("include_usage", False)
         return stream, include_usage, model or self.engine.model_name
+
+    def stops(self, body: dict) -> Stops:
+        """OpenAI's `stop` (a string or an array of them), vLLM's `stop_token_ids` and `include_stop_str_in_output`."""
+        stop = body.get("stop")
+        if stop is None or isinstance(stop, str):
+            strings = [] if stop is None else [stop]
+        elif isinstance(stop, list) and all(isinstance(s, str) for s in stop):
+            strings = stop
+        else:
+            got = _json_type(stop) if not isinstance(stop, list) else \
+                f"an array holding {next(_json_type(s) for s in stop if not isinstance(s, str))}"
+            raise bad(f"'stop' must be a string or an array of strings (got {got})", "stop")
+        if "" in strings:
+            raise bad("'stop' must not hold an empty string", "stop")
+        if len(strings) > MAX_STOPS or any(len(s) > MAX_STOP_CHARS for s in strings):
+            raise bad(f"'stop' may hold at most {MAX_STOPS} strings of at most {MAX_STOP_CHARS} characters each",
+                      "stop")
+        ids = body.get("stop_token_ids")
+        if ids is None:
+            ids = []
+        vocab = self.engine.vocab_size
+        if not isinstance(ids, list) or not all(type(i) is int and 0 <= i < vocab for i in ids):
+            raise bad(f"'stop_token_ids' must be an array of token ids, integers in 0..{vocab - 1}", "stop_token_ids")
+        if len(ids) > MAX_STOPS:
+            raise bad(f"'stop_token_ids' may hold at most {MAX_STOPS} ids", "stop_token_ids")
+        return Stops(tuple(dict.fromkeys(strings)), frozenset(ids),
+                     get_bool(body, "include_stop_str_in_output", False))
 
     def chat_messages(self, body: dict) -> list[dict]:
         messages = body.get("messages")
@@ -469,6 +488,7 @@ class RequestParser:
         if not isinstance(body, dict):
             raise bad(f"the request body must be a JSON object (got {_json_type(body)})")
         stream, include_usage, model = self.common(body, kind)
+        stops = self.stops(body)
         sampling = self.sampling(body)
         cache_salt = body.get("cache_salt")
         if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
@@ -516,4 +536,4 @@ class RequestParser:
                 message = message.replace("max_tokens", max_param)
             raise bad(message, param) from None
         return Prepared(kind, prompt_ids, max_tokens, stream, include_usage, model, sampling, snapshot_at,
-                        not get_bool(body, "ignore_eos", False), cache_salt)
+                        not get_bool(body, "ignore_eos", False), cache_salt, stops)

@@ -1,6 +1,9 @@
-"""Streaming detokenization: the text of a growing token list, given out piece by piece."""
+"""Streaming detokenization: the text of a growing token list, given out piece by piece, and a reply's text ended
+by its stop strings and stop tokens."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 REPLACEMENT = "\ufffd"
 # U+FFFD that the next tokens may still turn into a character: a character's incomplete bytes are at most 3, which a
@@ -40,3 +43,76 @@ class IncrementalText:
 
     def finish(self) -> str:
         return self._piece(force=True) if self.shown < len(self.tokens) else ""
+
+
+@dataclass(frozen=True)
+class Stops:
+    """What ends a reply besides EOS and max_tokens: OpenAI's `stop` strings, vLLM's `stop_token_ids` and
+    `include_stop_str_in_output`."""
+
+    strings: tuple[str, ...] = ()
+    token_ids: frozenset[int] = frozenset()
+    include_string: bool = False  # the stop string that ended the reply is part of its text
+
+
+class ReplyText:
+    """A reply's text given out piece by piece (IncrementalText), ended by the first stop (Stops): a stop string is
+    matched in the text as it grows, across tokens, and neither it (unless include_string) nor anything after it is
+    given out; text that may still become the start of a stop string is held back until it cannot. A stop token
+    ends the reply after its own text. `tokens` holds the tokens up to the stop, `stop_reason` the string or token
+    id that ended it (None: none did)."""
+
+    def __init__(self, tokenizer, stops: Stops = Stops()):
+        self.text = IncrementalText(tokenizer)
+        self.stops = stops
+        self.hold = max(map(len, stops.strings), default=1) - 1  # characters that may begin a stop string
+        self.final = ""   # the text IncrementalText has given out
+        self.given = 0    # characters of it given out here
+        self.stop_reason: str | int | None = None
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.text.tokens
+
+    def push(self, tokens: list[int]) -> str:
+        """The text that may be given out once `tokens` follow (none after a stop; tokens past it are dropped)."""
+        if not (self.stops.strings or self.stops.token_ids):
+            self.final += self.text.push(tokens)
+            return self._give(len(self.final))
+        piece = ""
+        for token in tokens:  # one at a time: a stop ends the reply at the token that completes it
+            if self.stop_reason is not None:
+                break
+            searched = len(self.final)
+            self.final += self.text.push([token])
+            piece += self._stop_string(searched)
+            if self.stop_reason is None and token in self.stops.token_ids:
+                self.stop_reason = token
+                self.final += self.text.finish()
+                piece += self._give(len(self.final))
+        return piece
+
+    def finish(self) -> str:
+        """The rest of the text once the reply has ended (nothing after a stop)."""
+        if self.stop_reason is not None:
+            return ""
+        searched = len(self.final)
+        self.final += self.text.finish()
+        piece = self._stop_string(searched)
+        return piece if self.stop_reason is not None else piece + self._give(len(self.final))
+
+    def _stop_string(self, searched: int) -> str:
+        """After the text grew past `searched` characters: the piece to give out, ending the reply at the earliest
+        stop string found (one that began before `searched` included)."""
+        found = [(at, -len(s), s) for s in self.stops.strings
+                 if (at := self.final.find(s, max(0, searched - len(s) + 1))) >= 0]
+        if not found:
+            return self._give(len(self.final) - self.hold)
+        at, _, string = min(found)  # the earliest; of two starting there, the longer
+        self.stop_reason = string
+        return self._give(at + len(string) if self.stops.include_string else at)
+
+    def _give(self, end: int) -> str:
+        piece = self.final[self.given:end] if end > self.given else ""
+        self.given = max(self.given, end)
+        return piece
