@@ -66,8 +66,7 @@ class ReplyText:
         self.text = IncrementalText(tokenizer)
         self.stops = stops
         self.hold = max(map(len, stops.strings), default=1) - 1  # characters that may begin a stop string
-        self.final = ""   # the text IncrementalText has given out
-        self.given = 0    # characters of it given out here
+        self.pending = ""  # text not given out yet: a match starts in it (the text before it holds none)
         self.stop_reason: str | int | None = None
 
     @property
@@ -77,42 +76,41 @@ class ReplyText:
     def push(self, tokens: list[int]) -> str:
         """The text that may be given out once `tokens` follow (none after a stop; tokens past it are dropped)."""
         if not (self.stops.strings or self.stops.token_ids):
-            self.final += self.text.push(tokens)
-            return self._give(len(self.final))
+            return self.text.push(tokens)
         piece = ""
         for token in tokens:  # one at a time: a stop ends the reply at the token that completes it
             if self.stop_reason is not None:
                 break
-            searched = len(self.final)
-            self.final += self.text.push([token])
-            piece += self._stop_string(searched)
+            searched = len(self.pending)
+            self.pending += self.text.push([token])
+            piece += self._scan(searched)
             if self.stop_reason is None and token in self.stops.token_ids:
                 self.stop_reason = token
-                self.final += self.text.finish()
-                piece += self._give(len(self.final))
+                self.pending += self.text.finish()
+                piece += self._give(len(self.pending))
         return piece
 
     def finish(self) -> str:
         """The rest of the text once the reply has ended (nothing after a stop)."""
         if self.stop_reason is not None:
             return ""
-        searched = len(self.final)
-        self.final += self.text.finish()
-        piece = self._stop_string(searched)
-        return piece if self.stop_reason is not None else piece + self._give(len(self.final))
+        searched = len(self.pending)
+        self.pending += self.text.finish()
+        piece = self._scan(searched)
+        return piece if self.stop_reason is not None else piece + self._give(len(self.pending))
 
-    def _stop_string(self, searched: int) -> str:
-        """After the text grew past `searched` characters: the piece to give out, ending the reply at the earliest
-        stop string found (one that began before `searched` included)."""
+    def _scan(self, searched: int) -> str:
+        """After the pending text grew past `searched` characters: the piece to give out, ending the reply at the
+        earliest stop string found (one that began before `searched` included)."""
         found = [(at, -len(s), s) for s in self.stops.strings
-                 if (at := self.final.find(s, max(0, searched - len(s) + 1))) >= 0]
+                 if (at := self.pending.find(s, max(0, searched - len(s) + 1))) >= 0]
         if not found:
-            return self._give(len(self.final) - self.hold)
+            return self._give(len(self.pending) - self.hold)
         at, _, string = min(found)  # the earliest; of two starting there, the longer
         self.stop_reason = string
         return self._give(at + len(string) if self.stops.include_string else at)
 
     def _give(self, end: int) -> str:
-        piece = self.final[self.given:end] if end > self.given else ""
-        self.given = max(self.given, end)
+        end = max(end, 0)
+        piece, self.pending = self.pending[:end], self.pending[end:]
         return piece
