@@ -78,19 +78,22 @@ def no_load(monkeypatch):
 
 
 @pytest.mark.parametrize("command", [["generate", "--prompt-ids", "1,2"], ["chat"]])
-@pytest.mark.parametrize("flags, yaml_text, numbers", [
-    (["--max-tokens", "64", "--context-length", "64"], "", "max_tokens 64 is not below context_length 64"),
-    (["--context-length", "64"], "max_tokens: 100\n", "max_tokens 100 is not below context_length 64"),
-    ([], "max_tokens: 5000\n", "max_tokens 5000 is not below context_length 4096"),
+@pytest.mark.parametrize("flags, yaml_text, numbers, fix", [
+    (["--max-tokens", "64", "--context-length", "64"], "", "max_tokens 64 is not below context_length 64",
+     "(lower --max-tokens or raise --context-length)"),
+    (["--context-length", "64"], "max_tokens: 100\n", "max_tokens 100 is not below context_length 64",
+     "(lower --max-tokens or raise --context-length)"),
+    # the context is the checkpoint's max_position_embeddings already: raising it would be refused
+    ([], "max_tokens: 5000\n", "max_tokens 5000 is not below context_length 4096", "(lower --max-tokens)\n"),
 ])
 def test_max_tokens_that_leave_no_room_for_a_prompt_are_refused_before_the_load(tiny, tmp_path, capsys, no_load,
-                                                                                  command, flags, yaml_text, numbers):
+                                                                                  command, flags, yaml_text, numbers,
+                                                                                  fix):
     path = tmp_path / "run.yaml"
     path.write_text(yaml_text)
     code = main([*command, "--model", tiny, "--config", str(path), *flags, *BASE])
     err = capsys.readouterr().err
-    assert code == 2 and err.count("\n") == 1 and numbers in err, err
-    assert "--max-tokens" in err and "--context-length" in err, err
+    assert code == 2 and err.count("\n") == 1 and numbers in err and fix in err, err
 
 
 @pytest.fixture(scope="module")
