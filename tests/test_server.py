@@ -532,6 +532,9 @@ def test_stop_strings_and_stop_tokens_end_the_reply(tiny):
         ({"stop": ["zz", "g(", "(x)"]}, "def ö", "(x)", tokens_until("(x)")),  # the earliest in the text
         ({"stop": ["y * 2\n" * 2]}, reply, None, len(ids) + 1),  # never met: EOS ends the reply
         ({"stop_token_ids": [ids[5]]}, tok.decode(ids[:6]), ids[5], 6),
+        ({"stop_token_ids": [ids[5]], "stop": tok.decode(ids[:6])}, tok.decode(ids[:6]), ids[5], 6),  # ids first
+        ({"stop": ["return x\n\n\ndef", "x\n"]}, reply[:reply.index("x\n")], "x\n", tokens_until("x\n")),
+        # the first completed ends the reply, not the one that starts first
     ]
     with TestClient(app, base_url="http://localhost") as http:
         for body, text, reason, count in cases:

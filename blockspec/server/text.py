@@ -57,9 +57,10 @@ class Stops:
 
 class ReplyText:
     """A reply's text given out piece by piece (IncrementalText), ended by the first stop (Stops): a stop string is
-    matched in the text as it grows, across tokens, and neither it (unless include_string) nor anything after it is
-    given out; text that may still become the start of a stop string is held back until it cannot. A stop token
-    ends the reply after its own text. `tokens` holds the tokens up to the stop, `stop_reason` the string or token
+    matched in the text as it grows, across tokens (the first one completed ends the reply, as in vLLM), and neither
+    it (unless include_string) nor anything after it is given out; text that may still become the start of a stop
+    string is held back until it cannot. A stop token ends the reply after its own text, whatever stop string it
+    completes. `tokens` holds the tokens up to the stop, `stop_reason` the string or token
     id that ended it (None: none did)."""
 
     def __init__(self, tokenizer, stops: Stops = Stops()):
@@ -83,11 +84,12 @@ class ReplyText:
                 break
             searched = len(self.pending)
             self.pending += self.text.push([token])
-            piece += self._scan(searched)
-            if self.stop_reason is None and token in self.stops.token_ids:
+            if token in self.stops.token_ids:  # before the stop strings, as vLLM checks them
                 self.stop_reason = token
                 self.pending += self.text.finish()
                 piece += self._give(len(self.pending))
+            else:
+                piece += self._scan(searched)
         return piece
 
     def finish(self) -> str:
