@@ -164,7 +164,7 @@ def create_app(engine, settings: ServerSettings = ServerSettings(), bound_addres
         ended = reply.stop_reason is not None or prepared.stop_at_eos and tokens and tokens[-1] in eos
         return "stop" if ended else "length"
 
-    async def reply_events(prepared: Prepared, job: Job, reply: ReplyText):
+    async def reply_events(job: Job, reply: ReplyText):
         """(text piece, final) for each batch of the job's tokens (job_events): the pieces of the reply's text, up
         to its stop (server/text.py ReplyText), after which the job stops at its next token and its final event
         ends the reply."""
@@ -229,7 +229,7 @@ def create_app(engine, settings: ServerSettings = ServerSettings(), bound_addres
 
     async def complete(prepared: Prepared, job: Job):
         reply, pieces, final = ReplyText(engine.tokenizer, prepared.stops), [], None
-        async for piece, final in reply_events(prepared, job, reply):
+        async for piece, final in reply_events(job, reply):
             pieces.append(piece)
         if final[0] == "error":
             raise final[1]
@@ -266,7 +266,7 @@ def create_app(engine, settings: ServerSettings = ServerSettings(), bound_addres
         if chat:
             yield chunk(None, first=True)
         reply = ReplyText(engine.tokenizer, prepared.stops)
-        async for piece, final in reply_events(prepared, job, reply):
+        async for piece, final in reply_events(job, reply):
             if final and final[0] == "error":
                 if piece:
                     yield chunk(piece)
