@@ -240,16 +240,19 @@ def remove_folders(folders: list[Path]) -> None:
 
 
 def stream_text(engine, tokens_iter, out=sys.stdout) -> list[int]:
-    """Print text as tokens arrive (decoding the whole tail so multi-byte characters come out whole)."""
-    tokens, shown = [], ""
+    """Print text as tokens arrive (models/text.py IncrementalText: multi-byte characters come out whole, and each
+    token decodes only the text since the last one given out whole)."""
+    from .models.text import IncrementalText
+
+    text = IncrementalText(engine.tokenizer)
     for token in tokens_iter:
-        tokens.append(token)
-        text = engine.tokenizer.decode(tokens)
-        if not text.endswith("\ufffd"):
-            out.write(text[len(shown):])
+        piece = text.push([token])
+        if piece:
+            out.write(piece)
             out.flush()
-            shown = text
-    return tokens
+    out.write(text.finish())
+    out.flush()
+    return text.tokens
 
 
 def describe_sampling(sampling: dict) -> str:

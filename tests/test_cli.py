@@ -505,3 +505,20 @@ def test_training_help_shows_each_default_once_and_none_on_required_flags(comman
     assert "(default: None)" not in text
     assert "(default: 0.02)" in text or "(default: 0.05)" in text  # the dataclass's default of --heldout
     assert not re.search(r"\(default: [^)]*\) \(default:", text), text
+
+
+def test_streamed_text_is_the_whole_decoding_its_last_bytes_included(tiny):
+    """stream_text (generate, chat, demo) prints the decoding of every token, multi-byte characters whole, and a
+    generation that ends inside a character ends with its U+FFFD, as the whole decoding does."""
+    import io
+    from types import SimpleNamespace
+
+    from blockspec.cli_common import stream_text
+    from blockspec.models.tokenizer import Tokenizer
+
+    tok = Tokenizer(tiny, [])
+    lone = next(i for i in range(tok.vocab_size) if tok.decode([i]) == "\ufffd")  # a byte that is no character alone
+    for ids in (tok.encode("héllo ✓ 😀 wörld"), tok.encode("hi ✓") + [lone]):
+        out = io.StringIO()
+        assert stream_text(SimpleNamespace(tokenizer=tok), iter(ids), out=out) == ids
+        assert out.getvalue() == tok.decode(ids), (out.getvalue(), tok.decode(ids))

@@ -465,7 +465,8 @@ def test_eos_and_multibyte_text_in_process(tiny):
     from starlette.testclient import TestClient
 
     from blockspec.config import ServerSettings
-    from blockspec.server import IncrementalText, create_app
+    from blockspec.models.text import IncrementalText
+    from blockspec.server import create_app
     from blockspec.models.tokenizer import Tokenizer
 
     tok = Tokenizer(tiny, [])
@@ -560,7 +561,7 @@ def test_reply_text_never_gives_out_a_stop_string(tiny):
     import random
 
     from blockspec.models.tokenizer import Tokenizer
-    from blockspec.server.text import ReplyText, Stops
+    from blockspec.models.text import ReplyText, Stops
 
     tok = Tokenizer(tiny, [])
     reply = "héllo wörld, stop ✓ here; and 😀 more text after the stop ✓ mark"
@@ -589,7 +590,7 @@ def test_streamed_text_gives_out_all_but_a_possible_partial_character(tiny):
     import random
 
     from blockspec.models.tokenizer import Tokenizer
-    from blockspec.server import IncrementalText
+    from blockspec.models.text import IncrementalText
 
     tok = Tokenizer(tiny, [])
     lone = [i for i in range(tok.vocab_size) if tok.decode([i]) == "\ufffd"]  # bytes that are no character alone

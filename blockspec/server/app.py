@@ -23,12 +23,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..config import ServerSettings
 from ..errors import BlockspecError
+from ..models.text import ReplyText
 from .access import AccessGuard, host_check_warning
 from .connection import (MAX_HEAD_BYTES, ClientLeft, TimedH11Protocol, check_unencoded, declared_length, read_body,
                          shutting_down, until_disconnected)
 from .requests import ApiError, Prepared, RequestParser, internal_error, shown
 from .responses import JobStreamingResponse, sse, stats_extension, usage
-from .text import ReplyText
 from .worker import Closed, Job, QueueFull, Worker, job_events, wait_started
 
 log = logging.getLogger("blockspec.server")
@@ -166,7 +166,7 @@ def create_app(engine, settings: ServerSettings = ServerSettings(), bound_addres
 
     async def reply_events(job: Job, reply: ReplyText):
         """(text piece, final) for each batch of the job's tokens (job_events): the pieces of the reply's text, up
-        to its stop (server/text.py ReplyText), after which the job stops at its next token and its final event
+        to its stop (models/text.py ReplyText), after which the job stops at its next token and its final event
         ends the reply."""
         async for batch, final in job_events(job):
             piece = reply.push(batch) if reply.stop_reason is None else ""

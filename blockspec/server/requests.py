@@ -12,7 +12,7 @@ from fastapi.responses import JSONResponse
 from ..config import MAX_TEMPERATURE, MIN_TEMPERATURE, SamplingSettings
 from ..errors import BlockspecError
 from ..models.tokenizer import TooManyTokens
-from .text import Stops
+from ..models.text import Stops
 
 CHAT_ROLES = {"system", "user", "assistant", "tool", "developer"}
 RANGES = {"temperature": f"must be a finite number in [0, {MAX_TEMPERATURE:g}] (0, or below {MIN_TEMPERATURE:g}: "
@@ -240,7 +240,7 @@ class Prepared:
     snapshot_at: int | None = None  # a chat: where its conversation ends, before the generation prompt
     stop_at_eos: bool = True        # False: vLLM's ignore_eos (generate max_tokens tokens)
     cache_salt: str | None = None   # vLLM's: a kept prefix is reused only by requests of the same salt
-    stops: Stops = Stops()          # what else ends the reply (server/text.py ReplyText)
+    stops: Stops = Stops()          # what else ends the reply (models/text.py ReplyText)
 
 
 def unserved(n: int = 1, logprobs: bool = False, images: bool = False, constraints: bool = False):
