@@ -60,8 +60,8 @@ class ReplyText:
     matched in the text as it grows, across tokens (the first one completed ends the reply, as in vLLM), and neither
     it (unless include_string) nor anything after it is given out; text that may still become the start of a stop
     string is held back until it cannot. A stop token ends the reply after its own text, whatever stop string it
-    completes. `tokens` holds the tokens up to the stop, `stop_reason` the string or token
-    id that ended it (None: none did)."""
+    completes. `tokens` holds the tokens up to the stop, `stop_reason` the string or token id that ended it (None:
+    none did)."""
 
     def __init__(self, tokenizer, stops: Stops = Stops()):
         self.text = IncrementalText(tokenizer)
