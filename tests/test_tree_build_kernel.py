@@ -4,6 +4,8 @@ interpreter in a subprocess.
   marginal tables, tables of a few values (exact ties everywhere), with -inf and NaN entries, budgets below the rows
   (the chain cut short), at the rows, up to 63, and past what the candidates can fill (padding); a chain token found
   twice in its row.
+- The CPU's host build (build_tree_host) against build_tree_reference: the same cases, every shape and style, with
+  the padding and the NaN entries exercised.
 - The transition table against transition_table_reference, float32: ranks below, at and past a chunk of the dot
   products, one row and many, candidate counts not a power of two."""
 
@@ -15,7 +17,8 @@ from helpers import interpreter_part, patch_triton_interpreter, report_parts, ru
 
 from blockspec.layers.tree import DraftTree, build_tree
 from blockspec.kernels import drafter_tree_triton
-from blockspec.kernels.drafter_tree import build_tree_reference, transition_table, transition_table_reference
+from blockspec.kernels.drafter_tree import (build_tree_host, build_tree_reference, transition_table,
+                                           transition_table_reference)
 
 STYLES = ("transition", "marginal", "ties", "ties_marginal", "masked", "nan")
 
@@ -128,6 +131,19 @@ def test_transition_table_matches_reference_in_interpreter(interpreted):
 def test_cpu_takes_the_reference():
     assert not drafter_tree_triton.available(torch.zeros(2, 4, 4), 16)
     assert not drafter_tree_triton.table_available(torch.zeros(2, 4))
+
+
+def test_host_build_matches_reference():
+    """The CPU's build (what build_tree runs there) gives the reference's nodes, in every shape and style."""
+    padded = nan = 0
+    for i, (k, rows, budget, style) in enumerate(FULL):
+        args = inputs(k, rows, style, seed=i)
+        want = build_tree_reference(*args, budget)
+        assert torch.equal(build_tree_host(*args, budget), want), (k, rows, budget, style)
+        assert torch.equal(build_tree(*args, budget).nodes, want)
+        padded += int((want[3] == 0).any())
+        nan += style == "nan" and bool(args[0].isnan().any())
+    assert padded and nan
 
 
 if __name__ == "__main__":  # python test_tree_build_kernel.py PART..., with TRITON_INTERPRET=1

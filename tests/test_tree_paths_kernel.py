@@ -3,7 +3,7 @@
 result and the staged commit inputs and kept feature rows equal, on the drafter's best-first trees (their padding
 nodes included), the graph warm-up's star of invalid children, random trees of every shape up to 64 nodes, forced
 trees whose siblings repeat a token, and chosen tokens that follow the tree for a while, then leave it; and the
-programs compile for sm_90."""
+programs compile for sm_90. The CPU's host walk (descend_host) against descend_reference on the same cases."""
 
 import sys
 
@@ -143,6 +143,20 @@ def test_tree_paths_compile_for_hopper():
 
 def test_cpu_takes_the_references():
     assert not tree_paths_triton.available(torch.zeros(4, dtype=torch.long))
+
+
+def test_host_walk_matches_reference():
+    """The CPU's walk (what descend runs there) gives the reference's result on every case, deep walks included."""
+    gen = torch.Generator().manual_seed(2)
+    deepest = 0
+    for name, max_depth, (tokens, parents, depth, valid) in cases():
+        for _ in range(4):
+            chosen = chosen_along(tokens, parents, depth, gen)
+            want = tree_paths.descend_reference(chosen, tokens, parents, depth, valid, max_depth)
+            assert torch.equal(tree_paths.descend_host(chosen, tokens, parents, depth, valid, max_depth), want), name
+            assert torch.equal(tree_paths.descend(chosen, tokens, parents, depth, valid, max_depth), want), name
+            deepest = max(deepest, int(want[0]))
+    assert deepest >= 5
 
 
 if __name__ == "__main__":  # python test_tree_paths_kernel.py PART..., with TRITON_INTERPRET=1

@@ -1,11 +1,15 @@
 """A DFlash2 draft tree from the selector's scores (layers/tree.py says what the tree holds and why): the transition
 table and the tree's best-first build, each op with its PyTorch reference and the dispatch to its Triton program
 (drafter_tree_triton.py). Everything stays on the device, in fixed shapes: no host synchronisation, so a CUDA graph
-records it.
+records it. The CPU, where no graph records anything, builds the tree in a loop on the host (build_tree_host).
 """
 
 from __future__ import annotations
 
+import heapq
+import math
+
+import numpy
 import torch
 
 from . import drafter_tree_triton
@@ -34,9 +38,12 @@ def build_tree(table: torch.Tensor, candidates: torch.Tensor, anchor: torch.Tens
     """The tree of `budget` nodes (layers/tree.py) from the transition table [R, K, K], the rows' candidate ids
     [R, K], the anchor [1] and the chain's tokens [R] (each among its row's candidates), as its nodes
     [4, budget + 1] int64: rows tokens, parents, depth, valid (1; 0 for padding). Where Triton runs, one program
-    (drafter_tree_triton.py) instead of ~30 ops per node; else build_tree_reference."""
+    (drafter_tree_triton.py) instead of ~30 ops per node; on the CPU, where no graph records the build, a loop on the
+    host (build_tree_host); else build_tree_reference."""
     if drafter_tree_triton.available(table, budget):
         return drafter_tree_triton.build_tree(table, candidates, anchor, chain, budget)
+    if table.device.type == "cpu":
+        return build_tree_host(table, candidates, anchor, chain, budget)
     return build_tree_reference(table, candidates, anchor, chain, budget)
 
 
@@ -55,6 +62,54 @@ def chain_scores(table: torch.Tensor, picked: torch.Tensor) -> torch.Tensor:
     for i in range(1, picked.shape[0]):
         scores.append(scores[-1] + entries[i:i + 1])
     return torch.cat(scores)
+
+
+def build_tree_host(table: torch.Tensor, candidates: torch.Tensor, anchor: torch.Tensor, chain: torch.Tensor,
+                    budget: int) -> torch.Tensor:
+    """build_tree_reference's tree, node for node, from a heap of the frontier: each node costs a pop and K pushes
+    where the reference's sync-free form runs ~12 tensor ops over the whole frontier. The same float32 sums (numpy
+    float32 scalars), the same order: the highest score first, a NaN before any number (as argmax takes it), ties to
+    the lowest frontier index (node * K + j); once nothing above -inf is left, every node is index 0's, invalid."""
+    rows, k = candidates.shape
+    length = min(budget, rows)
+    table = table.float().numpy()
+    ids = candidates.tolist()
+    picked = [row.index(token) if token in row else 0 for row, token in zip(ids, chain[:length].tolist())]
+    tokens, parents, depth = [int(anchor.reshape(-1)[0])], [0], [0]
+    valid, score = [1], [numpy.float32(0.0)]
+    frontier = []  # (0, index) for a NaN, else (1, -score, index): heapq pops the reference's argmax first
+
+    def expand(node: int, row: int, choice: int, skip: int = -1):
+        if row < rows:
+            for j, value in enumerate((score[node] + table[row, choice]).tolist()):
+                if j != skip and value != -math.inf:
+                    heapq.heappush(frontier, (0, node * k + j) if value != value else (1, -value, node * k + j))
+
+    for i, j in enumerate(picked):  # the chain: node i + 1 is node i's child j (chain_choices, chain_scores)
+        tokens.append(ids[i][j])
+        parents.append(i)
+        depth.append(i + 1)
+        valid.append(1)
+        entry = table[i, picked[i - 1] if i else 0, j]
+        score.append(score[-1] + entry if i else entry)
+    for node in range(length + 1):
+        expand(node, depth[node], 0 if node == 0 else picked[node - 1], picked[node] if node < length else -1)
+    for node in range(length + 1, budget + 1):
+        if frontier:
+            entry = heapq.heappop(frontier)
+            best, value = entry[-1], (numpy.float32(-entry[1]) if entry[0] else numpy.float32(math.nan))
+        else:
+            best, value = 0, numpy.float32(-math.inf)
+        parent, j = divmod(best, k)
+        row = depth[parent]
+        tokens.append(ids[min(row, rows - 1)][j])
+        parents.append(parent)
+        depth.append(row + 1)
+        valid.append(int(value > -math.inf))
+        score.append(value)
+        if valid[-1]:
+            expand(node, row + 1, j)
+    return torch.tensor([tokens, parents, depth, valid], dtype=torch.long)
 
 
 def build_tree_reference(table: torch.Tensor, candidates: torch.Tensor, anchor: torch.Tensor, chain: torch.Tensor,

@@ -2,7 +2,8 @@
 walked): `layout`, each node's ancestors and causal-conv window rows, `descend`, the accepted path given the token
 the target chose at every node, and `stage`, what the kept path's commit and the drafter's context read. The ops, their
 PyTorch references, and the dispatch to one Triton launch each (tree_paths_triton.py). Everything stays on the
-device in fixed shapes: no host synchronisation, so a CUDA graph records it.
+device in fixed shapes: no host synchronisation, so a CUDA graph records it. The CPU, where no graph records
+anything, walks the tree in a loop on the host (descend_host).
 
 Nodes are numbered so that a parent comes before its children; node 0 is the root (its own parent, depth 0).
 """
@@ -46,10 +47,33 @@ def descend(chosen: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor, d
     node (the first such child by index: a forced tree's siblings may repeat a token), until none is. chosen /
     tokens / parents / depth [T] int64, valid [T] bool. Returns int64 [2 + 2 (max_depth + 1)]: accepted nodes n,
     the token chosen at the last (the bonus), the path's node indices (root first; entries past n + 1 are 0), the
-    tokens of those nodes. Where Triton runs, one program; else descend_reference."""
+    tokens of those nodes. Where Triton runs, one program; on the CPU, where no graph records the walk, a loop on the
+    host (descend_host); else descend_reference."""
     if tree_paths_triton.available(chosen):
         return tree_paths_triton.descend(chosen, tokens, parents, depth, valid, max_depth)
+    if chosen.device.type == "cpu":
+        return descend_host(chosen, tokens, parents, depth, valid, max_depth)
     return descend_reference(chosen, tokens, parents, depth, valid, max_depth)
+
+
+def descend_host(chosen, tokens, parents, depth, valid, max_depth: int):
+    """descend_reference's result from a walk over the nodes' lists: a few steps where the reference's sync-free
+    form runs ~4 tensor ops a level."""
+    chosen, tokens, parents, depth, valid = (x.tolist() for x in (chosen, tokens, parents, depth, valid))
+    children = [[] for _ in tokens]
+    for node in range(1, len(tokens)):
+        if valid[node] and depth[node] == depth[parents[node]] + 1:
+            children[parents[node]].append(node)
+    path = [0]
+    while len(path) <= max_depth:
+        node = path[-1]
+        step = next((child for child in children[node] if tokens[child] == chosen[node]), None)
+        if step is None:
+            break
+        path.append(step)
+    accepted, bonus = len(path) - 1, chosen[path[-1]]
+    path += [0] * (max_depth + 1 - len(path))
+    return torch.tensor([accepted, bonus, *path, *(tokens[node] for node in path)], dtype=torch.long)
 
 
 def descend_reference(chosen, tokens, parents, depth, valid, max_depth: int):
