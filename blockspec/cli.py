@@ -92,6 +92,16 @@ def note_unused_sampling(config):
         print(f"blockspec: note: {note}", file=sys.stderr)
 
 
+def stop_strings(strings: list[str] | None):
+    """generate's --stop strings as Stops (models/text.py), or the one-line error naming the flag."""
+    from .models.text import Stops, StopsError
+
+    try:
+        return Stops.build(strings, None, False, vocab_size=0)
+    except StopsError as e:
+        raise BlockspecError(str(e).replace("'stop'", "--stop")) from None
+
+
 def cmd_generate(args):
     from .engine.engine import Engine
 
@@ -100,6 +110,7 @@ def cmd_generate(args):
     if args.chat and args.prompt_ids is not None:
         raise BlockspecError("--chat needs --prompt TEXT, not --prompt-ids")
     given_ids = None if args.prompt_ids is None else parse_prompt_ids(args.prompt_ids)  # refused before the load
+    stops = stop_strings(args.stop)
     config = engine_config(args)
     check_reply_room(config)
     if args.chat:
@@ -113,11 +124,11 @@ def cmd_generate(args):
     if args.json:
         from .engine.memory import report
 
-        result = engine.generate(ids, config.max_tokens)
+        result = engine.generate(ids, config.max_tokens, stop=list(stops.strings))
         stats = {**result.stats, "memory": report(engine)}
         print(json.dumps({"tokens": result.tokens, "text": result.text, "stats": stats}))
     else:
-        stream_text(engine, engine.stream(ids, config.max_tokens))
+        stream_text(engine, engine.stream(ids, config.max_tokens), stops=stops)
         print()
         print(format_stats(engine.last_stats), file=sys.stderr)
 
@@ -500,6 +511,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--prompt", metavar="TEXT", type=utf8_text, help="the prompt text (or --prompt-ids)")
     gen.add_argument("--prompt-ids", metavar="IDS", help="the prompt as comma-separated token ids, e.g. 1,2,3")
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the checkpoint's chat template")
+    gen.add_argument("--stop", metavar="TEXT", type=utf8_text, action="append",
+                     help="end the generation where TEXT first appears, without it (repeatable: the first one met)")
     gen.add_argument("--json", action="store_true", help="print one JSON object: tokens, text, stats")
     gen.set_defaults(func=cmd_generate)
 

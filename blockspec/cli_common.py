@@ -239,20 +239,27 @@ def remove_folders(folders: list[Path]) -> None:
             return
 
 
-def stream_text(engine, tokens_iter, out=sys.stdout) -> list[int]:
-    """Print text as tokens arrive (models/text.py IncrementalText: multi-byte characters come out whole, and each
-    token decodes only the text since the last one given out whole)."""
-    from .models.text import IncrementalText
+def stream_text(engine, tokens_iter, out=sys.stdout, stops=None) -> list[int]:
+    """Print text as tokens arrive (models/text.py ReplyText: multi-byte characters come out whole, and each token
+    decodes only the text since the last one given out whole); with `stops` (models/text.py Stops) the text ends
+    before the first stop string and the generation at the token that completes it. Returns the tokens printed."""
+    from .models.text import ReplyText, Stops
 
-    text = IncrementalText(engine.tokenizer)
-    for token in tokens_iter:
-        piece = text.push([token])
-        if piece:
-            out.write(piece)
-            out.flush()
-    out.write(text.finish())
+    reply = ReplyText(engine.tokenizer, stops or Stops())
+    try:
+        for token in tokens_iter:
+            piece = reply.push([token])
+            if piece:
+                out.write(piece)
+                out.flush()
+            if reply.stop_reason is not None:
+                break
+    finally:
+        if hasattr(tokens_iter, "close"):
+            tokens_iter.close()  # after a stop: the engine stops at its next token
+    out.write(reply.finish())
     out.flush()
-    return text.tokens
+    return reply.tokens
 
 
 def describe_sampling(sampling: dict) -> str:

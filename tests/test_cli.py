@@ -9,6 +9,7 @@ import pytest
 from helpers import cli
 
 from blockspec.cli import main
+from blockspec.errors import BlockspecError
 
 
 @pytest.fixture(scope="module")
@@ -44,6 +45,48 @@ def test_generate_prompt_ids_and_chat_agree_with_api(tiny):
 def test_generate_streams_text(tiny):
     code, out, err = cli("generate", "--model", tiny, "--prompt", "abc", "--max-tokens", 8, *BASE)
     assert code == 0 and "tokens/s" in err and out.strip() != ""
+
+
+def test_stop_strings_and_stop_tokens_end_a_generation_in_the_api_and_the_cli(tiny):
+    """Engine.generate's `stop`, `stop_token_ids`, `include_stop_str_in_output` and generate --stop, printed and
+    --json: the text is the unstopped generation's up to the first stop completed (through it when asked), the
+    tokens end at the one that completed it, and stats' stop_reason names it."""
+    from blockspec.engine.engine import Engine
+
+    engine = Engine.load(tiny, device="cpu", compute_dtype="float32")
+    prompt, decode = [5, 6, 7, 8], engine.tokenizer.decode
+    full = engine.generate(prompt, 40)
+    text = full.text
+    assert len(full.tokens) == 40 and text == decode(full.tokens) and full.stats["stop_reason"] is None
+    # a random model's text is mostly bytes: a stop of 2 characters (1 where none is), none that argv cannot carry
+    pieces = [text[i:i + n] for n in (2, 1) for i in range(1, len(text) - 2)
+              if not {"\ufffd", "\x00"} & {*text[i:i + n]}]
+    stop = pieces[len(pieces) // 4]
+    at = text.index(stop)
+    count = next(n for n in range(41) if stop in decode(full.tokens[:n]))
+
+    def run(**stops):
+        got = engine.generate(prompt, 40, **stops)
+        return got.text, got.tokens, got.stats["stop_reason"], got.stats["generated"]
+
+    assert run(stop=[stop, "\x00never"]) == (text[:at], full.tokens[:count], stop, count)
+    assert run(stop=stop, include_stop_str_in_output=True)[:3] == (text[:at + len(stop)], full.tokens[:count], stop)
+    token = full.tokens[7]
+    kept = full.tokens[:full.tokens.index(token) + 1]
+    assert run(stop_token_ids=[token], stop=decode(kept)) == (decode(kept), kept, token, len(kept))  # ids first
+    code, out, err = cli("generate", "--model", tiny, "--prompt-ids", "5,6,7,8", "--max-tokens", 40, "--stop", stop,
+                         "--stop", "never met here", *BASE)
+    newlines = {ord("\r"): "\n"}  # as the subprocess's text mode reads them
+    assert code == 0 and out == text[:at].replace("\r\n", "\n").translate(newlines) + "\n", (out, err)
+    assert f"generated {count} tokens" in err
+    code, out, err = cli("generate", "--model", tiny, "--prompt-ids", "5,6,7,8", "--max-tokens", 40, "--stop", stop,
+                         "--json", *BASE)
+    result = json.loads(out)
+    assert (result["text"], result["tokens"], result["stats"]["stop_reason"]) == (text[:at], full.tokens[:count], stop)
+    for bad, field in (([stop, 3], "'stop' must be a string or a list of strings (got a list holding an int)"),
+                       ("", "'stop' must not hold an empty string"), (None, "'stop_token_ids' must be a list")):
+        with pytest.raises(BlockspecError, match=re.escape(field)):
+            engine.generate(prompt, 4, stop=bad, stop_token_ids=[-1] if bad is None else None)
 
 
 def test_demo_runs(monkeypatch, capsys):
@@ -145,12 +188,15 @@ def test_bad_request_one_line_error(tiny, args, message):
     assert message in err, err
 
 
-def test_bad_prompt_ids_and_a_closed_stdin_are_refused_before_the_load(tmp_path, capsys, monkeypatch):
+def test_bad_prompt_ids_stops_and_a_closed_stdin_are_refused_before_the_load(tmp_path, capsys, monkeypatch):
     """A model folder that does not exist: the refusal names the bad input, not the model, so it came first."""
     missing = str(tmp_path / "no-model")
     assert main(["generate", "--model", missing, "--prompt-ids", "1,x", *BASE]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "comma-separated token ids" in err, err
+    assert main(["generate", "--model", missing, "--prompt", "hi", "--stop", "", *BASE]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--stop must not hold an empty string" in err, err
     monkeypatch.setattr("sys.stdin", None)  # started with standard input closed (`<&-`)
     assert main(["chat", "--model", missing, *BASE]) == 2
     err = capsys.readouterr().err

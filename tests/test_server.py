@@ -443,7 +443,7 @@ class FakeEngine:
         self.config = SimpleNamespace(model="fake", max_tokens=64)
         self.yielded = 0  # tokens the last stream gave before it was closed
 
-    def stream(self, prompt_ids, max_tokens, stop_at_eos=True, snapshot_at=None, stop=None):
+    def stream(self, prompt_ids, max_tokens, stop_at_eos=True, snapshot_at=None, cancelled=None):
         if self.reply is None:
             raise RuntimeError("CUDA error at /secret/path/kernel.cu:12")
         self.last_prompt = prompt_ids

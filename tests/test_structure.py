@@ -112,7 +112,8 @@ def test_bench_scripts_import_what_exists():
 
 def files_of_one_cycle(engine, prompt: list[int], tokens: int) -> dict[str, set[str]]:
     """The package's files (relative to it) whose functions run in one decode cycle, each with their names: from the
-    proposer's third proposal to its fourth, the steady state past prefill and the first cycles."""
+    proposer's third proposal to its fourth, the steady state past prefill and the first cycles, of Engine.stream
+    (the tokens alone: generate's text and stops, models/text.py, are the caller's)."""
     entry = "propose_tree" if engine.proposer.tree_budget else "propose"
     proposer_file = sys.modules[type(engine.proposer).__module__].__file__
     seen: dict[str, set[str]] = {}
@@ -129,7 +130,8 @@ def files_of_one_cycle(engine, prompt: list[int], tokens: int) -> dict[str, set[
 
     sys.setprofile(trace)
     try:
-        engine.generate(prompt, tokens, stop_at_eos=False)
+        for _ in engine.stream(prompt, tokens, stop_at_eos=False):
+            pass
     finally:
         sys.setprofile(None)
     assert proposals > 3, proposals  # the cycle traced ended

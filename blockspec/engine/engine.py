@@ -14,6 +14,7 @@ from ..errors import BlockspecError
 from ..kernels import use
 from ..models.checkpoint import generation_defaults
 from ..models.qwen3_5 import TargetModel
+from ..models.text import ReplyText, Stops
 from .decode import DecodeStats, Proposer, decode
 from .load import load
 
@@ -90,10 +91,10 @@ class Engine:
     def stream(self, prompt_ids: list[int], max_tokens: int, stop_at_eos: bool = True, *,
                temperature: float | None = None, top_k: int | None = None, top_p: float | None = None,
                min_p: float | None = None, seed: int | None = None, snapshot_at: int | None = None,
-               stop: Callable[[], bool] | None = None):
+               cancelled: Callable[[], bool] | None = None):
         """Yield tokens one by one; closing the generator stops the work. Stats land in last_stats.
-        `stop` is asked between prefill chunks: True ends the stream there, without a token (a server's client that
-        left during a long prefill).
+        `cancelled` is asked between prefill chunks: True ends the stream there, without a token (a server's client
+        that left during a long prefill).
         The sampling arguments override the config's for this request (None: the config's).
         With prefix reuse, `snapshot_at` adds a snapshot at that prompt position, where a later prompt is expected
         to part from this one (a chat: the end of the conversation before the generation prompt, which the next
@@ -106,7 +107,7 @@ class Engine:
         # parameters never require grad, so no autograd graph is built; the kernel settings are this engine's only
         # while it works (between yields the caller may run another engine)
         steps = decode(self.target, self.proposer, [int(t) for t in prompt_ids], max_tokens, eos,
-                       self.config.prefill_chunk_size, stats, self.sampler, self.prefix, snapshot_at, stop)
+                       self.config.prefill_chunk_size, stats, self.sampler, self.prefix, snapshot_at, cancelled)
         try:
             while True:
                 with use(self.kernels):
@@ -135,9 +136,23 @@ class Engine:
 
     def generate(self, prompt_ids: list[int], max_tokens: int, stop_at_eos: bool = True, *,
                  temperature: float | None = None, top_k: int | None = None, top_p: float | None = None,
-                 min_p: float | None = None, seed: int | None = None,
-                 snapshot_at: int | None = None) -> GenerationResult:
-        """All of stream's tokens at once, with their text and stats."""
-        tokens = list(self.stream(prompt_ids, max_tokens, stop_at_eos, temperature=temperature,
-                                  top_k=top_k, top_p=top_p, min_p=min_p, seed=seed, snapshot_at=snapshot_at))
-        return GenerationResult(tokens, self.tokenizer.decode(tokens), dict(self.last_stats))
+                 min_p: float | None = None, seed: int | None = None, snapshot_at: int | None = None,
+                 stop: str | list[str] | None = None, stop_token_ids: list[int] | None = None,
+                 include_stop_str_in_output: bool = False) -> GenerationResult:
+        """All of stream's tokens at once, with their text and stats. As vLLM's, `stop` strings and
+        `stop_token_ids` end the reply at the token that completes the first of them, and the text ends before
+        the stop string (after it with include_stop_str_in_output); stats' `stop_reason` is the string or id
+        (None: no stop ended it)."""
+        stops = Stops.build(stop, stop_token_ids, include_stop_str_in_output, self.vocab_size)
+        reply, pieces = ReplyText(self.tokenizer, stops), []
+        steps = self.stream(prompt_ids, max_tokens, stop_at_eos, temperature=temperature, top_k=top_k, top_p=top_p,
+                            min_p=min_p, seed=seed, snapshot_at=snapshot_at)
+        try:
+            for token in steps:
+                pieces.append(reply.push([token]))
+                if reply.stop_reason is not None:
+                    break
+        finally:
+            steps.close()  # after a stop: the engine stops at its next token
+        pieces.append(reply.finish())
+        return GenerationResult(reply.tokens, "".join(pieces), {**self.last_stats, "stop_reason": reply.stop_reason})

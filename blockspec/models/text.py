@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..errors import BlockspecError
+
 REPLACEMENT = "\ufffd"
 # U+FFFD that the next tokens may still turn into a character: a character's incomplete bytes are at most 3, which a
 # decoder replaces by one U+FFFD (byte-level BPE) or one per byte (byte-fallback tokens)
@@ -45,6 +47,19 @@ class IncrementalText:
         return self._piece(force=True) if self.shown < len(self.tokens) else ""
 
 
+MAX_STOPS = 64         # stop strings, and stop token ids, a reply may have
+MAX_STOP_CHARS = 1024  # characters of a stop string (as many are held back when streaming)
+
+
+class StopsError(BlockspecError):
+    """Stops refused: the message names the setting, `field` is its name (OpenAI's `stop`, vLLM's
+    `stop_token_ids`)."""
+
+    def __init__(self, message: str, field: str):
+        super().__init__(message)
+        self.field = field
+
+
 @dataclass(frozen=True)
 class Stops:
     """What ends a reply besides EOS and max_tokens: OpenAI's `stop` strings, vLLM's `stop_token_ids` and
@@ -53,6 +68,38 @@ class Stops:
     strings: tuple[str, ...] = ()
     token_ids: frozenset[int] = frozenset()
     include_string: bool = False  # the stop string that ended the reply is part of its text
+
+    @classmethod
+    def build(cls, stop, token_ids, include_string: bool, vocab_size: int, type_name=None):
+        """Stops from a request's values, as OpenAI and vLLM take them (`stop`: None, a string or a list of strings;
+        `stop_token_ids`: None or a list of ids), or StopsError naming what is wrong (type_name(value) says what a
+        value of the wrong type is: by default its Python type, 'a list')."""
+        type_name = type_name or _python_type
+        if stop is None or isinstance(stop, str):
+            strings = [] if stop is None else [stop]
+        elif isinstance(stop, list) and all(isinstance(s, str) for s in stop):
+            strings = stop
+        else:
+            got = type_name(stop) if not isinstance(stop, list) else \
+                f"{type_name([])} holding {next(type_name(s) for s in stop if not isinstance(s, str))}"
+            raise StopsError(f"'stop' must be a string or {type_name([])} of strings (got {got})", "stop")
+        if "" in strings:
+            raise StopsError("'stop' must not hold an empty string", "stop")
+        if len(strings) > MAX_STOPS or any(len(s) > MAX_STOP_CHARS for s in strings):
+            raise StopsError(f"'stop' may hold at most {MAX_STOPS} strings of at most {MAX_STOP_CHARS} characters "
+                             "each", "stop")
+        ids = [] if token_ids is None else token_ids
+        if not isinstance(ids, list) or not all(type(i) is int and 0 <= i < vocab_size for i in ids):
+            raise StopsError(f"'stop_token_ids' must be {type_name([])} of token ids, integers in "
+                             f"0..{vocab_size - 1}", "stop_token_ids")
+        if len(ids) > MAX_STOPS:
+            raise StopsError(f"'stop_token_ids' may hold at most {MAX_STOPS} ids", "stop_token_ids")
+        return cls(tuple(dict.fromkeys(strings)), frozenset(ids), include_string)
+
+
+def _python_type(value) -> str:
+    name = type(value).__name__
+    return f"{'an' if name[0] in 'aeiou' else 'a'} {name}"
 
 
 class ReplyText:

@@ -12,7 +12,7 @@ from fastapi.responses import JSONResponse
 from ..config import MAX_TEMPERATURE, MIN_TEMPERATURE, SamplingSettings
 from ..errors import BlockspecError
 from ..models.tokenizer import TooManyTokens
-from ..models.text import Stops
+from ..models.text import Stops, StopsError
 
 CHAT_ROLES = {"system", "user", "assistant", "tool", "developer"}
 RANGES = {"temperature": f"must be a finite number in [0, {MAX_TEMPERATURE:g}] (0, or below {MIN_TEMPERATURE:g}: "
@@ -49,8 +49,6 @@ ENDPOINT_PATHS = {"chat": "/v1/chat/completions", "completion": "/v1/completions
 # OpenAI's fields about the request, not its output: their types checked, their values not used
 ABOUT_THE_REQUEST = {"user": (str, "a string"), "metadata": (dict, "an object"), "store": (bool, "a boolean"),
                      "service_tier": (str, "a string")}
-MAX_STOPS = 64                               # stop strings, and stop token ids, a request may give
-MAX_STOP_CHARS = 1024                        # characters of a stop string (as many are held back when streaming)
 MAX_DEPTH = 32                               # arrays and objects inside one another in a request body
 SCAN_PIECE = 1 << 16                         # bytes json_values scans at a time, the GIL free between pieces
 LONE_SURROGATE = re.compile("[\ud800-\udfff]")  # what a JSON \ud800 escape without its pair decodes to
@@ -379,30 +377,12 @@ class RequestParser:
 
     def stops(self, body: dict) -> Stops:
         """OpenAI's `stop` (a string or an array of them), vLLM's `stop_token_ids` and `include_stop_str_in_output`."""
-        stop = body.get("stop")
-        if stop is None or isinstance(stop, str):
-            strings = [] if stop is None else [stop]
-        elif isinstance(stop, list) and all(isinstance(s, str) for s in stop):
-            strings = stop
-        else:
-            got = _json_type(stop) if not isinstance(stop, list) else \
-                f"an array holding {next(_json_type(s) for s in stop if not isinstance(s, str))}"
-            raise bad(f"'stop' must be a string or an array of strings (got {got})", "stop")
-        if "" in strings:
-            raise bad("'stop' must not hold an empty string", "stop")
-        if len(strings) > MAX_STOPS or any(len(s) > MAX_STOP_CHARS for s in strings):
-            raise bad(f"'stop' may hold at most {MAX_STOPS} strings of at most {MAX_STOP_CHARS} characters each",
-                      "stop")
-        ids = body.get("stop_token_ids")
-        if ids is None:
-            ids = []
-        vocab = self.engine.vocab_size
-        if not isinstance(ids, list) or not all(type(i) is int and 0 <= i < vocab for i in ids):
-            raise bad(f"'stop_token_ids' must be an array of token ids, integers in 0..{vocab - 1}", "stop_token_ids")
-        if len(ids) > MAX_STOPS:
-            raise bad(f"'stop_token_ids' may hold at most {MAX_STOPS} ids", "stop_token_ids")
-        return Stops(tuple(dict.fromkeys(strings)), frozenset(ids),
-                     get_bool(body, "include_stop_str_in_output", False))
+        include = get_bool(body, "include_stop_str_in_output", False)
+        try:
+            return Stops.build(body.get("stop"), body.get("stop_token_ids"), include, self.engine.vocab_size,
+                               _json_type)
+        except StopsError as e:
+            raise bad(str(e), e.field) from None
 
     def chat_messages(self, body: dict) -> list[dict]:
         messages = body.get("messages")

@@ -148,7 +148,7 @@ class Worker:
             self.engine.forget_prefix()
             self.cache_salt = job.cache_salt
         tokens = self.engine.stream(job.prompt_ids, job.max_tokens, job.stop_at_eos, **job.sampling,
-                                    snapshot_at=job.snapshot_at, stop=job.cancelled.is_set)
+                                    snapshot_at=job.snapshot_at, cancelled=job.cancelled.is_set)
         try:
             for token in tokens:
                 job.emit("token", token)
