@@ -75,6 +75,16 @@ def configs(change, where):
     return patched(wq, default_config=wrapped)
 
 
+def rows_as(rows, where):
+    """default_config's config for `rows` rows where where(m, n, k, bits) holds (a launch of fewer rows in a taller
+    x tile)."""
+    table = wq.default_config
+
+    def wrapped(m, n, k, bits=4, group_size=128):
+        return table(rows if where(m, n, k, bits) else m, n, k, bits, group_size)
+    return patched(wq, default_config=wrapped)
+
+
 def narrow(m, n, k, bits):
     return m <= 8 and n < 64 * 132
 
@@ -131,6 +141,8 @@ VARIANTS = {
     "warp-specialized at 9..16 rows": lambda s: configs({"warp_specialized": 2, "block_m": 16}, int4_layers_16),
     "warp-specialized lean at 9..16 rows": lambda s: together(
         configs({"warp_specialized": 2, "block_m": 16}, int4_layers_16), footprint({16: LEAN_16})),
+    # or the 17..32-row configs (the warp-specialized kernel's 32-row x blocks on most layer projections)
+    "17..32-row configs at 9..16 rows": lambda s: rows_as(32, int4_layers_16),
     "PDL level 0": lambda s: use(replace(s, pdl_level=0)),
     "PDL level 1": lambda s: use(replace(s, pdl_level=1)),
     "PDL level 2": lambda s: use(replace(s, pdl_level=2)),
