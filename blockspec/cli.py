@@ -94,12 +94,16 @@ def note_unused_sampling(config):
 
 def stop_strings(strings: list[str] | None):
     """generate's --stop strings as Stops (models/text.py), or the one-line error naming the flag."""
-    from .models.text import Stops, StopsError
+    from .models.text import MAX_STOP_CHARS, MAX_STOPS, Stops
 
-    try:
-        return Stops.build(strings, None, False, vocab_size=0)
-    except StopsError as e:
-        raise BlockspecError(str(e).replace("'stop'", "--stop")) from None
+    strings = strings or []
+    if "" in strings:
+        raise BlockspecError("--stop must not be empty")
+    if len(strings) > MAX_STOPS:
+        raise BlockspecError(f"--stop may be given at most {MAX_STOPS} times (got {len(strings)})")
+    if any(len(s) > MAX_STOP_CHARS for s in strings):
+        raise BlockspecError(f"--stop takes at most {MAX_STOP_CHARS} characters")
+    return Stops.build(strings, None, False, vocab_size=0)
 
 
 def cmd_generate(args):

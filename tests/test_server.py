@@ -532,8 +532,9 @@ def test_stop_strings_and_stop_tokens_end_the_reply(tiny):
          tokens_until("urn y")),
         ({"stop": ["zz", "g(", "(x)"]}, "def ö", "(x)", tokens_until("(x)")),  # the earliest in the text
         ({"stop": ["y * 2\n" * 2]}, reply, None, len(ids) + 1),  # never met: EOS ends the reply
-        ({"stop_token_ids": [ids[5]]}, tok.decode(ids[:6]), ids[5], 6),
-        ({"stop_token_ids": [ids[5]], "stop": tok.decode(ids[:6])}, tok.decode(ids[:6]), ids[5], 6),  # ids first
+        ({"stop_token_ids": [ids[5]]}, tok.decode(ids[:5]), ids[5], 6),  # without the stop token's text, as vLLM
+        ({"stop_token_ids": [ids[5]], "include_stop_str_in_output": True}, tok.decode(ids[:6]), ids[5], 6),
+        ({"stop_token_ids": [ids[5]], "stop": tok.decode(ids[:6])}, tok.decode(ids[:5]), ids[5], 6),  # ids first
         ({"stop": ["return x\n\n\ndef", "x\n"]}, reply[:reply.index("x\n")], "x\n", tokens_until("x\n")),
         # the first completed ends the reply, not the one that starts first
     ]
@@ -581,6 +582,22 @@ def test_reply_text_never_gives_out_a_stop_string(tiny):
             given += text.finish()
             assert given == reply[:end], (strings, include, given)
             assert text.stop_reason == (min(found)[1] if found else None)
+
+
+def test_stop_strings_one_token_completes_end_the_reply_in_the_order_given(tiny):
+    """Of the stop strings the same token completes, the first in the request's list ends the reply, as vLLM checks
+    them: "lo" and "llo" end at the same character, whatever the tokens."""
+    from blockspec.models.tokenizer import Tokenizer
+    from blockspec.models.text import ReplyText, Stops
+
+    tok = Tokenizer(tiny, [])
+    ids = tok.encode("hello world")
+    for strings, include, text in [(("lo", "llo"), False, "hel"), (("llo", "lo"), False, "he"),
+                                   (("lo", "llo"), True, "hello"), (("zz", "llo", "lo"), True, "hello")]:
+        for step in (1, len(ids)):
+            reply = ReplyText(tok, Stops(strings, frozenset(), include))
+            given = "".join(reply.push(ids[i:i + step]) for i in range(0, len(ids), step)) + reply.finish()
+            assert (given, reply.stop_reason) == (text, [s for s in strings if s in "hello"][0]), (strings, step)
 
 
 def test_streamed_text_gives_out_all_but_a_possible_partial_character(tiny):

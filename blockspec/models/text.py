@@ -67,7 +67,7 @@ class Stops:
 
     strings: tuple[str, ...] = ()
     token_ids: frozenset[int] = frozenset()
-    include_string: bool = False  # the stop string that ended the reply is part of its text
+    include_string: bool = False  # the stop string (or stop token's text) that ended the reply is part of it
 
     @classmethod
     def build(cls, stop, token_ids, include_string: bool, vocab_size: int, type_name=None):
@@ -94,6 +94,9 @@ class Stops:
                              f"0..{vocab_size - 1}", "stop_token_ids")
         if len(ids) > MAX_STOPS:
             raise StopsError(f"'stop_token_ids' may hold at most {MAX_STOPS} ids", "stop_token_ids")
+        if not isinstance(include_string, bool):
+            raise StopsError(f"'include_stop_str_in_output' must be a boolean (got {type_name(include_string)})",
+                             "include_stop_str_in_output")
         return cls(tuple(dict.fromkeys(strings)), frozenset(ids), include_string)
 
 
@@ -106,9 +109,10 @@ class ReplyText:
     """A reply's text given out piece by piece (IncrementalText), ended by the first stop (Stops): a stop string is
     matched in the text as it grows, across tokens (the first one completed ends the reply, as in vLLM), and neither
     it (unless include_string) nor anything after it is given out; text that may still become the start of a stop
-    string is held back until it cannot. A stop token ends the reply after its own text, whatever stop string it
-    completes. `tokens` holds the tokens up to the stop, `stop_reason` the string or token id that ended it (None:
-    none did)."""
+    string is held back until it cannot; of the stop strings one token completes, the first in the list (vLLM's
+    order). A stop token ends the reply before its own text (after it with include_string, as in vLLM), whatever
+    stop string it completes. `tokens` holds the tokens up to the stop, the stop token included, `stop_reason` the
+    string or token id that ended it (None: none did)."""
 
     def __init__(self, tokenizer, stops: Stops = Stops()):
         self.text = IncrementalText(tokenizer)
@@ -116,10 +120,11 @@ class ReplyText:
         self.hold = max(map(len, stops.strings), default=1) - 1  # characters that may begin a stop string
         self.pending = ""  # text not given out yet: a match starts in it (the text before it holds none)
         self.stop_reason: str | int | None = None
+        self.unshown: list[int] = []  # the stop token, when its text is left out
 
     @property
     def tokens(self) -> list[int]:
-        return self.text.tokens
+        return self.text.tokens + self.unshown
 
     def push(self, tokens: list[int]) -> str:
         """The text that may be given out once `tokens` follow (none after a stop; tokens past it are dropped)."""
@@ -129,13 +134,17 @@ class ReplyText:
         for token in tokens:  # one at a time: a stop ends the reply at the token that completes it
             if self.stop_reason is not None:
                 break
-            searched = len(self.pending)
-            self.pending += self.text.push([token])
             if token in self.stops.token_ids:  # before the stop strings, as vLLM checks them
                 self.stop_reason = token
+                if self.stops.include_string:
+                    self.pending += self.text.push([token])
+                else:
+                    self.unshown = [token]
                 self.pending += self.text.finish()
                 piece += self._give(len(self.pending))
             else:
+                searched = len(self.pending)
+                self.pending += self.text.push([token])
                 piece += self._scan(searched)
         return piece
 
@@ -150,12 +159,13 @@ class ReplyText:
 
     def _scan(self, searched: int) -> str:
         """After the pending text grew past `searched` characters: the piece to give out, ending the reply at the
-        earliest stop string found (one that began before `searched` included)."""
-        found = [(at, -len(s), s) for s in self.stops.strings
-                 if (at := self.pending.find(s, max(0, searched - len(s) + 1))) >= 0]
-        if not found:
+        first stop string of the list that ends in the new text (it may begin before `searched`), where it first
+        does."""
+        found = next(((at, s) for s in self.stops.strings
+                      if (at := self.pending.find(s, max(0, searched - len(s) + 1))) >= 0), None)
+        if found is None:
             return self._give(len(self.pending) - self.hold)
-        at, _, string = min(found)  # the earliest; of two starting there, the longer
+        at, string = found
         self.stop_reason = string
         return self._give(at + len(string) if self.stops.include_string else at)
 
