@@ -103,7 +103,7 @@ def stop_strings(strings: list[str] | None):
         raise BlockspecError(f"--stop may be given at most {MAX_STOPS} times (got {len(strings)})")
     if any(len(s) > MAX_STOP_CHARS for s in strings):
         raise BlockspecError(f"--stop takes at most {MAX_STOP_CHARS} characters")
-    return Stops.build(strings, None, False, vocab_size=0)
+    return Stops(tuple(dict.fromkeys(strings)))
 
 
 def cmd_generate(args):
