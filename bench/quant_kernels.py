@@ -20,7 +20,8 @@ every int4 shape at M = 1, 8 and 16 and the int8 shapes at M = 1 and 8 (SWEEP_VA
 deeper pipelines with fewer splits, DEEP_VARIANTS; SWEEP_SET=tree: the int4 shapes at a draft tree's 17, 32 and 33
 rows, TREE_VARIANTS; SWEEP_SET=16: the int4 shapes at 16 rows only, SWEEP_VARIANTS' and wider, deeper and balanced
 tiles, ROWS16_VARIANTS; SWEEP_SET=ws: the int4 shapes at 17 and 32 rows, the default (on Hopper the warp-specialized
-kernel) against the Triton kernel, WS_VARIANTS; SWEEP_SHAPES=o,down,...: those int4 shapes only); each config
+kernel) against the Triton kernel, WS_VARIANTS; SWEEP_SET=int8: the int8 shapes alone; SWEEP_SHAPES=o,down,...:
+those int4 shapes only); each config
 checked on 256 rows and once more after the timed graph replays (replayed output == an eager launch, bitwise).
 `default_config` holds the winners of this sweep. Writes $OUT/quant_sweep.json.
 """
@@ -53,7 +54,7 @@ SHAPES = [("gate_up", 34816, 5120), ("gdn_in", 16480, 5120), ("attn_qkv", 14336,
 INT8_SHAPES = [("d_qkv", 6144, 5120, 32), ("d_gate_up", 34816, 5120, 32), ("d_down", 5120, 17408, 32),
                ("vocab", 248320, 5120, 128)]
 if DRY:
-    SHAPES, INT8_SHAPES, MS = [("tiny", 100, 1100)], [("tiny", 70, 300, 32)], [1, 16]  # both block_m
+    SHAPES, INT8_SHAPES, MS = [("tiny", 100, 1100)], [("tiny", 70, 512, 32)], [1, 16]  # both block_m
 DEV = torch.device("cpu" if DRY else "cuda")
 MAX_COPIES = 2 if DRY else 64
 
@@ -180,7 +181,8 @@ SWEEP_VARIANTS = {  # label: changes to the default config; by activation rows (
          "n256 s3 w8": dict(block_n=256, stages=3, warps=8),
          "n64 s3 wv2 bal": dict(block_n=64, stages=3, waves=2, balance=True),
          "n64 s3 wv2 bal d8": dict(block_n=64, stages=3, waves=2, balance=True, dot_rows=8),  # two 8-row dots
-         "n64 s2 wv2 bal d8": dict(block_n=64, stages=2, waves=2, balance=True, dot_rows=8)},
+         "n64 s2 wv2 bal d8": dict(block_n=64, stages=2, waves=2, balance=True, dot_rows=8),
+         "ahead": dict(lookahead=True)},  # the next step's codes loaded ahead
 }
 # SWEEP_SET=deep: deeper pipelines with fewer K splits, so that a mid-size projection's programs all fit at once
 DEEP_VARIANTS = {8: {f"n64 s{s} wv{w}": dict(block_n=64, stages=s, waves=w) for w in (0, 1, 2) for s in (3, 4, 6)},
@@ -208,7 +210,14 @@ ROWS16_VARIANTS = {**SWEEP_VARIANTS[16], **{
                              (128, 3, 8, 2, True, 0), (128, 3, 4, 2, True, 8), (128, 3, 8, 2, True, 8),
                              (128, 4, 8, 1, False, 0), (256, 2, 8, 2, True, 0)]}}
 INT8_SWEEP = {"s4": dict(stages=4), "s3": dict(stages=3), "n64 s4": dict(block_n=64, stages=4),
-              "n64 s3": dict(block_n=64, stages=3)}
+              "n64 s3": dict(block_n=64, stages=3),
+              # 2 or 4 K blocks a step (blocks_per_step): group 32's blocks are 64 inputs, 4 KB of codes a 64-row tile
+              "k2": dict(blocks_per_step=2), "k4": dict(blocks_per_step=4), "k4 s2": dict(blocks_per_step=4, stages=2),
+              "k4 s4": dict(blocks_per_step=4, stages=4), "k4 n64 s2": dict(block_n=64, blocks_per_step=4, stages=2),
+              "k4 n128 s2": dict(block_n=128, blocks_per_step=4, stages=2),
+              # the next step's codes loaded ahead (lookahead), alone and with wider steps
+              "ahead": dict(lookahead=True), "k2 ahead": dict(blocks_per_step=2, lookahead=True),
+              "k4 ahead": dict(blocks_per_step=4, lookahead=True)}
 
 
 def changed(cfg: wq.KernelConfig, changes: dict) -> wq.KernelConfig:
@@ -222,12 +231,13 @@ def sweep() -> None:
     records = []
     chosen = os.environ.get("SWEEP_SET")
     deep, tree, rows16, ws = chosen == "deep", chosen == "tree", chosen == "16", chosen == "ws"
+    int8_only = chosen == "int8"
     only = os.environ.get("SWEEP_SHAPES", "").split(",") if os.environ.get("SWEEP_SHAPES") else None
     tree_rows = [17, 32] if ws else TREE_ROWS
     all_rows = tree_rows if tree or ws else [16] if rows16 else [1, 8, 16]
     tables = {0: TREE_VARIANTS} if tree else {0: WS_VARIANTS} if ws else {16: ROWS16_VARIANTS} if rows16 else \
         DEEP_VARIANTS if deep else SWEEP_VARIANTS
-    for sname, n, k in [s for s in SHAPES if only is None or s[0] in only]:
+    for sname, n, k in [s for s in SHAPES if (only is None or s[0] in only) and not int8_only]:
         variants = [("default", lambda m: wq.default_config(m, n, k), all_rows)]
         for bm, table in tables.items():
             variants += [(label, lambda m, v=v: changed(wq.default_config(m, n, k), v),
@@ -242,7 +252,7 @@ def sweep() -> None:
         torch.cuda.empty_cache() if not DRY else None
     print("\nbest per shape and M (us, % of 3990 GB/s; default):")
     for sname in dict.fromkeys(r["shape"] + f" int{r['bits']}" for r in records):
-        for m in all_rows:
+        for m in [1, 8] if int8_only else all_rows:
             rs = [r for r in records if f"{r['shape']} int{r['bits']}" == sname and r["m"] == m and "us" in r]
             if rs:
                 best, default = min(rs, key=lambda r: r["us"]), [r for r in rs if r["variant"] == "default"]

@@ -18,6 +18,8 @@ CASES = [  # rows, part sizes (packed along the outputs), K, config
     (5, [128, 70, 4, 4], 256, KernelConfig(32, 8, 4, 2, 8, False)),
     (16, [50], 520, KernelConfig(16, 16, 4, 2, 8, False)),
     (2, [144], 2048, KernelConfig(16, 8, 4, 2, 1, False, True)),  # 4 SMs (patched): 8 whole tiles, 1 split
+    (3, [96, 40], 1024, KernelConfig(16, 8, 4, 2, 0, False, lookahead=True)),  # the next block's codes ahead
+    (4, [72], 2048, KernelConfig(32, 8, 4, 2, 2, False, blocks_per_step=2, lookahead=True)),  # 2 steps a program
 ]
 
 
@@ -53,7 +55,7 @@ def test_fp8_projections_in_the_q16_kernel_match_the_reference_in_interpreter():
     for r in results:
         assert r["err"] < 1e-4 and r["row_independent"], r
     assert max(r["split"] for r in results) > 1 and min(r["split"] for r in results) == 1  # both paths exercised
-    assert results[-1]["whole"] == 8 and results[-1]["split"] == 2  # whole tiles and split ones in one launch
+    assert results[3]["whole"] == 8 and results[3]["split"] == 2  # whole tiles and split ones in one launch
 
 
 def test_fp8_quantize_and_packing_on_the_reference_path():

@@ -5,8 +5,10 @@ functions are the CPU path and the tests' oracle.
 Kernel (tensor cores, exact numerics)
 -------------------------------------
   Program (pid_n, pid_k): BN output rows, a range of blocks (split-K when N alone does not fill the GPU, or for the
-  tiles of a short last round over the SMs: `schedule`). Each step loads one [BN, G] int16 tile (Triton's pipeliner:
-  cp.async into shared memory, num_stages deep) and the block's scales (prefetched one block ahead by hand), then per
+  tiles of a short last round over the SMs: `schedule`). Each step loads one [BN, G] int16 tile and the block's
+  scales (prefetched one block ahead by hand); Triton 3.6 does not software-pipeline this loop on sm_90 (its PTX is
+  the same whatever num_stages), so a config may load the next step's codes ahead as well (`lookahead`), and load 2
+  or 4 blocks a step as one tile (`blocks_per_step`: group 32's blocks are 64 inputs). Then per block and
   group i: A = (u_i - z) in x's dtype, exact;
   part[BN, BM] = A @ x_i^T (one MMA chain, fp32), acc += part * s_i (fp32). M <= 8 uses BM = 8, which Triton
   compiles to mma.sync, more rows BM = 16, 32 or 64 (the next power of two), which it compiles to Hopper's wgmma,
@@ -129,6 +131,46 @@ if triton is not None:
         return acc, acc_hi
 
     @triton.jit
+    def _block(acc, acc_hi, h, s, b, x_cols, z_ptr, z_off, n_ok, m_ok, m_hi, stride_hi, N, K, BITS: tl.constexpr,
+               G: tl.constexpr, BN: tl.constexpr, MB: tl.constexpr, HAS_ZP: tl.constexpr, EVEN_K: tl.constexpr,
+               USE_ASM: tl.constexpr, F32DOT: tl.constexpr, U0: tl.constexpr, U1: tl.constexpr, U2: tl.constexpr,
+               U3: tl.constexpr, E4M3: tl.constexpr, HALVES: tl.constexpr):
+        """Block b's C groups in order (`_group`): h [BN, G] its int16 codes, s [BN, C] its scales."""
+        C: tl.constexpr = 16 // BITS
+        ZB: tl.constexpr = 1 << (BITS - 1)
+        s0, s1, s2, s3 = _cols(s, BN, C)
+        if HAS_ZP:
+            zc = tl.load(z_ptr + b * N * C + z_off, mask=n_ok[:, None], other=ZB).to(tl.float32) - ZB
+            z0, z1, z2, z3 = _cols(zc, BN, C)
+        else:
+            z0, z1, z2, z3 = s0, s1, s2, s3  # unused
+        xb = x_cols + b * (C * G)
+        if EVEN_K:
+            x0m, x1m, x2m, x3m = m_ok, m_ok, m_ok, m_ok
+            x0h, x1h, x2h, x3h = m_hi, m_hi, m_hi, m_hi
+        else:
+            kk = b * (C * G) + tl.arange(0, G)
+            k0, k1, k2, k3 = (kk < K)[:, None], (kk + G < K)[:, None], (kk + 2 * G < K)[:, None], \
+                (kk + 3 * G < K)[:, None]
+            x0m, x1m, x2m, x3m = m_ok & k0, m_ok & k1, m_ok & k2, m_ok & k3
+            x0h, x1h, x2h, x3h = m_hi & k0, m_hi & k1, m_hi & k2, m_hi & k3
+        acc, acc_hi = _group(acc, acc_hi, h, xb, x0m, x0h, stride_hi, s0, z0, 0, BITS, U0, BN, MB, HAS_ZP,
+                             USE_ASM, F32DOT, E4M3, HALVES)
+        acc, acc_hi = _group(acc, acc_hi, h, xb + G, x1m, x1h, stride_hi, s1, z1, 1, BITS, U1, BN, MB, HAS_ZP,
+                             USE_ASM, F32DOT, E4M3, HALVES)
+        if C == 4:
+            acc, acc_hi = _group(acc, acc_hi, h, xb + 2 * G, x2m, x2h, stride_hi, s2, z2, 2, BITS, U2, BN, MB,
+                                 HAS_ZP, USE_ASM, F32DOT, E4M3, HALVES)
+            acc, acc_hi = _group(acc, acc_hi, h, xb + 3 * G, x3m, x3h, stride_hi, s3, z3, 3, BITS, U3, BN, MB,
+                                 HAS_ZP, USE_ASM, F32DOT, E4M3, HALVES)
+        return acc, acc_hi
+
+    @triton.jit
+    def _halves(v, BN: tl.constexpr, W: tl.constexpr):
+        """[BN, W] -> its first and last W / 2 columns."""
+        return tl.split(tl.permute(tl.reshape(v, [BN, 2, W // 2]), [0, 2, 1]))
+
+    @triton.jit
     def _tile(WHOLE, REST, SPLIT, N, BN: tl.constexpr, EPI: tl.constexpr):
         """This program's tile (`schedule`): program pid < WHOLE takes tile pid and every block, the others
         (pid_n, pid_k) of the REST tiles after them take rows [pid_n*BN, +BN) and blocks [pid_k*BPS, +BPS).
@@ -160,18 +202,25 @@ if triton is not None:
                   HAS_ZP: tl.constexpr, EVEN_K: tl.constexpr, USE_ASM: tl.constexpr, F32DOT: tl.constexpr,
                   U0: tl.constexpr, U1: tl.constexpr, U2: tl.constexpr, U3: tl.constexpr, PREFETCH: tl.constexpr,
                   PDL: tl.constexpr, EPI: tl.constexpr, RMS: tl.constexpr, PBLOCK: tl.constexpr,
-                  E4M3: tl.constexpr, HALVES: tl.constexpr):
-        """`_wq_kernel`'s first part, the program's tile over its blocks, one block (C groups) per step: returns
-        (acc [BN, BM] fp32, its partial y^T; sums [PBLOCK, BM], with RMS the input rows' sums of squares from part_ptr,
+                  E4M3: tl.constexpr, HALVES: tl.constexpr, WIDE: tl.constexpr, AHEAD: tl.constexpr):
+        """`_wq_kernel`'s first part, the program's tile over its blocks, WIDE blocks (C groups each) a step, as one
+        [BN, WIDE * G] load of codes and one of their scales (the schedule's ranges are whole steps); with AHEAD the
+        next step's codes are loaded before this step's dots (the first step's before the PDL wait): returns (acc
+        [BN, BM] fp32, its partial y^T; sums [PBLOCK, BM], with RMS the input rows' sums of squares from part_ptr,
         else zeros)."""
         C: tl.constexpr = 16 // BITS
-        ZB: tl.constexpr = 1 << (BITS - 1)
         pid_n, pid_k, whole, tile_split, offs_n, n_ok = _tile(WHOLE, REST, SPLIT, N, BN, EPI)
         MB: tl.constexpr = BM // HALVES  # x rows per dot
         offs_m = tl.arange(0, MB)
         offs_c = tl.arange(0, G)
-        q_rows = q_ptr + offs_n[:, None].to(tl.int64) * KH + offs_c[None, :]
-        sz_off = offs_n[:, None] * C + tl.arange(0, C)[None, :]  # [BN, C]: one block's scales
+        z_off = offs_n[:, None] * C + tl.arange(0, C)[None, :]  # [BN, C]: one block's scales or zero points
+        if WIDE == 1:
+            q_rows = q_ptr + offs_n[:, None].to(tl.int64) * KH + offs_c[None, :]
+            sz_off = z_off
+        else:  # a step's codes [BN, WIDE * G] and scales [BN, WIDE * C] (column j: block j // C's group j % C)
+            q_rows = q_ptr + offs_n[:, None].to(tl.int64) * KH + tl.arange(0, WIDE * G)[None, :]
+            offs_s = tl.arange(0, WIDE * C)
+            sz_off = offs_n[:, None] * C + (offs_s // C * (N * C) + offs_s % C)[None, :]
         x_cols = x_ptr + offs_m[None, :] * stride_xm + offs_c[:, None]  # x^T tile [G, MB]
         m_ok = (offs_m < M)[None, :]
         m_hi = (offs_m + MB < M)[None, :]
@@ -181,6 +230,8 @@ if triton is not None:
         acc = tl.zeros([BN, MB], tl.float32)
         acc_hi = tl.zeros([BN, MB], tl.float32)
         pdl.prefetch_rows(q_ptr, offs_n, KH, b_lo * G, N, KH, PREFETCH * G, 64, PDL)  # int16 codes: 64 per line
+        if AHEAD:  # weights: before the wait for the previous kernel
+            h_next = tl.load(q_rows + b_lo * G, mask=n_ok[:, None], other=0)
         pdl.wait(PDL)
         sums = tl.zeros([PBLOCK, BM], tl.float32)
         if RMS:  # issued before the loop, summed after it: its latency hides behind the weights
@@ -189,35 +240,37 @@ if triton is not None:
             sums = tl.load(part_ptr + p_rows[:, None] * M + all_m[None, :],
                            mask=(p_rows < PARTS)[:, None] & (all_m < M)[None, :], other=0.0)
         s_next = tl.load(s_ptr + b_lo * N * C + sz_off, mask=n_ok[:, None], other=0.0)
-        for b in tl.range(b_lo, b_hi, num_stages=STAGES):
-            s = s_next  # prefetched one block ahead by hand (not in the dot's operand chain: not pipelined)
-            s_next = tl.load(s_ptr + (b + 1) * N * C + sz_off, mask=n_ok[:, None] & (b + 1 < b_hi), other=0.0)
-            s0, s1, s2, s3 = _cols(s, BN, C)
-            if HAS_ZP:
-                zc = tl.load(z_ptr + b * N * C + sz_off, mask=n_ok[:, None], other=ZB).to(tl.float32) - ZB
-                z0, z1, z2, z3 = _cols(zc, BN, C)
+        for b in tl.range(b_lo, b_hi, WIDE, num_stages=STAGES):
+            s = s_next  # prefetched one step ahead by hand (not in the dot's operand chain: not pipelined)
+            s_next = tl.load(s_ptr + (b + WIDE) * N * C + sz_off, mask=n_ok[:, None] & (b + WIDE < b_hi), other=0.0)
+            if AHEAD:
+                h = h_next
+                h_next = tl.load(q_rows + (b + WIDE) * G, mask=n_ok[:, None] & (b + WIDE < b_hi), other=0)
             else:
-                z0, z1, z2, z3 = s0, s1, s2, s3  # unused
-            h = tl.load(q_rows + b * G, mask=n_ok[:, None], other=0)
-            xb = x_cols + b * (C * G)
-            if EVEN_K:
-                x0m, x1m, x2m, x3m = m_ok, m_ok, m_ok, m_ok
-                x0h, x1h, x2h, x3h = m_hi, m_hi, m_hi, m_hi
-            else:
-                kk = b * (C * G) + offs_c
-                k0, k1, k2, k3 = (kk < K)[:, None], (kk + G < K)[:, None], (kk + 2 * G < K)[:, None], \
-                    (kk + 3 * G < K)[:, None]
-                x0m, x1m, x2m, x3m = m_ok & k0, m_ok & k1, m_ok & k2, m_ok & k3
-                x0h, x1h, x2h, x3h = m_hi & k0, m_hi & k1, m_hi & k2, m_hi & k3
-            acc, acc_hi = _group(acc, acc_hi, h, xb, x0m, x0h, stride_hi, s0, z0, 0, BITS, U0, BN, MB, HAS_ZP,
-                                 USE_ASM, F32DOT, E4M3, HALVES)
-            acc, acc_hi = _group(acc, acc_hi, h, xb + G, x1m, x1h, stride_hi, s1, z1, 1, BITS, U1, BN, MB, HAS_ZP,
-                                 USE_ASM, F32DOT, E4M3, HALVES)
-            if C == 4:
-                acc, acc_hi = _group(acc, acc_hi, h, xb + 2 * G, x2m, x2h, stride_hi, s2, z2, 2, BITS, U2, BN, MB,
-                                     HAS_ZP, USE_ASM, F32DOT, E4M3, HALVES)
-                acc, acc_hi = _group(acc, acc_hi, h, xb + 3 * G, x3m, x3h, stride_hi, s3, z3, 3, BITS, U3, BN, MB,
-                                     HAS_ZP, USE_ASM, F32DOT, E4M3, HALVES)
+                h = tl.load(q_rows + b * G, mask=n_ok[:, None], other=0)
+            if WIDE == 1:
+                acc, acc_hi = _block(acc, acc_hi, h, s, b, x_cols, z_ptr, z_off, n_ok, m_ok, m_hi, stride_hi, N, K,
+                                     BITS, G, BN, MB, HAS_ZP, EVEN_K, USE_ASM, F32DOT, U0, U1, U2, U3, E4M3, HALVES)
+            else:  # WIDE 2 or 4: the step's blocks split off its tiles in order
+                h0, h1 = _halves(h, BN, WIDE * G)
+                s0, s1 = _halves(s, BN, WIDE * C)
+                if WIDE == 4:
+                    h2, h3 = _halves(h1, BN, 2 * G)
+                    h0, h1 = _halves(h0, BN, 2 * G)
+                    s2, s3 = _halves(s1, BN, 2 * C)
+                    s0, s1 = _halves(s0, BN, 2 * C)
+                acc, acc_hi = _block(acc, acc_hi, h0, s0, b, x_cols, z_ptr, z_off, n_ok, m_ok, m_hi, stride_hi, N, K,
+                                     BITS, G, BN, MB, HAS_ZP, EVEN_K, USE_ASM, F32DOT, U0, U1, U2, U3, E4M3, HALVES)
+                acc, acc_hi = _block(acc, acc_hi, h1, s1, b + 1, x_cols, z_ptr, z_off, n_ok, m_ok, m_hi, stride_hi,
+                                     N, K, BITS, G, BN, MB, HAS_ZP, EVEN_K, USE_ASM, F32DOT, U0, U1, U2, U3, E4M3,
+                                     HALVES)
+                if WIDE == 4:
+                    acc, acc_hi = _block(acc, acc_hi, h2, s2, b + 2, x_cols, z_ptr, z_off, n_ok, m_ok, m_hi,
+                                         stride_hi, N, K, BITS, G, BN, MB, HAS_ZP, EVEN_K, USE_ASM, F32DOT, U0, U1,
+                                         U2, U3, E4M3, HALVES)
+                    acc, acc_hi = _block(acc, acc_hi, h3, s3, b + 3, x_cols, z_ptr, z_off, n_ok, m_ok, m_hi,
+                                         stride_hi, N, K, BITS, G, BN, MB, HAS_ZP, EVEN_K, USE_ASM, F32DOT, U0, U1,
+                                         U2, U3, E4M3, HALVES)
         if HALVES == 2:  # [BN, MB] twice -> [BN, BM]: rows 0..MB-1, then the next MB
             acc = tl.reshape(tl.permute(tl.join(acc, acc_hi), [0, 2, 1]), [BN, BM])
         return acc, sums
@@ -253,7 +306,7 @@ if triton is not None:
                    F32DOT: tl.constexpr, U0: tl.constexpr, U1: tl.constexpr,
                    U2: tl.constexpr, U3: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr,
                    EPI: tl.constexpr, RMS: tl.constexpr, PBLOCK: tl.constexpr, E4M3: tl.constexpr,
-                   HALVES: tl.constexpr):
+                   HALVES: tl.constexpr, WIDE: tl.constexpr, AHEAD: tl.constexpr):
         """One program per tile, or per part of a split tile (`_tile`): `main_loop`, then `finish`, two jit
         functions so that a variant can run between and around them (bench/launch_timeline.py stamps the times).
         RMS: the finished tile
@@ -263,7 +316,7 @@ if triton is not None:
         rows are gate rows, its last BN / 2 the up rows of the same channels)."""
         acc, sums = main_loop(x_ptr, q_ptr, s_ptr, z_ptr, part_ptr, M, N, K, KH, NBLK, WHOLE, REST, BPS, SPLIT, PARTS,
                               stride_xm, BITS, G, BN, BM, STAGES, HAS_ZP, EVEN_K, USE_ASM, F32DOT, U0, U1, U2, U3,
-                              PREFETCH, PDL, EPI, RMS, PBLOCK, E4M3, HALVES)
+                              PREFETCH, PDL, EPI, RMS, PBLOCK, E4M3, HALVES, WIDE, AHEAD)
         finish(acc, sums, out_ptr, ws_ptr, cnt_ptr, res_ptr, nw_ptr, rows_ptr, part_ptr, M, N, K, WHOLE, REST, SPLIT,
                stride_om, eps, BN, BM, PDL, EPI, RMS)
 
@@ -317,7 +370,7 @@ class KernelConfig:
     block_n: int          # output rows per program
     block_m: int          # activation rows per program: 8 (M <= 8), else M's next power of two
     warps: int
-    stages: int           # cp.async pipeline depth
+    stages: int           # the main loop's num_stages (Triton 3.6 compiles it the same whatever the depth on sm_90)
     waves: int = 2        # split K until about waves * SMs programs
     asm: bool = True      # PTX unpacking on CUDA (the interpreter always takes the plain path)
     balance: bool = False  # unsplit tiles beyond the last full round of SMs: split so each SM streams ~as much
@@ -328,12 +381,21 @@ class KernelConfig:
     # block_m rows, where it serves the launch (Hopper, bf16, int4 g128); the fields above are the Triton kernel's
     # config elsewhere
     warp_specialized: int = 0
+    # K blocks a main-loop step loads as one tile of codes and one of scales (1, 2 or 4; it must divide the
+    # weight's blocks): short groups' blocks (int8 group 32: 64 inputs, 4 KB of codes a 64-row tile) in wider steps
+    blocks_per_step: int = 1
+    # the next step's codes loaded before this step's dots, a double buffer in registers: Triton 3.6 does not
+    # software-pipeline this loop on sm_90 (its PTX is the same whatever `stages`), so a program otherwise waits a
+    # DRAM round trip every step
+    lookahead: bool = False
 
     def short(self) -> str:
         return (f"n{self.block_n} m{self.block_m} w{self.warps} s{self.stages} "
                 f"wv{self.waves}{' bal' if self.balance else ''}{'' if self.asm else ' noasm'}"
                 f"{f' d{self.dot_rows}' if self.dot_rows else ''}"
-                f"{f' ws{self.warp_specialized}' if self.warp_specialized else ''}")
+                f"{f' ws{self.warp_specialized}' if self.warp_specialized else ''}"
+                f"{f' k{self.blocks_per_step}' if self.blocks_per_step > 1 else ''}"
+                f"{' ahead' if self.lookahead else ''}")
 
 
 GATE_UP_WEIGHTS = 150_000_000  # weights of a projection at least gate_up's size (178M): its schedule is balanced
@@ -390,6 +452,10 @@ def schedule(cfg: KernelConfig, n: int, nblk: int, sms: int = 132) -> tuple[int,
     the tiles of the full rounds stay whole and the remaining ones are split so that the most blocks any SM streams
     is least (ties: fewer programs), pieces of at least MIN_PIECE blocks (docs/benchmarks.md, "W4A16 / W8A16 launch
     schedules")."""
+    if cfg.blocks_per_step > 1:  # ranges of whole steps
+        wide = cfg.blocks_per_step
+        whole, split, steps = schedule(replace(cfg, blocks_per_step=1), n, nblk // wide, sms)
+        return whole, split, steps * wide
     tiles = -(-n // cfg.block_n)
     split, bps = split_blocks(tiles, nblk, cfg.waves * sms)
     rounds, rest = divmod(tiles, sms)
@@ -439,7 +505,9 @@ def launch_plan(x2: torch.Tensor, pw: PackedWeight, cfg: KernelConfig, out: torc
         raise ValueError(f"config {cfg.short()} takes a power-of-two block_m >= 8 and at most block_m rows, got {m}")
     if cfg.dot_rows not in (0, cfg.block_m, cfg.block_m // 2) or cfg.dot_rows and cfg.dot_rows < 8:
         raise ValueError(f"config {cfg.short()}: dot_rows is 0, block_m or block_m / 2 (at least 8)")
-    nblk = pw.q.shape[1] // pw.group_size
+    nblk, wide = pw.q.shape[1] // pw.group_size, cfg.blocks_per_step
+    if wide not in (1, 2, 4) or nblk % wide:
+        raise ValueError(f"config {cfg.short()}: blocks_per_step is 1, 2 or 4 and divides the weight's {nblk} blocks")
     whole, split, bps = schedule(cfg, pw.n, nblk, sm_count(x2.device))
     n_tiles = -(-pw.n // cfg.block_n)
     programs = whole + (n_tiles - whole) * split
@@ -459,7 +527,8 @@ def launch_plan(x2: torch.Tensor, pw: PackedWeight, cfg: KernelConfig, out: torc
                 U2=unpack[2], U3=unpack[3], num_warps=cfg.warps, **pdl.options(x2),
                 PREFETCH=pdl.prefetch_blocks(cfg.block_n * pw.group_size * 2, programs, bps, x2.device),
                 EPI=epi.kind, RMS=epi.rms, PBLOCK=triton.next_power_of_2(parts.shape[0]) if epi.rms else 1,
-                E4M3=e4m3, HALVES=cfg.block_m // cfg.dot_rows if cfg.dot_rows else 1)
+                E4M3=e4m3, HALVES=cfg.block_m // cfg.dot_rows if cfg.dot_rows else 1, WIDE=wide,
+                AHEAD=cfg.lookahead)
     return LaunchPlan(programs, (whole, split, bps), args, meta)
 
 
