@@ -54,7 +54,7 @@ def _stamped_kernel(x_ptr, q_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, 
                     F32DOT: tl.constexpr, U0: tl.constexpr, U1: tl.constexpr,
                     U2: tl.constexpr, U3: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr,
                     EPI: tl.constexpr, RMS: tl.constexpr, PBLOCK: tl.constexpr, E4M3: tl.constexpr,
-                    HALVES: tl.constexpr, WIDE: tl.constexpr, AHEAD: tl.constexpr):
+                    HALVES: tl.constexpr, WIDE: tl.constexpr):
     """quant_matmul_triton's `_wq_kernel` (its `main_loop`, then its `finish`, the same arguments), and the program's
     row of trace_ptr [programs, 8] int64: its start and end on the global timer, its start, main loop's end and end
     on its SM's clock, and its SM."""
@@ -63,7 +63,7 @@ def _stamped_kernel(x_ptr, q_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, 
     c_start = _stamp(pid, False)
     acc, sums = wq.main_loop(x_ptr, q_ptr, s_ptr, z_ptr, part_ptr, M, N, K, KH, NBLK, WHOLE, REST, BPS, SPLIT, PARTS,
                              stride_xm, BITS, G, BN, BM, STAGES, HAS_ZP, EVEN_K, USE_ASM, F32DOT, U0, U1, U2, U3,
-                             PREFETCH, PDL, EPI, RMS, PBLOCK, E4M3, HALVES, WIDE, AHEAD)
+                             PREFETCH, PDL, EPI, RMS, PBLOCK, E4M3, HALVES, WIDE)
     c_loop = _stamp(tl.sum(tl.sum(acc, 1), 0).to(tl.int32, bitcast=True), False)
     total = wq.finish(acc, sums, out_ptr, ws_ptr, cnt_ptr, res_ptr, nw_ptr, rows_ptr, part_ptr, M, N, K, WHOLE, REST,
                       SPLIT, stride_om, eps, BN, BM, PDL, EPI, RMS)

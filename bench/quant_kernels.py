@@ -181,8 +181,7 @@ SWEEP_VARIANTS = {  # label: changes to the default config; by activation rows (
          "n256 s3 w8": dict(block_n=256, stages=3, warps=8),
          "n64 s3 wv2 bal": dict(block_n=64, stages=3, waves=2, balance=True),
          "n64 s3 wv2 bal d8": dict(block_n=64, stages=3, waves=2, balance=True, dot_rows=8),  # two 8-row dots
-         "n64 s2 wv2 bal d8": dict(block_n=64, stages=2, waves=2, balance=True, dot_rows=8),
-         "ahead": dict(lookahead=True)},  # the next step's codes loaded ahead
+         "n64 s2 wv2 bal d8": dict(block_n=64, stages=2, waves=2, balance=True, dot_rows=8)},
 }
 # SWEEP_SET=deep: deeper pipelines with fewer K splits, so that a mid-size projection's programs all fit at once
 DEEP_VARIANTS = {8: {f"n64 s{s} wv{w}": dict(block_n=64, stages=s, waves=w) for w in (0, 1, 2) for s in (3, 4, 6)},
@@ -214,10 +213,7 @@ INT8_SWEEP = {"s4": dict(stages=4), "s3": dict(stages=3), "n64 s4": dict(block_n
               # 2 or 4 K blocks a step (blocks_per_step): group 32's blocks are 64 inputs, 4 KB of codes a 64-row tile
               "k2": dict(blocks_per_step=2), "k4": dict(blocks_per_step=4), "k4 s2": dict(blocks_per_step=4, stages=2),
               "k4 s4": dict(blocks_per_step=4, stages=4), "k4 n64 s2": dict(block_n=64, blocks_per_step=4, stages=2),
-              "k4 n128 s2": dict(block_n=128, blocks_per_step=4, stages=2),
-              # the next step's codes loaded ahead (lookahead), alone and with wider steps
-              "ahead": dict(lookahead=True), "k2 ahead": dict(blocks_per_step=2, lookahead=True),
-              "k4 ahead": dict(blocks_per_step=4, lookahead=True)}
+              "k4 n128 s2": dict(block_n=128, blocks_per_step=4, stages=2)}
 
 
 def changed(cfg: wq.KernelConfig, changes: dict) -> wq.KernelConfig:

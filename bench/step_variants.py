@@ -143,10 +143,6 @@ VARIANTS = {
         configs({"warp_specialized": 2, "block_m": 16}, int4_layers_16), footprint({16: LEAN_16})),
     # or the 17..32-row configs (the warp-specialized kernel's 32-row x blocks on most layer projections)
     "17..32-row configs at 9..16 rows": lambda s: rows_as(32, int4_layers_16),
-    # the Triton kernel's launches with the next step's codes loaded ahead (KernelConfig.lookahead): every one (FP8's
-    # projections, the heads, INT4 at 9..16 rows), or the INT4 layer projections at 9..16 rows alone
-    "codes ahead": lambda s: configs({"lookahead": True}, lambda m, n, k, bits: True),
-    "codes ahead at 9..16 rows": lambda s: configs({"lookahead": True}, int4_layers_16),
     "PDL level 0": lambda s: use(replace(s, pdl_level=0)),
     "PDL level 1": lambda s: use(replace(s, pdl_level=1)),
     "PDL level 2": lambda s: use(replace(s, pdl_level=2)),

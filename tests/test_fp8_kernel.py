@@ -18,8 +18,7 @@ CASES = [  # rows, part sizes (packed along the outputs), K, config
     (5, [128, 70, 4, 4], 256, KernelConfig(32, 8, 4, 2, 8, False)),
     (16, [50], 520, KernelConfig(16, 16, 4, 2, 8, False)),
     (2, [144], 2048, KernelConfig(16, 8, 4, 2, 1, False, True)),  # 4 SMs (patched): 8 whole tiles, 1 split
-    (3, [96, 40], 1024, KernelConfig(16, 8, 4, 2, 0, False, lookahead=True)),  # the next block's codes ahead
-    (4, [72], 2048, KernelConfig(32, 8, 4, 2, 2, False, blocks_per_step=2, lookahead=True)),  # 2 steps a program
+    (4, [72], 2048, KernelConfig(32, 8, 4, 2, 2, False, blocks_per_step=2)),  # 2 blocks a step, 2 steps a program
 ]
 
 

@@ -99,8 +99,7 @@ def test_configs_that_do_not_fit_shared_memory_keep_cublas(monkeypatch):
 @pytest.mark.skipif(not kernels.TRITON_INSTALLED, reason="needs triton")
 def test_wide_steps_unroll_their_blocks_on_hopper():
     """A main-loop step of 2 or 4 K blocks (blocks_per_step; int8 group 32, the drafter's gate_up at 8 rows)
-    compiles for sm_90 to that many blocks' dots a step, mma.sync as one block's, from one load of codes a step, with
-    the next step's codes loaded ahead (lookahead) or not."""
+    compiles for sm_90 to that many blocks' dots a step, mma.sync as one block's, from one load of codes a step."""
     from blockspec.kernels import quant_matmul_triton as wq
 
     pointers = {"x_ptr": "*bf16", "q_ptr": "*i16", "s_ptr": "*bf16", "z_ptr": "*bf16", "out_ptr": "*bf16",
@@ -109,17 +108,16 @@ def test_wide_steps_unroll_their_blocks_on_hopper():
     cfg = wq.default_config(8, 34816, 5120, 8, 32)
     unpack = {f"U{i}": unpack_asm(8, i, False) if i < 2 else "" for i in range(4)}
     dots = {}
-    for wide, ahead in ((1, False), (2, False), (4, False), (4, True)):
+    for wide in (1, 2, 4):
         const = dict(BITS=8, G=32, BN=cfg.block_n, BM=cfg.block_m, STAGES=cfg.stages, HAS_ZP=False, EVEN_K=True,
                      USE_ASM=True, F32DOT=False, PREFETCH=0, PDL=0, EPI=0, RMS=False, PBLOCK=1, E4M3=False,
-                     HALVES=1, WIDE=wide, AHEAD=ahead, **unpack)
+                     HALVES=1, WIDE=wide, **unpack)
         ptx = sm90_ptx(wq._wq_kernel, const, cfg.warps, cfg.stages, pointers)
         assert "wgmma" not in ptx, wide
-        dots[wide, ahead] = ptx.count("mma.sync")
-    one = dots[1, False]
-    assert one > 0 and dots[2, False] == 2 * one and dots[4, False] == dots[4, True] == 4 * one, dots
-    # why lookahead exists: Triton leaves this loop unpipelined on sm_90, the same code whatever num_stages
-    const = dict(const, WIDE=1, AHEAD=False)
+        dots[wide] = ptx.count("mma.sync")
+    assert dots[1] > 0 and dots[2] == 2 * dots[1] and dots[4] == 4 * dots[1], dots
+    # Triton leaves this loop unpipelined on sm_90: the same code whatever num_stages (the module docstring)
+    const = dict(const, WIDE=1)
     code = [[line for line in sm90_ptx(wq._wq_kernel, dict(const, STAGES=stages), cfg.warps, stages, pointers)
              .splitlines() if not line.lstrip().startswith((".loc", ".file", "//"))] for stages in (1, 4)]
     assert code[0] == code[1] and "cp.async" not in "\n".join(code[0])
@@ -142,7 +140,7 @@ def test_mma_instruction_follows_the_rows():
             cfg = wq.default_config(rows, n, k)
             const = dict(BITS=4, G=128, BN=cfg.block_n, BM=cfg.block_m, STAGES=cfg.stages, HAS_ZP=False,
                          EVEN_K=True, USE_ASM=True, F32DOT=False, PREFETCH=0, PDL=0, EPI=0, RMS=False, PBLOCK=1,
-                         E4M3=False, HALVES=cfg.block_m // (cfg.dot_rows or cfg.block_m), WIDE=1, AHEAD=False,
+                         E4M3=False, HALVES=cfg.block_m // (cfg.dot_rows or cfg.block_m), WIDE=1,
                          **{f"U{i}": unpack_asm(4, i, False) for i in range(4)})
             ptx = sm90_ptx(wq._wq_kernel, const, cfg.warps, cfg.stages, bf16)
             expect = "mma.sync" if cfg.dot_rows == 8 else instruction  # down's 16-row tile as two 8-row dots

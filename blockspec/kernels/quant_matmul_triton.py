@@ -7,9 +7,8 @@ Kernel (tensor cores, exact numerics)
   Program (pid_n, pid_k): BN output rows, a range of blocks (split-K when N alone does not fill the GPU, or for the
   tiles of a short last round over the SMs: `schedule`). Each step loads one [BN, G] int16 tile and the block's
   scales (prefetched one block ahead by hand); Triton 3.6 does not software-pipeline this loop on sm_90 (its PTX is
-  the same whatever num_stages), so a config may load the next step's codes ahead as well (`lookahead`), and load 2
-  or 4 blocks a step as one tile (`blocks_per_step`: group 32's blocks are 64 inputs). Then per block and
-  group i: A = (u_i - z) in x's dtype, exact;
+  the same whatever num_stages), so a config may load 2 or 4 blocks a step as one tile (`blocks_per_step`: group
+  32's blocks are 64 inputs). Then per block and group i: A = (u_i - z) in x's dtype, exact;
   part[BN, BM] = A @ x_i^T (one MMA chain, fp32), acc += part * s_i (fp32). M <= 8 uses BM = 8, which Triton
   compiles to mma.sync, more rows BM = 16, 32 or 64 (the next power of two), which it compiles to Hopper's wgmma,
   or, with `dot_rows` 8, a 16-row tile as two 8-row dots on the same operand, mma.sync again
@@ -202,10 +201,9 @@ if triton is not None:
                   HAS_ZP: tl.constexpr, EVEN_K: tl.constexpr, USE_ASM: tl.constexpr, F32DOT: tl.constexpr,
                   U0: tl.constexpr, U1: tl.constexpr, U2: tl.constexpr, U3: tl.constexpr, PREFETCH: tl.constexpr,
                   PDL: tl.constexpr, EPI: tl.constexpr, RMS: tl.constexpr, PBLOCK: tl.constexpr,
-                  E4M3: tl.constexpr, HALVES: tl.constexpr, WIDE: tl.constexpr, AHEAD: tl.constexpr):
+                  E4M3: tl.constexpr, HALVES: tl.constexpr, WIDE: tl.constexpr):
         """`_wq_kernel`'s first part, the program's tile over its blocks, WIDE blocks (C groups each) a step, as one
-        [BN, WIDE * G] load of codes and one of their scales (the schedule's ranges are whole steps); with AHEAD the
-        next step's codes are loaded before this step's dots (the first step's before the PDL wait): returns (acc
+        [BN, WIDE * G] load of codes and one of their scales (the schedule's ranges are whole steps): returns (acc
         [BN, BM] fp32, its partial y^T; sums [PBLOCK, BM], with RMS the input rows' sums of squares from part_ptr,
         else zeros)."""
         C: tl.constexpr = 16 // BITS
@@ -230,8 +228,6 @@ if triton is not None:
         acc = tl.zeros([BN, MB], tl.float32)
         acc_hi = tl.zeros([BN, MB], tl.float32)
         pdl.prefetch_rows(q_ptr, offs_n, KH, b_lo * G, N, KH, PREFETCH * G, 64, PDL)  # int16 codes: 64 per line
-        if AHEAD:  # weights: before the wait for the previous kernel
-            h_next = tl.load(q_rows + b_lo * G, mask=n_ok[:, None], other=0)
         pdl.wait(PDL)
         sums = tl.zeros([PBLOCK, BM], tl.float32)
         if RMS:  # issued before the loop, summed after it: its latency hides behind the weights
@@ -243,11 +239,7 @@ if triton is not None:
         for b in tl.range(b_lo, b_hi, WIDE, num_stages=STAGES):
             s = s_next  # prefetched one step ahead by hand (not in the dot's operand chain: not pipelined)
             s_next = tl.load(s_ptr + (b + WIDE) * N * C + sz_off, mask=n_ok[:, None] & (b + WIDE < b_hi), other=0.0)
-            if AHEAD:
-                h = h_next
-                h_next = tl.load(q_rows + (b + WIDE) * G, mask=n_ok[:, None] & (b + WIDE < b_hi), other=0)
-            else:
-                h = tl.load(q_rows + b * G, mask=n_ok[:, None], other=0)
+            h = tl.load(q_rows + b * G, mask=n_ok[:, None], other=0)
             if WIDE == 1:
                 acc, acc_hi = _block(acc, acc_hi, h, s, b, x_cols, z_ptr, z_off, n_ok, m_ok, m_hi, stride_hi, N, K,
                                      BITS, G, BN, MB, HAS_ZP, EVEN_K, USE_ASM, F32DOT, U0, U1, U2, U3, E4M3, HALVES)
@@ -306,7 +298,7 @@ if triton is not None:
                    F32DOT: tl.constexpr, U0: tl.constexpr, U1: tl.constexpr,
                    U2: tl.constexpr, U3: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr,
                    EPI: tl.constexpr, RMS: tl.constexpr, PBLOCK: tl.constexpr, E4M3: tl.constexpr,
-                   HALVES: tl.constexpr, WIDE: tl.constexpr, AHEAD: tl.constexpr):
+                   HALVES: tl.constexpr, WIDE: tl.constexpr):
         """One program per tile, or per part of a split tile (`_tile`): `main_loop`, then `finish`, two jit
         functions so that a variant can run between and around them (bench/launch_timeline.py stamps the times).
         RMS: the finished tile
@@ -316,7 +308,7 @@ if triton is not None:
         rows are gate rows, its last BN / 2 the up rows of the same channels)."""
         acc, sums = main_loop(x_ptr, q_ptr, s_ptr, z_ptr, part_ptr, M, N, K, KH, NBLK, WHOLE, REST, BPS, SPLIT, PARTS,
                               stride_xm, BITS, G, BN, BM, STAGES, HAS_ZP, EVEN_K, USE_ASM, F32DOT, U0, U1, U2, U3,
-                              PREFETCH, PDL, EPI, RMS, PBLOCK, E4M3, HALVES, WIDE, AHEAD)
+                              PREFETCH, PDL, EPI, RMS, PBLOCK, E4M3, HALVES, WIDE)
         finish(acc, sums, out_ptr, ws_ptr, cnt_ptr, res_ptr, nw_ptr, rows_ptr, part_ptr, M, N, K, WHOLE, REST, SPLIT,
                stride_om, eps, BN, BM, PDL, EPI, RMS)
 
@@ -384,18 +376,13 @@ class KernelConfig:
     # K blocks a main-loop step loads as one tile of codes and one of scales (1, 2 or 4; it must divide the
     # weight's blocks): short groups' blocks (int8 group 32: 64 inputs, 4 KB of codes a 64-row tile) in wider steps
     blocks_per_step: int = 1
-    # the next step's codes loaded before this step's dots, a double buffer in registers: Triton 3.6 does not
-    # software-pipeline this loop on sm_90 (its PTX is the same whatever `stages`), so a program otherwise waits a
-    # DRAM round trip every step
-    lookahead: bool = False
 
     def short(self) -> str:
         return (f"n{self.block_n} m{self.block_m} w{self.warps} s{self.stages} "
                 f"wv{self.waves}{' bal' if self.balance else ''}{'' if self.asm else ' noasm'}"
                 f"{f' d{self.dot_rows}' if self.dot_rows else ''}"
                 f"{f' ws{self.warp_specialized}' if self.warp_specialized else ''}"
-                f"{f' k{self.blocks_per_step}' if self.blocks_per_step > 1 else ''}"
-                f"{' ahead' if self.lookahead else ''}")
+                f"{f' k{self.blocks_per_step}' if self.blocks_per_step > 1 else ''}")
 
 
 GATE_UP_WEIGHTS = 150_000_000  # weights of a projection at least gate_up's size (178M): its schedule is balanced
@@ -527,8 +514,7 @@ def launch_plan(x2: torch.Tensor, pw: PackedWeight, cfg: KernelConfig, out: torc
                 U2=unpack[2], U3=unpack[3], num_warps=cfg.warps, **pdl.options(x2),
                 PREFETCH=pdl.prefetch_blocks(cfg.block_n * pw.group_size * 2, programs, bps, x2.device),
                 EPI=epi.kind, RMS=epi.rms, PBLOCK=triton.next_power_of_2(parts.shape[0]) if epi.rms else 1,
-                E4M3=e4m3, HALVES=cfg.block_m // cfg.dot_rows if cfg.dot_rows else 1, WIDE=wide,
-                AHEAD=cfg.lookahead)
+                E4M3=e4m3, HALVES=cfg.block_m // cfg.dot_rows if cfg.dot_rows else 1, WIDE=wide)
     return LaunchPlan(programs, (whole, split, bps), args, meta)
 
 
