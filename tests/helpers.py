@@ -208,14 +208,18 @@ def proposals_beside_dflash(drafter_dir, target_dir, tokens: list[int], starts) 
     return compared
 
 
-def sm90_ptx(kernel, constexprs: dict, warps: int, stages: int, pointers: dict) -> str:
+def sm90_ptx(kernel, constexprs: dict, warps: int, stages: int, pointers: dict, aligned: tuple = ()) -> str:
     """The kernel's PTX for sm_90 (H100 / H200), compiled here on the CPU by Triton's own compiler: arguments named in
-    `pointers` are pointers of those types, the other non-constexpr ones int32."""
+    `pointers` are pointers of those types, the other non-constexpr ones int32. `aligned`: the int arguments a launch
+    specializes as multiples of 16 (Triton's JIT does so for every such value not marked do_not_specialize), with
+    16-byte aligned pointers; the vectorized loads and the pipeline that a launch compiles to depend on them."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     signature = {n: "constexpr" if n in constexprs else pointers.get(n, "i32") for n in kernel.arg_names}
-    compiled = triton.compile(ASTSource(kernel, signature, constexprs=constexprs), target=GPUTarget("cuda", 90, 32),
-                              options={"num_warps": warps, "num_stages": stages})
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(kernel.arg_names)
+             if aligned and (n in aligned or signature[n].startswith("*"))}
+    compiled = triton.compile(ASTSource(kernel, signature, constexprs=constexprs, attrs=attrs),
+                              target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
     return compiled.asm["ptx"]

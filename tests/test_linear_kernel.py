@@ -99,7 +99,8 @@ def test_configs_that_do_not_fit_shared_memory_keep_cublas(monkeypatch):
 @pytest.mark.skipif(not kernels.TRITON_INSTALLED, reason="needs triton")
 def test_wide_steps_unroll_their_blocks_on_hopper():
     """A main-loop step of 2 or 4 K blocks (blocks_per_step; int8 group 32, the drafter's gate_up at 8 rows)
-    compiles for sm_90 to that many blocks' dots a step, mma.sync as one block's, from one load of codes a step."""
+    compiles for sm_90 to that many blocks' dots a step, mma.sync as one block's, and its loads stay in Triton's
+    cp.async pipeline (compiled as a launch specializes the 27B's shapes: multiples of 16)."""
     from blockspec.kernels import quant_matmul_triton as wq
 
     pointers = {"x_ptr": "*bf16", "q_ptr": "*i16", "s_ptr": "*bf16", "z_ptr": "*bf16", "out_ptr": "*bf16",
@@ -112,15 +113,11 @@ def test_wide_steps_unroll_their_blocks_on_hopper():
         const = dict(BITS=8, G=32, BN=cfg.block_n, BM=cfg.block_m, STAGES=cfg.stages, HAS_ZP=False, EVEN_K=True,
                      USE_ASM=True, F32DOT=False, PREFETCH=0, PDL=0, EPI=0, RMS=False, PBLOCK=1, E4M3=False,
                      HALVES=1, WIDE=wide, **unpack)
-        ptx = sm90_ptx(wq._wq_kernel, const, cfg.warps, cfg.stages, pointers)
-        assert "wgmma" not in ptx, wide
+        ptx = sm90_ptx(wq._wq_kernel, const, cfg.warps, cfg.stages, pointers,
+                       aligned=("N", "K", "KH", "stride_xm", "stride_om"))
+        assert "wgmma" not in ptx and "cp.async" in ptx, wide
         dots[wide] = ptx.count("mma.sync")
     assert dots[1] > 0 and dots[2] == 2 * dots[1] and dots[4] == 4 * dots[1], dots
-    # Triton leaves this loop unpipelined on sm_90: the same code whatever num_stages (the module docstring)
-    const = dict(const, WIDE=1)
-    code = [[line for line in sm90_ptx(wq._wq_kernel, dict(const, STAGES=stages), cfg.warps, stages, pointers)
-             .splitlines() if not line.lstrip().startswith((".loc", ".file", "//"))] for stages in (1, 4)]
-    assert code[0] == code[1] and "cp.async" not in "\n".join(code[0])
 
 
 @pytest.mark.skipif(not kernels.TRITON_INSTALLED, reason="needs triton")

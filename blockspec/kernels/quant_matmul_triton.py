@@ -5,10 +5,10 @@ functions are the CPU path and the tests' oracle.
 Kernel (tensor cores, exact numerics)
 -------------------------------------
   Program (pid_n, pid_k): BN output rows, a range of blocks (split-K when N alone does not fill the GPU, or for the
-  tiles of a short last round over the SMs: `schedule`). Each step loads one [BN, G] int16 tile and the block's
-  scales (prefetched one block ahead by hand); Triton 3.6 does not software-pipeline this loop on sm_90 (its PTX is
-  the same whatever num_stages), so a config may load 2 or 4 blocks a step as one tile (`blocks_per_step`: group
-  32's blocks are 64 inputs). Then per block and group i: A = (u_i - z) in x's dtype, exact;
+  tiles of a short last round over the SMs: `schedule`). Each step loads one [BN, G] int16 tile (Triton's pipeliner:
+  cp.async into shared memory, num_stages deep) and the block's scales (prefetched one block ahead by hand), or 2 or
+  4 blocks' tiles as one (`blocks_per_step`: group 32's blocks are 64 inputs, 4 KB of codes a 64-row tile); then per
+  block and group i: A = (u_i - z) in x's dtype, exact;
   part[BN, BM] = A @ x_i^T (one MMA chain, fp32), acc += part * s_i (fp32). M <= 8 uses BM = 8, which Triton
   compiles to mma.sync, more rows BM = 16, 32 or 64 (the next power of two), which it compiles to Hopper's wgmma,
   or, with `dot_rows` 8, a 16-row tile as two 8-row dots on the same operand, mma.sync again
@@ -362,7 +362,7 @@ class KernelConfig:
     block_n: int          # output rows per program
     block_m: int          # activation rows per program: 8 (M <= 8), else M's next power of two
     warps: int
-    stages: int           # the main loop's num_stages (Triton 3.6 compiles it the same whatever the depth on sm_90)
+    stages: int           # cp.async pipeline depth
     waves: int = 2        # split K until about waves * SMs programs
     asm: bool = True      # PTX unpacking on CUDA (the interpreter always takes the plain path)
     balance: bool = False  # unsplit tiles beyond the last full round of SMs: split so each SM streams ~as much
