@@ -17,9 +17,10 @@ COMMANDS = "/reset (forget the conversation), /exit (or end of input) to leave"
 
 
 class ChatSession:
-    def __init__(self, engine, max_tokens: int, system: str | None = None, out=None, err=None):
+    def __init__(self, engine, max_tokens: int, system: str | None = None, out=None, err=None, stops=None):
         self.engine = engine
         self.max_tokens = max_tokens
+        self.stops = stops  # models/text.py Stops: a reply ends before the first stop string, which it leaves out
         self.system = [{"role": "system", "content": system}] if system else []
         self.turns: list[tuple[dict, dict]] = []   # (user message, assistant message)
         self.out = out or sys.stdout
@@ -73,7 +74,7 @@ class ChatSession:
         snapshot_at = self.engine.tokenizer.conversation_length(messages, ids)
         tokens_iter = self.engine.stream(ids, max_tokens, snapshot_at=snapshot_at)
         try:
-            tokens = stream_text(self.engine, tokens_iter, out=self.out)
+            tokens, reply = stream_text(self.engine, tokens_iter, out=self.out, stops=self.stops)
         except KeyboardInterrupt:
             tokens_iter.close()
             print(file=self.out, flush=True)
@@ -82,7 +83,6 @@ class ChatSession:
         finally:
             tokens_iter.close()
         print(file=self.out, flush=True)
-        reply = self.engine.tokenizer.decode(tokens)
         self.turns.append((user, {"role": "assistant", "content": reply}))
         used = len(ids) + len(tokens)
         stats = self.engine.last_stats
@@ -137,7 +137,7 @@ def read_message(stdin, interactive: bool, note=None) -> str | None:
         return "\n".join(lines)
 
 
-def run_chat(engine, max_tokens: int, system: str | None = None, stdin=None) -> None:
+def run_chat(engine, max_tokens: int, system: str | None = None, stdin=None, stops=None) -> None:
     stdin = stdin or sys.stdin
     interactive = stdin.isatty() and sys.stdout.isatty()
     if interactive:
@@ -145,7 +145,7 @@ def run_chat(engine, max_tokens: int, system: str | None = None, stdin=None) -> 
             import readline  # noqa: F401  (line editing and history for input())
         except ImportError:
             pass
-    session = ChatSession(engine, max_tokens, system)
+    session = ChatSession(engine, max_tokens, system, stops=stops)
     if not interactive and hasattr(stdin, "buffer"):  # decode each line ourselves: a bad one is skipped, not fatal
         stdin = Utf8Lines(stdin.buffer, session.note)
     speculative = f", mode {engine.mode}" if engine.mode != "none" else ""

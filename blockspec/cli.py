@@ -93,7 +93,7 @@ def note_unused_sampling(config):
 
 
 def stop_strings(strings: list[str] | None):
-    """generate's --stop strings as Stops (models/text.py), or the one-line error naming the flag."""
+    """generate's and chat's --stop strings as Stops (models/text.py), or the one-line error naming the flag."""
     from .models.text import MAX_STOP_CHARS, MAX_STOPS, Stops
 
     strings = strings or []
@@ -156,13 +156,14 @@ def cmd_chat(args):
 
     if sys.stdin is None or sys.stdin.closed:
         raise BlockspecError("chat reads your messages from standard input, which is closed")
+    stops = stop_strings(args.stop)
     config = engine_config(args)
     # a default max_tokens past a short context is not refused: chat limits each reply to the room left (chat.py)
     if "max_tokens" in config.model_fields_set:
         check_reply_room(config)
     check_chat_template(config, "chat", args.system)
     note_unused_sampling(config)
-    run_chat(Engine(config), config.max_tokens, system=args.system)
+    run_chat(Engine(config), config.max_tokens, system=args.system, stops=stops)
 
 
 def cmd_serve(args):
@@ -548,6 +549,8 @@ def build_parser() -> argparse.ArgumentParser:
     chat = sub.add_parser("chat", help="interactive chat in the terminal (chat template, streamed replies)")
     add_engine_args(chat)
     chat.add_argument("--system", metavar="TEXT", type=utf8_text, help="system prompt (default: none)")
+    chat.add_argument("--stop", metavar="TEXT", type=utf8_text, action="append",
+                      help="end each reply where TEXT first appears, without it (repeatable: the first one met)")
     chat.set_defaults(func=cmd_chat)
 
     add_serve_parser(sub)

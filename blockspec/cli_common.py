@@ -239,27 +239,29 @@ def remove_folders(folders: list[Path]) -> None:
             return
 
 
-def stream_text(engine, tokens_iter, out=sys.stdout, stops=None) -> list[int]:
+def stream_text(engine, tokens_iter, out=sys.stdout, stops=None) -> tuple[list[int], str]:
     """Print text as tokens arrive (models/text.py ReplyText: multi-byte characters come out whole, and each token
     decodes only the text since the last one given out whole); with `stops` (models/text.py Stops) the text ends
-    before the first stop string and the generation at the token that completes it. Returns the tokens printed."""
+    before the first stop string and the generation at the token that completes it. Returns the tokens generated
+    (through a stop's) and the text printed."""
     from .models.text import ReplyText, Stops
 
-    reply = ReplyText(engine.tokenizer, stops or Stops())
+    reply, printed = ReplyText(engine.tokenizer, stops or Stops()), []
     try:
         for token in tokens_iter:
-            piece = reply.push([token])
-            if piece:
-                out.write(piece)
+            printed.append(reply.push([token]))
+            if printed[-1]:
+                out.write(printed[-1])
                 out.flush()
             if reply.stop_reason is not None:
                 break
     finally:
         if hasattr(tokens_iter, "close"):
             tokens_iter.close()  # after a stop: the engine stops at its next token
-    out.write(reply.finish())
+    printed.append(reply.finish())
+    out.write(printed[-1])
     out.flush()
-    return reply.tokens
+    return reply.tokens, "".join(printed)
 
 
 def describe_sampling(sampling: dict) -> str:

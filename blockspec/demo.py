@@ -155,7 +155,7 @@ def continue_in_every_mode(engines: dict, ids: list[int], last_line: str, max_to
     outputs = {}
     for mode, engine in engines.items():
         print(f"--- mode {mode} ---\n{last_line}", end="")
-        outputs[mode] = stream_text(engine, engine.stream(ids, max_tokens, stop_at_eos=False))
+        outputs[mode] = stream_text(engine, engine.stream(ids, max_tokens, stop_at_eos=False))[0]
         print()
         print(format_stats(engine.last_stats))
     return outputs

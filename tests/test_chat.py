@@ -6,11 +6,14 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from io import StringIO
 
 import pytest
 import torch
 
+from blockspec.chat import ChatSession
 from blockspec.engine.engine import Engine
+from blockspec.models.text import Stops
 
 CONTEXT = 128
 MAX_TOKENS = 6
@@ -38,7 +41,7 @@ def chat(tiny, lines, *args):
     return proc.returncode, proc.stdout, proc.stderr
 
 
-def expected_replies(engine, messages_in):
+def expected_replies(engine, messages_in, stop=None):
     """The conversation as the spec says: each turn renders system + kept history + the message; the oldest turns
     go while prompt + max_tokens would overflow; a message too long alone is skipped; /reset forgets all."""
     tok = engine.tokenizer
@@ -55,7 +58,7 @@ def expected_replies(engine, messages_in):
             turns, drops = turns[1:], drops + 1
         ids = encode([m for t in turns for m in t] + [user])
         with torch.no_grad():
-            reply = engine.generate(ids, min(MAX_TOKENS, CONTEXT - len(ids))).text
+            reply = engine.generate(ids, min(MAX_TOKENS, CONTEXT - len(ids)), stop=stop).text
         replies.append(reply)
         turns.append((user, {"role": "assistant", "content": reply}))
     return replies, drops
@@ -87,6 +90,26 @@ def test_chat_exit_and_eof(tiny, engine):
     assert "acceptance" not in err  # plain greedy: no speculative stats
     code, out, err = chat(tiny, [])  # immediate end of input
     assert code == 0 and out == "" and "blockspec chat" in err
+
+
+def test_chat_stop_strings_end_each_reply_before_them(tiny, engine):
+    """chat --stop: each reply is Engine.generate's with the same stops (cut before the first one met), and the
+    history the next turn renders holds the reply as printed."""
+    script = ["hello there", "what is a lighthouse?", "and a harbour?"]
+    replies, _ = expected_replies(engine, script)
+    # a stop of 1 or 2 characters met inside the first reply (none that argv cannot carry)
+    text = replies[0]
+    pieces = [text[i:i + n] for n in (2, 1) for i in range(1, len(text) - 1)
+              if not {"\ufffd", "\x00"} & {*text[i:i + n]} and text[i:i + n].strip() == text[i:i + n]]
+    stop = pieces[0]
+    stopped, _ = expected_replies(engine, script, stop=[stop, "never met here"])
+    assert stopped[0] == text[:text.index(stop)] and stopped != replies
+    code, out, err = chat(tiny, script, "--stop", stop, "--stop", "never met here")
+    assert code == 0, err
+    assert out == "".join(reply + "\n" for reply in stopped)
+    session = ChatSession(engine, MAX_TOKENS, out=StringIO(), err=StringIO(), stops=Stops((stop,)))
+    session.turn(script[0])
+    assert session.out.getvalue() == stopped[0] + "\n" and session.turns[0][1]["content"] == stopped[0]
 
 
 def test_chat_bad_model_is_one_line_error(tmp_path):
@@ -157,8 +180,6 @@ def test_chat_shows_and_uses_its_sampling_settings(tiny, engine, capsys):
     with torch.no_grad():
         reply = engine.generate(ids, MAX_TOKENS, temperature=0.7, top_k=20, seed=3).text
     assert out == reply + "\n"
-    from io import StringIO
-
     from blockspec.chat import run_chat
 
     run_chat(engine, MAX_TOKENS, stdin=StringIO(""))

@@ -199,6 +199,9 @@ def test_bad_prompt_ids_stops_and_a_closed_stdin_are_refused_before_the_load(tmp
     assert main(["generate", "--model", missing, "--prompt", "hi", "--stop", "", *BASE]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--stop must not be empty" in err, err
+    assert main(["chat", "--model", missing, "--stop", "x" * 1025, *BASE]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--stop takes at most 1024 characters" in err, err
     monkeypatch.setattr("sys.stdin", None)  # started with standard input closed (`<&-`)
     assert main(["chat", "--model", missing, *BASE]) == 2
     err = capsys.readouterr().err
@@ -568,5 +571,5 @@ def test_streamed_text_is_the_whole_decoding_its_last_bytes_included(tiny):
     lone = next(i for i in range(tok.vocab_size) if tok.decode([i]) == "\ufffd")  # a byte that is no character alone
     for ids in (tok.encode("héllo ✓ 😀 wörld"), tok.encode("hi ✓") + [lone]):
         out = io.StringIO()
-        assert stream_text(SimpleNamespace(tokenizer=tok), iter(ids), out=out) == ids
+        assert stream_text(SimpleNamespace(tokenizer=tok), iter(ids), out=out) == (ids, tok.decode(ids))
         assert out.getvalue() == tok.decode(ids), (out.getvalue(), tok.decode(ids))
