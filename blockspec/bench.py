@@ -27,7 +27,7 @@ import torch
 
 from .cli_common import (add_sampling_args, add_weight_args, check_output_path, describe_sampling, sampling_overrides,
                          utf8_text, weight_overrides, write_output)
-from .config import DEFAULT_TREE_BUDGET, PredictConfig, SamplingSettings
+from .config import DEFAULT_TREE_BUDGETS, PredictConfig, SamplingSettings
 from .engine import memory
 from .engine.decode import Proposer
 from .errors import BlockspecError
@@ -482,7 +482,7 @@ def bench(args) -> dict:
     from .engine.load import resolve_device
     device = resolve_device(args.device)
     bandwidth = args.bandwidth or measure_read_bandwidth(device)
-    budgets = tree_budgets(args.tree_budget) if args.tree_budget is not None else [DEFAULT_TREE_BUDGET]
+    budgets = tree_budgets(args.tree_budget) if args.tree_budget is not None else [DEFAULT_TREE_BUDGETS[device.type]]
     runs = [(m, b) for m in ["none"] + [m for m in modes if m != "none"] for b in (budgets if m == "dflash2" else [0])]
     # the name columns as wide as the longest name the rows will hold
     widths = {"mode": max(len(f"{m}:{b}" if b else m) for m, b in runs),
@@ -677,7 +677,7 @@ def add_bench_parser(sub):
     p.add_argument("--mode", default="none", help="none, mtp, dflash2, or several comma-separated")
     p.add_argument("--tree-budget", metavar="N[,N...]", help="dflash2: draft nodes verified as a tree per cycle, one "
                    "engine per budget (rows dflash2:N); 0: the chain (default: the engine's, "
-                   f"{DEFAULT_TREE_BUDGET})")
+                   f"{DEFAULT_TREE_BUDGETS['cuda']} on a GPU, {DEFAULT_TREE_BUDGETS['cpu']} on the CPU)")
     p.add_argument("--max-tokens", type=int, default=256, metavar="N", help="tokens generated per measured run")
     p.add_argument("--repeats", type=int, default=3, metavar="R", help="measured runs per fixture (the median is "
                    "reported)")

@@ -8,7 +8,7 @@ import os
 import sys
 from pathlib import Path
 
-from .config import DEFAULT_TREE_BUDGET, MAX_SEED, SAMPLING_KEYS, PredictConfig
+from .config import DEFAULT_TREE_BUDGETS, MAX_SEED, SAMPLING_KEYS, PredictConfig
 from .errors import BlockspecError
 
 DTYPES = ["float32", "bfloat16", "float16"]
@@ -53,7 +53,8 @@ def add_engine_args(p: argparse.ArgumentParser, model_required=True, sampling_sc
                    "dflash2_model)")
     p.add_argument("--tree-budget", type=int, metavar="N", help="dflash2: verify a tree of N draft nodes per cycle "
                    "(the greedy chain and the drafter's next most likely continuations); 0: the chain alone "
-                   f"(default: {DEFAULT_TREE_BUDGET}; config key dflash2_tree_budget)")
+                   f"(default: {DEFAULT_TREE_BUDGETS['cuda']} on a GPU, {DEFAULT_TREE_BUDGETS['cpu']} on the CPU; "
+                   "config key dflash2_tree_budget)")
     p.add_argument("--device", choices=["cpu", "cuda", "auto"], help="where to run; auto: cuda when available "
                    + config_default("device"))
     p.add_argument("--dtype", choices=DTYPES, help="compute dtype " + config_default("compute_dtype"))

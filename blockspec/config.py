@@ -23,10 +23,11 @@ MAX_CONFIG_SIZE, MAX_CONFIG_LAYERS = 1 << 20, 1024  # a config.json's sizes and 
 MAX_BODY_MB = 1024  # the largest request body `serve` may be told to take, in MB
 MAX_CONFIG_BYTES = 1 << 20  # a YAML config file larger than this is refused unread
 MAX_VERIFY_TOKENS = 16  # the longest chain pass (anchor + proposals), whose partial commit the buffers hold
-# Draft-tree budget where none is set: the best budget measured against the chain on every device, bf16 and INT4
-# alike (docs/benchmarks.md, "The default budget"), a tree of 15 draft nodes, whose pass of 16 rows keeps the
-# projections' 16-row tiles.
-DEFAULT_TREE_BUDGET = 15
+# Draft-tree budget where none is set, by device (docs/benchmarks.md, "The default budget"): on a GPU a tree of 31
+# draft nodes, the best measured against the chain with the bf16 and the INT4 27B (a 32-row pass costs little more
+# than an 8-row one where the weights' stream bounds it); on the CPU a tree of 15, whose 16 rows cost what the chain's
+# 8 do there, where each row past them costs ~0.4 ms.
+DEFAULT_TREE_BUDGETS = {"cuda": 31, "cpu": 15}
 SUPPORTED_ARCHITECTURES = {"Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration"}
 
 
@@ -47,6 +48,15 @@ MAX_TEMPERATURE = 100.0  # past it a distribution is uniform in all but name
 # probabilities), and long before that the softmax is one-hot at the argmax anyway (vLLM uses the same 1e-5).
 MIN_TEMPERATURE = 1e-5
 MAX_SEED = 2 ** 63 - 1   # what torch's generators take
+
+
+def device_type(device: str) -> str:
+    """The kind of device a `device` setting runs on: auto is cuda where a CUDA GPU is available."""
+    if device != "auto":
+        return device
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def _tiny_is_greedy(temperature: float) -> float:
@@ -112,7 +122,7 @@ class PredictConfig(CheckedSettings):
     dflash2_model: str | None = None
     dflash2_quantization: Literal["none", "int8"] = "none"
     # draft nodes a DFlash2 cycle verifies as a tree in one target pass (layers/tree.py): the greedy chain, then the
-    # drafter's most likely other continuations, best first; 0: the chain alone; None: DEFAULT_TREE_BUDGET in mode
+    # drafter's most likely other continuations, best first; 0: the chain alone; None: DEFAULT_TREE_BUDGETS in mode
     # dflash2 (`tree_budget`)
     dflash2_tree_budget: int | None = Field(None, ge=0, le=MAX_PASS_TOKENS - 1)
     # what orders the tree's nodes: the selector's transition model (a candidate given the pick before it), or each
@@ -172,10 +182,11 @@ class PredictConfig(CheckedSettings):
 
     @property
     def tree_budget(self) -> int:
-        """The tree budget of this config's DFlash2 cycles: as set, else DEFAULT_TREE_BUDGET; 0 in the other modes."""
+        """The tree budget of this config's DFlash2 cycles: as set, else its device's DEFAULT_TREE_BUDGETS; 0 in the
+        other modes."""
         if self.dflash2_tree_budget is not None:
             return self.dflash2_tree_budget
-        return DEFAULT_TREE_BUDGET if self.decode_mode == "dflash2" else 0
+        return DEFAULT_TREE_BUDGETS[device_type(self.device)] if self.decode_mode == "dflash2" else 0
 
     @property
     def decode_mode(self) -> str:

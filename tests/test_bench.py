@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from blockspec.cli import main
-from blockspec.config import DEFAULT_TREE_BUDGET
+from blockspec.config import DEFAULT_TREE_BUDGETS
 
 
 def bench(tmp_path, *args, subprocess_run=False):
@@ -42,7 +42,7 @@ def test_schema_default_fixtures_and_forced_rates(tmp_path):
     assert {"device", "bytes_per_plain_step", "rows", "max_tokens", "repeats"} <= set(result)
     assert result["bytes_per_plain_step"] > 0
     rows = result["rows"]
-    tree = f"dflash2:{DEFAULT_TREE_BUDGET}"  # the default budget, named in the rows
+    tree = f"dflash2:{DEFAULT_TREE_BUDGETS['cpu']}"  # the CPU's default budget, named in the rows
     assert [(r["mode"], r["fixture"]) for r in rows] == [
         (m, f) for m in ("none", "mtp", tree) for f in ("code", "english", "translation")]
     for row in rows:

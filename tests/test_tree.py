@@ -10,7 +10,7 @@ import torch
 from helpers import cli, run_pass
 
 from blockspec.layers.tree import DraftTree, build_tree, transition_log_probs
-from blockspec.config import DEFAULT_TREE_BUDGET, SamplingSettings
+from blockspec.config import DEFAULT_TREE_BUDGETS, SamplingSettings
 from blockspec.engine.engine import Engine
 from blockspec.engine.sampling import Sampler, speculative_accept
 from blockspec.engine.state import DecodeState
@@ -242,18 +242,21 @@ def test_kept_path_equals_a_pass_over_it(pair):
 
 
 def test_the_default_budget_is_the_device_s(pair):
-    """Unset, the budget is the measured best, a tree of 15 (on the CPU as on a GPU); set, it is kept; the other modes
-    verify no tree."""
+    """Unset, the budget is the device's measured best, a tree of 15 on the CPU and of 31 on a GPU (device auto: the
+    one it runs on); set, it is kept; the other modes verify no tree."""
     target, drafter = pair
     engine = load(target, drafter, budget=None)
-    assert engine.proposer.tree_budget == DEFAULT_TREE_BUDGET == 15
+    assert engine.proposer.tree_budget == DEFAULT_TREE_BUDGETS["cpu"] == 15
     config = engine.config
     assert config.dflash2_tree_budget is None and config.tree_budget == 15
-    assert config.model_copy(update={"dflash2_tree_budget": 0}).tree_budget == 0
+    assert config.model_copy(update={"device": "cuda"}).tree_budget == DEFAULT_TREE_BUDGETS["cuda"] == 31
+    auto = config.model_copy(update={"device": "auto"}).tree_budget
+    assert auto == (31 if torch.cuda.is_available() else 15)
+    assert config.model_copy(update={"dflash2_tree_budget": 0, "device": "cuda"}).tree_budget == 0
     assert config.model_copy(update={"mode": "mtp", "dflash2_model": None}).tree_budget == 0
     prompt = engine.tokenizer.encode("hello world")
     result = engine.generate(prompt, 24, stop_at_eos=False)
-    assert result.stats["tree_budget"] == DEFAULT_TREE_BUDGET
+    assert result.stats["tree_budget"] == 15
     assert result.tokens == load(target).generate(prompt, 24, stop_at_eos=False).tokens
 
 

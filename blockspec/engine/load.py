@@ -17,7 +17,7 @@ from typing import Callable
 
 import torch
 
-from ..config import MAX_VERIFY_TOKENS, PredictConfig, TargetConfig, unused_settings
+from ..config import MAX_VERIFY_TOKENS, PredictConfig, TargetConfig, device_type, unused_settings
 from ..drafter.config import DrafterConfig
 from ..drafter.model import QUANTIZED_PROJECTIONS, DFlash2Drafter, check_fits_target
 from ..errors import BlockspecError, UnsupportedRequest
@@ -47,7 +47,7 @@ def pass_rows(tree_budget: int) -> int:
 
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(device_type(name))
     if name == "cuda" and not torch.cuda.is_available():
         raise BlockspecError("device 'cuda' requested but no CUDA GPU is available (use --device cpu)")
     return torch.device(name)
