@@ -16,6 +16,11 @@ from blockspec.kernels.linear_triton import LinearConfig, linear_rows
 from blockspec.kernels.unpack_ptx import unpack_asm
 from blockspec.layers.linear import DenseLinear
 
+# the pointer arguments of the W4A16 and few-row bf16 kernels as a launch with bf16 activations passes them
+BF16_POINTERS = {"x_ptr": "*bf16", "q_ptr": "*i16", "s_ptr": "*bf16", "z_ptr": "*bf16", "out_ptr": "*bf16",
+                 "ws_ptr": "*fp32", "cnt_ptr": "*i32", "res_ptr": "*bf16", "nw_ptr": "*bf16", "rows_ptr": "*bf16",
+                 "part_ptr": "*fp32", "eps": "fp32", "x": "*bf16", "w": "*bf16", "out": "*bf16", "ws": "*fp32",
+                 "counters": "*i32"}
 CASES = [  # rows, N, K, config (sms = 4 in the interpreter: waves * 4 programs before K is split)
     (1, 50, 300, LinearConfig(16, 64, False, waves=1)), (1, 50, 256, LinearConfig(16, 64, True, waves=4)),
     (5, 70, 200, LinearConfig(32, 32, True, waves=1)), (8, 33, 128, LinearConfig(16, 32, True, waves=2)),
@@ -103,9 +108,6 @@ def test_wide_steps_unroll_their_blocks_on_hopper():
     cp.async pipeline (compiled as a launch specializes the 27B's shapes: multiples of 16)."""
     from blockspec.kernels import quant_matmul_triton as wq
 
-    pointers = {"x_ptr": "*bf16", "q_ptr": "*i16", "s_ptr": "*bf16", "z_ptr": "*bf16", "out_ptr": "*bf16",
-                "ws_ptr": "*fp32", "cnt_ptr": "*i32", "res_ptr": "*bf16", "nw_ptr": "*bf16", "rows_ptr": "*bf16",
-                "part_ptr": "*fp32", "eps": "fp32"}
     cfg = wq.default_config(8, 34816, 5120, 8, 32)
     unpack = {f"U{i}": unpack_asm(8, i, False) if i < 2 else "" for i in range(4)}
     dots = {}
@@ -113,7 +115,7 @@ def test_wide_steps_unroll_their_blocks_on_hopper():
         const = dict(BITS=8, G=32, BN=cfg.block_n, BM=cfg.block_m, STAGES=cfg.stages, HAS_ZP=False, EVEN_K=True,
                      USE_ASM=True, F32DOT=False, PREFETCH=0, PDL=0, EPI=0, RMS=False, PBLOCK=1, E4M3=False,
                      HALVES=1, WIDE=wide, **unpack)
-        ptx = sm90_ptx(wq._wq_kernel, const, cfg.warps, cfg.stages, pointers,
+        ptx = sm90_ptx(wq._wq_kernel, const, cfg.warps, cfg.stages, BF16_POINTERS,
                        aligned=("N", "K", "KH", "stride_xm", "stride_om"))
         assert "wgmma" not in ptx and "cp.async" in ptx, wide
         dots[wide] = ptx.count("mma.sync")
@@ -128,10 +130,6 @@ def test_mma_instruction_follows_the_rows():
     here, on the CPU, for the default configs of the 27B's gate_up."""
     from blockspec.kernels import quant_matmul_triton as wq
 
-    bf16 = {"x_ptr": "*bf16", "q_ptr": "*i16", "s_ptr": "*bf16", "z_ptr": "*bf16", "out_ptr": "*bf16",
-            "ws_ptr": "*fp32", "cnt_ptr": "*i32", "res_ptr": "*bf16", "nw_ptr": "*bf16", "rows_ptr": "*bf16",
-            "part_ptr": "*fp32", "eps": "fp32", "x": "*bf16", "w": "*bf16", "out": "*bf16", "ws": "*fp32",
-            "counters": "*i32"}
     for rows, instruction in ((8, "mma.sync"), (16, "wgmma"), (17, "wgmma")):
         for n, k in ((34816, 5120), (5120, 17408)) if rows == 16 else ((34816, 5120),):
             cfg = wq.default_config(rows, n, k)
@@ -139,11 +137,11 @@ def test_mma_instruction_follows_the_rows():
                          EVEN_K=True, USE_ASM=True, F32DOT=False, PREFETCH=0, PDL=0, EPI=0, RMS=False, PBLOCK=1,
                          E4M3=False, HALVES=cfg.block_m // (cfg.dot_rows or cfg.block_m), WIDE=1,
                          **{f"U{i}": unpack_asm(4, i, False) for i in range(4)})
-            ptx = sm90_ptx(wq._wq_kernel, const, cfg.warps, cfg.stages, bf16)
+            ptx = sm90_ptx(wq._wq_kernel, const, cfg.warps, cfg.stages, BF16_POINTERS)
             expect = "mma.sync" if cfg.dot_rows == 8 else instruction  # down's 16-row tile as two 8-row dots
             assert expect in ptx and ("wgmma" if expect == "mma.sync" else "mma.sync") not in ptx, (rows, cfg)
         lin = linear_triton.default_config(rows, 34816, 5120)
         const = dict(BN=lin.block_n, BK=lin.block_k, BM=linear_triton.block_rows(lin, rows), STAGES=lin.stages,
                      DOT=True, EVEN_K=True, F32DOT=False, PREFETCH=0, LINE=64, PDL=0)
-        ptx = sm90_ptx(linear_triton._linear_kernel, const, lin.warps, lin.stages, bf16)
+        ptx = sm90_ptx(linear_triton._linear_kernel, const, lin.warps, lin.stages, BF16_POINTERS)
         assert instruction in ptx and ("wgmma" if instruction == "mma.sync" else "mma.sync") not in ptx, (rows, lin)
