@@ -143,6 +143,8 @@ VARIANTS = {
         configs({"warp_specialized": 2, "block_m": 16}, int4_layers_16), footprint({16: LEAN_16})),
     # or the 17..32-row configs (the warp-specialized kernel's 32-row x blocks on most layer projections)
     "17..32-row configs at 9..16 rows": lambda s: rows_as(32, int4_layers_16),
+    # an INT4 target's folded MLP (gate_up, SwiGLU, down) in one warp-specialized launch at 1..8 rows
+    "persistent MLP": lambda s: use(replace(s, persistent_mlp=True)),
     "PDL level 0": lambda s: use(replace(s, pdl_level=0)),
     "PDL level 1": lambda s: use(replace(s, pdl_level=1)),
     "PDL level 2": lambda s: use(replace(s, pdl_level=2)),

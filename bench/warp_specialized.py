@@ -8,7 +8,12 @@ program ("whole SM"); at 16 rows also 2 consumers in a lean footprint (LEAN_16).
 GPU (Hopper): python warp_specialized.py [--shapes gate_up,down,...] [--pdl-level N] [--fp8] (both kernels launched
 under programmatic dependent launch at that level, kernels/pdl.py; default 0, none; the INT4 engine's is 3; --fp8:
 the projections as FP8 e4m3 codes with 128 x 128 block scales, which the engine runs on the Triton kernel)
-CPU dry run: python warp_specialized.py --dry-run (each variant compiled for sm_90 by Gluon's compiler, untimed).
+With --mlp instead (PDL level 3 unless --pdl-level): the 27B's INT4 MLP with the next norm begun (gate_up with SwiGLU, then down with the residual add)
+at 1 and 8 rows, the engine's two launches against one launch of both (`quant_matmul_gluon.launch_mlp`, the
+`persistent_mlp` setting), us per MLP over > 300 MB of weight copies in one CUDA graph, and whether the one launch's
+out, rows and partials equal the two launches' bits (after the timed replays too: the launch resets its counters).
+CPU dry run: python warp_specialized.py --dry-run (each variant and the MLP's launch compiled for sm_90 by Gluon's
+compiler, untimed).
 Writes $OUT/warp_specialized.json when OUT is set."""
 import json
 import os
@@ -20,11 +25,13 @@ from unittest import mock
 import torch
 
 from blockspec.kernels import KernelSettings, quant_matmul_gluon as gk, use
-from blockspec.kernels.quant_matmul_triton import Epilogue, default_config, wq_matmul
+from blockspec.kernels.quant_matmul_triton import (Epilogue, default_config, wq_matmul, wq_matmul_add_norm,
+                                                   wq_matmul_swiglu, wq_mlp_add_norm)
 
 SHAPES = {"gate_up": (34816, 5120), "gdn_in": (16480, 5120), "attn_qkv": (14336, 5120), "down": (5120, 17408),
           "o": (5120, 6144)}
 ROWS = (1, 8, 16, 32)
+MLP_ROWS = (1, 8)
 CONSUMERS = (2, 3)
 
 
@@ -56,6 +63,39 @@ def sm90_compile(k: int, consumers: int, block_m: int, epi: int = 0, rms: bool =
     compiled = triton.compile(GluonASTSource(gk._ws_kernel, full, constexprs=constants, attrs=aligned),
                               target=GPUTarget("cuda", 90, 32),
                               options={"num_warps": 4, "maxnreg": registers[0]})
+    return compiled.asm["ptx"], compiled.metadata.shared
+
+
+def sm90_compile_mlp(rms: bool = True, pdl_level: int = 3) -> tuple[str, int]:
+    """The MLP's one launch (`quant_matmul_gluon._mlp_kernel`, the 27B's shapes) compiled here for sm_90: (its PTX,
+    its shared memory in bytes)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    from triton.runtime.jit import mangle_type
+
+    def desc(rows, dtype, gl_dtype):
+        layout = gl.NVMMASharedLayout.get_default_for([rows, 128], gl_dtype)
+        return mangle_type(TensorDescriptor.from_tensor(torch.zeros(64, 1280, dtype=dtype), [rows, 128], layout))
+
+    kernel = gk._mlp_kernel
+    signature = dict(qa_desc=desc(gk.BN // 2, torch.int16, gl.int16), xa_desc=desc(8, torch.bfloat16, gl.bfloat16),
+                     qb_desc=desc(gk.BN, torch.int16, gl.int16), xb_desc=desc(8, torch.bfloat16, gl.bfloat16),
+                     eps="fp32")
+    for name in kernel.arg_names:  # the rest: int32
+        if name.endswith("_ptr"):
+            signature[name] = ("*fp32" if name.startswith(("ws", "part")) else
+                               "*i32" if name.startswith(("cnt", "done", "exit")) else "*bf16")
+    registers = gk.LEAN[0]
+    constants = dict(KA=5120, KB=17408, C=gk.CONSUMERS, BM=8, S=gk.plan(34816, 5120, 132, gk.CONSUMERS, 8)[0],
+                     RMS=rms, PBLOCK=128 if rms else 1, PDL=pdl_level, CREGS=registers[1], LREGS=registers[2],
+                     **gk.unpacking(4), num_warps=4)
+    full = {n: "constexpr" if n in constants else signature.get(n, "i32") for n in kernel.arg_names}
+    aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(kernel.arg_names) if full[n][0] == "*"}
+    compiled = triton.compile(GluonASTSource(kernel, full, constexprs=constants, attrs=aligned),
+                              target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "maxnreg": registers[0]})
     return compiled.asm["ptx"], compiled.metadata.shared
 
 
@@ -92,6 +132,8 @@ def dry_run() -> dict:
                 ptx, shared = sm90_compile(5120, consumers, block_m)
             out[label] = dict(
                 shared=shared, wgmma=ptx.count(f"wgmma.mma_async.sync.aligned.m64n{block_m}k16"))
+    ptx, shared = sm90_compile_mlp()
+    out["MLP"] = dict(shared=shared, wgmma=ptx.count("wgmma.mma_async.sync.aligned.m64n8k16"))
     return out
 
 
@@ -154,6 +196,54 @@ def measure_shape(name: str, bandwidth: float, fp8: bool = False) -> dict:
     return rows
 
 
+def measure_mlp(pdl_level: int) -> dict:
+    """us per MLP at each of MLP_ROWS: the engine's two launches, then one launch of both."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from timing import replay_ms
+
+    from blockspec.bench import measure_read_bandwidth
+    from blockspec.quant.int4 import Int4Linear
+
+    dev = torch.device("cuda")
+    bandwidth = measure_read_bandwidth(dev)
+    hidden, inner = SHAPES["down"]
+
+    def packed(n, k):
+        return Int4Linear.from_float(torch.randn(n, k, device=dev) * k ** -0.5, 128, True,
+                                     scale_dtype=torch.bfloat16).packed()
+    pairs = [(packed(2 * inner, hidden), packed(hidden, inner))]
+    nbytes = pairs[0][0].nbytes() + pairs[0][1].nbytes()
+    pairs += [(packed(2 * inner, hidden), packed(hidden, inner)) for _ in range(-(-300_000_000 // nbytes) - 1)]
+    results = dict(device=torch.cuda.get_device_name(dev), read_gbs=bandwidth, pdl_level=pdl_level,
+                   mb_per_mlp=nbytes / 1e6, rows={})
+    print(f"{results['device']}: read bandwidth {bandwidth:.0f} GB/s, PDL level {pdl_level}, "
+          f"{nbytes / 1e6:.1f} MB an MLP", flush=True)
+    with use(KernelSettings(pdl_level=pdl_level)):
+        for m in MLP_ROWS:
+            x = torch.randn(m, hidden, device=dev).to(torch.bfloat16)
+            partials = torch.rand(hidden // gk.BN, m, device=dev) * (2 * gk.BN)  # 1 / rms ~ 1
+            residual = torch.randn(m, hidden, device=dev).to(torch.bfloat16)
+            weight = (torch.randn(hidden, device=dev) * 0.1).to(torch.bfloat16)
+
+            def apart(gate_up, down):
+                return wq_matmul_add_norm(wq_matmul_swiglu(x, gate_up, (partials, 1e-6)), down, residual, weight)
+
+            def one(gate_up, down):
+                return wq_mlp_add_norm(x, gate_up, down, residual, weight, (partials, 1e-6))
+            if not gk.mlp_usable(x, *pairs[0]):
+                raise SystemExit(f"the MLP's launch does not serve {m} rows here: {gk._MLP_BROKEN[:1]}")
+            want = apart(*pairs[0])
+            row = results["rows"][m] = {}
+            for label, fn in (("two launches", apart), ("one launch", one)):
+                us = replay_ms(lambda: [fn(*pair) for pair in pairs]) * 1e3 / len(pairs)
+                got = fn(*pairs[0])
+                row[label] = dict(us=us, pct=nbytes / us / 1e3 / bandwidth * 100,
+                                  equal=all(bool(torch.equal(a, b)) for a, b in zip(got, want)))
+            print(f"MLP M={m}: " + "; ".join(f"{label} {r['us']:.1f} us ({r['pct']:.1f} %), equal {r['equal']}"
+                                            for label, r in row.items()), flush=True)
+    return results
+
+
 def main() -> None:
     if "--dry-run" in sys.argv:
         results = dry_run()
@@ -164,11 +254,15 @@ def main() -> None:
         if unknown:
             print(f"unknown shape {unknown[0]!r}; the shapes: {', '.join(SHAPES)}", file=sys.stderr)
             sys.exit(2)
-        level = sys.argv[sys.argv.index("--pdl-level") + 1:][:1] if "--pdl-level" in sys.argv else ["0"]
+        default = ["3"] if "--mlp" in sys.argv else ["0"]  # the MLP at the INT4 engine's level
+        level = sys.argv[sys.argv.index("--pdl-level") + 1:][:1] if "--pdl-level" in sys.argv else default
         if level not in (["0"], ["1"], ["2"], ["3"]):
             print(f"--pdl-level {' '.join(level)!r}: one of 0, 1, 2, 3", file=sys.stderr)
             sys.exit(2)
-        results = measure(names, int(level[0]), "--fp8" in sys.argv)
+        if "--mlp" in sys.argv:
+            results = measure_mlp(int(level[0]))
+        else:
+            results = measure(names, int(level[0]), "--fp8" in sys.argv)
     if os.environ.get("OUT"):
         Path(os.environ["OUT"]).mkdir(parents=True, exist_ok=True)
         (Path(os.environ["OUT"]) / "warp_specialized.json").write_text(json.dumps(results, indent=1))

@@ -144,6 +144,9 @@ class PredictConfig(CheckedSettings):
     # with on the H200 (3 for an INT4 target, 0 for bf16 and FP8: docs/benchmarks.md)
     pdl_level: int | None = Field(None, ge=0, le=3)
     pdl_prefetch_mb: float = Field(4.0, ge=0)  # weight bytes each projection prefetches into L2 while it waits
+    # an INT4 target's folded MLP (gate_up, SwiGLU, down, the next norm begun) as one warp-specialized launch at
+    # 1..8 rows on Hopper (kernels/quant_matmul_gluon.py `launch_mlp`); off until it measures faster than two
+    persistent_mlp: bool = False
     # a bar over the checkpoint's shards (GB/s) on stderr while a large checkpoint loads, with tqdm installed
     # (blockspec/progress.py): the command line shows it; the Python API stays quiet unless this is set
     load_progress: bool = False
@@ -262,6 +265,7 @@ def unused_settings(config: PredictConfig) -> list[str]:
         "gpu_ranks": cpu,
         "pdl_level": cpu,  # device auto may be a GPU: only a CPU named is known to launch no PDL kernel
         "pdl_prefetch_mb": cpu or (config.pdl_level == 0 and "pdl_level is 0"),
+        "persistent_mlp": cpu or (not config.fold_norms and "fold_norms is false"),
         "compile_mode": cpu and config.compile_mode == -1 and "the CPU always runs eagerly",
     }
     return [f"{key}: {getattr(config, key)!r} does nothing: {reason}" for key, reason in why.items()

@@ -653,6 +653,44 @@ def test_warp_specialized_kernel_against_triton_kernel():
     assert not quant_matmul_gluon._BROKEN  # every launch above built: none fell back to the Triton kernel
 
 
+def test_mlp_in_one_launch_equals_two_launches():
+    """The folded INT4 MLP in one warp-specialized launch (the persistent_mlp setting) against its two launches at
+    the 27B's shapes under PDL level 3 (the INT4 engine's): out, rows and partials bit for bit at 1 and 8 rows,
+    eagerly and over CUDA graph replays with new inputs (the launch leaves its counters clean for the next)."""
+    from blockspec.kernels import KernelSettings, quant_matmul_gluon, use
+    from blockspec.kernels.quant_matmul_triton import wq_matmul_add_norm, wq_matmul_swiglu, wq_mlp_add_norm
+    from blockspec.quant.int4 import Int4Linear
+
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the warp-specialized kernel is Hopper's")
+    torch.manual_seed(0)
+    gate_up = Int4Linear.from_float(torch.randn(34816, 5120, device="cuda") * 5120 ** -0.5).packed()
+    down = Int4Linear.from_float(torch.randn(5120, 17408, device="cuda") * 17408 ** -0.5).packed()
+    bf = dict(device="cuda", dtype=torch.bfloat16)
+    with use(KernelSettings(pdl_level=3)):
+        for m in (1, 8):
+            x, residual, w = torch.randn(m, 5120, **bf), torch.randn(m, 5120, **bf), 0.1 * torch.randn(5120, **bf)
+            partials = torch.rand(80, m, device="cuda") * 128
+
+            def two():
+                return wq_matmul_add_norm(wq_matmul_swiglu(x, gate_up, (partials, 1e-6)), down, residual, w)
+
+            def one():
+                return wq_mlp_add_norm(x, gate_up, down, residual, w, (partials, 1e-6))
+            assert quant_matmul_gluon.mlp_usable(x, gate_up, down)
+            assert all(torch.equal(a, b) for a, b in zip(one(), two()))
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                captured = one()
+            for _ in range(3):
+                x.copy_(torch.randn(m, 5120, **bf))
+                residual.copy_(torch.randn(m, 5120, **bf))
+                graph.replay()
+                torch.cuda.synchronize()
+                assert all(torch.equal(a, b) for a, b in zip(captured, two()))
+    assert not quant_matmul_gluon._MLP_BROKEN
+
+
 @pytest.mark.parametrize("budget", [8, 31, 32])  # 31: a GPU's default budget (32 rows), 32: one row more
 def test_tree_graph_replay_equals_eager_and_plain(pair, budget):
     """Draft trees under CUDA graphs (the drafter's pass and tree, the tree pass, the path commits) against eager

@@ -55,6 +55,11 @@ def _run_kernel_cases():  # executed in a subprocess with TRITON_INTERPRET=1
         want_act = torch.nn.functional.silu(gate) * up
         act_one = wq.wq_matmul_swiglu(one[1], gu.packed(), rms=(one[2], eps))
         plain_act = wq.wq_matmul_swiglu(x, Int4Linear.from_float(torch.randn(2 * n_out, k_in, generator=g)).packed())
+        # the whole MLP with the next norm begun (one launch where the warp-specialized kernel serves it; here the
+        # same two launches): as gate_up's SwiGLU, then down's add_norm
+        down = Int4Linear.from_float(torch.randn(hidden, n_out, generator=g) * 0.05)
+        mlp = wq.wq_mlp_add_norm(rows, gu.packed(), down.packed(), summed, norm_weight, (partials, eps))
+        want_mlp = wq.wq_matmul_add_norm(act, down.packed(), summed, norm_weight)
         counters = kernels._COUNTERS.get(("cpu", None))
         results.append({
             "name": name, "rows": m,
@@ -68,6 +73,7 @@ def _run_kernel_cases():  # executed in a subprocess with TRITON_INTERPRET=1
             "y_err": float((y.double() - want_y).abs().max() / want_y.abs().max()),
             "row0": bool(torch.equal(one[0], summed[:1]) and torch.equal(y_one, y[:1])),
             "partials_shape": list(partials.shape),
+            "mlp_exact": all(bool(torch.equal(a, b)) for a, b in zip(mlp, want_mlp)) and len(mlp) == 3,
             "counters_clean": counters is None or int(counters.abs().sum()) == 0})
     return results
 
@@ -92,7 +98,7 @@ def test_fold_epilogues_match_plain_math_in_interpreter(interpreted):
         assert r["rows_exact"], r     # rows = summed * (1 + w), rounded once
         # a row does not depend on the others (plain decoding == verification rows) within one config: <= 8 rows
         assert (r["row0"] and r["act_row0"]) or r["rows"] > 8, r
-        assert r["counters_clean"], r
+        assert r["counters_clean"] and r["mlp_exact"], r
     assert results[1]["partials_shape"] == [11, 8]  # one sum per 64-column tile of the 650-wide output, per row
 
 
@@ -131,7 +137,9 @@ def _run_model_case(directory):  # executed in a subprocess with TRITON_INTERPRE
     from blockspec.layers import folded_norm
 
     kw = dict(device="cpu", compute_dtype="float32", context_length=256, target_quantization="int4")
-    plain, mtp = Engine.load(directory, **kw), Engine.load(directory, mode="mtp", **kw)
+    # MTP's engine with the MLP's one-launch setting: its folded MLPs go through SwiGLU.add_norm's launch (the
+    # two launches on the CPU, as without it)
+    plain, mtp = Engine.load(directory, **kw), Engine.load(directory, mode="mtp", persistent_mlp=True, **kw)
     ids = plain.tokenizer.encode("hello world")
     # 8 tokens in two MTP cycles (accepting 2 of 3, then 3 of 3: a partial commit and a whole block), checked as
     # greedy by one pass of the plain engine's model over the prompt and them (plain decoding's one-token steps
@@ -151,6 +159,7 @@ def _run_model_case(directory):  # executed in a subprocess with TRITON_INTERPRE
         "folded_norms": [plain.folded_norms, mtp.folded_norms], "layers": len(plain.model.layers),
         "folded_activations": sum(layer.mlp.fold_activation for layer in mtp.model.layers),
         "same_tokens": greedy == b.tokens and len(b.tokens) == 8, "acceptance": b.stats["acceptance_rate"],
+        "persistent_mlp": [plain.kernels.persistent_mlp, mtp.kernels.persistent_mlp],
         "logits_err": float((folded - unfolded).abs().max() / unfolded.abs().max())}
 
 
@@ -161,7 +170,7 @@ def test_folded_int4_model_in_interpreter(interpreted):
     of the folded model's logits after the ones before); folding moves logits by rounding only."""
     r = interpreter_part(interpreted, "model")
     assert r["folded_norms"] == [2 * r["layers"] - 1] * 2 and r["folded_activations"] == r["layers"], r
-    assert r["same_tokens"] and r["acceptance"] > 0.05, r
+    assert r["same_tokens"] and r["acceptance"] > 0.05 and r["persistent_mlp"] == [False, True], r
     assert r["logits_err"] < 1e-4, r
 
 

@@ -177,6 +177,50 @@ def test_sm90_code_under_pdl(epi):
     assert "griddepcontrol" not in sm90_compile(5120, 2, 32, epi, True, pdl_level=0)[0]
 
 
+def test_mlp_in_one_launch_only_where_both_projections_take_the_lean_program(monkeypatch):
+    """One launch serves a SwiGLU MLP where the lean program serves both projections (CUDA, Hopper, bf16 rows, 1..8 of
+    them, 4-bit group 128 codes over whole blocks) and down's inputs are gate_up's SwiGLU outputs."""
+    from blockspec.quant.fp8 import Fp8Linear, quantize
+
+    gate_up = Int4Linear.from_float(torch.randn(2048, 512) * 0.05).packed()
+    down = Int4Linear.from_float(torch.randn(512, 1024) * 0.05).packed()
+    x = torch.randn(9, 512, dtype=torch.bfloat16)
+    assert not gk.mlp_usable(x[:8], gate_up, down)  # CPU tensors
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    monkeypatch.setattr(gk, "_hopper", lambda device: True)
+    assert gk.mlp_usable(x[:8], gate_up, down) and gk.mlp_usable(x[:1], gate_up, down)
+    fp8 = Fp8Linear.from_blocks(*quantize(torch.randn(512, 1024) * 0.05)).packed()
+    refused = [gk.mlp_usable(x, gate_up, down), gk.mlp_usable(x[:8].half(), gate_up, down),
+               gk.mlp_usable(x[:8], gate_up, fp8),
+               gk.mlp_usable(x[:8], gate_up, Int4Linear.from_float(torch.randn(512, 512) * 0.05).packed()),
+               gk.mlp_usable(x[:8], Int4Linear.from_float(torch.randn(2048, 512) * 0.05, 64).packed(), down)]
+    assert refused == [False] * 5, refused
+    monkeypatch.setattr(gk, "_MLP_BROKEN", ["unsupported op"])
+    assert not gk.mlp_usable(x[:8], gate_up, down)
+
+
+@pytest.mark.parametrize("pdl_level", [0, 3])
+def test_mlp_launch_sm90_code(pdl_level):
+    """The MLP's one launch compiled for sm_90 (the 27B's shapes): both projections' group dots, each consumer's
+    release arrival once its gate_up stores are made, and the loader's order: down's first code tiles, then the
+    acquire of the arrival counter, the proxy fence (TMA reads what other SMs stored), then down's x; under PDL the
+    previous kernel waited for before gate_up's x, and the next released after the loops; without PDL none of it."""
+    pytest.importorskip("triton.experimental.gluon")
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+    from warp_specialized import sm90_compile_mlp
+
+    ptx, shared = sm90_compile_mlp(pdl_level=pdl_level)
+    assert len(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n8k16", ptx)) == 2 * 32 * gk.CONSUMERS
+    assert len(re.findall(r"atom\.global\.gpu\.release\.add", ptx)) == gk.CONSUMERS
+    loader = ptx[ptx.index("fence.proxy.async.global") - 20000:]
+    gate = loader.index("ld.global.gpu.acquire")
+    fence = loader.index("fence.proxy.async.global")
+    assert gate < fence < loader.index("cp.async.bulk.tensor.2d", fence)  # down's x after the fence
+    assert "cp.async.bulk.tensor.2d" in loader[:gate]  # down's first code tiles before the wait
+    assert ("griddepcontrol.wait;" in ptx and "griddepcontrol.launch_dependents;" in ptx) == (pdl_level > 0)
+    assert shared <= 128 * 1024
+
+
 def test_bench_dry_run(tmp_path):
     """bench/warp_specialized.py's dry run ("warp_specialized.py" --dry-run), in a process of its own: the other
     scripts' dry runs share one with the Triton interpreter, whose patches of triton.language break Gluon's
@@ -188,6 +232,8 @@ def test_bench_dry_run(tmp_path):
                           text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     compiled = json.loads((tmp_path / "warp_specialized.json").read_text())
+    mlp = compiled.pop("MLP")  # the MLP's one launch: 2 projections' dots
+    assert mlp["wgmma"] == 2 * 32 * gk.CONSUMERS and mlp["shared"] <= 128 * 1024
     assert sorted(compiled) == sorted([f"C{c} m{m}" for c in (2, 3) for m in (8, 16, 32)]
                                       + ["C2 m8 whole SM", "C2 m16 lean"])
     assert compiled["C2 m8"]["shared"] <= 128 * 1024 < compiled["C2 m8 whole SM"]["shared"]  # the lean 120 KB ring

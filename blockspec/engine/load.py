@@ -279,7 +279,7 @@ def prepare_target(parts: LoadedParts):
     # without); fusion is what graphs record
     pdl_level = c.pdl_level if c.pdl_level is not None else (3 if parts.target_quantization == "int4" else 0)
     parts.kernels = KernelSettings(fusion=parts.execution == "cuda-graphs", pdl_level=pdl_level,
-                                   pdl_prefetch_mb=c.pdl_prefetch_mb)
+                                   pdl_prefetch_mb=c.pdl_prefetch_mb, persistent_mlp=c.persistent_mlp)
     # a quantized checkpoint is used as stored: what it keeps unquantized stays dense
     quantizer = rtn(c.target_quantization if not stored else "none", 128, parts.dtype)
     parts.memory.target = prepare(model, quantizer, lambda name: name.startswith("layers."))

@@ -30,14 +30,15 @@ os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(os.path.expanduser
 
 
 # How the kernels launch: one immutable settings object, built by the engine from PredictConfig (fusion on with CUDA
-# graphs, `pdl_level`, `pdl_prefetch_mb`) and active only around that engine's own work (`use`). Scoped rather than
-# global: two engines in one process (the bench builds one per mode) may want different settings, and benches or
+# graphs, `pdl_level`, `pdl_prefetch_mb`, `persistent_mlp`) and active only around that engine's own work (`use`).
+# Scoped rather than global: two engines in one process (the bench builds one per mode) may want different settings, and benches or
 # tests that call kernels directly get the defaults (no PDL, no compilation).
 @dataclass(frozen=True)
 class KernelSettings:
     fusion: bool = False          # torch.compile the elementwise ops that have no kernel of their own (`fused`)
     pdl_level: int = 0            # programmatic dependent launch (kernels/pdl.py): 0 off .. 3
     pdl_prefetch_mb: float = 4.0  # weight bytes the projections prefetch into L2 while they wait (PDL only)
+    persistent_mlp: bool = False  # a folded INT4 MLP in one launch (quant_matmul_triton.wq_mlp_add_norm)
 
 
 _ACTIVE: contextvars.ContextVar[KernelSettings] = contextvars.ContextVar("blockspec_kernels",

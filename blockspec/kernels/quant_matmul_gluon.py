@@ -25,6 +25,12 @@ Kernel
   order (the last bits may differ, as between the Triton configs).
 Epilogues (`Epilogue`): the input rows' 1 / rms (RMS), then store (0), residual add with the next norm begun (1),
 or silu(gate) * up (2: a consumer's 64 rows are 32 gate channels, then the same channels' up rows).
+
+The MLP in one launch (`launch_mlp`, the `persistent_mlp` setting; 1..8 rows): every program runs the lean
+program's units of gate_up (epilogue 2, into h), then of down (epilogue 1) through the same ring; the loader copies
+down's first codes while gate_up's last tiles finish, and down's x (h) once every consumer warpgroup has arrived on a
+counter after its stores. Bit for bit the two launches; measured slower in the step so far (docs/benchmarks.md, "The
+MLP in one warp-specialized launch"), hence off by default.
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ from .unpack_ptx import unpack_asm
 
 try:  # Gluon ships with triton >= 3.5; without it the Triton kernel serves every row count
     import triton
+    import triton.language as tl
     from triton.compiler.errors import CompilationError
     from triton.runtime.errors import OutOfResources
     from triton.experimental import gluon
@@ -70,6 +77,7 @@ def footprint(consumers: int, block_m: int) -> tuple[tuple[int, int, int], int]:
 
 
 _BROKEN: list[str] = []  # why this kernel did not build here (then the Triton kernel serves its launches)
+_MLP_BROKEN: list[str] = []  # why the MLP's kernel did not build here (then its projections launch apart)
 
 
 def usable(x2: torch.Tensor, pw: PackedWeight, block_m: int = BM, consumers: int = CONSUMERS) -> bool:
@@ -90,6 +98,10 @@ def _hopper(device: torch.device) -> bool:
 
 if gluon is not None:
     _BN, _G = gl.constexpr(BN), gl.constexpr(G)
+
+    @triton.jit
+    def _fence_proxy_async_global():
+        tl.inline_asm_elementwise("fence.proxy.async.global; // $0", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
 
     @gluon.jit
     def _rows(t, c: gl.constexpr, rows, N, C: gl.constexpr, EPI: gl.constexpr):
@@ -167,11 +179,28 @@ if gluon is not None:
                          mask=mask)
 
     @gluon.jit
-    def _consume(c: gl.constexpr, s_ptr, out_ptr, ws_ptr, cnt_ptr, res_ptr, nw_ptr, rows_ptr, part_ptr, ring_q,
-                 ring_x, scratch, ready, empty, start, count, M, N, K, PER, PARTS, stride_om, eps,
-                 NBLK: gl.constexpr, C: gl.constexpr, S: gl.constexpr, EPI: gl.constexpr, RMS: gl.constexpr,
-                 PBLOCK: gl.constexpr, BM: gl.constexpr, PDL: gl.constexpr, GROUPS: gl.constexpr,
-                 U0: gl.constexpr, U1: gl.constexpr, U2: gl.constexpr, U3: gl.constexpr):
+    def _inv_rms(part_ptr, M, K, PARTS, eps, RMS: gl.constexpr, PBLOCK: gl.constexpr, BM: gl.constexpr):
+        """The input rows' 1 / rms from the previous launch's per-tile sums of squares (zeros without RMS)."""
+        mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                      instr_shape=[16, BM, 16])
+        inv_rms = gl.zeros([BM], gl.float32, layout=gl.SliceLayout(0, mma))
+        if RMS:
+            sums_layout: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [4, 1], [1, 0])
+            p_rows = gl.arange(0, PBLOCK, layout=gl.SliceLayout(1, sums_layout))
+            p_cols = gl.arange(0, BM, layout=gl.SliceLayout(0, sums_layout))
+            sums = gl.load(part_ptr + p_rows[:, None] * M + p_cols[None, :],
+                           mask=(p_rows < PARTS)[:, None] & (p_cols < M)[None, :], other=0.0)
+            inv_rms = gl.convert_layout(gl.rsqrt(gl.sum(sums, axis=0) / K + eps), gl.SliceLayout(0, mma))
+        return inv_rms
+
+    @gluon.jit
+    def _units(c: gl.constexpr, j0, nx, inv_rms, s_ptr, out_ptr, ws_ptr, cnt_ptr, res_ptr, nw_ptr, rows_ptr,
+               part_ptr, ring_q, ring_x, scratch, ready, empty, start, count, M, N, PER, stride_om,
+               NBLK: gl.constexpr, C: gl.constexpr, S: gl.constexpr, EPI: gl.constexpr, RMS: gl.constexpr,
+               BM: gl.constexpr, GROUPS: gl.constexpr, U0: gl.constexpr, U1: gl.constexpr, U2: gl.constexpr,
+               U3: gl.constexpr):
+        """Consumer c's run of `count` units from `start`, the stages j0 .. j0 + count - 1 of the ring; nx: the
+        first unit's scales."""
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                       instr_shape=[16, BM, 16])
         a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
@@ -179,24 +208,14 @@ if gluon is not None:
         cols = gl.arange(0, BM, layout=gl.SliceLayout(0, mma))
         zero = gl.zeros([_BN, BM], gl.float32, layout=mma)
         acc = gl.zeros([_BN, BM], gl.float32, layout=mma)
-        inv_rms = gl.zeros([BM], gl.float32, layout=gl.SliceLayout(0, mma))
-        nx = _scales(s_ptr, start, count > 0, N, rows, NBLK, C, c, EPI, GROUPS)  # one unit ahead: DRAM latency
-        pdl.wait(PDL)  # before the previous kernel's outputs: the partials, the residual
-        if RMS:  # the input rows' 1 / rms from the previous launch's per-tile sums of squares
-            sums_layout: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [4, 1], [1, 0])
-            p_rows = gl.arange(0, PBLOCK, layout=gl.SliceLayout(1, sums_layout))
-            p_cols = gl.arange(0, BM, layout=gl.SliceLayout(0, sums_layout))
-            sums = gl.load(part_ptr + p_rows[:, None] * M + p_cols[None, :],
-                           mask=(p_rows < PARTS)[:, None] & (p_cols < M)[None, :], other=0.0)
-            inv_rms = gl.convert_layout(gl.rsqrt(gl.sum(sums, axis=0) / K + eps), gl.SliceLayout(0, mma))
         for j in range(count):
             u = start + j
             t = u // NBLK
             b = u % NBLK
             s0, s1, s2, s3 = nx
             nx = _scales(s_ptr, u + 1, j + 1 < count, N, rows, NBLK, C, c, EPI, GROUPS)
-            slot = j % S
-            mbarrier.wait(ready.index(slot), (j // S) & 1)
+            slot = (j0 + j) % S
+            mbarrier.wait(ready.index(slot), ((j0 + j) // S) & 1)
             h = ring_q.index(slot * C + c).load(a_layout)
             a = gl.inline_asm_elementwise(U0, "=r,r", [h], dtype=gl.bfloat16, is_pure=True, pack=2)
             acc += warpgroup_mma(a, ring_x.index(slot * GROUPS).permute((1, 0)), zero, use_acc=False) \
@@ -219,6 +238,22 @@ if gluon is not None:
                 _finish(acc, inv_rms, scratch.index(c if EPI == 2 else 0), out_ptr, ws_ptr, cnt_ptr, res_ptr,
                         nw_ptr, rows_ptr, part_ptr, t, n, n_ok, cols, M, N, PER, stride_om, NBLK, C, c, EPI, RMS, BM)
             acc = gl.where(flush, zero, acc)
+
+    @gluon.jit
+    def _consume(c: gl.constexpr, s_ptr, out_ptr, ws_ptr, cnt_ptr, res_ptr, nw_ptr, rows_ptr, part_ptr, ring_q,
+                 ring_x, scratch, ready, empty, start, count, M, N, K, PER, PARTS, stride_om, eps,
+                 NBLK: gl.constexpr, C: gl.constexpr, S: gl.constexpr, EPI: gl.constexpr, RMS: gl.constexpr,
+                 PBLOCK: gl.constexpr, BM: gl.constexpr, PDL: gl.constexpr, GROUPS: gl.constexpr,
+                 U0: gl.constexpr, U1: gl.constexpr, U2: gl.constexpr, U3: gl.constexpr):
+        mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                      instr_shape=[16, BM, 16])
+        rows = gl.arange(0, _BN, layout=gl.SliceLayout(1, mma))
+        nx = _scales(s_ptr, start, count > 0, N, rows, NBLK, C, c, EPI, GROUPS)  # one unit ahead: DRAM latency
+        pdl.wait(PDL)  # before the previous kernel's outputs: the partials, the residual
+        inv_rms = _inv_rms(part_ptr, M, K, PARTS, eps, RMS, PBLOCK, BM)
+        _units(c, 0, nx, inv_rms, s_ptr, out_ptr, ws_ptr, cnt_ptr, res_ptr, nw_ptr, rows_ptr, part_ptr, ring_q, ring_x,
+               scratch, ready, empty, start, count, M, N, PER, stride_om, NBLK, C, S, EPI, RMS, BM, GROUPS,
+               U0, U1, U2, U3)
         pdl.release(PDL)
 
     @gluon.jit
@@ -237,23 +272,40 @@ if gluon is not None:
                 tma.async_copy_global_to_shared(q_desc, [(t * C + c) * _BN, b * _G], bar, ring_q.index(slot * C + c))
 
     @gluon.jit
-    def _loader(q_desc, x_desc, ring_q, ring_x, ready, empty, start, count, N, NBLK: gl.constexpr, C: gl.constexpr,
-                S: gl.constexpr, EPI: gl.constexpr, BM: gl.constexpr, PDL: gl.constexpr, GROUPS: gl.constexpr):
-        """The worker partition that streams the stages. The first S stages' codes are model weights, copied before
-        the previous kernel has finished (PDL); x, its output, only after."""
+    def _stream(q_desc, x_desc, ring_q, ring_x, ready, empty, j0, start, count, N, gate_ptr, gate,
+                NBLK: gl.constexpr, C: gl.constexpr, S: gl.constexpr, EPI: gl.constexpr, BM: gl.constexpr,
+                PDL: gl.constexpr, GROUPS: gl.constexpr, GATE: gl.constexpr):
+        """The loader's run of `count` units from `start` into the ring's stages j0 ..: the first S stages' codes,
+        model weights, before the gate (GATE 0: the previous kernel, under PDL; 1: the counter at gate_ptr
+        reaching `gate`, what an earlier phase of the same launch wrote); x, an output of what the gate waits
+        for, only after it."""
         for j in range(gl.minimum(count, S)):
-            _load_codes(q_desc, ring_q, ready.index(j), j, (start + j) // NBLK, (start + j) % NBLK, N, C, EPI, BM,
-                        GROUPS)
-        pdl.wait(PDL)
+            if j0 + j >= S:
+                mbarrier.wait(empty.index((j0 + j) % S), (((j0 + j) // S) & 1) ^ 1)
+            _load_codes(q_desc, ring_q, ready.index((j0 + j) % S), (j0 + j) % S, (start + j) // NBLK,
+                        (start + j) % NBLK, N, C, EPI, BM, GROUPS)
+        if GATE == 0:
+            pdl.wait(PDL)
+        else:
+            while gl.atomic_add(gate_ptr, 0, sem="acquire") < gate:
+                pass
+            _fence_proxy_async_global()  # the generic stores seen before TMA (the async proxy) reads them
         for j in range(count):
             b = (start + j) % NBLK
-            slot = j % S
+            slot = (j0 + j) % S
             if j >= S:
-                mbarrier.wait(empty.index(slot), ((j // S) & 1) ^ 1)
+                mbarrier.wait(empty.index(slot), (((j0 + j) // S) & 1) ^ 1)
                 _load_codes(q_desc, ring_q, ready.index(slot), slot, (start + j) // NBLK, b, N, C, EPI, BM, GROUPS)
             for i in gl.static_range(GROUPS):
                 tma.async_copy_global_to_shared(x_desc, [0, (b * GROUPS + i) * _G], ready.index(slot),
                                                 ring_x.index(slot * GROUPS + i))
+
+    @gluon.jit
+    def _loader(q_desc, x_desc, ring_q, ring_x, ready, empty, start, count, N, NBLK: gl.constexpr, C: gl.constexpr,
+                S: gl.constexpr, EPI: gl.constexpr, BM: gl.constexpr, PDL: gl.constexpr, GROUPS: gl.constexpr):
+        """The worker partition that streams the stages."""
+        _stream(q_desc, x_desc, ring_q, ring_x, ready, empty, 0, start, count, N, 0, 0, NBLK, C, S, EPI, BM, PDL,
+                GROUPS, 0)
         pdl.release(PDL)
 
     @gluon.jit
@@ -304,6 +356,88 @@ if gluon is not None:
                 [4, 4, 1], [CREGS, CREGS, LREGS])
 
 
+    @gluon.jit
+    def _consume_mlp(c: gl.constexpr, sa_ptr, h_ptr, wsa_ptr, cnta_ptr, parta_ptr, sb_ptr, out_ptr, wsb_ptr,
+                     cntb_ptr, res_ptr, nw_ptr, rows_ptr, partb_ptr, done_ptr, ring_q, ring_x, scratch, ready, empty,
+                     start_a, count_a, start_b, count_b, M, NA, KA, PER_A, PARTS, stride_h, NB, PER_B, stride_om,
+                     eps, NBLK_A: gl.constexpr, NBLK_B: gl.constexpr, C: gl.constexpr, S: gl.constexpr,
+                     RMS: gl.constexpr, PBLOCK: gl.constexpr, BM: gl.constexpr, PDL: gl.constexpr,
+                     GROUPS: gl.constexpr, U0: gl.constexpr, U1: gl.constexpr, U2: gl.constexpr, U3: gl.constexpr):
+        """Consumer c of the MLP's launch: its gate_up units (SwiGLU into h), an arrival on the done counter once
+        its stores are made, then its down units (residual add, the next norm begun)."""
+        mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                      instr_shape=[16, BM, 16])
+        rows = gl.arange(0, _BN, layout=gl.SliceLayout(1, mma))
+        nx = _scales(sa_ptr, start_a, count_a > 0, NA, rows, NBLK_A, C, c, 2, GROUPS)
+        pdl.wait(PDL)
+        inv_rms = _inv_rms(parta_ptr, M, KA, PARTS, eps, RMS, PBLOCK, BM)
+        _units(c, 0, nx, inv_rms, sa_ptr, h_ptr, wsa_ptr, cnta_ptr, h_ptr, sa_ptr, h_ptr, parta_ptr, ring_q, ring_x,
+               scratch, ready, empty, start_a, count_a, M, NA, PER_A, stride_h, NBLK_A, C, S, 2, RMS, BM, GROUPS,
+               U0, U1, U2, U3)
+        gl.thread_barrier()  # this warpgroup's stores of h (and of the split tiles it finished) before the arrival
+        gl.atomic_add(done_ptr, 1, sem="release")
+        nx = _scales(sb_ptr, start_b, count_b > 0, NB, rows, NBLK_B, C, c, 1, GROUPS)
+        _units(c, count_a, nx, inv_rms, sb_ptr, out_ptr, wsb_ptr, cntb_ptr, res_ptr, nw_ptr, rows_ptr, partb_ptr,
+               ring_q, ring_x, scratch, ready, empty, start_b, count_b, M, NB, PER_B, stride_om, NBLK_B, C, S, 1,
+               False, BM, GROUPS, U0, U1, U2, U3)
+        pdl.release(PDL)
+
+    @gluon.jit
+    def _loader_mlp(qa_desc, xa_desc, qb_desc, xb_desc, ring_q, ring_x, ready, empty, start_a, count_a, start_b,
+                    count_b, NA, NB, done_ptr, exit_ptr, arrivals, programs, NBLK_A: gl.constexpr,
+                    NBLK_B: gl.constexpr, C: gl.constexpr, S: gl.constexpr, BM: gl.constexpr, PDL: gl.constexpr,
+                    GROUPS: gl.constexpr):
+        """The MLP launch's loader: gate_up's stages, then down's, whose first codes stream while the last gate_up
+        tiles finish and whose x (h) waits for every consumer's arrival; the last program past that wait resets
+        both counters for the next launch."""
+        _stream(qa_desc, xa_desc, ring_q, ring_x, ready, empty, 0, start_a, count_a, NA, done_ptr, 0, NBLK_A, C, S,
+                2, BM, PDL, GROUPS, 0)
+        _stream(qb_desc, xb_desc, ring_q, ring_x, ready, empty, count_a, start_b, count_b, NB, done_ptr, arrivals,
+                NBLK_B, C, S, 1, BM, PDL, GROUPS, 1)
+        if gl.atomic_add(exit_ptr, 1, sem="acq_rel") == programs - 1:
+            gl.atomic_xchg(done_ptr, 0)
+            gl.atomic_xchg(exit_ptr, 0)
+        pdl.release(PDL)
+
+    @gluon.jit
+    def _mlp_kernel(qa_desc, xa_desc, qb_desc, xb_desc, sa_ptr, h_ptr, wsa_ptr, cnta_ptr, parta_ptr, sb_ptr,
+                    out_ptr, wsb_ptr, cntb_ptr, res_ptr, nw_ptr, rows_ptr, partb_ptr, done_ptr, exit_ptr, M, NA, NB,
+                    UNITS_A, PER_A, UNITS_B, PER_B, PARTS, stride_h, stride_om, eps, ARRIVALS, KA: gl.constexpr,
+                    KB: gl.constexpr, C: gl.constexpr, BM: gl.constexpr, S: gl.constexpr, RMS: gl.constexpr,
+                    PBLOCK: gl.constexpr, PDL: gl.constexpr, CREGS: gl.constexpr, LREGS: gl.constexpr,
+                    GROUPS: gl.constexpr, U0: gl.constexpr, U1: gl.constexpr, U2: gl.constexpr, U3: gl.constexpr,
+                    num_warps: gl.constexpr):
+        NBLK_A: gl.constexpr = KA // (_G * GROUPS)
+        NBLK_B: gl.constexpr = KB // (_G * GROUPS)
+        ring_q = gl.allocate_shared_memory(gl.int16, [S * C, _BN, _G],
+                                           gl.NVMMASharedLayout.get_default_for([_BN, _G], gl.int16))
+        ring_x = gl.allocate_shared_memory(gl.bfloat16, [S * GROUPS, BM, _G], xa_desc.layout)
+        scratch = gl.allocate_shared_memory(gl.float32, [C, _BN, BM], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+        ready = gl.allocate_shared_memory(gl.int64, [S, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [S, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(S):
+            mbarrier.init(ready.index(i), count=1)
+            mbarrier.init(empty.index(i), count=C)
+        pid = gl.program_id(0)
+        start_a = pid * PER_A
+        count_a = gl.maximum(gl.minimum(UNITS_A - start_a, PER_A), 0)
+        start_b = pid * PER_B
+        count_b = gl.maximum(gl.minimum(UNITS_B - start_b, PER_B), 0)
+        gl.warp_specialize([
+            (_consume_mlp, (0, sa_ptr, h_ptr, wsa_ptr, cnta_ptr, parta_ptr, sb_ptr, out_ptr, wsb_ptr, cntb_ptr,
+                            res_ptr, nw_ptr, rows_ptr, partb_ptr, done_ptr, ring_q, ring_x, scratch, ready, empty,
+                            start_a, count_a, start_b, count_b, M, NA, KA, PER_A, PARTS, stride_h, NB, PER_B,
+                            stride_om, eps, NBLK_A, NBLK_B, C, S, RMS, PBLOCK, BM, PDL, GROUPS, U0, U1, U2, U3)),
+            (_consume_mlp, (1, sa_ptr, h_ptr, wsa_ptr, cnta_ptr, parta_ptr, sb_ptr, out_ptr, wsb_ptr, cntb_ptr,
+                            res_ptr, nw_ptr, rows_ptr, partb_ptr, done_ptr, ring_q, ring_x, scratch, ready, empty,
+                            start_a, count_a, start_b, count_b, M, NA, KA, PER_A, PARTS, stride_h, NB, PER_B,
+                            stride_om, eps, NBLK_A, NBLK_B, C, S, RMS, PBLOCK, BM, PDL, GROUPS, U0, U1, U2, U3)),
+            (_loader_mlp, (qa_desc, xa_desc, qb_desc, xb_desc, ring_q, ring_x, ready, empty, start_a, count_a,
+                           start_b, count_b, NA, NB, done_ptr, exit_ptr, ARRIVALS, gl.num_programs(0), NBLK_A,
+                           NBLK_B, C, S, BM, PDL, GROUPS))],
+            [4, 1], [CREGS, LREGS])
+
+
 def plan(n: int, k: int, sms: int, consumers: int = CONSUMERS, block_m: int = BM,
          bits: int = 4) -> tuple[int, int, int, int]:
     """(stages, units, units per program, most pieces a tile is cut into: 1 where every run is whole tiles) of a
@@ -333,23 +467,72 @@ def launch(x2: torch.Tensor, pw: PackedWeight, out: torch.Tensor, epi, consumers
     ws = torch.empty(pieces * m * pw.n, dtype=torch.float32, device=x2.device)
     cnt = arrival_counters(x2.device, -(-pw.n // (consumers * BN)) * consumers)
     parts = ws if epi.partials is None else epi.partials
+    return _built(lambda: _ws_kernel[(sms,)](
+        q_desc, x_desc, pw.s, out, ws, cnt, *(out if t is None else t for t in (epi.residual, epi.weight, epi.rows)),
+        parts, m, pw.n, units, per, parts.shape[0], out.stride(0), epi.eps, K=k, C=consumers, BM=block_m, S=stages,
+        EPI=epi.kind, RMS=epi.rms, PBLOCK=triton.next_power_of_2(parts.shape[0]) if epi.rms else 1,
+        CREGS=registers[1], LREGS=registers[2], **unpacking(pw.bits, pw.codes == "e4m3"), num_warps=4,
+        maxnreg=registers[0], **pdl.options(x2)), _BROKEN, "the warp-specialized W4A16 kernel",
+        "the Triton kernel runs its launches")
+
+
+def _built(launch_kernel, broken: list, what: str, instead: str) -> bool:
+    """Runs launch_kernel; False, with one note on stderr and the reason kept in `broken`, where another Triton's
+    Gluon does not build the kernel (nothing was launched)."""
     try:
-        _ws_kernel[(sms,)](q_desc, x_desc, pw.s, out, ws, cnt,
-                           *(out if t is None else t for t in (epi.residual, epi.weight, epi.rows)), parts,
-                           m, pw.n, units, per, parts.shape[0], out.stride(0), epi.eps, K=k, C=consumers, BM=block_m,
-                           S=stages, EPI=epi.kind, RMS=epi.rms,
-                           PBLOCK=triton.next_power_of_2(parts.shape[0]) if epi.rms else 1,
-                           CREGS=registers[1], LREGS=registers[2], **unpacking(pw.bits, pw.codes == "e4m3"),
-                           num_warps=4, maxnreg=registers[0], **pdl.options(x2))
+        launch_kernel()
     except (CompilationError, OutOfResources, RuntimeError) as exc:
         if isinstance(exc, RuntimeError) and "PassManager" not in str(exc):
             raise  # not a compiler pass: a launch's error is the caller's
-        # another Triton's Gluon: nothing was launched; the Triton kernel takes over
-        _BROKEN.append(str(exc).splitlines()[0])
-        print(f"blockspec: the warp-specialized W4A16 kernel does not build with triton {triton.__version__} "
-              f"({_BROKEN[0][:120]}); the Triton kernel runs its launches", file=sys.stderr)
+        broken.append(str(exc).splitlines()[0])
+        print(f"blockspec: {what} does not build with triton {triton.__version__} ({broken[0][:120]}); {instead}",
+              file=sys.stderr)
         return False
     return True
+
+
+def mlp_usable(x2: torch.Tensor, gate_up: PackedWeight, down: PackedWeight) -> bool:
+    """Whether one launch (`launch_mlp`) serves a SwiGLU MLP of x2's rows: gate_up and down both usable in the
+    lean program (1..8 rows) with 4-bit codes, down's inputs gate_up's SwiGLU outputs, and the kernel builds."""
+    return (not _MLP_BROKEN and gate_up.bits == down.bits == 4 and gate_up.n == 2 * down.k
+            and usable(x2, gate_up, 8) and usable(x2, down, 8))
+
+
+def launch_mlp(x2: torch.Tensor, gate_up: PackedWeight, down: PackedWeight, h: torch.Tensor, out: torch.Tensor,
+               rms: tuple[torch.Tensor, float] | None, residual: torch.Tensor, weight: torch.Tensor,
+               rows: torch.Tensor, partials: torch.Tensor) -> bool:
+    """One launch of the MLP with the next norm begun: h = silu(gate) * up of x2 (scaled by 1 / rms where `rms`
+    holds the previous launch's partials), then out = residual + h @ down^T, rows = out * (1 + weight) and the
+    per-tile sums of out^2 into partials, as `launch` does them in two (the lean program's units, plans and
+    epilogues, bit for bit). Every program streams an equal run of gate_up's units, then of down's: its loader
+    copies down's first stages' codes while gate_up's last tiles finish, and down's x (h) once every consumer has
+    stored its gate_up tiles (an arrival counter). False, with one note on stderr, where the kernel does not
+    build: nothing was launched."""
+    m = x2.shape[0]
+    sms = sm_count(x2.device)
+    stages, units_a, per_a, pieces_a = plan(gate_up.n, gate_up.k, sms, CONSUMERS, 8, 4)
+    _, units_b, per_b, pieces_b = plan(down.n, down.k, sms, CONSUMERS, 8, 4)
+    registers = LEAN[0]
+    layout = gl.NVMMASharedLayout.get_default_for
+    qa = TensorDescriptor.from_tensor(gate_up.q, [BN // 2, G], layout([BN // 2, G], gl.int16))
+    qb = TensorDescriptor.from_tensor(down.q, [BN, G], layout([BN, G], gl.int16))
+    xa = TensorDescriptor.from_tensor(x2, [8, G], layout([8, G], gl.bfloat16))
+    xb = TensorDescriptor.from_tensor(h, [8, G], layout([8, G], gl.bfloat16))
+    tiles_a, tiles_b = -(-gate_up.n // (CONSUMERS * BN)), -(-down.n // (CONSUMERS * BN))
+    cnt = arrival_counters(x2.device, (tiles_a + tiles_b) * CONSUMERS + 2)
+    ws_a = torch.empty(pieces_a * m * gate_up.n, dtype=torch.float32, device=x2.device)
+    ws_b = torch.empty(pieces_b * m * down.n, dtype=torch.float32, device=x2.device)
+    flags = cnt[(tiles_a + tiles_b) * CONSUMERS:]
+    parts_in = partials if rms is None else rms[0]
+    return _built(lambda: _mlp_kernel[(sms,)](
+        qa, xa, qb, xb, gate_up.s, h, ws_a, cnt, parts_in, down.s, out, ws_b, cnt[tiles_a * CONSUMERS:], residual,
+        weight, rows, partials, flags, flags[1:], m, gate_up.n, down.n, units_a, per_a, units_b, per_b,
+        parts_in.shape[0], h.stride(0), out.stride(0), 0.0 if rms is None else rms[1], sms * CONSUMERS, KA=gate_up.k,
+        KB=down.k,
+        C=CONSUMERS, BM=8, S=stages, RMS=rms is not None,
+        PBLOCK=triton.next_power_of_2(parts_in.shape[0]) if rms is not None else 1, CREGS=registers[1],
+        LREGS=registers[2], **unpacking(4), num_warps=4, maxnreg=registers[0], **pdl.options(x2)),
+        _MLP_BROKEN, "the warp-specialized MLP kernel", "its two projections launch apart")
 
 
 def unpacking(bits: int, e4m3: bool = False) -> dict:

@@ -561,6 +561,29 @@ def wq_matmul_add_norm(x: torch.Tensor, pw: PackedWeight, residual: torch.Tensor
     return out, rows, partials
 
 
+def wq_mlp_add_norm(x: torch.Tensor, gate_up: PackedWeight, down: PackedWeight, residual: torch.Tensor,
+                    norm_weight: torch.Tensor, rms: tuple[torch.Tensor, float] | None = None):
+    """A SwiGLU MLP whose output joins the residual stream, the next norm begun: wq_matmul_add_norm(
+    wq_matmul_swiglu(x, gate_up, rms), down, residual, norm_weight), the same (out, rows, partials) bit for bit. Where
+    the warp-specialized kernel serves both projections (INT4 at 1..8 rows on Hopper:
+    quant_matmul_gluon.mlp_usable), one launch streams both, down's first codes while gate_up's last tiles finish;
+    elsewhere the two launches."""
+    x2 = _rows(x, gate_up)
+    m = x2.shape[0]
+    _rms(rms, m)  # partials of m rows, else the error
+    cfg = default_config(m, down.n, down.k, down.bits, down.group_size)
+    if (cfg.warp_specialized and cfg.block_m == 8 and quant_matmul_gluon.mlp_usable(x2, gate_up, down)
+            and tuple(residual.shape) == (m, down.n) and tuple(norm_weight.shape) == (down.n,)):
+        h = torch.empty(m, down.k, dtype=x.dtype, device=x.device)
+        out = torch.empty(m, down.n, dtype=x.dtype, device=x.device)
+        rows = torch.empty_like(out)
+        partials = torch.empty(-(-down.n // quant_matmul_gluon.BN), m, dtype=torch.float32, device=x.device)
+        if quant_matmul_gluon.launch_mlp(x2, gate_up, down, h, out, rms, residual.contiguous(), norm_weight, rows,
+                                         partials):
+            return out, rows, partials
+    return wq_matmul_add_norm(wq_matmul_swiglu(x2, gate_up, rms), down, residual, norm_weight)
+
+
 def _rms(rms: tuple[torch.Tensor, float] | None, m: int) -> dict:
     if rms is None:
         return {}
@@ -608,4 +631,5 @@ def wq_matmul(x: torch.Tensor, pw: PackedWeight, config: KernelConfig | None = N
 
 
 __all__ = ["KernelConfig", "MAX_KERNEL_ROWS", "Epilogue", "LaunchPlan", "kernels_available",
-           "default_config", "schedule", "launch_plan", "wq_matmul", "wq_matmul_add_norm", "wq_matmul_swiglu"]
+           "default_config", "schedule", "launch_plan", "wq_matmul", "wq_matmul_add_norm", "wq_matmul_swiglu",
+           "wq_mlp_add_norm"]

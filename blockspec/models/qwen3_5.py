@@ -57,10 +57,9 @@ class DecoderLayer(nn.Module):
             x, h = out_proj.add_norm(mixed, x, self.post_attention_layernorm)
         else:
             x, h = self.post_attention_layernorm.add_forward(x, out_proj(mixed))
-        activated = self.mlp.activate(h)
         if fold and self.fold_into is not None:
-            return self.mlp.down_proj.add_norm(activated, x, self.fold_into)
-        return x, self.mlp.down_proj(activated)
+            return self.mlp.add_norm(h, x, self.fold_into)
+        return x, self.mlp.down_proj(self.mlp.activate(h))
 
 
 @dataclass
