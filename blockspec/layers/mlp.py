@@ -32,7 +32,7 @@ class SwiGLU(nn.Module):
     def add_norm(self, x: FoldedNorm, residual: torch.Tensor, norm: nn.Module) -> tuple[torch.Tensor, FoldedNorm]:
         """(residual + self(x), that sum's `norm` begun) for a folded layer (layers/folded_norm.py): with the kernel
         setting persistent_mlp in one launch where the kernel serves it, else the activation's launch and down's."""
-        if self.fold_activation and active().persistent_mlp and x.shape[0] <= MAX_FOLDED_ROWS:
+        if self.fold_activation and active().persistent_mlp:  # a folded pass: <= MAX_FOLDED_ROWS rows
             summed, rows, partials = wq.wq_mlp_add_norm(x.rows, self.gate_up_proj.parts[0].packed(),
                                                         self.down_proj.packed(), residual, norm.weight, x.rms)
             return summed, FoldedNorm(rows, partials, norm.eps)
