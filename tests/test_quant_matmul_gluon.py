@@ -89,6 +89,36 @@ def test_a_kernel_that_does_not_build_hands_its_launches_back(monkeypatch, capsy
     assert not gk.usable(x, pw)
 
 
+def test_an_mlp_launch_that_does_not_build_hands_back_to_the_two_launches(monkeypatch, capsys):
+    """The MLP's one launch where another Triton's Gluon does not build it: one note on stderr, nothing launched,
+    and from then on `mlp_usable` says no (the two launches serve), while the single projection's kernel stays."""
+    pytest.importorskip("triton.experimental.gluon")
+    from triton.compiler.errors import CompilationError
+
+    class Refusing:
+        def __getitem__(self, grid):
+            def compile_and_launch(*args, **kwargs):
+                raise CompilationError("", None, "unsupported op")
+            return compile_and_launch
+
+    monkeypatch.setattr(gk, "_mlp_kernel", Refusing())
+    monkeypatch.setattr(gk, "_MLP_BROKEN", [])
+    monkeypatch.setattr(gk, "_BROKEN", [])
+    monkeypatch.setattr(gk, "_hopper", lambda device: True)
+    gate_up = Int4Linear.from_float(torch.randn(2048, 512) * 0.05).packed()
+    down = Int4Linear.from_float(torch.randn(512, 1024) * 0.05).packed()
+    x, h = torch.randn(8, 512, dtype=torch.bfloat16), torch.zeros(8, 1024, dtype=torch.bfloat16)
+    out, rows = torch.zeros(8, 512, dtype=torch.bfloat16), torch.zeros(8, 512, dtype=torch.bfloat16)
+    partials = torch.zeros(8, 8)
+    assert not gk.launch_mlp(x, gate_up, down, h, out, None, out.clone(), torch.zeros(512, dtype=torch.bfloat16),
+                             rows, partials)
+    assert not h.any() and not out.any() and not partials.any()
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "MLP kernel does not build" in err and "launch apart" in err
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    assert not gk.mlp_usable(x, gate_up, down) and gk.usable(x, gate_up, 8) and not gk._BROKEN
+
+
 @pytest.mark.parametrize("name", list(SHAPES))
 @pytest.mark.parametrize("bits", [4, 8])
 def test_schedule_covers_every_block_once(name, bits):
