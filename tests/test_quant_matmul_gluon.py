@@ -19,6 +19,16 @@ SHAPES = {"gate_up": (34816, 5120), "down": (5120, 17408), "gdn_in": (16480, 512
           "qkv": (14336, 5120)}
 
 
+class Refusing:
+    """A kernel that another Triton's Gluon does not build: each launch raises the compiler's error."""
+
+    def __getitem__(self, grid):
+        def compile_and_launch(*args, **kwargs):
+            from triton.compiler.errors import CompilationError
+            raise CompilationError("", None, "unsupported op")
+        return compile_and_launch
+
+
 def test_config_table_sends_tree_rows_and_few_rows_of_int4_to_it():
     """17..32 rows of every INT4 layer projection, and 1..8 rows, whose x blocks of 8 rows take the lean footprint;
     not 9..16 or 33.. rows, 8-bit codes or the vocabulary head."""
@@ -67,14 +77,6 @@ def test_a_kernel_that_does_not_build_hands_its_launches_back(monkeypatch, capsy
     """Another Triton's Gluon may not build the kernel: the launch says so once on stderr, launches nothing, and
     the config's launches go to the Triton kernel from then on."""
     pytest.importorskip("triton.experimental.gluon")
-    from triton.compiler.errors import CompilationError
-
-    class Refusing:
-        def __getitem__(self, grid):
-            def compile_and_launch(*args, **kwargs):
-                raise CompilationError("", None, "unsupported op")
-            return compile_and_launch
-
     monkeypatch.setattr(gk, "_ws_kernel", Refusing())
     monkeypatch.setattr(gk, "_BROKEN", [])
     monkeypatch.setattr(gk, "_hopper", lambda device: True)
@@ -93,14 +95,6 @@ def test_an_mlp_launch_that_does_not_build_hands_back_to_the_two_launches(monkey
     """The MLP's one launch where another Triton's Gluon does not build it: one note on stderr, nothing launched,
     and from then on `mlp_usable` says no (the two launches serve), while the single projection's kernel stays."""
     pytest.importorskip("triton.experimental.gluon")
-    from triton.compiler.errors import CompilationError
-
-    class Refusing:
-        def __getitem__(self, grid):
-            def compile_and_launch(*args, **kwargs):
-                raise CompilationError("", None, "unsupported op")
-            return compile_and_launch
-
     monkeypatch.setattr(gk, "_mlp_kernel", Refusing())
     monkeypatch.setattr(gk, "_MLP_BROKEN", [])
     monkeypatch.setattr(gk, "_BROKEN", [])
