@@ -309,6 +309,23 @@ if gluon is not None:
         pdl.release(PDL)
 
     @gluon.jit
+    def _ring(x_desc, C: gl.constexpr, S: gl.constexpr, SCRATCH: gl.constexpr, BM: gl.constexpr,
+              GROUPS: gl.constexpr):
+        """A program's shared memory: the ring's S stages of C code tiles and GROUPS boxes of x (x_desc's layout),
+        each stage's `ready` (one arrival: the loader's expected bytes) and `empty` (one a consumer) barriers, and
+        SCRATCH tiles for the SwiGLU epilogue."""
+        ring_q = gl.allocate_shared_memory(gl.int16, [S * C, _BN, _G],
+                                           gl.NVMMASharedLayout.get_default_for([_BN, _G], gl.int16))
+        ring_x = gl.allocate_shared_memory(gl.bfloat16, [S * GROUPS, BM, _G], x_desc.layout)
+        scratch = gl.allocate_shared_memory(gl.float32, [SCRATCH, _BN, BM], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+        ready = gl.allocate_shared_memory(gl.int64, [S, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [S, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(S):
+            mbarrier.init(ready.index(i), count=1)
+            mbarrier.init(empty.index(i), count=C)
+        return ring_q, ring_x, scratch, ready, empty
+
+    @gluon.jit
     def _ws_kernel(q_desc, x_desc, s_ptr, out_ptr, ws_ptr, cnt_ptr, res_ptr, nw_ptr, rows_ptr, part_ptr, M, N,
                    UNITS, PER, PARTS, stride_om, eps, K: gl.constexpr, C: gl.constexpr, BM: gl.constexpr,
                    S: gl.constexpr, EPI: gl.constexpr, RMS: gl.constexpr, PBLOCK: gl.constexpr,
@@ -316,16 +333,7 @@ if gluon is not None:
                    U0: gl.constexpr, U1: gl.constexpr, U2: gl.constexpr, U3: gl.constexpr,
                    num_warps: gl.constexpr):
         NBLK: gl.constexpr = K // (_G * GROUPS)
-        ring_q = gl.allocate_shared_memory(gl.int16, [S * C, _BN, _G],
-                                           gl.NVMMASharedLayout.get_default_for([_BN, _G], gl.int16))
-        ring_x = gl.allocate_shared_memory(gl.bfloat16, [S * GROUPS, BM, _G], x_desc.layout)
-        scratch = gl.allocate_shared_memory(gl.float32, [C if EPI == 2 else 1, _BN, BM],
-                                            gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
-        ready = gl.allocate_shared_memory(gl.int64, [S, 1], mbarrier.MBarrierLayout())
-        empty = gl.allocate_shared_memory(gl.int64, [S, 1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(S):
-            mbarrier.init(ready.index(i), count=1)
-            mbarrier.init(empty.index(i), count=C)
+        ring_q, ring_x, scratch, ready, empty = _ring(x_desc, C, S, C if EPI == 2 else 1, BM, GROUPS)
         start = gl.program_id(0) * PER
         count = gl.maximum(gl.minimum(UNITS - start, PER), 0)
         # (the argument tuples are written out in each call: a tuple held in a variable loses its constexprs)
@@ -409,15 +417,7 @@ if gluon is not None:
                     num_warps: gl.constexpr):
         NBLK_A: gl.constexpr = KA // (_G * GROUPS)
         NBLK_B: gl.constexpr = KB // (_G * GROUPS)
-        ring_q = gl.allocate_shared_memory(gl.int16, [S * C, _BN, _G],
-                                           gl.NVMMASharedLayout.get_default_for([_BN, _G], gl.int16))
-        ring_x = gl.allocate_shared_memory(gl.bfloat16, [S * GROUPS, BM, _G], xa_desc.layout)
-        scratch = gl.allocate_shared_memory(gl.float32, [C, _BN, BM], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
-        ready = gl.allocate_shared_memory(gl.int64, [S, 1], mbarrier.MBarrierLayout())
-        empty = gl.allocate_shared_memory(gl.int64, [S, 1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(S):
-            mbarrier.init(ready.index(i), count=1)
-            mbarrier.init(empty.index(i), count=C)
+        ring_q, ring_x, scratch, ready, empty = _ring(xa_desc, C, S, C, BM, GROUPS)
         pid = gl.program_id(0)
         start_a = pid * PER_A
         count_a = gl.maximum(gl.minimum(UNITS_A - start_a, PER_A), 0)
