@@ -1,17 +1,21 @@
 """Where a W4A16 / W8A16 launch's time goes inside the graphed plain decode step of a synthetic Qwen3.5-27B: every
-projection launch of the step is captured with a stamped variant of the production kernel (its `main_loop` and
-`finish` with clock reads around them, defined here: `launch_timeline`), which records, per program, its start and end
-on the GPU's global timer and its start, main loop's end and end on its SM's clock. From those, per launch: its span
-(first program's start to last program's end) against its bytes at the read bandwidth, the gap since the previous
-projection's end (the mixer, attention and small kernels run there), how long the programs take to start, each
-program's main loop and epilogue (the loops of the first and the last fifth of the programs in launch order apart),
-and the tail (last end minus the median end), the SMs used and the most programs one of them held (the GPU places a
-launch's programs breadth-first; with PDL, onto the SMs the previous launch frees first). Averaged per projection
-shape.
+projection launch of the step is captured with a stamped variant of the kernel the engine launches there (defined
+here: `launch_timeline`): the Triton kernel's `main_loop` and `finish` with clock reads around them, or the
+warp-specialized Gluon kernel's loader and consumers (quant_matmul_gluon) with its first consumer's clock reads
+around its wait for the previous kernel and its units. Each records, per program, its start, the end of its wait for
+the previous kernel (under PDL; the Triton kernel waits inside its main loop, so there: its start) and its end on the
+GPU's global timer, and its start, wait's end, main loop's end and end on its SM's clock. From those, per launch: its
+span (first program's start to last program's end) against its bytes at the read bandwidth, the gap since the
+previous projection's end (the mixer, attention and small kernels run there), how long the programs take to start
+and wait, each program's main loop after its wait and its epilogue (the loops of the first and the last fifth of the
+programs in launch order apart), and the tail (last end minus the median end), the SMs used and the most programs
+one of them held (the GPU places a launch's programs breadth-first; with PDL, onto the SMs the previous launch frees
+first). Averaged per projection shape.
 
 Usage (GPU, from bench/; ~2 minutes on an H200): python launch_timeline.py --quant fp8 [--pdl-levels 0,3]
   [--variants NAME,...] (bench/step_variants.py's, at the engine's PDL level)
-JSON to $OUT/launch_timeline.json, each launch's stamps [programs, 8] and shape to $OUT/launch_timeline_raw.pt.
+JSON to $OUT/launch_timeline.json, each launch's stamps [programs, TRACE_COLUMNS] and shape to
+$OUT/launch_timeline_raw.pt.
 """
 
 import argparse
@@ -31,8 +35,11 @@ import triton.language as tl
 from blockspec.bench import measure_read_bandwidth
 from blockspec.engine.decode import prefill
 from blockspec.engine.target import GraphedTarget
-from blockspec.kernels import launch_fitting, use
+from blockspec.kernels import launch_fitting, pdl, sm_count, use
+from blockspec.kernels import quant_matmul_gluon as gk
 from blockspec.kernels import quant_matmul_triton as wq
+
+TRACE_COLUMNS = 8  # global start, end; SM clock start, main loop's end, end; SM id; global and SM clock wait's end
 
 
 @triton.jit
@@ -56,8 +63,8 @@ def _stamped_kernel(x_ptr, q_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, 
                     EPI: tl.constexpr, RMS: tl.constexpr, PBLOCK: tl.constexpr, E4M3: tl.constexpr,
                     HALVES: tl.constexpr, WIDE: tl.constexpr):
     """quant_matmul_triton's `_wq_kernel` (its `main_loop`, then its `finish`, the same arguments), and the program's
-    row of trace_ptr [programs, 8] int64: its start and end on the global timer, its start, main loop's end and end
-    on its SM's clock, and its SM."""
+    row of trace_ptr [programs, TRACE_COLUMNS] int64 (its wait for the previous kernel is inside the main loop: the
+    wait's end stamps are its start's)."""
     pid = tl.program_id(0)
     t_start = _stamp(pid, True)
     c_start = _stamp(pid, False)
@@ -68,33 +75,122 @@ def _stamped_kernel(x_ptr, q_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, 
     total = wq.finish(acc, sums, out_ptr, ws_ptr, cnt_ptr, res_ptr, nw_ptr, rows_ptr, part_ptr, M, N, K, WHOLE, REST,
                       SPLIT, stride_om, eps, BN, BM, PDL, EPI, RMS)
     after = tl.sum(tl.sum(total, 1), 0).to(tl.int32, bitcast=True)
-    row = trace_ptr + pid.to(tl.int64) * 8
-    tl.store(row + 1, _stamp(after, True))
-    tl.store(row + 4, _stamp(after, False))
+    _store_trace(trace_ptr + pid.to(tl.int64) * 8, t_start, _stamp(after, True), c_start, c_loop,
+                 _stamp(after, False), t_start, c_start)
+
+
+@triton.jit
+def _store_trace(row, t_start, t_end, c_start, c_loop, c_end, t_wait, c_wait):
+    """A program's row of the trace (TRACE_COLUMNS), its SM read here."""
     tl.store(row, t_start)
+    tl.store(row + 1, t_end)
     tl.store(row + 2, c_start)
     tl.store(row + 3, c_loop)
+    tl.store(row + 4, c_end)
     tl.store(row + 5, tl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r", [], dtype=tl.int32, is_pure=False,
                                                 pack=1).to(tl.int64))
+    tl.store(row + 6, t_wait)
+    tl.store(row + 7, c_wait)
+
+
+if gk.gluon is not None:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+
+    @gluon.jit
+    def _stamped_consume(c: gl.constexpr, s_ptr, out_ptr, ws_ptr, cnt_ptr, res_ptr, nw_ptr, rows_ptr, part_ptr,
+                         ring_q, ring_x, scratch, ready, empty, start, count, M, N, K, PER, PARTS, stride_om, eps,
+                         trace_ptr, NBLK: gl.constexpr, C: gl.constexpr, S: gl.constexpr, EPI: gl.constexpr,
+                         RMS: gl.constexpr, PBLOCK: gl.constexpr, BM: gl.constexpr, PDL: gl.constexpr,
+                         GROUPS: gl.constexpr, U0: gl.constexpr, U1: gl.constexpr, U2: gl.constexpr,
+                         U3: gl.constexpr):
+        """quant_matmul_gluon's `_consume` (its scales, wait, 1 / rms and units), consumer 0 stamping its program's
+        row of trace_ptr around the wait and the units."""
+        pid = gl.program_id(0)
+        t_start = _stamp(pid, True)
+        c_start = _stamp(pid, False)
+        mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                      instr_shape=[16, BM, 16])
+        rows = gl.arange(0, gk._BN, layout=gl.SliceLayout(1, mma))
+        nx = gk._scales(s_ptr, start, count > 0, N, rows, NBLK, C, c, EPI, GROUPS)
+        pdl.wait(PDL)
+        t_wait = _stamp(pid, True)
+        c_wait = _stamp(pid, False)
+        inv_rms = gk._inv_rms(part_ptr, M, K, PARTS, eps, RMS, PBLOCK, BM)
+        gk._units(c, 0, nx, inv_rms, s_ptr, out_ptr, ws_ptr, cnt_ptr, res_ptr, nw_ptr, rows_ptr, part_ptr, ring_q,
+                  ring_x, scratch, ready, empty, start, count, M, N, PER, stride_om, NBLK, C, S, EPI, RMS, BM,
+                  GROUPS, U0, U1, U2, U3)
+        c_loop = _stamp(pid, False)
+        pdl.release(PDL)
+        if c == 0:
+            _store_trace(trace_ptr + pid.to(gl.int64) * 8, t_start, _stamp(pid, True), c_start, c_loop,
+                         _stamp(pid, False), t_wait, c_wait)
+
+    @gluon.jit
+    def _stamped_ws_kernel(q_desc, x_desc, s_ptr, out_ptr, ws_ptr, cnt_ptr, res_ptr, nw_ptr, rows_ptr, part_ptr, M,
+                           N, UNITS, PER, PARTS, stride_om, eps, trace_ptr, K: gl.constexpr, C: gl.constexpr,
+                           BM: gl.constexpr, S: gl.constexpr, EPI: gl.constexpr, RMS: gl.constexpr,
+                           PBLOCK: gl.constexpr, PDL: gl.constexpr, CREGS: gl.constexpr, LREGS: gl.constexpr,
+                           GROUPS: gl.constexpr, U0: gl.constexpr, U1: gl.constexpr, U2: gl.constexpr,
+                           U3: gl.constexpr, num_warps: gl.constexpr):
+        """quant_matmul_gluon's `_ws_kernel` with 2 consumers (the engine's), its consumers `_stamped_consume`."""
+        NBLK: gl.constexpr = K // (gk._G * GROUPS)
+        ring_q, ring_x, scratch, ready, empty = gk._ring(x_desc, C, S, C if EPI == 2 else 1, BM, GROUPS)
+        start = gl.program_id(0) * PER
+        count = gl.maximum(gl.minimum(UNITS - start, PER), 0)
+        gl.warp_specialize([
+            (_stamped_consume, (0, s_ptr, out_ptr, ws_ptr, cnt_ptr, res_ptr, nw_ptr, rows_ptr, part_ptr, ring_q,
+                                ring_x, scratch, ready, empty, start, count, M, N, K, PER, PARTS, stride_om, eps,
+                                trace_ptr, NBLK, C, S, EPI, RMS, PBLOCK, BM, PDL, GROUPS, U0, U1, U2, U3)),
+            (_stamped_consume, (1, s_ptr, out_ptr, ws_ptr, cnt_ptr, res_ptr, nw_ptr, rows_ptr, part_ptr, ring_q,
+                                ring_x, scratch, ready, empty, start, count, M, N, K, PER, PARTS, stride_om, eps,
+                                trace_ptr, NBLK, C, S, EPI, RMS, PBLOCK, BM, PDL, GROUPS, U0, U1, U2, U3)),
+            (gk._loader, (q_desc, x_desc, ring_q, ring_x, ready, empty, start, count, N, NBLK, C, S, EPI, BM, PDL,
+                          GROUPS))],
+            [4, 1], [CREGS, LREGS])
+
+
+class _TracedLaunch:
+    """Stands in for `quant_matmul_gluon._ws_kernel`: its launches run `_stamped_ws_kernel` with `trace`."""
+
+    def __init__(self, trace: torch.Tensor):
+        self.trace = trace
+
+    def __getitem__(self, grid):
+        def launch(*args, **meta):
+            if meta["C"] != 2:
+                raise ValueError(f"the stamped warp-specialized kernel runs 2 consumers, this launch {meta['C']}")
+            return _stamped_ws_kernel[grid](*args, self.trace, **meta)
+        return launch
 
 
 @contextmanager
 def launch_timeline():
-    """Within the block, each W4A16 / W8A16 launch captured into a CUDA graph runs `_stamped_kernel` instead of the
-    production kernel, with a new int64 [programs, 8] buffer for its stamps (launches outside a capture run as they
-    are): yields the list of {"trace", "n", "k", "bytes", "rows", "epilogue", "rms", "schedule", "config"}
-    (epilogue, rms: the launch's `Epilogue` kind and rms), one per stamped launch in launch order, whose buffers
-    hold the latest replay's stamps."""
+    """Within the block, each W4A16 / W8A16 launch captured into a CUDA graph runs `_stamped_kernel` or, where the
+    config takes the warp-specialized kernel, `_stamped_ws_kernel` instead of the production kernel, with a new int64
+    [programs, TRACE_COLUMNS] buffer for its stamps (launches outside a capture run as they are): yields the list
+    of {"trace", "n", "k", "bytes", "rows", "epilogue", "rms", "schedule", "config"} (epilogue, rms: the launch's
+    `Epilogue` kind and rms), one per stamped launch in launch order, whose buffers hold the latest replay's
+    stamps."""
     launches, production = [], wq._launch
 
     def stamped(x2, pw, cfg, out, epilogue=None):
         if not (x2.is_cuda and torch.cuda.is_current_stream_capturing()):
             return production(x2, pw, cfg, out, epilogue)
-        plan = wq.launch_plan(x2, pw, cfg, out, epilogue)
-        trace = torch.empty(plan.programs, 8, dtype=torch.int64, device=x2.device)  # no memset node in the graph
         epi = epilogue or wq.Epilogue()
-        launches.append({"trace": trace, "n": pw.n, "k": pw.k, "bytes": pw.nbytes(), "rows": x2.shape[0],
-                         "epilogue": epi.kind, "rms": epi.rms, "schedule": plan.schedule, "config": cfg.short()})
+        entry = {"n": pw.n, "k": pw.k, "bytes": pw.nbytes(), "rows": x2.shape[0], "epilogue": epi.kind,
+                 "rms": epi.rms, "config": cfg.short()}
+        if wq.warp_specialized(x2, pw, cfg):
+            sms = sm_count(x2.device)
+            trace = torch.empty(sms, TRACE_COLUMNS, dtype=torch.int64, device=x2.device)  # no memset node
+            launches.append(entry | {"trace": trace, "schedule": ["warp-specialized", sms, cfg.block_m]})
+            with step_variants.patched(gk, _ws_kernel=_TracedLaunch(trace)):
+                if not gk.launch(x2, pw, out, epi, cfg.warp_specialized, cfg.block_m):
+                    raise RuntimeError("the stamped warp-specialized kernel did not build")
+            return
+        plan = wq.launch_plan(x2, pw, cfg, out, epilogue)
+        trace = torch.empty(plan.programs, TRACE_COLUMNS, dtype=torch.int64, device=x2.device)
+        launches.append(entry | {"trace": trace, "schedule": plan.schedule})
         launch_fitting(_stamped_kernel, (plan.programs,), *plan.args, trace, stages_key="STAGES", **plan.meta)
 
     with step_variants.patched(wq, _launch=stamped):
@@ -110,9 +206,11 @@ def quantile(values, q):
 
 
 def launch_stats(stamps, bytes_read, bandwidth, cycles_per_ns):
-    """One launch's figures (us) from its [programs, 8] stamps (ns on the global timer, cycles on the SMs')."""
+    """One launch's figures (us) from its [programs, TRACE_COLUMNS] stamps (ns on the global timer, cycles on the
+    SMs')."""
     t_start, t_end = stamps[:, 0].tolist(), stamps[:, 1].tolist()
-    loop = ((stamps[:, 3] - stamps[:, 2]).double() / cycles_per_ns / 1e3).tolist()
+    wait = ((stamps[:, 6] - stamps[:, 0]).double() / 1e3).tolist()
+    loop = ((stamps[:, 3] - stamps[:, 7]).double() / cycles_per_ns / 1e3).tolist()
     epilogue = ((stamps[:, 4] - stamps[:, 3]).double() / cycles_per_ns / 1e3).tolist()
     first, last = min(t_start), max(t_end)
     fifth = max(1, len(loop) // 5)  # programs in launch order: the GPU places the later ones on SMs already busy
@@ -122,7 +220,7 @@ def launch_stats(stamps, bytes_read, bandwidth, cycles_per_ns):
         held[sm] += 1
     return {"programs": len(t_start), "first_ns": first, "last_ns": last,
             "span_us": (last - first) / 1e3, "ideal_us": bytes_read / bandwidth / 1e3,
-            "start_spread_us": (quantile(t_start, 0.9) - first) / 1e3,
+            "start_spread_us": (quantile(t_start, 0.9) - first) / 1e3, "wait_p50_us": quantile(wait, 0.5),
             "loop_p50_us": quantile(loop, 0.5), "loop_max_us": max(loop),
             "loop_first_fifth_us": statistics.mean(loop[:fifth]), "loop_last_fifth_us": statistics.mean(loop[-fifth:]),
             "epilogue_p50_us": quantile(epilogue, 0.5), "epilogue_max_us": max(epilogue),
@@ -161,9 +259,9 @@ def timeline(engine, settings, variant, prompt, bandwidth):
     by_shape = defaultdict(list)
     for row in rows:
         by_shape[row["shape"]].append(row)
-    keys = ("span_us", "ideal_us", "gap_us", "start_spread_us", "loop_p50_us", "loop_max_us", "loop_first_fifth_us",
-            "loop_last_fifth_us", "epilogue_p50_us", "epilogue_max_us", "tail_us", "sm_idle_at_end_us", "sms_used",
-            "most_programs_on_an_sm")
+    keys = ("span_us", "ideal_us", "gap_us", "start_spread_us", "wait_p50_us", "loop_p50_us", "loop_max_us",
+            "loop_first_fifth_us", "loop_last_fifth_us", "epilogue_p50_us", "epilogue_max_us", "tail_us",
+            "sm_idle_at_end_us", "sms_used", "most_programs_on_an_sm")
     shapes = {}
     for shape, group in by_shape.items():
         shapes[shape] = {"launches": len(group), "programs": group[0]["programs"], "schedule": group[0]["schedule"],
@@ -206,12 +304,12 @@ def main():
               f"{summary['ideal_us']} us), gaps {summary['gaps_us']} us; timer tick {summary['timer_tick_ns']} ns, "
               f"{summary['cycles_per_ns']} cycles/ns", flush=True)
         print(f"  {'shape':28s} {'n':>3s} {'progs':>5s} {'span':>6s} {'ideal':>6s} {'gap':>6s} {'start':>6s} "
-              f"{'loop50':>6s} {'loopmx':>6s} {'loop1':>6s} {'loop5':>6s} {'epi50':>6s} {'epimx':>6s} {'tail':>6s} "
-              f"{'smidle':>6s} {'SMs':>6s} {'most':>6s}  schedule")
+              f"{'wait':>6s} {'loop50':>6s} {'loopmx':>6s} {'loop1':>6s} {'loop5':>6s} {'epi50':>6s} {'epimx':>6s} "
+              f"{'tail':>6s} {'smidle':>6s} {'SMs':>6s} {'most':>6s}  schedule")
         for shape, s in summary["shapes"].items():
             print(f"  {shape:28s} {s['launches']:3d} {s['programs']:5d} " + " ".join(
                 f"{s[k]:6.2f}" if s[k] is not None else "     -" for k in (
-                    "span_us", "ideal_us", "gap_us", "start_spread_us", "loop_p50_us", "loop_max_us",
+                    "span_us", "ideal_us", "gap_us", "start_spread_us", "wait_p50_us", "loop_p50_us", "loop_max_us",
                     "loop_first_fifth_us", "loop_last_fifth_us", "epilogue_p50_us", "epilogue_max_us", "tail_us",
                     "sm_idle_at_end_us", "sms_used", "most_programs_on_an_sm"))
                 + f"  {tuple(s['schedule'])} {s['config']}", flush=True)

@@ -10,8 +10,9 @@ constants (the DeltaNet mixer's value slice and warps), wrap `default_config` (t
 warp-specialized Gluon kernel on INT4 projections of 1..8 rows, or not, and of 9..16), replace the kernel settings
 (PDL level, L2 prefetch) for their capture, or replace every W4A16 / W8A16 launch by a kernel that only reads its
 weight bytes ("projections read only": the ceiling of any kernel that keeps one launch per projection; the reader's
-time alone per launch is printed first) or by nothing ("projections skipped": the rest of the step); every patch is
-undone before the next.
+time alone per launch is printed first) or by nothing ("projections skipped": the rest of the step), or leave the
+DeltaNet mixers' or the attention's kernels out of the capture ("... skipped": what a kernel streaming the weights
+under them could save at most); every patch is undone before the next.
 
 Usage (GPU, from bench/; ~20 s per variant on an H200, after building): python step_variants.py --quant fp8
   [--vocab-quant int8] [--variants NAME,...] [--rows T]; JSON to $OUT/step_variants.json.
@@ -40,6 +41,7 @@ from blockspec.engine.state import DecodeState
 from blockspec.config import MAX_PASS_TOKENS
 from blockspec.engine.target import GraphedTarget
 from blockspec.kernels import gdn_triton, use
+from blockspec.layers import attention as attention_layer
 from blockspec.kernels import quant_matmul_triton as wq
 
 REPS = 50
@@ -154,7 +156,21 @@ VARIANTS = {
     # the ceiling of one launch per projection: each W4A16 / W8A16 launch only reads its weight bytes, or is skipped
     "projections read only": lambda s: patched(wq, _launch=read_only_launch),
     "projections skipped": lambda s: patched(wq, _launch=lambda *args, **kwargs: None),
+    # what a kernel that streams the weights under the small kernels could take away at most: the DeltaNet mixers'
+    # launches (conv, recurrence, output norm) skipped, the attention's (inputs, split-KV and merge) skipped, and
+    # both with every projection read only (the stream and its launches' boundaries alone)
+    "DeltaNet mixers skipped": lambda s: patched(gdn_triton, _launch=lambda *args, **kwargs: None),
+    "attention skipped": lambda s: attention_skipped(),
+    "read only without mixers or attention": lambda s: together(
+        patched(wq, _launch=read_only_launch), patched(gdn_triton, _launch=lambda *args, **kwargs: None),
+        attention_skipped()),
 }
+
+
+def attention_skipped():
+    """The attention layers' kernels left out of the capture: their output is the query, unnormed (timing only)."""
+    return patched(attention_layer, prepare_attention_inputs=lambda query, *args: query,
+                   cached_attention=lambda q, *args: q)
 
 
 READ_BLOCK, READ_WARPS, READ_PROGRAMS_PER_SM = 2048, 16, 4  # 16-byte loads by 512 threads, 4 programs per SM

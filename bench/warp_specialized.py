@@ -37,8 +37,9 @@ CONSUMERS = (2, 3)
 
 
 def sm90_compile(k: int, consumers: int, block_m: int, epi: int = 0, rms: bool = False, pdl_level: int = 3,
-                 bits: int = 4, e4m3: bool = False) -> tuple[str, int]:
-    """The kernel compiled here for sm_90 (no GPU needed): (its PTX, its shared memory in bytes)."""
+                 bits: int = 4, e4m3: bool = False, kernel=None, pointers: dict | None = None) -> tuple[str, int]:
+    """The kernel (or a `kernel` of its arguments and more `pointers`, {name: type}) compiled here for sm_90 (no GPU
+    needed): (its PTX, its shared memory in bytes)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon import language as gl
@@ -54,14 +55,15 @@ def sm90_compile(k: int, consumers: int, block_m: int, epi: int = 0, rms: bool =
                      x_desc=desc(block_m, torch.bfloat16, gl.bfloat16), s_ptr="*bf16", out_ptr="*bf16",
                      ws_ptr="*fp32", cnt_ptr="*i32", res_ptr="*bf16", nw_ptr="*bf16", rows_ptr="*bf16",
                      part_ptr="*fp32", M="i32", N="i32", UNITS="i32", PER="i32", PARTS="i32", stride_om="i32",
-                     eps="fp32")
+                     eps="fp32") | (pointers or {})
+    kernel = kernel or gk._ws_kernel
     registers = gk.footprint(consumers, block_m)[0]
     constants = dict(K=k, C=consumers, BM=block_m, S=gk.plan(34816, k, 132, consumers, block_m, bits)[0], EPI=epi,
                      RMS=rms, PBLOCK=128 if rms else 1, PDL=pdl_level, CREGS=registers[1], LREGS=registers[2],
                      **gk.unpacking(bits, e4m3), num_warps=4)
-    full = {n: "constexpr" if n in constants else signature[n] for n in gk._ws_kernel.arg_names}
-    aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(gk._ws_kernel.arg_names) if full[n][0] == "*"}
-    compiled = triton.compile(GluonASTSource(gk._ws_kernel, full, constexprs=constants, attrs=aligned),
+    full = {n: "constexpr" if n in constants else signature[n] for n in kernel.arg_names}
+    aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(kernel.arg_names) if full[n][0] == "*"}
+    compiled = triton.compile(GluonASTSource(kernel, full, constexprs=constants, attrs=aligned),
                               target=GPUTarget("cuda", 90, 32),
                               options={"num_warps": 4, "maxnreg": registers[0]})
     return compiled.asm["ptx"], compiled.metadata.shared

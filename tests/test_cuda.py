@@ -500,6 +500,50 @@ def test_launch_timeline_stamps_captured_launches(monkeypatch):
         assert t.shape[0] > 1 and (t[:, 1] >= t[:, 0]).all() and (t[:, 0] > 0).all()
         assert (t[:, 3] >= t[:, 2]).all() and (t[:, 4] >= t[:, 3]).all()
         assert ((t[:, 5] >= 0) & (t[:, 5] < sm_count(x.device))).all()
+        assert torch.equal(t[:, 6], t[:, 0]) and torch.equal(t[:, 7], t[:, 2])  # its wait: inside its main loop
+
+
+def test_launch_timeline_stamps_warp_specialized_launches(monkeypatch):
+    """Where the config takes the warp-specialized kernel (INT4, 1 and 8 rows, Hopper), bench/launch_timeline.py
+    stamps its stamped copy of that kernel: the production kernel's results bit for bit under PDL 3, one row per
+    program (an SM each), its wait's end between its start and end on both clocks."""
+    from blockspec.kernels import quant_matmul_gluon as gk
+    from blockspec.kernels import KernelSettings, sm_count, use
+    from blockspec.kernels.quant_matmul_triton import default_config, warp_specialized, wq_matmul, wq_matmul_swiglu
+    from blockspec.quant.int4 import Int4Linear
+
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the warp-specialized kernel runs on Hopper")
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent.parent / "bench"))
+    from launch_timeline import launch_timeline
+
+    g = torch.Generator().manual_seed(0)
+    down = Int4Linear.from_float(torch.randn(5120, 17408, generator=g) * 0.01, 128, True,
+                                 scale_dtype=torch.bfloat16).cuda().packed()
+    gate_up = Int4Linear.from_float(torch.randn(34816, 5120, generator=g) * 0.01, 128, True,
+                                    scale_dtype=torch.bfloat16).cuda().packed()
+    for rows in (1, 8):
+        x = torch.randn(rows, 17408, device="cuda", dtype=torch.bfloat16)
+        assert warp_specialized(x, down, default_config(rows, down.n, down.k, 4, 128))
+        with use(KernelSettings(pdl_level=3)):
+            plain = wq_matmul(x, down)
+            act = wq_matmul_swiglu(plain, gate_up)
+            with launch_timeline() as launches:
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    traced = wq_matmul(x, down)
+                    traced_act = wq_matmul_swiglu(traced, gate_up)
+            graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(traced, plain) and torch.equal(traced_act, act), rows
+        assert [(e["n"], e["epilogue"], e["schedule"][0]) for e in launches] == [
+            (5120, 0, "warp-specialized"), (34816, 2, "warp-specialized")]
+        assert gk._ws_kernel.__class__.__name__ != "_TracedLaunch"  # the production kernel back in place
+        for entry in launches:
+            t = entry["trace"].cpu()
+            assert t.shape[0] == sm_count(x.device) and sorted(t[:, 5].tolist()) == list(range(t.shape[0]))
+            assert ((t[:, 0] > 0) & (t[:, 0] <= t[:, 6]) & (t[:, 6] <= t[:, 1])).all()
+            assert ((t[:, 2] <= t[:, 7]) & (t[:, 7] <= t[:, 3]) & (t[:, 3] <= t[:, 4])).all()
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

@@ -201,6 +201,24 @@ def test_sm90_code_under_pdl(epi):
     assert "griddepcontrol" not in sm90_compile(5120, 2, 32, epi, True, pdl_level=0)[0]
 
 
+def test_stamped_kernel_for_the_launch_timeline_compiles_for_hopper():
+    """bench/launch_timeline.py's stamped copy of the kernel compiles for sm_90 as the engine launches it (lean, 8
+    rows, PDL 3): the same loader and wgmma dots, the global timer and the SM's clock read, and its program's row of 8
+    stamps stored (its results and stamps on a GPU: tests/test_cuda.py)."""
+    pytest.importorskip("triton.experimental.gluon")
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+    import launch_timeline
+    from warp_specialized import sm90_compile
+
+    ptx, _ = sm90_compile(5120, 2, 8, 2, True, pdl_level=3, kernel=launch_timeline._stamped_ws_kernel,
+                          pointers={"trace_ptr": "*i64"})
+    plain, _ = sm90_compile(5120, 2, 8, 2, True, pdl_level=3)
+    for instruction in ("wgmma.mma_async", "cp.async.bulk.tensor.2d", "griddepcontrol.wait;"):
+        assert ptx.count(instruction) == plain.count(instruction) > 0, instruction
+    assert "%globaltimer" in ptx and "%clock64" in ptx and "%smid" in ptx and "%globaltimer" not in plain
+    assert len(re.findall(r"st\.global\.b64", ptx)) == 8 and not re.findall(r"st\.global\.b64", plain)
+
+
 def test_mlp_in_one_launch_only_where_both_projections_take_the_lean_program(monkeypatch):
     """One launch serves a SwiGLU MLP where the lean program serves both projections (CUDA, Hopper, bf16 rows, 1..8 of
     them, 4-bit group 128 codes over whole blocks) and down's inputs are gate_up's SwiGLU outputs."""

@@ -518,11 +518,16 @@ def launch_plan(x2: torch.Tensor, pw: PackedWeight, cfg: KernelConfig, out: torc
     return LaunchPlan(programs, (whole, split, bps), args, meta)
 
 
+def warp_specialized(x2: torch.Tensor, pw: PackedWeight, cfg: KernelConfig) -> bool:
+    """Whether `cfg` takes the warp-specialized Gluon kernel for x2 @ W^T (where it builds)."""
+    # the Gluon kernel's tiles are 64 rows, as the add-norm partials' count (tiles of block_n) assumes
+    return bool(cfg.warp_specialized) and cfg.block_n == quant_matmul_gluon.BN and \
+        quant_matmul_gluon.usable(x2, pw, cfg.block_m, cfg.warp_specialized)
+
+
 def _launch(x2: torch.Tensor, pw: PackedWeight, cfg: KernelConfig, out: torch.Tensor,
             epilogue: Epilogue | None = None) -> None:
-    # the Gluon kernel's tiles are 64 rows, as the add-norm partials' count (tiles of block_n) assumes
-    if cfg.warp_specialized and cfg.block_n == quant_matmul_gluon.BN and \
-            quant_matmul_gluon.usable(x2, pw, cfg.block_m, cfg.warp_specialized) and \
+    if warp_specialized(x2, pw, cfg) and \
             quant_matmul_gluon.launch(x2, pw, out, epilogue or Epilogue(), cfg.warp_specialized, cfg.block_m):
         return
     plan = launch_plan(x2, pw, cfg, out, epilogue)
