@@ -385,6 +385,14 @@ REFUSALS = [
     ("completion", {}, "prompt", "required"),
     ("completion", {**COMPLETION, "stream": "yes"}, "stream", "boolean"),
     ("chat", {**CHAT, "model": "gpt-4o"}, "model", "not served"),
+    ("chat", {**CHAT, "temprature": 0.5}, "temprature", "unknown field 'temprature'"),
+    ("completion", {**COMPLETION, "x" * 100: 1}, "x" * 60, "unknown field 'xxx"),
+    ("completion", {**COMPLETION, "allowed_token_ids": [5]}, "allowed_token_ids", "restricted vocabulary"),
+    ("completion", {**COMPLETION, "bad_words": ["a"]}, "bad_words", "banned words"),
+    ("chat", {**CHAT, "use_beam_search": True}, "use_beam_search", "beam search"),
+    ("chat", {**CHAT, "typical_p": 0.5}, "typical_p", "typical sampling"),
+    ("completion", {**COMPLETION, "structured_outputs": {"regex": "a+"}}, "structured_outputs", "constraints"),
+    ("chat", {**CHAT, "priority": "high"}, "priority", "must be an integer"),
 ]
 
 
@@ -661,7 +669,10 @@ def test_vllm_request_extensions_in_process(tiny):
         neutral = {"min_tokens": 0, "stop_token_ids": [], "skip_special_tokens": True, "echo": False,
                    "continue_final_message": False, "chat_template_kwargs": {"enable_thinking": False},
                    "modalities": ["text"], "prompt_logprobs": None, "stream": True,
-                   "stream_options": {"include_usage": True}}
+                   "stream_options": {"include_usage": True}, "use_beam_search": False, "length_penalty": 1.0,
+                   "typical_p": 1, "bad_words": [], "logits_processors": [], "return_tokens_as_token_ids": False,
+                   "vllm_xargs": {}, "structured_outputs": None, "priority": 0, "request_id": "r-1",
+                   "prompt_cache_key": "k", "safety_identifier": "s"}
         r = http.post("/v1/chat/completions", json={"messages": messages, **neutral})
         assert r.status_code == 200 and '"usage": {' in r.text and r.text.endswith("data: [DONE]\n\n"), r.text
 
@@ -1152,12 +1163,15 @@ def test_host_check_warning_names_the_risk_and_the_flag():
     from blockspec.server.access import AccessGuard, host_check_warning
 
     for host, allowed, warned in (("0.0.0.0", (), True), ("0.0.0.0", ("*",), True), ("192.0.2.1", (), True),
-                                  ("0.0.0.0", ("box.lan",), False), ("127.0.0.1", (), False), ("::1", (), False)):
+                                  ("127.0.0.1", ("*",), True), ("0.0.0.0", ("box.lan",), False),
+                                  ("127.0.0.1", (), False), ("::1", (), False)):
         settings = ServerSettings(host=host, allowed_hosts=allowed)
         warning = host_check_warning(settings, host)
         assert (warning is not None) == warned == (not AccessGuard(None, settings, host).check_host), (host, allowed)
         if warned:
             assert "DNS rebinding" in warning and "--allowed-hosts" in warning and "\n" not in warning
+            assert ("allows every name" in warning) == ("*" in allowed), warning
+            assert ("not a loopback address" in warning) == ("*" not in allowed), warning
 
 
 def test_allowed_hosts_match_the_host_header_by_name():

@@ -304,6 +304,7 @@ def test_a_request_the_http_layer_refuses_is_answered_with_its_reason(server, he
     error = json.loads(payload)["error"]
     assert error["code"] == "malformed_http" and reason in error["message"], payload
     assert f"refused: {int(status)} malformed HTTP request" in server.output()
+    assert "Invalid HTTP request received" not in server.output()  # uvicorn's own note: one line a refusal
 
 
 def test_a_target_in_absolute_form_is_served_and_another_http_version_refused(server):

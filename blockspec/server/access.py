@@ -59,7 +59,9 @@ def host_check_warning(settings: ServerSettings, bound_address: str) -> str | No
     """The one line `serve` prints when the Host header goes unchecked: bound to an address other machines reach."""
     if checks_host(settings, bound_address):
         return None
-    return (f"--host {settings.host} is not a loopback address, so the Host header is not checked: a web page can "
+    why = "--allowed-hosts '*' allows every name" if "*" in settings.allowed_hosts else \
+        f"--host {settings.host} is not a loopback address"
+    return (f"{why}, so the Host header is not checked: a web page can "
             "reach this server by re-pointing its own domain at this machine (DNS rebinding); keep the check by "
             "naming the host names clients use with --allowed-hosts")
 

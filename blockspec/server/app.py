@@ -33,9 +33,20 @@ from .worker import Closed, Job, QueueFull, Worker, job_events, wait_started
 
 log = logging.getLogger("blockspec.server")
 
+
+class WithoutUnparsedNotes(logging.Filter):
+    """Leaves out uvicorn's own note on a request it could not parse: the server's "refused:" line names the
+    request and its answer (connection.py), one line a refusal."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.getMessage() != "Invalid HTTP request received."
+
+
 # uvicorn's logging, with the server's own one-line notes (a client leaving, shutdown) beside its access lines
 LOG_CONFIG = copy.deepcopy(uvicorn.config.LOGGING_CONFIG)
 LOG_CONFIG["loggers"]["blockspec"] = {"handlers": ["default"], "level": "INFO", "propagate": False}
+LOG_CONFIG.setdefault("filters", {})["without_unparsed_notes"] = {"()": WithoutUnparsedNotes}
+LOG_CONFIG["loggers"]["uvicorn.error"]["filters"] = ["without_unparsed_notes"]
 # A body above this many bytes, or of unknown length (chunked), is read and parsed in the large bodies' lane
 LARGE_BODY = 64 * 1024
 

@@ -37,7 +37,18 @@ AT_NEUTRAL_ONLY = {
     "audio": ({"chat"}, (), "audio output"),
     "prediction": ({"chat"}, (), "a predicted output"),
     "reasoning_effort": ({"chat"}, (), "a reasoning effort (the chat template decides)"),
+    "use_beam_search": ({"chat", "completion"}, (False,), "beam search"),
+    "length_penalty": ({"chat", "completion"}, (1, 1.0), "a length penalty (it applies to beam search)"),
+    "typical_p": ({"chat", "completion"}, (1, 1.0), "typical sampling"),
+    "allowed_token_ids": ({"chat", "completion"}, (), "a restricted vocabulary"),
+    "bad_words": ({"chat", "completion"}, ([],), "banned words"),
+    "logits_processors": ({"chat", "completion"}, ([],), "logits processors"),
+    "return_tokens_as_token_ids": ({"chat", "completion"}, (False,), "tokens as token ids"),
+    "vllm_xargs": ({"chat", "completion"}, ({},), "vLLM's extra arguments"),
 }
+# Fields of vLLM and SGLang that constrain decoding (any value but null asks for it)
+CONSTRAINTS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs", "regex",
+               "ebnf")
 # stream_options keys: name -> whether true is served (false always is); vLLM's continuous_usage_stats puts usage in
 # every chunk
 STREAM_OPTIONS = {"include_usage": True, "continuous_usage_stats": False}
@@ -48,7 +59,18 @@ ENDPOINT_FIELDS = {"chat": ("messages", "add_generation_prompt", "continue_final
 ENDPOINT_PATHS = {"chat": "/v1/chat/completions", "completion": "/v1/completions"}
 # OpenAI's fields about the request, not its output: their types checked, their values not used
 ABOUT_THE_REQUEST = {"user": (str, "a string"), "metadata": (dict, "an object"), "store": (bool, "a boolean"),
-                     "service_tier": (str, "a string")}
+                     "service_tier": (str, "a string"), "prompt_cache_key": (str, "a string"),
+                     "safety_identifier": (str, "a string"), "request_id": (str, "a string"),
+                     "priority": (int, "an integer")}
+# Every top-level field a request may carry (the checks below name each): any other is refused, as OpenAI refuses
+# it, since an unknown field (vLLM ignores them) may ask for an output it would not get
+FIELDS = frozenset({
+    "model", "messages", "prompt", "stream", "stream_options", "max_tokens", "max_completion_tokens", "temperature",
+    "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "include_stop_str_in_output", "ignore_eos",
+    "cache_salt", "add_generation_prompt", "split_special_tokens", "suffix", "echo", "n", "best_of", "logprobs",
+    "top_logprobs", "frequency_penalty", "presence_penalty", "repetition_penalty", "logit_bias", "response_format",
+    "tools", "functions", "tool_choice", "parallel_tool_calls", "function_call", *CONSTRAINTS, *AT_NEUTRAL_ONLY,
+    *ABOUT_THE_REQUEST, *(name for names in ENDPOINT_FIELDS.values() for name in names)})
 MAX_DEPTH = 32                               # arrays and objects inside one another in a request body
 SCAN_PIECE = 1 << 16                         # bytes json_values scans at a time, the GIL free between pieces
 LONE_SURROGATE = re.compile("[\ud800-\udfff]")  # what a JSON \ud800 escape without its pair decodes to
@@ -295,6 +317,10 @@ class RequestParser:
         for name in ENDPOINT_FIELDS[other]:
             if body.get(name) is not None:
                 raise bad(f"'{name}' is a field of {ENDPOINT_PATHS[other]}, not of {ENDPOINT_PATHS[kind]}", name)
+        unknown = next((name for name in body if name not in FIELDS), None)
+        if unknown is not None:
+            raise bad(f"unknown field {shown(unknown)}: blockspec takes OpenAI's and vLLM's fields that it serves "
+                      "(README, \"Refusals\"); omit it", unknown[:60])
         for name, (python_type, wanted) in ABOUT_THE_REQUEST.items():
             value = body.get(name)
             if value is not None and not isinstance(value, python_type):
@@ -332,7 +358,7 @@ class RequestParser:
                           "\"json_schema\" (the last two are refused)", "response_format")
             if response_format["type"] != "text":
                 self.refuse_unless("response_format", constraints=True)
-        for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar"):
+        for name in CONSTRAINTS:
             if body.get(name) is not None:
                 self.refuse_unless(name, constraints=True)
         for name in ("tools", "functions"):  # an empty array asks for nothing
