@@ -332,6 +332,13 @@ def test_a_target_in_absolute_form_is_served_and_another_http_version_refused(se
         error = json.loads(payload)["error"]
         assert error["code"] == "http_version_not_supported" and version.decode() in error["message"], payload
     assert "refused: 505" in server.output()
+    for target in (b"health", b"v1/models", b"example.com:443"):  # neither a path nor a URL: no route guessed
+        sock = socket.create_connection(("127.0.0.1", server.port), timeout=30)
+        sock.sendall(b"GET " + target + b" HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+        head, _, payload = read_all(sock).partition(b"\r\n\r\n")
+        error = json.loads(payload)["error"]
+        assert head.split(b" ", 2)[1] == b"400" and error["code"] == "malformed_http", (target, head)
+        assert f"target '{target.decode()}' is neither a path" in error["message"], payload
     assert_no_traceback(server)
 
 

@@ -227,7 +227,8 @@ class TimedH11Protocol(H11Protocol):
     def next_event(self, h11_next_event):
         """h11's next event, with empty lines before a request line dropped (RFC 9112 2.2; h11 refuses them), a
         target in absolute form made the origin form (origin_form), and the refusals of count_pieces, of an HTTP
-        version other than 1.x (505) and of a head or trailer section past MAX_HEAD_BYTES (by the bytes it took). h11's
+        version other than 1.x (505), of a target neither a path nor a URL (400) and of a head or trailer section
+        past MAX_HEAD_BYTES (by the bytes it took). h11's
         refusal of a request (h11.RemoteProtocolError, which uvicorn answers by send_400_response with a message of
         its own) keeps h11's reason for the answer."""
         buffer = self.conn._receive_buffer  # h11's unparsed input: no public call drops bytes of it or counts them
@@ -254,6 +255,11 @@ class TimedH11Protocol(H11Protocol):
                                 "http_version_not_supported")
                 raise h11.RemoteProtocolError(self.refusal[1], error_status_hint=505)
             event = origin_form(event)
+            if not event.target.startswith(b"/") and event.target != b"*":  # RFC 9112 3.2: a path or a URL
+                target = event.target.decode("ascii", "replace")
+                self.refusal = (400, f"malformed HTTP request: the request target {shown(target)} is neither a path "
+                                "(/...) nor an absolute URL", "malformed_http")
+                raise h11.RemoteProtocolError(self.refusal[1], error_status_hint=400)
         return self.count_pieces(event)
 
     @staticmethod
