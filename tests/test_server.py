@@ -814,8 +814,9 @@ def test_connections_just_opened_are_not_closed_to_make_room():
 def test_past_max_connections_a_stalled_client_makes_room_where_none_is_idle():
     """Where no connection is idle, one whose client has held up its request for STALLED_S or more makes room: one
     that does not read its answers (pipelined requests, a small receive buffer) is closed at once, its unsent
-    answers dropped; one whose body stopped arriving is answered 408 in JSON. Before STALLED_S, the newcomer is the
-    one refused (503), as it is where the server itself has stopped reading a body (its app not reading yet)."""
+    answers dropped; one whose body stopped arriving, or comes a byte at a time, is answered 408 in JSON. Before
+    STALLED_S, the newcomer is the one refused (503), as it is where the server itself has stopped reading a body (its
+    app not reading yet)."""
     import asyncio
 
     from blockspec.server.connection import STALLED_S
@@ -859,6 +860,25 @@ def test_past_max_connections_a_stalled_client_makes_room_where_none_is_idle():
             assert newcomer(port).startswith(b"HTTP/1.1 200")
             head, _, body = read_all(slow).partition(b"\r\n\r\n")
             assert head.startswith(b"HTTP/1.1 408") and json.loads(body)["error"]["code"] == "body_timeout"
+        time.sleep(0.1)
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as trickle:  # never silent, far too slow
+            trickle.sendall(b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n")
+            done = threading.Event()
+
+            def drip():
+                with contextlib.suppress(OSError):
+                    while not done.wait(0.2):
+                        trickle.sendall(b"a")
+            dripping = threading.Thread(target=drip, daemon=True)
+            dripping.start()
+            time.sleep(0.3)
+            assert newcomer(port).startswith(b"HTTP/1.1 503")
+            time.sleep(STALLED_S)
+            assert newcomer(port).startswith(b"HTTP/1.1 200")
+            done.set()
+            dripping.join(5)
+            head, _, body = read_all(trickle).partition(b"\r\n\r\n")
+            assert head.startswith(b"HTTP/1.1 408") and "slower than" in json.loads(body)["error"]["message"]
         time.sleep(0.1)
         with socket.create_connection(("127.0.0.1", port), timeout=10) as waiting:  # the server is not reading it
             waiting.sendall(b"POST /later HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Length: 1000000"

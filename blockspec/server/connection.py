@@ -40,6 +40,10 @@ IDLE_BEFORE_CLOSE_S = 0.5
 # How long a connection's client must have held up its request (not reading its answers, or not sending the rest
 # of its body) before the connection may be closed to make room for a new one, where none is idle
 STALLED_S = 1.0
+# Bytes a second below which a request body that has been arriving for STALLED_S or more counts as held up too: a
+# client trickling a byte now and then would otherwise keep its connection for --receive-timeout, and a few hundred
+# such clients every other client out (a JSON body over any working link comes faster by orders of magnitude)
+SLOW_BODY_BYTES_S = 1024
 # Bytes held, at most, that arrive after a whole request while its answer is being made (the next pipelined
 # request, or a stray line end): reading goes on meanwhile so that the client's leaving is seen at once
 HELD_LIMIT = 65536
@@ -71,7 +75,9 @@ class LingeringTransport:
             self._transport.write(data)
 
     def resume_reading(self):
-        self._protocol.received_at = self._protocol.loop.time()  # the client may send again from now
+        protocol = self._protocol
+        protocol.received_at = protocol.body_began = protocol.loop.time()  # the client may send again from now
+        protocol.body_bytes = 0
         self._transport.resume_reading()
 
     def close(self):
@@ -102,6 +108,7 @@ class TimedH11Protocol(H11Protocol):
         self.held = None  # bytes after a whole request whose answer is not out yet (data_received), or None
         self.pieces = self.piece_bytes = 0  # of the request's body so far (count_pieces)
         self.received_at = 0.0  # when bytes last came in
+        self.body_began, self.body_bytes = 0.0, 0  # since when its body has been read, and its bytes since then
         self.write_paused_at = None  # since when the client has read none of its answers (writing paused), or None
         self.write_buffered = 0  # the bytes the client had not read then (unread)
         self.refusal = None  # (status, message, code) of a request refused by next_event
@@ -144,13 +151,14 @@ class TimedH11Protocol(H11Protocol):
         if longest.write_paused_at is not None:  # its answers are not read: they would never drain, nor a close
             longest.raw_transport.abort()
         else:
-            longest.refuse(408, f"the request body stopped arriving for {STALLED_S:g} s or more while the server "
-                           "had no room for new connections", "body_timeout")
+            longest.refuse(408, f"the request body stopped arriving for {STALLED_S:g} s or more, or came slower than "
+                           f"{SLOW_BODY_BYTES_S} bytes a second, while the server had no room for new connections",
+                           "body_timeout")
         return True
 
     def stalled_since(self) -> float | None:
         """Since when this connection's client has held up its request for STALLED_S or more (not reading its
-        answers, or not sending the rest of its body), or None."""
+        answers, or not sending the rest of its body, or sending it slower than SLOW_BODY_BYTES_S), or None."""
         now = self.loop.time()
         if self.lingering is not None or self.transport.is_closing():
             return None
@@ -162,6 +170,9 @@ class TimedH11Protocol(H11Protocol):
         elif (self.cycle is not None and self.conn.their_state is h11.SEND_BODY and not self.flow.read_paused
               and not self.cycle.waiting_for_100_continue):
             since = self.received_at  # (or when reading resumed: a body waiting to be read is not the client's stall)
+            arriving = now - self.body_began
+            if arriving >= STALLED_S and self.body_bytes < SLOW_BODY_BYTES_S * arriving:  # a trickle
+                since = min(since, self.body_began)
         else:
             return None
         return since if now - since >= STALLED_S else None
@@ -272,6 +283,7 @@ class TimedH11Protocol(H11Protocol):
         request is refused as malformed (h11.RemoteProtocolError, which uvicorn answers by send_400_response)."""
         if type(event) is h11.Data:
             self.pieces, self.piece_bytes = self.pieces + 1, self.piece_bytes + len(event.data)
+            self.body_bytes += len(event.data)
             if self.pieces > MAX_SMALL_PIECES and self.piece_bytes < SMALL_PIECE * self.pieces:
                 self.refusal = (400, f"malformed HTTP request: the body came in more than {MAX_SMALL_PIECES} "
                                 f"pieces of {self.piece_bytes / self.pieces:.0f} bytes on average; send it in chunks "
@@ -279,7 +291,9 @@ class TimedH11Protocol(H11Protocol):
                 raise h11.RemoteProtocolError(self.refusal[1])
         elif type(event) is h11.Request:
             self.pieces = self.piece_bytes = 0
-            self.received_at = self.loop.time()  # its body is awaited from now (a pipelined one's headers came earlier)
+            # its body is awaited from now (a pipelined one's headers came earlier)
+            self.received_at = self.body_began = self.loop.time()
+            self.body_bytes = 0
         return event
 
     def send_400_response(self, msg: str) -> None:
