@@ -467,32 +467,42 @@ def test_prefix_reuse_bf16_graphed(wide_margin_pair, mode):
     assert sum(cached for *_, cached, _ in with_reuse) > 0
 
 
+def stamped_pair(monkeypatch, x, first, second):
+    """wq_matmul(x, first), then its SwiGLU projection by `second`, eagerly and captured under bench/
+    launch_timeline.py's `launch_timeline` (eager launches are not recorded) and replayed: (whether both graphed
+    results equal the eager ones bit for bit, the stamped launches)."""
+    from blockspec.kernels.quant_matmul_triton import wq_matmul, wq_matmul_swiglu
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent.parent / "bench"))
+    from launch_timeline import launch_timeline
+
+    with launch_timeline() as launches:
+        plain = wq_matmul(x, first)
+        act = wq_matmul_swiglu(plain, second)
+        assert launches == []  # not capturing
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            traced = wq_matmul(x, first)
+            traced_act = wq_matmul_swiglu(traced, second)
+    graph.replay()
+    torch.cuda.synchronize()
+    return torch.equal(traced, plain) and torch.equal(traced_act, act), launches
+
+
 def test_launch_timeline_stamps_captured_launches(monkeypatch):
     """bench/launch_timeline.py's stamped variant of the W4A16 / W8A16 kernel, run for the launches captured under
     its `launch_timeline`, gives the production kernel's results and stamps every program: start <= main loop's end
     <= end on its SM's clock, start <= end on the global timer, an SM that exists; launches outside a capture run the
     production kernel and are not recorded."""
-    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent.parent / "bench"))
-    from launch_timeline import launch_timeline
-
     from blockspec.kernels import sm_count
-    from blockspec.kernels.quant_matmul_triton import wq_matmul, wq_matmul_swiglu
     from blockspec.quant.fp8 import Fp8Linear, quantize
 
     g = torch.Generator().manual_seed(0)
     packed = Fp8Linear.from_blocks(*quantize(torch.randn(5120, 6144, generator=g) * 0.01)).cuda().packed()
     gate_up = Fp8Linear.from_blocks(*quantize(torch.randn(2048, 5120, generator=g) * 0.01)).cuda().packed()
     x = torch.randn(1, 6144, device="cuda", dtype=torch.bfloat16)
-    with launch_timeline() as launches:
-        plain = wq_matmul(x, packed)
-        assert launches == []  # not capturing
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            traced = wq_matmul(x, packed)
-            act = wq_matmul_swiglu(traced, gate_up)
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(traced, plain) and torch.equal(act, wq_matmul_swiglu(plain, gate_up))
+    equal, launches = stamped_pair(monkeypatch, x, packed, gate_up)
+    assert equal
     assert [(e["n"], e["k"], e["epilogue"], e["rms"]) for e in launches] == [(5120, 6144, 0, False),
                                                                              (2048, 5120, 2, False)]
     for entry in launches:
@@ -509,14 +519,11 @@ def test_launch_timeline_stamps_warp_specialized_launches(monkeypatch):
     program (an SM each), its wait's end between its start and end on both clocks."""
     from blockspec.kernels import quant_matmul_gluon as gk
     from blockspec.kernels import KernelSettings, sm_count, use
-    from blockspec.kernels.quant_matmul_triton import default_config, warp_specialized, wq_matmul, wq_matmul_swiglu
+    from blockspec.kernels.quant_matmul_triton import default_config, warp_specialized
     from blockspec.quant.int4 import Int4Linear
 
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the warp-specialized kernel runs on Hopper")
-    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent.parent / "bench"))
-    from launch_timeline import launch_timeline
-
     g = torch.Generator().manual_seed(0)
     down = Int4Linear.from_float(torch.randn(5120, 17408, generator=g) * 0.01, 128, True,
                                  scale_dtype=torch.bfloat16).cuda().packed()
@@ -526,16 +533,8 @@ def test_launch_timeline_stamps_warp_specialized_launches(monkeypatch):
         x = torch.randn(rows, 17408, device="cuda", dtype=torch.bfloat16)
         assert warp_specialized(x, down, default_config(rows, down.n, down.k, 4, 128))
         with use(KernelSettings(pdl_level=3)):
-            plain = wq_matmul(x, down)
-            act = wq_matmul_swiglu(plain, gate_up)
-            with launch_timeline() as launches:
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph):
-                    traced = wq_matmul(x, down)
-                    traced_act = wq_matmul_swiglu(traced, gate_up)
-            graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(traced, plain) and torch.equal(traced_act, act), rows
+            equal, launches = stamped_pair(monkeypatch, x, down, gate_up)
+        assert equal, rows
         assert [(e["n"], e["epilogue"], e["schedule"][0]) for e in launches] == [
             (5120, 0, "warp-specialized"), (34816, 2, "warp-specialized")]
         assert gk._ws_kernel.__class__.__name__ != "_TracedLaunch"  # the production kernel back in place
