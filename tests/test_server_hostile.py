@@ -369,18 +369,23 @@ def test_slow_large_bodies_do_not_hold_back_other_large_bodies(server):
 
 def test_slow_and_silent_clients_time_out(server):
     """Bodies that never arrive: 408 after --receive-timeout, or one log line for those who leave; a connection that
-    never sends its headers is closed after the same time. Nothing leaves a traceback."""
+    never sends its headers is closed after the same time, answered 408 where part of them came. Nothing leaves a
+    traceback."""
     before = server.output().count("client left before sending its whole body")
     slow = [raw_request(server, "/v1/completions", b'{"prompt": "a', {"Content-Length": "100"}) for _ in range(20)]
     silent = socket.create_connection(("127.0.0.1", server.port), timeout=10)
+    partial = socket.create_connection(("127.0.0.1", server.port), timeout=10)
+    partial.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n")  # no blank line: the head never ends
     start = time.perf_counter()
     for sock in slow[:10]:
         sock.close()
     assert all(read_status(sock) == 408 for sock in slow[10:])
     assert RECEIVE_TIMEOUT - 0.1 < time.perf_counter() - start < RECEIVE_TIMEOUT + 3
     assert silent.recv(100) == b""  # closed by the server
+    head, _, payload = read_all(partial).partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 408") and json.loads(payload)["error"]["code"] == "request_timeout", head
     assert time.perf_counter() - start < RECEIVE_TIMEOUT + 3
-    for sock in [*slow[10:], silent]:
+    for sock in [*slow[10:], silent, partial]:
         sock.close()
     # at least: an earlier test's leaving clients may be logged after `before` was counted, on a loaded machine
     wait_until(lambda: server.output().count("client left before sending its whole body") >= before + 10)

@@ -92,8 +92,8 @@ class LingeringTransport:
 
 class TimedH11Protocol(H11Protocol):
     """uvicorn's HTTP/1.1 connection, closed when a request's headers are not all there receive_timeout_s after the
-    connection opened or the previous response ended: uvicorn alone waits forever for a first request, and for one
-    sent a byte at a time. A client that half-closes the connection after its whole request still gets the answer
+    connection opened or the previous response ended (answered 408 where part of them came): uvicorn alone waits
+    forever for a first request, and for one sent a byte at a time. A client that half-closes the connection after its whole request still gets the answer
     (uvicorn alone drops it), and one that leaves after sending more than its request is noticed as one that
     left (data_received). A request it cannot parse is answered in JSON, as every other bad request. At most
     max_connections stay open (make_room), and one answered before its body was all in closes lingering (linger)."""
@@ -366,7 +366,12 @@ class TimedH11Protocol(H11Protocol):
         # idle: no request began since, and the one before (if any) is answered; a pipelined request that began
         # inside on_response_complete is running, and re-arms the timer when its own answer ends
         idle = self.cycle is cycle_before and (cycle_before is None or cycle_before.response_complete)
-        if idle and not self.transport.is_closing():
+        if not idle or self.transport.is_closing():
+            return
+        if bytes(self.conn._receive_buffer).strip(b"\r\n"):  # a request line or headers came, not all of them
+            self.refuse(408, f"the request line and headers did not all arrive within {self.receive_timeout_s:g} s "
+                        "(--receive-timeout)", "request_timeout")
+        else:
             self.transport.close()
 
     def eof_received(self):
