@@ -401,7 +401,7 @@ def serve(engine, settings: ServerSettings = ServerSettings(), log_level: str = 
         print(f"blockspec: warning: {warning}", file=sys.stderr, flush=True)
     # uvicorn waits this long for the requests to end, past the grace period the app gives the running one
     protocol = functools.partial(TimedH11Protocol, receive_timeout_s=settings.receive_timeout_s,
-                                 max_connections=settings.max_connections)
+                                 max_connections=settings.max_connections, max_body_bytes=settings.max_body_bytes)
     config = uvicorn.Config(app, host=settings.host, port=port, http=protocol, log_level=log_level,
                             log_config=LOG_CONFIG, timeout_graceful_shutdown=settings.shutdown_grace_s + 5,
                             h11_max_incomplete_event_size=MAX_HEAD_BYTES)

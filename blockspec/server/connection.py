@@ -93,14 +93,17 @@ class LingeringTransport:
 class TimedH11Protocol(H11Protocol):
     """uvicorn's HTTP/1.1 connection, closed when a request's headers are not all there receive_timeout_s after the
     connection opened or the previous response ended (answered 408 where part of them came): uvicorn alone waits
-    forever for a first request, and for one sent a byte at a time. A client that half-closes the connection after its whole request still gets the answer
-    (uvicorn alone drops it), and one that leaves after sending more than its request is noticed as one that
-    left (data_received). A request it cannot parse is answered in JSON, as every other bad request. At most
-    max_connections stay open (make_room), and one answered before its body was all in closes lingering (linger)."""
+    forever for a first request, and for one sent a byte at a time. A client that half-closes the connection after
+    its whole request still gets the answer (uvicorn alone drops it), and one that leaves after sending more than
+    its request is noticed as one that left (data_received). A request it cannot parse is answered in JSON, as every
+    other bad request. At most max_connections stay open (make_room), and one answered before its body was all in
+    closes lingering (linger)."""
 
-    def __init__(self, *args, receive_timeout_s: float, max_connections: int, **kwargs):
+    def __init__(self, *args, receive_timeout_s: float, max_connections: int, max_body_bytes: int | None = None,
+                 **kwargs):
         super().__init__(*args, **kwargs)
         self.receive_timeout_s, self.max_connections = receive_timeout_s, max_connections
+        self.max_body_bytes = max_body_bytes  # a chunked body declaring more is refused at its chunk's size line
         self.request_deadline: asyncio.TimerHandle | None = None
         self.half_closed = None  # the cycle whose client sent its end of stream
         self.idle_since = 0.0  # when the connection last began waiting for a request
@@ -271,7 +274,14 @@ class TimedH11Protocol(H11Protocol):
                 self.refusal = (400, f"malformed HTTP request: the request target {shown(target)} is neither a path "
                                 "(/...) nor an absolute URL", "malformed_http")
                 raise h11.RemoteProtocolError(self.refusal[1], error_status_hint=400)
-        return self.count_pieces(event)
+        event = self.count_pieces(event)
+        # a chunk's size line declares its bytes (h11 keeps the rest it awaits): past the limit, refused at once
+        coming = getattr(self.conn._reader, "_bytes_in_chunk", 0) if self.conn.their_state is h11.SEND_BODY else 0
+        if self.max_body_bytes is not None and self.piece_bytes + coming > self.max_body_bytes:
+            error = body_too_large(self.max_body_bytes)
+            self.refusal = (error.status, error.message, error.code)
+            raise h11.RemoteProtocolError(error.message, error_status_hint=413)
+        return event
 
     @staticmethod
     def too_large(head: bool) -> tuple[int, str, str]:
@@ -453,13 +463,17 @@ def declared_length(request: Request) -> int | None:
     return int(declared) if declared.isdigit() else None
 
 
+def body_too_large(max_bytes: int) -> ApiError:
+    return ApiError(413, f"the request body is larger than the server's limit of {max_bytes} bytes (--max-body-mb)",
+                    code="body_too_large")
+
+
 async def read_body(request: Request, max_bytes: int, timeout_s: float, closing: asyncio.Event,
                     hold: Callable[[int], None] | None = None) -> bytes:
     """The whole body, or ApiError 413 (larger than max_bytes: refused from its Content-Length before any of it is
     read), 408 (not all there within timeout_s), 503 (the server began shutting down), or ClientLeft. hold(n) is
     called with each chunk's size as it arrives (it may refuse the body by raising ApiError)."""
-    too_large = ApiError(413, f"the request body is larger than the server's limit of {max_bytes} bytes "
-                         "(--max-body-mb)", code="body_too_large")
+    too_large = body_too_large(max_bytes)
     declared = declared_length(request)
     if declared is not None and declared > max_bytes:
         raise too_large
