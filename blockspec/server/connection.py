@@ -241,10 +241,10 @@ class TimedH11Protocol(H11Protocol):
     def next_event(self, h11_next_event):
         """h11's next event, with empty lines before a request line dropped (RFC 9112 2.2; h11 refuses them), a
         target in absolute form made the origin form (origin_form), and the refusals of count_pieces, of an HTTP
-        version other than 1.x (505), of a target neither a path nor a URL (400) and of a head or trailer section
-        past MAX_HEAD_BYTES (by the bytes it took). h11's
-        refusal of a request (h11.RemoteProtocolError, which uvicorn answers by send_400_response with a message of
-        its own) keeps h11's reason for the answer."""
+        version other than 1.x (505), of a target neither a path nor a URL (400), of a head or trailer section past
+        MAX_HEAD_BYTES (by the bytes it took) and of a body past max_body_bytes, counting what a chunk's size line
+        declares (413). h11's refusal of a request (h11.RemoteProtocolError, which uvicorn answers by
+        send_400_response with a message of its own) keeps h11's reason for the answer."""
         buffer = self.conn._receive_buffer  # h11's unparsed input: no public call drops bytes of it or counts them
         in_head = self.conn.their_state is h11.IDLE
         if in_head:
