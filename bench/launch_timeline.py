@@ -102,8 +102,8 @@ if gk.gluon is not None:
                          ring_q, ring_x, scratch, ready, empty, start, count, M, N, K, PER, PARTS, stride_om, eps,
                          trace_ptr, NBLK: gl.constexpr, C: gl.constexpr, S: gl.constexpr, EPI: gl.constexpr,
                          RMS: gl.constexpr, PBLOCK: gl.constexpr, BM: gl.constexpr, PDL: gl.constexpr,
-                         GROUPS: gl.constexpr, U0: gl.constexpr, U1: gl.constexpr, U2: gl.constexpr,
-                         U3: gl.constexpr):
+                         GROUPS: gl.constexpr, BOXES: gl.constexpr, U0: gl.constexpr, U1: gl.constexpr,
+                         U2: gl.constexpr, U3: gl.constexpr):
         """quant_matmul_gluon's `_consume` (its scales, wait, 1 / rms and units), consumer 0 stamping its program's
         row of trace_ptr around the wait and the units."""
         pid = gl.program_id(0)
@@ -112,14 +112,14 @@ if gk.gluon is not None:
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                       instr_shape=[16, BM, 16])
         rows = gl.arange(0, gk._BN, layout=gl.SliceLayout(1, mma))
-        nx = gk._scales(s_ptr, start, count > 0, N, rows, NBLK, C, c, EPI, GROUPS)
+        nx = gk._scales(s_ptr, start, count > 0, N, rows, NBLK, C, c, EPI, GROUPS, BOXES)
         pdl.wait(PDL)
         t_wait = _stamp(pid, True)
         c_wait = _stamp(pid, False)
         inv_rms = gk._inv_rms(part_ptr, M, K, PARTS, eps, RMS, PBLOCK, BM)
         gk._units(c, 0, nx, inv_rms, s_ptr, out_ptr, ws_ptr, cnt_ptr, res_ptr, nw_ptr, rows_ptr, part_ptr, ring_q,
                   ring_x, scratch, ready, empty, start, count, M, N, PER, stride_om, NBLK, C, S, EPI, RMS, BM,
-                  GROUPS, U0, U1, U2, U3)
+                  GROUPS, BOXES, U0, U1, U2, U3)
         c_loop = _stamp(pid, False)
         pdl.release(PDL)
         if c == 0:
@@ -131,22 +131,22 @@ if gk.gluon is not None:
                            N, UNITS, PER, PARTS, stride_om, eps, trace_ptr, K: gl.constexpr, C: gl.constexpr,
                            BM: gl.constexpr, S: gl.constexpr, EPI: gl.constexpr, RMS: gl.constexpr,
                            PBLOCK: gl.constexpr, PDL: gl.constexpr, CREGS: gl.constexpr, LREGS: gl.constexpr,
-                           GROUPS: gl.constexpr, U0: gl.constexpr, U1: gl.constexpr, U2: gl.constexpr,
-                           U3: gl.constexpr, num_warps: gl.constexpr):
+                           GROUPS: gl.constexpr, BOXES: gl.constexpr, U0: gl.constexpr, U1: gl.constexpr,
+                           U2: gl.constexpr, U3: gl.constexpr, num_warps: gl.constexpr):
         """quant_matmul_gluon's `_ws_kernel` with 2 consumers (the engine's), its consumers `_stamped_consume`."""
         NBLK: gl.constexpr = K // (gk._G * GROUPS)
-        ring_q, ring_x, scratch, ready, empty = gk._ring(x_desc, C, S, C if EPI == 2 else 1, BM, GROUPS)
+        ring_q, ring_x, scratch, ready, empty = gk._ring(x_desc, C, S, C if EPI == 2 else 1, BM, GROUPS, BOXES)
         start = gl.program_id(0) * PER
         count = gl.maximum(gl.minimum(UNITS - start, PER), 0)
         gl.warp_specialize([
             (_stamped_consume, (0, s_ptr, out_ptr, ws_ptr, cnt_ptr, res_ptr, nw_ptr, rows_ptr, part_ptr, ring_q,
                                 ring_x, scratch, ready, empty, start, count, M, N, K, PER, PARTS, stride_om, eps,
-                                trace_ptr, NBLK, C, S, EPI, RMS, PBLOCK, BM, PDL, GROUPS, U0, U1, U2, U3)),
+                                trace_ptr, NBLK, C, S, EPI, RMS, PBLOCK, BM, PDL, GROUPS, BOXES, U0, U1, U2, U3)),
             (_stamped_consume, (1, s_ptr, out_ptr, ws_ptr, cnt_ptr, res_ptr, nw_ptr, rows_ptr, part_ptr, ring_q,
                                 ring_x, scratch, ready, empty, start, count, M, N, K, PER, PARTS, stride_om, eps,
-                                trace_ptr, NBLK, C, S, EPI, RMS, PBLOCK, BM, PDL, GROUPS, U0, U1, U2, U3)),
+                                trace_ptr, NBLK, C, S, EPI, RMS, PBLOCK, BM, PDL, GROUPS, BOXES, U0, U1, U2, U3)),
             (gk._loader, (q_desc, x_desc, ring_q, ring_x, ready, empty, start, count, N, NBLK, C, S, EPI, BM, PDL,
-                          GROUPS))],
+                          GROUPS, BOXES))],
             [4, 1], [CREGS, LREGS])
 
 

@@ -5,16 +5,18 @@ Variants: 2 or 3 consumer warpgroups, x blocks of 8 rows (1 and 8 rows: with 2 c
 `quant_matmul_gluon.LEAN`), 16 or 32; at 1 and 8 rows also 2 consumers in the footprint of 17..32 rows, a whole SM a
 program ("whole SM"); at 16 rows also 2 consumers in a lean footprint (LEAN_16). The engine takes the kernel at
 1..8 and 17..32 rows.
-GPU (Hopper): python warp_specialized.py [--shapes gate_up,down,...] [--pdl-level N] [--fp8] (both kernels launched
-under programmatic dependent launch at that level, kernels/pdl.py; default 0, none; the INT4 engine's is 3; --fp8:
-the projections as FP8 e4m3 codes with 128 x 128 block scales, which the engine runs on the Triton kernel)
+GPU (Hopper): python warp_specialized.py [--shapes gate_up,down,...] [--pdl-level N] [--fp8 | --int8-g32] (both
+kernels launched under programmatic dependent launch at that level, kernels/pdl.py; default 0, none; the INT4 engine's
+is 3; --fp8: the projections as FP8 e4m3 codes with 128 x 128 block scales; --int8-g32: the DFlash2 drafter's
+projections (DRAFTER_SHAPES) as int8 codes of group 32, `--dflash2-quantization int8`; the engine runs both on the
+Triton kernel)
 With --mlp instead (PDL level 3 unless --pdl-level): the 27B's INT4 MLP with the next norm begun (gate_up with
 SwiGLU, then down with the residual add) at 1 and 8 rows, the engine's two launches against one launch of both
 (`quant_matmul_gluon.launch_mlp`, the `persistent_mlp` setting), us per MLP over > 300 MB of weight copies in one
 CUDA graph, 3 rounds alternated (one capture times differently from the next), and whether the one launch's out,
 rows and partials equal the two launches' bits (after the timed replays too: the launch resets its counters).
-CPU dry run: python warp_specialized.py --dry-run (each variant and the MLP's launch compiled for sm_90 by Gluon's
-compiler, untimed).
+CPU dry run: python warp_specialized.py --dry-run (each variant, its int8 group-32 program and the MLP's launch
+compiled for sm_90 by Gluon's compiler, untimed).
 Writes $OUT/warp_specialized.json when OUT is set."""
 import json
 import os
@@ -31,13 +33,16 @@ from blockspec.kernels.quant_matmul_triton import (Epilogue, default_config, wq_
 
 SHAPES = {"gate_up": (34816, 5120), "gdn_in": (16480, 5120), "attn_qkv": (14336, 5120), "down": (5120, 17408),
           "o": (5120, 6144)}
+DRAFTER_SHAPES = {"d_qkv": (6144, 5120), "d_o": (5120, 4096), "d_gate_up": (34816, 5120), "d_down": (5120, 17408)}
+CODES = {"int4": (4, 128), "fp8": (8, 128), "int8-g32": (8, 32)}  # (bits, group size) of each --codes
 ROWS = (1, 8, 16, 32)
 MLP_ROWS, MLP_ROUNDS = (1, 8), 3
 CONSUMERS = (2, 3)
 
 
 def sm90_compile(k: int, consumers: int, block_m: int, epi: int = 0, rms: bool = False, pdl_level: int = 3,
-                 bits: int = 4, e4m3: bool = False, kernel=None, pointers: dict | None = None) -> tuple[str, int]:
+                 bits: int = 4, e4m3: bool = False, kernel=None, pointers: dict | None = None,
+                 group_size: int = 128) -> tuple[str, int]:
     """The kernel (or a `kernel` of its arguments and more `pointers`, {name: type}) compiled here for sm_90 (no GPU
     needed): (its PTX, its shared memory in bytes)."""
     import triton
@@ -47,9 +52,10 @@ def sm90_compile(k: int, consumers: int, block_m: int, epi: int = 0, rms: bool =
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     from triton.runtime.jit import mangle_type
 
-    def desc(rows, dtype, gl_dtype):
-        layout = gl.NVMMASharedLayout.get_default_for([rows, 128], gl_dtype)
-        return mangle_type(TensorDescriptor.from_tensor(torch.zeros(64, 1280, dtype=dtype), [rows, 128], layout))
+    def desc(rows, dtype, gl_dtype):  # boxes of one block's int16 columns (of codes), group_size (of x)
+        layout = gl.NVMMASharedLayout.get_default_for([rows, group_size], gl_dtype)
+        return mangle_type(TensorDescriptor.from_tensor(torch.zeros(64, 1280, dtype=dtype), [rows, group_size],
+                                                        layout))
 
     signature = dict(q_desc=desc(gk.BN // 2 if epi == 2 else gk.BN, torch.int16, gl.int16),
                      x_desc=desc(block_m, torch.bfloat16, gl.bfloat16), s_ptr="*bf16", out_ptr="*bf16",
@@ -60,7 +66,7 @@ def sm90_compile(k: int, consumers: int, block_m: int, epi: int = 0, rms: bool =
     registers = gk.footprint(consumers, block_m)[0]
     constants = dict(K=k, C=consumers, BM=block_m, S=gk.plan(34816, k, 132, consumers, block_m, bits)[0], EPI=epi,
                      RMS=rms, PBLOCK=128 if rms else 1, PDL=pdl_level, CREGS=registers[1], LREGS=registers[2],
-                     **gk.unpacking(bits, e4m3), num_warps=4)
+                     BOXES=gk.G // group_size, **gk.unpacking(bits, e4m3), num_warps=4)
     full = {n: "constexpr" if n in constants else signature[n] for n in kernel.arg_names}
     aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(kernel.arg_names) if full[n][0] == "*"}
     compiled = triton.compile(GluonASTSource(kernel, full, constexprs=constants, attrs=aligned),
@@ -133,42 +139,47 @@ def dry_run() -> dict:
         for label, consumers, block_m, context in variants(m):
             with context:
                 ptx, shared = sm90_compile(5120, consumers, block_m)
-            out[label] = dict(
-                shared=shared, wgmma=ptx.count(f"wgmma.mma_async.sync.aligned.m64n{block_m}k16"))
+                ptx_g32, shared_g32 = sm90_compile(5120, consumers, block_m, bits=8, group_size=32)
+            wgmma = f"wgmma.mma_async.sync.aligned.m64n{block_m}k16"
+            out[label] = dict(shared=shared, wgmma=ptx.count(wgmma), shared_int8_g32=shared_g32,
+                              wgmma_int8_g32=ptx_g32.count(wgmma))
     ptx, shared = sm90_compile_mlp()
     out["MLP"] = dict(shared=shared, wgmma=ptx.count("wgmma.mma_async.sync.aligned.m64n8k16"))
     return out
 
 
-def measure(names: list[str], pdl_level: int, fp8: bool = False) -> dict:
+def measure(names: list[str], pdl_level: int, codes: str = "int4") -> dict:
     from blockspec.bench import measure_read_bandwidth
 
     dev = torch.device("cuda")
     bandwidth = measure_read_bandwidth(dev)
-    results = dict(device=torch.cuda.get_device_name(dev), read_gbs=bandwidth, pdl_level=pdl_level, fp8=fp8,
+    results = dict(device=torch.cuda.get_device_name(dev), read_gbs=bandwidth, pdl_level=pdl_level, codes=codes,
                    shapes={})
     print(f"{results['device']}: read bandwidth {bandwidth:.0f} GB/s, PDL level {pdl_level}", flush=True)
     with use(KernelSettings(pdl_level=pdl_level)):
         for name in names:
-            results["shapes"][name] = measure_shape(name, bandwidth, fp8)
+            results["shapes"][name] = measure_shape(name, bandwidth, codes)
     return results
 
 
-def measure_shape(name: str, bandwidth: float, fp8: bool = False) -> dict:
+def measure_shape(name: str, bandwidth: float, codes: str = "int4") -> dict:
     """us per launch at each of ROWS: the engine's config, then each variant."""
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from timing import replay_ms
 
     from blockspec.quant.fp8 import Fp8Linear, quantize
     from blockspec.quant.int4 import Int4Linear
+    from blockspec.quant.int8 import Int8Linear
 
     dev = torch.device("cuda")
-    n, k = SHAPES[name]
+    n, k = (SHAPES | DRAFTER_SHAPES)[name]
 
     def packed():
         w = torch.randn(n, k, device=dev) * k ** -0.5
-        if fp8:
+        if codes == "fp8":
             return Fp8Linear.from_blocks(*quantize(w)).packed()
+        if codes == "int8-g32":
+            return Int8Linear.from_float(w, 32).packed()
         return Int4Linear.from_float(w, 128, True, scale_dtype=torch.bfloat16).packed()
     weights = [packed()]
     weights += [packed() for _ in range(max(1, -(-300_000_000 // weights[0].nbytes())) - 1)]
@@ -177,7 +188,7 @@ def measure_shape(name: str, bandwidth: float, fp8: bool = False) -> dict:
     for m in ROWS:
         x = torch.randn(m, k, device=dev).to(torch.bfloat16)
         out = torch.empty(m, n, device=dev, dtype=torch.bfloat16)
-        cfg = default_config(m, n, k, 8 if fp8 else 4, 128)
+        cfg = default_config(m, n, k, *CODES[codes])
         want = wq_matmul(x, weights[0]).float()
         engine = replay_ms(lambda: [wq_matmul(x, w, cfg, out=out) for w in weights]) * 1e3 / len(weights)
         row = rows[m] = {"engine": dict(us=engine, config=cfg.short(), pct=nbytes / engine / 1e3 / bandwidth * 100)}
@@ -256,10 +267,12 @@ def main() -> None:
         results = dry_run()
         print(json.dumps(results))
     else:
-        names = sys.argv[sys.argv.index("--shapes") + 1].split(",") if "--shapes" in sys.argv else list(SHAPES)
-        unknown = [n for n in names if n not in SHAPES]
+        codes = "fp8" if "--fp8" in sys.argv else "int8-g32" if "--int8-g32" in sys.argv else "int4"
+        shapes = DRAFTER_SHAPES if codes == "int8-g32" else SHAPES
+        names = sys.argv[sys.argv.index("--shapes") + 1].split(",") if "--shapes" in sys.argv else list(shapes)
+        unknown = [n for n in names if n not in shapes]
         if unknown:
-            print(f"unknown shape {unknown[0]!r}; the shapes: {', '.join(SHAPES)}", file=sys.stderr)
+            print(f"unknown shape {unknown[0]!r}; the shapes: {', '.join(shapes)}", file=sys.stderr)
             sys.exit(2)
         default = ["3"] if "--mlp" in sys.argv else ["0"]  # the MLP at the INT4 engine's level
         level = sys.argv[sys.argv.index("--pdl-level") + 1:][:1] if "--pdl-level" in sys.argv else default
@@ -269,7 +282,7 @@ def main() -> None:
         if "--mlp" in sys.argv:
             results = measure_mlp(int(level[0]))
         else:
-            results = measure(names, int(level[0]), "--fp8" in sys.argv)
+            results = measure(names, int(level[0]), codes)
     if os.environ.get("OUT"):
         Path(os.environ["OUT"]).mkdir(parents=True, exist_ok=True)
         (Path(os.environ["OUT"]) / "warp_specialized.json").write_text(json.dumps(results, indent=1))

@@ -31,7 +31,7 @@ class Refusing:
 
 def test_config_table_sends_tree_rows_and_few_rows_of_int4_to_it():
     """17..32 rows of every INT4 layer projection, and 1..8 rows, whose x blocks of 8 rows take the lean footprint;
-    not 9..16 or 33.. rows, 8-bit codes or the vocabulary head."""
+    not 9..16 or 33.. rows, 8-bit codes (the drafter's int8 group 32 too) or the vocabulary head."""
     for n, k in SHAPES.values():
         for m in (17, 24, 32):
             assert wq.default_config(m, n, k).warp_specialized == gk.CONSUMERS, (n, k, m)
@@ -44,12 +44,15 @@ def test_config_table_sends_tree_rows_and_few_rows_of_int4_to_it():
         assert not wq.default_config(8, n, k, 8, 128).warp_specialized
     for m in (1, 8, 32):  # the vocabulary head: not measured there
         assert not wq.default_config(m, 248320, 5120).warp_specialized
+    for n, k in ((6144, 5120), (34816, 5120), (5120, 17408)):  # the drafter's: not measured there yet
+        for m in (1, 8, 16, 32):
+            assert not wq.default_config(m, n, k, 8, 32).warp_specialized
 
 
 def test_usable_only_for_its_launches(monkeypatch):
-    """CUDA bf16 rows at a 16-byte address, up to the x block's rows, 4- or 8-bit group 128 codes without zero
-    points over whole blocks (512 columns for 4-bit codes, 256 for 8-bit), 2 or 3 consumers: anything else goes to
-    the Triton kernel."""
+    """CUDA bf16 rows at a 16-byte address, up to the x block's rows, 4- or 8-bit group 128 codes or int8 group 32
+    ones without zero points over whole units (512 columns for 4-bit codes, 256 for 8-bit), 2 or 3 consumers:
+    anything else goes to the Triton kernel."""
     from blockspec.quant.fp8 import Fp8Linear, quantize
     from blockspec.quant.int8 import Int8Linear
 
@@ -65,8 +68,10 @@ def test_usable_only_for_its_launches(monkeypatch):
                gk.usable(x[:24], Int4Linear.from_float(torch.randn(128, 1024) * 0.05, symmetric=False).packed()),
                gk.usable(x[:24], Int4Linear.from_float(torch.randn(128, 1024) * 0.05, 64).packed()),
                gk.usable(x[:24, :640].contiguous(), Int4Linear.from_float(torch.randn(128, 640) * 0.05).packed()),
-               gk.usable(x[:24], Int8Linear.from_float(torch.randn(128, 1024) * 0.05).packed())]
-    assert refused == [False, False, False, False, True, False, False, False, False, False], refused
+               gk.usable(x[:24, :640].contiguous(), Int8Linear.from_float(torch.randn(128, 640) * 0.05).packed()),
+               gk.usable(x[:24], Int8Linear.from_float(torch.randn(128, 1024) * 0.05, 64).packed())]
+    assert refused == [False, False, False, False, True, False, False, False, False, False, False], refused
+    assert gk.usable(x[:24], Int8Linear.from_float(torch.randn(128, 1024) * 0.05).packed())  # group 32
     fp8 = Fp8Linear.from_blocks(*quantize(torch.randn(128, 768) * 0.05)).packed()
     assert gk.usable(x[:8, :768].contiguous(), fp8, 8)  # 3 blocks of 256
     assert gk.usable(x[:8, :768].contiguous(), Int8Linear.from_float(torch.randn(128, 768) * 0.05, 128).packed(), 8)
@@ -159,21 +164,44 @@ def test_sm90_code(epi, rms, k, consumers, block_m, bits, e4m3):
     assert shared <= 232448
 
 
-@pytest.mark.parametrize("epi,rms,k,block_m,bits,e4m3", [
-    (0, True, 5120, 32, 4, False), (1, False, 17408, 32, 4, False), (2, True, 5120, 32, 4, False),
-    (0, True, 5120, 8, 4, False), (2, True, 5120, 8, 4, False), (1, False, 17408, 8, 4, False),
-    (2, True, 5120, 8, 8, True), (1, False, 17408, 8, 8, True), (0, True, 5120, 8, 8, True)])
-def test_no_spills(epi, rms, k, block_m, bits, e4m3, tmp_path):
+@pytest.mark.parametrize("epi,rms,k,consumers,block_m", [
+    (0, True, 5120, 2, 8), (1, False, 17408, 2, 8), (2, True, 5120, 2, 8), (0, False, 5120, 2, 16),
+    (2, True, 5120, 3, 32)])
+def test_sm90_code_for_int8_group_32(epi, rms, k, consumers, block_m):
+    """int8 codes of group 32 (the drafter's), a unit of 4 blocks: a consumer's tile as 4 boxes of a block's 32
+    int16 columns (64-byte rows: one copy each), x as 8 boxes of a group's 32 columns, and every group's 2 k16
+    steps of wgmma, its scale applied after them (8 scales a unit), the int8 unpacking."""
+    pytest.importorskip("triton.experimental.gluon")
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+    from warp_specialized import sm90_compile
+
+    ptx, shared = sm90_compile(k, consumers, block_m, epi, rms, bits=8, group_size=32)
+    dots = re.findall(rf"wgmma\.mma_async\.sync\.aligned\.m64n{block_m}k16\.f32\.bf16\.bf16", ptx)
+    assert len(dots) == 8 * 2 * consumers
+    codes = 4 * (2 if epi == 2 else 1) * consumers  # issued in two places: the first stages', then the loop's
+    assert len(re.findall(r"cp\.async\.bulk\.tensor\.2d", ptx)) == 2 * codes + 8
+    assert "0f4B000080" in ptx and "0xC308C308" not in ptx
+    assert shared <= 232448
+
+
+@pytest.mark.parametrize("epi,rms,k,block_m,bits,e4m3,group", [
+    (0, True, 5120, 32, 4, False, 128), (1, False, 17408, 32, 4, False, 128), (2, True, 5120, 32, 4, False, 128),
+    (0, True, 5120, 8, 4, False, 128), (2, True, 5120, 8, 4, False, 128), (1, False, 17408, 8, 4, False, 128),
+    (2, True, 5120, 8, 8, True, 128), (1, False, 17408, 8, 8, True, 128), (0, True, 5120, 8, 8, True, 128),
+    (0, False, 5120, 8, 8, False, 32), (1, True, 17408, 8, 8, False, 32), (2, True, 5120, 32, 8, False, 32)])
+def test_no_spills(epi, rms, k, block_m, bits, e4m3, group, tmp_path):
     """The config table's variants (2 consumers; x blocks of 32 rows in a whole SM's registers, of 8 rows in the
-    lean footprint), every epilogue they serve, and FP8 (e4m3) codes in the lean footprint: ptxas (Triton's own,
-    run here on the CPU) reports no spill stores, which would put local-memory traffic beside the weight stream.
-    (int8 codes, the vocabulary head's, which stays on the Triton kernel, spill 24 bytes there.)"""
+    lean footprint), every epilogue they serve, and FP8 (e4m3) and int8 group-32 codes: ptxas (Triton's own, run
+    here on the CPU) reports no spill stores, which would put local-memory traffic beside the weight stream.
+    (int8 codes of group 128, the vocabulary head's, which stays on the Triton kernel, spill 24 bytes in the lean
+    footprint; int8 group 32 with the SwiGLU epilogue there, its 8 scales a unit held one unit ahead, 4 bytes.)"""
     pytest.importorskip("triton.experimental.gluon")
     from triton.backends.nvidia.compiler import get_ptxas
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
     from warp_specialized import sm90_compile
 
-    (tmp_path / "ws.ptx").write_text(sm90_compile(k, gk.CONSUMERS, block_m, epi, rms, bits=bits, e4m3=e4m3)[0])
+    (tmp_path / "ws.ptx").write_text(sm90_compile(k, gk.CONSUMERS, block_m, epi, rms, bits=bits, e4m3=e4m3,
+                                                  group_size=group)[0])
     registers = gk.footprint(gk.CONSUMERS, block_m)[0][0]
     report = subprocess.run([get_ptxas(90).path, "-arch=sm_90a", "-v", str(tmp_path / "ws.ptx"), "-o",
                              str(tmp_path / "ws.cubin")], capture_output=True, text=True, check=True).stderr

@@ -1,18 +1,19 @@
-"""The weight-only quantized projection (int4 group 128, symmetric; also 8-bit codes: e4m3, int8) of bf16 rows on
-Hopper, warp-specialized in Gluon: the same y = x @ dequant(W)^T and epilogues as `quant_matmul_triton._wq_kernel`,
-whose plain PyTorch reference is quant_matmul.py. The config table takes it for INT4 projections of 1..8 and
-17..32 rows.
+"""The weight-only quantized projection (int4 group 128, symmetric; also 8-bit codes: e4m3, int8 of group 128 or 32)
+of bf16 rows on Hopper, warp-specialized in Gluon: the same y = x @ dequant(W)^T and epilogues as
+`quant_matmul_triton._wq_kernel`, whose plain PyTorch reference is quant_matmul.py. The config table takes it for
+INT4 projections of 1..8 and 17..32 rows.
 
 Kernel
 ------
   One program per SM, three partitions:
-  * a loader warp streams stages (the C consumers' [64, 128] int16 code tiles of one K block: 4 groups of 128 inputs
-    for 4-bit codes, 2 for 8-bit; and x's block, one [BM, 128] box a group) through TMA into a ring of S
-    shared-memory slots, each with a `ready` and an `empty` mbarrier;
+  * a loader warp streams stages (the C consumers' [64, 128] int16 code tiles of one unit, 128 int16 columns: a
+    K block of 4 groups of 128 inputs for 4-bit codes, 2 for 8-bit; 4 blocks of 2 groups of 32 for int8 group 32,
+    a box of 32 columns each (BOXES); and x's unit, one box a group) through TMA into a ring of S shared-memory
+    slots, each with a `ready` and an `empty` mbarrier;
   * C consumer warpgroups (4 warps each) take their 64-row tile of every stage: the block's group dots as wgmma
     with the dequantized codes (unpack_ptx.py) as the register operand and the shared x block as the other, each
     group's fp32 dot times its scale added in group order (the Triton kernel's arithmetic), then release the slot.
-  The program walks a contiguous run of (tile group, K block) units in tile-major order, an equal share of all
+  The program walks a contiguous run of (tile group, unit) pairs in tile-major order, an equal share of all
   units, so the weight stream does not restart at tile boundaries and every SM streams the same bytes. A tile whose
   blocks one program streamed is finished by it; a tile cut between runs has its pieces' fp32 partials added by
   the last piece to arrive, in K order (`arrival_counters`, reset after use).
@@ -83,12 +84,13 @@ _MLP_BROKEN: list[str] = []  # why the MLP's kernel did not build here (then its
 def usable(x2: torch.Tensor, pw: PackedWeight, block_m: int = BM, consumers: int = CONSUMERS) -> bool:
     """Whether this kernel serves x2 @ W^T with 2 or 3 consumers and x blocks of block_m rows: Hopper, bf16
     activations of at most block_m rows (8, 16 or 32) at a 16-byte aligned address (TMA), 4- or 8-bit group 128
-    codes without zero points (int4, int8, e4m3), K in whole blocks (512 or 256 columns), and the kernel builds
-    with this Triton. (The config table takes it for int4 at 1..8 and 17..32 rows.)"""
+    codes (int4, int8, e4m3) or 8-bit group 32 codes (int8) without zero points, K in whole units (512 or 256
+    columns), and the kernel builds with this Triton. (The config table takes it for int4 at 1..8 and 17..32
+    rows.)"""
     return (gluon is not None and not _BROKEN and x2.is_cuda and consumers in (2, 3) and block_m in (8, 16, 32)
             and x2.shape[0] <= block_m and x2.dtype == torch.bfloat16 and x2.data_ptr() % 16 == 0
-            and pw.bits in (4, 8) and pw.group_size == G and pw.z is None and pw.k % (G * 16 // pw.bits) == 0
-            and _hopper(x2.device))
+            and pw.bits in (4, 8) and (pw.group_size == G or (pw.bits, pw.group_size, pw.codes) == (8, 32, "uint"))
+            and pw.z is None and pw.k % (G * 16 // pw.bits) == 0 and _hopper(x2.device))
 
 
 @functools.cache
@@ -118,15 +120,22 @@ if gluon is not None:
 
     @gluon.jit
     def _scales(s_ptr, u, live, N, rows, NBLK: gl.constexpr, C: gl.constexpr, c: gl.constexpr,
-                EPI: gl.constexpr, GROUPS: gl.constexpr):
-        """The GROUPS scales of unit u's block for consumer c's rows (4-bit codes: 4, 8-bit: 2, then 2 unread)."""
+                EPI: gl.constexpr, GROUPS: gl.constexpr, BOXES: gl.constexpr):
+        """The scales of unit u's groups for consumer c's rows: one block of 4-bit codes, 4 (8-bit: 2, then 2
+        unread); 4 blocks of 8-bit group-32 codes (BOXES 4), 8 in K order."""
         n, ok = _rows(u // NBLK, c, rows, N, C, EPI)
-        sc = s_ptr + (u % NBLK) * N * GROUPS + n * GROUPS
+        sc = s_ptr + (u % NBLK) * BOXES * N * GROUPS + n * GROUPS
         m = ok & live
         s0, s1 = gl.load(sc, mask=m, other=0.0), gl.load(sc + 1, mask=m, other=0.0)
-        if GROUPS == 4:
-            return s0, s1, gl.load(sc + 2, mask=m, other=0.0), gl.load(sc + 3, mask=m, other=0.0)
-        return s0, s1, s0, s1
+        if BOXES == 4:  # (one return: the compiler checks every return's types, also in a branch not taken)
+            scales = (s0, s1, gl.load(sc + 2 * N, mask=m, other=0.0), gl.load(sc + 2 * N + 1, mask=m, other=0.0),
+                      gl.load(sc + 4 * N, mask=m, other=0.0), gl.load(sc + 4 * N + 1, mask=m, other=0.0),
+                      gl.load(sc + 6 * N, mask=m, other=0.0), gl.load(sc + 6 * N + 1, mask=m, other=0.0))
+        elif GROUPS == 4:
+            scales = (s0, s1, gl.load(sc + 2, mask=m, other=0.0), gl.load(sc + 3, mask=m, other=0.0))
+        else:
+            scales = (s0, s1, s0, s1)
+        return scales
 
     @gluon.jit
     def _finish(acc, inv_rms, scratch, out_ptr, ws_ptr, cnt_ptr, res_ptr, nw_ptr, rows_ptr, part_ptr, t, n, n_ok,
@@ -194,11 +203,19 @@ if gluon is not None:
         return inv_rms
 
     @gluon.jit
+    def _group_dot(acc, h, ring_x, xi, s, U: gl.constexpr, zero):
+        """acc + (the group's codes in h, unpacked by U) @ (x box xi of the ring)^T from zero, times the rows'
+        scales s: one group of the Triton kernel's arithmetic."""
+        a = gl.inline_asm_elementwise(U, "=r,r", [h], dtype=gl.bfloat16, is_pure=True, pack=2)
+        dot = warpgroup_mma(a, ring_x.index(xi).permute((1, 0)), zero, use_acc=False)
+        return acc + dot * s.to(gl.float32)[:, None]
+
+    @gluon.jit
     def _units(c: gl.constexpr, j0, nx, inv_rms, s_ptr, out_ptr, ws_ptr, cnt_ptr, res_ptr, nw_ptr, rows_ptr,
                part_ptr, ring_q, ring_x, scratch, ready, empty, start, count, M, N, PER, stride_om,
                NBLK: gl.constexpr, C: gl.constexpr, S: gl.constexpr, EPI: gl.constexpr, RMS: gl.constexpr,
-               BM: gl.constexpr, GROUPS: gl.constexpr, U0: gl.constexpr, U1: gl.constexpr, U2: gl.constexpr,
-               U3: gl.constexpr):
+               BM: gl.constexpr, GROUPS: gl.constexpr, BOXES: gl.constexpr, U0: gl.constexpr, U1: gl.constexpr,
+               U2: gl.constexpr, U3: gl.constexpr):
         """Consumer c's run of `count` units from `start`, the stages j0 .. j0 + count - 1 of the ring; nx: the
         first unit's scales."""
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -212,24 +229,23 @@ if gluon is not None:
             u = start + j
             t = u // NBLK
             b = u % NBLK
-            s0, s1, s2, s3 = nx
-            nx = _scales(s_ptr, u + 1, j + 1 < count, N, rows, NBLK, C, c, EPI, GROUPS)
+            scales = nx
+            nx = _scales(s_ptr, u + 1, j + 1 < count, N, rows, NBLK, C, c, EPI, GROUPS, BOXES)
             slot = (j0 + j) % S
             mbarrier.wait(ready.index(slot), ((j0 + j) // S) & 1)
-            h = ring_q.index(slot * C + c).load(a_layout)
-            a = gl.inline_asm_elementwise(U0, "=r,r", [h], dtype=gl.bfloat16, is_pure=True, pack=2)
-            acc += warpgroup_mma(a, ring_x.index(slot * GROUPS).permute((1, 0)), zero, use_acc=False) \
-                * s0.to(gl.float32)[:, None]
-            a = gl.inline_asm_elementwise(U1, "=r,r", [h], dtype=gl.bfloat16, is_pure=True, pack=2)
-            acc += warpgroup_mma(a, ring_x.index(slot * GROUPS + 1).permute((1, 0)), zero, use_acc=False) \
-                * s1.to(gl.float32)[:, None]
-            if GROUPS == 4:
-                a = gl.inline_asm_elementwise(U2, "=r,r", [h], dtype=gl.bfloat16, is_pure=True, pack=2)
-                acc += warpgroup_mma(a, ring_x.index(slot * 4 + 2).permute((1, 0)), zero, use_acc=False) \
-                    * s2.to(gl.float32)[:, None]
-                a = gl.inline_asm_elementwise(U3, "=r,r", [h], dtype=gl.bfloat16, is_pure=True, pack=2)
-                acc += warpgroup_mma(a, ring_x.index(slot * 4 + 3).permute((1, 0)), zero, use_acc=False) \
-                    * s3.to(gl.float32)[:, None]
+            if BOXES == 4:  # 8-bit group 32: each block's box, its two groups
+                for i in gl.static_range(4):
+                    h = ring_q.index((slot * C + c) * 4 + i).load(a_layout)
+                    acc = _group_dot(acc, h, ring_x, slot * 8 + 2 * i, scales[2 * i], U0, zero)
+                    acc = _group_dot(acc, h, ring_x, slot * 8 + 2 * i + 1, scales[2 * i + 1], U1, zero)
+            else:
+                s0, s1, s2, s3 = scales
+                h = ring_q.index(slot * C + c).load(a_layout)
+                acc = _group_dot(acc, h, ring_x, slot * GROUPS, s0, U0, zero)
+                acc = _group_dot(acc, h, ring_x, slot * GROUPS + 1, s1, U1, zero)
+                if GROUPS == 4:
+                    acc = _group_dot(acc, h, ring_x, slot * 4 + 2, s2, U2, zero)
+                    acc = _group_dot(acc, h, ring_x, slot * 4 + 3, s3, U3, zero)
             fence_async_shared()  # the slot's reads before the loader's next TMA writes
             mbarrier.arrive(empty.index(slot), count=1)
             flush = (b == NBLK - 1) | (j == count - 1)
@@ -244,37 +260,40 @@ if gluon is not None:
                  ring_x, scratch, ready, empty, start, count, M, N, K, PER, PARTS, stride_om, eps,
                  NBLK: gl.constexpr, C: gl.constexpr, S: gl.constexpr, EPI: gl.constexpr, RMS: gl.constexpr,
                  PBLOCK: gl.constexpr, BM: gl.constexpr, PDL: gl.constexpr, GROUPS: gl.constexpr,
-                 U0: gl.constexpr, U1: gl.constexpr, U2: gl.constexpr, U3: gl.constexpr):
+                 BOXES: gl.constexpr, U0: gl.constexpr, U1: gl.constexpr, U2: gl.constexpr, U3: gl.constexpr):
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                       instr_shape=[16, BM, 16])
         rows = gl.arange(0, _BN, layout=gl.SliceLayout(1, mma))
-        nx = _scales(s_ptr, start, count > 0, N, rows, NBLK, C, c, EPI, GROUPS)  # one unit ahead: DRAM latency
+        nx = _scales(s_ptr, start, count > 0, N, rows, NBLK, C, c, EPI, GROUPS, BOXES)  # a unit ahead: DRAM latency
         pdl.wait(PDL)  # before the previous kernel's outputs: the partials, the residual
         inv_rms = _inv_rms(part_ptr, M, K, PARTS, eps, RMS, PBLOCK, BM)
         _units(c, 0, nx, inv_rms, s_ptr, out_ptr, ws_ptr, cnt_ptr, res_ptr, nw_ptr, rows_ptr, part_ptr, ring_q, ring_x,
-               scratch, ready, empty, start, count, M, N, PER, stride_om, NBLK, C, S, EPI, RMS, BM, GROUPS,
+               scratch, ready, empty, start, count, M, N, PER, stride_om, NBLK, C, S, EPI, RMS, BM, GROUPS, BOXES,
                U0, U1, U2, U3)
         pdl.release(PDL)
 
     @gluon.jit
     def _load_codes(q_desc, ring_q, bar, slot, t, b, N, C: gl.constexpr, EPI: gl.constexpr, BM: gl.constexpr,
-                    GROUPS: gl.constexpr):
-        """A stage's expected bytes (codes and x) on its `ready` barrier, then its code tiles' copies."""
-        mbarrier.expect(bar, C * _BN * _G * 2 + GROUPS * BM * _G * 2)
+                    GROUPS: gl.constexpr, BOXES: gl.constexpr):
+        """A stage's expected bytes (codes and x) on its `ready` barrier, then its code tiles' copies: each
+        consumer's tile as BOXES boxes of a block's _G // BOXES columns."""
+        W: gl.constexpr = _G // BOXES
+        mbarrier.expect(bar, C * _BN * _G * 2 + GROUPS * BOXES * BM * W * 2)
         for c in gl.static_range(C):
-            if EPI == 2:  # 32 gate rows, then the same channels' up rows
-                ch = (t * C + c) * (_BN // 2)
-                tma.async_copy_global_to_shared(q_desc, [ch, b * _G], bar,
-                                                ring_q.index(slot * C + c).slice(0, _BN // 2))
-                tma.async_copy_global_to_shared(q_desc, [N // 2 + ch, b * _G], bar,
-                                                ring_q.index(slot * C + c).slice(_BN // 2, _BN // 2))
-            else:
-                tma.async_copy_global_to_shared(q_desc, [(t * C + c) * _BN, b * _G], bar, ring_q.index(slot * C + c))
+            for i in gl.static_range(BOXES):
+                box = ring_q.index((slot * C + c) * BOXES + i)
+                if EPI == 2:  # 32 gate rows, then the same channels' up rows
+                    ch = (t * C + c) * (_BN // 2)
+                    tma.async_copy_global_to_shared(q_desc, [ch, (b * BOXES + i) * W], bar, box.slice(0, _BN // 2))
+                    tma.async_copy_global_to_shared(q_desc, [N // 2 + ch, (b * BOXES + i) * W], bar,
+                                                    box.slice(_BN // 2, _BN // 2))
+                else:
+                    tma.async_copy_global_to_shared(q_desc, [(t * C + c) * _BN, (b * BOXES + i) * W], bar, box)
 
     @gluon.jit
     def _stream(q_desc, x_desc, ring_q, ring_x, ready, empty, j0, start, count, N, gate_ptr, gate,
                 NBLK: gl.constexpr, C: gl.constexpr, S: gl.constexpr, EPI: gl.constexpr, BM: gl.constexpr,
-                PDL: gl.constexpr, GROUPS: gl.constexpr, GATE: gl.constexpr):
+                PDL: gl.constexpr, GROUPS: gl.constexpr, BOXES: gl.constexpr, GATE: gl.constexpr):
         """The loader's run of `count` units from `start` into the ring's stages j0 ..: the first S stages' codes,
         model weights, before the gate (GATE 0: the previous kernel, under PDL; 1: the counter at gate_ptr
         reaching `gate`, what an earlier phase of the same launch wrote); x, an output of what the gate waits
@@ -283,7 +302,7 @@ if gluon is not None:
             if j0 + j >= S:
                 mbarrier.wait(empty.index((j0 + j) % S), (((j0 + j) // S) & 1) ^ 1)
             _load_codes(q_desc, ring_q, ready.index((j0 + j) % S), (j0 + j) % S, (start + j) // NBLK,
-                        (start + j) % NBLK, N, C, EPI, BM, GROUPS)
+                        (start + j) % NBLK, N, C, EPI, BM, GROUPS, BOXES)
         if GATE == 0:
             pdl.wait(PDL)
         else:
@@ -295,28 +314,31 @@ if gluon is not None:
             slot = (j0 + j) % S
             if j >= S:
                 mbarrier.wait(empty.index(slot), (((j0 + j) // S) & 1) ^ 1)
-                _load_codes(q_desc, ring_q, ready.index(slot), slot, (start + j) // NBLK, b, N, C, EPI, BM, GROUPS)
-            for i in gl.static_range(GROUPS):
-                tma.async_copy_global_to_shared(x_desc, [0, (b * GROUPS + i) * _G], ready.index(slot),
-                                                ring_x.index(slot * GROUPS + i))
+                _load_codes(q_desc, ring_q, ready.index(slot), slot, (start + j) // NBLK, b, N, C, EPI, BM, GROUPS,
+                            BOXES)
+            for i in gl.static_range(GROUPS * BOXES):  # a box of x a group, in K order
+                tma.async_copy_global_to_shared(x_desc, [0, (b * GROUPS * BOXES + i) * (_G // BOXES)],
+                                                ready.index(slot), ring_x.index(slot * GROUPS * BOXES + i))
 
     @gluon.jit
     def _loader(q_desc, x_desc, ring_q, ring_x, ready, empty, start, count, N, NBLK: gl.constexpr, C: gl.constexpr,
-                S: gl.constexpr, EPI: gl.constexpr, BM: gl.constexpr, PDL: gl.constexpr, GROUPS: gl.constexpr):
+                S: gl.constexpr, EPI: gl.constexpr, BM: gl.constexpr, PDL: gl.constexpr, GROUPS: gl.constexpr,
+                BOXES: gl.constexpr):
         """The worker partition that streams the stages."""
         _stream(q_desc, x_desc, ring_q, ring_x, ready, empty, 0, start, count, N, 0, 0, NBLK, C, S, EPI, BM, PDL,
-                GROUPS, 0)
+                GROUPS, BOXES, 0)
         pdl.release(PDL)
 
     @gluon.jit
     def _ring(x_desc, C: gl.constexpr, S: gl.constexpr, SCRATCH: gl.constexpr, BM: gl.constexpr,
-              GROUPS: gl.constexpr):
-        """A program's shared memory: the ring's S stages of C code tiles and GROUPS boxes of x (x_desc's layout),
-        each stage's `ready` (one arrival: the loader's expected bytes) and `empty` (one a consumer) barriers, and
-        SCRATCH tiles for the SwiGLU epilogue."""
-        ring_q = gl.allocate_shared_memory(gl.int16, [S * C, _BN, _G],
-                                           gl.NVMMASharedLayout.get_default_for([_BN, _G], gl.int16))
-        ring_x = gl.allocate_shared_memory(gl.bfloat16, [S * GROUPS, BM, _G], x_desc.layout)
+              GROUPS: gl.constexpr, BOXES: gl.constexpr):
+        """A program's shared memory: the ring's S stages of C code tiles (BOXES boxes each) and
+        GROUPS * BOXES boxes of x (x_desc's layout), each stage's `ready` (one arrival: the loader's expected
+        bytes) and `empty` (one a consumer) barriers, and SCRATCH tiles for the SwiGLU epilogue."""
+        W: gl.constexpr = _G // BOXES
+        ring_q = gl.allocate_shared_memory(gl.int16, [S * C * BOXES, _BN, W],
+                                           gl.NVMMASharedLayout.get_default_for([_BN, W], gl.int16))
+        ring_x = gl.allocate_shared_memory(gl.bfloat16, [S * GROUPS * BOXES, BM, W], x_desc.layout)
         scratch = gl.allocate_shared_memory(gl.float32, [SCRATCH, _BN, BM], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
         ready = gl.allocate_shared_memory(gl.int64, [S, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [S, 1], mbarrier.MBarrierLayout())
@@ -330,10 +352,10 @@ if gluon is not None:
                    UNITS, PER, PARTS, stride_om, eps, K: gl.constexpr, C: gl.constexpr, BM: gl.constexpr,
                    S: gl.constexpr, EPI: gl.constexpr, RMS: gl.constexpr, PBLOCK: gl.constexpr,
                    PDL: gl.constexpr, CREGS: gl.constexpr, LREGS: gl.constexpr, GROUPS: gl.constexpr,
-                   U0: gl.constexpr, U1: gl.constexpr, U2: gl.constexpr, U3: gl.constexpr,
+                   BOXES: gl.constexpr, U0: gl.constexpr, U1: gl.constexpr, U2: gl.constexpr, U3: gl.constexpr,
                    num_warps: gl.constexpr):
-        NBLK: gl.constexpr = K // (_G * GROUPS)
-        ring_q, ring_x, scratch, ready, empty = _ring(x_desc, C, S, C if EPI == 2 else 1, BM, GROUPS)
+        NBLK: gl.constexpr = K // (_G * GROUPS)  # units a tile: 128 columns of codes each
+        ring_q, ring_x, scratch, ready, empty = _ring(x_desc, C, S, C if EPI == 2 else 1, BM, GROUPS, BOXES)
         start = gl.program_id(0) * PER
         count = gl.maximum(gl.minimum(UNITS - start, PER), 0)
         # (the argument tuples are written out in each call: a tuple held in a variable loses its constexprs)
@@ -341,26 +363,26 @@ if gluon is not None:
             gl.warp_specialize([
                 (_consume, (0, s_ptr, out_ptr, ws_ptr, cnt_ptr, res_ptr, nw_ptr, rows_ptr, part_ptr, ring_q, ring_x,
                             scratch, ready, empty, start, count, M, N, K, PER, PARTS, stride_om, eps, NBLK, C, S, EPI,
-                            RMS, PBLOCK, BM, PDL, GROUPS, U0, U1, U2, U3)),
+                            RMS, PBLOCK, BM, PDL, GROUPS, BOXES, U0, U1, U2, U3)),
                 (_consume, (1, s_ptr, out_ptr, ws_ptr, cnt_ptr, res_ptr, nw_ptr, rows_ptr, part_ptr, ring_q, ring_x,
                             scratch, ready, empty, start, count, M, N, K, PER, PARTS, stride_om, eps, NBLK, C, S, EPI,
-                            RMS, PBLOCK, BM, PDL, GROUPS, U0, U1, U2, U3)),
+                            RMS, PBLOCK, BM, PDL, GROUPS, BOXES, U0, U1, U2, U3)),
                 (_loader, (q_desc, x_desc, ring_q, ring_x, ready, empty, start, count, N, NBLK, C, S, EPI, BM, PDL,
-                           GROUPS))],
+                           GROUPS, BOXES))],
                 [4, 1], [CREGS, LREGS])
         else:
             gl.warp_specialize([
                 (_consume, (0, s_ptr, out_ptr, ws_ptr, cnt_ptr, res_ptr, nw_ptr, rows_ptr, part_ptr, ring_q, ring_x,
                             scratch, ready, empty, start, count, M, N, K, PER, PARTS, stride_om, eps, NBLK, C, S, EPI,
-                            RMS, PBLOCK, BM, PDL, GROUPS, U0, U1, U2, U3)),
+                            RMS, PBLOCK, BM, PDL, GROUPS, BOXES, U0, U1, U2, U3)),
                 (_consume, (1, s_ptr, out_ptr, ws_ptr, cnt_ptr, res_ptr, nw_ptr, rows_ptr, part_ptr, ring_q, ring_x,
                             scratch, ready, empty, start, count, M, N, K, PER, PARTS, stride_om, eps, NBLK, C, S, EPI,
-                            RMS, PBLOCK, BM, PDL, GROUPS, U0, U1, U2, U3)),
+                            RMS, PBLOCK, BM, PDL, GROUPS, BOXES, U0, U1, U2, U3)),
                 (_consume, (2, s_ptr, out_ptr, ws_ptr, cnt_ptr, res_ptr, nw_ptr, rows_ptr, part_ptr, ring_q, ring_x,
                             scratch, ready, empty, start, count, M, N, K, PER, PARTS, stride_om, eps, NBLK, C, S, EPI,
-                            RMS, PBLOCK, BM, PDL, GROUPS, U0, U1, U2, U3)),
+                            RMS, PBLOCK, BM, PDL, GROUPS, BOXES, U0, U1, U2, U3)),
                 (_loader, (q_desc, x_desc, ring_q, ring_x, ready, empty, start, count, N, NBLK, C, S, EPI, BM, PDL,
-                           GROUPS))],
+                           GROUPS, BOXES))],
                 [4, 4, 1], [CREGS, CREGS, LREGS])
 
 
@@ -376,18 +398,18 @@ if gluon is not None:
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                       instr_shape=[16, BM, 16])
         rows = gl.arange(0, _BN, layout=gl.SliceLayout(1, mma))
-        nx = _scales(sa_ptr, start_a, count_a > 0, NA, rows, NBLK_A, C, c, 2, GROUPS)
+        nx = _scales(sa_ptr, start_a, count_a > 0, NA, rows, NBLK_A, C, c, 2, GROUPS, 1)
         pdl.wait(PDL)
         inv_rms = _inv_rms(parta_ptr, M, KA, PARTS, eps, RMS, PBLOCK, BM)
         _units(c, 0, nx, inv_rms, sa_ptr, h_ptr, wsa_ptr, cnta_ptr, h_ptr, sa_ptr, h_ptr, parta_ptr, ring_q, ring_x,
                scratch, ready, empty, start_a, count_a, M, NA, PER_A, stride_h, NBLK_A, C, S, 2, RMS, BM, GROUPS,
-               U0, U1, U2, U3)
+               1, U0, U1, U2, U3)
         gl.thread_barrier()  # this warpgroup's stores of h (and of the split tiles it finished) before the arrival
         gl.atomic_add(done_ptr, 1, sem="release")
-        nx = _scales(sb_ptr, start_b, count_b > 0, NB, rows, NBLK_B, C, c, 1, GROUPS)
+        nx = _scales(sb_ptr, start_b, count_b > 0, NB, rows, NBLK_B, C, c, 1, GROUPS, 1)
         _units(c, count_a, nx, inv_rms, sb_ptr, out_ptr, wsb_ptr, cntb_ptr, res_ptr, nw_ptr, rows_ptr, partb_ptr,
                ring_q, ring_x, scratch, ready, empty, start_b, count_b, M, NB, PER_B, stride_om, NBLK_B, C, S, 1,
-               False, BM, GROUPS, U0, U1, U2, U3)
+               False, BM, GROUPS, 1, U0, U1, U2, U3)
         pdl.release(PDL)
 
     @gluon.jit
@@ -399,9 +421,9 @@ if gluon is not None:
         tiles finish and whose x (h) waits for every consumer's arrival; the last program past that wait resets
         both counters for the next launch."""
         _stream(qa_desc, xa_desc, ring_q, ring_x, ready, empty, 0, start_a, count_a, NA, done_ptr, 0, NBLK_A, C, S,
-                2, BM, PDL, GROUPS, 0)
+                2, BM, PDL, GROUPS, 1, 0)
         _stream(qb_desc, xb_desc, ring_q, ring_x, ready, empty, count_a, start_b, count_b, NB, done_ptr, arrivals,
-                NBLK_B, C, S, 1, BM, PDL, GROUPS, 1)
+                NBLK_B, C, S, 1, BM, PDL, GROUPS, 1, 1)
         if gl.atomic_add(exit_ptr, 1, sem="acq_rel") == programs - 1:
             gl.atomic_xchg(done_ptr, 0)
             gl.atomic_xchg(exit_ptr, 0)
@@ -417,7 +439,7 @@ if gluon is not None:
                     num_warps: gl.constexpr):
         NBLK_A: gl.constexpr = KA // (_G * GROUPS)
         NBLK_B: gl.constexpr = KB // (_G * GROUPS)
-        ring_q, ring_x, scratch, ready, empty = _ring(xa_desc, C, S, C, BM, GROUPS)
+        ring_q, ring_x, scratch, ready, empty = _ring(xa_desc, C, S, C, BM, GROUPS, 1)
         pid = gl.program_id(0)
         start_a = pid * PER_A
         count_a = gl.maximum(gl.minimum(UNITS_A - start_a, PER_A), 0)
@@ -459,11 +481,11 @@ def launch(x2: torch.Tensor, pw: PackedWeight, out: torch.Tensor, epi, consumers
     sms = sm_count(x2.device)
     stages, units, per, pieces = plan(pw.n, k, sms, consumers, block_m, pw.bits)
     registers = footprint(consumers, block_m)[0]
-    q_rows = BN // 2 if epi.kind == 2 else BN
-    q_desc = TensorDescriptor.from_tensor(pw.q, [q_rows, G],
-                                          gl.NVMMASharedLayout.get_default_for([q_rows, G], gl.int16))
-    x_desc = TensorDescriptor.from_tensor(x2, [block_m, G],
-                                          gl.NVMMASharedLayout.get_default_for([block_m, G], gl.bfloat16))
+    q_rows, width = BN // 2 if epi.kind == 2 else BN, pw.group_size  # a box: one block's int16 columns
+    q_desc = TensorDescriptor.from_tensor(pw.q, [q_rows, width],
+                                          gl.NVMMASharedLayout.get_default_for([q_rows, width], gl.int16))
+    x_desc = TensorDescriptor.from_tensor(x2, [block_m, width],
+                                          gl.NVMMASharedLayout.get_default_for([block_m, width], gl.bfloat16))
     ws = torch.empty(pieces * m * pw.n, dtype=torch.float32, device=x2.device)
     cnt = arrival_counters(x2.device, -(-pw.n // (consumers * BN)) * consumers)
     parts = ws if epi.partials is None else epi.partials
@@ -471,8 +493,8 @@ def launch(x2: torch.Tensor, pw: PackedWeight, out: torch.Tensor, epi, consumers
         q_desc, x_desc, pw.s, out, ws, cnt, *(out if t is None else t for t in (epi.residual, epi.weight, epi.rows)),
         parts, m, pw.n, units, per, parts.shape[0], out.stride(0), epi.eps, K=k, C=consumers, BM=block_m, S=stages,
         EPI=epi.kind, RMS=epi.rms, PBLOCK=triton.next_power_of_2(parts.shape[0]) if epi.rms else 1,
-        CREGS=registers[1], LREGS=registers[2], **unpacking(pw.bits, pw.codes == "e4m3"), num_warps=4,
-        maxnreg=registers[0], **pdl.options(x2)), _BROKEN, "the warp-specialized W4A16 kernel",
+        CREGS=registers[1], LREGS=registers[2], BOXES=G // pw.group_size, **unpacking(pw.bits, pw.codes == "e4m3"),
+        num_warps=4, maxnreg=registers[0], **pdl.options(x2)), _BROKEN, "the warp-specialized W4A16 kernel",
         "the Triton kernel runs its launches")
 
 
