@@ -13,18 +13,24 @@ every budget alike; tokens/s (all tokens after each first over all decode time),
 generations, and each one's ratio to the chain's.
 Usage: python bench/tree_acceptance.py --model DIR/target --drafter DIR/drafter [--budgets 0,8,16,24,32,48]
 [--scores transition|marginal] [--temperature 0] [--cuts 500] [--device cpu] [--dtype float32]
-[--context-length 1024] [--tokens-per-s 64 --rounds 2 --threads 2]
+[--context-length 1024] [--tokens-per-s 64 --rounds 2 --threads 2] [--score-temperature 1]
+(--score-temperature TAU: the tree's best-first order from the selector's scores / TAU, the chain, their argmax walk,
+unchanged: whether the scores as trained order the tree best.)
 """
 
 import argparse
 import json
 import os
+import sys
 import time
+from contextlib import nullcontext
+from unittest import mock
 
 import torch
 
 from blockspec.bench import code_fixtures, tree_budgets
 from blockspec.engine.engine import Engine
+from blockspec.kernels import drafter_tree
 from blockspec.train.evaluate import one_cycle_acceptance
 
 
@@ -45,9 +51,29 @@ def main(argv=None):
     p.add_argument("--rounds", type=int, default=2, help="rounds over the files of the generations' timing")
     p.add_argument("--threads", type=int, default=1, help="torch's CPU threads (the pair's matrices gain little "
                                                           "from a second one: blockspec/demo.py)")
+    p.add_argument("--score-temperature", type=float, default=1.0, metavar="TAU",
+                   help="the tree's order from the selector's scores / TAU (module docstring)")
     p.add_argument("--json-out")
     args = p.parse_args(argv)
     budgets = tree_budgets(args.budgets)
+    if not args.score_temperature > 0:
+        print(f"--score-temperature {args.score_temperature}: must be positive", file=sys.stderr)
+        sys.exit(2)
+    with tempered(args.score_temperature):
+        return measure(args, budgets)
+
+
+def tempered(tau: float):
+    """A context in which the tree's transition table is log q of the selector's scores / tau: the table's log-softmax
+    divided by tau and log-softmaxed again, which is the same."""
+    if tau == 1.0:
+        return nullcontext()
+    table = drafter_tree.transition_table
+    return mock.patch.object(drafter_tree, "transition_table",
+                             lambda *args: torch.log_softmax(table(*args) / tau, -1))
+
+
+def measure(args, budgets) -> dict:
     torch.set_num_threads(args.threads)
     engine = Engine.load(args.model, mode="dflash2", dflash2_model=args.drafter, device=args.device,
                          compute_dtype=args.dtype, context_length=args.context_length, compile_mode=-1,
@@ -57,7 +83,8 @@ def main(argv=None):
     start = time.perf_counter()
     measured = one_cycle_acceptance(engine, sequences, args.cuts, 0, sampling, budgets)
     chain = measured[budgets[0]]["mean_accepted_length"]
-    summary = {"scores": args.scores, "temperature": args.temperature, "cuts": args.cuts,
+    summary = {"scores": args.scores, "temperature": args.temperature, "score_temperature": args.score_temperature,
+               "cuts": args.cuts,
                "seconds": round(time.perf_counter() - start, 1), "budgets": {b: m for b, m in measured.items()}}
     for budget, m in measured.items():
         print(f"budget {budget:2d}: {m['mean_accepted_length']:.3f} tokens per cycle "

@@ -11,6 +11,7 @@ import types
 from pathlib import Path
 
 import pytest
+import torch
 
 from blockspec.cli import main
 from blockspec.config import DEFAULT_TREE_BUDGETS
@@ -386,6 +387,24 @@ def test_tree_acceptance_bench_runs_on_the_cpu(tiny_checkpoint, tiny_drafter, tm
     rates, per_cycle = measured["tokens_per_s"], measured["tokens_per_cycle"]
     assert sorted(rates) == ["0", "12", "4", "none"] and all(rate > 0 for rate in rates.values()), rates
     assert per_cycle["none"] == 1 and all(1 <= per_cycle[b] <= 4 for b in ("0", "4", "12")), per_cycle
+    # the selector's scores / 4 order the tree (the same cuts: they leave room for the largest budget): the chain,
+    # their argmax walk, accepts as before, and each tree holds it
+    flat = script.main(["--model", str(target), "--drafter", str(drafter), "--budgets", "0,4,12", "--cuts", "6",
+                        "--context-length", "256", "--score-temperature", "4"])
+    assert flat["score_temperature"] == 4.0 and summary["score_temperature"] == 1.0
+    flat_lengths = [flat["budgets"][b]["mean_accepted_length"] for b in (0, 4, 12)]
+    assert flat_lengths[0] == lengths[0] and min(flat_lengths) == lengths[0], flat_lengths
+    from blockspec.kernels import drafter_tree  # the table the engine's tree build calls, tempered in the context
+    g = torch.Generator().manual_seed(0)
+    rows, k, rank, vocab = 3, 4, 5, 11
+    inputs = (torch.randn(rows, k, generator=g), torch.randint(0, vocab, (rows, k), generator=g),
+              torch.randn(rows, rank, generator=g), torch.tensor([2]), torch.randn(vocab, rank, generator=g),
+              torch.randn(vocab, rank, generator=g))
+    plain = drafter_tree.transition_table(*inputs)
+    with script.tempered(4.0):
+        tempered = drafter_tree.transition_table(*inputs)
+    assert torch.allclose(tempered, torch.log_softmax(plain / 4, -1), atol=1e-6)
+    assert not torch.allclose(tempered, plain) and torch.equal(drafter_tree.transition_table(*inputs), plain)
 
 
 def test_profile_cycle_runs_on_a_checkpoint_pair(tiny_checkpoint, tiny_drafter, tmp_path):
