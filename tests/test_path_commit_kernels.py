@@ -62,6 +62,8 @@ def _gdn_cases(cases):  # in the interpreter subprocess
         gdn.keep_path_reference(**want, shape=shape, path=path, history_rows=history_rows)
         got = {name: x.clone() for name, x in args.items()}
         gdn_triton.keep_path(**got, shape=shape, path=path, history_rows=history_rows, block_v=block_v)
+        engines = {name: x.clone() for name, x in args.items()}  # at the engine's BLOCK_V, as the layer launches it
+        gdn_triton.keep_path(**engines, shape=shape, path=path, history_rows=history_rows)
         state = GDNState(args["mixed"].shape[1], TAPS, shape, t, "cpu", torch.float32)
         for name, buffer in [("mixed", state.pending_mixed), ("g", state.pending_g), ("deltas", state.pending_deltas),
                              ("state", state.recurrent), ("window", state.pending_window)]:
@@ -76,7 +78,8 @@ def _gdn_cases(cases):  # in the interpreter subprocess
             "inputs_untouched": all(torch.equal(got[name], args[name]) for name in ("mixed", "g", "deltas", "window")),
             "float_reference": float((got["state"] - final).abs().max()),
             "reference_vs_float": float((want["state"] - final).abs().max()),
-            "layer": bool(torch.equal(state.recurrent, got["state"]) and torch.equal(state.history, got["history"])),
+            "layer": bool(torch.equal(state.recurrent, engines["state"])
+                          and torch.equal(state.history, engines["history"])),
             "layer_launches": kernel.call_count})
     return results
 
