@@ -694,16 +694,15 @@ def test_warp_specialized_kernel_against_triton_kernel():
             assert quant_matmul_gluon.usable(inputs, fp8[name], ws_cfg.block_m)
             close(wq_matmul(inputs, fp8[name], config=ws_cfg, out_dtype=torch.float32),
                   wq_matmul(inputs, fp8[name], config=cfg, out_dtype=torch.float32), 1e-5)
-    # int8 group-32 codes (the drafter's, 4 blocks a unit) at 1, 8, 16 and 24 rows, which the config table does not
-    # send there yet: each epilogue, the lean program at 1..8 rows
+    # int8 group-32 codes (the drafter's, 4 blocks a unit) at 1, 8, 16 and 24 rows, every projection (the config
+    # table sends gate_up at 1..8 rows and all at 9..32 there): each epilogue, the lean program at 1..8 rows
     int8 = {name: Int8Linear.from_float(torch.randn(n, k, generator=g) * 0.01, 32).cuda().packed()
             for name, (n, k) in {"gate_up": (34816, 5120), "down": (5120, 17408), "qkv": (6144, 5120)}.items()}
     for rows in (1, 8, 16, 24):
         x = torch.randn(rows, 5120, device="cuda", dtype=torch.bfloat16)
         h = torch.randn(rows, 17408, device="cuda", dtype=torch.bfloat16)
         for name, inputs in (("gate_up", x), ("down", h), ("qkv", x)):
-            cfg = default_config(rows, int8[name].n, int8[name].k, 8, 32)
-            assert not cfg.warp_specialized
+            cfg = replace(default_config(rows, int8[name].n, int8[name].k, 8, 32), warp_specialized=0)
             ws_cfg = replace(cfg, block_n=64, block_m=max(8, 1 << (rows - 1).bit_length()), warp_specialized=2)
             assert quant_matmul_gluon.usable(inputs, int8[name], ws_cfg.block_m)
             got = wq_matmul(inputs, int8[name], config=ws_cfg, out_dtype=torch.float32)
@@ -712,10 +711,11 @@ def test_warp_specialized_kernel_against_triton_kernel():
         ws_out = wq_matmul_swiglu(x, int8["gate_up"], config=replace(
             default_config(rows, 34816, 5120, 8, 32), block_n=64, block_m=max(8, 1 << (rows - 1).bit_length()),
             warp_specialized=2))
-        close(ws_out, wq_matmul_swiglu(x, int8["gate_up"], config=default_config(rows, 34816, 5120, 8, 32)), 1e-2)
+        close(ws_out, wq_matmul_swiglu(x, int8["gate_up"], config=replace(
+            default_config(rows, 34816, 5120, 8, 32), warp_specialized=0)), 1e-2)
         residual = torch.randn(rows, 5120, device="cuda", dtype=torch.bfloat16)
         norm_w = torch.randn(5120, device="cuda", dtype=torch.bfloat16) * 0.1
-        down_cfg = default_config(rows, 5120, 17408, 8, 32)
+        down_cfg = replace(default_config(rows, 5120, 17408, 8, 32), warp_specialized=0)
         (out, normed, parts), (out_t, normed_t, parts_t) = (
             wq_matmul_add_norm(h, int8["down"], residual, norm_w, config=replace(
                 down_cfg, block_n=64, block_m=max(8, 1 << (rows - 1).bit_length()), warp_specialized=2)),

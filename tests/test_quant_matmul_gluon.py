@@ -31,7 +31,8 @@ class Refusing:
 
 def test_config_table_sends_tree_rows_and_few_rows_of_int4_to_it():
     """17..32 rows of every INT4 layer projection, and 1..8 rows, whose x blocks of 8 rows take the lean footprint;
-    not 9..16 or 33.. rows, 8-bit codes (the drafter's int8 group 32 too) or the vocabulary head."""
+    not 9..16 or 33.. rows, 8-bit codes of group 128 or the vocabulary head. The drafter's int8 group 32: its
+    wide outputs (gate_up) at 1..8 rows, lean, and every projection at 9..32 rows."""
     for n, k in SHAPES.values():
         for m in (17, 24, 32):
             assert wq.default_config(m, n, k).warp_specialized == gk.CONSUMERS, (n, k, m)
@@ -44,9 +45,12 @@ def test_config_table_sends_tree_rows_and_few_rows_of_int4_to_it():
         assert not wq.default_config(8, n, k, 8, 128).warp_specialized
     for m in (1, 8, 32):  # the vocabulary head: not measured there
         assert not wq.default_config(m, 248320, 5120).warp_specialized
-    for n, k in ((6144, 5120), (34816, 5120), (5120, 17408)):  # the drafter's: not measured there yet
-        for m in (1, 8, 16, 32):
-            assert not wq.default_config(m, n, k, 8, 32).warp_specialized
+    for n, k in ((6144, 5120), (5120, 4096), (34816, 5120), (5120, 17408)):  # the drafter's
+        for m in (1, 8, 9, 16, 17, 32):
+            cfg = wq.default_config(m, n, k, 8, 32)
+            taken = m > 8 or n >= 16384
+            assert cfg.warp_specialized == (2 if taken else 0) and (cfg.block_n == gk.BN or not taken), (n, k, m)
+            assert cfg.block_m == (8 if m <= 8 else 16 if m <= 16 else 32) and gk.footprint(2, 8) == gk.LEAN
 
 
 def test_usable_only_for_its_launches(monkeypatch):

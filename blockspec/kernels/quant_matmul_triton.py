@@ -46,7 +46,9 @@ the 9..16-row gate_up and down entries: H100 winners, with the whole tree pass t
            rows); vocabulary n128 w8 s3 (the Triton kernel everywhere)
   M 33..64 (int4): n64 s3 wgmma, ~1 wave; K > 8192 (down): ~2 waves balanced, two 32-row dots (an H100 winner);
            8-bit codes: the M 9..16 entry with BM 32 / 64 (not measured)
-  int8 group 32: M <= 8 n64 (N >= 16384) or n128, s3; M 9..16 n128 m16 s6 wgmma (not swept)
+  int8 group 32 (the drafter's): M <= 8 n64 (N >= 16384) or n128, s3; M 9..16 n64 m16 s6 wgmma (not swept);
+           on Hopper the warp-specialized kernel for N >= 16384 at 1..8 rows (gate_up, lean) and every projection
+           at 9..32 rows (docs/benchmarks.md, "int8 group 32 in the warp-specialized program")
   8-bit group 128 (e4m3, the int8 head): M <= 8 n64 s3, ~4 waves when N < 64 * 132 (down, o), else unsplit, a short
            last round balanced
 Every program reads its x rows over its K range: at 17-64 rows that traffic grows with the rows.
@@ -404,10 +406,12 @@ def default_config(m: int, n: int, k: int, bits: int = 4, group_size: int = 128)
     if m > 16:  # 8-bit codes: the 9..16-row entry with a taller x tile (not measured)
         return replace(default_config(16, n, k, bits, group_size), block_m=1 << (m - 1).bit_length())
     asm = True  # int8 too: the PTX unpacking is the faster (docs/benchmarks.md, "W4A16 / W8A16")
-    if group_size < 128:  # short groups (int8 g32: 64 B per row and step): 3 stages, 64-row tiles for wide outputs
+    if group_size < 128:  # short groups (int8 g32: 64 B per row and step): 3 stages, 64-row tiles for wide outputs;
+        # on Hopper the warp-specialized kernel (4 blocks a unit) for those and at 9..32 rows
         if m <= 8:
-            return KernelConfig(64 if n >= 16384 else 128, 8, 4, 3, 2, asm)
-        return KernelConfig(128, 16, 4, 6, 4, asm)
+            wide = n >= 16384
+            return KernelConfig(64 if wide else 128, 8, 4, 3, 2, asm, warp_specialized=2 if wide else 0)
+        return KernelConfig(64, 16, 4, 6, 4, asm, warp_specialized=2)
     if m <= 8 and bits == 8:  # e4m3 / int8 g128 (2x int4's bytes per tile): 3 stages; narrow outputs split to ~4 waves
         return KernelConfig(64, 8, 4, 3, 4 if n < 64 * 132 else 1, asm, True)
     if m <= 8:  # 64-row tiles, shallow pipelines: more programs resident per SM hide more latency than deeper ones;
