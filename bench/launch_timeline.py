@@ -127,12 +127,12 @@ if gk.gluon is not None:
                          _stamp(pid, False), t_wait, c_wait)
 
     @gluon.jit
-    def _stamped_ws_kernel(q_desc, x_desc, s_ptr, out_ptr, ws_ptr, cnt_ptr, res_ptr, nw_ptr, rows_ptr, part_ptr, M,
-                           N, UNITS, PER, PARTS, stride_om, eps, trace_ptr, K: gl.constexpr, C: gl.constexpr,
-                           BM: gl.constexpr, S: gl.constexpr, EPI: gl.constexpr, RMS: gl.constexpr,
+    def _stamped_ws_kernel(q_desc, x_desc, q_ptr, s_ptr, out_ptr, ws_ptr, cnt_ptr, res_ptr, nw_ptr, rows_ptr,
+                           part_ptr, M, N, UNITS, PER, PARTS, stride_om, eps, trace_ptr, K: gl.constexpr,
+                           C: gl.constexpr, BM: gl.constexpr, S: gl.constexpr, EPI: gl.constexpr, RMS: gl.constexpr,
                            PBLOCK: gl.constexpr, PDL: gl.constexpr, CREGS: gl.constexpr, LREGS: gl.constexpr,
-                           GROUPS: gl.constexpr, BOXES: gl.constexpr, U0: gl.constexpr, U1: gl.constexpr,
-                           U2: gl.constexpr, U3: gl.constexpr, num_warps: gl.constexpr):
+                           GROUPS: gl.constexpr, BOXES: gl.constexpr, L2AHEAD: gl.constexpr, U0: gl.constexpr,
+                           U1: gl.constexpr, U2: gl.constexpr, U3: gl.constexpr, num_warps: gl.constexpr):
         """quant_matmul_gluon's `_ws_kernel` with 2 consumers (the engine's), its consumers `_stamped_consume`."""
         NBLK: gl.constexpr = K // (gk._G * GROUPS)
         ring_q, ring_x, scratch, ready, empty = gk._ring(x_desc, C, S, C if EPI == 2 else 1, BM, GROUPS, BOXES)
@@ -145,8 +145,8 @@ if gk.gluon is not None:
             (_stamped_consume, (1, s_ptr, out_ptr, ws_ptr, cnt_ptr, res_ptr, nw_ptr, rows_ptr, part_ptr, ring_q,
                                 ring_x, scratch, ready, empty, start, count, M, N, K, PER, PARTS, stride_om, eps,
                                 trace_ptr, NBLK, C, S, EPI, RMS, PBLOCK, BM, PDL, GROUPS, BOXES, U0, U1, U2, U3)),
-            (gk._loader, (q_desc, x_desc, ring_q, ring_x, ready, empty, start, count, N, NBLK, C, S, EPI, BM, PDL,
-                          GROUPS, BOXES))],
+            (gk._loader, (q_desc, x_desc, q_ptr, ring_q, ring_x, ready, empty, start, count, N, K, NBLK, C, S, EPI,
+                          BM, PDL, GROUPS, BOXES, L2AHEAD))],
             [4, 1], [CREGS, LREGS])
 
 

@@ -42,7 +42,7 @@ CONSUMERS = (2, 3)
 
 def sm90_compile(k: int, consumers: int, block_m: int, epi: int = 0, rms: bool = False, pdl_level: int = 3,
                  bits: int = 4, e4m3: bool = False, kernel=None, pointers: dict | None = None,
-                 group_size: int = 128) -> tuple[str, int]:
+                 group_size: int = 128, l2_ahead: int = 0) -> tuple[str, int]:
     """The kernel (or a `kernel` of its arguments and more `pointers`, {name: type}) compiled here for sm_90 (no GPU
     needed): (its PTX, its shared memory in bytes)."""
     import triton
@@ -58,7 +58,7 @@ def sm90_compile(k: int, consumers: int, block_m: int, epi: int = 0, rms: bool =
                                                         layout))
 
     signature = dict(q_desc=desc(gk.BN // 2 if epi == 2 else gk.BN, torch.int16, gl.int16),
-                     x_desc=desc(block_m, torch.bfloat16, gl.bfloat16), s_ptr="*bf16", out_ptr="*bf16",
+                     x_desc=desc(block_m, torch.bfloat16, gl.bfloat16), q_ptr="*i16", s_ptr="*bf16", out_ptr="*bf16",
                      ws_ptr="*fp32", cnt_ptr="*i32", res_ptr="*bf16", nw_ptr="*bf16", rows_ptr="*bf16",
                      part_ptr="*fp32", M="i32", N="i32", UNITS="i32", PER="i32", PARTS="i32", stride_om="i32",
                      eps="fp32") | (pointers or {})
@@ -66,7 +66,7 @@ def sm90_compile(k: int, consumers: int, block_m: int, epi: int = 0, rms: bool =
     registers = gk.footprint(consumers, block_m)[0]
     constants = dict(K=k, C=consumers, BM=block_m, S=gk.plan(34816, k, 132, consumers, block_m, bits)[0], EPI=epi,
                      RMS=rms, PBLOCK=128 if rms else 1, PDL=pdl_level, CREGS=registers[1], LREGS=registers[2],
-                     BOXES=gk.G // group_size, **gk.unpacking(bits, e4m3), num_warps=4)
+                     BOXES=gk.G // group_size, L2AHEAD=l2_ahead, **gk.unpacking(bits, e4m3), num_warps=4)
     full = {n: "constexpr" if n in constants else signature[n] for n in kernel.arg_names}
     aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(kernel.arg_names) if full[n][0] == "*"}
     compiled = triton.compile(GluonASTSource(kernel, full, constexprs=constants, attrs=aligned),

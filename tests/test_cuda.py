@@ -723,6 +723,14 @@ def test_warp_specialized_kernel_against_triton_kernel():
         close(out, out_t, 1e-2)
         close(normed, normed_t, 1e-2)
         close(parts.sum(0), parts_t.sum(0), 1e-2)  # per-tile sums: tiles of 64 rows here, the config's there
+    # the loader's L2 prefetch of the units after its ring's (under PDL) changes no bit
+    from blockspec.kernels import KernelSettings, use
+    with use(KernelSettings(pdl_level=3)):
+        for rows in (1, 8):
+            x = torch.randn(rows, 5120, device="cuda", dtype=torch.bfloat16)
+            cfg = default_config(rows, packed["gdn_in"].n, 5120)
+            assert torch.equal(wq_matmul(x, packed["gdn_in"], config=replace(cfg, l2_ahead=24)),
+                               wq_matmul(x, packed["gdn_in"], config=cfg))
     assert not quant_matmul_gluon._BROKEN  # every launch above built: none fell back to the Triton kernel
 
 

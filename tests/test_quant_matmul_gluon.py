@@ -233,6 +233,29 @@ def test_sm90_code_under_pdl(epi):
     assert "griddepcontrol" not in sm90_compile(5120, 2, 32, epi, True, pdl_level=0)[0]
 
 
+@pytest.mark.parametrize("epi,block_m,bits,group", [(0, 8, 4, 128), (2, 8, 4, 128), (1, 32, 4, 128), (2, 8, 8, 32)])
+def test_loader_prefetches_units_into_l2_before_its_pdl_wait(epi, block_m, bits, group):
+    """With `l2_ahead` (KernelConfig.l2_ahead) the loader fetches the codes of the units after its ring's first
+    stages into L2 (one bulk prefetch a tile row and unit: 2 rows a lane, both consumers' tiles) before it waits for
+    the previous kernel, and no copy of x or anything else moves before the wait; without PDL, or with none ahead,
+    no prefetch at all."""
+    pytest.importorskip("triton.experimental.gluon")
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+    from warp_specialized import sm90_compile
+
+    ptx, _ = sm90_compile(5120, 2, block_m, epi, True, pdl_level=3, bits=bits, group_size=group, l2_ahead=8)
+    plain, _ = sm90_compile(5120, 2, block_m, epi, True, pdl_level=3, bits=bits, group_size=group)
+    loader = ptx[ptx.rindex("setmaxnreg.dec"):]
+    before, after = loader.split("griddepcontrol.wait;", 1)
+    assert before.count("cp.async.bulk.prefetch.L2.global") == 2 * 2 and "cp.async.bulk.prefetch" not in after
+    copies = r"cp\.async\.bulk\.tensor\.2d"
+    plain_loader = plain[plain.rindex("setmaxnreg.dec"):]
+    assert len(re.findall(copies, before)) == len(re.findall(copies, plain_loader.split("griddepcontrol.wait;")[0]))
+    assert "cp.async.bulk.prefetch" not in plain
+    assert "cp.async.bulk.prefetch" not in sm90_compile(5120, 2, block_m, epi, True, pdl_level=0, bits=bits,
+                                                        group_size=group, l2_ahead=8)[0]
+
+
 def test_stamped_kernel_for_the_launch_timeline_compiles_for_hopper():
     """bench/launch_timeline.py's stamped copy of the kernel compiles for sm_90 as the engine launches it (lean, 8
     rows, PDL 3): the same loader and wgmma dots, the global timer and the SM's clock read, and its program's row of 8

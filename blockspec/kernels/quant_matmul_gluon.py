@@ -321,10 +321,27 @@ if gluon is not None:
                                                 ready.index(slot), ring_x.index(slot * GROUPS * BOXES + i))
 
     @gluon.jit
-    def _loader(q_desc, x_desc, ring_q, ring_x, ready, empty, start, count, N, NBLK: gl.constexpr, C: gl.constexpr,
-                S: gl.constexpr, EPI: gl.constexpr, BM: gl.constexpr, PDL: gl.constexpr, GROUPS: gl.constexpr,
-                BOXES: gl.constexpr):
-        """The worker partition that streams the stages."""
+    def _prefetch_l2(q_ptr, start, count, N, K: gl.constexpr, NBLK: gl.constexpr, C: gl.constexpr,
+                     S: gl.constexpr, EPI: gl.constexpr, GROUPS: gl.constexpr, AHEAD: gl.constexpr):
+        """The codes of the run's units S .. S + AHEAD - 1 (those after the ring's first stages), model weights,
+        fetched into L2: each tile row's 256 bytes of a unit by one bulk prefetch, the warp's lanes 2 rows each."""
+        lanes: gl.constexpr = gl.BlockedLayout([2], [32], [1], [0])
+        r = gl.arange(0, _BN, layout=lanes)
+        for j in range(S, gl.minimum(count, S + AHEAD)):
+            for c in gl.static_range(C):
+                n, ok = _rows((start + j) // NBLK, c, r, N, C, EPI)
+                row = q_ptr + gl.where(ok, n, 0).to(gl.int64) * (K // GROUPS) + ((start + j) % NBLK) * _G
+                gl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], 256;\n mov.u32 $0, 0;", "=r,l",
+                                          [row.to(gl.int64, bitcast=True)], dtype=gl.int32, is_pure=False, pack=1)
+
+    @gluon.jit
+    def _loader(q_desc, x_desc, q_ptr, ring_q, ring_x, ready, empty, start, count, N, K: gl.constexpr,
+                NBLK: gl.constexpr, C: gl.constexpr, S: gl.constexpr, EPI: gl.constexpr, BM: gl.constexpr,
+                PDL: gl.constexpr, GROUPS: gl.constexpr, BOXES: gl.constexpr, L2AHEAD: gl.constexpr):
+        """The worker partition that streams the stages; under PDL with L2AHEAD, the L2 prefetch of the units after
+        the ring's first stages before it waits (`_prefetch_l2`)."""
+        if L2AHEAD > 0 and PDL > 0:
+            _prefetch_l2(q_ptr, start, count, N, K, NBLK, C, S, EPI, GROUPS, L2AHEAD)
         _stream(q_desc, x_desc, ring_q, ring_x, ready, empty, 0, start, count, N, 0, 0, NBLK, C, S, EPI, BM, PDL,
                 GROUPS, BOXES, 0)
         pdl.release(PDL)
@@ -348,12 +365,12 @@ if gluon is not None:
         return ring_q, ring_x, scratch, ready, empty
 
     @gluon.jit
-    def _ws_kernel(q_desc, x_desc, s_ptr, out_ptr, ws_ptr, cnt_ptr, res_ptr, nw_ptr, rows_ptr, part_ptr, M, N,
+    def _ws_kernel(q_desc, x_desc, q_ptr, s_ptr, out_ptr, ws_ptr, cnt_ptr, res_ptr, nw_ptr, rows_ptr, part_ptr, M, N,
                    UNITS, PER, PARTS, stride_om, eps, K: gl.constexpr, C: gl.constexpr, BM: gl.constexpr,
                    S: gl.constexpr, EPI: gl.constexpr, RMS: gl.constexpr, PBLOCK: gl.constexpr,
                    PDL: gl.constexpr, CREGS: gl.constexpr, LREGS: gl.constexpr, GROUPS: gl.constexpr,
-                   BOXES: gl.constexpr, U0: gl.constexpr, U1: gl.constexpr, U2: gl.constexpr, U3: gl.constexpr,
-                   num_warps: gl.constexpr):
+                   BOXES: gl.constexpr, L2AHEAD: gl.constexpr, U0: gl.constexpr, U1: gl.constexpr,
+                   U2: gl.constexpr, U3: gl.constexpr, num_warps: gl.constexpr):
         NBLK: gl.constexpr = K // (_G * GROUPS)  # units a tile: 128 columns of codes each
         ring_q, ring_x, scratch, ready, empty = _ring(x_desc, C, S, C if EPI == 2 else 1, BM, GROUPS, BOXES)
         start = gl.program_id(0) * PER
@@ -367,8 +384,8 @@ if gluon is not None:
                 (_consume, (1, s_ptr, out_ptr, ws_ptr, cnt_ptr, res_ptr, nw_ptr, rows_ptr, part_ptr, ring_q, ring_x,
                             scratch, ready, empty, start, count, M, N, K, PER, PARTS, stride_om, eps, NBLK, C, S, EPI,
                             RMS, PBLOCK, BM, PDL, GROUPS, BOXES, U0, U1, U2, U3)),
-                (_loader, (q_desc, x_desc, ring_q, ring_x, ready, empty, start, count, N, NBLK, C, S, EPI, BM, PDL,
-                           GROUPS, BOXES))],
+                (_loader, (q_desc, x_desc, q_ptr, ring_q, ring_x, ready, empty, start, count, N, K, NBLK, C, S, EPI,
+                           BM, PDL, GROUPS, BOXES, L2AHEAD))],
                 [4, 1], [CREGS, LREGS])
         else:
             gl.warp_specialize([
@@ -381,8 +398,8 @@ if gluon is not None:
                 (_consume, (2, s_ptr, out_ptr, ws_ptr, cnt_ptr, res_ptr, nw_ptr, rows_ptr, part_ptr, ring_q, ring_x,
                             scratch, ready, empty, start, count, M, N, K, PER, PARTS, stride_om, eps, NBLK, C, S, EPI,
                             RMS, PBLOCK, BM, PDL, GROUPS, BOXES, U0, U1, U2, U3)),
-                (_loader, (q_desc, x_desc, ring_q, ring_x, ready, empty, start, count, N, NBLK, C, S, EPI, BM, PDL,
-                           GROUPS, BOXES))],
+                (_loader, (q_desc, x_desc, q_ptr, ring_q, ring_x, ready, empty, start, count, N, K, NBLK, C, S, EPI,
+                           BM, PDL, GROUPS, BOXES, L2AHEAD))],
                 [4, 4, 1], [CREGS, CREGS, LREGS])
 
 
@@ -473,10 +490,10 @@ def plan(n: int, k: int, sms: int, consumers: int = CONSUMERS, block_m: int = BM
 
 
 def launch(x2: torch.Tensor, pw: PackedWeight, out: torch.Tensor, epi, consumers: int = CONSUMERS,
-           block_m: int = BM) -> bool:
+           block_m: int = BM, l2_ahead: int = 0) -> bool:
     """x2 [M, K] @ W^T into out through `epi` (quant_matmul_triton.Epilogue) with 2 or 3 consumer warpgroups;
-    `usable(x2, pw, block_m)` must hold. False, with one note on stderr, where the kernel does not build: nothing
-    was launched."""
+    `usable(x2, pw, block_m)` must hold; under PDL the loader first fetches the l2_ahead units after its ring's
+    into L2. False, with one note on stderr, where the kernel does not build: nothing was launched."""
     m, k = x2.shape
     sms = sm_count(x2.device)
     stages, units, per, pieces = plan(pw.n, k, sms, consumers, block_m, pw.bits)
@@ -490,12 +507,13 @@ def launch(x2: torch.Tensor, pw: PackedWeight, out: torch.Tensor, epi, consumers
     cnt = arrival_counters(x2.device, -(-pw.n // (consumers * BN)) * consumers)
     parts = ws if epi.partials is None else epi.partials
     return _built(lambda: _ws_kernel[(sms,)](
-        q_desc, x_desc, pw.s, out, ws, cnt, *(out if t is None else t for t in (epi.residual, epi.weight, epi.rows)),
-        parts, m, pw.n, units, per, parts.shape[0], out.stride(0), epi.eps, K=k, C=consumers, BM=block_m, S=stages,
+        q_desc, x_desc, pw.q, pw.s, out, ws, cnt,
+        *(out if t is None else t for t in (epi.residual, epi.weight, epi.rows)), parts, m, pw.n, units, per,
+        parts.shape[0], out.stride(0), epi.eps, K=k, C=consumers, BM=block_m, S=stages,
         EPI=epi.kind, RMS=epi.rms, PBLOCK=triton.next_power_of_2(parts.shape[0]) if epi.rms else 1,
-        CREGS=registers[1], LREGS=registers[2], BOXES=G // pw.group_size, **unpacking(pw.bits, pw.codes == "e4m3"),
-        num_warps=4, maxnreg=registers[0], **pdl.options(x2)), _BROKEN, "the warp-specialized W4A16 kernel",
-        "the Triton kernel runs its launches")
+        CREGS=registers[1], LREGS=registers[2], BOXES=G // pw.group_size, L2AHEAD=l2_ahead,
+        **unpacking(pw.bits, pw.codes == "e4m3"), num_warps=4, maxnreg=registers[0], **pdl.options(x2)), _BROKEN,
+        "the warp-specialized W4A16 kernel", "the Triton kernel runs its launches")
 
 
 def _built(launch_kernel, broken: list, what: str, instead: str) -> bool:
