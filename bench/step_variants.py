@@ -145,11 +145,12 @@ VARIANTS = {
         configs({"warp_specialized": 2, "block_m": 16}, int4_layers_16), footprint({16: LEAN_16})),
     # or the 17..32-row configs (the warp-specialized kernel's 32-row x blocks on most layer projections)
     "17..32-row configs at 9..16 rows": lambda s: rows_as(32, int4_layers_16),
-    # the warp-specialized loader fetching the 8 or 24 units after its ring's first stages into L2 before its PDL
-    # wait (`KernelConfig.l2_ahead`; ~0.25 / 0.75 MB a program of int4 codes with 2 consumers): the weight stream goes
-    # on while the kernel before runs (each launch of the INT4 step waits 4-13 us there with 3 stages loaded)
+    # the warp-specialized loader fetching the 4 or 8 units after its ring's first stages into L2 before its PDL
+    # wait (`KernelConfig.l2_ahead`; 32 KB a unit with 2 consumers: ~17 / 34 MB a launch over 132 programs that have
+    # that many, ~5.5 / 11 us of an H100's bandwidth): the weight stream goes on while the kernel before runs (each
+    # launch of the INT4 step waits 4-13 us there with its ring's stages loaded)
+    "loader L2 prefetch 4 units": lambda s: configs({"l2_ahead": 4}, int4_layers),
     "loader L2 prefetch 8 units": lambda s: configs({"l2_ahead": 8}, int4_layers),
-    "loader L2 prefetch 24 units": lambda s: configs({"l2_ahead": 24}, int4_layers),
     # an INT4 target's folded MLP (gate_up, SwiGLU, down) in one warp-specialized launch at 1..8 rows
     "persistent MLP": lambda s: use(replace(s, persistent_mlp=True)),
     "PDL level 0": lambda s: use(replace(s, pdl_level=0)),
