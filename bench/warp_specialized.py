@@ -267,6 +267,9 @@ def main() -> None:
         results = dry_run()
         print(json.dumps(results))
     else:
+        if "--fp8" in sys.argv and "--int8-g32" in sys.argv:
+            print("--fp8 and --int8-g32: one code format at a time", file=sys.stderr)
+            sys.exit(2)
         codes = "fp8" if "--fp8" in sys.argv else "int8-g32" if "--int8-g32" in sys.argv else "int4"
         shapes = DRAFTER_SHAPES if codes == "int8-g32" else SHAPES
         names = sys.argv[sys.argv.index("--shapes") + 1].split(",") if "--shapes" in sys.argv else list(shapes)
