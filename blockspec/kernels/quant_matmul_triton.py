@@ -372,8 +372,8 @@ class KernelConfig:
     # operand, which Triton compiles to mma.sync where one 16-row dot compiles to wgmma
     dot_rows: int = 0
     # > 0: the warp-specialized Gluon kernel (quant_matmul_gluon) with that many consumer warpgroups and x blocks of
-    # block_m rows, where it serves the launch (Hopper, bf16, int4 g128); the fields above are the Triton kernel's
-    # config elsewhere
+    # block_m rows, where it serves the launch (Hopper, bf16, 4- or 8-bit group 128 or int8 group 32 codes: its
+    # `usable`); the fields above are the Triton kernel's config elsewhere
     warp_specialized: int = 0
     # the warp-specialized kernel's units after its ring's first stages that its loader fetches into L2 before its
     # PDL wait (0: none), so that the weight stream goes on while the kernel before it runs
@@ -414,8 +414,9 @@ def default_config(m: int, n: int, k: int, bits: int = 4, group_size: int = 128)
         # on Hopper the warp-specialized kernel (4 blocks a unit) for those and at 9..32 rows
         if m <= 8:
             wide = n >= 16384
-            return KernelConfig(64 if wide else 128, 8, 4, 3, 2, asm, warp_specialized=2 if wide else 0)
-        return KernelConfig(64, 16, 4, 6, 4, asm, warp_specialized=2)
+            return KernelConfig(64 if wide else 128, 8, 4, 3, 2, asm,
+                                warp_specialized=quant_matmul_gluon.CONSUMERS if wide else 0)
+        return KernelConfig(64, 16, 4, 6, 4, asm, warp_specialized=quant_matmul_gluon.CONSUMERS)
     if m <= 8 and bits == 8:  # e4m3 / int8 g128 (2x int4's bytes per tile): 3 stages; narrow outputs split to ~4 waves
         return KernelConfig(64, 8, 4, 3, 4 if n < 64 * 132 else 1, asm, True)
     if m <= 8:  # 64-row tiles, shallow pipelines: more programs resident per SM hide more latency than deeper ones;
