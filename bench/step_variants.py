@@ -145,10 +145,11 @@ VARIANTS = {
         configs({"warp_specialized": 2, "block_m": 16}, int4_layers_16), footprint({16: LEAN_16})),
     # or the 17..32-row configs (the warp-specialized kernel's 32-row x blocks on most layer projections)
     "17..32-row configs at 9..16 rows": lambda s: rows_as(32, int4_layers_16),
-    # the warp-specialized loader fetching the 4 or 8 units after its ring's first stages into L2 before its PDL
-    # wait (`KernelConfig.l2_ahead`; 32 KB a unit with 2 consumers: ~17 / 34 MB a launch over 132 programs that have
-    # that many, ~5.5 / 11 us of an H100's bandwidth): the weight stream goes on while the kernel before runs (each
-    # launch of the INT4 step waits 4-13 us there with its ring's stages loaded)
+    # the warp-specialized loader fetching the 2, 4 or 8 units after its ring's first stages into L2 before its PDL
+    # wait (`KernelConfig.l2_ahead`; 32 KB a unit with 2 consumers, each tile row's span of them by one bulk
+    # prefetch): the weight stream goes on while the kernel before runs (each launch of the INT4 step waits 4-13 us
+    # there with its ring's stages loaded; one prefetch a row and unit measured slower, docs/benchmarks.md)
+    "loader L2 prefetch 2 units": lambda s: configs({"l2_ahead": 2}, int4_layers),
     "loader L2 prefetch 4 units": lambda s: configs({"l2_ahead": 4}, int4_layers),
     "loader L2 prefetch 8 units": lambda s: configs({"l2_ahead": 8}, int4_layers),
     # an INT4 target's folded MLP (gate_up, SwiGLU, down) in one warp-specialized launch at 1..8 rows

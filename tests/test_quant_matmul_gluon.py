@@ -236,9 +236,9 @@ def test_sm90_code_under_pdl(epi):
 @pytest.mark.parametrize("epi,block_m,bits,group", [(0, 8, 4, 128), (2, 8, 4, 128), (1, 32, 4, 128), (2, 8, 8, 32)])
 def test_loader_prefetches_units_into_l2_before_its_pdl_wait(epi, block_m, bits, group):
     """With `l2_ahead` (KernelConfig.l2_ahead) the loader fetches the codes of the units after its ring's first
-    stages into L2 (one bulk prefetch a tile row and unit: 2 rows a lane, both consumers' tiles) before it waits for
-    the previous kernel, and no copy of x or anything else moves before the wait; without PDL, or with none ahead,
-    no prefetch at all."""
+    stages into L2 (one bulk prefetch of a tile row's span of them, its size in a register: 2 rows a lane, both
+    consumers' tiles) before it waits for the previous kernel, and no copy of x or anything else moves before the
+    wait; without PDL, or with none ahead, no prefetch at all."""
     pytest.importorskip("triton.experimental.gluon")
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
     from warp_specialized import sm90_compile
@@ -248,6 +248,7 @@ def test_loader_prefetches_units_into_l2_before_its_pdl_wait(epi, block_m, bits,
     loader = ptx[ptx.rindex("setmaxnreg.dec"):]
     before, after = loader.split("griddepcontrol.wait;", 1)
     assert before.count("cp.async.bulk.prefetch.L2.global") == 2 * 2 and "cp.async.bulk.prefetch" not in after
+    assert len(re.findall(r"cp\.async\.bulk\.prefetch\.L2\.global \[%rd\d+\], %r\d+;", before)) == 2 * 2
     copies = r"cp\.async\.bulk\.tensor\.2d"
     plain_loader = plain[plain.rindex("setmaxnreg.dec"):]
     assert len(re.findall(copies, before)) == len(re.findall(copies, plain_loader.split("griddepcontrol.wait;")[0]))

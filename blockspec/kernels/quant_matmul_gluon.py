@@ -324,15 +324,21 @@ if gluon is not None:
     def _prefetch_l2(q_ptr, start, count, N, K: gl.constexpr, NBLK: gl.constexpr, C: gl.constexpr,
                      S: gl.constexpr, EPI: gl.constexpr, GROUPS: gl.constexpr, AHEAD: gl.constexpr):
         """The codes of the run's units S .. S + AHEAD - 1 (those after the ring's first stages), model weights,
-        fetched into L2: each tile row's 256 bytes of a unit by one bulk prefetch, the warp's lanes 2 rows each."""
+        fetched into L2: a tile row's span of them (256 bytes a unit, contiguous) by one bulk prefetch, the warp's
+        lanes 2 rows each."""
         lanes: gl.constexpr = gl.BlockedLayout([2], [32], [1], [0])
         r = gl.arange(0, _BN, layout=lanes)
-        for j in range(S, gl.minimum(count, S + AHEAD)):
+        lo = start + S
+        hi = start + gl.minimum(count, S + AHEAD)
+        for t in range(lo // NBLK, (hi + NBLK - 1) // NBLK):
+            b0 = gl.maximum(lo, t * NBLK) - t * NBLK
+            size = (gl.minimum(hi, (t + 1) * NBLK) - t * NBLK - b0) * (_G * 2)
             for c in gl.static_range(C):
-                n, ok = _rows((start + j) // NBLK, c, r, N, C, EPI)
-                row = q_ptr + gl.where(ok, n, 0).to(gl.int64) * (K // GROUPS) + ((start + j) % NBLK) * _G
-                gl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], 256;\n mov.u32 $0, 0;", "=r,l",
-                                          [row.to(gl.int64, bitcast=True)], dtype=gl.int32, is_pure=False, pack=1)
+                n, ok = _rows(t, c, r, N, C, EPI)
+                row = q_ptr + gl.where(ok, n, 0).to(gl.int64) * (K // GROUPS) + b0 * _G
+                gl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], $2;\n mov.u32 $0, 0;", "=r,l,r",
+                                          [row.to(gl.int64, bitcast=True), gl.full([_BN], 0, gl.int32, lanes) + size],
+                                          dtype=gl.int32, is_pure=False, pack=1)
 
     @gluon.jit
     def _loader(q_desc, x_desc, q_ptr, ring_q, ring_x, ready, empty, start, count, N, K: gl.constexpr,
