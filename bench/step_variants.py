@@ -152,6 +152,10 @@ VARIANTS = {
     "loader L2 prefetch 2 units": lambda s: configs({"l2_ahead": 2}, int4_layers),
     "loader L2 prefetch 4 units": lambda s: configs({"l2_ahead": 4}, int4_layers),
     "loader L2 prefetch 8 units": lambda s: configs({"l2_ahead": 8}, int4_layers),
+    # the warp-specialized kernel's runs that begin inside a tile store that piece where it ends and make its
+    # arrival (a wait for the stores to be seen) at the run's end instead (`KernelConfig.late_arrival`; in the launch
+    # timeline a program whose run holds a tile's end streams 2.7-5.5 us longer), every launch it serves
+    "late arrivals": lambda s: configs({"late_arrival": True}, lambda m, n, k, bits: True),
     # an INT4 target's folded MLP (gate_up, SwiGLU, down) in one warp-specialized launch at 1..8 rows
     "persistent MLP": lambda s: use(replace(s, persistent_mlp=True)),
     "PDL level 0": lambda s: use(replace(s, pdl_level=0)),

@@ -734,6 +734,50 @@ def test_warp_specialized_kernel_against_triton_kernel():
     assert not quant_matmul_gluon._BROKEN  # every launch above built: none fell back to the Triton kernel
 
 
+def test_late_arrival_equals_the_default_bit_for_bit():
+    """The warp-specialized kernel with `late_arrival` (a run's first piece of a cut tile arriving at the run's end)
+    against its default at the 27B's INT4 shapes under PDL 3, every epilogue, 1, 8 and 32 rows: the same bits, the
+    pieces being the same sums added in the same order; and over CUDA graph replays with new inputs (the counters
+    left clean for the next launch)."""
+    from dataclasses import replace
+
+    from blockspec.kernels import KernelSettings, quant_matmul_gluon, use
+    from blockspec.kernels.quant_matmul_triton import default_config, wq_matmul, wq_matmul_add_norm, wq_matmul_swiglu
+    from blockspec.quant.int4 import Int4Linear
+
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the warp-specialized kernel is Hopper's")
+    g = torch.Generator().manual_seed(3)
+    packed = {name: Int4Linear.from_float(torch.randn(n, k, generator=g) * k ** -0.5).cuda().packed()
+              for name, (n, k) in {"gate_up": (34816, 5120), "down": (5120, 17408), "qkv": (14336, 5120)}.items()}
+    norm_w = torch.randn(5120, device="cuda", dtype=torch.bfloat16) * 0.1
+    with use(KernelSettings(pdl_level=3)):
+        for rows in (1, 8, 32):
+            x = torch.randn(rows, 5120, device="cuda", dtype=torch.bfloat16)
+            h = torch.randn(rows, 17408, device="cuda", dtype=torch.bfloat16)
+            residual = torch.randn(rows, 5120, device="cuda", dtype=torch.bfloat16)
+
+            def launches(late):
+                cfg = {name: replace(default_config(rows, w.n, w.k), late_arrival=late) for name, w in packed.items()}
+                assert all(c.warp_specialized for c in cfg.values())
+                out, normed, parts = wq_matmul_add_norm(h, packed["down"], residual, norm_w, config=cfg["down"])
+                return (out, normed, parts, wq_matmul_swiglu(normed, packed["gate_up"], rms=(parts, 1e-6),
+                                                            config=cfg["gate_up"]),
+                        wq_matmul(x, packed["qkv"], config=cfg["qkv"], out_dtype=torch.float32))
+            for got, want in zip(launches(True), launches(False)):
+                assert torch.equal(got, want)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                captured = launches(True)
+            for _ in range(2):
+                for t in (x, h, residual):
+                    t.copy_(torch.randn_like(t))
+                graph.replay()
+                for got, want in zip(captured, launches(False)):
+                    assert torch.equal(got, want)
+    assert not quant_matmul_gluon._BROKEN
+
+
 def test_mlp_in_one_launch_equals_two_launches():
     """The folded INT4 MLP in one warp-specialized launch (the persistent_mlp setting) against its two launches at
     the 27B's shapes under PDL level 3 (the INT4 engine's): out, rows and partials bit for bit at 1 and 8 rows,

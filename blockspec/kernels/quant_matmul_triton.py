@@ -378,6 +378,9 @@ class KernelConfig:
     # the warp-specialized kernel's units after its ring's first stages that its loader fetches into L2 before its
     # PDL wait (0: none), so that the weight stream goes on while the kernel before it runs
     l2_ahead: int = 0
+    # the warp-specialized kernel: a run's first piece of a tile cut between runs stored where it ends, its arrival
+    # (which waits for the stores to be seen) made at the run's end, so that the stream does not stall mid-run
+    late_arrival: bool = False
     # K blocks a main-loop step loads as one tile of codes and one of scales (1, 2 or 4; it must divide the
     # weight's blocks): short groups' blocks (int8 group 32: 64 inputs, 4 KB of codes a 64-row tile) in wider steps
     blocks_per_step: int = 1
@@ -387,7 +390,7 @@ class KernelConfig:
                 f"wv{self.waves}{' bal' if self.balance else ''}{'' if self.asm else ' noasm'}"
                 f"{f' d{self.dot_rows}' if self.dot_rows else ''}"
                 f"{f' ws{self.warp_specialized}' if self.warp_specialized else ''}"
-                f"{f' l2+{self.l2_ahead}' if self.l2_ahead else ''}"
+                f"{f' l2+{self.l2_ahead}' if self.l2_ahead else ''}{' late' if self.late_arrival else ''}"
                 f"{f' k{self.blocks_per_step}' if self.blocks_per_step > 1 else ''}")
 
 
@@ -538,7 +541,7 @@ def _launch(x2: torch.Tensor, pw: PackedWeight, cfg: KernelConfig, out: torch.Te
             epilogue: Epilogue | None = None) -> None:
     if warp_specialized(x2, pw, cfg) and \
             quant_matmul_gluon.launch(x2, pw, out, epilogue or Epilogue(), cfg.warp_specialized, cfg.block_m,
-                                      cfg.l2_ahead):
+                                      cfg.l2_ahead, cfg.late_arrival):
         return
     plan = launch_plan(x2, pw, cfg, out, epilogue)
     launch_fitting(_wq_kernel, (plan.programs,), *plan.args, stages_key="STAGES", **plan.meta)
