@@ -32,7 +32,8 @@ class Refusing:
 def test_config_table_sends_tree_rows_and_few_rows_of_int4_to_it():
     """17..32 rows of every INT4 layer projection, and 1..8 rows, whose x blocks of 8 rows take the lean footprint;
     not 9..16 or 33.. rows, 8-bit codes of group 128 or the vocabulary head. The drafter's int8 group 32: its
-    wide outputs (gate_up) at 1..8 rows, lean, and every projection at 9..32 rows."""
+    wide outputs (gate_up) and long rows (down) at 1..8 rows, lean, and every projection at 9..32 rows; down keeps
+    the Triton kernel's 128-row tiles for where the program does not serve."""
     for n, k in SHAPES.values():
         for m in (17, 24, 32):
             assert wq.default_config(m, n, k).warp_specialized == gk.CONSUMERS, (n, k, m)
@@ -48,9 +49,39 @@ def test_config_table_sends_tree_rows_and_few_rows_of_int4_to_it():
     for n, k in ((6144, 5120), (5120, 4096), (34816, 5120), (5120, 17408)):  # the drafter's
         for m in (1, 8, 9, 16, 17, 32):
             cfg = wq.default_config(m, n, k, 8, 32)
-            taken = m > 8 or n >= 16384
-            assert cfg.warp_specialized == (2 if taken else 0) and (cfg.block_n == gk.BN or not taken), (n, k, m)
+            taken = m > 8 or n >= 16384 or k > 8192
+            assert cfg.warp_specialized == (2 if taken else 0), (n, k, m)
+            assert cfg.block_n == (128 if m <= 8 and n < 16384 else gk.BN), (n, k, m)
             assert cfg.block_m == (8 if m <= 8 else 16 if m <= 16 else 32) and gk.footprint(2, 8) == gk.LEAN
+
+
+def test_add_norm_partials_hold_a_row_for_each_tile_of_the_kernel_that_runs(monkeypatch):
+    """An add-norm launch's partials (one row a tile) count the 64-row tiles of the warp-specialized program where
+    it runs, whatever the config's block_n (the Triton kernel's tiles, where it does not serve); where the program
+    does not build, the Triton kernel runs in its tiles, so that every row of the partials is written."""
+    from blockspec.quant.int8 import Int8Linear
+
+    pw = Int8Linear.from_float(torch.randn(5120, 17408) * 0.01, 32).packed()
+    cfg = wq.default_config(8, pw.n, pw.k, 8, 32)
+    assert cfg.warp_specialized and cfg.block_n == 128
+    x = torch.randn(8, pw.k, dtype=torch.bfloat16)
+    assert wq.tile_rows(x, pw, cfg) == 128  # on the CPU: the Triton kernel
+    monkeypatch.setattr(wq, "warp_specialized", lambda x2, pw, cfg: True)
+    assert wq.tile_rows(x, pw, cfg) == gk.BN
+    launched = []
+
+    class Planned(Exception):
+        pass
+
+    def plan(x2, pw, cfg, out, epi):
+        launched.append((cfg, epi.partials))
+        raise Planned
+    monkeypatch.setattr(gk, "launch", lambda *args: False)  # does not build
+    monkeypatch.setattr(wq, "launch_plan", plan)
+    with pytest.raises(Planned):
+        wq.wq_matmul_add_norm(x, pw, torch.zeros(8, pw.n, dtype=torch.bfloat16), torch.zeros(pw.n))
+    (ran, partials), = launched
+    assert ran.block_n == gk.BN and partials.shape == (pw.n // gk.BN, 8)
 
 
 def test_usable_only_for_its_launches(monkeypatch):

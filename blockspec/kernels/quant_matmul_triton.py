@@ -47,8 +47,8 @@ the 9..16-row gate_up and down entries: H100 winners, with the whole tree pass t
   M 33..64 (int4): n64 s3 wgmma, ~1 wave; K > 8192 (down): ~2 waves balanced, two 32-row dots (an H100 winner);
            8-bit codes: the M 9..16 entry with BM 32 / 64 (not measured)
   int8 group 32 (the drafter's): M <= 8 n64 (N >= 16384) or n128, s3; M 9..16 n64 m16 s6 wgmma (not swept);
-           on Hopper the warp-specialized kernel for N >= 16384 at 1..8 rows (gate_up, lean) and every projection
-           at 9..32 rows (docs/benchmarks.md, "int8 group 32 in the warp-specialized program")
+           on Hopper the warp-specialized kernel for N >= 16384 or K > 8192 at 1..8 rows (gate_up, down; lean) and
+           every projection at 9..32 rows (docs/benchmarks.md, "int8 group 32 in the warp-specialized program")
   8-bit group 128 (e4m3, the int8 head): M <= 8 n64 s3, ~4 waves when N < 64 * 132 (down, o), else unsplit, a short
            last round balanced
 Every program reads its x rows over its K range: at 17-64 rows that traffic grows with the rows.
@@ -414,11 +414,11 @@ def default_config(m: int, n: int, k: int, bits: int = 4, group_size: int = 128)
         return replace(default_config(16, n, k, bits, group_size), block_m=1 << (m - 1).bit_length())
     asm = True  # int8 too: the PTX unpacking is the faster (docs/benchmarks.md, "W4A16 / W8A16")
     if group_size < 128:  # short groups (int8 g32: 64 B per row and step): 3 stages, 64-row tiles for wide outputs;
-        # on Hopper the warp-specialized kernel (4 blocks a unit) for those and at 9..32 rows
+        # on Hopper the warp-specialized kernel (4 blocks a unit) for those, long rows (down) and at 9..32 rows
         if m <= 8:
             wide = n >= 16384
             return KernelConfig(64 if wide else 128, 8, 4, 3, 2, asm,
-                                warp_specialized=quant_matmul_gluon.CONSUMERS if wide else 0)
+                                warp_specialized=quant_matmul_gluon.CONSUMERS if wide or k > 8192 else 0)
         return KernelConfig(64, 16, 4, 6, 4, asm, warp_specialized=quant_matmul_gluon.CONSUMERS)
     if m <= 8 and bits == 8:  # e4m3 / int8 g128 (2x int4's bytes per tile): 3 stages; narrow outputs split to ~4 waves
         return KernelConfig(64, 8, 4, 3, 4 if n < 64 * 132 else 1, asm, True)
@@ -532,17 +532,22 @@ def launch_plan(x2: torch.Tensor, pw: PackedWeight, cfg: KernelConfig, out: torc
 
 def warp_specialized(x2: torch.Tensor, pw: PackedWeight, cfg: KernelConfig) -> bool:
     """Whether `cfg` takes the warp-specialized Gluon kernel for x2 @ W^T (where it builds)."""
-    # the Gluon kernel's tiles are 64 rows, as the add-norm partials' count (tiles of block_n) assumes
-    return bool(cfg.warp_specialized) and cfg.block_n == quant_matmul_gluon.BN and \
-        quant_matmul_gluon.usable(x2, pw, cfg.block_m, cfg.warp_specialized)
+    return bool(cfg.warp_specialized) and quant_matmul_gluon.usable(x2, pw, cfg.block_m, cfg.warp_specialized)
+
+
+def tile_rows(x2: torch.Tensor, pw: PackedWeight, cfg: KernelConfig) -> int:
+    """Output rows of a tile of the kernel that runs the launch: an add-norm launch's partials hold one row a tile
+    (the Gluon kernel's tiles are 64 rows, the Triton kernel's block_n)."""
+    return quant_matmul_gluon.BN if warp_specialized(x2, pw, cfg) else cfg.block_n
 
 
 def _launch(x2: torch.Tensor, pw: PackedWeight, cfg: KernelConfig, out: torch.Tensor,
             epilogue: Epilogue | None = None) -> None:
-    if warp_specialized(x2, pw, cfg) and \
-            quant_matmul_gluon.launch(x2, pw, out, epilogue or Epilogue(), cfg.warp_specialized, cfg.block_m,
-                                      cfg.l2_ahead, cfg.late_arrival):
-        return
+    if warp_specialized(x2, pw, cfg):
+        if quant_matmul_gluon.launch(x2, pw, out, epilogue or Epilogue(), cfg.warp_specialized, cfg.block_m,
+                                     cfg.l2_ahead, cfg.late_arrival):
+            return
+        cfg = replace(cfg, block_n=quant_matmul_gluon.BN)  # it did not build: tiles of its rows, as sized for it
     plan = launch_plan(x2, pw, cfg, out, epilogue)
     launch_fitting(_wq_kernel, (plan.programs,), *plan.args, stages_key="STAGES", **plan.meta)
 
@@ -574,7 +579,7 @@ def wq_matmul_add_norm(x: torch.Tensor, pw: PackedWeight, residual: torch.Tensor
                          f"the output [{m}, {pw.n}]")
     out = torch.empty(m, pw.n, dtype=x.dtype, device=x.device)
     rows = torch.empty_like(out)
-    partials = torch.empty(-(-pw.n // cfg.block_n), m, dtype=torch.float32, device=x.device)
+    partials = torch.empty(-(-pw.n // tile_rows(x2, pw, cfg)), m, dtype=torch.float32, device=x.device)
     _launch(x2, pw, cfg, out, Epilogue(1, partials, residual=residual.contiguous(), weight=norm_weight, rows=rows))
     return out, rows, partials
 
