@@ -275,7 +275,7 @@ def note_unused_training_flags(args, run):
 
 
 def cmd_train_drafter(args):
-    from .train.run import DrafterTraining, train
+    from .train.run import DrafterTraining, launched, train
 
     if args.target_layer_ids is not None:
         try:
@@ -287,8 +287,19 @@ def cmd_train_drafter(args):
     note_unused_training_flags(args, run)
     if args.nproc is None:
         train(run)
+        if launched()[1] > 1:
+            end_rank_process()
         return 0
     return launch_processes(run, args.nproc, args.argv)
+
+
+def end_rank_process():
+    """A torchrun process's end once its run is done and written: what it printed flushed, then an exit without the
+    interpreter's teardown, where torch's gloo threads at times abort a finished process ("terminate called without
+    an active exception"), which torchrun reports as the run's failure."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def launch_processes(run, processes: int, argv: list[str]) -> int:

@@ -573,3 +573,18 @@ def test_streamed_text_is_the_whole_decoding_its_last_bytes_included(tiny):
         out = io.StringIO()
         assert stream_text(SimpleNamespace(tokenizer=tok), iter(ids), out=out) == (ids, tok.decode(ids))
         assert out.getvalue() == tok.decode(ids), (out.getvalue(), tok.decode(ids))
+
+
+def test_a_torchrun_process_ends_with_its_output_flushed_and_status_zero():
+    """`end_rank_process` (train-drafter's end in a torchrun process) leaves with status 0 and without the
+    interpreter's teardown (an atexit handler does not run), and what the process printed to stdout and stderr,
+    still in their buffers, comes out."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import atexit, sys; from blockspec.cli import end_rank_process; atexit.register(print, 'teardown'); "
+            "sys.stdout.write('out'); sys.stderr.write('err'); end_rank_process()")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}  # stdout to a pipe: block-buffered
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert (done.returncode, done.stdout, done.stderr) == (0, "out", "err")
