@@ -886,6 +886,7 @@ def test_scaling_bench_names_a_ranks_failure():
     assert report.index("(torchrun:)") > report.index("terminate called after throwing an instance of 'c10::Error'")
 
 
+@pytest.mark.slow  # two torchrun launches of 1 and 2 processes: ~20 s on 2 cores
 def test_scaling_bench_dry_run(setup):
     """bench/drafter_scaling.py (the several-GPU measurement) on the CPU: 1 and 2 gloo processes of one run, the
     same loss curve, an efficiency figure."""
