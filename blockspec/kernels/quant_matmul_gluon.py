@@ -261,9 +261,8 @@ if gluon is not None:
             flush = (b == NBLK - 1) | (j == count - 1)
             if flush:
                 n, n_ok = _rows(t, c, rows, N, C, EPI)
-                later = (t * NBLK < start) & (j < count - 1)  # LATE and a tile begun before this run
-                if LATE:
-                    if later:
+                if LATE:  # (a branch of its own: without LATE the code is the default's, as before it)
+                    if (t * NBLK < start) & (j < count - 1):  # a tile begun before this run, ended inside it
                         _finish(acc, inv_rms, scratch.index(c if EPI == 2 else 0), out_ptr, ws_ptr, cnt_ptr,
                                 res_ptr, nw_ptr, rows_ptr, part_ptr, t, n, n_ok, cols, M, N, PER, stride_om, NBLK, C,
                                 c, EPI, RMS, BM, True, False)
