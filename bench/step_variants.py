@@ -156,6 +156,12 @@ VARIANTS = {
     # arrival (a wait for the stores to be seen) at the run's end instead (`KernelConfig.late_arrival`; in the launch
     # timeline a program whose run holds a tile's end streams 2.7-5.5 us longer), every launch it serves
     "late arrivals": lambda s: configs({"late_arrival": True}, lambda m, n, k, bits: True),
+    # the warp-specialized kernel's consumers issuing each group's wgmma asynchronously (in halves of a group's K)
+    # and unpacking the next piece's codes while it runs (`KernelConfig.overlap_dots`), every launch it serves: a
+    # consumer's unit of synchronous dots measured ~1.1 us on an H100, above the H200's bandwidth share (0.88 us)
+    "overlapped dots": lambda s: configs({"overlap_dots": True}, lambda m, n, k, bits: True),
+    "overlapped dots, late arrivals": lambda s: configs({"overlap_dots": True, "late_arrival": True},
+                                                        lambda m, n, k, bits: True),
     # an INT4 target's folded MLP (gate_up, SwiGLU, down) in one warp-specialized launch at 1..8 rows
     "persistent MLP": lambda s: use(replace(s, persistent_mlp=True)),
     "PDL level 0": lambda s: use(replace(s, pdl_level=0)),

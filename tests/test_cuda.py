@@ -619,7 +619,8 @@ def test_warp_specialized_kernel_against_triton_kernel():
     """The Gluon warp-specialized kernel that the config table takes for INT4 at 1..8 and 17..32 rows (Hopper),
     against the Triton kernel's config on the same launches, every epilogue: store (fp32 sums; tiles cut between
     programs add their pieces in another order), residual add with the next norm begun, then SwiGLU scaled by that
-    norm's 1 / rms; and its FP8 (e4m3) and int8 group-32 codes (the drafter's) against the Triton kernel's."""
+    norm's 1 / rms; and its FP8 (e4m3) and int8 group-32 codes (the drafter's) against the Triton kernel's, with
+    `overlap_dots` bit for bit the same (INT4: test_consumer_variants_equal_the_default_bit_for_bit)."""
     from dataclasses import replace
 
     from blockspec.kernels import quant_matmul_gluon
@@ -692,8 +693,10 @@ def test_warp_specialized_kernel_against_triton_kernel():
             cfg = default_config(rows, fp8[name].n, fp8[name].k, 8, 128)
             ws_cfg = replace(cfg, block_n=64, block_m=max(8, 1 << (rows - 1).bit_length()), warp_specialized=2)
             assert quant_matmul_gluon.usable(inputs, fp8[name], ws_cfg.block_m)
-            close(wq_matmul(inputs, fp8[name], config=ws_cfg, out_dtype=torch.float32),
-                  wq_matmul(inputs, fp8[name], config=cfg, out_dtype=torch.float32), 1e-5)
+            got = wq_matmul(inputs, fp8[name], config=ws_cfg, out_dtype=torch.float32)
+            close(got, wq_matmul(inputs, fp8[name], config=cfg, out_dtype=torch.float32), 1e-5)
+            assert torch.equal(wq_matmul(inputs, fp8[name], config=replace(ws_cfg, overlap_dots=True),
+                                         out_dtype=torch.float32), got)  # the dots in asynchronous pieces
     # int8 group-32 codes (the drafter's, 4 blocks a unit) at 1, 8, 16 and 24 rows, every projection (the config
     # table sends gate_up at 1..8 rows and all at 9..32 there): each epilogue, the lean program at 1..8 rows
     int8 = {name: Int8Linear.from_float(torch.randn(n, k, generator=g) * 0.01, 32).cuda().packed()
@@ -708,6 +711,8 @@ def test_warp_specialized_kernel_against_triton_kernel():
             got = wq_matmul(inputs, int8[name], config=ws_cfg, out_dtype=torch.float32)
             want = wq_matmul(inputs, int8[name], config=cfg, out_dtype=torch.float32)
             close(got, want, 1e-5)
+            assert torch.equal(wq_matmul(inputs, int8[name], config=replace(ws_cfg, overlap_dots=True),
+                                         out_dtype=torch.float32), got)
         ws_out = wq_matmul_swiglu(x, int8["gate_up"], config=replace(
             default_config(rows, 34816, 5120, 8, 32), block_n=64, block_m=max(8, 1 << (rows - 1).bit_length()),
             warp_specialized=2))
@@ -734,11 +739,13 @@ def test_warp_specialized_kernel_against_triton_kernel():
     assert not quant_matmul_gluon._BROKEN  # every launch above built: none fell back to the Triton kernel
 
 
-def test_late_arrival_equals_the_default_bit_for_bit():
+@pytest.mark.parametrize("change", [{"late_arrival": True}, {"overlap_dots": True}])
+def test_consumer_variants_equal_the_default_bit_for_bit(change):
     """The warp-specialized kernel with `late_arrival` (a run's first piece of a cut tile arriving at the run's end)
-    against its default at the 27B's INT4 shapes under PDL 3, every epilogue, 1, 8 and 32 rows: the same bits, the
-    pieces being the same sums added in the same order; and over CUDA graph replays with new inputs (the counters
-    left clean for the next launch)."""
+    or `overlap_dots` (the group dots' wgmma issued asynchronously in pieces) against its default at the 27B's INT4
+    shapes under PDL 3, every epilogue, 1, 8 and 32 rows: the same bits, the pieces and dots being the same sums
+    added in the same order; and over CUDA graph replays with new inputs (the counters left clean for the next
+    launch)."""
     from dataclasses import replace
 
     from blockspec.kernels import KernelSettings, quant_matmul_gluon, use
@@ -757,8 +764,9 @@ def test_late_arrival_equals_the_default_bit_for_bit():
             h = torch.randn(rows, 17408, device="cuda", dtype=torch.bfloat16)
             residual = torch.randn(rows, 5120, device="cuda", dtype=torch.bfloat16)
 
-            def launches(late):
-                cfg = {name: replace(default_config(rows, w.n, w.k), late_arrival=late) for name, w in packed.items()}
+            def launches(changed):
+                cfg = {name: replace(default_config(rows, w.n, w.k), **(change if changed else {}))
+                       for name, w in packed.items()}
                 assert all(c.warp_specialized for c in cfg.values())
                 out, normed, parts = wq_matmul_add_norm(h, packed["down"], residual, norm_w, config=cfg["down"])
                 return (out, normed, parts, wq_matmul_swiglu(normed, packed["gate_up"], rms=(parts, 1e-6),

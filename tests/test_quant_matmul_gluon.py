@@ -396,3 +396,37 @@ def test_bench_dry_run(tmp_path):
                                       + ["C2 m8 whole SM", "C2 m16 lean"])
     assert compiled["C2 m8"]["shared"] <= 128 * 1024 < compiled["C2 m8 whole SM"]["shared"]  # the lean 120 KB ring
     assert all(v["wgmma"] == 32 * int(k[1]) and v["shared"] <= 232448 for k, v in compiled.items())
+
+
+@pytest.mark.parametrize("epi,rms,k,block_m,bits,group", [
+    (0, True, 5120, 8, 4, 128), (1, False, 17408, 32, 4, 128), (2, True, 5120, 8, 8, 32)])
+def test_overlapped_dots_issue_each_piece_before_waiting_for_the_last(epi, rms, k, block_m, bits, group, tmp_path):
+    """With `overlap_dots` (KernelConfig.overlap_dots) the consumers issue the same k16 wgmma steps as the default,
+    in asynchronous pieces (halves of a 128-input group, a 32-input group whole), each wait leaving the piece just
+    issued in flight; the stream (TMA copies, waits on the ring's barriers, PDL) is the default's, and ptxas fits
+    it in the footprint's registers with no more spill stores than the default's (4 bytes for int8 group 32's
+    SwiGLU in the lean footprint, test_no_spills)."""
+    pytest.importorskip("triton.experimental.gluon")
+    from triton.backends.nvidia.compiler import get_ptxas
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+    from warp_specialized import sm90_compile
+
+    default, _ = sm90_compile(k, 2, block_m, epi, rms, bits=bits, group_size=group)
+    overlapped, _ = sm90_compile(k, 2, block_m, epi, rms, bits=bits, group_size=group, overlap_dots=True)
+    steps = rf"wgmma\.mma_async\.sync\.aligned\.m64n{block_m}k16"
+    assert len(re.findall(steps, overlapped)) == len(re.findall(steps, default))
+    groups, pieces = 16 // bits * 128 // group, 2 if group == 128 else 1
+    assert overlapped.count("wgmma.commit_group") == 2 * groups * pieces  # a commit a piece and consumer
+    assert overlapped.count("wgmma.wait_group.sync.aligned 1;") == 2 * (groups * pieces - 1)
+    assert "wgmma.wait_group.sync.aligned 1;" not in default
+    for loads in (r"cp\.async\.bulk\.tensor\.2d", r"mbarrier\.try_wait", "griddepcontrol"):
+        assert len(re.findall(loads, overlapped)) == len(re.findall(loads, default))
+    spills = []
+    for name, ptx in (("default", default), ("overlapped", overlapped)):
+        (tmp_path / f"{name}.ptx").write_text(ptx)
+        report = subprocess.run([get_ptxas(90).path, "-arch=sm_90a", "-v", str(tmp_path / f"{name}.ptx"), "-o",
+                                 str(tmp_path / f"{name}.cubin")], capture_output=True, text=True, check=True).stderr
+        used = re.search(r"Used (\d+) registers", report)
+        assert used and int(used[1]) <= gk.footprint(2, block_m)[0][0], report
+        spills.append(int(re.search(r"(\d+) bytes spill stores", report)[1]))
+    assert spills[1] <= spills[0] <= 4

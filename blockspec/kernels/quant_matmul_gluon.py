@@ -53,7 +53,8 @@ try:  # Gluon ships with triton >= 3.5; without it the Triton kernel serves ever
     from triton.runtime.errors import OutOfResources
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma
+    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                                 warpgroup_mma_wait)
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 except ImportError:  # pragma: no cover - depends on the environment
     gluon = None
@@ -218,15 +219,72 @@ if gluon is not None:
         return acc + dot * s.to(gl.float32)[:, None]
 
     @gluon.jit
+    def _unpack(h, i: gl.constexpr, U0: gl.constexpr, U1: gl.constexpr, U2: gl.constexpr, U3: gl.constexpr):
+        """Code i of each halfword of h as the wgmma's bf16 register operand (unpack_ptx.py's U0..U3)."""
+        if i == 0:
+            a = gl.inline_asm_elementwise(U0, "=r,r", [h], dtype=gl.bfloat16, is_pure=True, pack=2)
+        elif i == 1:
+            a = gl.inline_asm_elementwise(U1, "=r,r", [h], dtype=gl.bfloat16, is_pure=True, pack=2)
+        elif i == 2:
+            a = gl.inline_asm_elementwise(U2, "=r,r", [h], dtype=gl.bfloat16, is_pure=True, pack=2)
+        else:
+            a = gl.inline_asm_elementwise(U3, "=r,r", [h], dtype=gl.bfloat16, is_pure=True, pack=2)
+        return a
+
+    @gluon.jit
+    def _overlapped_dots(acc, ring_q, ring_x, slot, c: gl.constexpr, scales, zero, a_layout: gl.constexpr,
+                         C: gl.constexpr, GROUPS: gl.constexpr, BOXES: gl.constexpr, U0: gl.constexpr,
+                         U1: gl.constexpr, U2: gl.constexpr, U3: gl.constexpr):
+        """A unit's group dots as `_group_dot`'s, their wgmma issued asynchronously in pieces of K (halves of a
+        128-input group; a 32-input group whole) and each next piece's codes unpacked while the one before runs (a
+        synchronous wgmma leaves the warpgroup idle for its latency, the unpacking waiting on it). A group's
+        pieces chain its dot from zero in K order, the same k16 steps as one wgmma of the group, and the dots are
+        scaled and added in group order: the same bits. At most two pieces' operands are held at once (the lean
+        footprint's 144 registers a consumer)."""
+        NG: gl.constexpr = GROUPS * BOXES
+        P: gl.constexpr = 2 if BOXES == 1 else 1
+        W: gl.constexpr = _G // BOXES // P  # columns of a piece
+        if BOXES == 1:
+            box = ring_q.index(slot * C + c)
+            h0 = box.slice(0, W, dim=1).load(a_layout)
+            h1 = box.slice(W, W, dim=1).load(a_layout)
+        else:
+            h0 = ring_q.index((slot * C + c) * 4).load(a_layout)
+            h1 = h0
+        a = _unpack(h0, 0, U0, U1, U2, U3)
+        dot = warpgroup_mma(a, ring_x.index(slot * NG).slice(0, W, dim=1).permute((1, 0)), zero, use_acc=False,
+                            is_async=True)
+        for step in gl.static_range(1, NG * P):
+            if BOXES == 4:
+                if step % 2 == 0:  # 8-bit group 32: each box holds two groups
+                    h0 = ring_q.index((slot * C + c) * 4 + step // 2).load(a_layout)
+            if step % P == 0:
+                a_next = _unpack(h0, step // P % GROUPS, U0, U1, U2, U3)
+                x = ring_x.index(slot * NG + step // P).slice(0, W, dim=1).permute((1, 0))
+                dot_next = warpgroup_mma(a_next, x, zero, use_acc=False, is_async=True)
+                dot, a = warpgroup_mma_wait(1, deps=[dot, a])  # the group before's dot is whole
+                acc = acc + dot * scales[step // P - 1].to(gl.float32)[:, None]
+                dot = dot_next
+            else:
+                a_next = _unpack(h1, step // P % GROUPS, U0, U1, U2, U3)
+                dot = warpgroup_mma(a_next, ring_x.index(slot * NG + step // P).slice(W, W, dim=1).permute((1, 0)), dot,
+                                    use_acc=True, is_async=True)
+                a = warpgroup_mma_wait(1, deps=[a])  # the piece before has read its operand
+            a = a_next
+        dot, a = warpgroup_mma_wait(0, deps=[dot, a])
+        return acc + dot * scales[NG - 1].to(gl.float32)[:, None]
+
+    @gluon.jit
     def _units(c: gl.constexpr, j0, nx, inv_rms, s_ptr, out_ptr, ws_ptr, cnt_ptr, res_ptr, nw_ptr, rows_ptr,
                part_ptr, ring_q, ring_x, scratch, ready, empty, start, count, M, N, PER, stride_om,
                NBLK: gl.constexpr, C: gl.constexpr, S: gl.constexpr, EPI: gl.constexpr, RMS: gl.constexpr,
                BM: gl.constexpr, GROUPS: gl.constexpr, BOXES: gl.constexpr, U0: gl.constexpr, U1: gl.constexpr,
-               U2: gl.constexpr, U3: gl.constexpr, LATE: gl.constexpr = False):
+               U2: gl.constexpr, U3: gl.constexpr, LATE: gl.constexpr = False, OVERLAP: gl.constexpr = False):
         """Consumer c's run of `count` units from `start`, the stages j0 .. j0 + count - 1 of the ring; nx: the
         first unit's scales. LATE: the run's first tile, begun by an earlier run and finished before this run's
         end, has its piece stored there and its arrival made at the run's end (an arrival waits for the piece's
-        stores to be seen, a stall of the stream in the middle of the run)."""
+        stores to be seen, a stall of the stream in the middle of the run). OVERLAP: the group dots of
+        `_overlapped_dots`."""
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                       instr_shape=[16, BM, 16])
         a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
@@ -243,7 +301,10 @@ if gluon is not None:
             nx = _scales(s_ptr, u + 1, j + 1 < count, N, rows, NBLK, C, c, EPI, GROUPS, BOXES)
             slot = (j0 + j) % S
             mbarrier.wait(ready.index(slot), ((j0 + j) // S) & 1)
-            if BOXES == 4:  # 8-bit group 32: each block's box, its two groups
+            if OVERLAP:
+                acc = _overlapped_dots(acc, ring_q, ring_x, slot, c, scales, zero, a_layout, C, GROUPS, BOXES, U0, U1,
+                                       U2, U3)
+            elif BOXES == 4:  # 8-bit group 32: each block's box, its two groups
                 for i in gl.static_range(4):
                     h = ring_q.index((slot * C + c) * 4 + i).load(a_layout)
                     acc = _group_dot(acc, h, ring_x, slot * 8 + 2 * i, scales[2 * i], U0, zero)
@@ -289,7 +350,7 @@ if gluon is not None:
                  NBLK: gl.constexpr, C: gl.constexpr, S: gl.constexpr, EPI: gl.constexpr, RMS: gl.constexpr,
                  PBLOCK: gl.constexpr, BM: gl.constexpr, PDL: gl.constexpr, GROUPS: gl.constexpr,
                  BOXES: gl.constexpr, U0: gl.constexpr, U1: gl.constexpr, U2: gl.constexpr, U3: gl.constexpr,
-                 LATE: gl.constexpr):
+                 LATE: gl.constexpr, OVERLAP: gl.constexpr):
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                       instr_shape=[16, BM, 16])
         rows = gl.arange(0, _BN, layout=gl.SliceLayout(1, mma))
@@ -298,7 +359,7 @@ if gluon is not None:
         inv_rms = _inv_rms(part_ptr, M, K, PARTS, eps, RMS, PBLOCK, BM)
         _units(c, 0, nx, inv_rms, s_ptr, out_ptr, ws_ptr, cnt_ptr, res_ptr, nw_ptr, rows_ptr, part_ptr, ring_q, ring_x,
                scratch, ready, empty, start, count, M, N, PER, stride_om, NBLK, C, S, EPI, RMS, BM, GROUPS, BOXES,
-               U0, U1, U2, U3, LATE)
+               U0, U1, U2, U3, LATE, OVERLAP)
         pdl.release(PDL)
 
     @gluon.jit
@@ -405,7 +466,8 @@ if gluon is not None:
                    S: gl.constexpr, EPI: gl.constexpr, RMS: gl.constexpr, PBLOCK: gl.constexpr,
                    PDL: gl.constexpr, CREGS: gl.constexpr, LREGS: gl.constexpr, GROUPS: gl.constexpr,
                    BOXES: gl.constexpr, L2AHEAD: gl.constexpr, U0: gl.constexpr, U1: gl.constexpr,
-                   U2: gl.constexpr, U3: gl.constexpr, LATE: gl.constexpr, num_warps: gl.constexpr):
+                   U2: gl.constexpr, U3: gl.constexpr, LATE: gl.constexpr, OVERLAP: gl.constexpr,
+                   num_warps: gl.constexpr):
         NBLK: gl.constexpr = K // (_G * GROUPS)  # units a tile: 128 columns of codes each
         ring_q, ring_x, scratch, ready, empty = _ring(x_desc, C, S, C if EPI == 2 else 1, BM, GROUPS, BOXES)
         start = gl.program_id(0) * PER
@@ -415,10 +477,10 @@ if gluon is not None:
             gl.warp_specialize([
                 (_consume, (0, s_ptr, out_ptr, ws_ptr, cnt_ptr, res_ptr, nw_ptr, rows_ptr, part_ptr, ring_q, ring_x,
                             scratch, ready, empty, start, count, M, N, K, PER, PARTS, stride_om, eps, NBLK, C, S, EPI,
-                            RMS, PBLOCK, BM, PDL, GROUPS, BOXES, U0, U1, U2, U3, LATE)),
+                            RMS, PBLOCK, BM, PDL, GROUPS, BOXES, U0, U1, U2, U3, LATE, OVERLAP)),
                 (_consume, (1, s_ptr, out_ptr, ws_ptr, cnt_ptr, res_ptr, nw_ptr, rows_ptr, part_ptr, ring_q, ring_x,
                             scratch, ready, empty, start, count, M, N, K, PER, PARTS, stride_om, eps, NBLK, C, S, EPI,
-                            RMS, PBLOCK, BM, PDL, GROUPS, BOXES, U0, U1, U2, U3, LATE)),
+                            RMS, PBLOCK, BM, PDL, GROUPS, BOXES, U0, U1, U2, U3, LATE, OVERLAP)),
                 (_loader, (q_desc, x_desc, q_ptr, ring_q, ring_x, ready, empty, start, count, N, K, NBLK, C, S, EPI,
                            BM, PDL, GROUPS, BOXES, L2AHEAD))],
                 [4, 1], [CREGS, LREGS])
@@ -426,13 +488,13 @@ if gluon is not None:
             gl.warp_specialize([
                 (_consume, (0, s_ptr, out_ptr, ws_ptr, cnt_ptr, res_ptr, nw_ptr, rows_ptr, part_ptr, ring_q, ring_x,
                             scratch, ready, empty, start, count, M, N, K, PER, PARTS, stride_om, eps, NBLK, C, S, EPI,
-                            RMS, PBLOCK, BM, PDL, GROUPS, BOXES, U0, U1, U2, U3, LATE)),
+                            RMS, PBLOCK, BM, PDL, GROUPS, BOXES, U0, U1, U2, U3, LATE, OVERLAP)),
                 (_consume, (1, s_ptr, out_ptr, ws_ptr, cnt_ptr, res_ptr, nw_ptr, rows_ptr, part_ptr, ring_q, ring_x,
                             scratch, ready, empty, start, count, M, N, K, PER, PARTS, stride_om, eps, NBLK, C, S, EPI,
-                            RMS, PBLOCK, BM, PDL, GROUPS, BOXES, U0, U1, U2, U3, LATE)),
+                            RMS, PBLOCK, BM, PDL, GROUPS, BOXES, U0, U1, U2, U3, LATE, OVERLAP)),
                 (_consume, (2, s_ptr, out_ptr, ws_ptr, cnt_ptr, res_ptr, nw_ptr, rows_ptr, part_ptr, ring_q, ring_x,
                             scratch, ready, empty, start, count, M, N, K, PER, PARTS, stride_om, eps, NBLK, C, S, EPI,
-                            RMS, PBLOCK, BM, PDL, GROUPS, BOXES, U0, U1, U2, U3, LATE)),
+                            RMS, PBLOCK, BM, PDL, GROUPS, BOXES, U0, U1, U2, U3, LATE, OVERLAP)),
                 (_loader, (q_desc, x_desc, q_ptr, ring_q, ring_x, ready, empty, start, count, N, K, NBLK, C, S, EPI,
                            BM, PDL, GROUPS, BOXES, L2AHEAD))],
                 [4, 4, 1], [CREGS, CREGS, LREGS])
@@ -525,11 +587,12 @@ def plan(n: int, k: int, sms: int, consumers: int = CONSUMERS, block_m: int = BM
 
 
 def launch(x2: torch.Tensor, pw: PackedWeight, out: torch.Tensor, epi, consumers: int = CONSUMERS,
-           block_m: int = BM, l2_ahead: int = 0, late_arrival: bool = False) -> bool:
+           block_m: int = BM, l2_ahead: int = 0, late_arrival: bool = False, overlap_dots: bool = False) -> bool:
     """x2 [M, K] @ W^T into out through `epi` (quant_matmul_triton.Epilogue) with 2 or 3 consumer warpgroups;
     `usable(x2, pw, block_m)` must hold; under PDL the loader first fetches the l2_ahead units after its ring's
-    into L2; late_arrival: a run's first piece of a cut tile arrives at the run's end (`_units`' LATE). False,
-    with one note on stderr, where the kernel does not build: nothing was launched."""
+    into L2; late_arrival: a run's first piece of a cut tile arrives at the run's end (`_units`' LATE);
+    overlap_dots: each group's wgmma issued asynchronously, the next group unpacked meanwhile (`_overlapped_dots`).
+    False, with one note on stderr, where the kernel does not build: nothing was launched."""
     m, k = x2.shape
     sms = sm_count(x2.device)
     stages, units, per, pieces = plan(pw.n, k, sms, consumers, block_m, pw.bits)
@@ -548,7 +611,8 @@ def launch(x2: torch.Tensor, pw: PackedWeight, out: torch.Tensor, epi, consumers
         parts.shape[0], out.stride(0), epi.eps, K=k, C=consumers, BM=block_m, S=stages,
         EPI=epi.kind, RMS=epi.rms, PBLOCK=triton.next_power_of_2(parts.shape[0]) if epi.rms else 1,
         CREGS=registers[1], LREGS=registers[2], BOXES=G // pw.group_size, L2AHEAD=l2_ahead, LATE=late_arrival,
-        **unpacking(pw.bits, pw.codes == "e4m3"), num_warps=4, maxnreg=registers[0], **pdl.options(x2)), _BROKEN,
+        OVERLAP=overlap_dots, **unpacking(pw.bits, pw.codes == "e4m3"), num_warps=4, maxnreg=registers[0],
+        **pdl.options(x2)), _BROKEN,
         "the warp-specialized W4A16 kernel", "the Triton kernel runs its launches")
 
 

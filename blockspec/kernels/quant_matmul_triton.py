@@ -381,6 +381,9 @@ class KernelConfig:
     # the warp-specialized kernel: a run's first piece of a tile cut between runs stored where it ends, its arrival
     # (which waits for the stores to be seen) made at the run's end, so that the stream does not stall mid-run
     late_arrival: bool = False
+    # the warp-specialized kernel: each group's wgmma issued asynchronously and the next group's codes unpacked while
+    # it runs, so that the consumers' unpacking does not wait out the tensor cores' latency
+    overlap_dots: bool = False
     # K blocks a main-loop step loads as one tile of codes and one of scales (1, 2 or 4; it must divide the
     # weight's blocks): short groups' blocks (int8 group 32: 64 inputs, 4 KB of codes a 64-row tile) in wider steps
     blocks_per_step: int = 1
@@ -391,6 +394,7 @@ class KernelConfig:
                 f"{f' d{self.dot_rows}' if self.dot_rows else ''}"
                 f"{f' ws{self.warp_specialized}' if self.warp_specialized else ''}"
                 f"{f' l2+{self.l2_ahead}' if self.l2_ahead else ''}{' late' if self.late_arrival else ''}"
+                f"{' ovl' if self.overlap_dots else ''}"
                 f"{f' k{self.blocks_per_step}' if self.blocks_per_step > 1 else ''}")
 
 
@@ -545,7 +549,7 @@ def _launch(x2: torch.Tensor, pw: PackedWeight, cfg: KernelConfig, out: torch.Te
             epilogue: Epilogue | None = None) -> None:
     if warp_specialized(x2, pw, cfg):
         if quant_matmul_gluon.launch(x2, pw, out, epilogue or Epilogue(), cfg.warp_specialized, cfg.block_m,
-                                     cfg.l2_ahead, cfg.late_arrival):
+                                     cfg.l2_ahead, cfg.late_arrival, cfg.overlap_dots):
             return
         cfg = replace(cfg, block_n=quant_matmul_gluon.BN)  # it did not build: tiles of its rows, as sized for it
     plan = launch_plan(x2, pw, cfg, out, epilogue)
