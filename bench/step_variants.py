@@ -138,6 +138,8 @@ VARIANTS = {
     "FP8 projections warp-specialized": lambda s: configs({"warp_specialized": 2}, fp8_layers),
     "FP8 projections warp-specialized PDL 3": lambda s: together(configs({"warp_specialized": 2}, fp8_layers),
                                                                  use(replace(s, pdl_level=3))),
+    "FP8 projections warp-specialized PDL 3 overlapped dots": lambda s: together(
+        configs({"warp_specialized": 2, "overlap_dots": True}, fp8_layers), use(replace(s, pdl_level=3))),
     # at 9..16 rows (--rows 16: a tree of 15's pass), the same kernel with x blocks of 16 rows on every INT4 layer
     # projection, in a whole SM a program or in warp_specialized.py's candidate lean footprint (LEAN_16)
     "warp-specialized at 9..16 rows": lambda s: configs({"warp_specialized": 2, "block_m": 16}, int4_layers_16),
