@@ -12,7 +12,8 @@ Kernel
     slots, each with a `ready` and an `empty` mbarrier;
   * C consumer warpgroups (4 warps each) take their 64-row tile of every stage: the block's group dots as wgmma
     with the dequantized codes (unpack_ptx.py) as the register operand and the shared x block as the other, each
-    group's fp32 dot times its scale added in group order (the Triton kernel's arithmetic), then release the slot.
+    group's fp32 dot times its scale added in group order (the Triton kernel's arithmetic), then release the slot;
+    with `overlap_dots` the dots' wgmma run asynchronously in pieces, the next piece unpacked meanwhile.
   The program walks a contiguous run of (tile group, unit) pairs in tile-major order, an equal share of all
   units, so the weight stream does not restart at tile boundaries and every SM streams the same bytes. A tile whose
   blocks one program streamed is finished by it; a tile cut between runs has its pieces' fp32 partials added by
