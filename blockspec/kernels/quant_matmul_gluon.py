@@ -222,15 +222,7 @@ if gluon is not None:
     @gluon.jit
     def _unpack(h, i: gl.constexpr, U0: gl.constexpr, U1: gl.constexpr, U2: gl.constexpr, U3: gl.constexpr):
         """Code i of each halfword of h as the wgmma's bf16 register operand (unpack_ptx.py's U0..U3)."""
-        if i == 0:
-            a = gl.inline_asm_elementwise(U0, "=r,r", [h], dtype=gl.bfloat16, is_pure=True, pack=2)
-        elif i == 1:
-            a = gl.inline_asm_elementwise(U1, "=r,r", [h], dtype=gl.bfloat16, is_pure=True, pack=2)
-        elif i == 2:
-            a = gl.inline_asm_elementwise(U2, "=r,r", [h], dtype=gl.bfloat16, is_pure=True, pack=2)
-        else:
-            a = gl.inline_asm_elementwise(U3, "=r,r", [h], dtype=gl.bfloat16, is_pure=True, pack=2)
-        return a
+        return gl.inline_asm_elementwise((U0, U1, U2, U3)[i], "=r,r", [h], dtype=gl.bfloat16, is_pure=True, pack=2)
 
     @gluon.jit
     def _overlapped_dots(acc, ring_q, ring_x, slot, c: gl.constexpr, scales, zero, a_layout: gl.constexpr,
