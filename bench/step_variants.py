@@ -145,6 +145,11 @@ VARIANTS = {
     "warp-specialized at 9..16 rows": lambda s: configs({"warp_specialized": 2, "block_m": 16}, int4_layers_16),
     "warp-specialized lean at 9..16 rows": lambda s: together(
         configs({"warp_specialized": 2, "block_m": 16}, int4_layers_16), footprint({16: LEAN_16})),
+    "warp-specialized at 9..16 rows, overlapped dots": lambda s: configs(
+        {"warp_specialized": 2, "block_m": 16, "overlap_dots": True}, int4_layers_16),
+    "warp-specialized lean at 9..16 rows, overlapped dots": lambda s: together(
+        configs({"warp_specialized": 2, "block_m": 16, "overlap_dots": True}, int4_layers_16),
+        footprint({16: LEAN_16})),
     # or the 17..32-row configs (the warp-specialized kernel's 32-row x blocks on most layer projections)
     "17..32-row configs at 9..16 rows": lambda s: rows_as(32, int4_layers_16),
     # the warp-specialized loader fetching the 2, 4 or 8 units after its ring's first stages into L2 before its PDL
