@@ -103,7 +103,7 @@ if gk.gluon is not None:
                          trace_ptr, NBLK: gl.constexpr, C: gl.constexpr, S: gl.constexpr, EPI: gl.constexpr,
                          RMS: gl.constexpr, PBLOCK: gl.constexpr, BM: gl.constexpr, PDL: gl.constexpr,
                          GROUPS: gl.constexpr, BOXES: gl.constexpr, U0: gl.constexpr, U1: gl.constexpr,
-                         U2: gl.constexpr, U3: gl.constexpr, LATE: gl.constexpr, OVERLAP: gl.constexpr):
+                         U2: gl.constexpr, U3: gl.constexpr, OVERLAP: gl.constexpr):
         """quant_matmul_gluon's `_consume` (its scales, wait, 1 / rms and units), consumer 0 stamping its program's
         row of trace_ptr around the wait and the units."""
         pid = gl.program_id(0)
@@ -119,7 +119,7 @@ if gk.gluon is not None:
         inv_rms = gk._inv_rms(part_ptr, M, K, PARTS, eps, RMS, PBLOCK, BM)
         gk._units(c, 0, nx, inv_rms, s_ptr, out_ptr, ws_ptr, cnt_ptr, res_ptr, nw_ptr, rows_ptr, part_ptr, ring_q,
                   ring_x, scratch, ready, empty, start, count, M, N, PER, stride_om, NBLK, C, S, EPI, RMS, BM,
-                  GROUPS, BOXES, U0, U1, U2, U3, LATE, OVERLAP)
+                  GROUPS, BOXES, U0, U1, U2, U3, OVERLAP)
         c_loop = _stamp(pid, False)
         pdl.release(PDL)
         if c == 0:
@@ -132,8 +132,8 @@ if gk.gluon is not None:
                            C: gl.constexpr, BM: gl.constexpr, S: gl.constexpr, EPI: gl.constexpr, RMS: gl.constexpr,
                            PBLOCK: gl.constexpr, PDL: gl.constexpr, CREGS: gl.constexpr, LREGS: gl.constexpr,
                            GROUPS: gl.constexpr, BOXES: gl.constexpr, L2AHEAD: gl.constexpr, U0: gl.constexpr,
-                           U1: gl.constexpr, U2: gl.constexpr, U3: gl.constexpr, LATE: gl.constexpr,
-                           OVERLAP: gl.constexpr, num_warps: gl.constexpr):
+                           U1: gl.constexpr, U2: gl.constexpr, U3: gl.constexpr, OVERLAP: gl.constexpr,
+                           num_warps: gl.constexpr):
         """quant_matmul_gluon's `_ws_kernel` with 2 consumers (the engine's), its consumers `_stamped_consume`."""
         NBLK: gl.constexpr = K // (gk._G * GROUPS)
         ring_q, ring_x, scratch, ready, empty = gk._ring(x_desc, C, S, C if EPI == 2 else 1, BM, GROUPS, BOXES)
@@ -143,11 +143,11 @@ if gk.gluon is not None:
             (_stamped_consume, (0, s_ptr, out_ptr, ws_ptr, cnt_ptr, res_ptr, nw_ptr, rows_ptr, part_ptr, ring_q,
                                 ring_x, scratch, ready, empty, start, count, M, N, K, PER, PARTS, stride_om, eps,
                                 trace_ptr, NBLK, C, S, EPI, RMS, PBLOCK, BM, PDL, GROUPS, BOXES, U0, U1, U2, U3,
-                                LATE, OVERLAP)),
+                                OVERLAP)),
             (_stamped_consume, (1, s_ptr, out_ptr, ws_ptr, cnt_ptr, res_ptr, nw_ptr, rows_ptr, part_ptr, ring_q,
                                 ring_x, scratch, ready, empty, start, count, M, N, K, PER, PARTS, stride_om, eps,
                                 trace_ptr, NBLK, C, S, EPI, RMS, PBLOCK, BM, PDL, GROUPS, BOXES, U0, U1, U2, U3,
-                                LATE, OVERLAP)),
+                                OVERLAP)),
             (gk._loader, (q_desc, x_desc, q_ptr, ring_q, ring_x, ready, empty, start, count, N, K, NBLK, C, S, EPI,
                           BM, PDL, GROUPS, BOXES, L2AHEAD))],
             [4, 1], [CREGS, LREGS])
@@ -188,8 +188,7 @@ def launch_timeline():
             trace = torch.empty(sms, TRACE_COLUMNS, dtype=torch.int64, device=x2.device)  # no memset node
             launches.append(entry | {"trace": trace, "schedule": ["warp-specialized", sms, cfg.block_m]})
             with step_variants.patched(gk, _ws_kernel=_TracedLaunch(trace)):
-                if not gk.launch(x2, pw, out, epi, cfg.warp_specialized, cfg.block_m, cfg.l2_ahead,
-                                 cfg.late_arrival, cfg.overlap_dots):
+                if not gk.launch(x2, pw, out, epi, cfg.warp_specialized, cfg.block_m, cfg.l2_ahead, cfg.overlap_dots):
                     raise RuntimeError("the stamped warp-specialized kernel did not build")
             return
         plan = wq.launch_plan(x2, pw, cfg, out, epilogue)

@@ -145,9 +145,9 @@ VARIANTS = {
     "warp-specialized at 9..16 rows": lambda s: configs({"warp_specialized": 2, "block_m": 16}, int4_layers_16),
     "warp-specialized lean at 9..16 rows": lambda s: together(
         configs({"warp_specialized": 2, "block_m": 16}, int4_layers_16), footprint({16: LEAN_16})),
-    "warp-specialized at 9..16 rows, overlapped dots": lambda s: configs(
+    "warp-specialized at 9..16 rows overlapped dots": lambda s: configs(
         {"warp_specialized": 2, "block_m": 16, "overlap_dots": True}, int4_layers_16),
-    "warp-specialized lean at 9..16 rows, overlapped dots": lambda s: together(
+    "warp-specialized lean at 9..16 rows overlapped dots": lambda s: together(
         configs({"warp_specialized": 2, "block_m": 16, "overlap_dots": True}, int4_layers_16),
         footprint({16: LEAN_16})),
     # or the 17..32-row configs (the warp-specialized kernel's 32-row x blocks on most layer projections)
@@ -159,16 +159,10 @@ VARIANTS = {
     "loader L2 prefetch 2 units": lambda s: configs({"l2_ahead": 2}, int4_layers),
     "loader L2 prefetch 4 units": lambda s: configs({"l2_ahead": 4}, int4_layers),
     "loader L2 prefetch 8 units": lambda s: configs({"l2_ahead": 8}, int4_layers),
-    # the warp-specialized kernel's runs that begin inside a tile store that piece where it ends and make its
-    # arrival (a wait for the stores to be seen) at the run's end instead (`KernelConfig.late_arrival`; in the launch
-    # timeline a program whose run holds a tile's end streams 2.7-5.5 us longer), every launch it serves
-    "late arrivals": lambda s: configs({"late_arrival": True}, lambda m, n, k, bits: True),
     # the warp-specialized kernel's consumers issuing each group's wgmma asynchronously (in halves of a group's K)
     # and unpacking the next piece's codes while it runs (`KernelConfig.overlap_dots`), every launch it serves: a
     # consumer's unit of synchronous dots measured ~1.1 us on an H100, above the H200's bandwidth share (0.88 us)
     "overlapped dots": lambda s: configs({"overlap_dots": True}, lambda m, n, k, bits: True),
-    "overlapped dots, late arrivals": lambda s: configs({"overlap_dots": True, "late_arrival": True},
-                                                        lambda m, n, k, bits: True),
     # an INT4 target's folded MLP (gate_up, SwiGLU, down) in one warp-specialized launch at 1..8 rows
     "persistent MLP": lambda s: use(replace(s, persistent_mlp=True)),
     "PDL level 0": lambda s: use(replace(s, pdl_level=0)),

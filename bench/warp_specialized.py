@@ -42,8 +42,7 @@ CONSUMERS = (2, 3)
 
 def sm90_compile(k: int, consumers: int, block_m: int, epi: int = 0, rms: bool = False, pdl_level: int = 3,
                  bits: int = 4, e4m3: bool = False, kernel=None, pointers: dict | None = None,
-                 group_size: int = 128, l2_ahead: int = 0, late_arrival: bool = False,
-                 overlap_dots: bool = False) -> tuple[str, int]:
+                 group_size: int = 128, l2_ahead: int = 0, overlap_dots: bool = False) -> tuple[str, int]:
     """The kernel (or a `kernel` of its arguments and more `pointers`, {name: type}) compiled here for sm_90 (no GPU
     needed): (its PTX, its shared memory in bytes)."""
     import triton
@@ -67,7 +66,7 @@ def sm90_compile(k: int, consumers: int, block_m: int, epi: int = 0, rms: bool =
     registers = gk.footprint(consumers, block_m)[0]
     constants = dict(K=k, C=consumers, BM=block_m, S=gk.plan(34816, k, 132, consumers, block_m, bits)[0], EPI=epi,
                      RMS=rms, PBLOCK=128 if rms else 1, PDL=pdl_level, CREGS=registers[1], LREGS=registers[2],
-                     BOXES=gk.G // group_size, L2AHEAD=l2_ahead, LATE=late_arrival, OVERLAP=overlap_dots,
+                     BOXES=gk.G // group_size, L2AHEAD=l2_ahead, OVERLAP=overlap_dots,
                      **gk.unpacking(bits, e4m3), num_warps=4)
     full = {n: "constexpr" if n in constants else signature[n] for n in kernel.arg_names}
     aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(kernel.arg_names) if full[n][0] == "*"}

@@ -620,7 +620,7 @@ def test_warp_specialized_kernel_against_triton_kernel():
     against the Triton kernel's config on the same launches, every epilogue: store (fp32 sums; tiles cut between
     programs add their pieces in another order), residual add with the next norm begun, then SwiGLU scaled by that
     norm's 1 / rms; and its FP8 (e4m3) and int8 group-32 codes (the drafter's) against the Triton kernel's, with
-    `overlap_dots` bit for bit the same (INT4: test_consumer_variants_equal_the_default_bit_for_bit)."""
+    `overlap_dots` bit for bit the same (INT4: test_overlapped_dots_equal_the_default_bit_for_bit)."""
     from dataclasses import replace
 
     from blockspec.kernels import quant_matmul_gluon
@@ -739,13 +739,11 @@ def test_warp_specialized_kernel_against_triton_kernel():
     assert not quant_matmul_gluon._BROKEN  # every launch above built: none fell back to the Triton kernel
 
 
-@pytest.mark.parametrize("change", [{"late_arrival": True}, {"overlap_dots": True}])
-def test_consumer_variants_equal_the_default_bit_for_bit(change):
-    """The warp-specialized kernel with `late_arrival` (a run's first piece of a cut tile arriving at the run's end)
-    or `overlap_dots` (the group dots' wgmma issued asynchronously in pieces) against its default at the 27B's INT4
-    shapes under PDL 3, every epilogue, 1, 8 and 32 rows: the same bits, the pieces and dots being the same sums
-    added in the same order; and over CUDA graph replays with new inputs (the counters left clean for the next
-    launch)."""
+def test_overlapped_dots_equal_the_default_bit_for_bit():
+    """The warp-specialized kernel with `overlap_dots` (the group dots' wgmma issued asynchronously in pieces)
+    against its default at the 27B's INT4 shapes under PDL 3, every epilogue, 1, 8 and 32 rows: the same bits, the
+    dots being the same k16 steps, scaled and added in the same order; and over CUDA graph replays with new inputs
+    (the counters left clean for the next launch)."""
     from dataclasses import replace
 
     from blockspec.kernels import KernelSettings, quant_matmul_gluon, use
@@ -765,7 +763,7 @@ def test_consumer_variants_equal_the_default_bit_for_bit(change):
             residual = torch.randn(rows, 5120, device="cuda", dtype=torch.bfloat16)
 
             def launches(changed):
-                cfg = {name: replace(default_config(rows, w.n, w.k), **(change if changed else {}))
+                cfg = {name: replace(default_config(rows, w.n, w.k), overlap_dots=changed)
                        for name, w in packed.items()}
                 assert all(c.warp_specialized for c in cfg.values())
                 out, normed, parts = wq_matmul_add_norm(h, packed["down"], residual, norm_w, config=cfg["down"])

@@ -288,35 +288,6 @@ def test_loader_prefetches_units_into_l2_before_its_pdl_wait(epi, block_m, bits,
                                                         group_size=group, l2_ahead=8)[0]
 
 
-@pytest.mark.parametrize("epi,rms,k,block_m,bits,group", [
-    (0, True, 5120, 8, 4, 128), (1, False, 17408, 8, 4, 128), (2, True, 5120, 8, 4, 128), (1, False, 17408, 32, 4, 128),
-    (2, True, 5120, 8, 8, 32)])
-def test_late_arrival_moves_a_runs_first_arrival_to_its_end(epi, rms, k, block_m, bits, group, tmp_path):
-    """With `late_arrival` (KernelConfig.late_arrival) each consumer holds a second arrival on the tiles' counters
-    (an acq_rel add and the last piece's reset), the one at its run's end, and the stream (TMA copies, waits on the
-    ring's barriers, PDL) is the default's. ptxas: the lean footprint's registers, and at most 20
-    bytes of spill stores there (none in a whole SM's)."""
-    pytest.importorskip("triton.experimental.gluon")
-    from triton.backends.nvidia.compiler import get_ptxas
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
-    from warp_specialized import sm90_compile
-
-    default, _ = sm90_compile(k, 2, block_m, epi, rms, bits=bits, group_size=group)
-    late, _ = sm90_compile(k, 2, block_m, epi, rms, bits=bits, group_size=group, late_arrival=True)
-    arrivals = r"atom\.global\.gpu\.acq_rel\.add"
-    assert len(re.findall(arrivals, default)) == 2 and len(re.findall(arrivals, late)) == 2 * 2
-    assert len(re.findall(r"atom\.global\.gpu\.acq_rel\.exch", late)) == 2 * 2
-    for loads in (r"cp\.async\.bulk\.tensor\.2d", r"mbarrier\.try_wait", "griddepcontrol"):  # the same stream
-        assert len(re.findall(loads, late)) == len(re.findall(loads, default))
-    (tmp_path / "late.ptx").write_text(late)
-    report = subprocess.run([get_ptxas(90).path, "-arch=sm_90a", "-v", str(tmp_path / "late.ptx"), "-o",
-                             str(tmp_path / "late.cubin")], capture_output=True, text=True, check=True).stderr
-    used = re.search(r"Used (\d+) registers", report)
-    assert used and int(used[1]) <= gk.footprint(2, block_m)[0][0], report
-    spilled = int(re.search(r"(\d+) bytes spill stores", report)[1])
-    assert spilled <= (20 if block_m == 8 else 0), report
-
-
 def test_stamped_kernel_for_the_launch_timeline_compiles_for_hopper():
     """bench/launch_timeline.py's stamped copy of the kernel compiles for sm_90 as the engine launches it (lean, 8
     rows, PDL 3): the same loader and wgmma dots, the global timer and the SM's clock read, and its program's row of 8

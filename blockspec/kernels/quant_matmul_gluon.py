@@ -17,8 +17,7 @@ Kernel
   The program walks a contiguous run of (tile group, unit) pairs in tile-major order, an equal share of all
   units, so the weight stream does not restart at tile boundaries and every SM streams the same bytes. A tile whose
   blocks one program streamed is finished by it; a tile cut between runs has its pieces' fp32 partials added by
-  the last piece to arrive, in K order (`arrival_counters`, reset after use); with `late_arrival` a run's first
-  piece is stored where it ends and arrives at the run's end, so that no arrival stalls the stream mid-run.
+  the last piece to arrive, in K order (`arrival_counters`, reset after use).
   Under PDL (pdl.py) the loader copies the first S stages' code tiles, model weights, before it waits for the
   previous kernel; x, the consumers' partials and residual reads and every store come after the wait.
   Why: at 17..32 rows the Triton kernel's programs (2 an SM, 255 registers) wait on their own loads; here the
@@ -143,12 +142,9 @@ if gluon is not None:
     @gluon.jit
     def _finish(acc, inv_rms, scratch, out_ptr, ws_ptr, cnt_ptr, res_ptr, nw_ptr, rows_ptr, part_ptr, t, n, n_ok,
                 cols, M, N, PER, stride_om, NBLK: gl.constexpr, C: gl.constexpr, c: gl.constexpr,
-                EPI: gl.constexpr, RMS: gl.constexpr, BM: gl.constexpr, STORE: gl.constexpr = True,
-                ARRIVE: gl.constexpr = True):
+                EPI: gl.constexpr, RMS: gl.constexpr, BM: gl.constexpr):
         """Consumer c's finished piece of tile group t: the tile's total (this piece alone, or the pieces' sum by
-        the last to arrive), then the epilogue. A piece of a cut tile can be stored (STORE) and arrive (ARRIVE)
-        in two calls: its partial stored mid-run, its arrival (and, the last to arrive, the sum and epilogue) at
-        the run's end."""
+        the last to arrive), then the epilogue."""
         first = (t * NBLK) // PER
         parts = ((t + 1) * NBLK - 1) // PER - first + 1
         mask = n_ok[:, None] & (cols < M)[None, :]
@@ -156,12 +152,9 @@ if gluon is not None:
         total = acc
         done = parts == parts
         if parts > 1:
-            if STORE:
-                gl.store(ws_ptr + (gl.program_id(0) - first) * M * N + off, acc, mask=mask)
-            done = parts < 0
-            if ARRIVE:
-                gl.thread_barrier()
-                done = gl.atomic_add(cnt_ptr + t * C + c, 1, sem="acq_rel") == parts - 1
+            gl.store(ws_ptr + (gl.program_id(0) - first) * M * N + off, acc, mask=mask)
+            gl.thread_barrier()
+            done = gl.atomic_add(cnt_ptr + t * C + c, 1, sem="acq_rel") == parts - 1
             if done:
                 total = gl.zeros_like(acc)
                 for piece in range(parts):
@@ -272,12 +265,9 @@ if gluon is not None:
                part_ptr, ring_q, ring_x, scratch, ready, empty, start, count, M, N, PER, stride_om,
                NBLK: gl.constexpr, C: gl.constexpr, S: gl.constexpr, EPI: gl.constexpr, RMS: gl.constexpr,
                BM: gl.constexpr, GROUPS: gl.constexpr, BOXES: gl.constexpr, U0: gl.constexpr, U1: gl.constexpr,
-               U2: gl.constexpr, U3: gl.constexpr, LATE: gl.constexpr = False, OVERLAP: gl.constexpr = False):
+               U2: gl.constexpr, U3: gl.constexpr, OVERLAP: gl.constexpr = False):
         """Consumer c's run of `count` units from `start`, the stages j0 .. j0 + count - 1 of the ring; nx: the
-        first unit's scales. LATE: the run's first tile, begun by an earlier run and finished before this run's
-        end, has its piece stored there and its arrival made at the run's end (an arrival waits for the piece's
-        stores to be seen, a stall of the stream in the middle of the run). OVERLAP: the group dots of
-        `_overlapped_dots`."""
+        first unit's scales. OVERLAP: the group dots of `_overlapped_dots`."""
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                       instr_shape=[16, BM, 16])
         a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
@@ -285,7 +275,6 @@ if gluon is not None:
         cols = gl.arange(0, BM, layout=gl.SliceLayout(0, mma))
         zero = gl.zeros([_BN, BM], gl.float32, layout=mma)
         acc = gl.zeros([_BN, BM], gl.float32, layout=mma)
-        pending = start * 0 - 1  # LATE: the tile group whose piece arrives at the run's end
         for j in range(count):
             u = start + j
             t = u // NBLK
@@ -315,27 +304,9 @@ if gluon is not None:
             flush = (b == NBLK - 1) | (j == count - 1)
             if flush:
                 n, n_ok = _rows(t, c, rows, N, C, EPI)
-                if LATE:  # (a branch of its own: without LATE the code is the default's, as before it)
-                    if (t * NBLK < start) & (j < count - 1):  # a tile begun before this run, ended inside it
-                        _finish(acc, inv_rms, scratch.index(c if EPI == 2 else 0), out_ptr, ws_ptr, cnt_ptr,
-                                res_ptr, nw_ptr, rows_ptr, part_ptr, t, n, n_ok, cols, M, N, PER, stride_om, NBLK, C,
-                                c, EPI, RMS, BM, True, False)
-                        pending = t
-                    else:
-                        _finish(acc, inv_rms, scratch.index(c if EPI == 2 else 0), out_ptr, ws_ptr, cnt_ptr,
-                                res_ptr, nw_ptr, rows_ptr, part_ptr, t, n, n_ok, cols, M, N, PER, stride_om, NBLK, C,
-                                c, EPI, RMS, BM)
-                else:
-                    _finish(acc, inv_rms, scratch.index(c if EPI == 2 else 0), out_ptr, ws_ptr, cnt_ptr, res_ptr,
-                            nw_ptr, rows_ptr, part_ptr, t, n, n_ok, cols, M, N, PER, stride_om, NBLK, C, c, EPI, RMS,
-                            BM)
+                _finish(acc, inv_rms, scratch.index(c if EPI == 2 else 0), out_ptr, ws_ptr, cnt_ptr, res_ptr,
+                        nw_ptr, rows_ptr, part_ptr, t, n, n_ok, cols, M, N, PER, stride_om, NBLK, C, c, EPI, RMS, BM)
             acc = gl.where(flush, zero, acc)
-        if LATE:
-            if pending >= 0:
-                n, n_ok = _rows(pending, c, rows, N, C, EPI)
-                _finish(zero, inv_rms, scratch.index(c if EPI == 2 else 0), out_ptr, ws_ptr, cnt_ptr, res_ptr,
-                        nw_ptr, rows_ptr, part_ptr, pending, n, n_ok, cols, M, N, PER, stride_om, NBLK, C, c, EPI,
-                        RMS, BM, False, True)
 
     @gluon.jit
     def _consume(c: gl.constexpr, s_ptr, out_ptr, ws_ptr, cnt_ptr, res_ptr, nw_ptr, rows_ptr, part_ptr, ring_q,
@@ -343,7 +314,7 @@ if gluon is not None:
                  NBLK: gl.constexpr, C: gl.constexpr, S: gl.constexpr, EPI: gl.constexpr, RMS: gl.constexpr,
                  PBLOCK: gl.constexpr, BM: gl.constexpr, PDL: gl.constexpr, GROUPS: gl.constexpr,
                  BOXES: gl.constexpr, U0: gl.constexpr, U1: gl.constexpr, U2: gl.constexpr, U3: gl.constexpr,
-                 LATE: gl.constexpr, OVERLAP: gl.constexpr):
+                 OVERLAP: gl.constexpr):
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                       instr_shape=[16, BM, 16])
         rows = gl.arange(0, _BN, layout=gl.SliceLayout(1, mma))
@@ -352,7 +323,7 @@ if gluon is not None:
         inv_rms = _inv_rms(part_ptr, M, K, PARTS, eps, RMS, PBLOCK, BM)
         _units(c, 0, nx, inv_rms, s_ptr, out_ptr, ws_ptr, cnt_ptr, res_ptr, nw_ptr, rows_ptr, part_ptr, ring_q, ring_x,
                scratch, ready, empty, start, count, M, N, PER, stride_om, NBLK, C, S, EPI, RMS, BM, GROUPS, BOXES,
-               U0, U1, U2, U3, LATE, OVERLAP)
+               U0, U1, U2, U3, OVERLAP)
         pdl.release(PDL)
 
     @gluon.jit
@@ -459,7 +430,7 @@ if gluon is not None:
                    S: gl.constexpr, EPI: gl.constexpr, RMS: gl.constexpr, PBLOCK: gl.constexpr,
                    PDL: gl.constexpr, CREGS: gl.constexpr, LREGS: gl.constexpr, GROUPS: gl.constexpr,
                    BOXES: gl.constexpr, L2AHEAD: gl.constexpr, U0: gl.constexpr, U1: gl.constexpr,
-                   U2: gl.constexpr, U3: gl.constexpr, LATE: gl.constexpr, OVERLAP: gl.constexpr,
+                   U2: gl.constexpr, U3: gl.constexpr, OVERLAP: gl.constexpr,
                    num_warps: gl.constexpr):
         NBLK: gl.constexpr = K // (_G * GROUPS)  # units a tile: 128 columns of codes each
         ring_q, ring_x, scratch, ready, empty = _ring(x_desc, C, S, C if EPI == 2 else 1, BM, GROUPS, BOXES)
@@ -470,10 +441,10 @@ if gluon is not None:
             gl.warp_specialize([
                 (_consume, (0, s_ptr, out_ptr, ws_ptr, cnt_ptr, res_ptr, nw_ptr, rows_ptr, part_ptr, ring_q, ring_x,
                             scratch, ready, empty, start, count, M, N, K, PER, PARTS, stride_om, eps, NBLK, C, S, EPI,
-                            RMS, PBLOCK, BM, PDL, GROUPS, BOXES, U0, U1, U2, U3, LATE, OVERLAP)),
+                            RMS, PBLOCK, BM, PDL, GROUPS, BOXES, U0, U1, U2, U3, OVERLAP)),
                 (_consume, (1, s_ptr, out_ptr, ws_ptr, cnt_ptr, res_ptr, nw_ptr, rows_ptr, part_ptr, ring_q, ring_x,
                             scratch, ready, empty, start, count, M, N, K, PER, PARTS, stride_om, eps, NBLK, C, S, EPI,
-                            RMS, PBLOCK, BM, PDL, GROUPS, BOXES, U0, U1, U2, U3, LATE, OVERLAP)),
+                            RMS, PBLOCK, BM, PDL, GROUPS, BOXES, U0, U1, U2, U3, OVERLAP)),
                 (_loader, (q_desc, x_desc, q_ptr, ring_q, ring_x, ready, empty, start, count, N, K, NBLK, C, S, EPI,
                            BM, PDL, GROUPS, BOXES, L2AHEAD))],
                 [4, 1], [CREGS, LREGS])
@@ -481,13 +452,13 @@ if gluon is not None:
             gl.warp_specialize([
                 (_consume, (0, s_ptr, out_ptr, ws_ptr, cnt_ptr, res_ptr, nw_ptr, rows_ptr, part_ptr, ring_q, ring_x,
                             scratch, ready, empty, start, count, M, N, K, PER, PARTS, stride_om, eps, NBLK, C, S, EPI,
-                            RMS, PBLOCK, BM, PDL, GROUPS, BOXES, U0, U1, U2, U3, LATE, OVERLAP)),
+                            RMS, PBLOCK, BM, PDL, GROUPS, BOXES, U0, U1, U2, U3, OVERLAP)),
                 (_consume, (1, s_ptr, out_ptr, ws_ptr, cnt_ptr, res_ptr, nw_ptr, rows_ptr, part_ptr, ring_q, ring_x,
                             scratch, ready, empty, start, count, M, N, K, PER, PARTS, stride_om, eps, NBLK, C, S, EPI,
-                            RMS, PBLOCK, BM, PDL, GROUPS, BOXES, U0, U1, U2, U3, LATE, OVERLAP)),
+                            RMS, PBLOCK, BM, PDL, GROUPS, BOXES, U0, U1, U2, U3, OVERLAP)),
                 (_consume, (2, s_ptr, out_ptr, ws_ptr, cnt_ptr, res_ptr, nw_ptr, rows_ptr, part_ptr, ring_q, ring_x,
                             scratch, ready, empty, start, count, M, N, K, PER, PARTS, stride_om, eps, NBLK, C, S, EPI,
-                            RMS, PBLOCK, BM, PDL, GROUPS, BOXES, U0, U1, U2, U3, LATE, OVERLAP)),
+                            RMS, PBLOCK, BM, PDL, GROUPS, BOXES, U0, U1, U2, U3, OVERLAP)),
                 (_loader, (q_desc, x_desc, q_ptr, ring_q, ring_x, ready, empty, start, count, N, K, NBLK, C, S, EPI,
                            BM, PDL, GROUPS, BOXES, L2AHEAD))],
                 [4, 4, 1], [CREGS, CREGS, LREGS])
@@ -580,12 +551,11 @@ def plan(n: int, k: int, sms: int, consumers: int = CONSUMERS, block_m: int = BM
 
 
 def launch(x2: torch.Tensor, pw: PackedWeight, out: torch.Tensor, epi, consumers: int = CONSUMERS,
-           block_m: int = BM, l2_ahead: int = 0, late_arrival: bool = False, overlap_dots: bool = False) -> bool:
+           block_m: int = BM, l2_ahead: int = 0, overlap_dots: bool = False) -> bool:
     """x2 [M, K] @ W^T into out through `epi` (quant_matmul_triton.Epilogue) with 2 or 3 consumer warpgroups;
     `usable(x2, pw, block_m)` must hold; under PDL the loader first fetches the l2_ahead units after its ring's
-    into L2; late_arrival: a run's first piece of a cut tile arrives at the run's end (`_units`' LATE);
-    overlap_dots: each group's wgmma issued asynchronously, the next group unpacked meanwhile (`_overlapped_dots`).
-    False, with one note on stderr, where the kernel does not build: nothing was launched."""
+    into L2; overlap_dots: the group dots' wgmma issued asynchronously in pieces (`_overlapped_dots`). False, with
+    one note on stderr, where the kernel does not build: nothing was launched."""
     m, k = x2.shape
     sms = sm_count(x2.device)
     stages, units, per, pieces = plan(pw.n, k, sms, consumers, block_m, pw.bits)
@@ -603,9 +573,8 @@ def launch(x2: torch.Tensor, pw: PackedWeight, out: torch.Tensor, epi, consumers
         *(out if t is None else t for t in (epi.residual, epi.weight, epi.rows)), parts, m, pw.n, units, per,
         parts.shape[0], out.stride(0), epi.eps, K=k, C=consumers, BM=block_m, S=stages,
         EPI=epi.kind, RMS=epi.rms, PBLOCK=triton.next_power_of_2(parts.shape[0]) if epi.rms else 1,
-        CREGS=registers[1], LREGS=registers[2], BOXES=G // pw.group_size, L2AHEAD=l2_ahead, LATE=late_arrival,
-        OVERLAP=overlap_dots, **unpacking(pw.bits, pw.codes == "e4m3"), num_warps=4, maxnreg=registers[0],
-        **pdl.options(x2)), _BROKEN,
+        CREGS=registers[1], LREGS=registers[2], BOXES=G // pw.group_size, L2AHEAD=l2_ahead, OVERLAP=overlap_dots,
+        **unpacking(pw.bits, pw.codes == "e4m3"), num_warps=4, maxnreg=registers[0], **pdl.options(x2)), _BROKEN,
         "the warp-specialized W4A16 kernel", "the Triton kernel runs its launches")
 
 

@@ -378,9 +378,6 @@ class KernelConfig:
     # the warp-specialized kernel's units after its ring's first stages that its loader fetches into L2 before its
     # PDL wait (0: none), so that the weight stream goes on while the kernel before it runs
     l2_ahead: int = 0
-    # the warp-specialized kernel: a run's first piece of a tile cut between runs stored where it ends, its arrival
-    # (which waits for the stores to be seen) made at the run's end, so that the stream does not stall mid-run
-    late_arrival: bool = False
     # the warp-specialized kernel: each group's wgmma issued asynchronously and the next group's codes unpacked while
     # it runs, so that the consumers' unpacking does not wait out the tensor cores' latency
     overlap_dots: bool = False
@@ -393,7 +390,7 @@ class KernelConfig:
                 f"wv{self.waves}{' bal' if self.balance else ''}{'' if self.asm else ' noasm'}"
                 f"{f' d{self.dot_rows}' if self.dot_rows else ''}"
                 f"{f' ws{self.warp_specialized}' if self.warp_specialized else ''}"
-                f"{f' l2+{self.l2_ahead}' if self.l2_ahead else ''}{' late' if self.late_arrival else ''}"
+                f"{f' l2+{self.l2_ahead}' if self.l2_ahead else ''}"
                 f"{' ovl' if self.overlap_dots else ''}"
                 f"{f' k{self.blocks_per_step}' if self.blocks_per_step > 1 else ''}")
 
@@ -549,7 +546,7 @@ def _launch(x2: torch.Tensor, pw: PackedWeight, cfg: KernelConfig, out: torch.Te
             epilogue: Epilogue | None = None) -> None:
     if warp_specialized(x2, pw, cfg):
         if quant_matmul_gluon.launch(x2, pw, out, epilogue or Epilogue(), cfg.warp_specialized, cfg.block_m,
-                                     cfg.l2_ahead, cfg.late_arrival, cfg.overlap_dots):
+                                     cfg.l2_ahead, cfg.overlap_dots):
             return
         cfg = replace(cfg, block_n=quant_matmul_gluon.BN)  # it did not build: tiles of its rows, as sized for it
     plan = launch_plan(x2, pw, cfg, out, epilogue)
