@@ -107,6 +107,12 @@ def fp8_layers(m, n, k, bits):
     return m <= 8 and bits == 8 and n < wq.VOCABULARY_OUTPUTS
 
 
+def int4_out_projections(m, n, k, bits):
+    """The o / DeltaNet out projections (6144 inputs: 24 heads of 256 or 48 of 128), each after a mixer or
+    attention."""
+    return m <= 8 and bits == 4 and k == 6144
+
+
 def int4_layers_16(m, n, k, bits):
     return 8 < m <= 16 and bits == 4 and n < wq.VOCABULARY_OUTPUTS
 
@@ -159,6 +165,9 @@ VARIANTS = {
     "loader L2 prefetch 2 units": lambda s: configs({"l2_ahead": 2}, int4_layers),
     "loader L2 prefetch 4 units": lambda s: configs({"l2_ahead": 4}, int4_layers),
     "loader L2 prefetch 8 units": lambda s: configs({"l2_ahead": 8}, int4_layers),
+    # only the out projections', whose programs wait ~13 us for a mixer or attention with 3 of their 4 units in
+    # the ring: the 4th in L2 before the wait (a probe of one launch after 20 us of idling: 9.8 -> 8.1 us)
+    "out projections L2 prefetch 1 unit": lambda s: configs({"l2_ahead": 1}, int4_out_projections),
     # the warp-specialized kernel's consumers issuing each group's wgmma asynchronously (in halves of a group's K)
     # and unpacking the next piece's codes while it runs (`KernelConfig.overlap_dots`), every launch it serves: a
     # consumer's unit of synchronous dots measured ~1.1 us on an H100, above the H200's bandwidth share (0.88 us)
