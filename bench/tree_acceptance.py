@@ -13,7 +13,7 @@ every budget alike; tokens/s (all tokens after each first over all decode time),
 generations, and each one's ratio to the chain's.
 Usage: python bench/tree_acceptance.py --model DIR/target --drafter DIR/drafter [--budgets 0,8,16,24,32,48]
 [--scores transition|marginal] [--temperature 0] [--cuts 500] [--device cpu] [--dtype float32]
-[--context-length 1024] [--tokens-per-s 64 --rounds 2 --threads 2] [--score-temperature 1]
+[--context-length 1024] [--tokens-per-s 64 --rounds 2 --threads 2] [--score-temperature 1] [--lookup 0,7]
 (--score-temperature TAU: the tree's best-first order from the selector's scores / TAU, the chain, their argmax walk,
 unchanged: whether the scores as trained order the tree best.)
 """
@@ -53,14 +53,17 @@ def main(argv=None):
                                                           "from a second one: blockspec/demo.py)")
     p.add_argument("--score-temperature", type=float, default=1.0, metavar="TAU",
                    help="the tree's order from the selector's scores / TAU (module docstring)")
+    p.add_argument("--lookup", default="0", help="comma-separated dflash2_tree_lookup values: each budget above 0 "
+                   "runs with each (the last L of its nodes a branch copied from the context; labels BUDGET+L)")
     p.add_argument("--json-out")
     args = p.parse_args(argv)
     budgets = tree_budgets(args.budgets)
     if not args.score_temperature > 0:
         print(f"--score-temperature {args.score_temperature}: must be positive", file=sys.stderr)
         sys.exit(2)
+    lookups = [int(v) for v in args.lookup.split(",")]
     with tempered(args.score_temperature):
-        return measure(args, budgets)
+        return measure(args, budgets, lookups)
 
 
 def tempered(tau: float):
@@ -73,25 +76,35 @@ def tempered(tau: float):
                              lambda *args: torch.log_softmax(table(*args) / tau, -1))
 
 
-def measure(args, budgets) -> dict:
+def label(budget: int, lookup: int):
+    """A tree's name in the output: its budget, +L with a lookup branch of L nodes."""
+    return f"{budget}+{lookup}" if lookup and budget else budget
+
+
+def measure(args, budgets, lookups) -> dict:
     torch.set_num_threads(args.threads)
-    engine = Engine.load(args.model, mode="dflash2", dflash2_model=args.drafter, device=args.device,
-                         compute_dtype=args.dtype, context_length=args.context_length, compile_mode=-1,
-                         dflash2_tree_budget=max(budgets), dflash2_tree_scores=args.scores)
-    sequences = [engine.tokenizer.encode(f.get("text", f["prompt"])) for f in code_fixtures(args.fixtures)]
-    sampling = {"temperature": args.temperature, "seed": args.seed} if args.temperature else None
+    measured = {}
     start = time.perf_counter()
-    measured = one_cycle_acceptance(engine, sequences, args.cuts, 0, sampling, budgets)
+    for lookup in lookups:  # one engine each, the same cuts (seed 0)
+        runs = [b for b in budgets if b or lookup == lookups[0]]  # the chain's cycles hold no tree: measured once
+        engine = Engine.load(args.model, mode="dflash2", dflash2_model=args.drafter, device=args.device,
+                             compute_dtype=args.dtype, context_length=args.context_length, compile_mode=-1,
+                             dflash2_tree_budget=max(runs), dflash2_tree_scores=args.scores,
+                             dflash2_tree_lookup=lookup)
+        sequences = [engine.tokenizer.encode(f.get("text", f["prompt"])) for f in code_fixtures(args.fixtures)]
+        sampling = {"temperature": args.temperature, "seed": args.seed} if args.temperature else None
+        for budget, m in one_cycle_acceptance(engine, sequences, args.cuts, 0, sampling, runs).items():
+            measured[label(budget, lookup)] = m
+        del engine
     chain = measured[budgets[0]]["mean_accepted_length"]
     summary = {"scores": args.scores, "temperature": args.temperature, "score_temperature": args.score_temperature,
                "cuts": args.cuts,
                "seconds": round(time.perf_counter() - start, 1), "budgets": {b: m for b, m in measured.items()}}
     for budget, m in measured.items():
-        print(f"budget {budget:2d}: {m['mean_accepted_length']:.3f} tokens per cycle "
+        print(f"budget {budget!s:>4}: {m['mean_accepted_length']:.3f} tokens per cycle "
               f"({m['mean_accepted_length'] / chain:.3f}x budget {budgets[0]})", flush=True)
     if args.tokens_per_s:
-        del engine
-        summary["generations"] = generations(args, budgets)
+        summary["generations"] = generations(args, budgets, lookups)
     out = args.json_out or (os.path.join(os.environ["OUT"], "tree_acceptance.json") if "OUT" in os.environ else None)
     if out:
         with open(out, "w") as f:
@@ -99,16 +112,18 @@ def measure(args, budgets) -> dict:
     return summary
 
 
-def generations(args, budgets) -> dict:
+def generations(args, budgets, lookups) -> dict:
     """The --tokens-per-s measurement (module docstring): {"tokens_per_s", "tokens_per_cycle": {"none" and each
     budget: its figure}}."""
     engines = {"none": Engine.load(args.model, device=args.device, compute_dtype=args.dtype,
                                    context_length=args.context_length, prefix_reuse=False)}
-    for budget in budgets:
-        engines[budget] = Engine.load(args.model, mode="dflash2", dflash2_model=args.drafter, device=args.device,
-                                      compute_dtype=args.dtype, context_length=args.context_length,
-                                      dflash2_tree_budget=budget, dflash2_tree_scores=args.scores,
-                                      prefix_reuse=False)
+    for lookup in lookups:
+        for budget in budgets:
+            if budget or lookup == lookups[0]:
+                engines[label(budget, lookup)] = Engine.load(
+                    args.model, mode="dflash2", dflash2_model=args.drafter, device=args.device,
+                    compute_dtype=args.dtype, context_length=args.context_length, dflash2_tree_budget=budget,
+                    dflash2_tree_scores=args.scores, dflash2_tree_lookup=lookup if budget else 0, prefix_reuse=False)
     room = args.context_length - args.tokens_per_s  # a prompt's tokens beyond the context's room are cut
     prompts = [engines["none"].tokenizer.encode(f["prompt"])[:room] for f in code_fixtures(args.fixtures)]
     tokens, seconds, cycles = dict.fromkeys(engines, 0), dict.fromkeys(engines, 0.0), dict.fromkeys(engines, 0)
@@ -123,8 +138,8 @@ def generations(args, budgets) -> dict:
     per_cycle = {name: round(tokens[name] / cycles[name], 4) for name in engines}
     chain = rates[budgets[0]]
     for name, rate in rates.items():
-        label = "plain decoding" if name == "none" else f"budget {name:2d}"
-        print(f"{label}: {rate:.1f} tokens/s ({rate / chain:.3f}x budget {budgets[0]}), {per_cycle[name]:.3f} "
+        shown = "plain decoding" if name == "none" else f"budget {name!s:>4}"
+        print(f"{shown}: {rate:.1f} tokens/s ({rate / chain:.3f}x budget {budgets[0]}), {per_cycle[name]:.3f} "
               f"tokens per cycle ({per_cycle[name] / per_cycle[budgets[0]]:.3f}x)", flush=True)
     return {"tokens_per_s": rates, "tokens_per_cycle": per_cycle}
 

@@ -167,9 +167,11 @@ class ForcedAcceptance(Proposer):
         self.proposals = torch.cat([forced, real[forced.shape[0]:]])
         return self.proposals
 
-    def propose_tree(self, anchor, position):
+    def propose_tree(self, anchor, position, branch=()):
         """The real tree with its chain (nodes 1..R, drafter/tree.py) forced as `propose` forces a chain: the
-        other nodes keep the drafter's tokens (wrong for the trajectory on synthetic weights, so rarely taken)."""
+        other nodes keep the drafter's tokens (wrong for the trajectory on synthetic weights, so rarely taken), and
+        a lookup branch's nodes stay empty (tree_lookup is 0 here: forced rates are a chain's), verified all the
+        same."""
         tree = self.inner.propose_tree(anchor, position)
         self.chain = self.forced(position, min(self.max_proposals, tree.size - 1))
         tree.tokens[1:1 + len(self.chain)] = torch.tensor(self.chain, device=tree.tokens.device)
@@ -277,6 +279,8 @@ def build_engine(args, mode: str, tree_budget: int = 0):
     if mode != "dflash2":
         overrides.pop("dflash2_quantization")  # apply to the dflash2 rows only
         overrides.pop("dflash2_block_size")
+    if mode != "dflash2" or not tree_budget:
+        overrides.pop("dflash2_tree_lookup")  # the tree rows only
     if mode == "none":
         overrides.pop("draft_vocabulary")  # the speculative rows only
     forced = args.forced_acceptance is not None and mode != "none"
@@ -426,6 +430,7 @@ def check_arguments(args) -> tuple[list[str], list[dict], list[float] | None]:
         check_folder("--drafter", args.drafter)
     for flag, value, neutral, wanted in (
             ("--dflash2-block-size", args.dflash2_block_size, None, "dflash2"),
+            ("--tree-lookup", args.tree_lookup, 0, "dflash2"),
             ("--dflash2-quantization", args.dflash2_quantization, "none", "dflash2"),
             ("--draft-vocabulary", args.draft_vocabulary, 0, "mtp or dflash2")):
         if value not in (None, neutral) and not set(modes) & set(wanted.split(" or ")):
@@ -437,6 +442,9 @@ def check_arguments(args) -> tuple[list[str], list[dict], list[float] | None]:
         check_one_cycle_texts(args.model, fixtures)
     if args.tree_budget is not None and tree_budgets(args.tree_budget) != [0] and "dflash2" not in modes:
         raise BlockspecError(f"--tree-budget {args.tree_budget}: trees verify DFlash2 proposals: add dflash2 to --mode")
+    if args.tree_lookup and args.tree_budget is not None and tree_budgets(args.tree_budget) == [0]:
+        raise BlockspecError(f"--tree-lookup {args.tree_lookup} gives nodes of a draft tree to a branch from the "
+                             "context, but --tree-budget is 0 (the chain): give a budget or drop --tree-lookup")
     sampling_variants(args)
     if args.png_out:
         try:

@@ -112,6 +112,9 @@ def add_weight_args(p: argparse.ArgumentParser):
     p.add_argument("--dflash2-block-size", type=int, metavar="N",
                    help="run the DFlash2 drafter with blocks of N rows (N - 1 proposals), at most the block it was "
                    "trained with (default: that block; config key dflash2_block_size)")
+    p.add_argument("--tree-lookup", type=int, metavar="N", help="dflash2 with a tree: the last N of its nodes hold a "
+                   "branch copied from the context, the tokens that followed the latest earlier occurrence of its "
+                   "last tokens " + config_default("dflash2_tree_lookup"))
     p.add_argument("--draft-vocabulary", type=_count_or_path, metavar="N|FILE",
                    help="proposals (mtp, dflash2) over token ids 0..N-1 (+ EOS) or a JSON list of ids; 0: all "
                    + config_default("draft_vocabulary"))
@@ -121,7 +124,7 @@ def weight_overrides(args) -> dict:
     return {"target_quantization": args.target_quantization, "vocabulary_quantization": args.vocabulary_quantization,
             "dflash2_quantization": args.dflash2_quantization, "fuse_kvq": args.fuse_kvq, "fuse_gate": args.fuse_gate,
             "draft_vocabulary": args.draft_vocabulary, "compile_mode": -1 if args.eager else None,
-            "dflash2_block_size": args.dflash2_block_size}
+            "dflash2_block_size": args.dflash2_block_size, "dflash2_tree_lookup": args.tree_lookup}
 
 
 def _count_or_path(text: str) -> int | str:
@@ -279,7 +282,8 @@ def describe_sampling(sampling: dict) -> str:
 
 
 def format_stats(stats: dict) -> str:
-    mode = stats.get("mode", "none") + (f", tree of {stats['tree_budget']}" if stats.get("tree_budget") else "")
+    mode = stats.get("mode", "none") + (f", tree of {stats['tree_budget']}" if stats.get("tree_budget") else "") + (
+        f" (lookup {stats['tree_lookup']})" if stats.get("tree_lookup") else "")
     line = (f"[{mode}] generated {stats['generated']} tokens, prefill {stats['prefill_s']:.3f} s, "
             f"decode {stats['decode_tokens_per_s']:.1f} tokens/s")
     if "acceptance_rate" in stats:

@@ -28,6 +28,10 @@ MAX_VERIFY_TOKENS = 16  # the longest chain pass (anchor + proposals), whose par
 # than an 8-row one where the weights' stream bounds it); on the CPU a tree of 15, whose 16 rows cost what the chain's
 # 8 do there, where each row past them costs ~0.4 ms.
 DEFAULT_TREE_BUDGETS = {"cuda": 31, "cpu": 15}
+# A tree's lookup branch (`tree_lookup`): 7 of its nodes where the budget leaves the drafter its chain. On the demo
+# pair it adds 14-17 % to the tokens per cycle of one cycle from standard-library code at budgets 15 and 31
+# (docs/benchmarks.md, "Draft trees").
+DEFAULT_TREE_LOOKUP = 7
 SUPPORTED_ARCHITECTURES = {"Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration"}
 
 
@@ -128,6 +132,10 @@ class PredictConfig(CheckedSettings):
     # what orders the tree's nodes: the selector's transition model (a candidate given the pick before it), or each
     # row's marginal distribution (the drafter's logits alone)
     dflash2_tree_scores: Literal["transition", "marginal"] = "transition"
+    # of the tree's nodes, the last this many hold a branch copied from the context (layers/tree.py, ContextLookup):
+    # the tokens that followed the latest earlier occurrence of its last tokens; at most the drafter's proposals, and
+    # the budget keeps room for the chain; 0: the drafter's nodes alone; None: DEFAULT_TREE_LOOKUP where it fits
+    dflash2_tree_lookup: int | None = Field(None, ge=0, le=15)
     # the DFlash2 drafter's blocks at inference: this many rows (block - 1 proposals), at most the block it was
     # trained with (None: its own); a drafter trained on longer blocks may accept more per row at a shorter one
     dflash2_block_size: int | None = Field(None, ge=2, le=16)
@@ -190,6 +198,13 @@ class PredictConfig(CheckedSettings):
         if self.dflash2_tree_budget is not None:
             return self.dflash2_tree_budget
         return DEFAULT_TREE_BUDGETS[device_type(self.device)] if self.decode_mode == "dflash2" else 0
+
+    def tree_lookup(self, proposals: int) -> int:
+        """The lookup branch's nodes in this config's trees, for a drafter of `proposals` proposals a block: as set,
+        else DEFAULT_TREE_LOOKUP, cut to the proposals and to what the tree budget leaves beyond the chain."""
+        if self.dflash2_tree_lookup is not None:
+            return self.dflash2_tree_lookup
+        return max(0, min(DEFAULT_TREE_LOOKUP, proposals, self.tree_budget - proposals))
 
     @property
     def decode_mode(self) -> str:

@@ -516,6 +516,10 @@ def test_a_fixtures_folder_with_a_file_that_is_not_text_is_refused(tmp_path, cap
      "to mode dflash2 only"),
     (["--synthetic", "tiny", "--mode", "mtp", "--dflash2-quantization", "int8"], "--dflash2-quantization int8 "
      "applies to mode dflash2 only"),
+    (["--synthetic", "tiny", "--mode", "none,mtp", "--tree-lookup", "4"], "--tree-lookup 4 applies to mode dflash2 "
+     "only"),
+    (["--synthetic", "tiny", "--mode", "dflash2", "--tree-budget", "0", "--tree-lookup", "4"], "--tree-lookup 4 "
+     "gives nodes of a draft tree to a branch from the context, but --tree-budget is 0 (the chain)"),
 ])
 def test_flags_that_would_be_ignored_or_meaningless_are_refused(tmp_path, capsys, no_model_work, args, needle):
     """A flag the run would silently ignore, or a figure it cannot use, is refused before any model work."""

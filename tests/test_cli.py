@@ -103,7 +103,7 @@ def test_demo_runs(monkeypatch, capsys):
     assert "trained on the Python source files of installed packages, never on the standard library" in out
     assert re.search(r"prompt: the first \d+ tokens \(whole lines\) of \S+\.py, from this Python's standard", out)
     assert out.count("generated 24 tokens") == 4 and "tokens/s" in out and "acceptance" in out
-    assert "[dflash2, tree of 32] generated 24 tokens" in out
+    assert "[dflash2, tree of 32 (lookup 7)] generated 24 tokens" in out
     assert "outputs identical to plain greedy: yes" in out
     measured = re.search(r"one speculative cycle from 10 real contexts .*\n  mtp (\S+), dflash2 (\S+), dflash2 tree 32 "
                          r"(\S+) tokens per cycle", out)

@@ -822,17 +822,19 @@ def test_mlp_in_one_launch_equals_two_launches():
     assert not quant_matmul_gluon._MLP_BROKEN
 
 
-@pytest.mark.parametrize("budget", [8, 31, 32])  # 31: a GPU's default budget (32 rows), 32: one row more
-def test_tree_graph_replay_equals_eager_and_plain(pair, budget):
-    """Draft trees under CUDA graphs (the drafter's pass and tree, the tree pass, the path commits) against eager
-    trees and plain greedy, float32; and sampled (the walk's graph of each ranking width), graphed == eager for one
-    seed."""
+# 31: a GPU's default budget (32 rows), 32: one row more; 31 with a lookup branch of 7 on a prompt that repeats
+@pytest.mark.parametrize("budget,lookup", [(8, 0), (31, 0), (32, 0), (31, 7)])
+def test_tree_graph_replay_equals_eager_and_plain(pair, budget, lookup):
+    """Draft trees under CUDA graphs (the drafter's pass and tree, the lookup branch's graft, the tree pass, the path
+    commits) against eager trees and plain greedy, float32; and sampled (the walk's graph of each ranking width),
+    graphed == eager for one seed."""
     target, drafter = pair
-    kw = dict(mode="dflash2", compute_dtype="float32", dflash2_model=str(drafter), dflash2_tree_budget=budget)
+    kw = dict(mode="dflash2", compute_dtype="float32", dflash2_model=str(drafter), dflash2_tree_budget=budget,
+              dflash2_tree_lookup=lookup)
     eager, graphed = engine(target, compile_mode=-1, **kw), engine(target, **kw)
     assert graphed.target.tree_pass is not None and graphed.proposer.tree_graph is not None
     assert len(graphed.target.sampled_walks) == 2
-    ids = eager.tokenizer.encode("hello world")
+    ids = eager.tokenizer.encode("the cat sat on the mat. " * 6 if lookup else "hello world")
     plain = engine(target, compute_dtype="float32").generate(ids, 150, stop_at_eos=False).tokens
     a, b = eager.generate(ids, 150, stop_at_eos=False), graphed.generate(ids, 150, stop_at_eos=False)
     assert a.tokens == b.tokens == plain
@@ -872,6 +874,20 @@ def test_tree_build_kernel_equals_reference_on_cuda(style):
                 DraftTree(build_tree_reference(table, candidates, anchor, chain, budget))
             for field in ("tokens", "parents", "depth", "valid"):
                 assert torch.equal(getattr(got, field), getattr(expected, field)), (style, k, rows, budget, field)
+
+
+def test_graft_kernel_equals_reference_on_cuda():
+    """The lookup branch's graft (kernels/drafter_tree_triton.py) compiled for the GPU against
+    graft_branch_reference, the interpreter's cases."""
+    from test_tree_build_kernel import GRAFTS, PADDED_BRANCH, PADDED_GRAFT, PADDED_TREE, graft_inputs
+
+    from blockspec.kernels import drafter_tree_triton
+    from blockspec.kernels.drafter_tree import graft_branch, graft_branch_reference
+    assert torch.equal(graft_branch(PADDED_TREE.cuda(), PADDED_BRANCH.cuda()).cpu(), PADDED_GRAFT)
+    for i, case in enumerate(GRAFTS):
+        nodes, branch = (x.cuda() for x in graft_inputs(*case, seed=i))
+        assert drafter_tree_triton.graft_available(nodes, branch)
+        assert torch.equal(graft_branch(nodes, branch), graft_branch_reference(nodes, branch)), case
 
 
 def test_transition_table_kernel_on_cuda():

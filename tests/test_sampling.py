@@ -127,6 +127,9 @@ def engines(soft_pair):
                for mode in ("none", "mtp", "dflash2")}
     engines["dflash2 tree"] = Engine.load(target, device="cpu", compute_dtype="float32", context_length=256,
                                           dflash2_model=str(drafter), dflash2_tree_budget=12)
+    engines["dflash2 tree lookup"] = Engine.load(target, device="cpu", compute_dtype="float32", context_length=256,
+                                                 dflash2_model=str(drafter), dflash2_tree_budget=12,
+                                                 dflash2_tree_lookup=4)
     return engines
 
 
@@ -188,8 +191,8 @@ def sample_first_tokens(engine, prompt, settings, n=SAMPLES, first_seed=0) -> tu
     return outcomes, accepted
 
 
-def distribution_test(engine, settings, label, n=SAMPLES):
-    prompt = engine.tokenizer.encode("a")
+def distribution_test(engine, settings, label, n=SAMPLES, prompt=None):
+    prompt = prompt or engine.tokenizer.encode("a")
     exact = ExactJoint(engine, prompt)
     observed, accepted = sample_first_tokens(engine, prompt, settings, n)
     impossible = [o for o in observed if not exact.possible(o, settings)]
@@ -209,6 +212,37 @@ def test_first_tokens_follow_the_target_distribution(engines, mode, setting):
     impossible, p = distribution_test(engines[mode], SETTINGS[setting], f"{mode} {setting}")
     assert not impossible, impossible
     assert p > SIGNIFICANCE
+
+
+def repeating_prompt(engines) -> list[int]:
+    """"a", its greedy continuation, "a" again: a lookup branch copies the continuation, the target's likeliest
+    tokens."""
+    start = engines["none"].tokenizer.encode("a")
+    return start + engines["none"].generate(start, 8, stop_at_eos=False).tokens + start
+
+
+def test_lookup_branch_keeps_the_target_distribution(engines):
+    """A tree whose last 4 nodes are a branch copied from the context (layers/tree.py ContextLookup), on a prompt
+    that repeats itself: first tokens distributed as plain sampling's, and kept paths that go through the branch's
+    nodes."""
+    engine = engines["dflash2 tree lookup"]
+    prompt = repeating_prompt(engines)
+    through = []  # per cycle, whether the kept path holds a node of the branch's slots (past the drafter's 8)
+    run_tree = engine.target.run_tree
+
+    def recording(tree, depth, *args):
+        features, result = run_tree(tree, depth, *args)
+        through.append(any(node > 8 for node in result[2:3 + int(result[0])].tolist()))
+        return features, result
+    engine.target.run_tree = recording
+    try:
+        impossible, p = distribution_test(engine, SETTINGS["T1.0-top_k20"], "dflash2 tree lookup T1.0-top_k20",
+                                          prompt=prompt)
+    finally:
+        del engine.target.run_tree
+    assert not impossible, impossible
+    assert p > SIGNIFICANCE
+    assert sum(through) > 20, sum(through)
 
 
 def argmax_match_accept(logits, tokens, draft_ids, draft_probs, uniforms, filters, width=None):
@@ -253,20 +287,23 @@ def chain_tests_redrawing_from_p(ids, p, vocab_size, proposals, draft_ids, draft
 
 
 @pytest.mark.parametrize("variant", ["argmax-match acceptance", "per-position q", "tree walked by argmax",
-                                     "tree chain redrawn from p"])
+                                     "tree chain redrawn from p", "lookup tree walked by argmax"])
 def test_biased_variants_are_rejected(engines, monkeypatch, variant):
-    mode = "dflash2"
+    mode, prompt = "dflash2", None
     if variant == "argmax-match acceptance":
         monkeypatch.setattr(sampling, "speculative_accept", argmax_match_accept)
     elif variant == "per-position q":
         monkeypatch.setattr(drafter_selector, "sampled_walk_reference", walk_reporting_per_position_q)
-    elif variant == "tree walked by argmax":
+    elif variant.endswith("tree walked by argmax"):
         monkeypatch.setattr(engine_target, "walk", tree_walk_descending_on_argmax)
         mode = "dflash2 tree"
+        if variant.startswith("lookup"):  # the prompt whose branch the walk enters (the test above)
+            mode, prompt = "dflash2 tree lookup", repeating_prompt(engines)
     else:
         monkeypatch.setattr(sampling, "proposal_tests", chain_tests_redrawing_from_p)
         mode = "dflash2 tree"
-    _, p = distribution_test(engines[mode], SETTINGS["T0.7"], f"{mode} T0.7 with {variant}", CONTROL_SAMPLES)
+    _, p = distribution_test(engines[mode], SETTINGS["T0.7"], f"{mode} T0.7 with {variant}", CONTROL_SAMPLES,
+                             prompt)
     assert p < REJECTED
 
 

@@ -191,12 +191,34 @@ def test_tree_decoding_equals_plain_greedy(pair, references, budget):
         assert set(tree.stats["accepted_per_cycle"]) & {0, 7} and set(tree.stats["accepted_per_cycle"]) & {1, 2, 3}
 
 
+@pytest.mark.parametrize("budget,lookup", [(8, 1), (14, 7), (20, 4)])
+def test_lookup_branch_decoding_equals_plain_greedy(pair, budget, lookup):
+    """With the last `lookup` nodes a branch copied from the context (layers/tree.py ContextLookup), on a prompt
+    that repeats itself: output equals plain greedy, and cycles accept paths through the branch's own nodes."""
+    target, drafter = pair
+    engine = load(target, drafter, budget, dflash2_tree_lookup=lookup)
+    ids = engine.tokenizer.encode("the cat sat on the mat. " * 6)
+    through = []  # per cycle, whether the kept path holds a node of the branch's slots
+    run_tree = engine.target.run_tree
+
+    def recording(tree, depth, *args):
+        features, result = run_tree(tree, depth, *args)
+        path = result[2:3 + int(result[0])].tolist()
+        through.append(any(node > budget - lookup for node in path))
+        return features, result
+    engine.target.run_tree = recording
+    result = engine.generate(ids, 80, stop_at_eos=False)
+    assert result.tokens == load(target).generate(ids, 80, stop_at_eos=False).tokens
+    assert result.stats["tree_budget"] == budget and len(through) == result.stats["cycles"]
+    assert any(through), through
+
+
 @pytest.mark.parametrize("budget", [5, 14, 20])
 def test_trees_filled_whole_equal_plain_greedy(pair, small_drafter, budget):
     target, _ = pair
     ids = load(target).tokenizer.encode("abc")
     plain = load(target).generate(ids, 60, stop_at_eos=False)
-    engine = load(target, small_drafter, budget)
+    engine = load(target, small_drafter, budget, dflash2_tree_lookup=0)  # the drafter's nodes alone
     result = engine.generate(ids, 60, stop_at_eos=False)
     assert result.tokens == plain.tokens
     padded = engine.proposer.propose_tree(ids[-1], engine.state.length)  # the last request's context: any will do
@@ -260,6 +282,19 @@ def test_the_default_budget_is_the_device_s(pair):
     assert result.tokens == load(target).generate(prompt, 24, stop_at_eos=False).tokens
 
 
+@pytest.mark.parametrize("budget,lookup,expected", [(None, None, 7), (8, None, 1), (7, None, 0), (1, None, 0),
+                                                     (0, None, 0), (20, None, 7), (15, 0, 0), (14, 7, 7)])
+def test_the_default_lookup_fits_the_budget(pair, budget, lookup, expected):
+    """Unset, a tree's lookup branch is DEFAULT_TREE_LOOKUP's 7 nodes, cut to what the budget leaves beyond the
+    drafter's chain of 7 (never refused); set, it is kept."""
+    target, drafter = pair
+    engine = load(target, drafter, budget, **({} if lookup is None else {"dflash2_tree_lookup": lookup}))
+    assert engine.proposer.tree_lookup == expected
+    prompt = engine.tokenizer.encode("the cat sat on the mat. " * 3)
+    stats = engine.generate(prompt, 12, stop_at_eos=False).stats
+    assert stats.get("tree_lookup", 0) == expected
+
+
 @pytest.mark.parametrize("args,needle", [
     (["--mode", "mtp", "--tree-budget", "8"], "dflash2_tree_budget: 8 verifies trees of DFlash2 proposals, but mode "
                                                "is 'mtp'"),
@@ -272,3 +307,22 @@ def test_bad_budgets_are_refused_in_one_line(pair, args, needle):
     code, _, err = cli("generate", "--model", str(target), "--prompt", "abc", "--device", "cpu", *args)
     err = err.strip()
     assert code == 2 and needle in err and len(err.splitlines()) == 1
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--mode", "mtp", "--tree-lookup", "4"], "dflash2_tree_lookup: 4 gives nodes of a DFlash2 draft tree to a branch "
+                                              "from the context, but mode is 'mtp': set it to 0"),
+    (["DRAFTER", "--tree-budget", "0", "--tree-lookup", "2"], "but dflash2_tree_budget is 0 (no tree)"),
+    (["DRAFTER", "--tree-budget", "9", "--tree-lookup", "4"], "dflash2_tree_lookup: 4 leaves 5 of dflash2_tree_budget "
+                                                              "9's nodes to the drafter, fewer than its chain of 7"),
+    (["DRAFTER", "--tree-budget", "30", "--tree-lookup", "9"], "dflash2_tree_lookup: 9 exceeds the drafter's 7 "
+                                                               "proposals a block"),
+    (["DRAFTER", "--tree-lookup", "16"], "'dflash2_tree_lookup': Input should be less than or equal to 15 (got 16)"),
+    (["DRAFTER", "--tree-lookup", "-1"], "'dflash2_tree_lookup': Input should be greater than or equal to 0"),
+])
+def test_bad_lookups_are_refused_in_one_line(pair, args, needle):
+    target, drafter = pair
+    args = [a for arg in args for a in (["--drafter", str(drafter)] if arg == "DRAFTER" else [arg])]
+    code, _, err = cli("generate", "--model", str(target), "--prompt", "abc", "--device", "cpu", *args)
+    err = err.strip()
+    assert code == 2 and needle in err and len(err.splitlines()) == 1, err

@@ -7,7 +7,10 @@ interpreter in a subprocess.
 - The CPU's host build (build_tree_host) against build_tree_reference: the same cases, every shape and style, with
   the padding and the NaN entries exercised.
 - The transition table against transition_table_reference, float32: ranks below, at and past a chunk of the dot
-  products, one row and many, candidate counts not a power of two."""
+  products, one row and many, candidate counts not a power of two.
+- A lookup branch grafted on (graft_branch): the program and the host's loop against graft_branch_reference, on
+  trees with padding, branches that follow the chain, leave it, follow an off-chain node, are cut short or empty;
+  and the grafted tree holds the branch's path once, every other node as it was."""
 
 import sys
 
@@ -17,8 +20,8 @@ from helpers import interpreter_part, patch_triton_interpreter, report_parts, ru
 
 from blockspec.layers.tree import DraftTree, build_tree
 from blockspec.kernels import drafter_tree_triton
-from blockspec.kernels.drafter_tree import (build_tree_host, build_tree_reference, transition_table,
-                                           transition_table_reference)
+from blockspec.kernels.drafter_tree import (build_tree_host, build_tree_reference, graft_branch, graft_branch_host,
+                                           graft_branch_reference, transition_table, transition_table_reference)
 
 STYLES = ("transition", "marginal", "ties", "ties_marginal", "masked", "nan")
 
@@ -94,6 +97,47 @@ def _table_errors(cases):  # in the interpreter subprocess
     return results
 
 
+GRAFTS = [(k, rows, budget, width, style) for k, rows, budget, style in QUICK if budget >= rows
+          for width in (1, 3, rows)]
+
+
+def graft_inputs(k, rows, budget, width, style, seed: int):
+    """(nodes, branch): a built tree and a branch of `width` slots whose first tokens follow the chain, an off-chain
+    node's path, a padding node or nothing of the tree, how many of them count drawn at random (0 included)."""
+    gen = torch.Generator().manual_seed(seed)
+    nodes = build_tree_reference(*inputs(k, rows, style, seed), budget)
+    valid = (nodes[3] != 0).nonzero().flatten().tolist()
+    end = valid[int(torch.randint(0, len(valid), (1,), generator=gen))]  # the branch follows this node's path
+    path = []
+    while end:
+        path.insert(0, int(nodes[0, end]))
+        end = int(nodes[1, end])
+    tokens = (path + torch.randint(0, 1000, (width,), generator=gen).tolist())[:width]
+    padding = (nodes[3] == 0).nonzero().flatten().tolist()
+    if padding and seed % 2:  # a padding node's token (a child of the root): never joined, a new node instead
+        tokens[0] = int(nodes[0, padding[0]])
+    return nodes, torch.tensor(tokens + [int(torch.randint(0, width + 1, (1,), generator=gen))])
+
+
+# a padding node (3) holds the branch's first token under the root: never joined, so the first token is a new node
+# (4) and the second (10, which node 1 holds under the root) a new node under it; the third slot stays padding
+PADDED_TREE = torch.tensor([[5, 10, 11, 99], [0, 0, 0, 0], [0, 1, 1, 1], [1, 1, 1, 0]])
+PADDED_BRANCH = torch.tensor([99, 10, 4, 2])
+PADDED_GRAFT = torch.tensor([[5, 10, 11, 99, 99, 10, 5], [0, 0, 0, 0, 0, 4, 0], [0, 1, 1, 1, 1, 2, 1],
+                             [1, 1, 1, 0, 1, 1, 0]])
+
+
+def _graft_mismatches(cases):  # in the interpreter subprocess
+    results = [{"case": "padded", "differ": not torch.equal(graft_branch(PADDED_TREE, PADDED_BRANCH), PADDED_GRAFT),
+                "kernel": drafter_tree_triton.graft_available(PADDED_TREE, PADDED_BRANCH)}]
+    for i, case in enumerate(cases):
+        nodes, branch = graft_inputs(*case, seed=i)
+        results.append({"case": list(case), "differ": not torch.equal(graft_branch(nodes, branch),
+                                                                       graft_branch_reference(nodes, branch)),
+                        "kernel": drafter_tree_triton.graft_available(nodes, branch)})
+    return results
+
+
 @pytest.fixture(scope="module")
 def interpreted(request):
     return run_in_triton_interpreter(__file__, *selected_parts(request, PARTS))
@@ -101,11 +145,12 @@ def interpreted(request):
 
 PARTS = {"test_tree_build_matches_reference_in_interpreter": "quick",
          "test_tree_build_every_shape_and_style_in_interpreter": "full",
-         "test_transition_table_matches_reference_in_interpreter": "table"}
+         "test_transition_table_matches_reference_in_interpreter": "table",
+         "test_graft_matches_reference_in_interpreter": "graft"}
 
 
 def _check(results, cases):
-    assert [r["case"] for r in results] == [list(c) for c in cases]
+    assert [r["case"] for r in results] == [c if isinstance(c, str) else list(c) for c in cases]
     assert all(r["kernel"] for r in results)
     assert [r for r in results if r["differ"]] == []
 
@@ -126,6 +171,39 @@ def test_transition_table_matches_reference_in_interpreter(interpreted):
     assert [r["case"] for r in results] == [list(c) for c in TABLES]
     assert all(r["kernel"] and r["shape"] == [r["case"][1], r["case"][0], r["case"][0]] for r in results)
     assert all(r["error"] < 1e-4 for r in results), results
+
+
+def test_graft_matches_reference_in_interpreter(interpreted):
+    _check(interpreter_part(interpreted, "graft"), ["padded", *GRAFTS])
+
+
+def test_graft_holds_the_branch_once_and_the_tree_as_it_was():
+    """The host's graft (the CPU's) equals the reference's; the grafted tree keeps every node of the tree, and the
+    branch's tokens are a path from the root, each on the first valid node holding it, new nodes only where the tree
+    has none."""
+    for graft in (graft_branch_reference, graft_branch_host):
+        assert torch.equal(graft(PADDED_TREE, PADDED_BRANCH), PADDED_GRAFT)
+    joined = new = 0
+    for i, case in enumerate(GRAFTS * 4):
+        nodes, branch = graft_inputs(*case, seed=100 + i)
+        size, width, count = nodes.shape[1], branch.shape[0] - 1, int(branch[-1])
+        grafted = graft_branch_reference(nodes, branch)
+        assert torch.equal(graft_branch_host(nodes, branch), grafted), case
+        assert torch.equal(grafted[:, :size], nodes) and grafted.shape == (4, size + width)
+        tokens, parents, depth, valid = grafted.tolist()
+        at = 0
+        for token in branch[:count].tolist():
+            holding = [n for n in range(1, size + width) if valid[n] and parents[n] == at and tokens[n] == token]
+            assert holding and depth[holding[0]] == depth[at] + 1
+            joined += holding[0] < size
+            at = holding[0]
+        extra = [n for n in range(size, size + width) if valid[n]]
+        assert all(parents[n] < n for n in extra) and len(extra) <= count
+        new += len(extra)
+        pairs = [(parents[n], tokens[n]) for n in range(1, size + width) if valid[n]]
+        assert len(pairs) - len(set(pairs)) == len([n for n in range(1, size) if valid[n]]) - len(
+            {(parents[n], tokens[n]) for n in range(1, size) if valid[n]})  # the graft adds no twin
+    assert joined and new
 
 
 def test_cpu_takes_the_reference():
@@ -149,4 +227,4 @@ def test_host_build_matches_reference():
 if __name__ == "__main__":  # python test_tree_build_kernel.py PART..., with TRITON_INTERPRET=1
     patch_triton_interpreter()
     report_parts({"quick": lambda: _mismatches(QUICK), "full": lambda: _mismatches(FULL),
-                  "table": lambda: _table_errors(TABLES)}, sys.argv[1:])
+                  "table": lambda: _table_errors(TABLES), "graft": lambda: _graft_mismatches(GRAFTS)}, sys.argv[1:])

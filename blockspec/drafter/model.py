@@ -33,7 +33,7 @@ from blockspec.kernels.drafter_selector import greedy_walk, sampled_walk
 from blockspec.layers.mlp import SwiGLU
 from blockspec.layers.norm import PlainRMSNorm as RMSNorm
 from blockspec.layers.linear import pack_projections
-from blockspec.layers.tree import DraftTree, build_tree, transition_log_probs
+from blockspec.layers.tree import DraftTree, build_tree, graft, transition_log_probs
 
 WEIGHTS_FILE = "model.safetensors"
 QUANTIZED_PROJECTIONS = re.compile(r"fc$|layers\.\d+\.(self_attn|mlp)\.")  # what dflash2_quantization quantizes
@@ -403,15 +403,21 @@ class DFlash2Drafter(nn.Module):
 
     @torch.no_grad()
     def propose_tree(self, anchor_token: torch.Tensor | int, anchor_position: torch.Tensor | int, budget: int,
-                     marginal: bool = False, selection: Selection | None = None) -> DraftTree:
+                     marginal: bool = False, selection: Selection | None = None,
+                     branch: torch.Tensor | None = None) -> DraftTree:
         """A draft tree of `budget` nodes for positions anchor_position + 1 ... (layers/tree.py), from one pass;
-        with a `selection` its chain is the sampled walk's (selector.py)."""
+        with a `selection` its chain is the sampled walk's (selector.py); with a `branch` ([W + 1]: W tokens, then
+        how many of them are the branch) its last W nodes graft the branch on (layers/tree.py graft)."""
         if isinstance(anchor_position, int) and anchor_position != self.context.length:
             raise ValueError(f"proposal at {anchor_position}, but the context holds {self.context.length} positions")
         anchor = self._anchor(anchor_token)
         hidden = self.forward_block(anchor, anchor_position)[1:]
-        return self.candidate_selector.tree(hidden, self.draft_logits(hidden), anchor, budget, self.vocabulary,
-                                            marginal, selection)
+        if branch is None:
+            return self.candidate_selector.tree(hidden, self.draft_logits(hidden), anchor, budget, self.vocabulary,
+                                                marginal, selection)
+        width = branch.shape[0] - 1
+        return graft(self.candidate_selector.tree(hidden, self.draft_logits(hidden), anchor, budget - width,
+                                                  self.vocabulary, marginal, selection), branch)
 
     def _anchor(self, token: torch.Tensor | int) -> torch.Tensor:
         if isinstance(token, int):

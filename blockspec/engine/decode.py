@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..models.qwen3_5 import TargetOutput
+from ..layers.tree import ContextLookup
 from .reuse import PrefixCache
 from .sampling import Sampler, leading_matches
 
@@ -31,6 +32,7 @@ class Proposer:
     max_proposals = 0
     draft_width = 0                        # token ids each proposal's distribution spans (draft())
     tree_budget = 0                        # draft nodes of a tree (propose_tree); 0: chains
+    tree_lookup = 0                        # of them, a branch's copied from the context (layers/tree.py ContextLookup)
 
     def reset(self):
         pass
@@ -60,8 +62,9 @@ class Proposer:
         the CUDA graphs' shared pool: valid until the target's next pass, which copies them in first."""
         raise NotImplementedError
 
-    def propose_tree(self, anchor: int, position: int):
-        """A DraftTree of tree_budget nodes (layers/tree.py) for positions position + 1 .., on the device."""
+    def propose_tree(self, anchor: int, position: int, branch: list[int] = ()):
+        """A DraftTree of tree_budget nodes (layers/tree.py) for positions position + 1 .., on the device; its last
+        tree_lookup nodes graft `branch` on (the tokens a ContextLookup predicts after the anchor)."""
         raise NotImplementedError
 
     def draft(self) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -81,6 +84,7 @@ class DecodeStats:
     proposed: int = 0
     accepted_per_cycle: list[int] = field(default_factory=list)
     tree_budget: int = 0
+    tree_lookup: int = 0  # of its nodes, the lookup branch's
     tree_nodes: int = 0  # draft nodes verified in tree cycles (a cycle too close to the context's end runs a chain)
 
     def as_dict(self, speculative: bool) -> dict:
@@ -94,7 +98,7 @@ class DecodeStats:
                          mean_accepted_length=round((accepted + self.cycles) / self.cycles, 4) if self.cycles else 0.0,
                          acceptance_rate=round(accepted / self.proposed, 4) if self.proposed else 0.0)
             if self.tree_budget:
-                stats.update(tree_budget=self.tree_budget,
+                stats.update(tree_budget=self.tree_budget, tree_lookup=self.tree_lookup,
                              nodes_per_cycle=round(self.tree_nodes / self.cycles, 4) if self.cycles else 0.0)
         return stats
 
@@ -135,13 +139,15 @@ def prefill(target, prompt: torch.Tensor, start: int, chunk: int, proposer: Prop
     return first_token, out, ids.shape[0] - 1
 
 
-def tree_cycle(target, proposer: Proposer, anchor: int, position: int, sampler: Sampler | None):
+def tree_cycle(target, proposer: Proposer, anchor: int, position: int, sampler: Sampler | None,
+               lookup: ContextLookup | None):
     """Propose a draft tree, verify it in one target pass, walk it (engine/sampling.py walk) and keep its accepted
     path. The greedy walk and the path's staging run in the pass's CUDA graph, a sampled walk in a graph of its own
     (engine/target.py): after the cycle's one read back (the accepted count, the bonus, the path's tokens) the host
-    only replays the commit. Returns (the pass's output at the kept rows, the accepted tokens, the emitted tokens:
-    the accepted ones and the bonus)."""
-    tree = proposer.propose_tree(anchor, position)
+    only replays the commit. `lookup`: the committed context's, with a tree_lookup. Returns (the pass's output at
+    the kept rows, the accepted tokens, the emitted tokens: the accepted ones and the bonus)."""
+    tree = proposer.propose_tree(anchor, position,
+                                 lookup.branch(anchor, proposer.tree_lookup) if proposer.tree_lookup else ())
     depth = proposer.max_proposals
     sampled = sampler is not None and not sampler.greedy
     features, result = target.run_tree(tree, depth, *((sampler, proposer.tree_draft()) if sampled else ()))
@@ -163,9 +169,10 @@ def decode(target, proposer: Proposer, prompt: list[int], max_tokens: int, eos: 
     that stops at a token boundary cannot stop a long prefill, which yields nothing until its end."""
     state, device = target.state, target.device
     greedy = sampler is None or sampler.greedy
-    stats.tree_budget = proposer.tree_budget
+    stats.tree_budget, stats.tree_lookup = proposer.tree_budget, proposer.tree_lookup
     start = time.perf_counter()
     committed = list(prompt)  # the tokens of the committed positions: the prompt, then each cycle's kept block
+    lookup = ContextLookup(prompt) if proposer.tree_lookup else None
     try:
         if prefix is None:
             state.reset()
@@ -204,7 +211,7 @@ def decode(target, proposer: Proposer, prompt: list[int], max_tokens: int, eos: 
             full = position + proposer.max_proposals < state.capacity
             k = proposer.max_proposals if useful > 0 and full else max(0, min(useful, state.capacity - position - 1))
             if proposer.tree_budget and useful > 0 and position + proposer.tree_budget < state.capacity:
-                out, kept, emitted = tree_cycle(target, proposer, anchor, position, sampler)
+                out, kept, emitted = tree_cycle(target, proposer, anchor, position, sampler, lookup)
                 proposed = proposer.max_proposals
                 stats.tree_nodes += proposer.tree_budget
             else:
@@ -229,6 +236,8 @@ def decode(target, proposer: Proposer, prompt: list[int], max_tokens: int, eos: 
             accepted = len(kept)
             proposer.observe(out, position, [anchor] + kept, emitted)
             committed += [anchor] + kept  # kept even past max_tokens: the caches hold them
+            if lookup is not None:
+                lookup.extend([anchor] + kept)
             row = accepted
             if proposer.max_proposals:
                 stats.cycles += 1

@@ -21,13 +21,14 @@ class DFlash2Proposer(Proposer):
     name = "dflash2"
 
     def __init__(self, drafter: DFlash2Drafter, draft_head=None, sampler: Sampler | None = None,
-                 tree_budget: int = 0, tree_scores: str = "transition"):
+                 tree_budget: int = 0, tree_scores: str = "transition", tree_lookup: int = 0):
         """`drafter`: loaded, packed (and quantized) around the target's embedding and head; `draft_head`: the
         shared head over a draft vocabulary the drafter proposes over (None: the full head); `sampler`: the
         engine's, the request's sampling (None: greedy); `tree_budget`: draft nodes per tree (0: chains), ordered
-        by `tree_scores` (layers/tree.py)."""
+        by `tree_scores` (layers/tree.py), its last `tree_lookup` nodes a branch copied from the context
+        (layers/tree.py ContextLookup)."""
         self.drafter = drafter
-        self.tree_budget, self.tree_marginal = tree_budget, tree_scores == "marginal"
+        self.tree_budget, self.tree_marginal, self.tree_lookup = tree_budget, tree_scores == "marginal", tree_lookup
         self.draft_head = draft_head
         self.sampler = sampler
         if draft_head is not None:
@@ -77,18 +78,25 @@ class DFlash2Proposer(Proposer):
         self.graph.replay()
         return self.proposals[:k]
 
-    def propose_tree(self, anchor, position):
-        """The cycle's draft tree. Under sampling its chain is the selector's sampled walk, whose proposals and q
-        `tree_draft` returns for the walk's speculative-sampling tests (engine/sampling.py walk)."""
+    def propose_tree(self, anchor, position, branch: list[int] = ()):
+        """The cycle's draft tree; `branch`: with a tree_lookup, the tokens its branch copies from the context (up to
+        tree_lookup). Under sampling its chain is the selector's sampled walk, whose proposals and q `tree_draft`
+        returns for the walk's speculative-sampling tests (engine/sampling.py walk)."""
         sampled = self.sampler is not None and not self.sampler.greedy
         uniforms = self.sampler.uniforms(self.max_proposals) if sampled else None
+        branch = list(branch)[:self.tree_lookup]
+        branch = branch + [0] * (self.tree_lookup - len(branch)) + [len(branch)] if self.tree_lookup else None
         if self.tree_graph is None:
             self.tree_selection = (Selection(self.sampler.temperature, uniforms.to(self.drafter.device))
                                    if sampled else None)
+            branch = None if branch is None else torch.tensor(branch, device=self.drafter.device)
             return self.drafter.propose_tree(anchor, position, self.tree_budget, self.tree_marginal,
-                                             self.tree_selection)
+                                             self.tree_selection, branch)
         self.anchor.fill_(anchor)
         self.position.fill_(position)
+        if branch is not None:  # a pinned buffer: the copy is ordered on the stream, the host does not wait
+            self.branch_host.copy_(torch.tensor(branch))
+            self.branch.copy_(self.branch_host, non_blocking=True)
         if sampled:
             self.tree_selection.uniforms.copy_(uniforms, non_blocking=True)
         self.tree_graph.replay()
@@ -120,8 +128,13 @@ class DFlash2Proposer(Proposer):
             # the tree is read after the target's pass, which would overwrite outputs in the shared pool
             if self.sampler is not None:  # its own outputs; the same temperature, uniforms of its own
                 self.tree_selection = Selection(self.sampler.temperature, self.selection.uniforms.clone())
+            self.branch, self.branch_host = None, None  # the lookup branch's tokens and count, read by the graph
+            if self.tree_lookup:
+                self.branch = torch.zeros(self.tree_lookup + 1, dtype=torch.long, device=device)
+                self.branch_host = torch.zeros(self.tree_lookup + 1, dtype=torch.long).pin_memory()
             self.tree_graph, self.tree = graphs.capture(lambda: drafter.propose_tree(
-                self.anchor, self.position, self.tree_budget, self.tree_marginal, self.tree_selection), warmup)
+                self.anchor, self.position, self.tree_budget, self.tree_marginal, self.tree_selection, self.branch),
+                warmup)
         block = drafter.block_size
         width = len(drafter.target_layer_ids) * drafter.config.hidden_size  # the target's captured layers
         self.features_in = torch.zeros(block, width, device=device, dtype=drafter.dtype)

@@ -65,6 +65,21 @@ def resolve_execution(config: PredictConfig, device: torch.device) -> str:
     return "eager"
 
 
+def check_lookup(config: PredictConfig, proposals: int):
+    """Refuse a lookup branch (as set) longer than the drafter's proposals, or one that leaves the tree no room for
+    the chain."""
+    lookup, budget = config.tree_lookup(proposals), config.tree_budget
+    if not lookup:
+        return
+    if lookup > proposals:
+        raise BlockspecError(f"dflash2_tree_lookup: {lookup} exceeds the drafter's {proposals} proposals a block "
+                             "(a branch is never deeper than the chain)")
+    if budget - lookup < proposals:
+        raise BlockspecError(f"dflash2_tree_lookup: {lookup} leaves {budget - lookup} of dflash2_tree_budget "
+                             f"{budget}'s nodes to the drafter, fewer than its chain of {proposals}: raise the "
+                             f"budget to at least {proposals + lookup} or lower the lookup")
+
+
 def check_config(config: PredictConfig, drafter_given: bool = False):
     """Refuse, before any model work, settings the chosen mode cannot serve exactly."""
     c, mode = config, config.decode_mode
@@ -84,6 +99,14 @@ def check_config(config: PredictConfig, drafter_given: bool = False):
     if c.dflash2_tree_budget and mode != "dflash2":  # refused, never silently ignored
         raise BlockspecError(f"dflash2_tree_budget: {c.dflash2_tree_budget} verifies trees of DFlash2 proposals, "
                              f"but mode is {mode!r}: use mode dflash2 (--drafter DIR) or set it to 0")
+    if c.dflash2_tree_lookup:  # refused, never silently ignored
+        if mode != "dflash2" or not c.tree_budget:
+            raise BlockspecError(f"dflash2_tree_lookup: {c.dflash2_tree_lookup} gives nodes of a DFlash2 draft tree "
+                                 "to a branch from the context, but " + (f"mode is {mode!r}" if mode != "dflash2" else
+                                 "dflash2_tree_budget is 0 (no tree)") + ": set it to 0")
+        if c.dflash2_model and not drafter_given:
+            path = Path(c.dflash2_model) / "config.json"
+            check_lookup(c, DrafterConfig.from_file(path).run_at(c.dflash2_block_size, str(path)).block_size - 1)
     if c.draft_vocabulary and mode == "none":  # refused, never silently ignored
         raise BlockspecError(f"draft_vocabulary: {c.draft_vocabulary!r} restricts speculative proposals, but "
                              "mode is 'none': use mode mtp or dflash2, or unset draft_vocabulary")
@@ -309,7 +332,10 @@ def build_proposer(parts: LoadedParts, target_quantizer, mtp_tensors, drafter) -
             device=parts.device, dtype=parts.dtype, block_size=c.dflash2_block_size)
     # norms, convolution controls and the selector stay native: only fc and the layers' projections
     parts.memory.drafter = prepare(drafter, rtn(c.dflash2_quantization, 32, parts.dtype), QUANTIZED_PROJECTIONS.match)
-    return DFlash2Proposer(drafter, draft_head, parts.sampler, parts.tree_budget, c.dflash2_tree_scores)
+    proposals = drafter.block_size - 1
+    check_lookup(c, proposals)
+    return DFlash2Proposer(drafter, draft_head, parts.sampler, parts.tree_budget, c.dflash2_tree_scores,
+                           c.tree_lookup(proposals) if parts.tree_budget else 0)
 
 
 def build_draft_head(parts: LoadedParts):

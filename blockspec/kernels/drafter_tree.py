@@ -154,3 +154,64 @@ def build_tree_reference(table: torch.Tensor, candidates: torch.Tensor, anchor: 
         below = flat_table.index_select(0, (row + 1).clamp(max=rows - 1) * k + j)[0]
         frontier[node] = torch.where((row + 1 < rows) & (value > float("-inf")), value + below, float("-inf"))
     return torch.stack([tokens, parents, depth, valid.long()])
+
+
+def graft_branch(nodes: torch.Tensor, branch: torch.Tensor) -> torch.Tensor:
+    """The tree's nodes [4, S] with a branch from the root grafted on, as nodes [4, S + W]: branch [W + 1] int64
+    holds W tokens, then how many of them are the branch (the rest padding). Each branch token is its path's child
+    holding it where the tree has one (the first such valid node), else a new node in the next of the W slots
+    appended; slots left over are invalid padding (the anchor's token, parent 0, depth 1). Where Triton runs, one
+    program (drafter_tree_triton.py); on the CPU a loop on the host (graft_branch_host); else graft_branch_reference,
+    whose ~10 ops a token record in a CUDA graph."""
+    if drafter_tree_triton.graft_available(nodes, branch):
+        return drafter_tree_triton.graft_branch(nodes, branch)
+    if nodes.device.type == "cpu":
+        return graft_branch_host(nodes, branch)
+    return graft_branch_reference(nodes, branch)
+
+
+def graft_branch_host(nodes: torch.Tensor, branch: torch.Tensor) -> torch.Tensor:
+    width = branch.shape[0] - 1
+    tokens, parents, depth, valid = nodes.tolist()
+    size = len(tokens)
+    *ids, count = branch.tolist()
+    children = {}  # (parent, token) -> the first valid node holding it
+    for node in range(size - 1, 0, -1):
+        if valid[node]:
+            children[parents[node], tokens[node]] = node
+    tokens += [tokens[0]] * width
+    parents += [0] * width
+    depth += [1] * width
+    valid += [0] * width
+    at = 0
+    for i, token in enumerate(ids[:count]):
+        child = children.get((at, token))
+        if child is None:
+            child = size + i
+            tokens[child], parents[child], depth[child], valid[child] = token, at, depth[at] + 1, 1
+        at = child
+    return torch.tensor([tokens, parents, depth, valid], dtype=torch.long)
+
+
+def graft_branch_reference(nodes: torch.Tensor, branch: torch.Tensor) -> torch.Tensor:
+    width = branch.shape[0] - 1
+    size = nodes.shape[1]
+    pad = torch.stack([nodes[0, :1].expand(width), *(torch.full_like(nodes[0, :width], v) for v in (0, 1, 0))])
+    out = torch.cat([nodes, pad], 1)
+    tokens, parents, depth, valid = out[0], out[1], out[2], out[3]
+    index = torch.arange(size + width, device=nodes.device)
+    at = torch.zeros(1, dtype=torch.long, device=nodes.device)
+    for i in range(width):  # 1-element tensors throughout: no host synchronisation
+        token = branch[i:i + 1]
+        live = branch[width:] > i
+        match = (parents == at) & (tokens == token) & (valid != 0) & (index > 0) & (index < size + i)
+        found = match.any().reshape(1)
+        first = match.to(torch.uint8).argmax().reshape(1)  # the first True
+        new = live & ~found
+        slot = size + i
+        tokens[slot:slot + 1] = torch.where(new, token, tokens[slot:slot + 1])
+        depth[slot:slot + 1] = torch.where(new, depth.index_select(0, at) + 1, depth[slot:slot + 1])
+        parents[slot:slot + 1] = torch.where(new, at, parents[slot:slot + 1])
+        valid[slot:slot + 1] = new.long()
+        at = torch.where(live, torch.where(found, first, torch.full_like(at, slot)), at)
+    return out

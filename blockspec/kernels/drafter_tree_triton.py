@@ -73,6 +73,22 @@ def build_tree(table, candidates, anchor, chain, budget: int):
     return nodes
 
 
+MAX_GRAFT_NODES = 1024  # a tree's nodes with its grafted branch, rounded up to a power of two
+
+
+def graft_available(nodes: torch.Tensor, branch: torch.Tensor) -> bool:
+    return triton_runs_on(nodes) and triton.next_power_of_2(nodes.shape[1] + branch.shape[0] - 1) <= MAX_GRAFT_NODES
+
+
+def graft_branch(nodes, branch):
+    """graft_branch_reference's nodes [4, S + W] (drafter_tree.py): nodes [4, S] int64, branch [W + 1] int64."""
+    size, width = nodes.shape[1], branch.shape[0] - 1
+    out = torch.empty(4, size + width, dtype=torch.long, device=nodes.device)
+    _graft_kernel[(1,)](nodes.contiguous(), branch.contiguous(), out, SIZE=size, WIDTH=width,
+                        NODES=triton.next_power_of_2(size + width), num_warps=1, **pdl.options(nodes))
+    return out
+
+
 if triton is not None:
     @triton.jit
     def _order(x):
@@ -176,3 +192,37 @@ if triton is not None:
             grow = found & (row + 1 < ROWS)
             frontier = tl.where(mine, tl.where(grow, value + below, float("-inf")), frontier)
             frontier = tl.where(lanes == best, float("-inf"), frontier)
+
+    @triton.jit
+    def _graft_kernel(nodes, branch, out, SIZE: tl.constexpr, WIDTH: tl.constexpr, NODES: tl.constexpr,
+                      PDL: tl.constexpr):
+        """The tree's rows in registers, one lane a node (the branch's slots past the tree's); each branch token
+        finds its path's first valid child holding it or takes its slot."""
+        pdl.begin(PDL)
+        nodes_at = tl.arange(0, NODES)
+        inside = nodes_at < SIZE
+        tokens = tl.load(nodes + nodes_at, mask=inside, other=0)
+        tokens = tl.where(inside, tokens, tl.load(nodes + nodes_at * 0))  # padding holds the anchor's token
+        parents = tl.load(nodes + SIZE + nodes_at, mask=inside, other=0)
+        depth = tl.load(nodes + 2 * SIZE + nodes_at, mask=inside, other=1)
+        valid = tl.load(nodes + 3 * SIZE + nodes_at, mask=inside, other=0)
+        count = tl.load(branch + WIDTH)
+        at = 0
+        for i in tl.static_range(WIDTH):
+            token = tl.load(branch + i)
+            match = (parents == at) & (tokens == token) & (valid != 0) & (nodes_at > 0) & (nodes_at < SIZE + i)
+            first = tl.min(tl.where(match, nodes_at, NODES), 0)
+            live = count > i
+            new = live & (first == NODES)
+            slot = nodes_at == SIZE + i
+            at_depth = tl.sum(tl.where(nodes_at == at, depth, 0), 0)
+            tokens = tl.where(slot & new, token, tokens)
+            parents = tl.where(slot & new, at, parents)
+            depth = tl.where(slot & new, at_depth + 1, depth)
+            valid = tl.where(slot, new.to(tl.int64), valid)
+            at = tl.where(live, tl.where(first == NODES, SIZE + i, first), at)
+        kept = nodes_at < SIZE + WIDTH
+        tl.store(out + nodes_at, tokens, mask=kept)
+        tl.store(out + (SIZE + WIDTH) + nodes_at, parents.to(tl.int64), mask=kept)
+        tl.store(out + 2 * (SIZE + WIDTH) + nodes_at, depth.to(tl.int64), mask=kept)
+        tl.store(out + 3 * (SIZE + WIDTH) + nodes_at, valid.to(tl.int64), mask=kept)

@@ -38,7 +38,8 @@ def one_cycle_acceptance(engine, sequences: list[list[int]], cuts: int, seed: in
     trained[c]), greedy or with `sampling` (Engine.generate's keywords): the mean number of tokens a cycle emits
     (accepted + 1), its histogram, the acceptance rate. With `tree_budgets` (an eager DFlash2 engine whose state
     records trees of the largest), each cut's cycle runs at every budget from one prefill (the later ones resume
-    from a snapshot before the last prompt token, engine/reuse.py): {budget: the measure}."""
+    from a snapshot before the last prompt token, engine/reuse.py; the engine's lookup branch cut to what each budget
+    leaves beyond the chain): {budget: the measure}."""
     rng = random.Random(seed)
     block = engine.proposer.max_proposals + 1
     longest = engine.config.context_length - 2 * max([block, *(b + 1 for b in tree_budgets or [])])
@@ -56,7 +57,8 @@ def one_cycle_acceptance(engine, sequences: list[list[int]], cuts: int, seed: in
                          or max(budgets) + 1 > engine.state.gdn[0].max_partial):
         raise ValueError("a sweep of tree budgets needs an eager engine with prefix reuse, built for the largest")
     lengths = {b: [] for b in budgets}
-    kept = engine.proposer.tree_budget
+    kept, lookup = engine.proposer.tree_budget, engine.proposer.tree_lookup
+    proposals = engine.proposer.max_proposals
     draws = []
     for _ in range(cuts):  # each cut point of every piece equally likely
         drawn = rng.randrange(counts[-1])
@@ -67,13 +69,14 @@ def one_cycle_acceptance(engine, sequences: list[list[int]], cuts: int, seed: in
         # the tokens between two cuts
         for index, cut in sorted(draws):
             sequence = candidates[index][0]
-            for budget in budgets:
+            for budget in budgets:  # the lookup branch (if any) cut to what the budget leaves beyond the chain
                 engine.proposer.tree_budget = budget
+                engine.proposer.tree_lookup = min(lookup, max(0, budget - proposals))
                 stats = engine.generate(sequence[:cut], block + 1, stop_at_eos=False, snapshot_at=cut - 1,
                                         **(sampling or {})).stats
                 lengths[budget].append(stats["accepted_per_cycle"][0] + 1)
     finally:
-        engine.proposer.tree_budget = kept
+        engine.proposer.tree_budget, engine.proposer.tree_lookup = kept, lookup
     measured = {b: {"cuts": len(n), "mean_accepted_length": round(sum(n) / len(n), 4),
                     "acceptance_rate": round((sum(n) - len(n)) / (len(n) * (block - 1)), 4),
                     "histogram": {k: n.count(k) for k in sorted(set(n))}} for b, n in lengths.items()}
