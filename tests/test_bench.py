@@ -394,6 +394,11 @@ def test_tree_acceptance_bench_runs_on_the_cpu(tiny_checkpoint, tiny_drafter, tm
     assert flat["score_temperature"] == 4.0 and summary["score_temperature"] == 1.0
     flat_lengths = [flat["budgets"][b]["mean_accepted_length"] for b in (0, 4, 12)]
     assert flat_lengths[0] == lengths[0] and min(flat_lengths) == lengths[0], flat_lengths
+    # each budget with and without a lookup branch of 4 (BUDGET+4), the chain once, on the same cuts
+    looked = script.main(["--model", str(target), "--drafter", str(drafter), "--budgets", "0,12", "--lookup", "0,4",
+                          "--cuts", "6", "--context-length", "256"])["budgets"]
+    assert list(looked) == [0, 12, "12+4"] and looked[0]["mean_accepted_length"] == lengths[0], looked
+    assert all(m["cuts"] == 6 for m in looked.values())
     from blockspec.kernels import drafter_tree  # the table the engine's tree build calls, tempered in the context
     g = torch.Generator().manual_seed(0)
     rows, k, rank, vocab = 3, 4, 5, 11

@@ -16,7 +16,8 @@ import sys
 
 import pytest
 import torch
-from helpers import interpreter_part, patch_triton_interpreter, report_parts, run_in_triton_interpreter, selected_parts
+from helpers import (interpreter_part, patch_triton_interpreter, report_parts, run_in_triton_interpreter,
+                     selected_parts, sm90_ptx)
 
 from blockspec.layers.tree import DraftTree, build_tree
 from blockspec.kernels import drafter_tree_triton
@@ -204,6 +205,17 @@ def test_graft_holds_the_branch_once_and_the_tree_as_it_was():
         assert len(pairs) - len(set(pairs)) == len([n for n in range(1, size) if valid[n]]) - len(
             {(parents[n], tokens[n]) for n in range(1, size) if valid[n]})  # the graft adds no twin
     assert joined and new
+
+
+def test_graft_compiles_for_hopper():
+    """The graft program compiles for sm_90 (the GPU path; the interpreter above checks its results): a tree of 31
+    with its branch of 7 (the GPU's default) under programmatic dependent launch, and a pass of 64 rows without."""
+    pytest.importorskip("triton")
+    for size, width, level in ((25, 7, 3), (49, 15, 0)):
+        ptx = sm90_ptx(drafter_tree_triton._graft_kernel, dict(SIZE=size, WIDTH=width,
+                       NODES=drafter_tree_triton.triton.next_power_of_2(size + width), PDL=level), 1, 1,
+                       {"nodes": "*i64", "branch": "*i64", "out": "*i64"})
+        assert ".entry _graft_kernel" in ptx and ("griddepcontrol.wait" in ptx) == (level > 0)
 
 
 def test_cpu_takes_the_reference():
