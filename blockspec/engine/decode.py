@@ -32,7 +32,7 @@ class Proposer:
     max_proposals = 0
     draft_width = 0                        # token ids each proposal's distribution spans (draft())
     tree_budget = 0                        # draft nodes of a tree (propose_tree); 0: chains
-    tree_lookup = 0                        # of them, a branch's copied from the context (layers/tree.py ContextLookup)
+    tree_lookup = 0                        # of its nodes, the lookup branch's (layers/tree.py ContextLookup)
 
     def reset(self):
         pass
