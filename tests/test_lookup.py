@@ -11,12 +11,13 @@ from blockspec.layers.tree import LONGEST, ContextLookup
 
 def brute_force(context: list[int], root: int, width: int) -> list[int]:
     """The tokens after the latest earlier occurrence of the longest suffix (up to LONGEST tokens) of context + [root]
-    that occurred before it ended."""
+    that occurred before it ended, repeating with the distance between the two past the root."""
     text = context + [root]
     for n in range(min(LONGEST, len(text) - 1), 0, -1):
         starts = [s for s in range(len(text) - n) if text[s:s + n] == text[len(text) - n:]]
         if starts:
-            return text[starts[-1] + n:starts[-1] + n + width]
+            after = starts[-1] + n
+            return [text[after + i % (len(text) - after)] for i in range(width)]
     return []
 
 
@@ -36,4 +37,6 @@ def test_lookup_is_the_latest_longest_match(vocab):
         lookup.extend(added)  # grows past its first buffer (1024 ids)
         longest = max(longest, len(context))
     assert found > 100 and longest > 1024
-    assert ContextLookup([]).branch(3, 4) == [] and ContextLookup([3]).branch(3, 4) == [3]
+    assert ContextLookup([]).branch(3, 4) == [] and ContextLookup([3]).branch(3, 4) == [3, 3, 3, 3]
+    assert ContextLookup([5, 1, 2, 5, 1, 2, 7, 1]).branch(2, 5) == [7, 1, 2, 7, 1]  # ...1 2 | 7 1 2 7 1: a loop
+    assert ContextLookup([1, 2, 3, 1, 2]).branch(3, 7) == [1, 2, 3, 1, 2, 3, 1]

@@ -13,7 +13,8 @@ enters.
 
 The lookup branch (prompt lookup). With `dflash2_tree_lookup: W` the last W of the budget's nodes hold the tokens
 that followed the latest earlier occurrence of the context's last tokens (ContextLookup: its longest suffix of up to
-LONGEST tokens, ending at the anchor, that occurred before), from the root (`graft`): each of its tokens joins the
+LONGEST tokens, ending at the anchor, that occurred before; where that continuation reaches the anchor, it goes on
+repeating with the period between the two), from the root (`graft`): each of its tokens joins the
 path's node holding it where the tree has one, else takes one of the W slots; slots left over are invalid. Why:
 generations repeat what they have read or written (code quotes names, signatures and whole lines), and the drafter,
 which sees the context only through its features, misses many of those repeats. The branch is verified as exactly as
@@ -148,9 +149,9 @@ class ContextLookup:
         self.length = end
 
     def branch(self, root: int, width: int) -> list[int]:
-        """Up to `width` tokens predicted to follow context + [root]: those after the latest earlier occurrence of
-        its longest suffix (up to LONGEST tokens, at least the root) that occurred before; [] where the root never
-        did."""
+        """`width` tokens predicted to follow context + [root]: those after the latest earlier occurrence of its
+        longest suffix (up to LONGEST tokens, at least the root) that occurred before, past the root repeating with
+        the distance between the two (a loop goes on looping); [] where the root never occurred."""
         text = self.ids[:self.length + 1]
         text[-1] = root
         last = self.length  # the root's position
@@ -164,4 +165,5 @@ class ContextLookup:
             if not ends.size:
                 break
             best = ends[-1]
-        return text[best + 1:best + 1 + width].tolist()
+        # past the root the match's continuation repeats with the distance between them (a loop goes on looping)
+        return text[best + 1 + numpy.arange(width) % (last - best)].tolist()
