@@ -29,7 +29,7 @@ MAX_VERIFY_TOKENS = 16  # the longest chain pass (anchor + proposals), whose par
 # 8 do there, where each row past them costs ~0.4 ms.
 DEFAULT_TREE_BUDGETS = {"cuda": 31, "cpu": 15}
 # A tree's lookup branch (`tree_lookup`): 7 of its nodes where the budget leaves the drafter its chain. On the demo
-# pair it adds 14-17 % to the tokens per cycle of one cycle from standard-library code at budgets 15 and 31
+# pair it adds 15-18 % to the tokens per cycle of one cycle from standard-library code at budgets 15 and 31
 # (docs/benchmarks.md, "Draft trees").
 DEFAULT_TREE_LOOKUP = 7
 SUPPORTED_ARCHITECTURES = {"Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration"}
