@@ -274,6 +274,8 @@ def unused_settings(config: PredictConfig) -> list[str]:
         "draft_vocabulary": mode == "none" and "mode is 'none'",
         "dflash2_tree_budget": not_dflash2,
         "dflash2_tree_scores": not_dflash2 or (config.tree_budget == 0 and "dflash2_tree_budget is 0 (no tree)"),
+        # 0 does nothing there; any other value is refused at load
+        "dflash2_tree_lookup": not_dflash2 or (config.tree_budget == 0 and "dflash2_tree_budget is 0 (no tree)"),
         "dflash2_block_size": not_dflash2,
         "dflash2_quantization": not_dflash2,
         "prefix_snapshots": not config.prefix_reuse and "prefix_reuse is false",

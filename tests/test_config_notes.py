@@ -14,6 +14,9 @@ DRAFTER = {"dflash2_model": "drafter"}  # mode None reads as dflash2 with a draf
     ({**DRAFTER, "dflash2_tree_budget": 0, "dflash2_tree_scores": "marginal"}, "dflash2_tree_scores",
      "dflash2_tree_budget is 0"),
     ({"mode": "none", "dflash2_tree_budget": 0}, "dflash2_tree_budget", "mode is 'none'"),
+    ({"mode": "mtp", "dflash2_tree_lookup": 0}, "dflash2_tree_lookup", "mode is 'mtp'"),
+    ({**DRAFTER, "dflash2_tree_budget": 0, "dflash2_tree_lookup": 0}, "dflash2_tree_lookup",
+     "dflash2_tree_budget is 0"),
     ({"draft_vocabulary": 100}, "draft_vocabulary", "mode is 'none'"),
     ({"prefix_reuse": False, "prefix_snapshots": 8}, "prefix_snapshots", "prefix_reuse is false"),
     ({"self_speculative_num_tokens": 5}, "self_speculative_num_tokens", "mode is 'none'"),
@@ -35,6 +38,7 @@ def test_a_given_setting_that_does_nothing_is_named(given, key, why):
     {"prefix_reuse": False},                                # prefix_snapshots left at its default
     {"mode": "none"},
     {**DRAFTER, "dflash2_tree_scores": "marginal", "dflash2_block_size": 4, "dflash2_quantization": "int8"},
+    {**DRAFTER, "dflash2_tree_lookup": 0},                 # a tree without its branch: read
     {"mode": "mtp", "self_speculative_num_tokens": 5, "draft_vocabulary": 100},
     {"prefix_reuse": True, "prefix_snapshots": 8},
     {"pdl_level": 3, "pdl_prefetch_mb": 2.0, "gpu_ranks": [0]},  # device auto may be a GPU
