@@ -37,7 +37,7 @@
 #   variants   the graphed step under variants of the kernels' constants, alternated with the default
 #              (bench/step_variants.py; VARIANTS_ARGS, default --quant fp8)
 #   timeline   per-program time stamps of every projection launch of the graphed step (bench/launch_timeline.py;
-#              TIMELINE_ARGS, default --quant fp8 --pdl-levels 0)
+#              TIMELINE_ARGS, default --quant fp8 --pdl-levels 3: the engine's level for FP8)
 #   sweep      the W4A16 config sweep (bench/quant_kernels.py --sweep; SWEEP_S seconds at most)
 #   attention  split-KV attention against SDPA (bench/attention_kernels.py)
 #   gdn        the DeltaNet kernels' configs (bench/gdn_kernel.py)
@@ -147,7 +147,7 @@ for part in ${PARTS:-bf16 warm int4 vocab}; do
     tma_stream) kernel_bench tma_stream ${TMA_S:-200} tma_stream ;;
     warp_specialized) kernel_bench warp_specialized ${WS_S:-240} warp_specialized ${WS_ARGS:-} ;;
     variants) kernel_bench step_variants ${VARIANTS_S:-540} step_variants ${VARIANTS_ARGS:---quant fp8} ;;
-    timeline) kernel_bench launch_timeline 240 launch_timeline ${TIMELINE_ARGS:---quant fp8 --pdl-levels 0} ;;
+    timeline) kernel_bench launch_timeline 240 launch_timeline ${TIMELINE_ARGS:---quant fp8 --pdl-levels 3} ;;
     sweep) kernel_bench quant_sweep ${SWEEP_S:-300} quant_kernels --sweep ;;
     attention) kernel_bench attention_kernels 60 attention_kernels ;;
     gdn) kernel_bench gdn_kernel 60 gdn_kernel ;;

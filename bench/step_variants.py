@@ -139,13 +139,11 @@ VARIANTS = {
     "gate_up 3 consumers": lambda s: configs({"warp_specialized": 3}, int4_gate_up),
     "projections warp-specialized whole SM": lambda s: together(configs({"warp_specialized": 2}, int4_layers),
                                                                 footprint({8: WHOLE_SM})),
-    # FP8 targets (--quant fp8): the same kernel in its lean footprint on every layer projection of 1..8 rows, at
-    # FP8's PDL level (0) or under PDL 3, where the small kernels around a launch start beside its programs
-    "FP8 projections warp-specialized": lambda s: configs({"warp_specialized": 2}, fp8_layers),
-    "FP8 projections warp-specialized PDL 3": lambda s: together(configs({"warp_specialized": 2}, fp8_layers),
-                                                                 use(replace(s, pdl_level=3))),
-    "FP8 projections warp-specialized PDL 3 overlapped dots": lambda s: together(
-        configs({"warp_specialized": 2, "overlap_dots": True}, fp8_layers), use(replace(s, pdl_level=3))),
+    # FP8 targets (--quant fp8), whose layer projections of 1..8 rows take the same kernel's lean program under PDL
+    # 3 by default: the Triton kernel there instead, under PDL 3 or without PDL
+    "FP8 projections Triton kernel": lambda s: configs({"warp_specialized": 0}, fp8_layers),
+    "FP8 projections Triton kernel PDL 0": lambda s: together(configs({"warp_specialized": 0}, fp8_layers),
+                                                              use(replace(s, pdl_level=0))),
     # at 9..16 rows (--rows 16: a tree of 15's pass), the same kernel with x blocks of 16 rows on every INT4 layer
     # projection, in a whole SM a program or in warp_specialized.py's candidate lean footprint (LEAN_16)
     "warp-specialized at 9..16 rows": lambda s: configs({"warp_specialized": 2, "block_m": 16}, int4_layers_16),

@@ -3,13 +3,12 @@
 read bandwidth measured in the same run, error against the engine and the fraction of outputs equal to its bits.
 Variants: 2 or 3 consumer warpgroups, x blocks of 8 rows (1 and 8 rows: with 2 consumers the kernel's lean footprint,
 `quant_matmul_gluon.LEAN`), 16 or 32; at 1 and 8 rows also 2 consumers in the footprint of 17..32 rows, a whole SM a
-program ("whole SM"); at 16 rows also 2 consumers in a lean footprint (LEAN_16). The engine takes the kernel at
-1..8 and 17..32 rows.
+program ("whole SM"); at 16 rows also 2 consumers in a lean footprint (LEAN_16). The engine takes the kernel for
+INT4 at 1..8 and 17..32 rows, FP8 at 1..8, int8 group 32 where quant_matmul_triton's config table says.
 GPU (Hopper): python warp_specialized.py [--shapes gate_up,down,...] [--pdl-level N] [--fp8 | --int8-g32] (both
-kernels launched under programmatic dependent launch at that level, kernels/pdl.py; default 0, none; the INT4 engine's
-is 3; --fp8: the projections as FP8 e4m3 codes with 128 x 128 block scales; --int8-g32: the DFlash2 drafter's
-projections (DRAFTER_SHAPES) as int8 codes of group 32, `--dflash2-quantization int8`; the engine runs both on the
-Triton kernel)
+kernels launched under programmatic dependent launch at that level, kernels/pdl.py; default 0, none; the INT4 and
+FP8 engines' is 3; --fp8: the projections as FP8 e4m3 codes with 128 x 128 block scales; --int8-g32: the DFlash2 drafter's
+projections (DRAFTER_SHAPES) as int8 codes of group 32, `--dflash2-quantization int8`)
 With --mlp instead (PDL level 3 unless --pdl-level): the 27B's INT4 MLP with the next norm begun (gate_up with
 SwiGLU, then down with the residual add) at 1 and 8 rows, the engine's two launches against one launch of both
 (`quant_matmul_gluon.launch_mlp`, the `persistent_mlp` setting), us per MLP over > 300 MB of weight copies in one

@@ -149,7 +149,7 @@ class PredictConfig(CheckedSettings):
     compile_mode: Literal[-1, 0] = 0
     fold_norms: bool = True  # INT4 / FP8 target on CUDA: norms and SwiGLU in the W4A16 launches (layers/folded_norm.py)
     # programmatic dependent launch (kernels/pdl.py), 0 (off) to 3; None: what the target's weights measured best
-    # with on the H200 (3 for an INT4 target, 0 for bf16 and FP8: docs/benchmarks.md)
+    # with (3 for an INT4 or FP8 target, 0 for bf16: docs/benchmarks.md)
     pdl_level: int | None = Field(None, ge=0, le=3)
     pdl_prefetch_mb: float = Field(4.0, ge=0)  # weight bytes each projection prefetches into L2 while it waits
     # an INT4 target's folded MLP (gate_up, SwiGLU, down, the next norm begun) as one warp-specialized launch at

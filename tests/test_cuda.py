@@ -683,7 +683,7 @@ def test_warp_specialized_kernel_against_triton_kernel():
         h = torch.randn(rows, 17408, device="cuda", dtype=torch.bfloat16)
         for ws, tri in zip(*both(wq_matmul_add_norm, "down", rows, h, packed["down"], residual[:rows], norm_w)):
             close(ws, tri, 1e-2)
-    # FP8 (e4m3) codes at 1, 8 and 24 rows, which the config table does not send there yet: 2 groups a K block
+    # FP8 (e4m3) codes at 1, 8 (the config table's lean program) and 24 rows: 2 groups a K block
     fp8 = {name: Fp8Linear.from_blocks(*quantize(torch.randn(n, k, generator=g) * 0.01)).cuda().packed()
            for name, (n, k) in {"gate_up": (34816, 5120), "down": (5120, 17408)}.items()}
     for rows in (1, 8, 24):
@@ -694,9 +694,20 @@ def test_warp_specialized_kernel_against_triton_kernel():
             ws_cfg = replace(cfg, block_n=64, block_m=max(8, 1 << (rows - 1).bit_length()), warp_specialized=2)
             assert quant_matmul_gluon.usable(inputs, fp8[name], ws_cfg.block_m)
             got = wq_matmul(inputs, fp8[name], config=ws_cfg, out_dtype=torch.float32)
-            close(got, wq_matmul(inputs, fp8[name], config=cfg, out_dtype=torch.float32), 1e-5)
+            triton = replace(cfg, warp_specialized=0)
+            close(got, wq_matmul(inputs, fp8[name], config=triton, out_dtype=torch.float32), 1e-5)
+            assert (ws_cfg == cfg) == (rows <= 8)  # the table's config at 1..8 rows: this lean program
             assert torch.equal(wq_matmul(inputs, fp8[name], config=replace(ws_cfg, overlap_dots=True),
                                          out_dtype=torch.float32), got)  # the dots in asynchronous pieces
+        if rows <= 8:  # the FP8 engine's epilogues there: down's residual add with the next norm begun, SwiGLU
+            def fp8_both(fn, name, *args, **kw):
+                cfg = default_config(rows, fp8[name].n, fp8[name].k, 8, 128)
+                return fn(*args, config=cfg, **kw), fn(*args, config=replace(cfg, warp_specialized=0), **kw)
+
+            for ws, tri in zip(*fp8_both(wq_matmul_add_norm, "down", h, fp8["down"], residual[:rows], norm_w)):
+                close(ws, tri, 1e-2)
+            rms = (parts_t[:, :1].expand(-1, rows).contiguous(), 1e-6)
+            close(*fp8_both(wq_matmul_swiglu, "gate_up", x, fp8["gate_up"], rms=rms), 1e-2)
     # int8 group-32 codes (the drafter's, 4 blocks a unit) at 1, 8, 16 and 24 rows, every projection (the config
     # table sends gate_up at 1..8 rows and all at 9..32 there): each epilogue, the lean program at 1..8 rows
     int8 = {name: Int8Linear.from_float(torch.randn(n, k, generator=g) * 0.01, 32).cuda().packed()

@@ -29,9 +29,10 @@ class Refusing:
         return compile_and_launch
 
 
-def test_config_table_sends_tree_rows_and_few_rows_of_int4_to_it():
+def test_config_table_sends_tree_rows_and_few_rows_of_int4_and_fp8_to_it():
     """17..32 rows of every INT4 layer projection, and 1..8 rows, whose x blocks of 8 rows take the lean footprint;
-    not 9..16 or 33.. rows, 8-bit codes of group 128 or the vocabulary head. The drafter's int8 group 32: its
+    not 9..16 or 33.. rows or the vocabulary head. 8-bit codes of group 128 (FP8): 1..8 rows of the layer
+    projections, lean; not 9.. rows. The drafter's int8 group 32: its
     wide outputs (gate_up) and long rows (down) at 1..8 rows, lean, and every projection at 9..32 rows; down keeps
     the Triton kernel's 128-row tiles for where the program does not serve."""
     for n, k in SHAPES.values():
@@ -42,10 +43,14 @@ def test_config_table_sends_tree_rows_and_few_rows_of_int4_to_it():
             assert cfg.warp_specialized == 2 and cfg.block_m == 8 and gk.footprint(2, 8) == gk.LEAN, (n, k, m)
         for m in (16, 33, 64):
             assert not wq.default_config(m, n, k).warp_specialized, (n, k, m)
-        assert not wq.default_config(32, n, k, 8, 128).warp_specialized  # 8-bit codes: the Triton kernel
-        assert not wq.default_config(8, n, k, 8, 128).warp_specialized
+        for m in (16, 32):  # 8-bit codes at 9.. rows: the Triton kernel
+            assert not wq.default_config(m, n, k, 8, 128).warp_specialized, (n, k, m)
+        for m in (1, 8):
+            cfg = wq.default_config(m, n, k, 8, 128)
+            assert cfg.warp_specialized == 2 and cfg.block_m == 8 and cfg.block_n == gk.BN, (n, k, m)
     for m in (1, 8, 32):  # the vocabulary head: not measured there
         assert not wq.default_config(m, 248320, 5120).warp_specialized
+        assert not wq.default_config(m, 248320, 5120, 8, 128).warp_specialized
     for n, k in ((6144, 5120), (5120, 4096), (34816, 5120), (5120, 17408)):  # the drafter's
         for m in (1, 8, 9, 16, 17, 32):
             cfg = wq.default_config(m, n, k, 8, 32)

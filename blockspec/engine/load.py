@@ -298,9 +298,9 @@ def prepare_target(parts: LoadedParts):
         raise BlockspecError(f"target_quantization: {c.target_quantization!r}, but {c.model} is a checkpoint "
                              f"quantized to {stored}: leave target_quantization unset or set it to {stored!r}")
     parts.target_quantization = stored or c.target_quantization
-    # PDL where it measured a gain: an INT4 target's steps (kernels/pdl.py; FP8's and bf16's measured faster
-    # without); fusion is what graphs record
-    pdl_level = c.pdl_level if c.pdl_level is not None else (3 if parts.target_quantization == "int4" else 0)
+    # PDL where it measured a gain: an INT4 or FP8 target's steps (kernels/pdl.py; bf16's measured faster without);
+    # fusion is what graphs record
+    pdl_level = c.pdl_level if c.pdl_level is not None else (0 if parts.target_quantization == "none" else 3)
     parts.kernels = KernelSettings(fusion=parts.execution == "cuda-graphs", pdl_level=pdl_level,
                                    pdl_prefetch_mb=c.pdl_prefetch_mb, persistent_mlp=c.persistent_mlp)
     # a quantized checkpoint is used as stored: what it keeps unquantized stays dense

@@ -1,7 +1,7 @@
 """The weight-only quantized projection (int4 group 128, symmetric; also 8-bit codes: e4m3, int8 of group 128 or 32)
 of bf16 rows on Hopper, warp-specialized in Gluon: the same y = x @ dequant(W)^T and epilogues as
 `quant_matmul_triton._wq_kernel`, whose plain PyTorch reference is quant_matmul.py. The config table takes it for
-INT4 projections of 1..8 and 17..32 rows.
+INT4 projections of 1..8 and 17..32 rows and FP8 ones of 1..8 rows.
 
 Kernel
 ------
@@ -88,7 +88,7 @@ def usable(x2: torch.Tensor, pw: PackedWeight, block_m: int = BM, consumers: int
     activations of at most block_m rows (8, 16 or 32) at a 16-byte aligned address (TMA), 4- or 8-bit group 128
     codes (int4, int8, e4m3) or 8-bit group 32 codes (int8) without zero points, K in whole units (512 or 256
     columns), and the kernel builds with this Triton. (The config table takes it for int4 at 1..8 and 17..32
-    rows.)"""
+    rows, e4m3 at 1..8.)"""
     return (gluon is not None and not _BROKEN and x2.is_cuda and consumers in (2, 3) and block_m in (8, 16, 32)
             and x2.shape[0] <= block_m and x2.dtype == torch.bfloat16 and x2.data_ptr() % 16 == 0
             and pw.bits in (4, 8) and (pw.group_size == G or (pw.bits, pw.group_size, pw.codes) == (8, 32, "uint"))

@@ -50,7 +50,8 @@ the 9..16-row gate_up and down entries: H100 winners, with the whole tree pass t
            on Hopper the warp-specialized kernel for N >= 16384 or K > 8192 at 1..8 rows (gate_up, down; lean) and
            every projection at 9..32 rows (docs/benchmarks.md, "int8 group 32 in the warp-specialized program")
   8-bit group 128 (e4m3, the int8 head): M <= 8 n64 s3, ~4 waves when N < 64 * 132 (down, o), else unsplit, a short
-           last round balanced
+           last round balanced; layer projections on Hopper with bf16 activations: the warp-specialized kernel's
+           lean program, as int4's (docs/benchmarks.md, "8-bit codes in the warp-specialized program")
 Every program reads its x rows over its K range: at 17-64 rows that traffic grows with the rows.
 M > MAX_PASS_TOKENS (prefill): each slice of <= 16M weights is dequantized to x's dtype and multiplied with F.linear
 (the kernel's numerics are not kept there).
@@ -421,8 +422,10 @@ def default_config(m: int, n: int, k: int, bits: int = 4, group_size: int = 128)
             return KernelConfig(64 if wide else 128, 8, 4, 3, 2, asm,
                                 warp_specialized=quant_matmul_gluon.CONSUMERS if wide or k > 8192 else 0)
         return KernelConfig(64, 16, 4, 6, 4, asm, warp_specialized=quant_matmul_gluon.CONSUMERS)
-    if m <= 8 and bits == 8:  # e4m3 / int8 g128 (2x int4's bytes per tile): 3 stages; narrow outputs split to ~4 waves
-        return KernelConfig(64, 8, 4, 3, 4 if n < 64 * 132 else 1, asm, True)
+    if m <= 8 and bits == 8:  # e4m3 / int8 g128 (2x int4's bytes per tile): 3 stages; narrow outputs split to ~4 waves;
+        # the layers' projections on the warp-specialized kernel's lean program, as int4's
+        ws = quant_matmul_gluon.CONSUMERS if n < VOCABULARY_OUTPUTS else 0
+        return KernelConfig(64, 8, 4, 3, 4 if n < 64 * 132 else 1, asm, True, warp_specialized=ws)
     if m <= 8:  # 64-row tiles, shallow pipelines: more programs resident per SM hide more latency than deeper ones;
         # on Hopper the layers' projections (not the vocabulary's) take the warp-specialized kernel's lean program
         ws = quant_matmul_gluon.CONSUMERS if n < VOCABULARY_OUTPUTS else 0
