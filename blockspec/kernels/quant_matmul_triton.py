@@ -422,13 +422,11 @@ def default_config(m: int, n: int, k: int, bits: int = 4, group_size: int = 128)
             return KernelConfig(64 if wide else 128, 8, 4, 3, 2, asm,
                                 warp_specialized=quant_matmul_gluon.CONSUMERS if wide or k > 8192 else 0)
         return KernelConfig(64, 16, 4, 6, 4, asm, warp_specialized=quant_matmul_gluon.CONSUMERS)
-    if m <= 8 and bits == 8:  # e4m3 / int8 g128 (2x int4's bytes per tile): 3 stages; narrow outputs split to ~4 waves;
-        # the layers' projections on the warp-specialized kernel's lean program, as int4's
-        ws = quant_matmul_gluon.CONSUMERS if n < VOCABULARY_OUTPUTS else 0
-        return KernelConfig(64, 8, 4, 3, 4 if n < 64 * 132 else 1, asm, True, warp_specialized=ws)
     if m <= 8:  # 64-row tiles, shallow pipelines: more programs resident per SM hide more latency than deeper ones;
         # on Hopper the layers' projections (not the vocabulary's) take the warp-specialized kernel's lean program
         ws = quant_matmul_gluon.CONSUMERS if n < VOCABULARY_OUTPUTS else 0
+        if bits == 8:  # e4m3 / int8 g128 (2x int4's bytes per tile): 3 stages; narrow outputs split to ~4 waves
+            return KernelConfig(64, 8, 4, 3, 4 if n < 64 * 132 else 1, asm, True, warp_specialized=ws)
         return KernelConfig(64, 8, 4, 3 if n * k > 80_000_000 else 2, 2, asm, True, warp_specialized=ws)
     if n >= VOCABULARY_OUTPUTS:
         return KernelConfig(128, 16, 4, 3, 4, asm)
